@@ -1,0 +1,232 @@
+"""The data plan: which sample ids every step, rank and micro-batch gets.
+
+Role: pure index math from (number of samples, seed, global batch schedule) to
+the ordered sample ids of each global step, and from there to DP-rank slices
+and gradient-accumulation micro-batches.
+
+Invariants:
+- The global stream is positions p = 0, 1, 2, ...; position p is sample
+  ``sample_offset + Permutation(num_samples, seed, p // num_samples)[p % num_samples]``,
+  so every sample appears exactly once per epoch and epochs are reshuffled.
+- Step s (1-based) covers positions [first_position(s), first_position(s) + gbs(s)):
+  schedule changes never skip or repeat a position.
+- For any DP degree D dividing gbs(s), the concatenation of the D rank slices in
+  rank order is the step's global batch, and the concatenation of a rank's
+  micro-batches is its slice. Nothing here depends on D, the rank or the
+  micro-batch size except the cut points.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from torchtitan_zephon.data.permutation import Permutation
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def check_batch_layout(global_batch_size: int, dp_degree: int, local_batch_size: int) -> int:
+    """Return the gradient-accumulation steps for this layout, or raise ValueError.
+
+    The layout is valid when ``global_batch_size`` is a multiple of
+    ``dp_degree * local_batch_size``.
+    """
+    g, d, b = int(global_batch_size), int(dp_degree), int(local_batch_size)
+    if g < 1 or d < 1 or b < 1:
+        raise ValueError(
+            "global batch size, DP degree and local batch size must all be >= 1, "
+            f"got global_batch_size={g}, dp_degree={d}, local_batch_size={b}."
+        )
+    if g % (d * b) == 0:
+        return g // (d * b)
+    good_d = [x for x in _divisors(g) if (g // x) % b == 0]
+    msg = (
+        f"global batch size {g} is not divisible by DP degree {d} x local batch size {b} "
+        f"(= {d * b}). "
+    )
+    if good_d:
+        msg += f"DP degrees that work with local batch size {b}: {good_d}. "
+    else:
+        msg += f"No DP degree works with local batch size {b} (it does not divide {g}). "
+    if g % d == 0:
+        msg += f"Local batch sizes that work with DP degree {d}: {_divisors(g // d)}."
+    else:
+        msg += f"DP degree {d} does not divide {g}; DP degrees dividing it: {_divisors(g)}."
+    raise ValueError(msg)
+
+
+class BatchSchedule:
+    """Global batch size per step: piecewise constant, starting at step 1."""
+
+    def __init__(self, entries: list[tuple[int, int]]) -> None:
+        entries = [(int(s), int(g)) for s, g in entries]
+        if not entries:
+            raise ValueError("a batch schedule needs at least one (start_step, gbs) entry.")
+        if entries[0][0] != 1:
+            raise ValueError(
+                f"a batch schedule must start at step 1 (steps are 1-based), "
+                f"found first entry {entries[0][0]}:{entries[0][1]}."
+            )
+        for (s0, _), (s1, _) in zip(entries, entries[1:], strict=False):
+            if s1 <= s0:
+                raise ValueError(
+                    f"batch schedule steps must be strictly increasing, found {s0} then {s1}."
+                )
+        for s, g in entries:
+            if g < 1:
+                raise ValueError(f"global batch size must be >= 1, found {g} at step {s}.")
+        self.entries: list[tuple[int, int]] = entries
+
+    @classmethod
+    def parse(cls, text: str | int) -> BatchSchedule:
+        """Parse ``"64"`` (constant) or ``"1:64,1000:128"`` (from step 1, then from 1000)."""
+        text = str(text).strip()
+        try:
+            if ":" not in text:
+                return cls([(1, int(text))])
+            entries = []
+            for part in text.split(","):
+                step, gbs = part.split(":")
+                entries.append((int(step), int(gbs)))
+        except ValueError as e:
+            raise ValueError(
+                f"cannot parse global batch schedule {text!r}: expected an integer like '64' "
+                f"or 'STEP:GBS,...' starting at step 1 like '1:64,1000:128' ({e})."
+            ) from None
+        return cls(entries)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BatchSchedule) and self.entries == other.entries
+
+    def __repr__(self) -> str:
+        return f"BatchSchedule({self.entries})"
+
+    def __str__(self) -> str:
+        return ",".join(f"{s}:{g}" for s, g in self.entries)
+
+    def to_list(self) -> list[list[int]]:
+        return [[s, g] for s, g in self.entries]
+
+    def gbs(self, step: int) -> int:
+        """Global batch size of ``step`` (>= 1)."""
+        if step < 1:
+            raise ValueError(f"steps are 1-based, got step {step}.")
+        size = self.entries[0][1]
+        for s, g in self.entries:
+            if s > step:
+                break
+            size = g
+        return size
+
+    def first_position(self, step: int) -> int:
+        """Number of positions consumed by steps 1 .. step-1."""
+        if step < 1:
+            raise ValueError(f"steps are 1-based, got step {step}.")
+        total = 0
+        for k, (s, g) in enumerate(self.entries):
+            end = self.entries[k + 1][0] if k + 1 < len(self.entries) else None
+            if s >= step:
+                break
+            last = step if end is None else min(end, step)
+            total += (last - s) * g
+        return total
+
+
+class DataPlan:
+    """Sample ids of every global step, rank slice and micro-batch.
+
+    ``anchor_step`` / ``anchor_position`` pin step ``anchor_step`` to start at
+    ``anchor_position``; the default (1, 0) is the plain schedule. A resume that
+    explicitly accepts a schedule change uses the anchor to continue from the
+    recorded consumed position exactly.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        seed: int,
+        schedule: BatchSchedule,
+        sample_offset: int = 0,
+        *,
+        anchor_step: int = 1,
+        anchor_position: int = 0,
+    ) -> None:
+        if num_samples < 1:
+            raise ValueError(
+                f"a data plan needs at least 1 sample, got num_samples={num_samples}; "
+                "use a larger store or a shorter seq_len."
+            )
+        if sample_offset < 0:
+            raise ValueError(f"sample_offset must be >= 0, got {sample_offset}.")
+        self.num_samples = int(num_samples)
+        self.seed = int(seed)
+        self.schedule = schedule
+        self.sample_offset = int(sample_offset)
+        self.anchor_step = int(anchor_step)
+        self.anchor_position = int(anchor_position)
+
+    def permutation(self, epoch: int) -> Permutation:
+        return Permutation(self.num_samples, self.seed, epoch)
+
+    def ids_for_positions(self, first: int, count: int) -> np.ndarray:
+        """Sample ids (int64) of positions [first, first + count); may span epochs."""
+        if first < 0 or count < 0:
+            raise ValueError(f"positions must be >= 0, got first={first}, count={count}.")
+        out = np.empty(count, dtype=np.int64)
+        n = self.num_samples
+        p, done = first, 0
+        while done < count:
+            epoch, offset = divmod(p, n)
+            take = min(n - offset, count - done)
+            within = np.arange(offset, offset + take, dtype=np.uint64)
+            out[done : done + take] = self.permutation(epoch).map(within)
+            p += take
+            done += take
+        return out + self.sample_offset
+
+    def step_positions(self, step: int) -> tuple[int, int]:
+        """(first position, count) of global step ``step``."""
+        sched = self.schedule
+        first = (
+            self.anchor_position
+            + sched.first_position(step)
+            - sched.first_position(self.anchor_step)
+        )
+        if first < 0:
+            raise ValueError(
+                f"step {step} lies before the resume anchor (step {self.anchor_step} "
+                f"at position {self.anchor_position}); its positions are not defined."
+            )
+        return first, sched.gbs(step)
+
+    def global_ids(self, step: int) -> np.ndarray:
+        """Ordered sample ids of the whole global batch of ``step``."""
+        return self.ids_for_positions(*self.step_positions(step))
+
+    def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+        """(first position, count) of DP rank ``dp_rank``'s contiguous slice of ``step``."""
+        first, gbs = self.step_positions(step)
+        if dp_degree < 1 or gbs % dp_degree != 0:
+            raise ValueError(
+                f"DP degree {dp_degree} does not divide the global batch size {gbs} of step "
+                f"{step}; DP degrees that divide it: {_divisors(gbs)}."
+            )
+        if not 0 <= dp_rank < dp_degree:
+            raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
+        per_rank = gbs // dp_degree
+        return first + dp_rank * per_rank, per_rank
+
+    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray:
+        """Slice [r*G/D, (r+1)*G/D) of the step's global batch."""
+        return self.ids_for_positions(*self.rank_positions(step, dp_rank, dp_degree))
+
+    def microbatch_ids(
+        self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
+    ) -> list[np.ndarray]:
+        """The rank slice cut, in order, into micro-batches of ``local_batch_size``."""
+        check_batch_layout(self.schedule.gbs(step), dp_degree, local_batch_size)
+        ids = self.rank_ids(step, dp_rank, dp_degree)
+        return [ids[k : k + local_batch_size] for k in range(0, len(ids), local_batch_size)]
