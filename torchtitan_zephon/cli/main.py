@@ -1,0 +1,56 @@
+"""The ``zephon`` command: dispatches to one module per subcommand.
+
+Role: parse the command line and run a subcommand. Each subcommand lives in
+``torchtitan_zephon/cli/<name>.py`` and exposes ``add_parser(subparsers)`` and
+``run(args) -> int``; register a new one by adding its module name to
+``COMMANDS``.
+
+Invariant: bad input never produces a traceback: it prints
+``zephon <cmd>: error: <message>`` on stderr and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from torchtitan_zephon import __version__
+
+# Subcommand modules under torchtitan_zephon.cli, in help order.
+COMMANDS = ["prepare", "inspect", "plan"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="zephon",
+        description="Zephon: elastically deterministic data for TorchTitan.",
+    )
+    parser.add_argument("--version", action="version", version=f"zephon {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        module = importlib.import_module(f"torchtitan_zephon.cli.{name}")
+        sub_parser = module.add_parser(sub)
+        sub_parser.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run ``zephon`` with ``argv`` (default: sys.argv[1:]); return the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args._run(args) or 0)
+    except BrokenPipeError:  # output piped into e.g. `head`
+        sys.stderr.close()
+        return 0
+    except (ValueError, OSError) as e:  # StoreError and DataStateMismatch are ValueErrors
+        print(f"zephon {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"zephon {args.command}: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
