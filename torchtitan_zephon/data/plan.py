@@ -189,17 +189,18 @@ class DataPlan:
 
     def step_positions(self, step: int) -> tuple[int, int]:
         """(first position, count) of global step ``step``."""
+        if step < self.anchor_step:
+            raise ValueError(
+                f"step {step} lies before the resume anchor (step {self.anchor_step} at "
+                f"position {self.anchor_position}); its positions are not defined under the "
+                "current schedule."
+            )
         sched = self.schedule
         first = (
             self.anchor_position
             + sched.first_position(step)
             - sched.first_position(self.anchor_step)
         )
-        if first < 0:
-            raise ValueError(
-                f"step {step} lies before the resume anchor (step {self.anchor_step} "
-                f"at position {self.anchor_position}); its positions are not defined."
-            )
         return first, sched.gbs(step)
 
     def global_ids(self, step: int) -> np.ndarray:

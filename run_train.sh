@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Launch TorchTitan training with Zephon data, in TorchTitan's style.
+#   NGPU=4 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh --training.steps 100
+# Environment: NGPU (processes per node; default: the GPU count, or 2 CPU processes
+# without GPUs), CONFIG_FILE, LOG_RANK (ranks whose output is shown), NNODES,
+# NODE_RANK, RDZV_ENDPOINT, TRAIN_FILE. Extra arguments are config overrides.
+# On first use it creates .venv and installs the project (a few minutes).
+set -euo pipefail
+cd "$(dirname "$0")"
+
+if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${ZEPHON_NO_VENV:-}" ]; then
+  if [ ! -x .venv/bin/python ] || [ ! -f .venv/.zephon-installed ]; then
+    echo "[run_train] first use: creating .venv and installing torchtitan_zephon (a few minutes)..."
+    bash scripts/setup_env.sh
+  fi
+  # shellcheck disable=SC1091
+  source .venv/bin/activate
+fi
+
+CONFIG_FILE=${CONFIG_FILE:-"./train_configs/debug_model.toml"}
+TRAIN_FILE=${TRAIN_FILE:-"torchtitan_zephon.train"}
+if [ -z "${NGPU:-}" ]; then
+  NGPU=$(python -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
+  if [ "$NGPU" = "0" ]; then
+    NGPU=2
+    echo "[run_train] no GPU found: running $NGPU CPU processes (gloo)"
+  fi
+fi
+LOG_RANK=${LOG_RANK:-0}
+NNODES=${NNODES:-1}
+if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+fi
+
+RDZV_ARGS=(--rdzv_backend c10d --rdzv_endpoint="${RDZV_ENDPOINT:-localhost:0}")
+if [ "$NNODES" != "1" ]; then
+  RDZV_ARGS+=(--rdzv_id "${RDZV_ID:-zephon}")
+fi
+
+PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-"expandable_segments:True"} \
+torchrun --nproc_per_node="$NGPU" --nnodes="$NNODES" "${RDZV_ARGS[@]}" \
+  --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
+  -m "$TRAIN_FILE" --job.config_file "$CONFIG_FILE" "$@"

@@ -1,0 +1,16 @@
+"""CLI test fixtures: reuse the data tests' tokenizer, corpus and store fixtures."""
+
+import importlib.util
+from pathlib import Path
+
+_spec = importlib.util.spec_from_file_location(
+    "zephon_data_test_fixtures", Path(__file__).parent.parent / "data" / "conftest.py"
+)
+_fixtures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_fixtures)
+
+tokenizer_dir = _fixtures.tokenizer_dir
+corpus_dir = _fixtures.corpus_dir
+store_path = _fixtures.store_path
+store = _fixtures.store
+build_tokenizer = _fixtures.build_tokenizer

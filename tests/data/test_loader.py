@@ -1,0 +1,203 @@
+"""ZephonLoader: exact stream, elastic resume, world-size-free state, refusals."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchtitan_zephon.data.loader import DataStateMismatch, ZephonLoader
+from torchtitan_zephon.data.plan import BatchSchedule
+
+SEQ = 8
+SCHEDULE = "1:12,5:24,9:12"
+
+
+def _loader(store, d, r, b, workers=0, prefetch=2, seed=11, schedule=SCHEDULE, seq=SEQ, **kw):
+    return ZephonLoader(
+        store,
+        seq_len=seq,
+        seed=seed,
+        schedule=BatchSchedule.parse(schedule),
+        dp_rank=r,
+        dp_degree=d,
+        local_batch_size=b,
+        num_workers=workers,
+        prefetch=prefetch,
+        **kw,
+    )
+
+
+def _take_steps(loader, steps):
+    """Inputs (with the label column appended) of ``steps`` whole steps, one array per step."""
+    out = []
+    for _ in range(steps):
+        start = loader.next_step
+        rows = []
+        while loader.next_step == start:
+            x, y = next(loader)
+            rows.append(torch.cat([x["input"], y[:, -1:]], dim=1).numpy())
+        out.append(np.concatenate(rows))
+    return out
+
+
+def _global_steps(store, d, b, steps, workers=0, state=None, allow=()):
+    """Concatenate all ranks' deliveries per step."""
+    per_rank = []
+    for r in range(d):
+        with _loader(store, d, r, b, workers=workers) as ld:
+            if state is not None:
+                ld.load_state_dict(state, allow_changes=allow)
+            per_rank.append(_take_steps(ld, steps))
+    return [np.concatenate([pr[s] for pr in per_rank]) for s in range(steps)]
+
+
+def _reference(store, steps, seed=11, schedule=SCHEDULE):
+    ld = _loader(store, 1, 0, 1, prefetch=0, seed=seed, schedule=schedule)
+    return [store.windows(ld.plan.global_ids(s), SEQ) for s in range(1, steps + 1)]
+
+
+def test_stream_matches_plan_and_labels_shift(store):
+    ref = _reference(store, 12)
+    with _loader(store, 1, 0, 4, workers=2) as ld:
+        got = _take_steps(ld, 12)
+        x, y = ld.step_microbatches(3)[0]
+    for a, b in zip(got, ref, strict=True):
+        assert np.array_equal(a, b.astype(np.int64))
+    assert x["input"].dtype == torch.int64 and y.dtype == torch.int64
+    assert x["input"].shape == (4, SEQ) and torch.equal(x["input"][:, 1:], y[:, :-1])
+
+
+LAYOUTS = [(1, 1), (1, 12), (2, 2), (2, 6), (3, 2), (4, 3), (6, 1), (12, 1)]
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    before=st.sampled_from(LAYOUTS),
+    after=st.sampled_from(LAYOUTS),
+    workers=st.tuples(st.integers(0, 2), st.integers(0, 2)),
+    save_at=st.integers(0, 11),
+)
+def test_elastic_resume_equals_uninterrupted(store, before, after, workers, save_at):
+    (d1, b1), (d2, b2) = before, after
+    if d1 == d2:
+        d2, b2 = (1, 4) if d1 != 1 else (4, 3)
+    total = 14
+    ref = _reference(store, total)
+    # run under layout 1 up to save_at, collecting every rank's state
+    states = []
+    for r in range(d1):
+        with _loader(store, d1, r, b1, workers=workers[0]) as ld:
+            _take_steps(ld, save_at)
+            states.append(ld.state_dict())
+    assert all(s == states[0] for s in states)
+    assert len(json.dumps(states[0])) < 4096
+    resumed = _global_steps(store, d2, b2, total - save_at, workers=workers[1], state=states[0])
+    for k, got in enumerate(resumed):
+        assert np.array_equal(got, ref[save_at + k]), f"step {save_at + k + 1}"
+
+
+def test_state_independent_of_rank_layout_and_workers(store):
+    states = set()
+    for d, b in LAYOUTS:
+        for w in (0, 2):
+            with _loader(store, d, d - 1, b, workers=w) as ld:
+                _take_steps(ld, 5)
+                states.add(json.dumps(ld.state_dict(), sort_keys=True))
+    assert len(states) == 1
+    state = json.loads(states.pop())
+    assert state["next_step"] == 6 and state["consumed_positions"] == 4 * 12 + 24
+    assert set(state["data_config"]) >= {"seq_len", "seed", "schedule", "sample_offset",
+                                         "num_samples", "store_fingerprint", "tokenizer_hash"}
+
+
+def test_prefetched_and_partial_steps_are_not_counted(store):
+    with _loader(store, 2, 0, 2, workers=2, prefetch=4) as ld:  # 3 micro-batches per step
+        next(ld)
+        assert ld.next_step == 1  # step 1 partially delivered
+        next(ld)
+        next(ld)
+        assert ld.next_step == 2
+        next(ld)
+        state = ld.state_dict()  # prefetch has run well ahead by now
+        assert state["next_step"] == 2 and state["consumed_positions"] == 12
+    # resuming replays step 2 entirely
+    with _loader(store, 2, 0, 2) as ld2:
+        ld2.load_state_dict(state)
+        first = next(ld2)
+        assert torch.equal(first[0]["input"], ld2.step_microbatches(2)[0][0]["input"])
+
+
+def test_load_state_resets_prefetch_midstream(store):
+    with _loader(store, 1, 0, 4, workers=2, prefetch=3) as ld:
+        _take_steps(ld, 3)
+        state = ld.state_dict()
+        _take_steps(ld, 2)
+        next(ld)
+        ld.load_state_dict(state)
+        assert ld.next_step == 4
+        got = _take_steps(ld, 2)
+    ref = _reference(store, 5)
+    assert np.array_equal(got[0], ref[3]) and np.array_equal(got[1], ref[4])
+
+
+def test_epochs_wrap_forever(store):
+    n = store.num_samples(SEQ)
+    with _loader(store, 1, 0, 12, schedule="12", num_samples=30, sample_offset=5) as ld:
+        seen = np.concatenate([ld.plan.global_ids(s) for s in range(1, 6)])
+        assert np.array_equal(np.sort(seen[:30]), np.arange(5, 35))
+        assert not np.array_equal(seen[:30], seen[30:60])
+        _take_steps(ld, 6)
+    assert n > 35
+
+
+def test_mismatch_refused_naming_fields(store):
+    with _loader(store, 1, 0, 4) as ld:
+        _take_steps(ld, 2)
+        state = ld.state_dict()
+    other = json.loads(json.dumps(state))
+    other["store_fingerprint"] = other["data_config"]["store_fingerprint"] = "f" * 64
+    with _loader(store, 2, 1, 2, seed=12, seq=16) as ld:
+        with pytest.raises(DataStateMismatch) as e:
+            ld.load_state_dict(other)
+        msg = str(e.value)
+        for field in ("seed: 11 -> 12", "seq_len: 8 -> 16", "store_fingerprint", "num_samples"):
+            assert field in msg
+        assert "allow_changes" in msg
+        with pytest.raises(DataStateMismatch, match="seq_len"):
+            ld.load_state_dict(other, allow_changes=["seed", "store"])
+        ld.load_state_dict(other, allow_changes=["seed", "seq_len", "store"])
+        assert ld.next_step == 3
+        ld.load_state_dict(other, allow_changes="all")
+        with pytest.raises(ValueError, match="unknown allow_changes entry 'sed'"):
+            ld.load_state_dict(other, allow_changes=["sed"])
+    with _loader(store, 1, 0, 4) as ld, pytest.raises(DataStateMismatch, match="format"):
+        ld.load_state_dict({"format": 99})
+
+
+def test_schedule_change_opt_in_continues_from_consumed_position(store):
+    with _loader(store, 1, 0, 4, schedule="12") as ld:
+        _take_steps(ld, 3)
+        state = ld.state_dict()  # next_step 4, 36 positions consumed
+    with _loader(store, 2, 0, 4, schedule="1:8,3:16") as ld:
+        with pytest.raises(DataStateMismatch, match="schedule"):
+            ld.load_state_dict(state)
+        ld.load_state_dict(state, allow_changes=["schedule"])
+        assert ld.plan.step_positions(4) == (36, 16)
+        assert ld.plan.step_positions(5) == (52, 16)
+        _take_steps(ld, 2)
+        saved = ld.state_dict()
+        assert saved["consumed_positions"] == 68 and saved["next_step"] == 6
+    # resuming the changed run with its own schedule needs no opt-in
+    with _loader(store, 4, 3, 2, schedule="1:8,3:16") as ld:
+        ld.load_state_dict(saved)
+        assert ld.plan.step_positions(6) == (68, 16)
+
+
+def test_bad_layouts_are_refused(store):
+    with pytest.raises(ValueError, match="DP degrees that work"):
+        _loader(store, 5, 0, 1, schedule="12")
+    with pytest.raises(ValueError, match="do not fit the store"):
+        _loader(store, 1, 0, 1, num_samples=10**9)

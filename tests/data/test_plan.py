@@ -1,0 +1,103 @@
+"""DataPlan and BatchSchedule: partition, epoch coverage, exact position accounting."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchtitan_zephon.data.plan import BatchSchedule, DataPlan, check_batch_layout
+
+
+def _divisors(n):
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def layouts(draw):
+    gbs = draw(st.integers(1, 48))
+    d = draw(st.sampled_from(_divisors(gbs)))
+    b = draw(st.sampled_from(_divisors(gbs // d)))
+    return gbs, d, b
+
+
+@settings(max_examples=40, deadline=None)
+@given(layout=layouts(), n=st.integers(1, 200), seed=st.integers(0, 1000))
+def test_rank_slices_and_microbatches_concatenate_to_global(layout, n, seed):
+    gbs, d, b = layout
+    plan = DataPlan(n, seed, BatchSchedule([(1, gbs)]), sample_offset=3)
+    for step in (1, 2, 7):
+        whole = plan.global_ids(step)
+        ranks = [plan.rank_ids(step, r, d) for r in range(d)]
+        assert np.array_equal(np.concatenate(ranks), whole)
+        micro = [m for r in range(d) for m in plan.microbatch_ids(step, r, d, b)]
+        assert all(len(m) == b for m in micro)
+        assert len(micro) == d * check_batch_layout(gbs, d, b)
+        assert np.array_equal(np.concatenate(micro), whole)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 300), gbs=st.integers(1, 40), seed=st.integers(0, 10**9))
+def test_every_epoch_covers_every_sample_once(n, gbs, seed):
+    plan = DataPlan(n, seed, BatchSchedule([(1, gbs)]), sample_offset=10)
+    steps = -(-3 * n // gbs)  # enough steps for 3 epochs
+    stream = np.concatenate([plan.global_ids(s) for s in range(1, steps + 1)])
+    for e in range(3):
+        epoch = stream[e * n : (e + 1) * n]
+        assert np.array_equal(np.sort(epoch), np.arange(10, 10 + n))
+    assert np.array_equal(plan.ids_for_positions(0, len(stream)), stream)
+
+
+@st.composite
+def schedules(draw):
+    k = draw(st.integers(1, 4))
+    starts = sorted(draw(st.sets(st.integers(2, 30), min_size=k - 1, max_size=k - 1)))
+    sizes = draw(st.lists(st.integers(1, 16), min_size=k, max_size=k))
+    return BatchSchedule(list(zip([1, *starts], sizes, strict=True)))
+
+
+@settings(max_examples=40, deadline=None)
+@given(schedule=schedules(), n=st.integers(1, 100))
+def test_schedule_accounts_positions_exactly(schedule, n):
+    plan = DataPlan(n, 0, schedule)
+    expected_first = 0
+    for step in range(1, 40):
+        first, count = plan.step_positions(step)
+        assert first == expected_first == schedule.first_position(step)
+        assert count == schedule.gbs(step)
+        expected_first += count
+    assert BatchSchedule.parse(str(schedule)) == schedule
+    assert BatchSchedule(schedule.to_list()) == schedule
+
+
+def test_schedule_parse_and_errors():
+    assert BatchSchedule.parse("64").entries == [(1, 64)]
+    s = BatchSchedule.parse("1:64,1000:128")
+    assert s.gbs(999) == 64 and s.gbs(1000) == 128
+    assert s.first_position(1001) == 999 * 64 + 128
+    for bad, match in [
+        ("2:64", "start at step 1"),
+        ("1:64,1:32", "strictly increasing"),
+        ("1:0", ">= 1"),
+        ("abc", "cannot parse"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            BatchSchedule.parse(bad)
+
+
+def test_check_batch_layout_messages():
+    assert check_batch_layout(32, 4, 2) == 4
+    with pytest.raises(ValueError) as e:
+        check_batch_layout(12, 5, 2)
+    msg = str(e.value)
+    assert "DP degrees that work with local batch size 2: [1, 2, 3, 6]" in msg
+    assert "DP degrees dividing it" in msg
+    with pytest.raises(ValueError, match=r"Local batch sizes that work with DP degree 4: \[1, 2, 4\]"):
+        check_batch_layout(16, 4, 3)
+
+
+def test_anchor_shifts_positions():
+    plan = DataPlan(50, 1, BatchSchedule.parse("8"), anchor_step=5, anchor_position=33)
+    assert plan.step_positions(5) == (33, 8)
+    assert plan.step_positions(6) == (41, 8)
+    with pytest.raises(ValueError, match="before the resume anchor"):
+        plan.step_positions(1)

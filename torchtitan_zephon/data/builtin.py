@@ -1,0 +1,78 @@
+"""The builtin default store: training data that needs no download.
+
+Text that ships with every CPython: the documentation topics of ``pydoc_data``
+(English prose) and the top-level standard-library sources (code), tokenized
+with the BPE tokenizer shipped in ``torchtitan_zephon/assets/tokenizer``.
+
+Invariant: the store is a pure function of (this Python's text files, the shipped
+tokenizer); it is built once into a cache folder keyed by a hash of both, so
+every rank and every later run on the machine opens the same bytes. Concurrent
+builders (several ranks starting at once) serialize on a file lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import sysconfig
+import tempfile
+from pathlib import Path
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TOKENIZER_DIR = ASSETS / "tokenizer"
+
+
+def cache_root() -> Path:
+    """``$ZEPHON_CACHE`` or ``~/.cache/torchtitan_zephon``."""
+    env = os.environ.get("ZEPHON_CACHE")
+    return Path(env) if env else Path.home() / ".cache" / "torchtitan_zephon"
+
+
+def corpus_documents() -> list[tuple[str, str]]:
+    """(name, text) of every builtin document, in a fixed order."""
+    import pydoc_data.topics
+
+    docs = [
+        (f"pydoc_topics/{k}.txt", pydoc_data.topics.topics[k])
+        for k in sorted(pydoc_data.topics.topics)
+    ]
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for path in sorted(stdlib.glob("*.py")):
+        docs.append((f"stdlib/{path.name}", path.read_text(encoding="utf-8", errors="replace")))
+    return docs
+
+
+def _key(docs: list[tuple[str, str]]) -> str:
+    h = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes())
+    for name, text in docs:
+        h.update(name.encode() + b"\0" + text.encode("utf-8", errors="replace") + b"\0")
+    return h.hexdigest()[:16]
+
+
+def builtin_store_path(*, progress: bool = False) -> Path:
+    """Path of the builtin store, building it on first use."""
+    from torchtitan_zephon.data.prepare import prepare_store
+
+    docs = corpus_documents()
+    root = cache_root()
+    out = root / f"builtin-{_key(docs)}"
+    if (out / "manifest.json").exists():
+        return out
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{out.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            if (out / "manifest.json").exists():  # another process built it meanwhile
+                return out
+            with tempfile.TemporaryDirectory(dir=root, prefix=".corpus-") as tmp:
+                # A fixed folder name: the manifest names sources relative to it.
+                corpus = Path(tmp) / "python-docs-and-stdlib"
+                for name, text in docs:
+                    p = corpus / name
+                    p.parent.mkdir(parents=True, exist_ok=True)
+                    p.write_text(text, encoding="utf-8")
+                prepare_store([str(corpus)], str(TOKENIZER_DIR), str(out), workers=1, progress=progress)
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+    return out

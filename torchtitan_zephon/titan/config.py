@@ -1,0 +1,56 @@
+"""The ``[zephon]`` TOML section (CLI ``--zephon.KEY``), merged into TorchTitan's
+JobConfig through ``job.custom_config_module = "torchtitan_zephon.titan.config"``.
+
+Invariant: every field that changes which tokens a step sees (store, seed,
+seq_len, batch schedule, held-out samples) is part of the data config that the
+checkpointed state fingerprints; a resume with another value is refused unless
+the field is listed in ``allow_changes``.
+"""
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+CONFIG_MODULE = "torchtitan_zephon.titan.config"
+
+@dataclass
+class Zephon:
+    store: str = ""
+    """Path of a token store made by `zephon prepare`. Empty: the builtin store,
+    built on first use from text that ships with Python (its documentation
+    topics and standard-library sources) with the tokenizer in
+    torchtitan_zephon/assets/tokenizer (set model.hf_assets_path to it)."""
+
+    seed: int = 0
+    """Seed of the per-epoch sample permutation. Part of the data config."""
+
+    batch_schedule: str = ""
+    """Global batch size schedule, "STEP:GBS,STEP:GBS,..." (1-based steps, the
+    first entry at step 1), e.g. "1:32,1000:64". Empty: training.global_batch_size
+    for every step. Positions are accounted exactly across changes."""
+
+    heldout_samples: int = 0
+    """Samples at the end of the store reserved for validation and never
+    trained on. The validation loader reads them in order, so validation loss
+    does not depend on the DP degree."""
+
+    audit: Literal["off", "ids", "tokens"] = "ids"
+    """What the Global Sequence Tracker (<dump_folder>/zephon/sequence_log.jsonl)
+    records per step: "off" (no log), "ids" (digest of the step's ordered sample
+    ids), "tokens" (also a digest of the token content every DP rank received,
+    combined in rank order; one small all-gather per step)."""
+
+    allow_changes: list[str] = field(default_factory=list)
+    """Data-config fields whose change since the checkpoint is accepted on
+    resume, e.g. ["seed"]. Names: store, seq_len, seed, schedule,
+    heldout_samples, tokenizer_hash, or "all". Without it such a resume is refused."""
+
+    ignore_log_mismatch: bool = False
+    """Resume even when the sequence log is missing or does not contain the
+    checkpoint's chain head (the log then restarts its chain at the checkpoint)."""
+
+    prefetch: int = 2
+    """Micro-batches prepared ahead of the trainer by a background thread (0: none)."""
+
+@dataclass
+class JobConfig:
+    zephon: Zephon = field(default_factory=Zephon)

@@ -1,0 +1,224 @@
+"""TorchTitan dataloader builder: the Zephon loader for one DP rank, checkpointed as
+one world-size-independent record.
+
+Invariant: ``state_dict()`` returns the same record on every rank of every
+topology: ``{"zephon": <JSON text>}`` holding the loader state (format, store and
+data-config fingerprints, next step, consumed positions) and the sequence
+tracker's chain head. It replaces TorchTitan's per-DP-rank pickles, so DCP saves
+it once and any world size can load it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import torch
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.tools.logging import logger
+
+from torchtitan_zephon.data.loader import ZephonLoader
+from torchtitan_zephon.data.plan import BatchSchedule, check_batch_layout
+from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
+
+STATE_KEY = "zephon"
+
+
+def resolve_store(job_config: Any) -> TokenStore:
+    """Open ``zephon.store``, or the builtin store when it is empty."""
+    path = job_config.zephon.store
+    if not path:
+        from torchtitan_zephon.data.builtin import TOKENIZER_DIR, builtin_store_path
+
+        path = str(builtin_store_path(progress=int(os.environ.get("RANK", "0")) == 0))
+        assets = os.path.abspath(job_config.model.hf_assets_path)
+        if assets != str(TOKENIZER_DIR) and not os.path.exists(os.path.join(assets, "tokenizer.json")):
+            logger.warning(
+                f"model.hf_assets_path={job_config.model.hf_assets_path} has no tokenizer.json; "
+                f"the builtin store was tokenized with {TOKENIZER_DIR}"
+            )
+    return TokenStore.open(path)
+
+
+def batch_schedule(job_config: Any) -> BatchSchedule:
+    """The global batch size schedule: ``zephon.batch_schedule`` or the fixed GBS.
+
+    Elastic determinism needs the global batch size to be a property of the run,
+    not of the topology, so it must be given explicitly.
+    """
+    if job_config.zephon.batch_schedule:
+        return BatchSchedule.parse(job_config.zephon.batch_schedule)
+    gbs = job_config.training.global_batch_size
+    if gbs is None or gbs <= 0:
+        raise ValueError(
+            "training.global_batch_size is not set. Zephon needs the global batch size to be "
+            "fixed for the run (it defines which samples each step sees, whatever the number "
+            "of ranks). Set --training.global_batch_size (e.g. local_batch_size x DP degree x "
+            "gradient accumulation steps) or --zephon.batch_schedule."
+        )
+    return BatchSchedule([(1, gbs)])
+
+
+def check_layout(schedule: BatchSchedule, dp_degree: int, local_batch_size: int) -> None:
+    """Every GBS of the schedule must split into DP ranks x micro-batches."""
+    for _, gbs in schedule.to_list():
+        check_batch_layout(gbs, dp_degree, local_batch_size)
+
+
+class ZephonDataLoader(BaseDataLoader):
+    """One DP rank's view of the global sample order, as TorchTitan expects it.
+
+    Yields ``({"input": LongTensor[b, L]}, labels)`` micro-batches. With audit level
+    ``tokens`` it also keeps a 16-byte digest per delivered sample, per step, so the
+    trainer can hash the tokens each rank really received.
+    """
+
+    def __init__(
+        self,
+        loader: ZephonLoader,
+        *,
+        tracker: SequenceTracker,
+        audit: str,
+        allow_changes: list[str],
+        ignore_log_mismatch: bool,
+        topology: dict[str, Any],
+    ) -> None:
+        self.loader = loader
+        self.tracker = tracker
+        self.audit = audit
+        self.allow_changes = list(allow_changes)
+        self.ignore_log_mismatch = ignore_log_mismatch
+        self.topology = topology
+        self.resumed_from: int | None = None
+        self._digests: dict[int, list[bytes]] = {}
+
+    @property
+    def plan(self):  # noqa: ANN201 - DataPlan
+        return self.loader.plan
+
+    def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        mb_per_step = self._microbatches_per_step
+        step = self.loader.next_step
+        delivered = 0
+        for input_dict, labels in self.loader:
+            if self.audit == "tokens":
+                windows = np.concatenate([input_dict["input"].numpy(), labels[:, -1:].numpy()], axis=1)
+                self._digests.setdefault(step, []).append(sample_digests(windows))
+            yield input_dict, labels
+            delivered += 1
+            if delivered == mb_per_step(step):
+                step, delivered = step + 1, 0
+
+    def _microbatches_per_step(self, step: int) -> int:
+        gbs = self.loader.plan.schedule.gbs(step)
+        return gbs // (self.loader.dp_degree * self.loader.local_batch_size)
+
+    def step_token_digests(self, step: int) -> bytes:
+        """This rank's per-sample digests of ``step``, in delivery order (then forgotten)."""
+        return b"".join(self._digests.pop(step, []))
+
+    # -- checkpoint ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        record = dict(self.loader.state_dict())
+        record["tracker"] = self.tracker.head()
+        return {STATE_KEY: json.dumps(record, sort_keys=True)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not state_dict:
+            return
+        if STATE_KEY not in state_dict:
+            raise ValueError(
+                "the checkpoint's dataloader state is not a Zephon record (keys: "
+                f"{sorted(state_dict)}); it was written by another dataloader. Start a new "
+                "dump folder, or exclude it with --checkpoint.exclude_from_loading dataloader."
+            )
+        record = json.loads(state_dict[STATE_KEY])
+        head = record.pop("tracker", {"step": 0, "chain": self.tracker.chain})
+        self.loader.load_state_dict(record, allow_changes=self.allow_changes)
+        self.tracker.resume(head, self.topology, ignore_mismatch=self.ignore_log_mismatch)
+        self.resumed_from = int(head["step"])
+        logger.info(
+            f"Zephon: resumed at step {self.loader.next_step} (position "
+            f"{record.get('consumed_positions')}) under DP degree {self.loader.dp_degree}"
+        )
+
+    def close(self) -> None:
+        self.loader.close()
+
+
+def topology_from_env(dp_degree: int, job_config: Any) -> dict[str, Any]:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    p = job_config.parallelism
+    return {
+        "world_size": world,
+        "dp_degree": dp_degree,
+        "nnodes": max(1, world // max(1, local)),
+        "tp_degree": p.tensor_parallel_degree,
+        "local_batch_size": job_config.training.local_batch_size,
+    }
+
+
+def build_zephon_dataloader(
+    dp_world_size: int,
+    dp_rank: int,
+    tokenizer: Any,
+    job_config: Any,
+    **_: Any,
+) -> ZephonDataLoader:
+    """``TrainSpec.build_dataloader_fn``: the Zephon loader for this rank's DP coordinates.
+
+    TP/PP/CP peers share ``dp_rank`` and so receive identical batches.
+    """
+    zc = job_config.zephon
+    schedule = batch_schedule(job_config)
+    check_layout(schedule, dp_world_size, job_config.training.local_batch_size)
+    store = resolve_store(job_config)
+    if tokenizer is not None and store.vocab_size > tokenizer.get_vocab_size():
+        raise ValueError(
+            f"the store {store.path} was tokenized with a vocabulary of {store.vocab_size} "
+            f"tokens but model.hf_assets_path's tokenizer has {tokenizer.get_vocab_size()}: "
+            "point model.hf_assets_path at the tokenizer the store was prepared with"
+        )
+    seq_len = job_config.training.seq_len
+    total = store.num_samples(seq_len)
+    if zc.heldout_samples < 0 or zc.heldout_samples >= total:
+        raise ValueError(
+            f"zephon.heldout_samples={zc.heldout_samples} must be in [0, {total}): the store has "
+            f"{total} samples of seq_len {seq_len}"
+        )
+    loader = ZephonLoader(
+        store,
+        seq_len=seq_len,
+        seed=zc.seed,
+        schedule=schedule,
+        dp_rank=dp_rank,
+        dp_degree=dp_world_size,
+        local_batch_size=job_config.training.local_batch_size,
+        sample_offset=0,
+        num_samples=total - zc.heldout_samples,
+        num_workers=job_config.training.dataloader.num_workers,
+        prefetch=zc.prefetch,
+        pin_memory=job_config.training.dataloader.pin_memory,
+    )
+    state = loader.state_dict()
+    rank = int(os.environ.get("RANK", "0"))
+    tracker = SequenceTracker(
+        log_path(job_config.job.dump_folder),
+        store_fingerprint=store.fingerprint,
+        data_config_fingerprint=state["data_config_fingerprint"],
+        writer=rank == 0,
+        enabled=zc.audit != "off",
+    )
+    return ZephonDataLoader(
+        loader,
+        tracker=tracker,
+        audit=zc.audit,
+        allow_changes=zc.allow_changes,
+        ignore_log_mismatch=zc.ignore_log_mismatch,
+        topology=topology_from_env(dp_world_size, job_config),
+    )

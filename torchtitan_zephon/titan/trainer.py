@@ -1,0 +1,81 @@
+"""ZephonTrainer: TorchTitan's Trainer with the platform layer, a global batch size
+schedule, and the Global Sequence Tracker.
+
+Invariant: the training loop is TorchTitan's own; this subclass only (1) adjusts
+the job for the CPU before TorchTitan builds anything, (2) sets the gradient
+accumulation of each step from the batch schedule, and (3) after each completed
+step appends the step's record to the sequence log (global rank 0), combining the
+DP ranks' token digests in rank order at audit level ``tokens``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.distributed as dist
+from torchtitan.train import Trainer
+from torchtitan.tools.logging import logger
+
+from torchtitan_zephon.titan import platform
+from torchtitan_zephon.titan.dataloader import ZephonDataLoader
+
+
+class ZephonTrainer(Trainer):
+    dataloader: ZephonDataLoader
+
+    def __init__(self, job_config: Any) -> None:
+        if platform.on_cpu():
+            for change in platform.cpu_job_defaults(job_config):
+                logger.info(f"CPU platform: {change}")
+        super().__init__(job_config)
+        if not isinstance(self.dataloader, ZephonDataLoader):
+            raise TypeError(
+                f"model.name={job_config.model.name} does not build a Zephon dataloader; "
+                "use a zephon_* model name (e.g. zephon_llama3)"
+            )
+
+    # -- per step --------------------------------------------------------
+    def train_step(self, data_iterator: Any) -> None:
+        step = self.step
+        if not self.dataloader.tracker.opened:
+            self._open_tracker()
+        tc = self.job_config.training
+        gbs = self.dataloader.plan.schedule.gbs(step)
+        self.gradient_accumulation_steps = gbs // (self.dataloader.loader.dp_degree * tc.local_batch_size)
+        super().train_step(data_iterator)
+        self._record_step(step)
+
+    def _open_tracker(self) -> None:
+        dl = self.dataloader
+        if dl.resumed_from is None:
+            dl.tracker.start(dl.topology)
+        elif dl.resumed_from != self.step - 1:
+            raise RuntimeError(
+                f"the checkpoint's trainer state is at step {self.step - 1} but its Zephon data "
+                f"state is at step {dl.resumed_from}: the checkpoint folder mixes two runs"
+            )
+
+    def _record_step(self, step: int) -> None:
+        dl = self.dataloader
+        if not dl.tracker.enabled:
+            return
+        tokens = None
+        if dl.audit == "tokens":
+            local = dl.step_token_digests(step)
+            if self.parallel_dims.dp_enabled:
+                group = self.parallel_dims.get_mesh("batch").get_group()
+                parts: list[Any] = [None] * dist.get_world_size(group)
+                dist.all_gather_object(parts, local, group=group)
+                tokens = b"".join(parts)
+            else:
+                tokens = local
+        # Every rank advances the same chain (the checkpointed head must be identical
+        # everywhere); only global rank 0 writes the log.
+        first, _count = dl.plan.step_positions(step)
+        dl.tracker.record(step, first, dl.plan.global_ids(step), tokens)
+
+    def close(self) -> None:
+        if getattr(self, "dataloader", None) is not None:
+            self.dataloader.close()
+        super().close()
+
