@@ -145,7 +145,7 @@ class ZephonLoader:
     def _microbatch(self, step: int, index: int) -> MicroBatch:
         first, _ = self.plan.rank_positions(step, self.dp_rank, self.dp_degree)
         b = self.local_batch_size
-        ids = self.plan.ids_for_positions(first + index * b + 1, b)
+        ids = self.plan.ids_for_positions(first + index * b, b)
         return self._tensors(ids)
 
     def _tensors(self, ids: np.ndarray) -> MicroBatch:
