@@ -109,8 +109,15 @@ def test_state_independent_of_rank_layout_and_workers(store):
     assert len(states) == 1
     state = json.loads(states.pop())
     assert state["next_step"] == 6 and state["consumed_positions"] == 4 * 12 + 24
-    assert set(state["data_config"]) >= {"seq_len", "seed", "schedule", "sample_offset",
-                                         "num_samples", "store_fingerprint", "tokenizer_hash"}
+    assert set(state["data_config"]) >= {
+        "seq_len",
+        "seed",
+        "schedule",
+        "sample_offset",
+        "num_samples",
+        "store_fingerprint",
+        "tokenizer_hash",
+    }
 
 
 def test_prefetched_and_partial_steps_are_not_counted(store):

@@ -91,7 +91,9 @@ def test_check_batch_layout_messages():
     msg = str(e.value)
     assert "DP degrees that work with local batch size 2: [1, 2, 3, 6]" in msg
     assert "DP degrees dividing it" in msg
-    with pytest.raises(ValueError, match=r"Local batch sizes that work with DP degree 4: \[1, 2, 4\]"):
+    with pytest.raises(
+        ValueError, match=r"Local batch sizes that work with DP degree 4: \[1, 2, 4\]"
+    ):
         check_batch_layout(16, 4, 3)
 
 

@@ -1,0 +1,140 @@
+"""The zephon command: prepare / inspect / plan, exit codes and error messages."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
+from torchtitan_zephon.data.store import TokenStore
+
+
+def test_prepare_then_inspect(tmp_path, tokenizer_dir, corpus_dir, capsys, store):
+    out = tmp_path / "s"
+    argv = ["prepare", str(corpus_dir), "--tokenizer", str(tokenizer_dir), "--output", str(out)]
+    assert main([*argv, "--workers", "2", "--quiet"]) == 0
+    printed = capsys.readouterr().out
+    assert "prepared" in printed and store.fingerprint in printed  # same bytes as the fixture
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "token store" in text and store.fingerprint in text and "uint16" in text
+    assert main(["inspect", str(out), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["kind"] == "store" and info["num_tokens"] == store.num_tokens
+    assert info["sources"][0]["name"].startswith("corpus/")
+    # preparing over an existing store is refused
+    assert main([*argv, "--quiet"]) == 2
+    assert "already exists" in capsys.readouterr().err
+
+
+def test_plan_json_lines(store_path, capsys):
+    args = ["plan", "--store", str(store_path), "--seq-len", "8", "--seed", "3"]
+    assert main([*args, "--global-batch-size", "1:4,3:8", "--steps", "1:4", "--json"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    n = TokenStore.open(store_path).num_samples(8)
+    plan = DataPlan(n, 3, BatchSchedule.parse("1:4,3:8"))
+    assert [x["step"] for x in lines] == [1, 2, 3, 4]
+    assert all(x["ids"] == plan.global_ids(x["step"]).tolist() for x in lines)
+    # ranks' slices concatenate to the whole step
+    ranks = []
+    for r in range(2):
+        cmd = [*args, "--global-batch-size", "8", "--steps", "2:2", "--json"]
+        assert main([*cmd, "--dp-degree", "2", "--dp-rank", str(r)]) == 0
+        ranks += json.loads(capsys.readouterr().out)["ids"]
+    assert main([*args, "--global-batch-size", "8", "--steps", "2:2", "--json"]) == 0
+    assert ranks == json.loads(capsys.readouterr().out)["ids"]
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["inspect", "/nonexistent/store"], "does not exist"),
+        (
+            ["prepare", "/nonexistent/in", "--tokenizer", "/x", "--output", "/tmp/zz"],
+            "does not exist",
+        ),
+        (
+            [
+                "plan",
+                "--store",
+                "STORE",
+                "--seq-len",
+                "8",
+                "--global-batch-size",
+                "12",
+                "--seed",
+                "1",
+                "--steps",
+                "1:2",
+                "--dp-degree",
+                "5",
+            ],
+            "DP degrees that work",
+        ),
+        (
+            [
+                "plan",
+                "--store",
+                "STORE",
+                "--seq-len",
+                "8",
+                "--global-batch-size",
+                "2:8",
+                "--seed",
+                "1",
+                "--steps",
+                "1:2",
+            ],
+            "must start at step 1",
+        ),
+    ],
+)
+def test_errors_exit_2_without_traceback(argv, message, store_path, capsys):
+    argv = [str(store_path) if a == "STORE" else a for a in argv]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"zephon {argv[0]}: error: ") and message in err
+    assert "Traceback" not in err
+
+
+def test_inspect_unknown_kind(tmp_path, capsys):
+    assert main(["inspect", str(tmp_path)]) == 2
+    assert "not something zephon recognises" in capsys.readouterr().err
+
+
+def test_python_dash_m_entry_point(store_path):
+    ok = subprocess.run(
+        [sys.executable, "-m", "torchtitan_zephon", "inspect", str(store_path), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0 and json.loads(ok.stdout)["kind"] == "store"
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torchtitan_zephon",
+            "plan",
+            "--store",
+            str(store_path),
+            "--seq-len",
+            "0",
+            "--global-batch-size",
+            "4",
+            "--seed",
+            "1",
+            "--steps",
+            "1:1",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "zephon plan: error: seq_len must be >= 1" in bad.stderr
+    usage = subprocess.run(
+        [sys.executable, "-m", "torchtitan_zephon", "plan", "--steps", "x"],
+        capture_output=True,
+        text=True,
+    )
+    assert usage.returncode == 2 and "usage:" in usage.stderr
