@@ -72,7 +72,9 @@ def builtin_store_path(*, progress: bool = False) -> Path:
                     p = corpus / name
                     p.parent.mkdir(parents=True, exist_ok=True)
                     p.write_text(text, encoding="utf-8")
-                prepare_store([str(corpus)], str(TOKENIZER_DIR), str(out), workers=1, progress=progress)
+                prepare_store(
+                    [str(corpus)], str(TOKENIZER_DIR), str(out), workers=1, progress=progress
+                )
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
     return out
