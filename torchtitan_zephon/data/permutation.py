@@ -24,13 +24,17 @@ _M1 = np.uint64(0xBF58476D1CE4E5B9)
 _M2 = np.uint64(0x94D049BB133111EB)
 
 
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+
+
 def _mix(z: np.ndarray) -> np.ndarray:
-    """splitmix64 finaliser on a uint64 array (wrapping arithmetic)."""
-    z = z ^ (z >> np.uint64(30))
-    z = z * _M1
-    z = z ^ (z >> np.uint64(27))
-    z = z * _M2
-    return z ^ (z >> np.uint64(31))
+    """splitmix64 finaliser on a uint64 array (wrapping arithmetic); ``z`` is consumed."""
+    z ^= z >> _S30
+    z *= _M1
+    z ^= z >> _S27
+    z *= _M2
+    z ^= z >> _S31
+    return z
 
 
 class Permutation:
@@ -49,9 +53,23 @@ class Permutation:
             f"zephon-permutation-v1:{self.n}:{self.seed}:{self.epoch}".encode(),
             digest_size=8 * _ROUNDS,
         ).digest()
-        self._keys = [
-            np.uint64(int.from_bytes(digest[8 * r : 8 * r + 8], "little")) for r in range(_ROUNDS)
-        ]
+        # Per round: (key, right shift, right mask, left shift, left mask). The halves
+        # alternate sizes so an odd bit count still gives a bijection on 2**bits.
+        self._rounds = []
+        right_bits = self._bits // 2
+        for r in range(_ROUNDS):
+            left_bits = self._bits - right_bits
+            key = np.uint64(int.from_bytes(digest[8 * r : 8 * r + 8], "little"))
+            self._rounds.append(
+                (
+                    key,
+                    np.uint64(right_bits),
+                    np.uint64((1 << right_bits) - 1),
+                    np.uint64(left_bits),
+                    np.uint64((1 << left_bits) - 1),
+                )
+            )
+            right_bits = left_bits
 
     def __len__(self) -> int:
         return self.n
@@ -67,15 +85,13 @@ class Permutation:
 
     def _encrypt(self, x: np.ndarray) -> np.ndarray:
         """One pass of the Feistel network over [0, 2**bits)."""
-        bits = self._bits
-        right_bits = bits // 2
-        for key in self._keys:
-            left_bits = bits - right_bits
-            right = x & np.uint64((1 << right_bits) - 1)
-            left = x >> np.uint64(right_bits)
-            f = _mix(right ^ key) & np.uint64((1 << left_bits) - 1)
-            x = (right << np.uint64(left_bits)) | (left ^ f)
-            right_bits = left_bits
+        for key, right_shift, right_mask, left_shift, left_mask in self._rounds:
+            right = x & right_mask
+            f = _mix(right ^ key)
+            f &= left_mask
+            f ^= x >> right_shift  # left half xor F(right)
+            right <<= left_shift
+            x = right | f
         return x
 
     def map(self, positions: np.ndarray) -> np.ndarray:
