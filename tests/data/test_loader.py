@@ -208,3 +208,12 @@ def test_bad_layouts_are_refused(store):
         _loader(store, 5, 0, 1, schedule="12")
     with pytest.raises(ValueError, match="do not fit the store"):
         _loader(store, 1, 0, 1, num_samples=10**9)
+
+
+@pytest.mark.parametrize("workers, prefetch", [(0, 0), (1, 0), (0, 1), (3, 0), (2, 5)])
+def test_any_workers_and_prefetch_give_the_same_stream(store, workers, prefetch):
+    ref = _reference(store, 6)
+    with _loader(store, 2, 1, 3, workers=workers, prefetch=prefetch) as ld:
+        got = _take_steps(ld, 6)
+    for s in range(6):
+        assert np.array_equal(got[s], ref[s][len(ref[s]) // 2 :])  # rank 1 of 2

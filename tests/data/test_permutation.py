@@ -65,3 +65,9 @@ def test_index_errors():
     with pytest.raises(ValueError, match="n >= 1"):
         Permutation(0, 0, 0)
     assert Permutation(1, 9, 9)[0] == 0
+
+
+def test_orders_are_pinned():
+    """Changing these orders breaks resuming checkpoints written by earlier versions."""
+    assert Permutation(10, 0, 0).map(np.arange(10)).tolist() == [9, 1, 7, 5, 6, 0, 4, 8, 2, 3]
+    assert Permutation(10, 0, 1).map(np.arange(10)).tolist() == [0, 5, 2, 4, 1, 6, 8, 3, 7, 9]

@@ -150,3 +150,34 @@ def test_reopen_equals_returned(store_path, store):
     again = TokenStore.open(store_path)
     assert again.fingerprint == store.fingerprint
     assert np.array_equal(again.tokens, store.tokens)
+
+
+def test_json_file_and_dataset_dict(tmp_path, tokenizer_dir):
+    texts = [corpus_text(k, 10) for k in range(6)]
+    (tmp_path / "a.json").write_text(json.dumps([{"text": t} for t in texts]))
+    a = prepare_store([str(tmp_path / "a.json")], str(tokenizer_dir), str(tmp_path / "sa"))
+    assert a.num_documents == 6 and a.manifest["sources"][0]["kind"] == "json"
+    datasets = pytest.importorskip("datasets")
+    dd = datasets.DatasetDict(
+        {
+            "validation": datasets.Dataset.from_dict({"text": texts[3:]}),
+            "train": datasets.Dataset.from_dict({"text": texts[:3]}),
+        }
+    )
+    dd.save_to_disk(str(tmp_path / "dd"))
+    b = prepare_store([str(tmp_path / "dd")], str(tokenizer_dir), str(tmp_path / "sb"))
+    assert np.array_equal(a.tokens, b.tokens)  # splits in sorted order: train, validation
+
+
+def test_hf_without_datasets_package(tmp_path, tokenizer_dir, monkeypatch):
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "state.json").write_text("{}")
+    monkeypatch.setitem(__import__("sys").modules, "datasets", None)
+    with pytest.raises(StoreError, match="`datasets` package is not installed"):
+        prepare_store([str(tmp_path / "hf")], str(tokenizer_dir), str(tmp_path / "s"))
+
+
+def test_progress_bar_on_stderr(tmp_path, tokenizer_dir, corpus_dir, capfd):
+    prepare_store([str(corpus_dir)], str(tokenizer_dir), str(tmp_path / "s"), progress=True)
+    captured = capfd.readouterr()
+    assert "zephon prepare" in captured.err and captured.out == ""

@@ -186,7 +186,7 @@ class ZephonLoader:
             self._executor = ThreadPoolExecutor(
                 max_workers=max(1, self.num_workers), thread_name_prefix="zephon-loader"
             )
-        while len(self._pending) < self.prefetch + max(0, self.num_workers - 1):
+        while len(self._pending) < max(1, self.prefetch + self.num_workers - 1):
             self._pending.append(self._executor.submit(self._job, *self._advance()))
 
     def __iter__(self) -> ZephonLoader:
