@@ -105,8 +105,8 @@ def test_eos_fallback_and_large_vocab(tmp_path):
     assert s.tokens.dtype == np.uint32 and s.manifest["dtype"] == "uint32"
     assert s.tokens[-1] == s.eos_id == 1
     assert int(s.tokens[0]) > 65535
-    w = s.windows(np.array([1, 0]), 2)
-    assert w.dtype == np.uint32 and w.tolist() == [s.tokens[2:5].tolist(), s.tokens[0:3].tolist()]
+    w = s.windows(np.array([2, 0]), 1)
+    assert w.dtype == np.uint32 and w.tolist() == [s.tokens[2:4].tolist(), s.tokens[0:2].tolist()]
 
 
 def test_vocab_dtype_limits():
