@@ -1,0 +1,80 @@
+"""Launch real ``torchrun`` jobs on CPU for the end-to-end tests.
+
+Every job runs the tiny flavor (tests/titan/tiny.toml) with gloo, one intra-op
+thread per rank, and writes its console output to ``<run>/train.log``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "tests" / "titan" / "tiny.toml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def job_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", ZEPHON_DEVICE="cpu", PYTHONUNBUFFERED="1")
+    return env
+
+
+def train_command(run: Path, nproc: int, overrides: list[str], *, torchrun_args: list[str] | None = None) -> list[str]:
+    launcher = torchrun_args if torchrun_args is not None else ["--standalone"]
+    return [
+        sys.executable, "-m", "torch.distributed.run", *launcher,
+        f"--nproc_per_node={nproc}",
+        "-m", "torchtitan_zephon.train",
+        "--job.config_file", str(TINY),
+        "--job.dump_folder", str(run),
+        *overrides,
+    ]  # fmt: skip
+
+
+@dataclass
+class Job:
+    run: Path
+    returncode: int
+    output: str
+
+    def check(self) -> Job:
+        assert self.returncode == 0, f"job in {self.run} failed ({self.returncode}):\n{self.output[-6000:]}"
+        return self
+
+
+def train(run: Path, nproc: int = 2, *overrides: str, timeout: int = 600) -> Job:
+    """Run one job to completion; its output is appended to ``<run>/train.log``."""
+    run.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(
+        train_command(run, nproc, list(overrides)),
+        cwd=REPO,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    with open(run / "train.log", "a") as f:
+        f.write(proc.stdout)
+    return Job(run, proc.returncode, proc.stdout)
+
+
+def copy_run_until(src: Path, dst: Path, step: int) -> Path:
+    """A copy of run ``src`` as a job that died after checkpoint ``step``: later
+    checkpoints are removed (the log and TensorBoard files stay, as they would)."""
+    shutil.copytree(src, dst)
+    for ck in (dst / "checkpoint").iterdir():
+        if ck.name.startswith("step-") and int(ck.name.split("-")[1]) > step:
+            shutil.rmtree(ck)
+    return dst

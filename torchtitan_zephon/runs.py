@@ -1,0 +1,142 @@
+"""Reading a run folder (a TorchTitan ``job.dump_folder``) after the fact.
+
+A run folder holds ``checkpoint/step-N`` (DCP), ``tb/<time>/events.*``
+(TensorBoard), ``zephon/sequence_log.jsonl`` (the tracker) and, when launched
+by our scripts, a training log. Every job that wrote into the folder, the
+original one and each resume, left its own event file.
+
+Invariant: the *effective* value of a metric at step ``s`` is the one written
+last (by wall time): a resumed job rewrites the steps after its checkpoint and
+supersedes what the interrupted job wrote for them, exactly as the sequence log
+does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+LOSS_TAG = "loss_metrics/global_avg_loss"
+_LOG_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eEnaif]+)")
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+class RunError(ValueError):
+    """A run folder is missing or unreadable."""
+
+
+def require_run(path: str | os.PathLike) -> Path:
+    p = Path(path)
+    if not p.is_dir():
+        raise RunError(f"run folder {p} does not exist (expected a TorchTitan job.dump_folder)")
+    return p
+
+
+def event_files(run: str | os.PathLike) -> list[Path]:
+    return sorted(Path(run).glob("tb/**/events.out.tfevents.*"))
+
+
+def read_scalars(run: str | os.PathLike, tag: str = LOSS_TAG) -> dict[int, float]:
+    """Effective ``step -> value`` of a TensorBoard scalar across every job of the run."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    latest: dict[int, tuple[float, float]] = {}
+    for f in event_files(run):
+        try:
+            for event in EventFileLoader(str(f)).Load():
+                for v in event.summary.value:
+                    if v.tag != tag:
+                        continue
+                    value = v.simple_value if v.HasField("simple_value") else (
+                        v.tensor.float_val[0] if v.tensor.float_val else float("nan")
+                    )
+                    prev = latest.get(event.step)
+                    if prev is None or event.wall_time >= prev[0]:
+                        latest[event.step] = (event.wall_time, float(value))
+        except Exception as e:  # a truncated event file ends early; keep what was read
+            if not latest:
+                raise RunError(f"cannot read TensorBoard events {f}: {e}") from None
+    return {s: v for s, (_, v) in sorted(latest.items())}
+
+
+def read_log_losses(log_file: str | os.PathLike) -> dict[int, float]:
+    """``step -> loss`` from TorchTitan's console log (``step: N  loss: X``), last one wins.
+
+    Only 5 decimals are printed there: prefer TensorBoard events.
+    """
+    out: dict[int, float] = {}
+    with open(log_file, encoding="utf-8", errors="replace") as f:
+        for line in f:
+            if "validate" in line:
+                continue
+            m = _LOG_LOSS.search(_ANSI.sub("", line))
+            if m:
+                out[int(m.group(1))] = float(m.group(2))
+    return out
+
+
+def losses(run: str | os.PathLike) -> tuple[dict[int, float], str]:
+    """The run's training loss by step and where it came from ("tensorboard" or a log file)."""
+    run = require_run(run)
+    if event_files(run):
+        values = read_scalars(run)
+        if values:
+            return values, "tensorboard"
+    for name in ("train.log", "training.log", "log.txt"):
+        if (run / name).is_file():
+            values = read_log_losses(run / name)
+            if values:
+                return values, str(run / name)
+    raise RunError(
+        f"no losses in {run}: no TensorBoard events under tb/ (enable with "
+        "--metrics.enable_tensorboard) and no train.log"
+    )
+
+
+@dataclass
+class CheckpointInfo:
+    step: int
+    path: Path
+    complete: bool
+    """DCP wrote its ``.metadata`` file last: a folder without it was interrupted."""
+    bytes: int
+
+
+def checkpoints(run: str | os.PathLike, folder: str = "checkpoint") -> list[CheckpointInfo]:
+    root = Path(run) / folder
+    out = []
+    if not root.is_dir():
+        return out
+    for child in root.iterdir():
+        m = re.fullmatch(r"step-(\d+)", child.name)
+        if m and child.is_dir():
+            size = sum(f.stat().st_size for f in child.rglob("*") if f.is_file())
+            out.append(CheckpointInfo(int(m.group(1)), child, (child / ".metadata").is_file(), size))
+    return sorted(out, key=lambda c: c.step)
+
+
+def read_data_state(checkpoint: str | os.PathLike) -> dict:
+    """The Zephon record (loader state + tracker head) saved in a DCP checkpoint folder."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    reader = FileSystemReader(str(checkpoint))
+    try:
+        metadata = reader.read_metadata()
+    except FileNotFoundError:
+        raise RunError(f"{checkpoint} is not a complete DCP checkpoint (no .metadata)") from None
+    key = "dataloader.zephon"
+    if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
+        raise RunError(f"{checkpoint} holds no Zephon data state (key {key!r} missing)")
+    import torch.distributed.checkpoint as dcp
+
+    import warnings
+
+    state = {key: ""}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
+        dcp.load(state, storage_reader=reader, no_dist=True)
+    return json.loads(state[key])
