@@ -1,0 +1,26 @@
+"""Shared end-to-end runs: uninterrupted references that several tests compare against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.titan.launch import train
+
+
+@pytest.fixture(scope="session")
+def e2e_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="session")
+def reference(e2e_root: Path) -> Path:
+    """2 CPU ranks, FSDP, 8 steps, checkpoints at 4 and 8: the uninterrupted run."""
+    return train(e2e_root / "reference", 2).check().run
+
+
+@pytest.fixture(scope="session")
+def reference_fsdp_tp(e2e_root: Path) -> Path:
+    """4 CPU ranks, FSDP 2 x TP 2, 8 steps."""
+    return train(e2e_root / "reference_fsdp_tp", 4, "--parallelism.tensor_parallel_degree", "2").check().run

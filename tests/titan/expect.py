@@ -1,0 +1,43 @@
+"""Assertions on finished runs: same data (sequence logs), close losses."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torchtitan_zephon import runs
+from torchtitan_zephon.tracker import read_log
+
+# Loss tolerance when the topology changes. Same data, same math, but fp32 sums
+# of per-sample losses and gradients are reduced in another order (other DP
+# degree, TP sharding, micro-batch split): a few ulps per step (~1e-7 relative
+# measured over 8 steps of the tiny model), amplified mildly by the optimizer.
+# 1e-5 is two orders above what we observe and far below any data difference
+# (a different batch moves the loss by > 1e-2).
+TOPOLOGY_RTOL = 1e-5
+
+
+def log_records(run: Path) -> dict[int, dict]:
+    return read_log(run / "zephon" / "sequence_log.jsonl").records
+
+
+def assert_same_data(reference: Path, run: Path, steps: range) -> None:
+    """Every step's ordered ids and token content digests (and the chain) agree."""
+    a, b = log_records(reference), log_records(run)
+    for s in steps:
+        assert s in a and s in b, f"step {s} missing: reference has {sorted(a)}, run has {sorted(b)}"
+        for key in ("ids_digest", "tokens_digest", "first_position", "num_samples", "chain"):
+            assert a[s][key] == b[s][key], f"step {s}: {key} differs\n  reference {a[s]}\n  run       {b[s]}"
+
+
+def assert_losses(reference: Path, run: Path, steps: range, *, rtol: float) -> None:
+    a, _ = runs.losses(reference)
+    b, _ = runs.losses(run)
+    for s in steps:
+        if rtol == 0:
+            assert a[s] == b[s], f"step {s}: loss {b[s]!r} != reference {a[s]!r} (exact expected)"
+        else:
+            assert abs(a[s] - b[s]) <= rtol * abs(a[s]), f"step {s}: loss {b[s]} vs reference {a[s]} (rtol {rtol})"
+
+
+def resume_events(run: Path) -> list[dict]:
+    return [e for e in read_log(run / "zephon" / "sequence_log.jsonl").events if e["event"] == "resume"]
