@@ -1,0 +1,15 @@
+"""Benchmarks of the Zephon data path against stock TorchTitan (``zephon bench``).
+
+One module per suite: ``loader`` (tokens/s, restore time, state size),
+``step`` (training steps/s and data wait), ``resume`` (cold start to first
+batch), ``scale`` (per-rank plan cost vs world size, sequence log growth) and
+``prepare`` (tokenization throughput vs workers). Each exposes
+``run(opts: dict) -> dict`` (a JSON-able result) and ``rows(result)`` (the
+printed table).
+
+Invariant: every compared figure is measured in the same invocation, on the
+same machine, side by side; ratios are computed from those measurements and
+never from remembered numbers.
+"""
+
+SUITES = ["loader", "step", "resume", "scale", "prepare"]
