@@ -1,0 +1,122 @@
+"""Elastic resume: a checkpoint taken under one topology continues the exact data
+stream under another (DP degree, local batch size, TP), and bad resumes are refused."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+
+from tests.titan.expect import TOPOLOGY_RTOL, assert_losses, assert_same_data, resume_events
+from tests.titan.launch import copy_run_until, train
+from torchtitan_zephon import runs
+
+TP2 = ("--parallelism.tensor_parallel_degree", "2")
+
+
+@pytest.mark.parametrize(
+    "name, nproc, overrides, dp_degree",
+    [
+        ("2_to_1", 1, (), 1),
+        ("2_to_4_local_batch_1", 4, ("--training.local_batch_size", "1"), 4),
+        ("fsdp_to_fsdp_x_tp", 4, TP2, 2),
+    ],
+)
+def test_resume_from_two_ranks(e2e_root: Path, reference: Path, name, nproc, overrides, dp_degree):
+    run = copy_run_until(reference, e2e_root / name, 4)
+    train(run, nproc, *overrides).check()
+    assert_same_data(reference, run, range(1, 9))
+    assert_losses(reference, run, range(5, 9), rtol=TOPOLOGY_RTOL)
+    (event,) = resume_events(run)
+    assert (event["from_step"], event["world_size"], event["dp_degree"]) == (4, nproc, dp_degree)
+    val_ref = runs.read_scalars(reference, "validation_metrics/loss")
+    val = runs.read_scalars(run, "validation_metrics/loss")
+    assert abs(val[8] - val_ref[8]) <= TOPOLOGY_RTOL * val_ref[8], (val, val_ref)
+
+
+def test_resume_one_rank_to_two(e2e_root: Path, reference: Path):
+    one = train(e2e_root / "one_rank", 1).check().run
+    assert_same_data(reference, one, range(1, 9))
+    run = copy_run_until(one, e2e_root / "1_to_2", 4)
+    train(run, 2).check()
+    assert_same_data(reference, run, range(1, 9))
+    assert_losses(one, run, range(5, 9), rtol=TOPOLOGY_RTOL)
+
+
+def test_resume_fsdp_x_tp_to_fsdp(e2e_root: Path, reference_fsdp_tp: Path, reference: Path):
+    run = copy_run_until(reference_fsdp_tp, e2e_root / "fsdp_x_tp_to_fsdp", 4)
+    train(run, 2).check()
+    assert_same_data(reference, run, range(1, 9))
+    assert_losses(reference_fsdp_tp, run, range(5, 9), rtol=TOPOLOGY_RTOL)
+
+
+# ------------------------------------------------------------ refused resumes
+
+
+def snapshot(run: Path) -> dict[str, str]:
+    """Content hash of every file the runs wrote (train.log is the test harness's own)."""
+    return {
+        str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and p.name != "train.log"
+    }
+
+
+@pytest.fixture(scope="module")
+def other_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store with other contents, tokenized with the same shipped tokenizer."""
+    import pydoc_data.topics
+
+    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.data.prepare import prepare_store
+
+    root = tmp_path_factory.mktemp("other_store")
+    src = root / "text"
+    src.mkdir()
+    for k in sorted(pydoc_data.topics.topics)[:40]:
+        (src / f"{k}.txt").write_text(pydoc_data.topics.topics[k] * 3)
+    prepare_store([str(src)], str(TOKENIZER_DIR), str(root / "store"), progress=False)
+    return root / "store"
+
+
+@pytest.mark.parametrize(
+    "name, overrides, expected",
+    [
+        ("seed", ("--zephon.seed", "5"), ["seed: 0 -> 5"]),
+        ("seq_len", ("--training.seq_len", "32"), ["seq_len: 64 -> 32"]),
+        ("store", None, ["store_fingerprint"]),
+    ],
+)
+def test_changed_data_config_is_refused(e2e_root: Path, reference: Path, other_store: Path, name, overrides, expected):
+    run = copy_run_until(reference, e2e_root / f"refused_{name}", 4)
+    if overrides is None:
+        overrides = ("--zephon.store", str(other_store))
+    before = snapshot(run)
+    job = train(run, 2, *overrides)
+    assert job.returncode != 0
+    assert "Differing fields" in job.output, job.output[-3000:]
+    for text in expected:
+        assert text in job.output, f"{text!r} not in the error:\n{job.output[-3000:]}"
+    assert "allow_changes" in job.output
+    after = snapshot(run)
+    assert {k: after[k] for k in before} == before, "the refused resume changed files in the run folder"
+
+
+def test_changed_seed_accepted_with_explicit_opt_in(e2e_root: Path, reference: Path):
+    run = copy_run_until(reference, e2e_root / "seed_opt_in", 4)
+    train(run, 2, "--zephon.seed", "5", "--zephon.allow_changes", "seed").check()
+    (event,) = resume_events(run)
+    assert event["from_step"] == 4
+
+
+def test_log_from_another_run_is_refused(e2e_root: Path, reference: Path):
+    other = train(e2e_root / "other_seed", 1, "--zephon.seed", "9", "--training.steps", "4").check().run
+    run = copy_run_until(reference, e2e_root / "foreign_log", 4)
+    (run / "zephon" / "sequence_log.jsonl").write_bytes((other / "zephon" / "sequence_log.jsonl").read_bytes())
+    before = snapshot(run)
+    job = train(run, 2)
+    assert job.returncode != 0
+    assert "does not match the checkpoint of step 4" in job.output, job.output[-3000:]
+    after = snapshot(run)
+    assert {k: after[k] for k in before} == before
