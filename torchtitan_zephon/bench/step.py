@@ -1,0 +1,172 @@
+"""``zephon bench step``: training steps/s and data wait, Zephon vs an in-memory tensor.
+
+Runs the debug job (``train_configs/debug_model.toml``: the small Llama 3 on the
+builtin store) under ``torchrun`` on CPU ranks, checkpointing and validation
+off, once per Zephon audit level (off / ids / tokens) and once fed by the
+synthetic loader of ``bench.train_synthetic`` (one preallocated batch: the
+upper bound). Step time and data wait come from TorchTitan's own metrics
+(``time_metrics/end_to_end(s)`` and ``time_metrics/data_loading(%)`` in the
+run's TensorBoard events).
+
+Invariant: the runs differ only in the dataloader (and the audit level); the
+first ``WARMUP`` steps, which include compilation of kernels and allocator
+growth, are left out of every figure.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from torchtitan_zephon.bench.measure import ratio
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIG = REPO / "train_configs" / "debug_model.toml"
+LEVELS = ("off", "ids", "tokens")
+WARMUP = 2
+TARGET_DATA_WAIT_PCT = 1.0
+DATA_PCT = "time_metrics/data_loading(%)"
+DATA_S = "time_metrics/data_loading(s)"
+STEP_S = "time_metrics/end_to_end(s)"
+
+DEFAULTS = {"steps": 30, "nproc": 2, "levels": ",".join(LEVELS)}
+QUICK = {
+    "steps": 4,
+    "nproc": 1,
+    "levels": "ids",
+    "overrides": ["--model.flavor", "tiny"],
+    "concurrent": True,
+}
+
+
+def train_command(run: Path, module: str, nproc: int, steps: int, extra: list[str]) -> list[str]:
+    return [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m", module,
+        "--job.config_file", str(CONFIG),
+        "--job.dump_folder", str(run),
+        "--training.steps", str(steps),
+        "--checkpoint.no-enable",
+        "--validation.no-enable",
+        "--metrics.log_freq", "1",
+        "--metrics.enable_tensorboard",
+        *extra,
+    ]  # fmt: skip
+
+
+class TrainJob:
+    """One benchmark training job in a subprocess; ``result()`` waits and reads its metrics."""
+
+    def __init__(self, run: Path, module: str, nproc: int, steps: int, extra: list[str]) -> None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", ZEPHON_DEVICE="cpu", PYTHONUNBUFFERED="1")
+        self.run = run
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            train_command(run, module, nproc, steps, extra),
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    def result(self) -> dict:
+        from torchtitan_zephon.runs import read_scalars
+
+        output, _ = self.proc.communicate()
+        wall = time.perf_counter() - self.t0
+        if self.proc.returncode != 0:
+            raise RuntimeError(
+                f"benchmark training run in {self.run} failed ({self.proc.returncode}):\n"
+                f"{output[-4000:]}"
+            )
+        step_s = read_scalars(self.run, STEP_S)
+        data_pct = read_scalars(self.run, DATA_PCT)
+        data_s = read_scalars(self.run, DATA_S)
+        kept = [s for s in sorted(step_s) if s > WARMUP] or sorted(step_s)
+        step_time = statistics.median(step_s[s] for s in kept)
+        return {
+            "steps_per_s": 1.0 / step_time,
+            "step_s_median": step_time,
+            "data_wait_pct": statistics.mean(data_pct[s] for s in kept),
+            "data_wait_pct_max": max(data_pct[s] for s in kept),
+            "data_wait_s_mean": statistics.mean(data_s[s] for s in kept),
+            "measured_steps": len(kept),
+            "wall_s": wall,
+        }
+
+
+def run(opts: dict) -> dict:
+    base = QUICK if opts.get("quick") else DEFAULTS
+    o = {**base, **{k: v for k, v in opts.items() if v is not None and k in base}}
+    if not CONFIG.is_file():
+        raise FileNotFoundError(
+            f"{CONFIG} not found: `zephon bench step` runs the repository's debug job; run it "
+            "from a source checkout of torchtitan_zephon."
+        )
+    levels = [x.strip() for x in str(o["levels"]).split(",") if x.strip()]
+    bad = [x for x in levels if x not in LEVELS]
+    if bad:
+        raise ValueError(f"unknown audit levels {bad}; expected some of {list(LEVELS)}.")
+    steps, nproc, extra = int(o["steps"]), int(o["nproc"]), list(o.get("overrides", []))
+    if steps <= WARMUP:
+        raise ValueError(f"--steps must exceed the {WARMUP} warm-up steps, got {steps}.")
+    res: dict[str, Any] = {
+        "suite": "step",
+        "config": str(CONFIG.relative_to(REPO)),
+        "nproc": nproc,
+        "steps": steps,
+        "warmup_steps_excluded": WARMUP,
+        "overrides": extra,
+        "target_data_wait_pct": TARGET_DATA_WAIT_PCT,
+    }
+    jobs = {"synthetic": ("torchtitan_zephon.bench.train_synthetic", ["--model.name", "zephon_bench_synthetic", "--zephon.audit", "off"])}  # fmt: skip
+    for level in levels:
+        jobs[level] = ("torchtitan_zephon.train", ["--zephon.audit", level])
+    # One job at a time, so that they do not slow each other down; --quick (a smoke
+    # test, not a measurement) starts them all at once.
+    concurrent = bool(o.get("concurrent"))
+    res["concurrent"] = concurrent
+    runs: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="zephon-bench-step-") as tmp:
+        started: dict[str, TrainJob] = {}
+        for name, (module, args) in jobs.items():
+            started[name] = TrainJob(Path(tmp) / name, module, nproc, steps, [*extra, *args])
+            if not concurrent:
+                runs[name] = started[name].result()
+        for name, job in started.items():
+            if name not in runs:
+                runs[name] = job.result()
+    upper = runs["synthetic"]["steps_per_s"]
+    for r in runs.values():
+        r["vs_synthetic"] = ratio(r["steps_per_s"], upper)
+    res["runs"] = runs
+    res["steps_per_s"] = {k: v["steps_per_s"] for k, v in runs.items()}
+    res["data_wait_pct"] = {k: v["data_wait_pct"] for k, v in runs.items()}
+    if "ids" in runs:
+        res["meets"] = {"data_wait_ids": runs["ids"]["data_wait_pct"] < TARGET_DATA_WAIT_PCT}
+    return res
+
+
+def rows(r: dict) -> list[tuple[str, str, str]]:
+    out = []
+    for name, x in r["runs"].items():
+        label = "synthetic tensor (upper bound)" if name == "synthetic" else f"zephon audit={name}"
+        note = f"{x['vs_synthetic']:.2f}x of synthetic"
+        if name == "ids":
+            note += f"; data wait target < {TARGET_DATA_WAIT_PCT}%"
+        out.append(
+            (
+                label,
+                f"{x['steps_per_s']:.2f} steps/s, data wait {x['data_wait_pct']:.3f}%",
+                note,
+            )
+        )
+    return out
