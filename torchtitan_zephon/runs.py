@@ -1,8 +1,9 @@
 """Reading a run folder (a TorchTitan ``job.dump_folder``) after the fact.
 
 A run folder holds ``checkpoint/step-N`` (DCP), ``tb/<time>/events.*``
-(TensorBoard), ``zephon/sequence_log.jsonl`` (the tracker) and, when launched
-by our scripts, a training log. Every job that wrote into the folder, the
+(TensorBoard), ``zephon/sequence_log.jsonl`` (the tracker), when launched
+by our scripts a training log, and the job config if it was saved with
+``--job.save_config_file``. Every job that wrote into the folder, the
 original one and each resume, left its own event file.
 
 Invariant: the *effective* value of a metric at step ``s`` is the one written
@@ -18,6 +19,9 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+from torchtitan_zephon.tracker import LOG_NAME, LogContents, TrackerError, read_log
 
 LOSS_TAG = "loss_metrics/global_avg_loss"
 _LOG_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eEnaif]+)")
@@ -50,8 +54,10 @@ def read_scalars(run: str | os.PathLike, tag: str = LOSS_TAG) -> dict[int, float
                 for v in event.summary.value:
                     if v.tag != tag:
                         continue
-                    value = v.simple_value if v.HasField("simple_value") else (
-                        v.tensor.float_val[0] if v.tensor.float_val else float("nan")
+                    value = (
+                        v.simple_value
+                        if v.HasField("simple_value")
+                        else (v.tensor.float_val[0] if v.tensor.float_val else float("nan"))
                     )
                     prev = latest.get(event.step)
                     if prev is None or event.wall_time >= prev[0]:
@@ -114,7 +120,9 @@ def checkpoints(run: str | os.PathLike, folder: str = "checkpoint") -> list[Chec
         m = re.fullmatch(r"step-(\d+)", child.name)
         if m and child.is_dir():
             size = sum(f.stat().st_size for f in child.rglob("*") if f.is_file())
-            out.append(CheckpointInfo(int(m.group(1)), child, (child / ".metadata").is_file(), size))
+            out.append(
+                CheckpointInfo(int(m.group(1)), child, (child / ".metadata").is_file(), size)
+            )
     return sorted(out, key=lambda c: c.step)
 
 
@@ -131,12 +139,77 @@ def read_data_state(checkpoint: str | os.PathLike) -> dict:
     key = "dataloader.zephon"
     if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
         raise RunError(f"{checkpoint} holds no Zephon data state (key {key!r} missing)")
-    import torch.distributed.checkpoint as dcp
-
     import warnings
+
+    import torch.distributed.checkpoint as dcp
 
     state = {key: ""}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
         dcp.load(state, storage_reader=reader, no_dist=True)
     return json.loads(state[key])
+
+
+# ---------------------------------------------------------------- sequence log
+
+TOPOLOGY_KEYS = ("world_size", "dp_degree", "nnodes", "tp_degree", "local_batch_size")
+"""The fields of a start / resume event that describe the job's topology."""
+
+
+def sequence_log(path: str | os.PathLike) -> LogContents:
+    """The effective sequence log of a run folder, or of a log file given directly.
+
+    Raises RunError (a ValueError) with what was expected when the path is missing
+    or the log is corrupt.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise RunError(
+            f"{p} does not exist: expected a run folder (TorchTitan job.dump_folder) or its "
+            f"zephon/{LOG_NAME}"
+        )
+    try:
+        return read_log(p)
+    except TrackerError as e:
+        raise RunError(str(e)) from None
+    except (KeyError, TypeError, ValueError) as e:  # e.g. a record whose "step" is not a number
+        raise RunError(f"{p}: the sequence log is corrupt ({type(e).__name__}: {e})") from None
+
+
+def topology(event: dict[str, Any]) -> dict[str, Any]:
+    """``from_step`` and the topology fields of a start / resume event (absent ones omitted)."""
+    out = {"event": event.get("event"), "from_step": event.get("from_step")}
+    out.update({k: event[k] for k in TOPOLOGY_KEYS if k in event})
+    return out
+
+
+def format_topology(event: dict[str, Any]) -> str:
+    """``world_size 2, dp_degree 2, nnodes 2, ...`` for humans."""
+    parts = [f"{k} {event[k]}" for k in TOPOLOGY_KEYS if k in event]
+    return ", ".join(parts) if parts else "topology not recorded"
+
+
+def resumes(contents: LogContents) -> list[dict[str, Any]]:
+    """The resume events of the effective history, in order, as :func:`topology` records.
+
+    A start event begins a new history: resumes logged before it no longer count.
+    """
+    out: list[dict[str, Any]] = []
+    for e in contents.events:
+        if e.get("event") == "start":
+            out = []
+        elif e.get("event") == "resume":
+            out.append(topology(e))
+    return out
+
+
+def saved_config(run: str | os.PathLike) -> tuple[Path, dict] | None:
+    """The job config a run saved (``--job.save_config_file NAME.json``), if any."""
+    for f in sorted(Path(run).glob("*.json")):
+        try:
+            data = json.loads(f.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and "job" in data and "training" in data:
+            return f, data
+    return None

@@ -18,7 +18,7 @@ import sys
 from torchtitan_zephon import __version__
 
 # Subcommand modules under torchtitan_zephon.cli, in help order.
-COMMANDS = ["prepare", "inspect", "plan", "bench"]
+COMMANDS = ["prepare", "inspect", "plan", "verify", "compare", "bench"]
 
 
 def build_parser() -> argparse.ArgumentParser:
