@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torchtitan_zephon.cli.inspect_run import RUN_KINDS
 from torchtitan_zephon.data.store import TokenStore, is_store
 
 
@@ -46,6 +47,7 @@ def _format_store(info: dict[str, Any]) -> str:
 # (kind, detect, describe, format for humans)
 KINDS: list[tuple[str, Callable[[Path], bool], Callable[[Path], dict], Callable[[dict], str]]] = [
     ("store", is_store, _describe_store, _format_store),
+    *RUN_KINDS,  # checkpoint folders, then run folders
 ]
 
 
@@ -61,7 +63,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     path = Path(args.path)
     if not path.exists():
-        raise ValueError(f"{str(path)!r} does not exist; expected a token store folder.")
+        raise ValueError(
+            f"{str(path)!r} does not exist; expected a token store, a checkpoint folder "
+            "(checkpoint/step-N) or a run folder (job.dump_folder)."
+        )
     for _kind, detect, describe, fmt in KINDS:
         if detect(path):
             info = describe(path)

@@ -1,0 +1,255 @@
+"""``zephon inspect`` for run folders and DCP checkpoint folders.
+
+A run folder (TorchTitan ``job.dump_folder``) is summarised from what it holds:
+the saved job config if any (TorchTitan saves it only with
+``--job.save_config_file``), its checkpoints (complete when DCP wrote
+``.metadata``, which it writes last), the Zephon data state of the latest
+complete one, the sequence log (effective records, resume history with
+topologies) and the loss range in its TensorBoard events. A checkpoint folder
+(``checkpoint/step-N``) is summarised by its data state.
+
+Invariant: inspecting reads only; a part that is missing or unreadable is
+reported as such in its field, never as a traceback.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from torchtitan_zephon import runs
+
+_STEP_DIR = re.compile(r"step-(\d+)")
+
+
+# ---------------------------------------------------------------- detection
+
+
+def is_checkpoint(path: Path) -> bool:
+    """A DCP folder: ``.metadata`` or ``*.distcp`` shards (a ``step-N`` folder may be incomplete)."""
+    if not path.is_dir():
+        return False
+    return (path / ".metadata").is_file() or any(path.glob("*.distcp"))
+
+
+def is_run(path: Path) -> bool:
+    """A TorchTitan dump folder with at least one of checkpoint/, tb/ or the sequence log."""
+    if not path.is_dir():
+        return False
+    return (
+        (path / "checkpoint").is_dir()
+        or (path / "tb").is_dir()
+        or (path / "zephon" / "sequence_log.jsonl").is_file()
+    )
+
+
+# ---------------------------------------------------------------- describing
+
+
+def _data_state(checkpoint: Path) -> dict[str, Any]:
+    """The checkpoint's Zephon record, or ``{"error": ...}`` when it cannot be read."""
+    try:
+        state = runs.read_data_state(checkpoint)
+    except Exception as e:  # noqa: BLE001 - a DCP folder can be broken in many ways
+        return {"error": str(e) or type(e).__name__}
+    return state
+
+
+def describe_checkpoint(path: Path) -> dict[str, Any]:
+    m = _STEP_DIR.fullmatch(path.name)
+    files = [f for f in path.rglob("*") if f.is_file()]
+    complete = (path / ".metadata").is_file()
+    info: dict[str, Any] = {
+        "kind": "checkpoint",
+        "path": str(path),
+        "step": int(m.group(1)) if m else None,
+        "complete": complete,
+        "bytes": sum(f.stat().st_size for f in files),
+        "files": len(files),
+    }
+    if complete:
+        info["data_state"] = _data_state(path)
+    else:
+        info["data_state"] = {"error": "incomplete checkpoint (no .metadata): DCP was interrupted"}
+    return info
+
+
+_CONFIG_KEYS = {
+    "job": ("description",),
+    "model": ("name", "flavor"),
+    "training": ("steps", "global_batch_size", "local_batch_size", "seq_len", "dtype"),
+    "parallelism": ("data_parallel_shard_degree", "tensor_parallel_degree"),
+    "checkpoint": ("interval",),
+    "zephon": ("store", "seed", "audit"),
+}
+
+
+def _config(run: Path) -> dict[str, Any] | None:
+    found = runs.saved_config(run)
+    if found is None:
+        return None
+    path, data = found
+    summary = {
+        f"{section}.{key}": data[section][key]
+        for section, keys in _CONFIG_KEYS.items()
+        for key in keys
+        if isinstance(data.get(section), dict) and key in data[section]
+    }
+    return {"path": str(path), "summary": summary}
+
+
+def _sequence_log(run: Path) -> dict[str, Any]:
+    try:
+        log = runs.sequence_log(run)
+    except ValueError as e:
+        return {"error": str(e)}
+    steps = log.steps()
+    starts = [runs.topology(e) for e in log.events if e.get("event") == "start"]
+    return {
+        "path": str(log.path),
+        "records": len(steps),
+        "first_step": steps[0] if steps else None,
+        "last_step": steps[-1] if steps else None,
+        "tokens_digests": bool(steps) and all("tokens_digest" in log.records[s] for s in steps),
+        "head": {"step": steps[-1], "chain": log.records[steps[-1]]["chain"]} if steps else None,
+        "start": starts[-1] if starts else None,
+        "resumes": runs.resumes(log),
+        "truncated_tail": log.truncated_tail,
+    }
+
+
+def _losses(run: Path) -> dict[str, Any]:
+    try:
+        values, source = runs.losses(run)
+    except Exception as e:  # noqa: BLE001 - unreadable events are reported, not raised
+        return {"error": str(e) or type(e).__name__}
+    steps = sorted(values)
+    vals = [values[s] for s in steps]
+    return {
+        "source": source,
+        "steps": len(steps),
+        "first_step": steps[0],
+        "last_step": steps[-1],
+        "first": vals[0],
+        "last": vals[-1],
+        "min": min(vals),
+        "max": max(vals),
+    }
+
+
+def describe_run(path: Path) -> dict[str, Any]:
+    cks = runs.checkpoints(path)
+    complete = [c for c in cks if c.complete]
+    latest = complete[-1] if complete else None
+    return {
+        "kind": "run",
+        "path": str(path),
+        "config": _config(path),
+        "checkpoints": [
+            {"step": c.step, "path": str(c.path), "complete": c.complete, "bytes": c.bytes}
+            for c in cks
+        ],
+        "latest_complete_checkpoint": latest.step if latest else None,
+        "data_state": _data_state(latest.path) if latest else None,
+        "sequence_log": _sequence_log(path),
+        "loss": _losses(path),
+        "event_files": len(runs.event_files(path)),
+    }
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def _format_data_state(state: dict[str, Any] | None, indent: str = "  ") -> list[str]:
+    if state is None:
+        return [f"{indent}data state: none (no complete checkpoint)"]
+    if "error" in state:
+        return [f"{indent}data state: unavailable ({state['error']})"]
+    cfg = state.get("data_config", {})
+    tracker = state.get("tracker", {})
+    lines = [
+        f"{indent}data state (format {state.get('format')}):",
+        f"{indent}  next step:          {state.get('next_step')}",
+        f"{indent}  consumed positions: {state.get('consumed_positions')}",
+        f"{indent}  store fingerprint:  {state.get('store_fingerprint')}",
+        f"{indent}  data config:        seq_len {cfg.get('seq_len')}, seed {cfg.get('seed')}, "
+        f"{cfg.get('num_samples')} samples, schedule {cfg.get('schedule')}",
+        f"{indent}  data config fingerprint: {state.get('data_config_fingerprint')}",
+    ]
+    if tracker:
+        lines.append(
+            f"{indent}  tracker head:       step {tracker.get('step')}, chain {tracker.get('chain')}"
+        )
+    return lines
+
+
+def format_checkpoint(info: dict[str, Any]) -> str:
+    status = "complete" if info["complete"] else "INCOMPLETE (no .metadata)"
+    lines = [
+        f"checkpoint: {info['path']}",
+        f"  step:   {info['step'] if info['step'] is not None else '?'}",
+        f"  status: {status}, {info['files']} files, {_size(info['bytes'])}",
+    ]
+    return "\n".join(lines + _format_data_state(info["data_state"]))
+
+
+def format_run(info: dict[str, Any]) -> str:
+    lines = [f"run folder: {info['path']}"]
+    cfg = info["config"]
+    if cfg:
+        lines.append(f"  config: {cfg['path']}")
+        lines += [f"    {k} = {v!r}" for k, v in cfg["summary"].items()]
+    else:
+        lines.append("  config: not saved (TorchTitan saves it only with --job.save_config_file)")
+    cks = info["checkpoints"]
+    lines.append(f"  checkpoints ({len(cks)}):")
+    for c in cks:
+        mark = "complete" if c["complete"] else "INCOMPLETE (no .metadata, skipped on resume)"
+        lines.append(f"    step-{c['step']:<6} {_size(c['bytes']):>10}  {mark}")
+    if not cks:
+        lines.append("    none")
+    if info["latest_complete_checkpoint"] is not None:
+        lines.append(f"  latest complete checkpoint: step {info['latest_complete_checkpoint']}")
+    lines += _format_data_state(info["data_state"], "  ")
+    log = info["sequence_log"]
+    if "error" in log:
+        lines.append(f"  sequence log: unavailable ({log['error']})")
+    else:
+        span = f"steps {log['first_step']}..{log['last_step']}" if log["records"] else "no steps"
+        digests = "ids + tokens digests" if log["tokens_digests"] else "ids digests"
+        lines.append(f"  sequence log: {log['path']}")
+        lines.append(f"    {log['records']} effective records, {span}, {digests}")
+        if log["head"]:
+            lines.append(f"    head: step {log['head']['step']}, chain {log['head']['chain']}")
+        if log["start"]:
+            lines.append(f"    started at step 0: {runs.format_topology(log['start'])}")
+        for r in log["resumes"]:
+            lines.append(f"    resumed from step {r['from_step']}: {runs.format_topology(r)}")
+        if log["truncated_tail"]:
+            lines.append("    last line truncated (a job died mid-write); ignored")
+    loss = info["loss"]
+    if "error" in loss:
+        lines.append(f"  loss: unavailable ({loss['error']})")
+    else:
+        lines.append(
+            f"  loss ({loss['source']}, {info['event_files']} event files): steps "
+            f"{loss['first_step']}..{loss['last_step']}, {loss['first']:.5f} -> {loss['last']:.5f} "
+            f"(min {loss['min']:.5f}, max {loss['max']:.5f})"
+        )
+    return "\n".join(lines)
+
+
+# (kind, detect, describe, format): appended to cli/inspect.py KINDS after the store.
+RUN_KINDS = [
+    ("checkpoint", is_checkpoint, describe_checkpoint, format_checkpoint),
+    ("run", is_run, describe_run, format_run),
+]
