@@ -84,6 +84,7 @@ def stock_loader(
     from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
 
     datasets.disable_progress_bars()
+    warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 on torch 2.13
     logging.getLogger().setLevel(logging.ERROR)  # TorchTitan's "re-looped" warning per epoch
     dataset = HuggingFaceTextDataset(
         dataset_name=DATASET_NAME,

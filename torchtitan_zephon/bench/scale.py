@@ -1,0 +1,168 @@
+"""``zephon bench scale``: what one rank computes per step, as the world grows.
+
+For simulated DP degrees 8, 2,048 and 100,000 it times one rank's plan for a
+step (``DataPlan.microbatch_ids``) and the gather of its windows
+(``TokenStore.windows``) with a fixed per-rank batch (global batch = DP x 4),
+and the plan alone at a fixed global batch. It also times what the trainer's
+tracker does per step on every rank at audit level ``ids`` (the global ids of
+the step and their digest: O(global batch), not O(world size)), and measures
+how fast the sequence log grows, in bytes per step, at levels ids and tokens.
+
+Invariant: per-rank work depends on the rank's own sample count, never on the
+DP degree; the simulated ranks are the middle rank of each degree.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchtitan_zephon.bench.corpus import builtin_store
+from torchtitan_zephon.bench.measure import latency, paired_latency, ratio
+from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
+from torchtitan_zephon.tracker import SequenceTracker, ids_digest, sample_digests
+
+DP_DEGREES = (8, 2048, 100_000)
+PER_RANK = 4
+FIXED_GLOBAL = 6_400_000  # the smallest global batch all three degrees divide
+STEP = 1000
+DEFAULTS = {"seq_len": 2048, "repeats": 200, "log_steps": 200}
+QUICK = {"seq_len": 256, "repeats": 3, "log_steps": 20}
+
+
+def _rank_work(store: Any, plan: DataPlan, d: int, seq_len: int, windows: bool) -> None:
+    steps = iter(range(STEP, STEP + 10**9))
+
+    def work() -> None:
+        ids = plan.microbatch_ids(next(steps), d // 2, d, PER_RANK)
+        if windows:
+            for mb in ids:
+                store.windows(mb, seq_len)
+
+    return work
+
+
+def log_growth(store: Any, seq_len: int, steps: int, gbs: int) -> dict[str, Any]:
+    """Bytes per step the sequence log grows by, at audit levels ids and tokens."""
+    plan = DataPlan(store.num_samples(seq_len), 0, BatchSchedule([(1, gbs)]))
+    out: dict[str, Any] = {"global_batch": gbs}
+    with tempfile.TemporaryDirectory(prefix="zephon-bench-") as tmp:
+        for level in ("ids", "tokens"):
+            path = Path(tmp) / level / "sequence_log.jsonl"
+            tracker = SequenceTracker(
+                path, store_fingerprint=store.fingerprint, data_config_fingerprint="0" * 64,
+                writer=True,
+            )  # fmt: skip
+            tracker.start({"world_size": 1, "dp_degree": 1})
+            before = path.stat().st_size
+            for step in range(1, steps + 1):
+                ids = plan.global_ids(step)
+                tokens = None
+                if level == "tokens":
+                    tokens = sample_digests(store.windows(ids, seq_len).astype(np.int64))
+                tracker.record(step, plan.step_positions(step)[0], ids, tokens)
+            out[f"{level}_bytes_per_step"] = (path.stat().st_size - before) / steps
+    out["bytes_per_million_steps"] = {
+        k[: -len("_bytes_per_step")]: v * 1e6 for k, v in out.items() if k.endswith("_per_step")
+    }
+    return out
+
+
+def run(opts: dict) -> dict:
+    base = QUICK if opts.get("quick") else DEFAULTS
+    o = {**base, **{k: v for k, v in opts.items() if v is not None and k in base}}
+    seq_len, repeats = o["seq_len"], o["repeats"]
+    store = builtin_store()
+    n = store.num_samples(seq_len)
+    per_rank: dict[str, dict[str, float]] = {}
+    fixed: dict[str, dict[str, float]] = {}
+    tracker_ids: dict[str, float] = {}
+    plans = {d: DataPlan(n, 0, BatchSchedule([(1, d * PER_RANK)])) for d in DP_DEGREES}
+    # Degrees interleaved call by call, so machine drift does not favour one of them.
+    plan_t = paired_latency(
+        {d: _rank_work(store, plans[d], d, seq_len, False) for d in DP_DEGREES}, repeats
+    )
+    both_t = paired_latency(
+        {d: _rank_work(store, plans[d], d, seq_len, True) for d in DP_DEGREES}, repeats
+    )
+    for d in DP_DEGREES:
+        plan = plans[d]
+        per_rank[str(d)] = {
+            "global_batch": d * PER_RANK,
+            "plan_s": plan_t[d]["median_s"],
+            "plan_and_windows_s": both_t[d]["median_s"],
+        }
+        steps = iter(range(STEP, STEP + 10**9))
+        tracker_ids[str(d)] = latency(
+            lambda plan=plan, steps=steps: ids_digest(plan.global_ids(next(steps)), "x"),
+            max(3, repeats // 40),
+        )["median_s"]
+        fplan = DataPlan(n, 0, BatchSchedule([(1, FIXED_GLOBAL)]))
+        steps = iter(range(STEP, STEP + 10**9))
+        fixed[str(d)] = {
+            "rank_samples": FIXED_GLOBAL // d,
+            "plan_s": latency(
+                lambda fplan=fplan, d=d, steps=steps: fplan.rank_ids(next(steps), d // 2, d),
+                max(3, repeats // 40),
+            )["median_s"],
+        }
+    first, last = str(DP_DEGREES[0]), str(DP_DEGREES[-1])
+    return {
+        "suite": "scale",
+        "seq_len": seq_len,
+        "per_rank_batch": PER_RANK,
+        "step": STEP,
+        "fixed_per_rank": per_rank,
+        "per_rank_growth_100000_vs_8": ratio(
+            per_rank[last]["plan_and_windows_s"], per_rank[first]["plan_and_windows_s"]
+        ),
+        "fixed_global_batch": FIXED_GLOBAL,
+        "fixed_global": fixed,
+        "tracker_ids_per_step_s": tracker_ids,
+        "sequence_log": log_growth(store, seq_len, o["log_steps"], 64),
+    }
+
+
+def rows(r: dict) -> list[tuple[str, str, str]]:
+    out = []
+    for d, x in r["fixed_per_rank"].items():
+        out.append(
+            (
+                f"DP {int(d):,}, {r['per_rank_batch']}/rank: rank plan | +windows",
+                f"{x['plan_s'] * 1e6:.0f} us | {x['plan_and_windows_s'] * 1e6:.0f} us",
+                f"global batch {x['global_batch']:,}",
+            )
+        )
+    out.append(
+        ("per-rank time, DP 100,000 / DP 8", f"{r['per_rank_growth_100000_vs_8']:.2f}x", "flat = 1")
+    )
+    for d, x in r["fixed_global"].items():
+        out.append(
+            (
+                f"DP {int(d):,}, global {r['fixed_global_batch']:,}: rank plan",
+                f"{x['plan_s'] * 1e3:.2f} ms",
+                f"{x['rank_samples']:,} samples/rank",
+            )
+        )
+    for d, s in r["tracker_ids_per_step_s"].items():
+        gbs = r["fixed_per_rank"][d]["global_batch"]
+        out.append(
+            (
+                f"tracker (audit ids) per step, global batch {gbs:,}",
+                f"{s * 1e3:.2f} ms",
+                "every rank, O(global batch)",
+            )
+        )
+    log = r["sequence_log"]
+    for level in ("ids", "tokens"):
+        out.append(
+            (
+                f"sequence log growth, audit {level}",
+                f"{log[f'{level}_bytes_per_step']:.0f} B/step",
+                f"{log['bytes_per_million_steps'][level] / 1e6:.0f} MB per 1M steps",
+            )
+        )
+    return out
