@@ -1,0 +1,77 @@
+"""zephon bench: one smoke test per suite at tiny sizes (keys and relations, no timing)."""
+
+import json
+
+import pytest
+
+from torchtitan_zephon.cli.main import main
+
+
+def bench(capsys, *argv: str) -> dict:
+    assert main(["bench", *argv, "--quick", "--json"]) == 0
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+def test_loader(capsys, tmp_path):
+    out = tmp_path / "loader.json"
+    r = bench(capsys, "loader", "--out", str(out))
+    assert json.loads(out.read_text()) == r
+    for key in ("stock_tokens_per_s", "zephon_tokens_per_s", "torchdata_tokens_per_s"):
+        assert r[key] > 0
+    assert r["speedup"] == pytest.approx(r["zephon_tokens_per_s"] / r["stock_tokens_per_s"])
+    assert set(r["tokens_per_s"]) == {
+        f"{name}_workers{w}" for name in ("stock", "torchdata", "zephon") for w in (0, 2)
+    }
+    assert r["restore_s_step_10"] > 0 and r["restore_s_step_1000000"] > 0
+    assert r["restore_ratio"] == pytest.approx(r["restore_s_step_1000000"] / r["restore_s_step_10"])
+    sizes = r["state_bytes"]
+    assert set(sizes) == {"1", "8", "1024"}
+    assert len(set(sizes.values())) == 1 and sizes["1"] < 4096
+    assert len(set(r["trainer_record_bytes"].values())) == 1
+    assert r["trainer_record_bytes"]["1"] < 4096
+    stock = r["stock_state_bytes"]
+    assert stock["1024"] == 1024 * stock["1"] == 1024 * r["stock_rank_state_bytes"]
+    assert r["state_constant"] and r["meets"]["state_bytes"]
+
+
+def test_step(capsys):
+    r = bench(capsys, "step")
+    assert set(r["runs"]) == {"synthetic", "ids"}
+    for run in r["runs"].values():
+        assert run["steps_per_s"] > 0 and 0 <= run["data_wait_pct"] < 100
+        assert run["measured_steps"] >= 1
+    assert r["runs"]["synthetic"]["vs_synthetic"] == pytest.approx(1.0)
+    assert "data_wait_ids" in r["meets"]
+
+
+def test_resume(capsys):
+    r = bench(capsys, "resume")
+    assert r["resume_s_step_10"] > 0 and r["resume_s_step_10000000"] > 0
+    assert r["resume_ratio"] == pytest.approx(r["resume_s_step_10000000"] / r["resume_s_step_10"])
+    sizes = r["checkpoint_data_bytes"]
+    assert set(sizes) == {"1", "8", "1024"} and len(set(sizes.values())) == 1
+    assert sizes["1"] < 4096
+    assert r["stock_checkpoint_data_bytes"]["8"] == 8 * r["stock_rank_state_bytes"]
+
+
+def test_scale(capsys):
+    r = bench(capsys, "scale")
+    assert set(r["fixed_per_rank"]) == {"8", "2048", "100000"}
+    gbs = {d: x["global_batch"] for d, x in r["fixed_per_rank"].items()}
+    assert gbs == {"8": 32, "2048": 8192, "100000": 400000}
+    samples = {d: x["rank_samples"] for d, x in r["fixed_global"].items()}
+    assert samples == {"8": 800000, "2048": 3125, "100000": 64}
+    log = r["sequence_log"]
+    assert 0 < log["ids_bytes_per_step"] < log["tokens_bytes_per_step"] < 1024
+
+
+def test_prepare(capsys):
+    r = bench(capsys, "prepare")
+    assert r["identical"] is True
+    assert r["tokens_per_s_workers1"] > 0 and r["tokens_per_s_workers2"] > 0
+    assert r["speedup"] == pytest.approx(r["tokens_per_s_workers2"] / r["tokens_per_s_workers1"])
+
+
+def test_bad_level_is_a_clean_error(capsys):
+    assert main(["bench", "step", "--levels", "everything"]) == 2
+    assert "unknown audit levels" in capsys.readouterr().err
