@@ -157,6 +157,7 @@ until [ -f "$RES/checkpoint/step-$KILL_AT/.metadata" ]; do
   waited=$((waited + 1))
 done
 kill -KILL -- "-$b1"
+{ wait "$b1"; } 2>/dev/null || true  # reap it quietly (no "Killed" job notice)
 say "node 1 killed (agent pid $b1 and its worker, SIGKILL) right after checkpoint step-$KILL_AT"
 wait_all 180 "$b0"
 if [ -f "$RES/checkpoint/step-$STEPS/.metadata" ]; then

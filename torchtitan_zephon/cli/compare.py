@@ -215,7 +215,7 @@ def plot(
             lw=2.2 if i == 0 else 1.4,
             marker="o" if len(steps) <= 60 else None,
             ms=3,
-            label=label + (" (reference)" if i == 0 else ""),
+            label=label + (" (reference)" if i == 0 and label != "reference" else ""),
         )
         if i:
             common = sorted(set(ref) & set(s))
@@ -231,7 +231,7 @@ def plot(
             if (k, i) not in seen:
                 seen.add((k, i))
                 top.annotate(
-                    f"{labels[i]} resumed\nfrom step {k}", xy=(k, 1.0), xycoords=("data", "axes fraction"),
+                    f"resume from step {k}\n[{labels[i]}]", xy=(k, 1.0), xycoords=("data", "axes fraction"),
                     xytext=(4, -4), textcoords="offset points", va="top", fontsize=8,
                     color=colors[i % len(colors)],
                 )  # fmt: skip
