@@ -294,8 +294,7 @@ class ZephonLoader:
                 "not continue the same data stream. Differing fields (saved -> current):\n"
                 + "\n".join(lines)
                 + hint
-                + f"\nTo accept, opt in with allow_changes={refused!r} (or 'all'); "
-                "for the trainer, use the zephon override flags."
+                + f"\nTo accept, opt in with allow_changes={refused!r} (or 'all')."
             )
 
         anchor_step, anchor_pos = next_step, consumed

@@ -20,7 +20,7 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.data.loader import ZephonLoader
+from torchtitan_zephon.data.loader import DataStateMismatch, ZephonLoader
 from torchtitan_zephon.data.plan import BatchSchedule, check_batch_layout
 from torchtitan_zephon.data.store import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
@@ -138,7 +138,13 @@ class ZephonDataLoader(BaseDataLoader):
             )
         record = json.loads(state_dict[STATE_KEY])
         head = record.pop("tracker", {"step": 0, "chain": self.tracker.chain})
-        self.loader.load_state_dict(record, allow_changes=self.allow_changes)
+        try:
+            self.loader.load_state_dict(record, allow_changes=self.allow_changes)
+        except DataStateMismatch as e:
+            raise DataStateMismatch(
+                f"{e}\nWith the trainer: --zephon.allow_changes FIELD (repeatable; TOML: "
+                '[zephon] allow_changes = ["FIELD", ...]). Nothing was changed on disk.'
+            ) from None
         self.tracker.resume(head, self.topology, ignore_mismatch=self.ignore_log_mismatch)
         self.resumed_from = int(head["step"])
         logger.info(
