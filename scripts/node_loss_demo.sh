@@ -69,13 +69,14 @@ free_port() {
   python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
-# Background agents run in their own process groups (setsid) so that a whole
-# "node" (agent + its workers) can be killed at once, and cleaned up on exit.
+# A "node" is an agent and every process under it. torchrun starts each worker in a
+# session of its own, so the agent's process group does not hold its workers: list
+# the whole tree first, then SIGKILL all of it at once.
 AGENTS=()
+tree() { echo "$1"; local c; for c in $(pgrep -P "$1"); do tree "$c"; done; }
+kill_node() { local pids; pids=$(tree "$1"); kill -KILL $pids 2>/dev/null || true; }
 cleanup() {
-  for pid in "${AGENTS[@]}"; do
-    kill -KILL -- "-$pid" 2>/dev/null || true
-  done
+  for pid in "${AGENTS[@]}"; do kill_node "$pid"; done
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
@@ -83,7 +84,7 @@ trap 'exit 130' INT TERM
 # start_agent LOG NNODES PORT RDZV_ID DUMP: one torchrun agent with 1 rank, in the background.
 start_agent() {
   local log=$1 nnodes=$2 port=$3 id=$4 dump=$5
-  setsid python -m torch.distributed.run --nnodes="$nnodes" --nproc_per_node=1 \
+  python -m torch.distributed.run --nnodes="$nnodes" --nproc_per_node=1 \
     --rdzv_backend=c10d --rdzv_endpoint="127.0.0.1:$port" --rdzv_id="$id" --max_restarts=0 \
     -m torchtitan_zephon.train "${OVERRIDES[@]}" --job.dump_folder "$dump" >"$log" 2>&1 &
   AGENTS+=("$!")
@@ -114,7 +115,7 @@ wait_all() {
       for pid in "$@"; do
         if [ -z "${rc[$pid]:-}" ]; then
           echo "[demo] agent $pid still running after $((SECONDS - start)) s: killing it" >&2
-          kill -KILL -- "-$pid" 2>/dev/null || true
+          kill_node "$pid"
         fi
       done
     fi
@@ -157,7 +158,7 @@ until [ -f "$RES/checkpoint/step-$KILL_AT/.metadata" ]; do
   sleep 0.2
   waited=$((waited + 1))
 done
-kill -KILL -- "-$b1"
+kill_node "$b1"
 { wait "$b1"; } 2>/dev/null || true  # reap it quietly (no "Killed" job notice)
 say "node 1 killed (agent pid $b1 and its worker, SIGKILL) right after checkpoint step-$KILL_AT"
 wait_all 180 "$b0"
