@@ -44,7 +44,9 @@ def log_path(dump_folder: str | os.PathLike) -> Path:
 
 def genesis(data_config_fingerprint: str) -> str:
     """The chain value before step 1: a function of the data config only."""
-    return hashlib.sha256(f"zephon-tracker-v{TRACKER_FORMAT}:{data_config_fingerprint}".encode()).hexdigest()
+    return hashlib.sha256(
+        f"zephon-tracker-v{TRACKER_FORMAT}:{data_config_fingerprint}".encode()
+    ).hexdigest()
 
 
 def ids_digest(ids: np.ndarray, store_fingerprint: str) -> str:
@@ -128,8 +130,12 @@ def read_log(path: str | os.PathLike) -> LogContents:
             if is_last:
                 out.truncated_tail = True
                 break
-            raise TrackerError(f"{path}:{lineno}: not valid JSON ({e.msg}); the log is corrupt") from None
-        if not isinstance(entry, dict) or not ("event" in entry or ("step" in entry and "chain" in entry)):
+            raise TrackerError(
+                f"{path}:{lineno}: not valid JSON ({e.msg}); the log is corrupt"
+            ) from None
+        if not isinstance(entry, dict) or not (
+            "event" in entry or ("step" in entry and "chain" in entry)
+        ):
             raise TrackerError(f"{path}:{lineno}: neither a step record nor an event: {line[:120]}")
         entries.append(entry)
     out.records = effective_records(entries)

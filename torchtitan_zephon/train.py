@@ -15,7 +15,10 @@ from torchtitan_zephon.titan.config import CONFIG_MODULE
 
 
 def _with_zephon_config(argv: list[str]) -> list[str]:
-    if any(a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module") for a in argv):
+    if any(
+        a.split("=")[0] in ("--job.custom_config_module", "--job.custom-config-module")
+        for a in argv
+    ):
         return argv
     config_file = None
     for i, a in enumerate(argv):

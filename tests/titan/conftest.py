@@ -23,4 +23,8 @@ def reference(e2e_root: Path) -> Path:
 @pytest.fixture(scope="session")
 def reference_fsdp_tp(e2e_root: Path) -> Path:
     """4 CPU ranks, FSDP 2 x TP 2, 8 steps."""
-    return train(e2e_root / "reference_fsdp_tp", 4, "--parallelism.tensor_parallel_degree", "2").check().run
+    return (
+        train(e2e_root / "reference_fsdp_tp", 4, "--parallelism.tensor_parallel_degree", "2")
+        .check()
+        .run
+    )

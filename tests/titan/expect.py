@@ -24,9 +24,13 @@ def assert_same_data(reference: Path, run: Path, steps: range) -> None:
     """Every step's ordered ids and token content digests (and the chain) agree."""
     a, b = log_records(reference), log_records(run)
     for s in steps:
-        assert s in a and s in b, f"step {s} missing: reference has {sorted(a)}, run has {sorted(b)}"
+        assert s in a and s in b, (
+            f"step {s} missing: reference has {sorted(a)}, run has {sorted(b)}"
+        )
         for key in ("ids_digest", "tokens_digest", "first_position", "num_samples", "chain"):
-            assert a[s][key] == b[s][key], f"step {s}: {key} differs\n  reference {a[s]}\n  run       {b[s]}"
+            assert a[s][key] == b[s][key], (
+                f"step {s}: {key} differs\n  reference {a[s]}\n  run       {b[s]}"
+            )
 
 
 def assert_losses(reference: Path, run: Path, steps: range, *, rtol: float) -> None:
@@ -36,8 +40,12 @@ def assert_losses(reference: Path, run: Path, steps: range, *, rtol: float) -> N
         if rtol == 0:
             assert a[s] == b[s], f"step {s}: loss {b[s]!r} != reference {a[s]!r} (exact expected)"
         else:
-            assert abs(a[s] - b[s]) <= rtol * abs(a[s]), f"step {s}: loss {b[s]} vs reference {a[s]} (rtol {rtol})"
+            assert abs(a[s] - b[s]) <= rtol * abs(a[s]), (
+                f"step {s}: loss {b[s]} vs reference {a[s]} (rtol {rtol})"
+            )
 
 
 def resume_events(run: Path) -> list[dict]:
-    return [e for e in read_log(run / "zephon" / "sequence_log.jsonl").events if e["event"] == "resume"]
+    return [
+        e for e in read_log(run / "zephon" / "sequence_log.jsonl").events if e["event"] == "resume"
+    ]

@@ -30,7 +30,9 @@ def job_env() -> dict[str, str]:
     return env
 
 
-def train_command(run: Path, nproc: int, overrides: list[str], *, torchrun_args: list[str] | None = None) -> list[str]:
+def train_command(
+    run: Path, nproc: int, overrides: list[str], *, torchrun_args: list[str] | None = None
+) -> list[str]:
     launcher = torchrun_args if torchrun_args is not None else ["--standalone"]
     return [
         sys.executable, "-m", "torch.distributed.run", *launcher,
@@ -49,7 +51,9 @@ class Job:
     output: str
 
     def check(self) -> Job:
-        assert self.returncode == 0, f"job in {self.run} failed ({self.returncode}):\n{self.output[-6000:]}"
+        assert self.returncode == 0, (
+            f"job in {self.run} failed ({self.returncode}):\n{self.output[-6000:]}"
+        )
         return self
 
 

@@ -88,7 +88,9 @@ def other_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
         ("store", None, ["store_fingerprint"]),
     ],
 )
-def test_changed_data_config_is_refused(e2e_root: Path, reference: Path, other_store: Path, name, overrides, expected):
+def test_changed_data_config_is_refused(
+    e2e_root: Path, reference: Path, other_store: Path, name, overrides, expected
+):
     run = copy_run_until(reference, e2e_root / f"refused_{name}", 4)
     if overrides is None:
         overrides = ("--zephon.store", str(other_store))
@@ -100,7 +102,9 @@ def test_changed_data_config_is_refused(e2e_root: Path, reference: Path, other_s
         assert text in job.output, f"{text!r} not in the error:\n{job.output[-3000:]}"
     assert "allow_changes" in job.output
     after = snapshot(run)
-    assert {k: after[k] for k in before} == before, "the refused resume changed files in the run folder"
+    assert {k: after[k] for k in before} == before, (
+        "the refused resume changed files in the run folder"
+    )
 
 
 def test_changed_seed_accepted_with_explicit_opt_in(e2e_root: Path, reference: Path):
@@ -111,9 +115,13 @@ def test_changed_seed_accepted_with_explicit_opt_in(e2e_root: Path, reference: P
 
 
 def test_log_from_another_run_is_refused(e2e_root: Path, reference: Path):
-    other = train(e2e_root / "other_seed", 1, "--zephon.seed", "9", "--training.steps", "4").check().run
+    other = (
+        train(e2e_root / "other_seed", 1, "--zephon.seed", "9", "--training.steps", "4").check().run
+    )
     run = copy_run_until(reference, e2e_root / "foreign_log", 4)
-    (run / "zephon" / "sequence_log.jsonl").write_bytes((other / "zephon" / "sequence_log.jsonl").read_bytes())
+    (run / "zephon" / "sequence_log.jsonl").write_bytes(
+        (other / "zephon" / "sequence_log.jsonl").read_bytes()
+    )
     before = snapshot(run)
     job = train(run, 2)
     assert job.returncode != 0

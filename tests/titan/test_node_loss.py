@@ -25,7 +25,9 @@ def uninterrupted(e2e_root: Path) -> Path:
     return train(e2e_root / "node_loss_reference", 2, *JOB).check().run
 
 
-def two_nodes_lose_one(run: Path, *, nnodes: str, agent_args: tuple[str, ...] = ()) -> subprocess.Popen:
+def two_nodes_lose_one(
+    run: Path, *, nnodes: str, agent_args: tuple[str, ...] = ()
+) -> subprocess.Popen:
     """Start two single-rank agents; SIGKILL the second agent and its worker right after
     checkpoint KILL_AFTER completes. Returns the surviving agent's process."""
     port = free_port()
@@ -36,17 +38,23 @@ def two_nodes_lose_one(run: Path, *, nnodes: str, agent_args: tuple[str, ...] = 
     for i in range(2):
         log = open(run / f"agent{i}.log", "w")
         cmd = train_command(run, 1, list(JOB), torchrun_args=launcher)
-        agents.append(subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=log, stderr=subprocess.STDOUT))
+        agents.append(
+            subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=log, stderr=subprocess.STDOUT)
+        )
         time.sleep(0.5)  # the first agent hosts the rendezvous store
     done = run / "checkpoint" / f"step-{KILL_AFTER}" / ".metadata"
     deadline = time.time() + 300
     while not done.exists():
-        assert time.time() < deadline, "no checkpoint within 300 s:\n" + (run / "agent0.log").read_text()[-3000:]
+        assert time.time() < deadline, (
+            "no checkpoint within 300 s:\n" + (run / "agent0.log").read_text()[-3000:]
+        )
         assert agents[1].poll() is None, "the second node ended before it could be lost"
         time.sleep(0.02)
     kill_node(agents[1].pid)
     agents[1].wait()
-    assert not (run / "checkpoint" / "step-24").exists(), "the job finished before the node was lost"
+    assert not (run / "checkpoint" / "step-24").exists(), (
+        "the job finished before the node was lost"
+    )
     return agents[0]
 
 

@@ -15,7 +15,9 @@ def run_python(code: str, **env: str) -> str:
     import os
 
     full = {**os.environ, **env}
-    out = subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip()
 

@@ -12,6 +12,7 @@ from typing import Literal
 
 CONFIG_MODULE = "torchtitan_zephon.titan.config"
 
+
 @dataclass
 class Zephon:
     store: str = ""
@@ -50,6 +51,7 @@ class Zephon:
 
     prefetch: int = 2
     """Micro-batches prepared ahead of the trainer by a background thread (0: none)."""
+
 
 @dataclass
 class JobConfig:

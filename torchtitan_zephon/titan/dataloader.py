@@ -36,7 +36,9 @@ def resolve_store(job_config: Any) -> TokenStore:
 
         path = str(builtin_store_path(progress=int(os.environ.get("RANK", "0")) == 0))
         assets = os.path.abspath(job_config.model.hf_assets_path)
-        if assets != str(TOKENIZER_DIR) and not os.path.exists(os.path.join(assets, "tokenizer.json")):
+        if assets != str(TOKENIZER_DIR) and not os.path.exists(
+            os.path.join(assets, "tokenizer.json")
+        ):
             logger.warning(
                 f"model.hf_assets_path={job_config.model.hf_assets_path} has no tokenizer.json; "
                 f"the builtin store was tokenized with {TOKENIZER_DIR}"
@@ -106,7 +108,9 @@ class ZephonDataLoader(BaseDataLoader):
         delivered = 0
         for input_dict, labels in self.loader:
             if self.audit == "tokens":
-                windows = np.concatenate([input_dict["input"].numpy(), labels[:, -1:].numpy()], axis=1)
+                windows = np.concatenate(
+                    [input_dict["input"].numpy(), labels[:, -1:].numpy()], axis=1
+                )
                 self._digests.setdefault(step, []).append(sample_digests(windows))
             yield input_dict, labels
             delivered += 1

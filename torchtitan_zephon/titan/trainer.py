@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch.distributed as dist
-from torchtitan.train import Trainer
 from torchtitan.tools.logging import logger
+from torchtitan.train import Trainer
 
 from torchtitan_zephon.titan import platform
 from torchtitan_zephon.titan.dataloader import ZephonDataLoader
@@ -41,7 +41,9 @@ class ZephonTrainer(Trainer):
             self._open_tracker()
         tc = self.job_config.training
         gbs = self.dataloader.plan.schedule.gbs(step)
-        self.gradient_accumulation_steps = gbs // (self.dataloader.loader.dp_degree * tc.local_batch_size)
+        self.gradient_accumulation_steps = gbs // (
+            self.dataloader.loader.dp_degree * tc.local_batch_size
+        )
         super().train_step(data_iterator)
         self._record_step(step)
 
@@ -78,4 +80,3 @@ class ZephonTrainer(Trainer):
         if getattr(self, "dataloader", None) is not None:
             self.dataloader.close()
         super().close()
-

@@ -50,7 +50,11 @@ class HeldoutLoader(BaseDataLoader):
                 f"{local_batch_size}; choose a validation.local_batch_size dividing {per_rank}"
             )
         self.store, self.seq_len = store, seq_len
-        self.first_sample, self.global_batch, self.num_batches = first_sample, global_batch, num_batches
+        self.first_sample, self.global_batch, self.num_batches = (
+            first_sample,
+            global_batch,
+            num_batches,
+        )
         self.dp_rank, self.per_rank, self.local_batch_size = dp_rank, per_rank, local_batch_size
 
     def sample_ids(self) -> np.ndarray:
@@ -64,7 +68,11 @@ class HeldoutLoader(BaseDataLoader):
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         ids = self.sample_ids()
         for i in range(0, len(ids), self.local_batch_size):
-            w = torch.from_numpy(self.store.windows(ids[i : i + self.local_batch_size], self.seq_len).astype(np.int64))
+            w = torch.from_numpy(
+                self.store.windows(ids[i : i + self.local_batch_size], self.seq_len).astype(
+                    np.int64
+                )
+            )
             yield {"input": w[:, :-1]}, w[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
