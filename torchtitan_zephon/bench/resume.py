@@ -29,7 +29,7 @@ STEPS = (10, 10_000_000)
 DP_DEGREES = (1, 8, 1024)
 TARGET_RATIO = 1.5
 
-DEFAULTS = {"repeats": 5, "seq_len": 2048, "batch": 8}
+DEFAULTS = {"repeats": 3, "seq_len": 2048, "batch": 8}
 QUICK = {"repeats": 1, "seq_len": 256, "batch": 2, "max_docs": 20}
 
 CHILD = r"""
