@@ -42,8 +42,9 @@ class Zephon:
 
     allow_changes: list[str] = field(default_factory=list)
     """Data-config fields whose change since the checkpoint is accepted on
-    resume, e.g. ["seed"]. Names: store, seq_len, seed, schedule,
-    heldout_samples, tokenizer_hash, or "all". Without it such a resume is refused."""
+    resume, e.g. ["seed"]. Names: seed, seq_len, schedule, num_samples (changed
+    by heldout_samples), store (its contents), tokenizer, or "all". Without it
+    such a resume is refused, naming the differing fields."""
 
     ignore_log_mismatch: bool = False
     """Resume even when the sequence log is missing or does not contain the

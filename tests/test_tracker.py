@@ -1,0 +1,106 @@
+"""The sequence log: chain, effective history, truncated tails, resume checks."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from torchtitan_zephon.tracker import SequenceTracker, TrackerError, genesis, read_log
+
+TOPO = {"world_size": 2, "dp_degree": 2, "nnodes": 1}
+
+
+def tracker(path, writer=True):
+    return SequenceTracker(
+        path, store_fingerprint="s" * 64, data_config_fingerprint="c" * 64, writer=writer
+    )
+
+
+def ids(step):
+    return np.arange(step * 4, step * 4 + 4)
+
+
+def test_chain_depends_on_data_only_not_on_restarts(tmp_path):
+    a = tracker(tmp_path / "a.jsonl")
+    a.start(TOPO)
+    for s in range(1, 7):
+        a.record(s, (s - 1) * 4, ids(s), b"x" * 16)
+    b = tracker(tmp_path / "b.jsonl")
+    b.start(TOPO)
+    for s in range(1, 5):
+        b.record(s, (s - 1) * 4, ids(s), b"x" * 16)
+    head = b.head()
+    # the job "dies" after step 5 without a checkpoint of it
+    b.record(5, 16, ids(5), b"x" * 16)
+    c = tracker(tmp_path / "b.jsonl")
+    c.resume(head, {**TOPO, "world_size": 1, "dp_degree": 1})
+    for s in (5, 6):
+        c.record(s, (s - 1) * 4, ids(s), b"x" * 16)
+    ra, rb = read_log(tmp_path / "a.jsonl"), read_log(tmp_path / "b.jsonl")
+    assert ra.records == rb.records and sorted(rb.records) == list(range(1, 7))
+    assert [e["event"] for e in rb.events] == ["start", "resume"]
+
+
+def test_different_ids_change_digest_and_chain(tmp_path):
+    a, b = tracker(tmp_path / "a"), tracker(tmp_path / "b")
+    ra = a.record(1, 0, np.array([0, 1, 2, 3]))
+    rb = b.record(1, 0, np.array([0, 1, 3, 2]))
+    assert ra["ids_digest"] != rb["ids_digest"] and ra["chain"] != rb["chain"]
+    assert a.head()["chain"] != genesis("c" * 64)
+
+
+def test_steps_must_be_recorded_in_order(tmp_path):
+    t = tracker(tmp_path / "log")
+    t.record(1, 0, ids(1))
+    with pytest.raises(TrackerError, match="expected step 2, got 3"):
+        t.record(3, 8, ids(3))
+
+
+def test_truncated_last_line_is_tolerated_and_reported(tmp_path):
+    path = tmp_path / "log.jsonl"
+    t = tracker(path)
+    t.start(TOPO)
+    t.record(1, 0, ids(1))
+    with open(path, "a") as f:
+        f.write('{"step": 2, "chain": "ab')  # a crash mid-write
+    contents = read_log(path)
+    assert contents.truncated_tail and sorted(contents.records) == [1]
+
+
+def test_corrupt_line_in_the_middle_is_an_error(tmp_path):
+    path = tmp_path / "log.jsonl"
+    path.write_text('{"event": "start", "from_step": 0}\nnot json\n{"step": 1, "chain": "x"}\n')
+    with pytest.raises(TrackerError, match=":2: not valid JSON"):
+        read_log(path)
+
+
+def test_resume_against_a_foreign_log_is_refused_and_appends_nothing(tmp_path):
+    ours = tracker(tmp_path / "ours.jsonl")
+    ours.start(TOPO)
+    ours.record(1, 0, ids(1))
+    head = ours.head()
+    foreign = tmp_path / "foreign.jsonl"
+    other = SequenceTracker(
+        foreign, store_fingerprint="t" * 64, data_config_fingerprint="d" * 64, writer=True
+    )
+    other.start(TOPO)
+    other.record(1, 0, ids(1))
+    before = foreign.read_bytes()
+    with pytest.raises(TrackerError, match="does not match the checkpoint of step 1"):
+        tracker(foreign).resume(head, TOPO)
+    assert foreign.read_bytes() == before
+    with pytest.raises(TrackerError, match="no sequence log"):
+        tracker(tmp_path / "missing.jsonl").resume(head, TOPO)
+    t = tracker(tmp_path / "missing.jsonl")
+    t.resume(head, TOPO, ignore_mismatch=True)
+    last = json.loads((tmp_path / "missing.jsonl").read_text().splitlines()[-1])
+    assert last["event"] == "resume" and last["from_step"] == 1
+
+
+def test_only_the_writer_touches_the_file(tmp_path):
+    t = tracker(tmp_path / "log", writer=False)
+    t.start(TOPO)
+    t.record(1, 0, ids(1))
+    assert not (tmp_path / "log").exists() and t.head()["step"] == 1

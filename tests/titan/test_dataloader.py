@@ -1,0 +1,120 @@
+"""The TorchTitan-side dataloader: batch layout errors, the checkpoint record, tokens digests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from torchtitan_zephon.data.loader import DataStateMismatch
+from torchtitan_zephon.titan.dataloader import batch_schedule, build_zephon_dataloader, check_layout
+from torchtitan_zephon.tracker import sample_digests
+
+
+def job(tmp: Path, **zephon) -> SimpleNamespace:
+    z = dict(store="", seed=0, batch_schedule="", heldout_samples=16, audit="tokens",
+             allow_changes=[], ignore_log_mismatch=False, prefetch=2)  # fmt: skip
+    z.update(zephon)
+    return SimpleNamespace(
+        zephon=SimpleNamespace(**z),
+        training=SimpleNamespace(
+            global_batch_size=8,
+            local_batch_size=2,
+            seq_len=32,
+            dataloader=SimpleNamespace(num_workers=0, pin_memory=False),
+        ),  # fmt: skip
+        model=SimpleNamespace(hf_assets_path="./torchtitan_zephon/assets/tokenizer"),
+        parallelism=SimpleNamespace(tensor_parallel_degree=1),
+        job=SimpleNamespace(dump_folder=str(tmp)),
+    )
+
+
+def test_global_batch_size_must_be_explicit(tmp_path):
+    cfg = job(tmp_path)
+    cfg.training.global_batch_size = -1
+    with pytest.raises(ValueError, match="training.global_batch_size is not set"):
+        batch_schedule(cfg)
+
+
+def test_dp_degree_that_cannot_split_the_batch_lists_working_degrees(tmp_path):
+    cfg = job(tmp_path)
+    with pytest.raises(ValueError) as e:
+        build_zephon_dataloader(3, 0, None, cfg)
+    msg = str(e.value)
+    assert "3" in msg and "1, 2, 4" in msg, msg
+
+
+def test_schedule_entries_are_all_checked():
+    from torchtitan_zephon.data.plan import BatchSchedule
+
+    check_layout(BatchSchedule.parse("1:8,10:16"), 4, 2)
+    with pytest.raises(ValueError):
+        check_layout(BatchSchedule.parse("1:8,10:12"), 4, 2)
+
+
+def test_tokenizer_larger_than_model_vocab_is_refused(tmp_path):
+    small_tokenizer = SimpleNamespace(get_vocab_size=lambda: 1000)
+    with pytest.raises(ValueError, match="vocabulary of 2048 tokens .* has 1000"):
+        build_zephon_dataloader(1, 0, small_tokenizer, job(tmp_path))
+
+
+def deliver(loader, microbatches: int) -> list[np.ndarray]:
+    it = iter(loader)
+    out = []
+    for _ in range(microbatches):
+        inputs, labels = next(it)
+        out.append(np.concatenate([inputs["input"].numpy(), labels[:, -1:].numpy()], axis=1))
+    return out
+
+
+def test_record_is_identical_on_every_rank_and_small(tmp_path):
+    records = set()
+    for degree in (1, 2, 4):
+        for rank in range(degree):
+            dl = build_zephon_dataloader(degree, rank, None, job(tmp_path))
+            deliver(dl, 3 * 8 // (degree * 2))  # three whole steps
+            state = dl.state_dict()
+            assert list(state) == ["zephon"] and len(state["zephon"]) < 4096
+            records.add(state["zephon"])
+            dl.close()
+    assert len(records) == 1
+    record = json.loads(records.pop())
+    assert record["next_step"] == 4 and record["consumed_positions"] == 24
+
+
+def test_resume_under_another_degree_continues_the_tokens(tmp_path):
+    cfg = job(tmp_path)
+    whole = build_zephon_dataloader(1, 0, None, cfg)
+    stream = deliver(whole, 4 * 4)  # steps 1..4 on one rank, 4 micro-batches each
+    first_half = build_zephon_dataloader(1, 0, None, cfg)
+    deliver(first_half, 2 * 4)
+    state = first_half.state_dict()
+    got = []
+    for rank in range(2):
+        dl = build_zephon_dataloader(2, rank, None, cfg)
+        dl.tracker.writer = False  # no log file in this unit test
+        dl.load_state_dict(state)
+        got.append(deliver(dl, 2 * 2))  # steps 3..4: 2 micro-batches per rank per step
+    for step in range(2):
+        expect = np.concatenate(stream[(2 + step) * 4 : (3 + step) * 4])
+        merged = np.concatenate(got[0][step * 2 : step * 2 + 2] + got[1][step * 2 : step * 2 + 2])
+        assert np.array_equal(expect, merged)
+
+
+def test_tokens_digests_are_kept_per_step_in_delivery_order(tmp_path):
+    dl = build_zephon_dataloader(1, 0, None, job(tmp_path))
+    mbs = deliver(dl, 8)  # steps 1 and 2
+    assert dl.step_token_digests(1) == sample_digests(np.concatenate(mbs[:4]))
+    assert dl.step_token_digests(2) == sample_digests(np.concatenate(mbs[4:]))
+    assert dl.step_token_digests(1) == b""  # handed over once
+
+
+def test_refusal_names_the_trainer_flag(tmp_path):
+    a = build_zephon_dataloader(1, 0, None, job(tmp_path))
+    deliver(a, 4)
+    b = build_zephon_dataloader(1, 0, None, job(tmp_path, seed=3))
+    with pytest.raises(DataStateMismatch, match=r"(?s)seed: 0 -> 3.*--zephon.allow_changes"):
+        b.load_state_dict(a.state_dict())
