@@ -17,16 +17,18 @@ from torchtitan_zephon.data.store import TokenStore
 __all__ = ["TOKENIZER_DIR", "builtin_store", "write_jsonl"]
 
 
-def write_jsonl(folder: Path, *, max_docs: int | None = None) -> Path:
-    """Write the corpus (or its first ``max_docs`` documents) to ``folder/corpus.jsonl``."""
+def write_jsonl(folder: Path, *, max_docs: int | None = None, repeat: int = 1) -> Path:
+    """Write the corpus (or its first ``max_docs`` documents) ``repeat`` times over to
+    ``folder/corpus.jsonl`` (or ``corpus-xR.jsonl``)."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = folder / "corpus.jsonl"
+    path = folder / ("corpus.jsonl" if repeat == 1 else f"corpus-x{repeat}.jsonl")
     docs = corpus_documents()
     if max_docs is not None:
         docs = docs[:max_docs]
     with open(path, "w", encoding="utf-8") as f:
-        for name, text in docs:
-            f.write(json.dumps({"text": text, "name": name}) + "\n")
+        for _ in range(repeat):
+            for name, text in docs:
+                f.write(json.dumps({"text": text, "name": name}) + "\n")
     return path
 
 
