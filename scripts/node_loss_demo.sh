@@ -81,6 +81,17 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+# wait_port PORT: until the first agent listens (it hosts the rendezvous store).
+wait_port() {
+  python -c 'import socket, sys, time
+for _ in range(1200):
+    try:
+        socket.create_connection(("127.0.0.1", int(sys.argv[1])), timeout=1).close(); sys.exit(0)
+    except OSError:
+        time.sleep(0.05)
+sys.exit("no rendezvous store on port " + sys.argv[1])' "$1"
+}
+
 # start_agent LOG NNODES PORT RDZV_ID DUMP: one torchrun agent with 1 rank, in the background.
 start_agent() {
   local log=$1 nnodes=$2 port=$3 id=$4 dump=$5
@@ -134,6 +145,7 @@ say "1/4 reference: $STEPS steps on 2 nodes x 1 rank (DP degree 2) -> $REF"
 mkdir -p "$REF"
 port=$(free_port)
 start_agent "$REF/node0.log" 2 "$port" "ref-$port" "$REF"; a0=$LAST_AGENT
+wait_port "$port"
 start_agent "$REF/node1.log" 2 "$port" "ref-$port" "$REF"; a1=$LAST_AGENT
 wait_all "$TIMEOUT" "$a0" "$a1"
 if [ "${RCS[*]}" != "0 0" ]; then
@@ -148,6 +160,7 @@ say "2/4 the same job again -> $RES; node 1 is lost once checkpoint step-$KILL_A
 mkdir -p "$RES"
 port=$(free_port)
 start_agent "$RES/node0.log" 2 "$port" "res-$port" "$RES"; b0=$LAST_AGENT
+wait_port "$port"
 start_agent "$RES/node1.log" 2 "$port" "res-$port" "$RES"; b1=$LAST_AGENT
 waited=0
 until [ -f "$RES/checkpoint/step-$KILL_AT/.metadata" ]; do

@@ -24,6 +24,21 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_for_port(port: int, timeout: float = 120.0) -> None:
+    """Block until something listens on 127.0.0.1:port (a torchrun agent's rendezvous store)."""
+    import time
+
+    deadline = time.time() + timeout
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if time.time() > deadline:
+                raise TimeoutError(f"nothing listens on port {port} after {timeout} s") from None
+            time.sleep(0.05)
+
+
 def job_env() -> dict[str, str]:
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", ZEPHON_DEVICE="cpu", PYTHONUNBUFFERED="1")

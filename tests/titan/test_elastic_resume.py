@@ -128,3 +128,13 @@ def test_log_from_another_run_is_refused(e2e_root: Path, reference: Path):
     assert "does not match the checkpoint of step 4" in job.output, job.output[-3000:]
     after = snapshot(run)
     assert {k: after[k] for k in before} == before
+
+
+def test_incomplete_last_checkpoint_is_skipped_with_a_warning(e2e_root: Path, reference: Path):
+    """A job died while writing checkpoint 8: resume from 4, warn, same data."""
+    run = copy_run_until(reference, e2e_root / "incomplete_checkpoint", 8)
+    (run / "checkpoint" / "step-8" / ".metadata").unlink()
+    job = train(run, 1).check()
+    assert "checkpoint" in job.output and "is incomplete" in job.output
+    assert resume_events(run)[-1]["from_step"] == 4
+    assert_same_data(reference, run, range(1, 9))

@@ -12,7 +12,14 @@ from pathlib import Path
 import pytest
 
 from tests.titan.expect import TOPOLOGY_RTOL, assert_losses, assert_same_data, resume_events
-from tests.titan.launch import REPO, free_port, job_env, kill_node, train, train_command
+from tests.titan.launch import (
+    REPO,
+    free_port,
+    job_env,
+    kill_node,
+    train,
+    train_command,
+)
 
 # A slower flavor than the other tests so the node dies mid-run, not after the end.
 JOB = ("--model.flavor", "small", "--training.seq_len", "128", "--training.steps", "24")

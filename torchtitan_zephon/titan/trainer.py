@@ -10,6 +10,7 @@ DP ranks' token digests in rank order at audit level ``tokens``.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch.distributed as dist
@@ -75,6 +76,29 @@ class ZephonTrainer(Trainer):
         # everywhere); only global rank 0 writes the log.
         first, _count = dl.plan.step_positions(step)
         dl.tracker.record(step, first, dl.plan.global_ids(step), tokens)
+
+    def train(self) -> None:
+        self._warn_incomplete_checkpoints()
+        super().train()
+
+    def _warn_incomplete_checkpoints(self) -> None:
+        """TorchTitan loads the newest ``step-N`` with a DCP ``.metadata`` and silently
+        passes over folders a dying job left half-written: say which ones."""
+        ck = self.job_config.checkpoint
+        if not ck.enable or ck.load_step != -1:
+            return
+        from torchtitan_zephon.runs import checkpoints
+
+        folder = os.path.join(self.job_config.job.dump_folder, ck.folder)
+        found = checkpoints(self.job_config.job.dump_folder, ck.folder)
+        complete = [c.step for c in found if c.complete]
+        for c in found:
+            if not c.complete:
+                logger.warning(
+                    f"Zephon: checkpoint {c.path} is incomplete (no .metadata: the job died while "
+                    f"writing it) and is skipped; resuming from "
+                    f"{'step ' + str(max(complete)) if complete else 'scratch'} in {folder}"
+                )
 
     def close(self) -> None:
         if getattr(self, "dataloader", None) is not None:
