@@ -71,3 +71,15 @@ def test_orders_are_pinned():
     """Changing these orders breaks resuming checkpoints written by earlier versions."""
     assert Permutation(10, 0, 0).map(np.arange(10)).tolist() == [9, 1, 7, 5, 6, 0, 4, 8, 2, 3]
     assert Permutation(10, 0, 1).map(np.arange(10)).tolist() == [0, 5, 2, 4, 1, 6, 8, 3, 7, 9]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(2, 2**40), seed=st.integers(0, 2**32), epoch=st.integers(0, 50))
+def test_scalar_and_vector_paths_agree(n, seed, epoch):
+    """Small inputs take a pure-Python path, large ones numpy: same values."""
+    perm = Permutation(n, seed, epoch)
+    rng = np.random.default_rng(seed)
+    positions = rng.integers(0, n, size=200, dtype=np.int64)
+    whole = perm.map(positions)
+    pieces = np.concatenate([perm.map(positions[i : i + 8]) for i in range(0, 200, 8)])
+    assert np.array_equal(whole, pieces)

@@ -37,6 +37,22 @@ def _mix(z: np.ndarray) -> np.ndarray:
     return z
 
 
+_MASK64 = (1 << 64) - 1
+_M1_INT, _M2_INT = int(_M1), int(_M2)
+# Below this many positions, plain Python integers beat numpy's per-call overhead
+# (a micro-batch of 8 ids: ~20 us instead of ~140 us). Both paths give identical values.
+_SCALAR_MAX = 48
+
+
+def _mix_int(z: int) -> int:
+    """``_mix`` on one Python int."""
+    z ^= z >> 30
+    z = (z * _M1_INT) & _MASK64
+    z ^= z >> 27
+    z = (z * _M2_INT) & _MASK64
+    return z ^ (z >> 31)
+
+
 class Permutation:
     """A bijection on ``[0, n)`` keyed by (seed, epoch), with O(1) random access."""
 
@@ -70,6 +86,7 @@ class Permutation:
                 )
             )
             right_bits = left_bits
+        self._int_rounds = [tuple(int(v) for v in r) for r in self._rounds]
 
     def __len__(self) -> int:
         return self.n
@@ -94,6 +111,22 @@ class Permutation:
             x = right | f
         return x
 
+    def _encrypt_int(self, x: int) -> int:
+        """``_encrypt`` on one Python int."""
+        for key, right_shift, right_mask, left_shift, left_mask in self._int_rounds:
+            right = x & right_mask
+            x = (right << left_shift) | ((_mix_int(right ^ key) & left_mask) ^ (x >> right_shift))
+        return x
+
+    def _map_scalar(self, p: np.ndarray) -> np.ndarray:
+        n, out = self.n, []
+        for x in p.ravel().tolist():
+            y = self._encrypt_int(x)
+            while y >= n:  # cycle walking
+                y = self._encrypt_int(y)
+            out.append(y)
+        return np.array(out, dtype=np.int64).reshape(p.shape)
+
     def map(self, positions: np.ndarray) -> np.ndarray:
         """Vectorised ``self[p]`` for every p in ``positions`` (any integer dtype).
 
@@ -107,6 +140,8 @@ class Permutation:
             )
         if self.n == 1:
             return np.zeros(p.shape, dtype=np.int64)
+        if p.size <= _SCALAR_MAX:
+            return self._map_scalar(p)
         y = self._encrypt(p.astype(np.uint64).ravel())
         out = np.nonzero(y >= np.uint64(self.n))[0]
         while out.size:  # cycle walking: re-encrypt values that left [0, n)

@@ -167,9 +167,15 @@ class DataPlan:
         self.sample_offset = int(sample_offset)
         self.anchor_step = int(anchor_step)
         self.anchor_position = int(anchor_position)
+        self._permutation: Permutation | None = None
 
     def permutation(self, epoch: int) -> Permutation:
-        return Permutation(self.num_samples, self.seed, epoch)
+        """The epoch's permutation; the latest one is kept (consecutive steps share it)."""
+        cached = self._permutation  # one reference read: safe across loader threads
+        if cached is None or cached.epoch != epoch:
+            cached = Permutation(self.num_samples, self.seed, epoch)
+            self._permutation = cached
+        return cached
 
     def ids_for_positions(self, first: int, count: int) -> np.ndarray:
         """Sample ids (int64) of positions [first, first + count); may span epochs."""
