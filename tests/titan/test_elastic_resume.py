@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.titan.expect import TOPOLOGY_RTOL, assert_losses, assert_same_data, resume_events
+from tests.titan.expect import (
+    TOPOLOGY_RTOL,
+    assert_losses,
+    assert_same_data,
+    log_records,
+    resume_events,
+)
 from tests.titan.launch import copy_run_until, train
 from torchtitan_zephon import runs
 
@@ -138,3 +144,19 @@ def test_incomplete_last_checkpoint_is_skipped_with_a_warning(e2e_root: Path, re
     assert "checkpoint" in job.output and "is incomplete" in job.output
     assert resume_events(run)[-1]["from_step"] == 4
     assert_same_data(reference, run, range(1, 9))
+
+
+def test_batch_schedule_changes_gradient_accumulation_and_resumes(e2e_root: Path):
+    """GBS 8 for steps 1-4, 16 from step 5: positions are accounted exactly, the trainer
+    accumulates 2x the micro-batches, and a 2 -> 1 rank resume inside it continues."""
+    sched = ("--zephon.batch_schedule", "1:8,5:16")
+    ref = train(e2e_root / "schedule_ref", 2, *sched).check().run
+    records = log_records(ref)
+    assert [records[s]["num_samples"] for s in range(1, 9)] == [8] * 4 + [16] * 4
+    assert [records[s]["first_position"] for s in range(1, 9)] == [0, 8, 16, 24, 32, 48, 64, 80]
+    run = copy_run_until(ref, e2e_root / "schedule_resumed", 4)
+    train(run, 1, *sched).check()
+    assert_same_data(ref, run, range(1, 9))
+    assert_losses(ref, run, range(5, 9), rtol=TOPOLOGY_RTOL)
+    refused = train(copy_run_until(ref, e2e_root / "schedule_dropped", 4), 2)
+    assert refused.returncode != 0 and "schedule" in refused.output
