@@ -169,7 +169,6 @@ class SequenceTracker:
         self.enabled = enabled
         self.step = 0
         self.chain = genesis(data_config_fingerprint)
-        self._opened = False
 
     # -- state ------------------------------------------------------------
     def head(self) -> dict[str, Any]:
@@ -186,7 +185,6 @@ class SequenceTracker:
 
     def start(self, topology: dict[str, Any]) -> None:
         """A job starts from step 0: supersedes whatever an earlier job left."""
-        self._opened = True
         self._append({"event": "start", "from_step": 0, **topology})
 
     def resume(
@@ -223,12 +221,7 @@ class SequenceTracker:
                 if not ignore_mismatch:
                     raise TrackerError(msg)
         self.step, self.chain = step, chain
-        self._opened = True
         self._append({"event": "resume", "from_step": step, "chain": chain, **topology})
-
-    @property
-    def opened(self) -> bool:
-        return self._opened
 
     def record(
         self,

@@ -160,3 +160,10 @@ def test_batch_schedule_changes_gradient_accumulation_and_resumes(e2e_root: Path
     assert_losses(ref, run, range(5, 9), rtol=TOPOLOGY_RTOL)
     refused = train(copy_run_until(ref, e2e_root / "schedule_dropped", 4), 2)
     assert refused.returncode != 0 and "schedule" in refused.output
+
+
+def test_trainer_state_without_data_state_is_refused(e2e_root: Path, reference: Path):
+    run = copy_run_until(reference, e2e_root / "no_data_state", 4)
+    job = train(run, 1, "--checkpoint.exclude_from_loading", "dataloader")
+    assert job.returncode != 0
+    assert "restored the trainer at step 4 but no Zephon data state" in job.output, job.output[-3000:]

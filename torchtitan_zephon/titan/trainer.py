@@ -29,6 +29,7 @@ class ZephonTrainer(Trainer):
             for change in platform.cpu_job_defaults(job_config):
                 logger.info(f"CPU platform: {change}")
         super().__init__(job_config)
+        self._tracking = False
         if not isinstance(self.dataloader, ZephonDataLoader):
             raise TypeError(
                 f"model.name={job_config.model.name} does not build a Zephon dataloader; "
@@ -38,8 +39,8 @@ class ZephonTrainer(Trainer):
     # -- per step --------------------------------------------------------
     def train_step(self, data_iterator: Any) -> None:
         step = self.step
-        if not self.dataloader.tracker.opened:
-            self._open_tracker()
+        if not self._tracking:
+            self._begin_tracking()
         tc = self.job_config.training
         gbs = self.dataloader.plan.schedule.gbs(step)
         self.gradient_accumulation_steps = gbs // (
@@ -48,15 +49,23 @@ class ZephonTrainer(Trainer):
         super().train_step(data_iterator)
         self._record_step(step)
 
-    def _open_tracker(self) -> None:
-        dl = self.dataloader
-        if dl.resumed_from is None:
-            dl.tracker.start(dl.topology)
-        elif dl.resumed_from != self.step - 1:
+    def _begin_tracking(self) -> None:
+        """At the first step of this job: the data state and the trainer state must agree."""
+        dl, done = self.dataloader, self.step - 1
+        if dl.resumed_from is None and done > 0:
             raise RuntimeError(
-                f"the checkpoint's trainer state is at step {self.step - 1} but its Zephon data "
+                f"the checkpoint restored the trainer at step {done} but no Zephon data state "
+                "(was 'dataloader' in checkpoint.exclude_from_loading?): the data would restart "
+                "at step 1. Load the data state too, or start a new job.dump_folder."
+            )
+        if dl.resumed_from is not None and dl.resumed_from != done:
+            raise RuntimeError(
+                f"the checkpoint's trainer state is at step {done} but its Zephon data "
                 f"state is at step {dl.resumed_from}: the checkpoint folder mixes two runs"
             )
+        if dl.resumed_from is None:
+            dl.tracker.start(dl.topology)
+        self._tracking = True
 
     def _record_step(self, step: int) -> None:
         dl = self.dataloader
