@@ -183,3 +183,22 @@ def test_progress_bar_on_stderr(tmp_path, tokenizer_dir, corpus_dir, capfd):
     prepare_store([str(corpus_dir)], str(tokenizer_dir), str(tmp_path / "s"), progress=True)
     captured = capfd.readouterr()
     assert "zephon prepare" in captured.err and captured.out == ""
+
+
+def test_dirty_inputs(tmp_path, tokenizer_dir):
+    """Lone surrogates become U+FFFD; non-text columns and binary files are refused."""
+    jl = tmp_path / "a.jsonl"
+    jl.write_text(json.dumps({"text": "alpha \ud800 beta"}) + "\n")
+    s = prepare_store([str(jl)], str(tokenizer_dir), str(tmp_path / "s"), progress=False)
+    assert s.num_documents == 1 and s.num_tokens > 2
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
+    with pytest.raises(StoreError, match="is a int, not text"):
+        prepare_store([str(tmp_path / "n.parquet")], str(tokenizer_dir), str(tmp_path / "s2"))
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "tokens.bin").write_bytes(b"\x00\x01\x02abc")
+    with pytest.raises(StoreError, match="looks binary"):
+        prepare_store([str(tmp_path / "bin")], str(tokenizer_dir), str(tmp_path / "s3"))
+    assert not (tmp_path / "s2").exists() and not (tmp_path / "s3").exists()

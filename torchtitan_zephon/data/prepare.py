@@ -220,9 +220,34 @@ def _field(record: Any, text_field: str, where: str) -> str:
 
 
 def iter_documents(src: Source, text_field: str) -> Iterator[str]:
-    """The documents of one source, in file order. Empty documents are skipped."""
+    """The documents of one source, in file order, as valid Unicode text.
+
+    Empty documents are skipped. Values that are not strings are refused; lone
+    surrogates (common in scraped JSON) become U+FFFD like undecodable bytes do.
+    """
+    for k, text in enumerate(_raw_documents(src, text_field)):
+        if not isinstance(text, str):
+            raise StoreError(
+                f"{src.path}: document {k} in field {text_field!r} is a "
+                f"{type(text).__name__}, not text; choose a text column with --text-field."
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+        yield text
+
+
+def _raw_documents(src: Source, text_field: str) -> Iterator[Any]:
     if src.kind == "text":
-        text = src.path.read_bytes().decode("utf-8", errors="replace")
+        data = src.path.read_bytes()
+        if b"\0" in data[:4096]:
+            raise StoreError(
+                f"{src.path} looks binary (NUL bytes), not text. Prepare reads text, "
+                ".jsonl(.gz), .json, .parquet and Hugging Face datasets; move other files "
+                "out of the input folder."
+            )
+        text = data.decode("utf-8", errors="replace")
         if text:
             yield text
     elif src.kind == "jsonl":
@@ -242,7 +267,7 @@ def iter_documents(src: Source, text_field: str) -> Iterator[str]:
         try:
             data = json.loads(src.path.read_text(encoding="utf-8", errors="replace"))
         except ValueError:  # maybe JSON lines with a .json suffix
-            yield from iter_documents(Source(src.name, src.path, "jsonl"), text_field)
+            yield from _raw_documents(Source(src.name, src.path, "jsonl"), text_field)
             return
         records = data if isinstance(data, list) else [data]
         for k, record in enumerate(records):
