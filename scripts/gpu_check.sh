@@ -44,7 +44,7 @@ echo "reference run: $(( $(date +%s) - t0 )) s"
 cp -r "$RUN/ref" "$RUN/resumed"
 rm -rf "$RUN/resumed/checkpoint/step-20" "$RUN/resumed/checkpoint/step-30"
 train "$RUN/resumed" "$OUT/resumed.log" --training.local_batch_size 16
-grep -E "Zephon: resumed|step: (21|30) " "$OUT/resumed.log" | sed 's/\x1b\[[0-9;]*m//g'
+grep -E "Zephon: resuming|step: (21|30) " "$OUT/resumed.log" | sed 's/\x1b\[[0-9;]*m//g'
 $PY -m torchtitan_zephon verify "$RUN/ref" "$RUN/resumed" | tee "$OUT/verify.txt"
 $PY -m torchtitan_zephon compare "$RUN/ref" "$RUN/resumed" --rtol 2e-2 | tee "$OUT/compare.txt"
 $PY - <<'PY' | tee "$OUT/step_time.txt"

@@ -194,7 +194,7 @@ if [ "${RCS[0]}" != 0 ]; then
   tail -n 30 "$RES/resume.log" >&2
   exit 1
 fi
-sed 's/\x1b\[[0-9;]*m//g' "$RES/resume.log" | grep -E "Loading the checkpoint from|Zephon: resumed" \
+sed 's/\x1b\[[0-9;]*m//g' "$RES/resume.log" | grep -E "Loading the checkpoint from|Zephon: resuming" \
   | sed 's/^.*INFO - /    /' || true
 show_steps "$RES/resume.log" 2
 

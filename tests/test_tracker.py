@@ -104,3 +104,19 @@ def test_only_the_writer_touches_the_file(tmp_path):
     t.start(TOPO)
     t.record(1, 0, ids(1))
     assert not (tmp_path / "log").exists() and t.head()["step"] == 1
+
+
+def test_append_after_a_truncated_line_keeps_the_log_valid(tmp_path):
+    path = tmp_path / "log.jsonl"
+    t = tracker(path)
+    t.start(TOPO)
+    t.record(1, 0, ids(1))
+    head = t.head()
+    t.record(2, 4, ids(2))
+    with open(path, "a") as f:
+        f.write('{"step": 3, "chain": "ab')  # the job died mid-write
+    again = tracker(path)
+    again.resume(head, TOPO)
+    again.record(2, 4, ids(2))
+    contents = read_log(path)
+    assert not contents.truncated_tail and sorted(contents.records) == [1, 2]

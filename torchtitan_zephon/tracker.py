@@ -178,6 +178,7 @@ class SequenceTracker:
         if not self.writer:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _drop_partial_line(self.path)
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(entry, sort_keys=True) + "\n")
             f.flush()
@@ -223,6 +224,21 @@ class SequenceTracker:
         self.step, self.chain = step, chain
         self._append({"event": "resume", "from_step": step, "chain": chain, **topology})
 
+    def restart(self, step: int, topology: dict[str, Any]) -> None:
+        """Continue after step ``step`` from a checkpoint that holds no chain head for it
+        (written with audit "off"): the chain restarts there, which the event says."""
+        self.step = int(step)
+        self.chain = hashlib.sha256(f"zephon-restart:{step}:{self.chain}".encode()).hexdigest()
+        self._append(
+            {
+                "event": "resume",
+                "from_step": self.step,
+                "chain": self.chain,
+                "chain_restart": True,
+                **topology,
+            }
+        )
+
     def record(
         self,
         step: int,
@@ -248,6 +264,24 @@ class SequenceTracker:
         if self.enabled:
             self._append(rec)
         return rec
+
+
+def _drop_partial_line(path: Path) -> None:
+    """Cut a final line that a crash left without its newline, so appends stay valid JSONL."""
+    try:
+        with open(path, "rb+") as f:
+            size = f.seek(0, os.SEEK_END)
+            if size == 0:
+                return
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return
+            f.seek(max(0, size - (1 << 20)))
+            tail = f.read()
+            cut = tail.rfind(b"\n")
+            f.truncate(size - len(tail) + cut + 1 if cut >= 0 else 0)
+    except FileNotFoundError:
+        return
 
 
 def effective_records(entries: Iterable[dict[str, Any]]) -> dict[int, dict[str, Any]]:

@@ -118,3 +118,15 @@ def test_refusal_names_the_trainer_flag(tmp_path):
     b = build_zephon_dataloader(1, 0, None, job(tmp_path, seed=3))
     with pytest.raises(DataStateMismatch, match=r"(?s)seed: 0 -> 3.*--zephon.allow_changes"):
         b.load_state_dict(a.state_dict())
+
+
+def test_resume_from_a_checkpoint_written_with_audit_off(tmp_path):
+    """No chain head for that step: the log's chain restarts, marked in the resume event."""
+    off = build_zephon_dataloader(1, 0, None, job(tmp_path, audit="off"))
+    deliver(off, 3 * 4)
+    state = off.state_dict()
+    on = build_zephon_dataloader(1, 0, None, job(tmp_path, audit="ids"))
+    on.load_state_dict(state)
+    assert on.resumed_from == 3 and on.tracker.step == 3
+    (event,) = [json.loads(line) for line in on.tracker.path.read_text().splitlines()]
+    assert event["event"] == "resume" and event["from_step"] == 3 and event["chain_restart"]

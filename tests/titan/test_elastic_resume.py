@@ -166,4 +166,6 @@ def test_trainer_state_without_data_state_is_refused(e2e_root: Path, reference: 
     run = copy_run_until(reference, e2e_root / "no_data_state", 4)
     job = train(run, 1, "--checkpoint.exclude_from_loading", "dataloader")
     assert job.returncode != 0
-    assert "restored the trainer at step 4 but no Zephon data state" in job.output, job.output[-3000:]
+    assert "restored the trainer at step 4 but no Zephon data state" in job.output, job.output[
+        -3000:
+    ]

@@ -137,11 +137,12 @@ class ZephonDataLoader(BaseDataLoader):
         if STATE_KEY not in state_dict:
             raise ValueError(
                 "the checkpoint's dataloader state is not a Zephon record (keys: "
-                f"{sorted(state_dict)}); it was written by another dataloader. Start a new "
-                "dump folder, or exclude it with --checkpoint.exclude_from_loading dataloader."
+                f"{sorted(state_dict)}); it was written by another dataloader (stock TorchTitan?). "
+                "Start a new job.dump_folder, or load only the model with "
+                "--checkpoint.initial_load_path and --checkpoint.initial_load_model_only."
             )
         record = json.loads(state_dict[STATE_KEY])
-        head = record.pop("tracker", {"step": 0, "chain": self.tracker.chain})
+        head = record.pop("tracker", None)
         try:
             self.loader.load_state_dict(record, allow_changes=self.allow_changes)
         except DataStateMismatch as e:
@@ -149,10 +150,19 @@ class ZephonDataLoader(BaseDataLoader):
                 f"{e}\nWith the trainer: --zephon.allow_changes FIELD (repeatable; TOML: "
                 '[zephon] allow_changes = ["FIELD", ...]). Nothing was changed on disk.'
             ) from None
-        self.tracker.resume(head, self.topology, ignore_mismatch=self.ignore_log_mismatch)
-        self.resumed_from = int(head["step"])
+        done = self.loader.next_step - 1
+        if head is not None and int(head["step"]) == done:
+            self.tracker.resume(head, self.topology, ignore_mismatch=self.ignore_log_mismatch)
+        else:  # written with audit "off": no chain head for this step
+            if self.tracker.enabled:
+                logger.warning(
+                    f"Zephon: the checkpoint of step {done} holds no sequence-log chain head "
+                    "(it was written with zephon.audit = 'off'); the log's chain restarts here"
+                )
+            self.tracker.restart(done, self.topology)
+        self.resumed_from = done
         logger.info(
-            f"Zephon: resumed at step {self.loader.next_step} (position "
+            f"Zephon: resuming at step {self.loader.next_step} (position "
             f"{record.get('consumed_positions')}) under DP degree {self.loader.dp_degree}"
         )
 
