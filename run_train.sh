@@ -2,8 +2,9 @@
 # Launch TorchTitan training with Zephon data, in TorchTitan's style.
 #   NGPU=4 CONFIG_FILE=train_configs/llama3_8b.toml ./run_train.sh --training.steps 100
 # Environment: NGPU (processes per node; default: the GPU count, or 2 CPU processes
-# without GPUs), CONFIG_FILE, LOG_RANK (ranks whose output is shown), NNODES,
-# NODE_RANK, RDZV_ENDPOINT, TRAIN_FILE. Extra arguments are config overrides.
+# without GPUs), CONFIG_FILE, LOG_RANK (ranks whose output is shown), NNODES (with
+# RDZV_ENDPOINT=host:port of one node, the same on every node; RDZV_ID optional),
+# TRAIN_FILE. Extra arguments are config overrides.
 # On first use it creates .venv and installs the project (a few minutes).
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -32,6 +33,11 @@ if ! python -c "import torch,sys; sys.exit(0 if torch.cuda.is_available() else 1
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
 
+if [ "$NNODES" != "1" ] && [ -z "${RDZV_ENDPOINT:-}" ]; then
+  echo "[run_train] NNODES=$NNODES needs RDZV_ENDPOINT=host:port of one of the nodes (the same" \
+    "on every node), e.g. RDZV_ENDPOINT=node0:29500" >&2
+  exit 2
+fi
 RDZV_ARGS=(--rdzv_backend c10d --rdzv_endpoint="${RDZV_ENDPOINT:-localhost:0}")
 if [ "$NNODES" != "1" ]; then
   RDZV_ARGS+=(--rdzv_id "${RDZV_ID:-zephon}")

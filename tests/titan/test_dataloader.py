@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
@@ -130,3 +131,24 @@ def test_resume_from_a_checkpoint_written_with_audit_off(tmp_path):
     assert on.resumed_from == 3 and on.tracker.step == 3
     (event,) = [json.loads(line) for line in on.tracker.path.read_text().splitlines()]
     assert event["event"] == "resume" and event["from_step"] == 3 and event["chain_restart"]
+
+
+def test_store_vocabulary_larger_than_the_model_is_refused(tmp_path):
+    from torchtitan_zephon.titan.spec import register, zephon_llama3_args
+
+    register()
+    cfg = job(tmp_path)
+    cfg.model.name, cfg.model.flavor = "zephon_llama3", "tiny"
+    build_zephon_dataloader(1, 0, None, cfg).close()  # vocab 2048 == store's 2048
+    zephon_llama3_args["test_vocab_1000"] = dataclasses.replace(
+        zephon_llama3_args["tiny"], vocab_size=1000
+    )
+    try:
+        cfg.model.flavor = "test_vocab_1000"
+        with pytest.raises(
+            ValueError,
+            match="vocabulary of 2048 tokens but model zephon_llama3 flavor test_vocab_1000 embeds only 1000",
+        ):
+            build_zephon_dataloader(1, 0, None, cfg)
+    finally:
+        del zephon_llama3_args["test_vocab_1000"]

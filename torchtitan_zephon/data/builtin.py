@@ -44,7 +44,10 @@ def corpus_documents() -> list[tuple[str, str]]:
 
 
 def _key(docs: list[tuple[str, str]]) -> str:
-    h = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes())
+    from torchtitan_zephon.data.store import FORMAT_VERSION
+
+    h = hashlib.sha256(f"store-format-{FORMAT_VERSION}\0".encode())
+    h.update((TOKENIZER_DIR / "tokenizer.json").read_bytes())
     for name, text in docs:
         h.update(name.encode() + b"\0" + text.encode("utf-8", errors="replace") + b"\0")
     return h.hexdigest()[:16]

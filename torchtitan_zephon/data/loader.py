@@ -193,13 +193,17 @@ class ZephonLoader:
         return self
 
     def __next__(self) -> MicroBatch:
-        if self.prefetch == 0 and self.num_workers == 0:
-            step, last, batch = self._job(*self._advance())
-        else:
-            if not self._pending:
+        try:
+            if self.prefetch == 0 and self.num_workers == 0:
+                step, last, batch = self._job(*self._advance())
+            else:
+                if not self._pending:
+                    self._fill()
+                step, last, batch = self._pending.popleft().result()
                 self._fill()
-            step, last, batch = self._pending.popleft().result()
-            self._fill()
+        except BaseException:
+            self._reset()  # rewind to the first undelivered micro-batch: never skip one
+            raise
         if last:  # the step's final micro-batch is handed over by this return
             self._next_step = step + 1
         return batch

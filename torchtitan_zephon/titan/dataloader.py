@@ -183,6 +183,23 @@ def topology_from_env(dp_degree: int, job_config: Any) -> dict[str, Any]:
     }
 
 
+def _model_vocab_size(job_config: Any) -> int | None:
+    """The model's embedding size, when the train spec and flavor are known."""
+    name, flavor = (
+        getattr(job_config.model, "name", None),
+        getattr(job_config.model, "flavor", None),
+    )
+    if not name:
+        return None
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    try:
+        args = get_train_spec(name).model_args.get(flavor)
+    except ValueError:
+        return None
+    return getattr(args, "vocab_size", None)
+
+
 def build_zephon_dataloader(
     dp_world_size: int,
     dp_rank: int,
@@ -198,6 +215,14 @@ def build_zephon_dataloader(
     schedule = batch_schedule(job_config)
     check_layout(schedule, dp_world_size, job_config.training.local_batch_size)
     store = resolve_store(job_config)
+    model_vocab = _model_vocab_size(job_config)
+    if model_vocab is not None and store.vocab_size > model_vocab:
+        raise ValueError(
+            f"the store {store.path} was tokenized with a vocabulary of {store.vocab_size} "
+            f"tokens but model {job_config.model.name} flavor {job_config.model.flavor} embeds "
+            f"only {model_vocab}: choose a flavor with vocab_size >= {store.vocab_size}, or a "
+            "store prepared with a smaller tokenizer"
+        )
     if tokenizer is not None and store.vocab_size > tokenizer.get_vocab_size():
         raise ValueError(
             f"the store {store.path} was tokenized with a vocabulary of {store.vocab_size} "

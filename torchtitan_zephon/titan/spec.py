@@ -26,11 +26,11 @@ NAME = "zephon_llama3"
 
 zephon_llama3_args = {
     **llama3_args,
-    # ~0.9M parameters: the default CPU job (train_configs/debug_model.toml).
+    # 1.6M parameters: the default CPU job (train_configs/debug_model.toml).
     "small": TransformerModelArgs(
         dim=128, n_layers=4, n_heads=8, vocab_size=2048, rope_theta=500000
     ),
-    # ~0.2M parameters: end-to-end tests.
+    # 0.4M parameters: end-to-end tests.
     "tiny": TransformerModelArgs(dim=64, n_layers=2, n_heads=4, vocab_size=2048, rope_theta=500000),
 }
 

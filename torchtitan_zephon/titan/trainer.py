@@ -50,8 +50,10 @@ class ZephonTrainer(Trainer):
         self._record_step(step)
 
     def _begin_tracking(self) -> None:
-        """At the first step of this job: the data state and the trainer state must agree."""
+        """At the first step of this job: every rank reads the same data, and the data
+        state and the trainer state agree."""
         dl, done = self.dataloader, self.step - 1
+        self._check_same_data_everywhere()
         if dl.resumed_from is None and done > 0:
             raise RuntimeError(
                 f"the checkpoint restored the trainer at step {done} but no Zephon data state "
@@ -66,6 +68,30 @@ class ZephonTrainer(Trainer):
         if dl.resumed_from is None:
             dl.tracker.start(dl.topology)
         self._tracking = True
+
+    def _check_same_data_everywhere(self) -> None:
+        """Ranks that opened different stores (node-local copies that differ, another
+        Python's builtin store) would silently cut batches from different orders."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        state = self.dataloader.loader.state_dict()
+        mine = (
+            state["store_fingerprint"],
+            state["data_config_fingerprint"],
+            str(self.dataloader.loader.store.path),
+        )
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        if any(f[:2] != everyone[0][:2] for f in everyone):
+            lines = [
+                f"  rank {r}: store {f[2]} fingerprint {f[0][:16]}..., data config {f[1][:16]}..."
+                for r, f in enumerate(everyone)
+            ]
+            raise RuntimeError(
+                "the ranks do not read the same data:\n" + "\n".join(lines) + "\nGive every "
+                "node the same store (a shared filesystem, or identical copies: compare "
+                "`zephon inspect STORE` fingerprints) and the same zephon settings."
+            )
 
     def _record_step(self, step: int) -> None:
         dl = self.dataloader
@@ -94,7 +120,7 @@ class ZephonTrainer(Trainer):
         """TorchTitan loads the newest ``step-N`` with a DCP ``.metadata`` and silently
         passes over folders a dying job left half-written: say which ones."""
         ck = self.job_config.checkpoint
-        if not ck.enable or ck.load_step != -1:
+        if not ck.enable or ck.load_step != -1 or dist.get_rank() != 0:
             return
         from torchtitan_zephon.runs import checkpoints
 
