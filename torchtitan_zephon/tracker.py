@@ -11,9 +11,11 @@
   remains after applying the events in order.
 
 Invariant: the chain of the effective history at step ``s`` depends only on the
-data config and the sample ids (and token digests) of steps ``1..s``, never on the
-topology or the restarts that produced it. Two runs saw the same data up to step
-``s`` exactly when their chains at ``s`` agree.
+data config, the audit level and the sample ids (and token digests) of steps
+``1..s``, never on the topology or the restarts that produced it. Two runs with
+the same audit level saw the same data up to step ``s`` exactly when their
+chains at ``s`` agree (``zephon verify`` compares the per-step digests, so runs
+with different audit levels can be compared too).
 
 No torch.distributed here: the trainer decides who writes (global rank 0).
 """

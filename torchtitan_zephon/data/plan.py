@@ -18,13 +18,15 @@ Invariants:
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from torchtitan_zephon.data.permutation import Permutation
 
 
 def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, int(n**0.5) + 1) if n % d == 0]
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
 

@@ -6,6 +6,10 @@ global batch size ``G``; DP rank ``r`` of ``D`` takes the contiguous slice
 ``[r*G/D, (r+1)*G/D)`` of each, cut into micro-batches of
 ``validation.local_batch_size``.
 
+Samples have the training ``seq_len`` (``validation.seq_len`` is not used: held-out
+samples are windows of the same store layout), and ``validation.steps`` caps the
+number of global batches per pass (-1: every full global batch of held-out data).
+
 Invariant: every validation pass covers the same samples whatever ``D``, and
 since every sample is a full window (no ignored labels), TorchTitan's validation
 loss (per-micro-batch loss sum over the global token count, averaged over
