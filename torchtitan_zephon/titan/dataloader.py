@@ -128,6 +128,7 @@ class ZephonDataLoader(BaseDataLoader):
     # -- checkpoint ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         record = dict(self.loader.state_dict())
+        self.tracker.sync()  # the checkpoint will name this head: its record must be durable
         record["tracker"] = self.tracker.head()
         return {STATE_KEY: json.dumps(record, sort_keys=True)}
 
