@@ -102,6 +102,16 @@ start_agent() {
   LAST_AGENT=$!
 }
 
+# start_two_nodes DUMP TAG: two 1-rank agents in one --nnodes=2 job; the first hosts
+# the rendezvous store. Sets NODE0 and NODE1 (agent pids).
+start_two_nodes() {
+  local dump=$1 tag=$2 port
+  port=$(free_port)
+  start_agent "$dump/node0.log" 2 "$port" "$tag-$port" "$dump"; NODE0=$LAST_AGENT
+  wait_port "$port"
+  start_agent "$dump/node1.log" 2 "$port" "$tag-$port" "$dump"; NODE1=$LAST_AGENT
+}
+
 # wait_all LIMIT PID...: wait for agents (at most LIMIT seconds, then kill them); once
 # one has failed, the others get 60 s before they are killed. Sets RCS (exit statuses).
 wait_all() {
@@ -143,10 +153,7 @@ show_steps() {  # the last training lines of a log
 # ---------------------------------------------------------------- 1. reference
 say "1/4 reference: $STEPS steps on 2 nodes x 1 rank (DP degree 2) -> $REF"
 mkdir -p "$REF"
-port=$(free_port)
-start_agent "$REF/node0.log" 2 "$port" "ref-$port" "$REF"; a0=$LAST_AGENT
-wait_port "$port"
-start_agent "$REF/node1.log" 2 "$port" "ref-$port" "$REF"; a1=$LAST_AGENT
+start_two_nodes "$REF" ref; a0=$NODE0 a1=$NODE1
 wait_all "$TIMEOUT" "$a0" "$a1"
 if [ "${RCS[*]}" != "0 0" ]; then
   echo "[demo] the reference run failed (exit ${RCS[*]}); see $REF/node*.log" >&2
@@ -158,10 +165,7 @@ show_steps "$REF/node0.log" 2
 # ---------------------------------------------------------------- 2. node loss
 say "2/4 the same job again -> $RES; node 1 is lost once checkpoint step-$KILL_AT is complete"
 mkdir -p "$RES"
-port=$(free_port)
-start_agent "$RES/node0.log" 2 "$port" "res-$port" "$RES"; b0=$LAST_AGENT
-wait_port "$port"
-start_agent "$RES/node1.log" 2 "$port" "res-$port" "$RES"; b1=$LAST_AGENT
+start_two_nodes "$RES" res; b0=$NODE0 b1=$NODE1
 waited=0
 until [ -f "$RES/checkpoint/step-$KILL_AT/.metadata" ]; do
   if ! kill -0 "$b0" 2>/dev/null || ! kill -0 "$b1" 2>/dev/null || [ "$waited" -ge "$TIMEOUT" ]; then

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from torchtitan_zephon.data.loader import DataStateMismatch
-from torchtitan_zephon.titan.dataloader import batch_schedule, build_zephon_dataloader, check_layout
+from torchtitan_zephon.titan.dataloader import batch_schedule, build_zephon_dataloader
 from torchtitan_zephon.tracker import sample_digests
 
 
@@ -51,9 +51,9 @@ def test_dp_degree_that_cannot_split_the_batch_lists_working_degrees(tmp_path):
 def test_schedule_entries_are_all_checked():
     from torchtitan_zephon.data.plan import BatchSchedule
 
-    check_layout(BatchSchedule.parse("1:8,10:16"), 4, 2)
+    BatchSchedule.parse("1:8,10:16").check_layout(4, 2)
     with pytest.raises(ValueError):
-        check_layout(BatchSchedule.parse("1:8,10:12"), 4, 2)
+        BatchSchedule.parse("1:8,10:12").check_layout(4, 2)
 
 
 def test_tokenizer_larger_than_model_vocab_is_refused(tmp_path):

@@ -13,6 +13,7 @@ builders (several ranks starting at once) serialize on a file lock.
 from __future__ import annotations
 
 import fcntl
+import functools
 import hashlib
 import os
 import sysconfig
@@ -53,8 +54,10 @@ def _key(docs: list[tuple[str, str]]) -> str:
     return h.hexdigest()[:16]
 
 
+@functools.lru_cache(maxsize=1)
 def builtin_store_path(*, progress: bool = False) -> Path:
-    """Path of the builtin store, building it on first use."""
+    """Path of the builtin store, building it on first use (once per process: the
+    dataloader and the validator both ask, and the key hashes ~5 MB of text)."""
     from torchtitan_zephon.data.prepare import prepare_store
 
     docs = corpus_documents()

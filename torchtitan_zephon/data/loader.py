@@ -85,11 +85,7 @@ class ZephonLoader:
             )
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
-        for start, gbs in schedule.entries:
-            try:
-                check_batch_layout(gbs, dp_degree, local_batch_size)
-            except ValueError as e:
-                raise ValueError(f"batch schedule entry {start}:{gbs}: {e}") from None
+        schedule.check_layout(dp_degree, local_batch_size)
         if num_workers < 0 or prefetch < 0:
             raise ValueError(
                 f"num_workers and prefetch must be >= 0, got {num_workers} and {prefetch}."

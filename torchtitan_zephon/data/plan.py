@@ -112,6 +112,14 @@ class BatchSchedule:
     def to_list(self) -> list[list[int]]:
         return [[s, g] for s, g in self.entries]
 
+    def check_layout(self, dp_degree: int, local_batch_size: int) -> None:
+        """Every global batch size of the schedule must split into DP ranks x micro-batches."""
+        for start, gbs in self.entries:
+            try:
+                check_batch_layout(gbs, dp_degree, local_batch_size)
+            except ValueError as e:
+                raise ValueError(f"batch schedule entry {start}:{gbs}: {e}") from None
+
     def gbs(self, step: int) -> int:
         """Global batch size of ``step`` (>= 1)."""
         if step < 1:

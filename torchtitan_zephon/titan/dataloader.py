@@ -21,7 +21,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.data.loader import DataStateMismatch, ZephonLoader
-from torchtitan_zephon.data.plan import BatchSchedule, check_batch_layout
+from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.store import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 
@@ -63,12 +63,6 @@ def batch_schedule(job_config: Any) -> BatchSchedule:
             "gradient accumulation steps) or --zephon.batch_schedule."
         )
     return BatchSchedule([(1, gbs)])
-
-
-def check_layout(schedule: BatchSchedule, dp_degree: int, local_batch_size: int) -> None:
-    """Every GBS of the schedule must split into DP ranks x micro-batches."""
-    for _, gbs in schedule.to_list():
-        check_batch_layout(gbs, dp_degree, local_batch_size)
 
 
 class ZephonDataLoader(BaseDataLoader):
@@ -214,7 +208,8 @@ def build_zephon_dataloader(
     """
     zc = job_config.zephon
     schedule = batch_schedule(job_config)
-    check_layout(schedule, dp_world_size, job_config.training.local_batch_size)
+    # Before the store is opened or built: a bad layout fails in milliseconds.
+    schedule.check_layout(dp_world_size, job_config.training.local_batch_size)
     store = resolve_store(job_config)
     model_vocab = _model_vocab_size(job_config)
     if model_vocab is not None and store.vocab_size > model_vocab:
