@@ -7,15 +7,22 @@ import json
 import numpy as np
 import pytest
 
+from torchtitan_zephon.data.plan import BatchSchedule
+from torchtitan_zephon.data.state import DataConfig
 from torchtitan_zephon.tracker import SequenceTracker, TrackerError, genesis, read_log
 
 TOPO = {"world_size": 2, "dp_degree": 2, "nnodes": 1}
 
 
-def tracker(path, writer=True):
-    return SequenceTracker(
-        path, store_fingerprint="s" * 64, data_config_fingerprint="c" * 64, writer=writer
-    )
+def config(store="s", seq_len=8, seed=0, schedule="4"):
+    return DataConfig.make(
+        seq_len=seq_len, seed=seed, schedule=BatchSchedule.parse(schedule), sample_offset=0,
+        num_samples=1000, store_fingerprint=store * 64, tokenizer_hash="t" * 64,
+    )  # fmt: skip
+
+
+def tracker(path, writer=True, **cfg):
+    return SequenceTracker(path, config=config(**cfg), writer=writer)
 
 
 def ids(step):
@@ -48,7 +55,7 @@ def test_different_ids_change_digest_and_chain(tmp_path):
     ra = a.record(1, 0, np.array([0, 1, 2, 3]))
     rb = b.record(1, 0, np.array([0, 1, 3, 2]))
     assert ra["ids_digest"] != rb["ids_digest"] and ra["chain"] != rb["chain"]
-    assert a.head()["chain"] != genesis("c" * 64)
+    assert a.head()["chain"] != genesis(config().fingerprint)
 
 
 def test_steps_must_be_recorded_in_order(tmp_path):
@@ -82,9 +89,7 @@ def test_resume_against_a_foreign_log_is_refused_and_appends_nothing(tmp_path):
     ours.record(1, 0, ids(1))
     head = ours.head()
     foreign = tmp_path / "foreign.jsonl"
-    other = SequenceTracker(
-        foreign, store_fingerprint="t" * 64, data_config_fingerprint="d" * 64, writer=True
-    )
+    other = tracker(foreign, store="t")
     other.start(TOPO)
     other.record(1, 0, ids(1))
     before = foreign.read_bytes()

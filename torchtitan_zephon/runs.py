@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from torchtitan_zephon.data.state import RECORD_KEY, DataState, DataStateMismatch
 from torchtitan_zephon.tracker import LOG_NAME, LogContents, TrackerError, read_log
 
 LOSS_TAG = "loss_metrics/global_avg_loss"
@@ -126,8 +127,8 @@ def checkpoints(run: str | os.PathLike, folder: str = "checkpoint") -> list[Chec
     return sorted(out, key=lambda c: c.step)
 
 
-def read_data_state(checkpoint: str | os.PathLike) -> dict:
-    """The Zephon record (loader state + tracker head) saved in a DCP checkpoint folder."""
+def read_data_state(checkpoint: str | os.PathLike) -> DataState:
+    """The Zephon record (data state + tracker head) saved in a DCP checkpoint folder."""
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
@@ -136,7 +137,7 @@ def read_data_state(checkpoint: str | os.PathLike) -> dict:
         metadata = reader.read_metadata()
     except FileNotFoundError:
         raise RunError(f"{checkpoint} is not a complete DCP checkpoint (no .metadata)") from None
-    key = "dataloader.zephon"
+    key = f"dataloader.{RECORD_KEY}"
     if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
         raise RunError(f"{checkpoint} holds no Zephon data state (key {key!r} missing)")
     import warnings
@@ -147,7 +148,10 @@ def read_data_state(checkpoint: str | os.PathLike) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "assuming ... a single process"
         dcp.load(state, storage_reader=reader, no_dist=True)
-    return json.loads(state[key])
+    try:
+        return DataState.from_json(state[key])
+    except DataStateMismatch as e:
+        raise RunError(f"{checkpoint}: {e}") from None
 
 
 # ---------------------------------------------------------------- sequence log

@@ -18,7 +18,9 @@ import numpy as np
 import pytest
 
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.tracker import SequenceTracker, log_path
+from torchtitan_zephon.data.plan import BatchSchedule
+from torchtitan_zephon.data.state import DataConfig
+from torchtitan_zephon.tracker import SequenceTracker, log_path, read_log
 
 TOPO_2 = {"world_size": 2, "dp_degree": 2, "nnodes": 2, "tp_degree": 1, "local_batch_size": 2}
 TOPO_1 = {"world_size": 1, "dp_degree": 1, "nnodes": 1, "tp_degree": 1, "local_batch_size": 2}
@@ -26,6 +28,13 @@ TOPO_1 = {"world_size": 1, "dp_degree": 1, "nnodes": 1, "tp_degree": 1, "local_b
 
 def step_ids(step: int, seed: int = 0) -> np.ndarray:
     return np.random.default_rng([seed, step]).integers(0, 10_000, size=8)
+
+
+def data_config(seq_len: int = 8, seed: int = 0) -> DataConfig:
+    return DataConfig.make(
+        seq_len=seq_len, seed=seed, schedule=BatchSchedule.parse("8"), sample_offset=0,
+        num_samples=10_000, store_fingerprint="s" * 64, tokenizer_hash="t" * 64,
+    )  # fmt: skip
 
 
 def write_log(
@@ -37,25 +46,35 @@ def write_log(
     died_at: int | None = None,
     tokens: bool = True,
     first_step: int = 1,
+    differ_at: tuple[int, ...] = (),
+    tokens_differ_at: tuple[int, ...] = (),
+    died_saw_other_data: bool = False,
+    config: DataConfig | None = None,
 ) -> Path:
     """A run folder whose log covers ``first_step..steps``; with ``resume_at``, the first
-    job ran to ``died_at`` and a 1-rank job resumed from ``resume_at``."""
-    tracker = SequenceTracker(
-        log_path(run), store_fingerprint="store", data_config_fingerprint="cfg", writer=True
-    )
-    tracker.start(TOPO_2)
-    tracker.step = first_step - 1
+    job ran to ``died_at`` and a 1-rank job resumed from ``resume_at``. Steps in
+    ``differ_at`` see other ids, steps in ``tokens_differ_at`` other tokens; with
+    ``died_saw_other_data`` the first job saw other ids after ``resume_at``."""
+    tracker = SequenceTracker(log_path(run), config=config or data_config(), writer=True)
+
+    def record(s: int, other: bool = False) -> None:
+        ids = step_ids(s, seed + (s in differ_at or other))
+        toks = ids.tobytes() + (b"x" if s in tokens_differ_at else b"")
+        tracker.record(s, (s - 1) * 8, ids, toks if tokens else None)
+
+    if first_step == 1:
+        tracker.start(TOPO_2)
+    else:  # a run whose log begins at a checkpoint copied from elsewhere
+        tracker.resume({"step": first_step - 1, "chain": "0" * 64}, TOPO_2, ignore_mismatch=True)
     heads = {}
     last = died_at if resume_at is not None else steps
     for s in range(first_step, last + 1):
-        ids = step_ids(s, seed)
-        tracker.record(s, (s - 1) * 8, ids, ids.tobytes() if tokens else None)
+        record(s, died_saw_other_data and resume_at is not None and s > resume_at)
         heads[s] = tracker.head()
     if resume_at is not None:
         tracker.resume(heads[resume_at], TOPO_1)
         for s in range(resume_at + 1, steps + 1):
-            ids = step_ids(s, seed)
-            tracker.record(s, (s - 1) * 8, ids, ids.tobytes() if tokens else None)
+            record(s)
     return run
 
 
@@ -89,20 +108,15 @@ def test_a_log_file_path_is_accepted(tmp_path, capsys):
 
 def test_one_step_differs(tmp_path, capsys):
     a = write_log(tmp_path / "a", 6)
-    b = write_log(tmp_path / "b", 6)
-    lines = log_path(b).read_text().splitlines()
-    rec = json.loads(lines[4])  # line 0 is the start event: this is step 4
-    assert rec["step"] == 4
-    rec["ids_digest"] = "0" * 64
-    lines[4] = json.dumps(rec, sort_keys=True)
-    log_path(b).write_text("\n".join(lines) + "\n")
+    b = write_log(tmp_path / "b", 6, differ_at=(4,))
     rc, out, _ = verify(capsys, a, b)
     assert rc == 1
-    assert "first mismatch at step 4 (ids_digest differ)" in out and "matches:   5/6" in out
+    assert "first mismatch at step 4 (ids_digest, tokens_digest differ)" in out
+    assert "matches:   5/6" in out
     rc, report = verify_json(capsys, a, b)
     assert rc == 1 and report["verdict"] == "mismatch" and report["matches"] == 5
     mm = report["first_mismatch"]
-    assert mm["step"] == 4 and mm["b"]["ids_digest"] == "0" * 64
+    assert mm["step"] == 4 and mm["b"]["ids_digest"] != mm["a"]["ids_digest"]
     assert (
         mm["a"]["ids_digest"] == json.loads(log_path(a).read_text().splitlines()[4])["ids_digest"]
     )
@@ -113,13 +127,7 @@ def test_tokens_digest_compared_only_when_both_have_it(tmp_path, capsys):
     b = write_log(tmp_path / "b", 4, tokens=False)
     rc, report = verify_json(capsys, a, b)
     assert rc == 0 and report["tokens_compared"] == 0
-    c = write_log(tmp_path / "c", 4, tokens=True)
-    text = (
-        log_path(c)
-        .read_text()
-        .replace(json.loads(log_path(c).read_text().splitlines()[2])["tokens_digest"], "f" * 64)
-    )
-    log_path(c).write_text(text)
+    c = write_log(tmp_path / "c", 4, tokens=True, tokens_differ_at=(2,))
     rc, report = verify_json(capsys, a, c)
     assert rc == 1 and report["first_mismatch"]["step"] == 2
     assert report["first_mismatch"]["fields"] == ["tokens_digest"]
@@ -129,14 +137,10 @@ def test_resume_in_the_middle_uses_the_effective_history(tmp_path, capsys):
     ref = write_log(tmp_path / "ref", 8)
     # the first job saw other data for steps 5..6 after its checkpoint at 4, then died;
     # the resumed job rewrote 5..8 with the right data: superseded records do not count
-    res = write_log(tmp_path / "res", 8, resume_at=4, died_at=6)
-    lines = log_path(res).read_text().splitlines()
-    for i in (5, 6):  # records of steps 5 and 6 of the first job
-        rec = json.loads(lines[i])
-        assert rec["step"] == i
-        rec["ids_digest"] = "1" * 64
-        lines[i] = json.dumps(rec, sort_keys=True)
-    log_path(res).write_text("\n".join(lines) + "\n")
+    res = write_log(tmp_path / "res", 8, resume_at=4, died_at=6, died_saw_other_data=True)
+    superseded = [json.loads(x) for x in log_path(res).read_text().splitlines()[5:7]]
+    assert [r["step"] for r in superseded] == [5, 6]
+    assert superseded[0]["ids_digest"] != read_log(ref).records[5]["ids_digest"]
     rc, out, _ = verify(capsys, ref, res)
     assert rc == 0, out
     assert "resumed from step 4: world_size 1, dp_degree 1, nnodes 1" in out
@@ -256,3 +260,110 @@ def test_real_resume_on_fewer_ranks_verifies(real_runs, capsys):
 def test_real_run_with_another_seed_differs_at_step_1(real_runs, capsys):
     rc, out, _ = verify(capsys, real_runs.ref, real_runs.other_seed)
     assert rc == 1 and "first mismatch at step 1" in out and "MISMATCH" in out
+
+
+# ---------------------------------------------------------------- the log proves itself
+
+
+def _edit(run: Path, fn) -> None:
+    """Rewrite the log's lines through ``fn(list of lines) -> list of lines``."""
+    lines = log_path(run).read_text().splitlines()
+    log_path(run).write_text("\n".join(fn(lines)) + "\n")
+
+
+def _set(line: str, **fields) -> str:
+    return json.dumps({**json.loads(line), **fields}, sort_keys=True)
+
+
+@pytest.mark.parametrize(
+    "tamper, step",
+    [
+        ("delete", 4),  # a record removed: a gap
+        ("chain", 3),  # a chain value replaced
+        ("digest", 5),  # a digest edited, chain left as it was
+        ("swap", 3),  # two records exchanged
+        ("duplicate", 3),  # a record written twice
+    ],
+)
+def test_a_tampered_log_never_verifies(tmp_path, capsys, tamper, step):
+    good, bad = write_log(tmp_path / "good", 6), write_log(tmp_path / "bad", 6)
+    edits = {  # line i holds step i (line 0 is the start event)
+        "delete": lambda ls: ls[:4] + ls[5:],
+        "chain": lambda ls: ls[:3] + [_set(ls[3], chain="f" * 64)] + ls[4:],
+        "digest": lambda ls: ls[:5] + [_set(ls[5], ids_digest="0" * 64)] + ls[6:],
+        "swap": lambda ls: ls[:3] + [ls[4], ls[3]] + ls[5:],
+        "duplicate": lambda ls: ls[:4] + [ls[3]] + ls[4:],
+    }
+    _edit(bad, edits[tamper])
+    rc, out, _ = verify(capsys, bad)
+    assert rc == 1 and f"verdict: BROKEN at step {step}" in out, out
+    rc, out, _ = verify(capsys, good)
+    assert rc == 0 and "verdict: INTACT: 6 effective records" in out
+    rc, report = verify_json(capsys, good, bad)
+    assert rc == 1 and report["verdict"] == "corrupt"
+    assert report["integrity_a"]["intact"] and not report["integrity_b"]["intact"]
+    assert report["integrity_b"]["first_problem"]["step"] == step
+    rc, out, _ = verify(capsys, good, bad)
+    assert "BROKEN LOG" in out and "MATCH" not in out
+
+
+def test_resume_event_must_link_to_the_record_it_names(tmp_path, capsys):
+    run = write_log(tmp_path / "r", 8, resume_at=4, died_at=6)
+    assert verify(capsys, run)[0] == 0
+    # lines: start, steps 1..6 of the first job, the resume event (line 7), steps 5..8
+    assert json.loads(log_path(run).read_text().splitlines()[7])["event"] == "resume"
+    _edit(run, lambda ls: ls[:7] + [_set(ls[7], chain="e" * 64)] + ls[8:])
+    rc, out, _ = verify(capsys, run)
+    assert rc == 1 and "verdict: BROKEN at step 4" in out
+    assert "resume from step 4 names chain eeeeeeeeeeeeeeee..., the log's record of step 4" in out
+
+
+def test_same_ids_under_another_data_config_never_match(tmp_path, capsys):
+    """Two runs whose sample ids coincide but whose seq_len differs read other tokens."""
+    a = write_log(tmp_path / "a", 4, tokens=False)
+    b = write_log(tmp_path / "b", 4, tokens=False, config=data_config(seq_len=16))
+    rc, out, _ = verify(capsys, a, b)
+    assert rc == 1 and "first mismatch at step 1 (ids_digest differ)" in out
+    assert "seq_len: 8 -> 16" in out
+
+
+def test_a_schedule_extended_for_later_steps_still_matches(tmp_path, capsys):
+    extended = DataConfig.make(
+        seq_len=8, seed=0, schedule=BatchSchedule.parse("1:8,100:16"), sample_offset=0,
+        num_samples=10_000, store_fingerprint="s" * 64, tokenizer_hash="t" * 64,
+    )  # fmt: skip
+    a = write_log(tmp_path / "a", 6)
+    b = write_log(tmp_path / "b", 6, config=extended)
+    rc, report = verify_json(capsys, a, b)
+    assert rc == 0 and report["verdict"] == "match" and report["matches"] == 6
+
+
+def test_logs_of_tracker_format_1_are_unbound_never_a_plain_match(tmp_path, capsys):
+    """A log written before records bound the data config: same digests, no proof."""
+    from torchtitan_zephon.tracker import chain_next
+
+    def old_log(run: Path) -> Path:
+        lines = [json.dumps({"event": "start", "from_step": 0, **TOPO_2})]
+        chain = "0" * 64
+        for s in range(1, 5):
+            rec = {"step": s, "first_position": (s - 1) * 8, "num_samples": 8,
+                   "ids_digest": f"{s:064d}"}  # fmt: skip
+            chain = rec["chain"] = chain_next(chain, rec)
+            lines.append(json.dumps(rec, sort_keys=True))
+        log_path(run).parent.mkdir(parents=True)
+        log_path(run).write_text("\n".join(lines) + "\n")
+        return run
+
+    a, b = old_log(tmp_path / "a"), old_log(tmp_path / "b")
+    rc, out, _ = verify(capsys, a, b)
+    assert rc == 1 and "verdict: UNBOUND" in out and "MATCH" not in out.replace("UNBOUND", "")
+    rc, out, _ = verify(capsys, a)
+    assert rc == 0 and "unbound: steps 1..4" in out and "INTACT" in out
+
+
+def test_ignored_log_mismatch_is_noted_not_hidden(tmp_path, capsys):
+    run = write_log(tmp_path / "r", 6, first_step=3)
+    rc, out, _ = verify(capsys, run)
+    assert rc == 0 and "restarted the chain (ignore_log_mismatch)" in out
+    last = json.loads(log_path(run).read_text().splitlines()[0])
+    assert last["event"] == "resume" and "log_mismatch_ignored" in last

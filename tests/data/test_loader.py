@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchtitan_zephon.data.digest import fingerprint
 from torchtitan_zephon.data.loader import DataStateMismatch, ZephonLoader
 from torchtitan_zephon.data.plan import BatchSchedule
 
@@ -166,6 +167,14 @@ def test_mismatch_refused_naming_fields(store):
         state = ld.state_dict()
     other = json.loads(json.dumps(state))
     other["store_fingerprint"] = other["data_config"]["store_fingerprint"] = "f" * 64
+    with (
+        _loader(store, 2, 1, 2, seed=12, seq=16) as ld,
+        pytest.raises(
+            DataStateMismatch, match="does not hash to its recorded data_config_fingerprint"
+        ),
+    ):
+        ld.load_state_dict(other)  # edited without its fingerprint: corrupt
+    other["data_config_fingerprint"] = fingerprint(other["data_config"])  # another run's state
     with _loader(store, 2, 1, 2, seed=12, seq=16) as ld:
         with pytest.raises(DataStateMismatch) as e:
             ld.load_state_dict(other)

@@ -18,7 +18,7 @@ def assert_trained(run: Path, steps: int = 8) -> None:
     assert last < first - 0.3, f"loss did not decrease: {first} -> {last}"
     cks = {c.step: c for c in runs.checkpoints(run)}
     assert cks[4].complete and cks[steps].complete, cks
-    state = runs.read_data_state(cks[steps].path)
+    state = runs.read_data_state(cks[steps].path).to_dict()
     assert state["next_step"] == steps + 1 and state["tracker"]["step"] == steps
     assert sorted(log_records(run)) == list(range(1, steps + 1))
     val = runs.read_scalars(run, "validation_metrics/loss")

@@ -32,6 +32,7 @@ from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, builtin_store, write_j
 from torchtitan_zephon.bench.measure import paired_latency, rate, ratio
 from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
+from torchtitan_zephon.data.state import DataState
 from torchtitan_zephon.data.store import TokenStore
 
 DATASET_NAME = "zephon_bench_corpus"
@@ -155,12 +156,10 @@ def zephon_loader(
     )
 
 
-def state_at(loader: ZephonLoader, step: int) -> dict[str, Any]:
+def state_at(loader: ZephonLoader, step: int) -> DataState:
     """The loader's state as it would be saved after ``step - 1`` completed steps."""
-    state = loader.state_dict()
-    state["next_step"] = step
-    state["consumed_positions"] = loader.plan.step_positions(step)[0]
-    return state
+    now = loader.data_state()
+    return DataState(now.config, step, loader.plan.step_positions(step)[0], now.position_anchor)
 
 
 def trainer_record_bytes(loader: ZephonLoader, step: int) -> tuple[int, int]:
@@ -172,10 +171,8 @@ def trainer_record_bytes(loader: ZephonLoader, step: int) -> tuple[int, int]:
     from torchtitan_zephon.tracker import genesis
 
     state = state_at(loader, step)
-    record = dict(
-        state, tracker={"step": step - 1, "chain": genesis(state["data_config_fingerprint"])}
-    )
-    return len(json.dumps(state).encode()), len(json.dumps(record, sort_keys=True).encode())
+    record = state.with_tracker({"step": step - 1, "chain": genesis(state.config.fingerprint)})
+    return len(json.dumps(state.to_dict()).encode()), len(record.to_json().encode())
 
 
 def _restore_first_batch(store: TokenStore, opts: dict, state: dict[str, Any]) -> None:

@@ -43,9 +43,8 @@ store = TokenStore.open(store_path)
 t_open = time.time()
 loader = ZephonLoader(store, seq_len=seq_len, seed=0, schedule=BatchSchedule([(1, batch)]),
                       dp_rank=0, dp_degree=1, local_batch_size=batch)
-state = json.loads(record)
-state.pop("tracker", None)
-loader.load_state_dict(state)
+from torchtitan_zephon.data.state import DataState
+loader.load_state_dict(DataState.from_json(record))
 t_load = time.time()
 inputs, labels = next(loader)
 t_first = time.time()
@@ -90,9 +89,8 @@ def run(opts: dict) -> dict:
     probe = lb.zephon_loader(store, seq_len, batch, 0)
     records = {}
     for step in STEPS:
-        state = lb.state_at(probe, step)
-        state["tracker"] = {"step": step - 1, "chain": "0" * 64}
-        records[step] = json.dumps(state, sort_keys=True)
+        state = lb.state_at(probe, step).with_tracker({"step": step - 1, "chain": "0" * 64})
+        records[step] = state.to_json()
     probe.close()
 
     runs: dict[int, list[dict[str, float]]] = {s: [] for s in STEPS}

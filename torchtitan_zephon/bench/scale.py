@@ -23,6 +23,7 @@ import numpy as np
 from torchtitan_zephon.bench.corpus import builtin_store
 from torchtitan_zephon.bench.measure import latency, paired_latency, ratio
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
+from torchtitan_zephon.data.state import DataConfig
 from torchtitan_zephon.tracker import SequenceTracker, ids_digest, sample_digests
 
 DP_DEGREES = (8, 2048, 100_000)
@@ -47,15 +48,18 @@ def _rank_work(store: Any, plan: DataPlan, d: int, seq_len: int, windows: bool) 
 
 def log_growth(store: Any, seq_len: int, steps: int, gbs: int) -> dict[str, Any]:
     """Bytes per step the sequence log grows by, at audit levels ids and tokens."""
-    plan = DataPlan(store.num_samples(seq_len), 0, BatchSchedule([(1, gbs)]))
+    schedule = BatchSchedule([(1, gbs)])
+    plan = DataPlan(store.num_samples(seq_len), 0, schedule)
+    config = DataConfig.make(
+        seq_len=seq_len, seed=0, schedule=schedule, sample_offset=0,
+        num_samples=plan.num_samples, store_fingerprint=store.fingerprint,
+        tokenizer_hash=store.tokenizer_hash,
+    )  # fmt: skip
     out: dict[str, Any] = {"global_batch": gbs}
     with tempfile.TemporaryDirectory(prefix="zephon-bench-") as tmp:
         for level in ("ids", "tokens"):
             path = Path(tmp) / level / "sequence_log.jsonl"
-            tracker = SequenceTracker(
-                path, store_fingerprint=store.fingerprint, data_config_fingerprint="0" * 64,
-                writer=True,
-            )  # fmt: skip
+            tracker = SequenceTracker(path, config=config, writer=True)
             tracker.start({"world_size": 1, "dp_degree": 1})
             before = path.stat().st_size
             for step in range(1, steps + 1):
@@ -97,7 +101,7 @@ def run(opts: dict) -> dict:
         }
         steps = iter(range(STEP, STEP + 10**9))
         tracker_ids[str(d)] = latency(
-            lambda plan=plan, steps=steps: ids_digest(plan.global_ids(next(steps)), "x"),
+            lambda plan=plan, steps=steps: ids_digest(plan.global_ids(next(steps)), "x", 0),
             max(3, repeats // 40),
         )["median_s"]
         fplan = DataPlan(n, 0, BatchSchedule([(1, FIXED_GLOBAL)]))

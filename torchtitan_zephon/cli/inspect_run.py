@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon import runs
+from torchtitan_zephon.data.state import DataState
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -53,7 +54,7 @@ def _data_state(checkpoint: Path) -> dict[str, Any]:
         state = runs.read_data_state(checkpoint)
     except Exception as e:  # noqa: BLE001 - a DCP folder can be broken in many ways
         return {"error": str(e) or type(e).__name__}
-    return state
+    return state.to_dict()
 
 
 def describe_checkpoint(path: Path) -> dict[str, Any]:
@@ -174,20 +175,20 @@ def _format_data_state(state: dict[str, Any] | None, indent: str = "  ") -> list
         return [f"{indent}data state: none (no complete checkpoint)"]
     if "error" in state:
         return [f"{indent}data state: unavailable ({state['error']})"]
-    cfg = state.get("data_config", {})
-    tracker = state.get("tracker", {})
+    ds = DataState.from_dict(state)
+    cfg = ds.config
     lines = [
         f"{indent}data state (format {state.get('format')}):",
-        f"{indent}  next step:          {state.get('next_step')}",
-        f"{indent}  consumed positions: {state.get('consumed_positions')}",
-        f"{indent}  store fingerprint:  {state.get('store_fingerprint')}",
-        f"{indent}  data config:        seq_len {cfg.get('seq_len')}, seed {cfg.get('seed')}, "
-        f"{cfg.get('num_samples')} samples, schedule {cfg.get('schedule')}",
-        f"{indent}  data config fingerprint: {state.get('data_config_fingerprint')}",
+        f"{indent}  next step:          {ds.next_step}",
+        f"{indent}  consumed positions: {ds.consumed_positions}",
+        f"{indent}  store fingerprint:  {cfg.store_fingerprint}",
+        f"{indent}  data config:        seq_len {cfg.seq_len}, seed {cfg.seed}, "
+        f"{cfg.num_samples} samples, schedule {cfg.batch_schedule()}",
+        f"{indent}  data config fingerprint: {cfg.fingerprint}",
     ]
-    if tracker:
+    if ds.tracker:
         lines.append(
-            f"{indent}  tracker head:       step {tracker.get('step')}, chain {tracker.get('chain')}"
+            f"{indent}  tracker head:       step {ds.tracker['step']}, chain {ds.tracker['chain']}"
         )
     return lines
 

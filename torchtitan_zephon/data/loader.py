@@ -18,8 +18,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
-import json
 import threading
 from collections import deque
 from collections.abc import Iterable
@@ -30,27 +28,18 @@ import numpy as np
 import torch
 
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan, check_batch_layout
+from torchtitan_zephon.data.state import (
+    DataConfig,
+    DataState,
+    DataStateMismatch,
+    ResumeDecision,
+    check_resume,
+)
 from torchtitan_zephon.data.store import TokenStore
 
-STATE_FORMAT = 1
-# allow_changes aliases: one user-facing name can accept several config fields.
-_ALIASES = {
-    "store": ("store_fingerprint", "num_samples"),
-    "tokenizer": ("tokenizer_hash",),
-}
+__all__ = ["DataStateMismatch", "MicroBatch", "ZephonLoader"]
 
 MicroBatch = tuple[dict[str, torch.Tensor], torch.Tensor]
-
-
-class DataStateMismatch(ValueError):
-    """A saved data state does not match the current data config."""
-
-
-def config_fingerprint(data_config: dict[str, Any]) -> str:
-    """Hex sha256 of the canonical JSON of a data config."""
-    return hashlib.sha256(
-        json.dumps(data_config, sort_keys=True, separators=(",", ":")).encode()
-    ).hexdigest()
 
 
 class ZephonLoader:
@@ -90,19 +79,16 @@ class ZephonLoader:
             raise ValueError(
                 f"num_workers and prefetch must be >= 0, got {num_workers} and {prefetch}."
             )
-        reserved = {
-            "seq_len",
-            "seed",
-            "schedule",
-            "sample_offset",
-            "num_samples",
-            "store_fingerprint",
-            "tokenizer_hash",
-        }
-        clash = reserved & set(extra_config or {})
-        if clash:
-            raise ValueError(f"extra_config may not redefine data config fields {sorted(clash)}.")
-
+        self.config = DataConfig.make(
+            seq_len=seq_len,
+            seed=seed,
+            schedule=schedule,
+            sample_offset=sample_offset,
+            num_samples=num_samples,
+            store_fingerprint=store.fingerprint,
+            tokenizer_hash=store.tokenizer_hash,
+            extra=extra_config,
+        )
         self.store = store
         self.seq_len = int(seq_len)
         self.dp_rank = int(dp_rank)
@@ -112,16 +98,6 @@ class ZephonLoader:
         self.prefetch = int(prefetch)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
         self.plan = DataPlan(int(num_samples), int(seed), schedule, int(sample_offset))
-        self.data_config: dict[str, Any] = {
-            "seq_len": self.seq_len,
-            "seed": int(seed),
-            "schedule": schedule.to_list(),
-            "sample_offset": int(sample_offset),
-            "num_samples": int(num_samples),
-            "store_fingerprint": store.fingerprint,
-            "tokenizer_hash": store.tokenizer_hash,
-            **(extra_config or {}),
-        }
         self._next_step = 1
         self._cursor = (1, 0)  # next (step, micro-batch index) to produce
         self._pending: deque[Future] = deque()
@@ -230,137 +206,39 @@ class ZephonLoader:
 
     # ------------------------------------------------------------------ state
 
-    def state_dict(self) -> dict[str, Any]:
+    def data_state(self) -> DataState:
         """World-size-independent record of the data position (same on every rank)."""
         first, _ = self.plan.step_positions(self._next_step)
-        return {
-            "format": STATE_FORMAT,
-            "store_fingerprint": self.store.fingerprint,
-            "data_config": dict(self.data_config),
-            "data_config_fingerprint": config_fingerprint(self.data_config),
-            "next_step": self._next_step,
-            "consumed_positions": first,
-            "position_anchor": [self.plan.anchor_step, self.plan.anchor_position],
-        }
+        anchor = (self.plan.anchor_step, self.plan.anchor_position)
+        return DataState(self.config, self._next_step, first, anchor)
 
-    def load_state_dict(self, state: dict[str, Any], *, allow_changes: Iterable[str] = ()) -> None:
-        """Continue at ``state["next_step"]``; refuse config changes not in ``allow_changes``.
+    def state_dict(self) -> dict[str, Any]:
+        """``data_state()`` as a JSON-able dict."""
+        return self.data_state().to_dict()
 
-        ``allow_changes`` names data config fields whose change is accepted
-        (``seed``, ``seq_len``, ``schedule``, ``sample_offset``, ``num_samples``,
-        ``store_fingerprint``, ``tokenizer_hash``, any extra_config key), the
-        aliases ``store`` (store_fingerprint + num_samples) and ``tokenizer``,
-        or ``all``.
+    def load_state_dict(
+        self, state: dict[str, Any] | DataState, *, allow_changes: Iterable[str] = ()
+    ) -> ResumeDecision:
+        """Continue at the saved ``next_step``; refuse config changes not in ``allow_changes``.
+
+        The rule is ``data.state.check_resume``: ``allow_changes`` names data config
+        fields whose change is accepted (``seed``, ``seq_len``, ``schedule``,
+        ``sample_offset``, ``num_samples``, ``store_fingerprint``, ``tokenizer_hash``,
+        any extra_config key), the aliases ``store`` (store_fingerprint +
+        num_samples) and ``tokenizer``, or ``all``. A schedule that only gained
+        entries for untrained steps needs no opt-in.
         """
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            found = state.get("format") if isinstance(state, dict) else type(state).__name__
-            raise DataStateMismatch(
-                f"unsupported data state format {found!r}; expected {STATE_FORMAT}. The "
-                "checkpoint was written by an incompatible version of zephon."
-            )
-        try:
-            old_config = dict(state["data_config"])
-            next_step = int(state["next_step"])
-            consumed = int(state["consumed_positions"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise DataStateMismatch(
-                f"data state is missing or has an invalid field ({e})."
-            ) from None
-        if next_step < 1 or consumed < 0:
-            raise DataStateMismatch(
-                f"data state has next_step={next_step}, consumed_positions={consumed}; "
-                "expected next_step >= 1 and consumed_positions >= 0."
-            )
-        allowed = self._allowed(allow_changes)
-        new_config = self.data_config
-        differing = sorted(
-            k for k in set(old_config) | set(new_config) if old_config.get(k) != new_config.get(k)
-        )
-        if state.get("store_fingerprint") != self.store.fingerprint and (
-            "store_fingerprint" not in differing
-        ):
-            differing.append("store_fingerprint")
-        refused = [k for k in differing if not (allowed is True or k in allowed)]
-        if refused:
-            lines = [
-                f"  {k}: {old_config.get(k, '<absent>')!r} -> {new_config.get(k, '<absent>')!r}"
-                for k in refused
-            ]
-            hint = ""
-            if "schedule" in refused:
-                hint = self._schedule_hint(old_config.get("schedule"), next_step)
-            raise DataStateMismatch(
-                "the data config differs from the one saved in the checkpoint; resuming would "
-                "not continue the same data stream. Differing fields (saved -> current):\n"
-                + "\n".join(lines)
-                + hint
-                + f"\nTo accept, opt in with allow_changes={refused!r} (or 'all')."
-            )
-
-        anchor_step, anchor_pos = next_step, consumed
-        if "schedule" not in differing:
-            saved = state.get("position_anchor", [1, 0])
-            probe = DataPlan(
-                self.plan.num_samples,
-                self.plan.seed,
-                self.plan.schedule,
-                self.plan.sample_offset,
-                anchor_step=int(saved[0]),
-                anchor_position=int(saved[1]),
-            )
-            try:
-                expected = probe.step_positions(next_step)[0]
-            except ValueError:
-                expected = None
-            if expected != consumed:
-                raise DataStateMismatch(
-                    f"data state is inconsistent: step {next_step} should start at position "
-                    f"{expected} under schedule {self.plan.schedule}, but the state records "
-                    f"consumed_positions={consumed}. The checkpoint's data state is corrupt."
-                )
-            anchor_step, anchor_pos = int(saved[0]), int(saved[1])
+        saved = state if isinstance(state, DataState) else DataState.from_dict(state)
+        decision = check_resume(saved, self.config, allow_changes)
         self._reset()
         self.plan = DataPlan(
             self.plan.num_samples,
             self.plan.seed,
             self.plan.schedule,
             self.plan.sample_offset,
-            anchor_step=anchor_step,
-            anchor_position=anchor_pos,
+            anchor_step=decision.anchor[0],
+            anchor_position=decision.anchor[1],
         )
-        self._next_step = next_step
-        self._cursor = (next_step, 0)
-
-    def _allowed(self, allow_changes: Iterable[str]) -> set[str] | bool:
-        names = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
-        if "all" in names:
-            return True
-        fields = set(self.data_config)
-        allowed: set[str] = set()
-        for name in names:
-            if name in _ALIASES:
-                allowed.update(_ALIASES[name])
-            elif name in fields:
-                allowed.add(name)
-            else:
-                raise ValueError(
-                    f"unknown allow_changes entry {name!r}; expected one of "
-                    f"{sorted(fields | set(_ALIASES) | {'all'})}."
-                )
-        return allowed
-
-    def _schedule_hint(self, old: Any, next_step: int) -> str:
-        try:
-            old_sched = BatchSchedule([tuple(e) for e in old])
-        except (TypeError, ValueError):
-            return ""
-        same = old_sched.first_position(next_step) == self.plan.schedule.first_position(next_step)
-        if same:
-            return (
-                f"\nThe new schedule agrees with the saved one on steps < {next_step}, so "
-                "accepting 'schedule' continues from the recorded position without a gap."
-            )
-        return (
-            f"\nAccepting 'schedule' continues from the recorded consumed position; steps from "
-            f"{next_step} on use the new global batch sizes."
-        )
+        self._next_step = saved.next_step
+        self._cursor = (saved.next_step, 0)
+        return decision

@@ -2,15 +2,13 @@
 one world-size-independent record.
 
 Invariant: ``state_dict()`` returns the same record on every rank of every
-topology: ``{"zephon": <JSON text>}`` holding the loader state (format, store and
-data-config fingerprints, next step, consumed positions) and the sequence
-tracker's chain head. It replaces TorchTitan's per-DP-rank pickles, so DCP saves
+topology: ``{"zephon": <JSON text>}``, the ``data.state.DataState`` (data config,
+next step, consumed positions, anchor) with the sequence tracker's chain head. It replaces TorchTitan's per-DP-rank pickles, so DCP saves
 it once and any world size can load it.
 """
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -20,12 +18,11 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.data.loader import DataStateMismatch, ZephonLoader
+from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.plan import BatchSchedule
+from torchtitan_zephon.data.state import RECORD_KEY, DataState, DataStateMismatch
 from torchtitan_zephon.data.store import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
-
-STATE_KEY = "zephon"
 
 
 def resolve_store(job_config: Any) -> TokenStore:
@@ -121,33 +118,49 @@ class ZephonDataLoader(BaseDataLoader):
 
     # -- checkpoint ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        record = dict(self.loader.state_dict())
         self.tracker.sync()  # the checkpoint will name this head: its record must be durable
-        record["tracker"] = self.tracker.head()
-        return {STATE_KEY: json.dumps(record, sort_keys=True)}
+        state = self.loader.data_state().with_tracker(self.tracker.head())
+        return {RECORD_KEY: state.to_json()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         if not state_dict:
             return
-        if STATE_KEY not in state_dict:
+        if RECORD_KEY not in state_dict:
             raise ValueError(
                 "the checkpoint's dataloader state is not a Zephon record (keys: "
                 f"{sorted(state_dict)}); it was written by another dataloader (stock TorchTitan?). "
                 "Start a new job.dump_folder, or load only the model with "
                 "--checkpoint.initial_load_path and --checkpoint.initial_load_model_only."
             )
-        record = json.loads(state_dict[STATE_KEY])
-        head = record.pop("tracker", None)
         try:
-            self.loader.load_state_dict(record, allow_changes=self.allow_changes)
+            saved = DataState.from_json(state_dict[RECORD_KEY])
+            decision = self.loader.load_state_dict(saved, allow_changes=self.allow_changes)
         except DataStateMismatch as e:
             raise DataStateMismatch(
                 f"{e}\nWith the trainer: --zephon.allow_changes FIELD (repeatable; TOML: "
                 '[zephon] allow_changes = ["FIELD", ...]). Nothing was changed on disk.'
             ) from None
+        head = saved.tracker
         done = self.loader.next_step - 1
+        details: dict[str, Any] = {}
+        if decision.accepted:
+            details["accepted_changes"] = list(decision.accepted)
+        if decision.extended:
+            details["extended"] = list(decision.extended)
+            logger.info(
+                f"Zephon: {', '.join(decision.extended)} gained entries for steps after {done}: "
+                "an exact continuation"
+            )
         if head is not None and int(head["step"]) == done:
-            self.tracker.resume(head, self.topology, ignore_mismatch=self.ignore_log_mismatch)
+            problem = self.tracker.resume(
+                head, self.topology, ignore_mismatch=self.ignore_log_mismatch, details=details
+            )
+            if problem is not None:
+                logger.warning(
+                    f"Zephon: the sequence log does not match the checkpoint of step {done} "
+                    f"({problem}); continuing because zephon.ignore_log_mismatch is set. The "
+                    "resume event records it, and the chain is not linked at this step."
+                )
         else:  # written with audit "off": no chain head for this step
             if self.tracker.enabled:
                 logger.warning(
@@ -158,7 +171,7 @@ class ZephonDataLoader(BaseDataLoader):
         self.resumed_from = done
         logger.info(
             f"Zephon: resuming at step {self.loader.next_step} (position "
-            f"{record.get('consumed_positions')}) under DP degree {self.loader.dp_degree}"
+            f"{saved.consumed_positions}) under DP degree {self.loader.dp_degree}"
         )
 
     def close(self) -> None:
@@ -246,12 +259,10 @@ def build_zephon_dataloader(
         prefetch=zc.prefetch,
         pin_memory=job_config.training.dataloader.pin_memory,
     )
-    state = loader.state_dict()
     rank = int(os.environ.get("RANK", "0"))
     tracker = SequenceTracker(
         log_path(job_config.job.dump_folder),
-        store_fingerprint=store.fingerprint,
-        data_config_fingerprint=state["data_config_fingerprint"],
+        config=loader.config,
         writer=rank == 0,
         enabled=zc.audit != "off",
     )

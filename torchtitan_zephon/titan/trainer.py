@@ -74,10 +74,10 @@ class ZephonTrainer(Trainer):
         Python's builtin store) would silently cut batches from different orders."""
         if not dist.is_initialized() or dist.get_world_size() == 1:
             return
-        state = self.dataloader.loader.state_dict()
+        config = self.dataloader.loader.config
         mine = (
-            state["store_fingerprint"],
-            state["data_config_fingerprint"],
+            config.store_fingerprint,
+            config.fingerprint,
             str(self.dataloader.loader.store.path),
         )
         everyone: list[Any] = [None] * dist.get_world_size()
