@@ -17,9 +17,9 @@ and prove it saw exactly the data of an uninterrupted reference.
 
 Prints one verdict line and exits 0 only when no step diverged and the losses
 are within the tolerance. The job is the tiny Llama of the test suite on the
-builtin store (CPU, fp32); with --fresh-topology reference the first chaos
-segment starts on the reference's topology (needed only where initial weights
-depend on the topology).
+builtin store (CPU, fp32); with --fresh-topology reference every start that trains
+from step 1 (no complete checkpoint yet) uses the reference's topology (needed only
+where initial weights depend on the topology).
 """
 
 from __future__ import annotations
@@ -115,14 +115,27 @@ def env() -> dict[str, str]:
     return e
 
 
-def writing_checkpoint(run: Path) -> Path | None:
-    """A checkpoint folder that DCP is writing right now (no .metadata yet)."""
+def incomplete_checkpoints(run: Path) -> dict[str, tuple[int, int]]:
+    """Checkpoint folders without DCP's .metadata: name -> (files, bytes) in them."""
     root = run / "checkpoint"
-    if not root.is_dir():
-        return None
-    for child in root.iterdir():
-        if child.name.startswith("step-") and not (child / ".metadata").exists():
-            return child
+    out = {}
+    if root.is_dir():
+        for child in root.iterdir():
+            if child.name.startswith("step-") and not (child / ".metadata").exists():
+                try:
+                    files = [f.stat().st_size for f in child.iterdir()]
+                except OSError:
+                    continue  # being created or removed right now
+                out[child.name] = (len(files), sum(files))
+    return out
+
+
+def writing_checkpoint(run: Path, before: dict[str, tuple[int, int]]) -> str | None:
+    """A checkpoint folder DCP is writing right now: incomplete, and new or changed
+    since ``before`` (folders an earlier kill left half-written do not count)."""
+    for name, sizes in incomplete_checkpoints(run).items():
+        if before.get(name) != sizes:
+            return name
     return None
 
 
@@ -149,13 +162,14 @@ def start(run: Path, layout: tuple[int, int], steps: int, log) -> subprocess.Pop
 
 def cycle(run: Path, layout, steps: int, mode: str, rng: random.Random, log, limit: float) -> str:
     """Start the chaos job and kill it; return what happened."""
+    leftovers = incomplete_checkpoints(run)
     proc = start(run, layout, steps, log)
     t0 = time.time()
     kill_after = rng.uniform(0.5, limit)
     while True:
         if proc.poll() is not None:
             return "finished" if proc.returncode == 0 else f"failed ({proc.returncode})"
-        if mode == "checkpoint" and writing_checkpoint(run) is not None:
+        if mode == "checkpoint" and writing_checkpoint(run, leftovers) is not None:
             kill_tree(proc)
             return "killed during checkpoint"
         if mode == "random" and time.time() - t0 >= kill_after:
@@ -179,16 +193,24 @@ def zephon(*args: str) -> tuple[int, dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--cycles", type=int, required=True, help="number of kill / resume cycles")
     p.add_argument("--seed", type=int, default=0, help="seed of the random choices (default 0)")
-    p.add_argument("--out", default="./outputs/chaos", help="output folder (default ./outputs/chaos)")
-    p.add_argument("--steps", type=int, default=None, help="training steps (default max(16, 2 x cycles))")
-    p.add_argument("--rtol", type=float, default=1e-4, help="loss tolerance, relative (default 1e-4)")
+    p.add_argument(
+        "--out", default="./outputs/chaos", help="output folder (default ./outputs/chaos)"
+    )
+    p.add_argument(
+        "--steps", type=int, default=None, help="training steps (default max(16, 2 x cycles))"
+    )
+    p.add_argument(
+        "--rtol", type=float, default=1e-4, help="loss tolerance, relative (default 1e-4)"
+    )
     p.add_argument("--max-ranks", type=int, default=4, help="largest DP degree drawn (default 4)")
     p.add_argument(
         "--fresh-topology", choices=("any", "reference"), default="any",
-        help="topology of the chaos job's first start: random (default) or the reference's",
+        help="topology of starts from step 1 (no checkpoint yet): random (default) or the reference's",
     )  # fmt: skip
     args = p.parse_args(argv)
     if args.cycles < 0:
@@ -222,8 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     history = []
     with open(out / "chaos.log", "w") as log:
         for c in range(1, args.cycles + 1):
-            first = c == 1
-            layout = ref_layout if first and args.fresh_topology == "reference" else rng.choice(choices)
+            fresh = not complete_steps(run)  # this start trains from step 1
+            layout = rng.choice(choices)
+            if fresh and args.fresh_topology == "reference":
+                layout = ref_layout
             mode = "checkpoint" if rng.random() < 0.5 else "random"
             before = complete_steps(run)
             what = cycle(run, layout, steps, mode, rng, log, ref_time)
@@ -242,6 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             if what == "finished":
                 break
         layout = rng.choice(choices)
+        if not complete_steps(run) and args.fresh_topology == "reference":
+            layout = ref_layout
         say(f"final: {layout[0]} ranks, local batch {layout[1]}, to step {steps}")
         proc = start(run, layout, steps, log)
         if proc.wait() != 0:
