@@ -17,6 +17,8 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -290,3 +292,43 @@ def _drop_partial_line(path: Path) -> None:
             f.truncate(size - len(tail) + cut + 1 if cut >= 0 else 0)
     except FileNotFoundError:
         return
+
+
+class StepDigests:
+    """The ids digests of upcoming steps, computed by a background thread.
+
+    ``ahead(s)`` starts computing step ``s``'s (first position, number of samples,
+    ids digest) from ``plan()`` (a ``DataPlan``: O(global batch) work); ``take(s)``
+    returns it, so the training thread only collects a result.
+    """
+
+    def __init__(self, plan: Callable[[], Any], order_key: str) -> None:
+        self.plan = plan
+        self.order_key = order_key
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-ids-digest")
+        self._pending: dict[int, Future] = {}
+
+    def _compute(self, step: int) -> tuple[int, int, str]:
+        plan = self.plan()
+        first, count = plan.step_positions(step)
+        return first, count, ids_digest(plan.ids_for_positions(first, count), self.order_key, first)
+
+    def ahead(self, step: int) -> None:
+        if step not in self._pending:
+            self._pending[step] = self._pool.submit(self._compute, step)
+            for old in [s for s in self._pending if s < step - 2]:
+                del self._pending[old]
+
+    def take(self, step: int) -> tuple[int, int, str]:
+        self.ahead(step)
+        return self._pending.pop(step).result()
+
+    def reset(self) -> None:
+        """Forget everything computed so far (the plan changed)."""
+        for f in self._pending.values():
+            f.cancel()
+        self._pending.clear()
+
+    def close(self) -> None:
+        self.reset()
+        self._pool.shutdown(wait=True, cancel_futures=True)
