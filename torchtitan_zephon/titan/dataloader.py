@@ -245,6 +245,7 @@ def build_zephon_dataloader(
         num_workers=job_config.training.dataloader.num_workers,
         prefetch=zc.prefetch,
         pin_memory=job_config.training.dataloader.pin_memory,
+        vocab_size=model_vocab,  # exact: refuses ids beyond the embedding (store.max_token_id)
     )
     state = loader.state_dict()
     rank = int(os.environ.get("RANK", "0"))
