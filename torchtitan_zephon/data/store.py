@@ -7,38 +7,43 @@ Role: give O(1) access to training samples. Sample ``i`` for a given
 Invariants:
 - A store that opens is complete and its manifest unmodified: every file has
   the size its manifest promises, the manifest hashes to its recorded
-  ``fingerprint`` and ``checksums.bin`` hashes to the value the manifest records.
+  ``fingerprint`` and checksums.bin hashes to the value the manifest records.
+  Opening reads no tokens.
 - Every token that ``window``/``windows`` return was checked against the
-  manifest's content checksums first: ``tokens.bin`` is cut into chunks of
-  ``chunk_tokens`` tokens (65,536 by default) with one xxh3-64 checksum each in
-  ``checksums.bin``; a TokenStore hashes each chunk the first time it reads from
-  it (once per process, thread-safe) and a mismatch is a StoreError naming the
-  store, the file and the chunk, so no sample is served from changed content.
-  ``tokens`` itself is the raw, unchecked map.
+  content checksums first: tokens.bin is cut into chunks of ``chunk_tokens``
+  tokens, each with an xxh3-64 checksum in checksums.bin; a TokenStore hashes a
+  chunk the first time it reads from it (once per object, thread-safe) and a
+  mismatch is a StoreError naming the store, the file and the chunk, so no
+  sample is served from changed content. ``tokens`` itself is the raw map.
 - ``max_token_id`` (recorded by prepare) bounds every id the checked reads can
   return, so a vocabulary check against it is exact.
 - The fingerprint of a version-2 store hashes the whole manifest, checksums
   included: two such stores with the same fingerprint serve the same samples.
 
+Chunks of 65,536 tokens suit random sample access: hashing one takes ~10-20
+microseconds, so the first read of a chunk (128-256 KB) costs little and
+an epoch hashes the store once; checksums.bin (8 bytes per chunk,
+120 MB for 10^12 tokens) is hashed whole at open.
+
 Version-1 stores (written before checksums) still open, with an
-``UncheckedStoreWarning``, and their reads are not checked.
-``upgrade_store`` (``zephon inspect STORE --upgrade``) adds ``checksums.bin``
-and ``content.json`` (the content section) beside the unchanged manifest, so
-the fingerprint, and every checkpoint and sequence log that names it, stays
-valid (older zephon versions still open the store); the checksums then vouch
-for the content as it was at the upgrade. ``TokenStore.check`` (``zephon inspect STORE --check``) hashes
-everything and reports each bad chunk. The checksums detect accidental
-corruption and edits, not a forger who also rewrites checksums.bin and the manifest.
+``UncheckedStoreWarning``, and their reads are not checked. ``upgrade_store``
+(``zephon inspect STORE --upgrade``) adds checksums.bin and content.json (the
+content section) beside the unchanged manifest, so the fingerprint, and every
+checkpoint and sequence log that names it, stays valid (older zephon versions
+still open the store); the checksums then vouch for the content as it was at
+the upgrade. ``TokenStore.check`` (``zephon inspect STORE --check``) hashes
+everything and reports each bad chunk. The checksums catch corruption and
+edits, not a forger who also rewrites checksums.bin and the manifest.
 
 Layout on disk::
 
-    <store>/manifest.json      format, tokenizer identity, dtype, counts, sources, content, fingerprint
-    <store>/tokens.bin         num_tokens tokens, little-endian uint16 or uint32
-    <store>/doc_offsets.bin    num_documents int64 start offsets, one per document
-    <store>/checksums.bin      one little-endian uint64 xxh3-64 per chunk of tokens.bin
-    <store>/content.json       version 1 upgraded in place only: the content section
+    <store>/manifest.json    format, tokenizer, dtype, counts, sources, content, fingerprint
+    <store>/tokens.bin       num_tokens tokens, little-endian uint16 or uint32
+    <store>/doc_offsets.bin  num_documents int64 start offsets, one per document
+    <store>/checksums.bin    one little-endian uint64 xxh3-64 per chunk of tokens.bin
+    <store>/content.json     only in a version-1 store upgraded in place: its content section
 
-The manifest's (version 2) ``content`` section: ``algorithm`` ("xxh3_64"), ``chunk_tokens``,
+The content section: ``algorithm`` ("xxh3_64"), ``chunk_tokens``,
 ``checksums_xxh3_128`` (of checksums.bin), ``doc_offsets_xxh3_128`` (checked by
 ``check`` only: training does not read document offsets) and ``max_token_id``.
 """
@@ -210,12 +215,17 @@ class TokenStore:
         self.dtype = tokens.dtype
         self.content = content  # the content section (manifest, or content.json for version 1)
         self.checksums = checksums
+        # Plain ndarray views of the same maps: slicing them is cheaper than slicing a memmap.
+        self._token_array = tokens.view(np.ndarray)
+        self._sums = None if checksums is None else checksums.view(np.ndarray)
         self.chunk_tokens: int | None = int(content["chunk_tokens"]) if content else None
         self.max_token_id: int | None = int(content["max_token_id"]) if content else None
         self.num_chunks = 0 if checksums is None else int(checksums.size)
         self.verifies = bool(verify) and checksums is not None
-        # One flag per chunk: checked by this object. Flags only go False -> True.
-        self._verified = np.zeros(self.num_chunks, dtype=bool)
+        # One flag per chunk: checked by this object. Flags only go 0 -> 1, under the lock.
+        # A bytearray (fast to test from Python) with a numpy view of the same memory.
+        self._checked = bytearray(self.num_chunks)
+        self._checked_np = np.frombuffer(self._checked, dtype=np.bool_)
         self._unverified = self.num_chunks if self.verifies else 0
         self._verify_lock = threading.Lock()
         self._views: dict[int, np.ndarray] = {}
@@ -317,7 +327,7 @@ class TokenStore:
             raise IndexError(f"sample {i} outside [0, {n}) for seq_len {seq_len}.")
         start = int(i) * seq_len
         if self._unverified:
-            self._verify_spans(np.array([start], dtype=np.int64), seq_len + 1)
+            self._check_samples(np.array([i], dtype=np.int64), seq_len)
         return np.array(self.tokens[start : start + seq_len + 1])
 
     def windows(self, ids: np.ndarray, seq_len: int) -> np.ndarray:
@@ -330,28 +340,42 @@ class TokenStore:
                 f"found values in [{ids.min()}, {ids.max()}]."
             )
         if self._unverified:  # 0 once every chunk was checked (or checks are off)
-            self._verify_spans(ids * seq_len, seq_len + 1)
+            self._check_samples(ids, seq_len)
         return self._sample_view(seq_len, n)[ids]
 
     # ------------------------------------------------------------------ content checks
 
-    def _verify_spans(self, starts: np.ndarray, length: int) -> None:
-        """Check every chunk that the token ranges ``[start, start + length)`` touch,
-        unless this object checked it before."""
+    @property
+    def unchecked_chunks(self) -> int:
+        """Chunks this object would still hash before serving from them (0: checks off)."""
+        return self._unverified
+
+    def _check_samples(self, ids: np.ndarray, seq_len: int) -> None:
+        """Check every chunk that the windows of samples ``ids`` touch, unless this object
+        checked it before."""
         c = self.chunk_tokens
-        lo = starts // c
-        hi = (starts + (length - 1)) // c
-        flags = self._verified
-        if length - 1 <= c:  # a range touches at most two chunks
-            if flags[lo].all() and flags[hi].all():
+        if seq_len <= c and ids.size <= 64:
+            # A window touches at most two chunks. For a micro-batch, plain Python on the
+            # bytearray is several times faster than numpy's per-call overhead.
+            flags = self._checked
+            missing = []
+            for i in ids.tolist():
+                start = i * seq_len
+                first, last = start // c, (start + seq_len) // c
+                if not (flags[first] and flags[last]):
+                    missing += (first, last)
+            if not missing:
                 return
-            need = np.concatenate((lo, hi))
         else:
-            width = (length - 1) // c + 2
+            lo = ids * seq_len // c
+            hi = (ids * seq_len + seq_len) // c
+            width = seq_len // c + 2  # chunks one window can touch, at most
             grid = lo[:, None] + np.arange(width)[None, :]
             need = grid[grid <= hi[:, None]]
-        for chunk in np.unique(need[~flags[need]]).tolist():
-            self._verify_chunk(chunk)
+            missing = need[~self._checked_np[need]].tolist()
+        for chunk in sorted(set(missing)):
+            if not self._checked[chunk]:  # another thread may have checked it meanwhile
+                self._verify_chunk(chunk)
 
     def _chunk_range(self, chunk: int) -> tuple[int, int]:
         start = chunk * self.chunk_tokens
@@ -359,17 +383,20 @@ class TokenStore:
 
     def _verify_chunk(self, chunk: int) -> None:
         start, stop = self._chunk_range(chunk)
-        found = xxhash.xxh3_64_intdigest(self.tokens[start:stop])
-        if found != int(self.checksums[chunk]):
+        found = xxhash.xxh3_64_intdigest(self._token_array[start:stop])
+        if found != int(self._sums[chunk]):
             raise StoreError(
                 f"token store {str(self.path)!r}: chunk {chunk} of {TOKENS} (tokens "
                 f"[{start}, {stop})) does not match its checksum in {CHECKSUMS}; the file was "
                 "changed or corrupted after preparation. Run `zephon inspect "
                 f"{self.path} --check` to list every bad chunk. {_REPREPARE}"
             )
+        self._mark_checked(chunk)
+
+    def _mark_checked(self, chunk: int) -> None:
         with self._verify_lock:
-            if not self._verified[chunk]:
-                self._verified[chunk] = True
+            if not self._checked[chunk]:
+                self._checked[chunk] = 1
                 self._unverified -= 1
 
     def check(self) -> ContentReport:
@@ -393,16 +420,13 @@ class TokenStore:
                     f"chunk {chunk} (tokens [{start}, {stop})) of {TOKENS} does not match its "
                     f"checksum; its largest token id is {int(maxima[chunk])}"
                 )
-            for chunk in np.flatnonzero(sums == np.asarray(self.checksums)).tolist():
-                if self.verifies and not self._verified[chunk]:
-                    with self._verify_lock:
-                        if not self._verified[chunk]:
-                            self._verified[chunk] = True
-                            self._unverified -= 1
+            if self.verifies:
+                for chunk in np.flatnonzero(sums == np.asarray(self.checksums)).tolist():
+                    self._mark_checked(chunk)
             found = _file_xxh3_128(self.path / DOC_OFFSETS)
             if found != content["doc_offsets_xxh3_128"]:
                 report.problems.append(
-                    f"{DOC_OFFSETS} does not match its checksum in the manifest (document "
+                    f"{DOC_OFFSETS} does not match its recorded checksum (document "
                     "boundaries were changed after preparation)"
                 )
         report.max_token_id = int(maxima.max())
