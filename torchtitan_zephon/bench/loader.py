@@ -51,7 +51,7 @@ DEFAULTS = {
     "workers": 2,
     "repeats": 20,
     "rounds": 3,
-    "epochs": 15,
+    "epochs": 41,
 }
 QUICK = {
     "seconds": 0.3,
@@ -60,7 +60,7 @@ QUICK = {
     "workers": 2,
     "repeats": 3,
     "rounds": 1,
-    "epochs": 1,
+    "epochs": 3,
     "max_docs": 20,
 }
 
@@ -218,26 +218,14 @@ def _sync_loader(
     )
 
 
-def _interleaved_epoch(path: Path, seq_len: int, batch: int) -> dict[bool, list[float]]:
-    """Seconds to open the store afresh, then to produce each batch of one whole epoch, with
-    checks on and off; the two loaders take turns batch by batch so that load from other
-    processes hits both alike (with different seeds: neither reads what the other has just
-    brought into the CPU cache)."""
-    spent: dict[bool, list[float]] = {True: [], False: []}
-    loaders = {}
-    for verify in (True, False):
-        t0 = time.perf_counter()
-        store = TokenStore.open(path, verify=verify)
-        loaders[verify] = _sync_loader(
-            store, seq_len, batch, store.num_samples(seq_len), seed=int(verify)
-        )
-        spent[verify].append(time.perf_counter() - t0)
-    for k in range(loaders[True].plan.num_samples // batch):
-        for verify in (True, False) if k % 2 else (False, True):  # neither always goes first
-            t0 = time.perf_counter()
-            next(loaders[verify])
-            spent[verify].append(time.perf_counter() - t0)
-    return spent
+def _epoch_seconds(path: Path, seq_len: int, batch: int, verify: bool, seed: int) -> float:
+    """Wall seconds to open the store afresh and read one whole epoch (every chunk is new)."""
+    t0 = time.perf_counter()
+    store = TokenStore.open(path, verify=verify)
+    loader = _sync_loader(store, seq_len, batch, store.num_samples(seq_len), seed)
+    for _ in range(store.num_samples(seq_len) // batch):
+        next(loader)
+    return time.perf_counter() - t0
 
 
 def content_check_cost(
@@ -246,21 +234,21 @@ def content_check_cost(
     """Loader tokens/s with the store's content checks on vs off, measured side by side.
 
     The loaders run without prefetch, so the figures are the whole cost of producing a
-    batch (a prefetch thread would hide part of it from the consumer), and take turns
-    batch by batch. First epoch: a freshly opened store read for one epoch (opening
-    included), so every chunk is hashed once and every batch looks its chunks up;
-    each batch's median time over ``epochs`` tries, summed. Steady state: the loader reads all samples but those
-    touching the last chunk (as with held-out samples), so one chunk stays unchecked
-    and every batch still looks its chunks up, the costlier steady state (with every
-    chunk checked a read tests one counter); median time per batch over ``seconds``.
+    batch (a prefetch thread would hide part of it from the consumer). First epoch: a
+    freshly opened store read for one whole epoch (opening included), so every chunk is
+    hashed once and batches look their chunks up until all are checked; the median over
+    ``epochs`` epochs, on and off alternating, each epoch with its own seed. Steady
+    state: the loader reads all samples but those touching the last chunk (as with
+    held-out samples), so one chunk stays unchecked and every batch still looks its
+    chunks up, the costlier steady state (with every chunk checked a read tests one
+    counter); the median time per batch, the two loaders taking turns batch by batch
+    over ``seconds`` (with different seeds: neither reads what the other just cached).
     """
-    tries = [_interleaved_epoch(path, seq_len, batch) for _ in range(epochs)]
-    # Per batch, the median over tries (every try reads the same batches, and hashes the
-    # same chunks at the same batches), summed over the epoch: robust to bursts of load.
-    first = {
-        v: sum(statistics.median(col) for col in zip(*(t[v] for t in tries), strict=True))
-        for v in (True, False)
-    }
+    epoch_s: dict[bool, list[float]] = {True: [], False: []}
+    for k in range(epochs):
+        for verify in (True, False) if k % 2 else (False, True):  # neither always goes first
+            epoch_s[verify].append(_epoch_seconds(path, seq_len, batch, verify, seed=k))
+    first = {v: statistics.median(t) for v, t in epoch_s.items()}
     on, off = TokenStore.open(path), TokenStore.open(path, verify=False)
     last_chunk = (on.num_chunks - 1) * on.chunk_tokens
     samples = max(batch, (last_chunk - seq_len) // seq_len)  # windows end before the last chunk
