@@ -189,6 +189,8 @@ def test_inspect_upgrade_keeps_fingerprint(tmp_path, store_path, store, capsys):
 
 
 def test_inspect_check_needs_a_store(tmp_path, capsys):
-    (tmp_path / "run").mkdir()
-    rc, _, err = _inspect(capsys, tmp_path / "run", "--check")
-    assert rc == 2 and "--check and --upgrade apply to token stores" in err
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    for flag in ("--check", "--upgrade"):
+        rc, _, err = _inspect(capsys, tmp_path / "run", flag)
+        assert rc == 2 and "--check and --upgrade apply to token stores" in err
+        assert "is a run folder" in err

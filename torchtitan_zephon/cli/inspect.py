@@ -105,12 +105,8 @@ def _store_actions(path: Path, args: argparse.Namespace) -> int:
     """``inspect STORE [--upgrade] [--check]``: the exit status (1 when a check fails)."""
     upgrade = None
     if args.upgrade:
-        _, changed = upgrade_store(path)
-        upgrade = (
-            "content checksums added, fingerprint unchanged"
-            if changed
-            else ("already has content checksums, nothing to do")
-        )
+        changed = upgrade_store(path)[1]
+        upgrade = "content checksums added, fingerprint unchanged" if changed else "nothing to do"
     info = _describe_store(path)
     if upgrade:
         info["upgrade"] = upgrade
@@ -131,16 +127,15 @@ def run(args: argparse.Namespace) -> int:
             f"{str(path)!r} does not exist; expected a token store, a checkpoint folder "
             "(checkpoint/step-N) or a run folder (job.dump_folder)."
         )
-    is_a_store = is_store(path)
-    if (args.check or args.upgrade) and not is_a_store:
-        raise ValueError(
-            f"--check and --upgrade apply to token stores; {str(path)!r} is not one (a store is "
-            "a folder with manifest.json made by `zephon prepare`)."
-        )
-    if is_a_store:
-        return _store_actions(path, args)
-    for _kind, detect, describe, fmt in KINDS:
+    for kind, detect, describe, fmt in KINDS:
         if detect(path):
+            if kind == "store":
+                return _store_actions(path, args)
+            if args.check or args.upgrade:
+                raise ValueError(
+                    f"--check and --upgrade apply to token stores; {str(path)!r} is a {kind} "
+                    "folder. A store is a folder with manifest.json made by `zephon prepare`."
+                )
             info = describe(path)
             print(json.dumps(info, indent=2) if args.json else fmt(info))
             return 0

@@ -509,10 +509,10 @@ def upgrade_store(path: str | os.PathLike) -> tuple[TokenStore, bool]:
     """Add content checksums to a version-1 store in place; (the store, whether it changed).
 
     Writes checksums.bin and content.json; the manifest, hence the fingerprint, stays
-    byte for byte the same. The content is
-    checked first as far as it can be without checksums (ids within the vocabulary,
-    document offsets, EOS at document ends); a store failing that is refused and
-    left as it was. A store that already has checksums is left alone.
+    byte for byte the same. The content is first checked as far as it can be without
+    checksums (ids within the vocabulary, document offsets, EOS at document ends); a
+    store failing that is refused and left as it was. A store that already has
+    checksums is left alone.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UncheckedStoreWarning)
