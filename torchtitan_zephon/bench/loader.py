@@ -219,13 +219,15 @@ def _sync_loader(
 
 
 def _epoch_seconds(path: Path, seq_len: int, batch: int, verify: bool, seed: int) -> float:
-    """Wall seconds to open the store afresh and read one whole epoch (every chunk is new)."""
-    t0 = time.perf_counter()
+    """CPU seconds of this thread to open the store afresh and read one whole epoch (every
+    chunk is new). The loader has no threads, so this is all its work, and unlike wall
+    time it does not count the moments other processes held the CPU."""
+    t0 = time.thread_time()
     store = TokenStore.open(path, verify=verify)
     loader = _sync_loader(store, seq_len, batch, store.num_samples(seq_len), seed)
     for _ in range(store.num_samples(seq_len) // batch):
         next(loader)
-    return time.perf_counter() - t0
+    return time.thread_time() - t0
 
 
 def content_check_cost(
@@ -236,8 +238,9 @@ def content_check_cost(
     The loaders run without prefetch, so the figures are the whole cost of producing a
     batch (a prefetch thread would hide part of it from the consumer). First epoch: a
     freshly opened store read for one whole epoch (opening included), so every chunk is
-    hashed once and batches look their chunks up until all are checked; the median over
-    ``epochs`` epochs, on and off alternating, each epoch with its own seed. Steady
+    hashed once and batches look their chunks up until all are checked; tokens per CPU
+    second (the same as tokens/s on an idle core), the median over ``epochs`` epochs, on
+    and off alternating, each epoch with its own seed. Steady
     state: the loader reads all samples but those touching the last chunk (as with
     held-out samples), so one chunk stays unchecked and every batch still looks its
     chunks up, the costlier steady state (with every chunk checked a read tests one
