@@ -278,6 +278,7 @@ def build_zephon_dataloader(
         num_workers=job_config.training.dataloader.num_workers,
         prefetch=zc.prefetch,
         pin_memory=job_config.training.dataloader.pin_memory,
+        vocab_size=model_vocab,  # exact: refuses ids beyond the embedding (store.max_token_id)
     )
     rank = int(os.environ.get("RANK", "0"))
     tracker = SequenceTracker(
