@@ -32,6 +32,7 @@ from torchtitan_zephon.tracker.records import (
     TrackerError,
     chain_next,
     chain_of_line,
+    fields_of_line,
     genesis,
     log_path,
 )
@@ -169,7 +170,9 @@ class LogReader:
                 prev_step, prev_chain = self._event(lineno, e, linked)
                 continue
             fast = chain_of_line(prev_chain, line) if prev_chain is not None else None
-            rec = self._parse(lineno, line)
+            rec = fields_of_line(line) if fast and fast[1] else None
+            if rec is None:
+                rec = self._parse(lineno, line)
             if "event" in rec:  # an event the first pass missed: the file changed meanwhile
                 raise TrackerError(f"{self.path} changed while it was read (line {lineno})")
             try:

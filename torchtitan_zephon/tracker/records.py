@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +85,29 @@ def chain_of_line(previous: str, line: bytes) -> tuple[str, bool] | None:
     chain = line[-66:-2].decode("ascii", "replace")
     body = line[:-_TAIL] + b"}"
     return chain, hashlib.sha256(previous.encode() + body).hexdigest() == chain
+
+
+_RECORD_LINE = re.compile(
+    rb'\{"first_position":(\d+),"ids_digest":"([0-9a-f]{64})","num_samples":(\d+),'
+    rb'"step":(\d+),(?:"tokens_digest":"([0-9a-f]{64})",)?"v":(\d+),"chain":"([0-9a-f]{64})"\}'
+)
+
+
+def fields_of_line(line: bytes) -> dict[str, Any] | None:
+    """The record of a line in ``record_line``'s layout with the keys of format 2,
+    without a JSON parser (several times faster); None for any other line."""
+    m = _RECORD_LINE.fullmatch(line)
+    if m is None:
+        return None
+    first, ids, num, step, tokens, v, chain = m.groups()
+    out: dict[str, Any] = {
+        "first_position": int(first),
+        "ids_digest": ids.decode(),
+        "num_samples": int(num),
+        "step": int(step),
+        "v": int(v),
+        "chain": chain.decode(),
+    }
+    if tokens is not None:
+        out["tokens_digest"] = tokens.decode()
+    return out
