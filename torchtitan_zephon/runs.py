@@ -23,6 +23,7 @@ from typing import Any
 
 from torchtitan_zephon.data.state import RECORD_KEY, DataState, DataStateMismatch
 from torchtitan_zephon.tracker import LOG_NAME, LogContents, LogReader, TrackerError, read_log
+from torchtitan_zephon.tracker.reader import ForkedLogReader
 
 LOSS_TAG = "loss_metrics/global_avg_loss"
 _LOG_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eEnaif]+)")
@@ -180,8 +181,9 @@ def sequence_log(path: str | os.PathLike) -> LogContents:
         raise RunError(f"{p}: the sequence log is corrupt ({type(e).__name__}: {e})") from None
 
 
-def log_reader(path: str | os.PathLike) -> LogReader:
-    """A streaming reader of a run's sequence log (events read, records not yet).
+def log_reader(path: str | os.PathLike, *, forked: bool = False) -> LogReader:
+    """A streaming reader of a run's sequence log (events read, records not yet);
+    ``forked``: the reading runs in a child process (two logs on two cores).
 
     Raises RunError (a ValueError) with what was expected when the path is missing
     or an event line is corrupt; record lines are checked as they are streamed.
@@ -193,7 +195,7 @@ def log_reader(path: str | os.PathLike) -> LogReader:
             f"zephon/{LOG_NAME}"
         )
     try:
-        return LogReader(p)
+        return ForkedLogReader(p) if forked else LogReader(p)
     except TrackerError as e:
         raise RunError(str(e)) from None
 

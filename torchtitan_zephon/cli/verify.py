@@ -319,12 +319,12 @@ def format_single(r: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    a = log_reader(args.run_a)
     if args.run_b is None:
+        a = log_reader(args.run_a)
         report = check_log(a)
         print(json.dumps(report, indent=2) if args.json else format_single(report))
         return 0 if report["intact"] else 1
-    b = log_reader(args.run_b)
-    report = compare_logs(a, b)
+    a = log_reader(args.run_a, forked=True)
+    report = compare_logs(a, log_reader(args.run_b, forked=True))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["verdict"] == "match" else 1

@@ -19,6 +19,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -29,6 +30,7 @@ from typing import Any
 from torchtitan_zephon.data.digest import fingerprint
 from torchtitan_zephon.tracker.records import (
     LOG_NAME,
+    RECORD_LINE,
     TrackerError,
     chain_next,
     chain_of_line,
@@ -37,6 +39,8 @@ from torchtitan_zephon.tracker.records import (
     log_path,
 )
 
+FIELDS = ("step", "first_position", "num_samples", "ids_digest", "tokens_digest", "v", "chain")
+"""A record's fields in the order ``LogReader.rows()`` gives them."""
 MAX_PROBLEMS = 100
 """Problems kept in detail; the rest are counted."""
 
@@ -155,7 +159,20 @@ class LogReader:
 
         ``problems``, ``notes`` and ``unbound`` are complete once the iterator is
         exhausted (call ``check()`` to only check)."""
+        for row in self.rows():
+            rec = dict(zip(FIELDS, row, strict=True))
+            if rec["tokens_digest"] is None:
+                del rec["tokens_digest"]
+            if rec["v"] is None:
+                del rec["v"]
+            yield rec
+
+    def rows(self) -> Iterator[tuple]:
+        """``records()`` as tuples in ``FIELDS`` order (None for an absent field): the
+        fast path for lines in the writer's layout builds no dict."""
         self.problems, self.problem_count, self.notes, self.unbound = [], 0, [], []
+        sha256 = hashlib.sha256
+        match = RECORD_LINE.fullmatch
         wanted = {int(e.get("from_step", 0)) for e in self.events if e.get("event") == "resume"}
         linked: dict[int, str] = {}  # chains of the steps resume events name
         prev_chain: str | None = None
@@ -169,6 +186,22 @@ class LogReader:
                 n_event += 1
                 prev_step, prev_chain = self._event(lineno, e, linked)
                 continue
+            m = match(line) if prev_chain is not None else None
+            if m is not None:  # the writer's layout: chain checked on the bytes
+                g = m.groups()
+                step = int(g[3])
+                if (
+                    step == prev_step + 1
+                    and g[5] != b"1"  # format 1 records are "unbound": the general path
+                    and sha256(prev_chain.encode() + line[:-76] + b"}").hexdigest() == g[6].decode()
+                ):
+                    prev_step, prev_chain = step, g[6].decode()
+                    if step in wanted:
+                        linked[step] = prev_chain
+                    if self._min_after[n_event] >= step:
+                        yield (step, int(g[0]), int(g[2]), g[1].decode(),
+                               None if g[4] is None else g[4].decode(), int(g[5]), prev_chain)  # fmt: skip
+                    continue
             fast = chain_of_line(prev_chain, line) if prev_chain is not None else None
             rec = fields_of_line(line) if fast and fast[1] else None
             if rec is None:
@@ -218,7 +251,7 @@ class LogReader:
                         self.unbound[-1][1] = step
                     else:
                         self.unbound.append([step, step])
-                yield rec
+                yield tuple(rec.get(k) for k in FIELDS)
 
     def _event(
         self, lineno: int, e: dict[str, Any], linked: dict[int, str]
@@ -305,3 +338,91 @@ def read_log(path: str | os.PathLike) -> LogContents:
         problems=reader.problems,
         notes=reader.notes,
     )
+
+
+# ---------------------------------------------------------------- in another process
+
+_BLOCK = 4096
+
+
+def _serve(path: str, conn: Any) -> None:
+    """Child process: stream a log's effective records to ``conn`` in blocks of tuples,
+    then one summary dict (or an error string)."""
+    try:
+        reader = LogReader(path)
+        conn.send(("events", reader.events, reader.truncated_tail))
+        block: list[tuple] = []
+        for row in reader.rows():
+            block.append(row)
+            if len(block) == _BLOCK:
+                conn.send(("records", block))
+                block = []
+        if block:
+            conn.send(("records", block))
+        conn.send(
+            (
+                "done",
+                {
+                    "problems": reader.problems,
+                    "problem_count": reader.problem_count,
+                    "notes": reader.notes,
+                    "unbound": reader.unbound,
+                },
+            )
+        )
+    except (TrackerError, OSError) as e:
+        conn.send(("error", str(e)))
+    finally:
+        conn.close()
+
+
+class ForkedLogReader:
+    """A ``LogReader`` whose work runs in a child process (records streamed back in
+    blocks through a pipe: memory stays bounded), so two logs are checked on two
+    cores at once. Same attributes as ``LogReader`` once ``records()`` is exhausted."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        import multiprocessing as mp
+
+        self.path = resolve(path)
+        methods = mp.get_all_start_methods()
+        ctx = mp.get_context("fork" if "fork" in methods else "spawn")
+        self._conn, child = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_serve, args=(str(self.path), child), daemon=True)
+        self._proc.start()
+        child.close()
+        self.problems: list[LogProblem] = []
+        self.problem_count = 0
+        self.notes: list[str] = []
+        self.unbound: list[list[int]] = []
+        kind, *rest = self._recv()
+        self.events, self.truncated_tail = rest
+
+    def _recv(self) -> tuple:
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            raise TrackerError(f"reading {self.path} failed (the reader process died)") from None
+        if msg[0] == "error":
+            raise TrackerError(msg[1])
+        return msg
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        try:
+            while True:
+                kind, payload = self._recv()
+                if kind == "done":
+                    self.__dict__.update(payload)
+                    return
+                for values in payload:
+                    rec = dict(zip(FIELDS, values, strict=True))
+                    if rec["tokens_digest"] is None:
+                        del rec["tokens_digest"]
+                    if rec["v"] is None:
+                        del rec["v"]
+                    yield rec
+        finally:
+            self._conn.close()
+            self._proc.join()
+
+    event_for = LogReader.event_for

@@ -87,7 +87,7 @@ def chain_of_line(previous: str, line: bytes) -> tuple[str, bool] | None:
     return chain, hashlib.sha256(previous.encode() + body).hexdigest() == chain
 
 
-_RECORD_LINE = re.compile(
+RECORD_LINE = re.compile(
     rb'\{"first_position":(\d+),"ids_digest":"([0-9a-f]{64})","num_samples":(\d+),'
     rb'"step":(\d+),(?:"tokens_digest":"([0-9a-f]{64})",)?"v":(\d+),"chain":"([0-9a-f]{64})"\}'
 )
@@ -96,7 +96,7 @@ _RECORD_LINE = re.compile(
 def fields_of_line(line: bytes) -> dict[str, Any] | None:
     """The record of a line in ``record_line``'s layout with the keys of format 2,
     without a JSON parser (several times faster); None for any other line."""
-    m = _RECORD_LINE.fullmatch(line)
+    m = RECORD_LINE.fullmatch(line)
     if m is None:
         return None
     first, ids, num, step, tokens, v, chain = m.groups()
