@@ -15,10 +15,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from tests.titan.launch import TINY, free_port
+from torchtitan_zephon.titan import init as zinit
 from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.init import canonical_name, parameter_seed
+from torchtitan_zephon.titan.init import canonical_name, draw_flat, parameter_seed
 
 platform.apply()
 
@@ -62,6 +65,36 @@ def test_canonical_name_drops_wrapper_parts():
         == "layers.0.attention.wq.weight"
     )
     assert canonical_name("_fsdp_wrapped_module.output.weight") == "output.weight"
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    chunk=st.integers(1, 40),
+    numel=st.integers(0, 200),
+    span=st.tuples(st.floats(0, 1), st.floats(0, 1)),
+    fill=st.sampled_from(["normal_", "uniform_", "trunc_normal_"]),
+)
+def test_a_range_of_the_flat_draw_is_the_same_range_of_the_full_draw(chunk, numel, span, fill):
+    """What a rank draws for its rows equals those rows of the full draw, for any
+    chunk size and any range (chunk boundaries inside rows included)."""
+    lo, hi = sorted(int(f * numel) for f in span)
+    fn = getattr(torch.nn.init, fill)
+
+    def draw(a: int, b: int) -> torch.Tensor:
+        return draw_flat(
+            numel, a, b, lambda t, g: fn(t, generator=g),
+            lambda c: torch.Generator().manual_seed(parameter_seed(1, "w", 0, c)),
+            dtype=torch.float32, device=torch.device("cpu"),
+        )  # fmt: skip
+
+    saved, zinit.CHUNK_ELEMENTS = zinit.CHUNK_ELEMENTS, chunk
+    try:
+        full = draw(0, numel)
+        part = draw(lo, hi)
+    finally:
+        zinit.CHUNK_ELEMENTS = saved
+    assert full.shape == (numel,)
+    assert torch.equal(part, full[lo:hi])
 
 
 def test_same_seed_same_weights_other_seed_other_weights():
@@ -206,6 +239,8 @@ def _sharded_init_worker(rank: int, world: int, port: int, out: str) -> None:
     from torchtitan_zephon.titan.spec import zephon_train_spec
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    # Small chunks: shards start and end inside chunks and inside rows.
+    zinit.CHUNK_ELEMENTS = 1000
     spec = zephon_train_spec()
     differing = {}
     for name, flavor, init, dp_rep, dp_shard, tp, pp, extra in LAYOUTS:

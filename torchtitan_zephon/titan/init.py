@@ -16,17 +16,24 @@ generators differ, so CPU and GPU runs do not agree with each other.
 How: during ``init_weights`` the ``torch.nn.init`` functions (``normal_``,
 ``trunc_normal_``, ``uniform_``, ``xavier_*``, ``kaiming_*``, ...) and the
 in-place random tensor methods (``Tensor.normal_``, ``uniform_``, ...) called on
-a parameter are redirected: the k-th such call on parameter ``name`` fills a
-fresh tensor of the parameter's full shape, on the parameter's device, from a
-``torch.Generator`` seeded with ``sha256(seed, name, k)``, with the same
-arguments; the local shard is cut from it for the parameter's placements
-(``distribute_tensor(..., src_data_rank=None)``: no communication). Deterministic
-fills (``ones_``, ``zeros_``, ``constant_``, ``fill_``) run on the shard as they
-are. One parameter at a time: the extra memory is one full parameter (the
-largest: the embedding or the output projection) plus the temporaries of its
-distribution's sampler. A parameter that the model initialises some other way
-(a ``copy_`` from a tensor of its own making, no init call at all) is an error
-naming it: the invariant would silently not hold.
+a parameter are redirected, with the same arguments, to the parameter's full
+shape. Element-wise distributions (normal, truncated normal, uniform, ...) are
+drawn over the flattened full tensor in fixed chunks of ``CHUNK_ELEMENTS``; chunk
+``c`` of the ``k``-th call on parameter ``name`` uses a ``torch.Generator`` (on the
+parameter's device) seeded with ``sha256(seed, name, k, c)``. Shape-dependent ones
+(``xavier_*``, ``orthogonal_``, ...) draw the whole tensor from chunk key 0. A
+rank keeps its shard of the full value as DTensor's own semantics define it
+for the parameter's placements (``distribute_tensor(..., src_data_rank=None)``:
+no communication). Where the shard is a range of rows (FSDP's ``Shard(0)``,
+with ``Replicate`` dims) only the chunks covering those rows are drawn, so a
+rank's work and memory follow its shard; otherwise (TP ``Shard(1)``, FSDP x TP
+strided shards) the full value is drawn. Deterministic fills (``ones_``,
+``zeros_``, ``constant_``, ``fill_``) run on the shard as they are. One
+parameter at a time: the extra memory is at most one full parameter (the
+largest: the embedding or the output projection) plus the sampler's
+temporaries of one chunk. A parameter that the model initialises some other
+way (a ``copy_`` from a tensor of its own making, no init call at all) is an
+error naming it: the invariant would silently not hold.
 """
 
 from __future__ import annotations
@@ -38,12 +45,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 
 # Names that wrappers insert into parameter FQNs; DCP drops the same ones when it
 # writes a checkpoint, so the init key of a parameter is its checkpoint key.
 WRAPPER_NAME_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+# Element-wise draws are made in chunks of this many elements of the flattened
+# full tensor (part of the definition of the initial values: do not change it).
+CHUNK_ELEMENTS = 1 << 24
 
 # torch.nn.init functions that draw random numbers (all take ``generator=``).
 RANDOM_INIT_FUNCTIONS = (
@@ -57,6 +69,8 @@ RANDOM_INIT_FUNCTIONS = (
     "orthogonal_",
     "sparse_",
 )
+# Those whose values are independent draws per element (the rest depend on the shape).
+ELEMENTWISE_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_")
 # torch.nn.init functions whose result is the same on a shard and on the full tensor.
 FILL_INIT_FUNCTIONS = ("constant_", "ones_", "zeros_")
 # torch.nn.init functions that are deterministic but depend on the full shape.
@@ -94,10 +108,11 @@ def canonical_name(fqn: str) -> str:
     return ".".join(p for p in fqn.split(".") if p not in WRAPPER_NAME_PARTS)
 
 
-def parameter_seed(seed: int, name: str, call: int) -> int:
-    """The generator seed of the ``call``-th random init call on parameter ``name``."""
-    digest = hashlib.sha256(f"zephon-init\0{seed}\0{name}\0{call}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+def parameter_seed(seed: int, name: str, call: int, chunk: int = 0) -> int:
+    """The generator seed of chunk ``chunk`` of the ``call``-th random init call
+    on parameter ``name``."""
+    key = f"zephon-init\0{seed}\0{name}\0{call}\0{chunk}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
 
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
@@ -119,6 +134,48 @@ def keep_local_shard(target: torch.Tensor, full: torch.Tensor) -> None:
         target.to_local().copy_(piece)
     else:
         target.copy_(full)
+
+
+def local_rows(target: torch.Tensor) -> tuple[int, int] | None:
+    """``(start, stop)``: the rows (dim 0) of the full tensor that ``target``'s
+    shard is, when it is exactly such a range (every placement ``Shard(0)`` or
+    ``Replicate``); None otherwise."""
+    if not isinstance(target, DTensor) or target.ndim == 0:
+        return None
+    if not all(
+        type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in target.placements
+    ):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(
+        target.shape, target.device_mesh, target.placements
+    )
+    if tuple(shape[1:]) != tuple(target.shape[1:]):
+        return None
+    return offset[0], offset[0] + shape[0]
+
+
+def draw_flat(
+    numel: int,
+    lo: int,
+    hi: int,
+    fill: Callable[[torch.Tensor, torch.Generator], Any],
+    generator: Callable[[int], torch.Generator],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of a flat tensor of ``numel`` elements whose chunk ``c``
+    (``CHUNK_ELEMENTS`` each) is ``fill(chunk, generator(c))``; only the chunks
+    overlapping the range are drawn."""
+    if hi <= lo:
+        return torch.empty(0, dtype=dtype, device=device)
+    first, last = lo // CHUNK_ELEMENTS, (hi - 1) // CHUNK_ELEMENTS
+    base = first * CHUNK_ELEMENTS
+    buf = torch.empty(min(numel, (last + 1) * CHUNK_ELEMENTS) - base, dtype=dtype, device=device)
+    for c in range(first, last + 1):
+        start = c * CHUNK_ELEMENTS - base
+        fill(buf[start : start + CHUNK_ELEMENTS], generator(c))
+    return buf[lo - base : hi - base]
 
 
 class TopologyFreeInit(TorchFunctionMode):
@@ -146,17 +203,41 @@ class TopologyFreeInit(TorchFunctionMode):
     def name_of(self, tensor: Any) -> str | None:
         return self._names.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
 
-    def _generator(self, name: str, device: torch.device) -> torch.Generator:
-        k = self.calls.get(name, 0)
-        self.calls[name] = k + 1
-        return torch.Generator(device=device).manual_seed(parameter_seed(self.seed, name, k))
-
-    def _fill_full(self, target: torch.Tensor, name: str, fill: Callable[..., Any]) -> None:
-        """``fill(full, generator)`` on a fresh full-shape tensor, then keep the local shard."""
+    def _draw(
+        self,
+        target: torch.Tensor,
+        name: str,
+        fill: Callable[[torch.Tensor, torch.Generator], Any],
+        *,
+        elementwise: bool,
+    ) -> None:
+        """Give ``target`` its part of the full value ``fill`` draws (module docstring)."""
+        call = self.calls.get(name, 0)
+        self.calls[name] = call + 1
         device = local_part(target).device
-        full = torch.empty(target.shape, dtype=target.dtype, device=device)
-        fill(full, self._generator(name, device))
-        keep_local_shard(target, full)
+
+        def generator(chunk: int) -> torch.Generator:
+            seed = parameter_seed(self.seed, name, call, chunk)
+            return torch.Generator(device=device).manual_seed(seed)
+
+        shape, numel = tuple(target.shape), target.numel()
+        if not elementwise:
+            full = torch.empty(shape, dtype=target.dtype, device=device)
+            fill(full, generator(0))
+            keep_local_shard(target, full)
+            return
+        rows = local_rows(target)
+        if rows is None:
+            flat = draw_flat(numel, 0, numel, fill, generator, dtype=target.dtype, device=device)
+            keep_local_shard(target, flat.view(shape))
+            return
+        per_row = numel // shape[0] if shape[0] else 0
+        start, stop = rows
+        flat = draw_flat(
+            numel, start * per_row, stop * per_row, fill, generator,
+            dtype=target.dtype, device=device,
+        )  # fmt: skip
+        local_part(target).copy_(flat.view(stop - start, *shape[1:]))
 
     # -- torch.nn.init functions ---------------------------------------------
     def _wrap_init(self, fname: str, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -177,8 +258,11 @@ class TopologyFreeInit(TorchFunctionMode):
                     original(full, *args, **kwargs)
                     keep_local_shard(tensor, full)
                     return tensor
-                self._fill_full(
-                    tensor, name, lambda full, g: original(full, *args, generator=g, **kwargs)
+                self._draw(
+                    tensor,
+                    name,
+                    lambda full, g: original(full, *args, generator=g, **kwargs),
+                    elementwise=fname in ELEMENTWISE_INIT_FUNCTIONS,
                 )
                 return tensor
             finally:
@@ -216,8 +300,14 @@ class TopologyFreeInit(TorchFunctionMode):
         if func in _RANDOM_METHODS and kwargs.get("generator") is None:
             self._busy = True
             try:
-                self._fill_full(
-                    args[0], name, lambda full, g: func(full, *args[1:], generator=g, **kwargs)
+                elementwise = not any(
+                    isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())
+                )
+                self._draw(
+                    args[0],
+                    name,
+                    lambda full, g: func(full, *args[1:], generator=g, **kwargs),
+                    elementwise=elementwise,
                 )
             finally:
                 self._busy = False
