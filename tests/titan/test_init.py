@@ -8,6 +8,7 @@ built in the same process.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import os
@@ -122,6 +123,35 @@ def test_wrappers_do_not_change_the_initial_weights():
     a, b = params(plain), params(wrapped)
     assert sorted(a) == sorted(b)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_bf16_parameters_get_the_fp32_draws_rounded():
+    """TorchTitan's trunc_normal_ initialises ``param.float()`` and copies it back:
+    the copy is followed, and no value comes from torch's global generator."""
+    fp32 = params(build(args_for("tiny")))
+    bf16 = []
+    for global_seed in (1, 2):
+        torch.manual_seed(global_seed)
+        with torch.device("meta"), _default_dtype(torch.bfloat16):
+            model = ZephonTransformer(args_for("tiny"))
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            model.init_weights()
+        bf16.append(params(model))
+    for name, p in bf16[0].items():
+        assert p.dtype == torch.bfloat16 and torch.equal(p, bf16[1][name]), name
+        if name != "tok_embeddings.weight":  # nn.init.normal_ draws in bf16 directly
+            assert torch.equal(p, fp32[name].to(torch.bfloat16)), name
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
 
 
 def expected_std(name: str, args: ZephonTransformerArgs) -> tuple[float, float]:

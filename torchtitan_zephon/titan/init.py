@@ -7,8 +7,9 @@ on the parameter's *full* shape, and keeps only the local shard.
 
 Invariant: with ``zephon.init = "zephon"``, the initial value of every parameter
 is a pure function of (``debug.seed``, its canonical name, its full shape and
-dtype, the init calls the model makes on it, the device type). It is bitwise the
-same on 1 rank and under any FSDP / HSDP / TP / PP layout on that device type,
+dtype, the init calls the model makes on it, the type of device it is drawn
+on: the job's accelerator, or the CPU). It is bitwise the same on 1 rank and
+under any FSDP / HSDP / TP / PP layout (CPU offload included) on that device type,
 whatever wraps the module (torch.compile's ``_orig_mod``, activation
 checkpointing's ``_checkpoint_wrapped_module``, FSDP, converters). CPU and GPU
 generators differ, so CPU and GPU runs do not agree with each other.
@@ -20,7 +21,7 @@ a parameter are redirected, with the same arguments, to the parameter's full
 shape. Element-wise distributions (normal, truncated normal, uniform, ...) are
 drawn over the flattened full tensor in fixed chunks of ``CHUNK_ELEMENTS``; chunk
 ``c`` of the ``k``-th call on parameter ``name`` uses a ``torch.Generator`` (on the
-parameter's device) seeded with ``sha256(seed, name, k, c)``. Shape-dependent ones
+drawing device) seeded with ``sha256(seed, name, k, c)``. Shape-dependent ones
 (``xavier_*``, ``orthogonal_``, ...) draw the whole tensor from chunk key 0. A
 rank keeps its shard of the full value as DTensor's own semantics define it
 for the parameter's placements (``distribute_tensor(..., src_data_rank=None)``:
@@ -39,6 +40,7 @@ error naming it: the invariant would silently not hold.
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -182,26 +184,28 @@ class TopologyFreeInit(TorchFunctionMode):
     """Context manager: random init calls on ``module``'s parameters draw from
     per-parameter generators on full shapes (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, seed: int) -> None:
+    def __init__(self, module: nn.Module, seed: int, device: torch.device | None = None) -> None:
         super().__init__()
         self.seed = int(seed)
-        self._names: dict[int, str] = {}
-        self._keep: list[torch.Tensor] = []  # keeps aliases alive while their ids are keys
+        self.device = device  # where values are drawn (None: on each parameter's device)
+        # id -> (weak reference, canonical name): aliases die with their users.
+        self._names: dict[int, tuple[weakref.ref, str]] = {}
         self.calls: dict[str, int] = {}
         self.unknown: set[str] = set()
         for fqn, param in module.named_parameters(remove_duplicate=True):
             self._track(param, canonical_name(fqn))
-        self.names = sorted(set(self._names.values()))
+        self.names = sorted({name for _, name in self._names.values()})
         self._busy = False
         self._saved: dict[str, Callable[..., Any]] = {}
 
     # -- which parameter a tensor stands for --------------------------------
     def _track(self, tensor: torch.Tensor, name: str) -> None:
-        self._names[id(tensor)] = name
-        self._keep.append(tensor)
+        self._names[id(tensor)] = (weakref.ref(tensor), name)
 
     def name_of(self, tensor: Any) -> str | None:
-        return self._names.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        """The canonical name of the parameter ``tensor`` is (or is an alias of)."""
+        entry = self._names.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0]() is tensor else None
 
     def _draw(
         self,
@@ -214,7 +218,7 @@ class TopologyFreeInit(TorchFunctionMode):
         """Give ``target`` its part of the full value ``fill`` draws (module docstring)."""
         call = self.calls.get(name, 0)
         self.calls[name] = call + 1
-        device = local_part(target).device
+        device = self.device or local_part(target).device
 
         def generator(chunk: int) -> torch.Generator:
             seed = parameter_seed(self.seed, name, call, chunk)
@@ -253,7 +257,9 @@ class TopologyFreeInit(TorchFunctionMode):
                 if fname in SHAPED_INIT_FUNCTIONS:
                     self.calls[name] = self.calls.get(name, 0)
                     full = torch.empty(
-                        tensor.shape, dtype=tensor.dtype, device=local_part(tensor).device
+                        tensor.shape,
+                        dtype=tensor.dtype,
+                        device=self.device or local_part(tensor).device,
                     )
                     original(full, *args, **kwargs)
                     keep_local_shard(tensor, full)
@@ -337,13 +343,12 @@ class TopologyFreeInit(TorchFunctionMode):
             super().__exit__(exc_type, exc, tb)
         finally:
             self._patches.__exit__(None, None, None)
-            self._keep.clear()
             self._names.clear()
         if exc_type is None:
             self.check_all_initialised()
 
     def check_all_initialised(self) -> None:
-        missed = [n for n in self.names if n not in self.calls]
+        missed = [n for n in self.names if n not in self.calls and n not in self.unknown]
         unknown = sorted(self.unknown)
         if missed or unknown:
             lines = []
@@ -361,11 +366,15 @@ class TopologyFreeInit(TorchFunctionMode):
 
 
 def init_weights_topology_free(
-    module: nn.Module, seed: int, init_weights: Callable[[], None]
+    module: nn.Module,
+    seed: int,
+    init_weights: Callable[[], None],
+    device: torch.device | None = None,
 ) -> TopologyFreeInit:
     """Run ``init_weights()`` (the model's own) so that ``module``'s parameters get
-    topology-independent values; returns the interceptor (its ``calls`` per name)."""
-    interceptor = TopologyFreeInit(module, seed)
+    topology-independent values, drawn on ``device`` (None: each parameter's own);
+    returns the interceptor (its ``calls`` per name)."""
+    interceptor = TopologyFreeInit(module, seed, device)
     with torch.no_grad(), interceptor:
         init_weights()
     return interceptor

@@ -23,6 +23,7 @@ from torchtitan.models.llama3 import llama3_args
 from torchtitan.models.llama3.model.args import TransformerModelArgs
 from torchtitan.models.llama3.model.model import Transformer
 from torchtitan.protocols.train_spec import TrainSpec, get_train_spec, register_train_spec
+from torchtitan.tools import utils as titan_utils
 
 from torchtitan_zephon.titan import platform
 from torchtitan_zephon.titan.dataloader import build_zephon_dataloader
@@ -54,10 +55,13 @@ class ZephonTransformer(Transformer):
         if getattr(args, "init", "zephon") == "torchtitan":
             super().init_weights(buffer_device=buffer_device)
             return
+        # Values are drawn on the job's device type even where the parameters live
+        # on the CPU (training.enable_cpu_offload), so offloading does not change them.
         init_weights_topology_free(
             self,
             getattr(args, "init_seed", 0),
             lambda: super(ZephonTransformer, self).init_weights(buffer_device=buffer_device),
+            device=torch.device(titan_utils.device_type),
         )
 
 
