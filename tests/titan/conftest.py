@@ -21,6 +21,12 @@ def reference(e2e_root: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
+def reference_one_rank(e2e_root: Path) -> Path:
+    """1 CPU rank, 8 steps; validation micro-batches of 3 (8 samples per pass: 3 + 3 + 2)."""
+    return train(e2e_root / "one_rank", 1, "--validation.local_batch_size", "3").check().run
+
+
+@pytest.fixture(scope="session")
 def reference_fsdp_tp(e2e_root: Path) -> Path:
     """4 CPU ranks, FSDP 2 x TP 2, 8 steps."""
     return (

@@ -42,8 +42,8 @@ def test_resume_from_two_ranks(e2e_root: Path, reference: Path, name, nproc, ove
     assert abs(val[8] - val_ref[8]) <= TOPOLOGY_RTOL * val_ref[8], (val, val_ref)
 
 
-def test_resume_one_rank_to_two(e2e_root: Path, reference: Path):
-    one = train(e2e_root / "one_rank", 1).check().run
+def test_resume_one_rank_to_two(e2e_root: Path, reference: Path, reference_one_rank: Path):
+    one = reference_one_rank
     assert_same_data(reference, one, range(1, 9))
     run = copy_run_until(one, e2e_root / "1_to_2", 4)
     train(run, 2).check()

@@ -53,7 +53,25 @@ class Zephon:
     prefetch: int = 2
     """Micro-batches prepared ahead of the trainer by a background thread (0: none)."""
 
+    init: Literal["zephon", "torchtitan"] = "zephon"
+    """Initial weights. "zephon": every parameter is drawn on its full shape from a
+    generator keyed by (debug.seed, its name), with TorchTitan's distributions, and
+    each rank keeps its shard: the same initial weights on 1 rank and under any
+    FSDP / TP / PP layout (on one device type), so fresh runs of one config at
+    different sizes follow the same loss curve. "torchtitan": TorchTitan's own init
+    (DTensor random ops on the shards: the values depend on the sharding). A resume
+    loads the weights from the checkpoint either way."""
+
+
+@dataclass
+class Debug:
+    seed: int | None = 0
+    """Base RNG seed: the initial weights (see zephon.init) and torch's RNGs.
+    Zephon's default is 0, so fresh runs are reproducible; TorchTitan's is None
+    (every job draws a random seed)."""
+
 
 @dataclass
 class JobConfig:
     zephon: Zephon = field(default_factory=Zephon)
+    debug: Debug = field(default_factory=Debug)

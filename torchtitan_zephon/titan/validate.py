@@ -1,20 +1,21 @@
-"""Validation on held-out samples, independent of the DP degree.
+"""Validation on held-out samples, independent of the DP degree and the micro-batch size.
 
 The last ``zephon.heldout_samples`` samples of the store are never trained on.
 A validation pass reads them in order, in global batches of the run's first
-global batch size ``G``; DP rank ``r`` of ``D`` takes the contiguous slice
-``[r*G/D, (r+1)*G/D)`` of each, cut into micro-batches of
-``validation.local_batch_size``.
+global batch size ``G``; DP rank ``r`` of ``D`` takes the plan's rank slice of
+each (``DataPlan.rank_positions``: the contiguous ``[r*G/D, (r+1)*G/D)``), cut
+into micro-batches of ``validation.local_batch_size``; the last micro-batch of
+a slice may be smaller (with pipeline parallelism, whose schedule splits every
+micro-batch alike, the size is clamped to a divisor of ``G/D``, with a log line).
 
 Samples have the training ``seq_len`` (``validation.seq_len`` is not used: held-out
 samples are windows of the same store layout), and ``validation.steps`` caps the
 number of global batches per pass (-1: every full global batch of held-out data).
 
-Invariant: every validation pass covers the same samples whatever ``D``, and
-since every sample is a full window (no ignored labels), TorchTitan's validation
-loss (per-micro-batch loss sum over the global token count, averaged over
-micro-batch rounds) equals the mean token loss over those samples for every
-``D``, up to floating-point summation order.
+Invariant: every validation pass covers the same samples whatever ``D`` and the
+micro-batch size, and the reported loss is the global sum of token losses over
+the global token count (one all-reduce of both sums at the end of the pass), so
+it is the same for every layout up to floating-point summation order.
 """
 
 from __future__ import annotations
@@ -24,11 +25,33 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.components.validate import Validator
+from torchtitan.components.loss import IGNORE_INDEX
+from torchtitan.components.validate import BaseValidator, Validator
+from torchtitan.tools import utils
+from torchtitan.tools.logging import logger
 
+from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
 from torchtitan_zephon.data.store import TokenStore
 from torchtitan_zephon.titan.dataloader import batch_schedule, resolve_store
+
+
+def microbatch_size(per_rank: int, requested: int, *, equal: bool) -> int:
+    """The validation micro-batch size for a rank slice of ``per_rank`` samples.
+
+    ``requested`` when it fits (the last micro-batch may be smaller), ``per_rank``
+    when larger; with ``equal`` (pipeline parallelism) the largest divisor of
+    ``per_rank`` not above ``requested``.
+    """
+    if requested < 1:
+        raise ValueError(f"validation.local_batch_size must be >= 1, got {requested}")
+    size = min(requested, per_rank)
+    if equal:
+        while per_rank % size:
+            size -= 1
+    return size
 
 
 class HeldoutLoader(BaseDataLoader):
@@ -45,38 +68,47 @@ class HeldoutLoader(BaseDataLoader):
         dp_rank: int,
         dp_degree: int,
         local_batch_size: int,
+        equal_microbatches: bool = False,
     ) -> None:
-        per_rank = global_batch // dp_degree
-        if global_batch % dp_degree or per_rank % local_batch_size:
-            raise ValueError(
-                f"validation: the global batch of {global_batch} samples does not split into "
-                f"{dp_degree} DP ranks x micro-batches of validation.local_batch_size="
-                f"{local_batch_size}; choose a validation.local_batch_size dividing {per_rank}"
-            )
-        self.store, self.seq_len = store, seq_len
-        self.first_sample, self.global_batch, self.num_batches = (
-            first_sample,
-            global_batch,
-            num_batches,
+        # Held-out samples are read in order: the plan supplies the rank slicing
+        # (positions), and position p of the pass is sample first_sample + p.
+        self.plan = DataPlan(num_batches * global_batch, 0, BatchSchedule([(1, global_batch)]))
+        self.store, self.seq_len, self.first_sample = store, seq_len, first_sample
+        self.num_batches, self.dp_rank, self.dp_degree = num_batches, dp_rank, dp_degree
+        _, per_rank = self.plan.rank_positions(1, dp_rank, dp_degree)
+        self.local_batch_size = microbatch_size(
+            per_rank, local_batch_size, equal=equal_microbatches
         )
-        self.dp_rank, self.per_rank, self.local_batch_size = dp_rank, per_rank, local_batch_size
+        if self.local_batch_size != local_batch_size and dp_rank == 0:
+            logger.info(
+                f"Zephon validation: micro-batches of {self.local_batch_size} samples "
+                f"(validation.local_batch_size={local_batch_size}; each of the {dp_degree} DP "
+                f"ranks reads {per_rank} samples per global batch"
+                + (", split equally for pipeline parallelism)" if equal_microbatches else ")")
+            )
 
     def sample_ids(self) -> np.ndarray:
         """This rank's sample ids of one pass, in delivery order."""
         rows = []
-        for b in range(self.num_batches):
-            start = self.first_sample + b * self.global_batch + self.dp_rank * self.per_rank
-            rows.append(np.arange(start, start + self.per_rank, dtype=np.int64))
+        for step in range(1, self.num_batches + 1):
+            first, count = self.plan.rank_positions(step, self.dp_rank, self.dp_degree)
+            rows.append(np.arange(first, first + count, dtype=np.int64) + self.first_sample)
         return np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
 
+    def microbatch_ids(self) -> list[np.ndarray]:
+        """This rank's micro-batches of one pass: each global batch's slice, cut in order."""
+        out = []
+        per_batch = np.split(self.sample_ids(), self.num_batches) if self.num_batches else []
+        for ids in per_batch:
+            out += [
+                ids[k : k + self.local_batch_size]
+                for k in range(0, len(ids), self.local_batch_size)
+            ]
+        return out
+
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
-        ids = self.sample_ids()
-        for i in range(0, len(ids), self.local_batch_size):
-            w = torch.from_numpy(
-                self.store.windows(ids[i : i + self.local_batch_size], self.seq_len).astype(
-                    np.int64
-                )
-            )
+        for ids in self.microbatch_ids():
+            w = torch.from_numpy(self.store.windows(ids, self.seq_len).astype(np.int64))
             yield {"input": w[:, :-1]}, w[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
@@ -87,7 +119,8 @@ class HeldoutLoader(BaseDataLoader):
 
 
 class ZephonValidator(Validator):
-    """TorchTitan's Validator reading the held-out samples instead of a HF dataset."""
+    """TorchTitan's Validator reading the held-out samples instead of a HF dataset,
+    and averaging over tokens rather than over micro-batch rounds."""
 
     def __init__(
         self,
@@ -104,6 +137,15 @@ class ZephonValidator(Validator):
         pp_has_first_stage: bool | None = None,
         pp_has_last_stage: bool | None = None,
     ) -> None:
+        # Validator.__init__ would build TorchTitan's HF validation loader; the
+        # fields it sets besides that one are set here the same way.
+        BaseValidator.__init__(self, job_config)
+        self.tokenizer, self.parallel_dims, self.loss_fn = tokenizer, parallel_dims, loss_fn
+        self.validation_context, self.maybe_enable_amp = validation_context, maybe_enable_amp
+        self.metrics_processor = metrics_processor
+        self.pp_schedule = pp_schedule
+        self.pp_has_first_stage, self.pp_has_last_stage = pp_has_first_stage, pp_has_last_stage
+
         zc, vc = job_config.zephon, job_config.validation
         store = resolve_store(job_config)
         seq_len = job_config.training.seq_len
@@ -116,36 +158,82 @@ class ZephonValidator(Validator):
                 f"zephon.heldout_samples is {held}. Set --zephon.heldout_samples to a multiple of {gbs}."
             )
         available = held // gbs
-        num_batches = available if vc.steps == -1 else min(vc.steps, available)
-        self.job_config = job_config
-        self.tokenizer = tokenizer
-        self.parallel_dims = parallel_dims
-        self.loss_fn = loss_fn
         self.validation_dataloader = HeldoutLoader(
             store,
             seq_len=seq_len,
             first_sample=total - held,
             global_batch=gbs,
-            num_batches=num_batches,
+            num_batches=available if vc.steps == -1 else min(vc.steps, available),
             dp_rank=dp_rank,
             dp_degree=dp_world_size,
             local_batch_size=vc.local_batch_size,
+            equal_microbatches=bool(parallel_dims.pp_enabled),
         )
-        self.validation_context = validation_context
-        self.maybe_enable_amp = maybe_enable_amp
-        self.metrics_processor = metrics_processor
-        self.pp_schedule = pp_schedule
-        self.pp_has_first_stage = pp_has_first_stage
-        self.pp_has_last_stage = pp_has_last_stage
 
+    @torch.no_grad()
+    def pass_totals(self, model_parts: list[torch.nn.Module]) -> torch.Tensor:
+        """``[sum of token losses, number of tokens]`` (float64) of this rank's share
+        of one pass (0 losses off the last pipeline stage)."""
+        device_type = utils.device_type
+        loss_sum = torch.zeros((), dtype=torch.float64, device=device_type)
+        tokens = torch.zeros((), dtype=torch.float64, device=device_type)
+        for input_dict, labels in self.validation_dataloader:
+            self.metrics_processor.ntokens_since_last_log += labels.numel()
+            input_dict = {k: v.to(device_type) for k, v in input_dict.items()}
+            inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
+                input_dict, labels.to(device_type), model_parts
+            )
+            tokens += (labels != IGNORE_INDEX).sum()
+            loss_sum += self._loss_sum(model_parts, inputs, labels, extra_inputs, extra_kwargs)
+        return torch.stack([loss_sum, tokens])
+
+    @torch.no_grad()
     def validate(self, model_parts: list[torch.nn.Module], step: int) -> None:
-        # TorchTitan stops after validation.steps *micro-batch rounds*; our pass length
-        # is already fixed in global batches, so let it read the whole pass.
-        steps, self.job_config.validation.steps = self.job_config.validation.steps, -1
-        try:
-            super().validate(model_parts, step)
-        finally:
-            self.job_config.validation.steps = steps
+        """One pass; logs sum(token losses) / number of tokens over all DP (and CP) ranks."""
+        for model in model_parts:
+            model.eval()
+        pd = self.parallel_dims
+        totals = self.pass_totals(model_parts)
+        if pd.dp_cp_enabled:
+            dist.all_reduce(totals, group=pd.get_optional_mesh("loss").get_group())
+        if pd.pp_enabled and not self.pp_has_last_stage:
+            loss = -1.0  # TorchTitan's marker: only the last stage computes losses
+        else:
+            loss = float(totals[0] / totals[1])
+        self.metrics_processor.log_validation(loss=loss, step=step)
+        for model in model_parts:
+            model.train()
+
+    def _loss_sum(
+        self,
+        model_parts: list[torch.nn.Module],
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        extra_inputs: dict[str, torch.Tensor],
+        extra_kwargs: dict[str, Any],
+    ) -> torch.Tensor:
+        """Sum of token losses of one micro-batch on this rank (0 off the last PP stage)."""
+        device_type = utils.device_type
+        # Context parallelism is handled by post_dataloading_process (as in TorchTitan).
+        if self.parallel_dims.pp_enabled:
+            losses: list[torch.Tensor] | None = [] if self.pp_has_last_stage else None
+            target = labels if self.pp_has_last_stage else None
+            with self.validation_context():
+                if self.pp_has_first_stage:
+                    self.pp_schedule.eval(
+                        inputs, **extra_inputs, **extra_kwargs, target=target, losses=losses
+                    )
+                else:
+                    self.pp_schedule.eval(**extra_kwargs, target=target, losses=losses)
+            if not losses:
+                return torch.zeros((), dtype=torch.float64, device=device_type)
+            total = torch.sum(torch.stack(losses)).to(device_type)
+        else:
+            with self.validation_context(), self.maybe_enable_amp:
+                total = self.loss_fn(model_parts[0](inputs, **extra_inputs, **extra_kwargs), labels)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        return total.detach().to(torch.float64)
 
 
 def build_zephon_validator(**kwargs: Any) -> ZephonValidator:

@@ -1,0 +1,380 @@
+"""Initial weights that do not depend on the topology.
+
+Role: run a model's own ``init_weights`` (TorchTitan's distributions: depth-scaled
+std, truncation bounds, ones for norms) under an interceptor that draws every
+random initial value from a generator keyed by the parameter's canonical name,
+on the parameter's *full* shape, and keeps only the local shard.
+
+Invariant: with ``zephon.init = "zephon"``, the initial value of every parameter
+is a pure function of (``debug.seed``, its canonical name, its full shape and
+dtype, the init calls the model makes on it, the type of device it is drawn
+on: the job's accelerator, or the CPU). It is bitwise the same on 1 rank and
+under any FSDP / HSDP / TP / PP layout (CPU offload included) on that device type,
+whatever wraps the module (torch.compile's ``_orig_mod``, activation
+checkpointing's ``_checkpoint_wrapped_module``, FSDP, converters). CPU and GPU
+generators differ, so CPU and GPU runs do not agree with each other.
+
+How: during ``init_weights`` the ``torch.nn.init`` functions (``normal_``,
+``trunc_normal_``, ``uniform_``, ``xavier_*``, ``kaiming_*``, ...) and the
+in-place random tensor methods (``Tensor.normal_``, ``uniform_``, ...) called on
+a parameter are redirected, with the same arguments, to the parameter's full
+shape. Element-wise distributions (normal, truncated normal, uniform, ...) are
+drawn over the flattened full tensor in fixed chunks of ``CHUNK_ELEMENTS``; chunk
+``c`` of the ``k``-th call on parameter ``name`` uses a ``torch.Generator`` (on the
+drawing device) seeded with ``sha256(seed, name, k, c)``. Shape-dependent ones
+(``xavier_*``, ``orthogonal_``, ...) draw the whole tensor from chunk key 0. A
+rank keeps its shard of the full value as DTensor's own semantics define it
+for the parameter's placements (``distribute_tensor(..., src_data_rank=None)``:
+no communication). Where the shard is a range of rows (FSDP's ``Shard(0)``,
+with ``Replicate`` dims) only the chunks covering those rows are drawn, so a
+rank's work and memory follow its shard; otherwise (TP ``Shard(1)``, FSDP x TP
+strided shards) the full value is drawn. Deterministic fills (``ones_``,
+``zeros_``, ``constant_``, ``fill_``) run on the shard as they are. One
+parameter at a time: the extra memory is at most one full parameter (the
+largest: the embedding or the output projection) plus the sampler's
+temporaries of one chunk. A parameter that the model initialises some other
+way (a ``copy_`` from a tensor of its own making, no init call at all) is an
+error naming it: the invariant would silently not hold.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.overrides import TorchFunctionMode
+
+# Names that wrappers insert into parameter FQNs; DCP drops the same ones when it
+# writes a checkpoint, so the init key of a parameter is its checkpoint key.
+WRAPPER_NAME_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
+
+# Element-wise draws are made in chunks of this many elements of the flattened
+# full tensor (part of the definition of the initial values: do not change it).
+CHUNK_ELEMENTS = 1 << 24
+
+# torch.nn.init functions that draw random numbers (all take ``generator=``).
+RANDOM_INIT_FUNCTIONS = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "xavier_uniform_",
+    "xavier_normal_",
+    "kaiming_uniform_",
+    "kaiming_normal_",
+    "orthogonal_",
+    "sparse_",
+)
+# Those whose values are independent draws per element (the rest depend on the shape).
+ELEMENTWISE_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_")
+# torch.nn.init functions whose result is the same on a shard and on the full tensor.
+FILL_INIT_FUNCTIONS = ("constant_", "ones_", "zeros_")
+# torch.nn.init functions that are deterministic but depend on the full shape.
+SHAPED_INIT_FUNCTIONS = ("eye_", "dirac_")
+
+_RANDOM_METHODS = {
+    getattr(torch.Tensor, m)
+    for m in (
+        "normal_",
+        "uniform_",
+        "bernoulli_",
+        "exponential_",
+        "geometric_",
+        "log_normal_",
+        "cauchy_",
+        "random_",
+    )
+}
+_FILL_METHODS = {torch.Tensor.fill_, torch.Tensor.zero_}
+# Methods whose result, taken from a parameter, is the same values under another
+# name (TorchTitan's trunc_normal_ initialises ``param.float()`` and copies back).
+_ALIAS_METHODS = {
+    torch.Tensor.float,
+    torch.Tensor.to,
+    torch.Tensor.detach,
+    torch.Tensor.bfloat16,
+    torch.Tensor.half,
+    torch.Tensor.double,
+    torch.Tensor.data.__get__,  # type: ignore[attr-defined]
+}
+
+
+def canonical_name(fqn: str) -> str:
+    """A parameter's name without the parts that wrappers insert."""
+    return ".".join(p for p in fqn.split(".") if p not in WRAPPER_NAME_PARTS)
+
+
+def parameter_seed(seed: int, name: str, call: int, chunk: int = 0) -> int:
+    """The generator seed of chunk ``chunk`` of the ``call``-th random init call
+    on parameter ``name``."""
+    key = f"zephon-init\0{seed}\0{name}\0{call}\0{chunk}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
+
+
+def local_part(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds (a DTensor's local shard, or the tensor itself)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def keep_local_shard(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy into ``target`` (a plain tensor or a DTensor) its part of ``full``.
+
+    For a DTensor this is the local shard that DTensor's own semantics assign to
+    this rank for the target's placements (Shard with uneven splits, strided
+    shards of FSDP x TP, Replicate), cut locally without communication.
+    """
+    if isinstance(target, DTensor):
+        piece = distribute_tensor(
+            full, target.device_mesh, target.placements, src_data_rank=None
+        ).to_local()
+        target.to_local().copy_(piece)
+    else:
+        target.copy_(full)
+
+
+def local_rows(target: torch.Tensor) -> tuple[int, int] | None:
+    """``(start, stop)``: the rows (dim 0) of the full tensor that ``target``'s
+    shard is, when it is exactly such a range (every placement ``Shard(0)`` or
+    ``Replicate``); None otherwise."""
+    if not isinstance(target, DTensor) or target.ndim == 0:
+        return None
+    if not all(
+        type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in target.placements
+    ):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(
+        target.shape, target.device_mesh, target.placements
+    )
+    if tuple(shape[1:]) != tuple(target.shape[1:]):
+        return None
+    return offset[0], offset[0] + shape[0]
+
+
+def draw_flat(
+    numel: int,
+    lo: int,
+    hi: int,
+    fill: Callable[[torch.Tensor, torch.Generator], Any],
+    generator: Callable[[int], torch.Generator],
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
+    """Elements ``[lo, hi)`` of a flat tensor of ``numel`` elements whose chunk ``c``
+    (``CHUNK_ELEMENTS`` each) is ``fill(chunk, generator(c))``; only the chunks
+    overlapping the range are drawn."""
+    if hi <= lo:
+        return torch.empty(0, dtype=dtype, device=device)
+    first, last = lo // CHUNK_ELEMENTS, (hi - 1) // CHUNK_ELEMENTS
+    base = first * CHUNK_ELEMENTS
+    buf = torch.empty(min(numel, (last + 1) * CHUNK_ELEMENTS) - base, dtype=dtype, device=device)
+    for c in range(first, last + 1):
+        start = c * CHUNK_ELEMENTS - base
+        fill(buf[start : start + CHUNK_ELEMENTS], generator(c))
+    return buf[lo - base : hi - base]
+
+
+class TopologyFreeInit(TorchFunctionMode):
+    """Context manager: random init calls on ``module``'s parameters draw from
+    per-parameter generators on full shapes (see the module docstring)."""
+
+    def __init__(self, module: nn.Module, seed: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.seed = int(seed)
+        self.device = device  # where values are drawn (None: on each parameter's device)
+        # id -> (weak reference, canonical name): aliases die with their users.
+        self._names: dict[int, tuple[weakref.ref, str]] = {}
+        self.calls: dict[str, int] = {}
+        self.unknown: set[str] = set()
+        for fqn, param in module.named_parameters(remove_duplicate=True):
+            self._track(param, canonical_name(fqn))
+        self.names = sorted({name for _, name in self._names.values()})
+        self._busy = False
+        self._saved: dict[str, Callable[..., Any]] = {}
+
+    # -- which parameter a tensor stands for --------------------------------
+    def _track(self, tensor: torch.Tensor, name: str) -> None:
+        self._names[id(tensor)] = (weakref.ref(tensor), name)
+
+    def name_of(self, tensor: Any) -> str | None:
+        """The canonical name of the parameter ``tensor`` is (or is an alias of)."""
+        entry = self._names.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        return entry[1] if entry is not None and entry[0]() is tensor else None
+
+    def _draw(
+        self,
+        target: torch.Tensor,
+        name: str,
+        fill: Callable[[torch.Tensor, torch.Generator], Any],
+        *,
+        elementwise: bool,
+    ) -> None:
+        """Give ``target`` its part of the full value ``fill`` draws (module docstring)."""
+        call = self.calls.get(name, 0)
+        self.calls[name] = call + 1
+        device = self.device or local_part(target).device
+
+        def generator(chunk: int) -> torch.Generator:
+            seed = parameter_seed(self.seed, name, call, chunk)
+            return torch.Generator(device=device).manual_seed(seed)
+
+        shape, numel = tuple(target.shape), target.numel()
+        if not elementwise:
+            full = torch.empty(shape, dtype=target.dtype, device=device)
+            fill(full, generator(0))
+            keep_local_shard(target, full)
+            return
+        rows = local_rows(target)
+        if rows is None:
+            flat = draw_flat(numel, 0, numel, fill, generator, dtype=target.dtype, device=device)
+            keep_local_shard(target, flat.view(shape))
+            return
+        per_row = numel // shape[0] if shape[0] else 0
+        start, stop = rows
+        flat = draw_flat(
+            numel, start * per_row, stop * per_row, fill, generator,
+            dtype=target.dtype, device=device,
+        )  # fmt: skip
+        local_part(target).copy_(flat.view(stop - start, *shape[1:]))
+
+    # -- torch.nn.init functions ---------------------------------------------
+    def _wrap_init(self, fname: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+            name = self.name_of(tensor)
+            if name is None or self._busy or kwargs.get("generator") is not None:
+                return original(tensor, *args, **kwargs)
+            self._busy = True
+            try:
+                if fname in FILL_INIT_FUNCTIONS:
+                    self.calls[name] = self.calls.get(name, 0)  # seen, no draw
+                    return original(tensor, *args, **kwargs)
+                if fname in SHAPED_INIT_FUNCTIONS:
+                    self.calls[name] = self.calls.get(name, 0)
+                    full = torch.empty(
+                        tensor.shape,
+                        dtype=tensor.dtype,
+                        device=self.device or local_part(tensor).device,
+                    )
+                    original(full, *args, **kwargs)
+                    keep_local_shard(tensor, full)
+                    return tensor
+                self._draw(
+                    tensor,
+                    name,
+                    lambda full, g: original(full, *args, generator=g, **kwargs),
+                    elementwise=fname in ELEMENTWISE_INIT_FUNCTIONS,
+                )
+                return tensor
+            finally:
+                self._busy = False
+
+        init.__name__ = fname
+        return init
+
+    @contextmanager
+    def _patched_nn_init(self) -> Iterator[None]:
+        for fname in RANDOM_INIT_FUNCTIONS + FILL_INIT_FUNCTIONS + SHAPED_INIT_FUNCTIONS:
+            original = getattr(nn.init, fname)
+            self._saved[fname] = original
+            setattr(nn.init, fname, self._wrap_init(fname, original))
+        try:
+            yield
+        finally:
+            for fname, original in self._saved.items():
+                setattr(nn.init, fname, original)
+            self._saved.clear()
+
+    # -- tensor methods ------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if self._busy or not args:
+            return func(*args, **kwargs)
+        name = self.name_of(args[0])
+        if name is None:
+            return func(*args, **kwargs)
+        if func in _ALIAS_METHODS:
+            out = func(*args, **kwargs)
+            if isinstance(out, torch.Tensor) and out.shape == args[0].shape:
+                self._track(out, name)
+            return out
+        if func in _RANDOM_METHODS and kwargs.get("generator") is None:
+            self._busy = True
+            try:
+                elementwise = not any(
+                    isinstance(a, torch.Tensor) for a in (*args[1:], *kwargs.values())
+                )
+                self._draw(
+                    args[0],
+                    name,
+                    lambda full, g: func(full, *args[1:], generator=g, **kwargs),
+                    elementwise=elementwise,
+                )
+            finally:
+                self._busy = False
+            return args[0]
+        if func in _FILL_METHODS:
+            self.calls[name] = self.calls.get(name, 0)
+            return func(*args, **kwargs)
+        if func is torch.Tensor.copy_:
+            source = args[1] if len(args) > 1 else kwargs.get("src")
+            if self.name_of(source) == name:  # param.copy_(its own initialised alias)
+                return func(*args, **kwargs)
+            self.unknown.add(name)
+        return func(*args, **kwargs)
+
+    def __enter__(self) -> TopologyFreeInit:
+        self._patches = self._patched_nn_init()
+        self._patches.__enter__()
+        try:
+            super().__enter__()
+        except BaseException:
+            self._patches.__exit__(None, None, None)
+            raise
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+        try:
+            super().__exit__(exc_type, exc, tb)
+        finally:
+            self._patches.__exit__(None, None, None)
+            self._names.clear()
+        if exc_type is None:
+            self.check_all_initialised()
+
+    def check_all_initialised(self) -> None:
+        missed = [n for n in self.names if n not in self.calls and n not in self.unknown]
+        unknown = sorted(self.unknown)
+        if missed or unknown:
+            lines = []
+            if missed:
+                lines.append(f"never initialised through torch.nn.init: {', '.join(missed)}")
+            if unknown:
+                lines.append(f"overwritten by copy_ from another tensor: {', '.join(unknown)}")
+            raise RuntimeError(
+                "zephon init cannot make these parameters independent of the topology ("
+                + "; ".join(lines)
+                + "). Initialise them with torch.nn.init functions in init_weights, or set "
+                "--zephon.init torchtitan to use TorchTitan's init (then the initial weights "
+                "depend on the sharding)."
+            )
+
+
+def init_weights_topology_free(
+    module: nn.Module,
+    seed: int,
+    init_weights: Callable[[], None],
+    device: torch.device | None = None,
+) -> TopologyFreeInit:
+    """Run ``init_weights()`` (the model's own) so that ``module``'s parameters get
+    topology-independent values, drawn on ``device`` (None: each parameter's own);
+    returns the interceptor (its ``calls`` per name)."""
+    interceptor = TopologyFreeInit(module, seed, device)
+    with torch.no_grad(), interceptor:
+        init_weights()
+    return interceptor
