@@ -160,22 +160,57 @@ def start(run: Path, layout: tuple[int, int], steps: int, log) -> subprocess.Pop
     )  # fmt: skip
 
 
-def cycle(run: Path, layout, steps: int, mode: str, rng: random.Random, log, limit: float) -> str:
-    """Start the chaos job and kill it; return what happened."""
+def log_size(run: Path) -> int:
+    try:
+        return (run / "zephon" / "sequence_log.jsonl").stat().st_size
+    except OSError:
+        return 0
+
+
+def steps_logged_since(run: Path, offset: int) -> int:
+    """Complete step records appended to the sequence log after byte ``offset``."""
+    try:
+        with open(run / "zephon" / "sequence_log.jsonl", "rb") as f:
+            f.seek(offset)
+            data = f.read()
+    except OSError:
+        return 0
+    return sum(1 for line in data.split(b"\n")[:-1] if b'"event"' not in line)
+
+
+def cycle(run: Path, layout, steps: int, mode: str, rng: random.Random, log) -> str:
+    """Start the chaos job and kill it; return what happened.
+
+    ``checkpoint``: killed as soon as DCP starts writing a checkpoint. ``random``: killed
+    at a random moment: during start-up (a fifth of the time), or once the job has
+    trained a random 1-6 steps, plus a random fraction of a step.
+    """
     leftovers = incomplete_checkpoints(run)
+    offset = log_size(run)
     proc = start(run, layout, steps, log)
     t0 = time.time()
-    kill_after = rng.uniform(0.5, limit)
+    during_startup = rng.random() < 0.2
+    startup_kill = rng.uniform(0.5, 8.0)
+    extra_steps, jitter = rng.randint(1, 6), rng.uniform(0.0, 0.3)
+    reached = None
     while True:
         if proc.poll() is not None:
             return "finished" if proc.returncode == 0 else f"failed ({proc.returncode})"
+        now = time.time()
         if mode == "checkpoint" and writing_checkpoint(run, leftovers) is not None:
             kill_tree(proc)
             return "killed during checkpoint"
-        if mode == "random" and time.time() - t0 >= kill_after:
-            kill_tree(proc)
-            return "killed"
-        if time.time() - t0 > 600:
+        if mode == "random":
+            if during_startup and now - t0 >= startup_kill:
+                kill_tree(proc)
+                return "killed"
+            if not during_startup:
+                if reached is None and steps_logged_since(run, offset) >= extra_steps:
+                    reached = now
+                if reached is not None and now - reached >= jitter:
+                    kill_tree(proc)
+                    return "killed"
+        if now - t0 > 900:
             kill_tree(proc)
             return "timed out"
         time.sleep(0.002)
@@ -216,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cycles < 0:
         p.error(f"--cycles must be >= 0, got {args.cycles}")
     rng = random.Random(args.seed)
-    steps = args.steps or max(16, 2 * args.cycles)
+    steps = args.steps or 8 + 4 * args.cycles
     out = Path(args.out).resolve()
     ref, run = out / "reference", out / "chaos"
     for d in (ref, run):
@@ -234,12 +269,10 @@ def main(argv: list[str] | None = None) -> int:
     ref_layout = (2, 2) if (2, 2) in choices else choices[0]
     with open(out / "reference.log", "w") as log:
         say(f"reference: {steps} steps on {ref_layout[0]} ranks, local batch {ref_layout[1]}")
-        t = time.time()
         proc = start(ref, ref_layout, steps, log)
         if proc.wait() != 0:
             say(f"reference failed; see {out / 'reference.log'}")
             return 2
-        ref_time = time.time() - t
     kills = ckpt_kills = 0
     history = []
     with open(out / "chaos.log", "w") as log:
@@ -250,7 +283,7 @@ def main(argv: list[str] | None = None) -> int:
                 layout = ref_layout
             mode = "checkpoint" if rng.random() < 0.5 else "random"
             before = complete_steps(run)
-            what = cycle(run, layout, steps, mode, rng, log, ref_time)
+            what = cycle(run, layout, steps, mode, rng, log)
             if what.startswith("killed"):
                 kills += 1
                 ckpt_kills += what == "killed during checkpoint"
