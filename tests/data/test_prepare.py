@@ -202,3 +202,146 @@ def test_dirty_inputs(tmp_path, tokenizer_dir):
     with pytest.raises(StoreError, match="looks binary"):
         prepare_store([str(tmp_path / "bin")], str(tokenizer_dir), str(tmp_path / "s3"))
     assert not (tmp_path / "s2").exists() and not (tmp_path / "s3").exists()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _no_leftovers(tmp_path: Path, out: str = "out") -> None:
+    """A refused prepare leaves neither the output nor its temporary sibling behind."""
+    assert not (tmp_path / out).exists()
+    assert not list(tmp_path.glob(f".{out}.tmp*"))
+
+
+def _gz_lines(n: int) -> bytes:
+    lines = "".join(json.dumps({"text": corpus_text(k, 40)}) + "\n" for k in range(n))
+    return gzip.compress(lines.encode(), mtime=0)
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        # cut in the middle: the reader saw some lines, then the stream ends
+        pytest.param(
+            "cut.jsonl.gz",
+            _gz_lines(400)[:2000],
+            r"cut\.jsonl\.gz: .*after line \d+.*truncated",
+            id="truncated-gzip",
+        ),
+        # bytes overwritten in the middle of the deflate stream
+        pytest.param(
+            "bad.jsonl.gz",
+            (lambda b: b[:40] + bytes(range(256)) * 4 + b[1064:])(_gz_lines(400)),
+            r"bad\.jsonl\.gz: .*corrupt",
+            id="corrupt-gzip",
+        ),
+        # JSON lines named .gz but not compressed
+        pytest.param(
+            "plain.jsonl.gz",
+            b'{"text": "alpha"}\n',
+            r"plain\.jsonl\.gz: .*not a gzip file",
+            id="not-gzip",
+        ),
+        # compressed files under names prepare reads as text
+        pytest.param(
+            "notes.txt",
+            __import__("bz2").compress(b"alpha " * 100),
+            r"notes\.txt is bzip2-compressed",
+            id="bzip2-as-text",
+        ),
+        pytest.param(
+            "page.json.gz",
+            gzip.compress(b'{"text": "alpha"}'),
+            r"page\.json\.gz is gzip-compressed",
+            id="json-gz",
+        ),
+    ],
+)
+def test_corrupt_compressed_input_is_a_clear_error(tmp_path, tokenizer_dir, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(StoreError, match=message):
+        prepare_store([str(tmp_path / name)], str(tokenizer_dir), str(tmp_path / "out"))
+    _no_leftovers(tmp_path)
+
+
+def test_corrupt_parquet_is_a_clear_error(tmp_path, tokenizer_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table({"text": [corpus_text(k, 30) for k in range(50)]}), tmp_path / "a.parquet"
+    )
+    data = (tmp_path / "a.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
+    (tmp_path / "garbage.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 3 + b"PAR1")
+    for name in ("cut.parquet", "garbage.parquet"):
+        with pytest.raises(StoreError, match=rf"{name}: cannot read Parquet"):
+            prepare_store([str(tmp_path / name)], str(tokenizer_dir), str(tmp_path / "out"))
+        _no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        pytest.param(
+            "deep.jsonl",
+            '{"text": "a"}\n' + "[" * 100_000 + "\n",
+            r"deep\.jsonl:2: .*nested",
+            id="jsonl-unclosed",
+        ),
+        pytest.param(
+            "closed.jsonl",
+            "[" * 50_000 + "]" * 50_000 + "\n",
+            r"closed\.jsonl:1: .*nested",
+            id="jsonl-closed",
+        ),
+        pytest.param("deep.json", "[" * 100_000, r"deep\.json: .*nested", id="json-unclosed"),
+        pytest.param(
+            "meta.json",
+            '[{"text": "a", "meta": ' + "[" * 5000 + "]" * 5000 + "}]",
+            r"meta\.json: .*nested",
+            id="json-deep-field",
+        ),
+    ],
+)
+def test_deeply_nested_json_is_a_clear_error(tmp_path, tokenizer_dir, name, content, message):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(StoreError, match=message):
+        prepare_store([str(tmp_path / name)], str(tokenizer_dir), str(tmp_path / "out"))
+    _no_leftovers(tmp_path)
+
+
+def test_symlink_loops_and_duplicate_links_are_read_once(tmp_path, tokenizer_dir):
+    """Each real file is read once, whatever links lead to it; the order stays the walk's."""
+    root = tmp_path / "in"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("alpha beta")
+    (root / "sub" / "b.txt").write_text("gamma delta")
+    (root / "sub" / "up").symlink_to("..")  # a loop: in/sub/up/sub/up/...
+    (root / "z-link.txt").symlink_to("a.txt")  # a second name of a.txt
+    (root / "dangling.txt").symlink_to("missing.txt")
+    s = prepare_store([str(root)], str(tokenizer_dir), str(tmp_path / "s"), progress=False)
+    assert [src["name"] for src in s.manifest["sources"]] == ["in/a.txt", "in/sub/b.txt"]
+    assert s.num_documents == 2
+    # two loops branch: without loop detection the walk would be exponential
+    (root / "sub" / "self").symlink_to(".")
+    two = prepare_store([str(root)], str(tokenizer_dir), str(tmp_path / "s2"), progress=False)
+    assert two.fingerprint == s.fingerprint
+    # the same folder reached through a link to it gives the same tokens
+    (tmp_path / "link").symlink_to(root)
+    again = prepare_store(
+        [str(tmp_path / "link")], str(tokenizer_dir), str(tmp_path / "s3"), progress=False
+    )
+    assert again.num_documents == 2 and np.array_equal(again.tokens, s.tokens)
+
+
+def test_corrupt_hf_dataset_is_a_clear_error(tmp_path, tokenizer_dir):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": [corpus_text(k, 10) for k in range(50)]}).save_to_disk(
+        str(tmp_path / "hf")
+    )
+    (arrow,) = (tmp_path / "hf").glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:100])
+    with pytest.raises(StoreError, match=r"hf: cannot read this Hugging Face dataset folder"):
+        prepare_store([str(tmp_path / "hf")], str(tokenizer_dir), str(tmp_path / "out"))
+    _no_leftovers(tmp_path)
