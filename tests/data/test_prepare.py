@@ -2,6 +2,11 @@
 
 import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -345,3 +350,105 @@ def test_corrupt_hf_dataset_is_a_clear_error(tmp_path, tokenizer_dir):
     with pytest.raises(StoreError, match=r"hf: cannot read this Hugging Face dataset folder"):
         prepare_store([str(tmp_path / "hf")], str(tokenizer_dir), str(tmp_path / "out"))
     _no_leftovers(tmp_path)
+
+
+# ----------------------------------------------------------------------------- worker processes
+
+
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of ``pid``, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        return b"spawn_main" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def big_corpus(tmp_path_factory) -> Path:
+    """~45 MB of text: a few seconds of work for two tokenizer workers."""
+    root = tmp_path_factory.mktemp("big") / "big"
+    root.mkdir()
+    text = corpus_text(3, 30_000)
+    for k in range(300):
+        (root / f"{k:03d}.txt").write_text(text)
+    return root
+
+
+def _start_prepare_and_wait_for_output(tmp_path, tokenizer_dir, corpus) -> tuple:
+    """``zephon prepare --workers 2`` in its own session, once it has written tokens."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan_zephon", "prepare", str(corpus), "--tokenizer",
+         str(tokenizer_dir), "--output", str(tmp_path / "out"), "--workers", "2", "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        written = list(tmp_path.glob(".out.tmp-*/tokens.bin"))
+        if written and written[0].stat().st_size > 0:
+            workers = [c for c in _children(proc.pid) if _is_worker(c)]
+            if len(workers) == 2:
+                return proc, workers
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail(f"prepare ended (or never wrote tokens) before the test could act: {proc.poll()}")
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str, float]:
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"prepare still running {timeout} s after the signal (hangs):\n{err[-3000:]}")
+    return proc.returncode, out, err, time.monotonic() - t0
+
+
+def test_killed_worker_fails_fast_and_cleans_up(tmp_path, tokenizer_dir, big_corpus):
+    """A worker SIGKILLed mid-run (as by the OOM killer) ends prepare with a clear error
+    within seconds: no store at the output path, no temporary folder, no worker left."""
+    proc, workers = _start_prepare_and_wait_for_output(tmp_path, tokenizer_dir, big_corpus)
+    os.kill(workers[0], signal.SIGKILL)
+    code, out, err, took = _finish(proc, timeout=60)
+    assert code == 2, (code, err)
+    assert "zephon prepare: error: tokenizer worker" in err and "SIGKILL" in err, err
+    assert "fewer --workers" in err and "Traceback" not in err + out, err
+    assert took < 30, took  # seconds: detection is immediate, the margin is for a busy machine
+    _no_leftovers(tmp_path)
+    assert not any(_alive(w) for w in workers)
+
+
+def test_ctrl_c_stops_prepare_promptly_and_cleans_up(tmp_path, tokenizer_dir, big_corpus):
+    """SIGINT to the whole process group (what Ctrl-C in a terminal sends) stops prepare
+    and its workers at once, without a traceback, and leaves nothing on disk."""
+    proc, workers = _start_prepare_and_wait_for_output(tmp_path, tokenizer_dir, big_corpus)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, out, err, took = _finish(proc, timeout=60)
+    assert code == 130, (code, err)
+    assert err.strip() == "zephon prepare: interrupted", err
+    assert took < 30, took
+    _no_leftovers(tmp_path)
+    assert not any(_alive(w) for w in workers)
