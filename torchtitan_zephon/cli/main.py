@@ -38,7 +38,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``zephon`` with ``argv`` (default: sys.argv[1:]); return the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse printed usage and the error (2), or --help (0)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return int(args._run(args) or 0)
     except BrokenPipeError:  # output piped into e.g. `head`
