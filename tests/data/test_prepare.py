@@ -452,3 +452,18 @@ def test_ctrl_c_stops_prepare_promptly_and_cleans_up(tmp_path, tokenizer_dir, bi
     assert took < 30, took
     _no_leftovers(tmp_path)
     assert not any(_alive(w) for w in workers)
+
+
+def test_worker_count_is_bounded(tmp_path, tokenizer_dir, corpus_dir):
+    """Nothing is started for a worker count no machine could run (10**10 processes)."""
+    from torchtitan_zephon.data.encode import max_workers
+
+    for workers in (0, -3, max_workers() + 1, 10**10):
+        with pytest.raises(
+            StoreError,
+            match=rf"workers must be in \[1, {max_workers()}\] \(4 .* per CPU at most\), got",
+        ):
+            prepare_store(
+                [str(corpus_dir)], str(tokenizer_dir), str(tmp_path / "out"), workers=workers
+            )
+        _no_leftovers(tmp_path)

@@ -53,6 +53,11 @@ def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return flat, lengths
 
 
+def max_workers() -> int:
+    """The most worker processes worth starting: 4 per CPU (at least 8)."""
+    return max(8, 4 * (os.cpu_count() or 1))
+
+
 def encode_in_order(
     chunks: Iterable[tuple[Any, list[str]]], tokenizer_json: str, eos_id: int, workers: int
 ) -> Iterator[tuple[Any, np.ndarray, np.ndarray]]:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon.data.encode import encode_in_order
+from torchtitan_zephon.data.encode import encode_in_order, max_workers
 from torchtitan_zephon.data.readers import Source, iter_documents, resolve_inputs, source_record
 from torchtitan_zephon.data.store import (
     DOC_OFFSETS,
@@ -160,8 +160,12 @@ def prepare_store(
         raise StoreError(
             f"output {str(out)!r} already exists; choose another path or delete it first."
         )
-    if workers < 1:
-        raise StoreError(f"workers must be >= 1, got {workers}.")
+    most = max_workers()
+    if not 1 <= workers <= most:
+        raise StoreError(
+            f"workers must be in [1, {most}] (4 tokenizer processes per CPU at most), got "
+            f"{workers}."
+        )
     info = load_tokenizer_info(tokenizer)
     dtype_name = dtype_for_vocab(info.vocab_size)
     dtype = np.dtype("<u2" if dtype_name == "uint16" else "<u4")
