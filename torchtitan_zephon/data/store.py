@@ -56,7 +56,7 @@ def is_store(path: str | os.PathLike) -> bool:
         return False
     try:
         return json.loads((p / MANIFEST).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # Recursion: deep JSON
         return False
 
 
@@ -106,7 +106,7 @@ class TokenStore:
             )
         try:
             manifest = json.loads(mpath.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: deep JSON
             raise StoreError(f"cannot read {str(mpath)!r}: {e}. {_REPREPARE}") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise StoreError(
