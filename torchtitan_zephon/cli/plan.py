@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 
+from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
 from torchtitan_zephon.data.store import TokenStore
 
@@ -32,19 +32,6 @@ def _steps(text: str) -> tuple[int, int]:
     return a, b
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = None
-        if value is None or value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}")
-        return value
-
-    return parse
-
-
 def _schedule(text: str) -> BatchSchedule:
     try:
         return BatchSchedule.parse(text)
@@ -60,7 +47,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         'gets, one JSON object per line: {"step": s, "ids": [...]}.',
     )
     p.add_argument("--store", required=True, metavar="STORE")
-    p.add_argument("--seq-len", type=_int_at_least(1), required=True, metavar="L")
+    p.add_argument("--seq-len", type=int_in(1), required=True, metavar="L")
     p.add_argument(
         "--global-batch-size",
         type=_schedule,
@@ -70,11 +57,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--seed", type=int, required=True, metavar="S")
     p.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="inclusive range")
-    p.add_argument("--dp-degree", type=_int_at_least(1), default=1, metavar="D")
-    p.add_argument("--dp-rank", type=_int_at_least(0), default=None, metavar="R")
-    p.add_argument("--local-batch-size", type=_int_at_least(1), default=None, metavar="B")
-    p.add_argument("--sample-offset", type=_int_at_least(0), default=0)
-    p.add_argument("--num-samples", type=_int_at_least(1), default=None)
+    p.add_argument("--dp-degree", type=int_in(1), default=1, metavar="D")
+    p.add_argument("--dp-rank", type=int_in(0), default=None, metavar="R")
+    p.add_argument("--local-batch-size", type=int_in(1), default=None, metavar="B")
+    p.add_argument("--sample-offset", type=int_in(0), default=0)
+    p.add_argument("--num-samples", type=int_in(1), default=None)
     p.add_argument("--json", action="store_true", help='one JSON object per line: {"step", "ids"}')
     return p
 
