@@ -119,12 +119,17 @@ class TokenStore:
             )
         try:
             expected = manifest["fingerprint"]
+            if not isinstance(expected, str):
+                raise TypeError(f"fingerprint is a {type(expected).__name__}, not text")
             dtype = _DTYPES[manifest["dtype"]]
             num_tokens = int(manifest["num_tokens"])
             num_docs = int(manifest["num_documents"])
-            manifest["tokenizer"]["vocab_size"], manifest["tokenizer"]["sha256"]
+            if num_docs < 0:
+                raise ValueError(f"num_documents is {num_docs}")
+            int(manifest["tokenizer"]["vocab_size"]), manifest["tokenizer"]["sha256"]
             int(manifest["eos_id"])
-        except (KeyError, TypeError, ValueError) as e:
+            _check_sources(manifest.get("sources", []))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # Overflow: 1e400
             raise StoreError(
                 f"{str(mpath)!r} is missing or has an invalid field ({e}). {_REPREPARE}"
             ) from None
@@ -201,6 +206,19 @@ class TokenStore:
             "size_bytes": self.num_tokens * self.tokens.dtype.itemsize + self.num_documents * 8,
             "sources": m.get("sources", []),
         }
+
+
+def _check_sources(sources: Any) -> None:
+    """Source records as prepare writes them (inspect prints these fields)."""
+    if not isinstance(sources, list) or not all(
+        isinstance(s, dict)
+        and isinstance(s.get("name"), str)
+        and isinstance(s.get("sha256"), str)
+        and isinstance(s.get("size"), int)
+        and "kind" in s
+        for s in sources
+    ):
+        raise TypeError("sources is not a list of {name, kind, sha256, size} records")
 
 
 def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
