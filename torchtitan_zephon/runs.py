@@ -177,7 +177,9 @@ def sequence_log(path: str | os.PathLike) -> LogContents:
         return read_log(p)
     except TrackerError as e:
         raise RunError(str(e)) from None
-    except (KeyError, TypeError, ValueError) as e:  # e.g. a record whose "step" is not a number
+    # e.g. a record whose "step" is not a number (ValueError) or is 1e400 (OverflowError),
+    # or a line of JSON nested too deeply to parse (RecursionError)
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
         raise RunError(f"{p}: the sequence log is corrupt ({type(e).__name__}: {e})") from None
 
 
@@ -232,7 +234,7 @@ def saved_config(run: str | os.PathLike) -> tuple[Path, dict] | None:
     for f in sorted(Path(run).glob("*.json")):
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
         if isinstance(data, dict) and "job" in data and "training" in data:
             return f, data

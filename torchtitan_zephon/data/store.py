@@ -100,7 +100,7 @@ def is_store(path: str | os.PathLike) -> bool:
         return False
     try:
         return json.loads((p / MANIFEST).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # Recursion: deep JSON
         return False
 
 
@@ -262,7 +262,7 @@ class TokenStore:
             )
         try:
             manifest = json.loads(mpath.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: deep JSON
             raise StoreError(f"cannot read {str(mpath)!r}: {e}. {_REPREPARE}") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise StoreError(
@@ -276,14 +276,19 @@ class TokenStore:
             )
         try:
             expected = manifest["fingerprint"]
+            if not isinstance(expected, str):
+                raise TypeError(f"fingerprint is a {type(expected).__name__}, not text")
             dtype = _DTYPES[manifest["dtype"]]
             num_tokens = int(manifest["num_tokens"])
             num_docs = int(manifest["num_documents"])
-            manifest["tokenizer"]["vocab_size"], manifest["tokenizer"]["sha256"]
+            if num_docs < 0:
+                raise ValueError(f"num_documents is {num_docs}")
+            int(manifest["tokenizer"]["vocab_size"]), manifest["tokenizer"]["sha256"]
             int(manifest["eos_id"])
             if version >= 2:
                 manifest["content"]
-        except (KeyError, TypeError, ValueError) as e:
+            _check_sources(manifest.get("sources", []))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # Overflow: 1e400
             raise StoreError(
                 f"{str(mpath)!r} is missing or has an invalid field ({e}). {_REPREPARE}"
             ) from None
@@ -578,6 +583,17 @@ def _read_content(root: Path) -> dict[str, Any] | None:
             "--upgrade` again."
         ) from None
     return content
+def _check_sources(sources: Any) -> None:
+    """Source records as prepare writes them (inspect prints these fields)."""
+    if not isinstance(sources, list) or not all(
+        isinstance(s, dict)
+        and isinstance(s.get("name"), str)
+        and isinstance(s.get("sha256"), str)
+        and isinstance(s.get("size"), int)
+        and "kind" in s
+        for s in sources
+    ):
+        raise TypeError("sources is not a list of {name, kind, sha256, size} records")
 
 
 def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:

@@ -18,6 +18,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
 from torchtitan_zephon.titan import platform
+from torchtitan_zephon.titan.checks import check_job_config
 from torchtitan_zephon.titan.dataloader import ZephonDataLoader
 
 
@@ -25,6 +26,7 @@ class ZephonTrainer(Trainer):
     dataloader: ZephonDataLoader
 
     def __init__(self, job_config: Any) -> None:
+        check_job_config(job_config)  # before TorchTitan builds anything: clear errors
         if platform.on_cpu():
             for change in platform.cpu_job_defaults(job_config):
                 logger.info(f"CPU platform: {change}")
