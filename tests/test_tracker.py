@@ -6,6 +6,8 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.state import DataConfig
@@ -125,3 +127,79 @@ def test_append_after_a_truncated_line_keeps_the_log_valid(tmp_path):
     again.record(2, 4, ids(2))
     contents = read_log(path)
     assert not contents.truncated_tail and sorted(contents.records) == [1, 2]
+
+
+# ---------------------------------------------------------------- O(1) resume
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    plan=st.lists(
+        st.tuples(st.integers(0, 12), st.integers(1, 8), st.booleans()), min_size=1, max_size=6
+    ),
+    damage=st.sampled_from(["none", "no_index", "no_events", "truncated_tail", "foreign_index"]),
+)
+def test_index_lookup_agrees_with_a_full_read(tmp_path_factory, plan, damage):
+    """Jobs that resume from random earlier heads, die after random steps and leave
+    damaged sidecars: the O(1) lookup accepts exactly the heads the full read accepts."""
+    import shutil
+
+    from torchtitan_zephon.tracker.index import events_path, index_path
+
+    tmp = tmp_path_factory.mktemp("idx")
+    path = tmp / "log.jsonl"
+    heads = [{"step": 0, "chain": genesis(config().fingerprint)}]
+    t = tracker(path)
+    t.start(TOPO)
+    for s in range(1, 4):
+        t.record(s, (s - 1) * 4, ids(s))
+        heads.append(t.head())
+    for back, steps, other_data in plan:
+        head = heads[min(back, len(heads) - 1)]
+        job = tracker(path, seed=1 if other_data else 0)
+        if job.check_resume(head) is not None:
+            continue
+        job.resume(head, TOPO)
+        for s in range(head["step"] + 1, head["step"] + steps + 1):
+            job.record(s, (s - 1) * 4, ids(s) + other_data)
+            heads.append(job.head())
+    if damage == "no_index":
+        index_path(path).unlink()
+    elif damage == "no_events":
+        events_path(path).unlink()
+    elif damage == "truncated_tail":
+        with open(path, "a") as f:
+            f.write('{"step": 99, "chai')
+    elif damage == "foreign_index":
+        other = tmp / "other.jsonl"
+        o = tracker(other, store="x")
+        o.start(TOPO)
+        for s in range(1, 20):
+            o.record(s, 0, ids(s))
+        shutil.copy(index_path(other), index_path(path))
+    for head in heads[1:]:  # step 0 is a fresh start: nothing to look up
+        fast = tracker(path).check_resume(head)
+        slow = tracker(path)._check_resume_by_reading(head["step"], head["chain"])
+        assert (fast is None) == (slow is None), (head, fast, slow)
+
+
+def test_resume_reads_only_the_index_when_it_can(tmp_path, monkeypatch):
+    path = tmp_path / "log.jsonl"
+    t = tracker(path)
+    t.start(TOPO)
+    for s in range(1, 50):
+        t.record(s, (s - 1) * 4, ids(s))
+        if s == 20:
+            head = t.head()
+    import torchtitan_zephon.tracker.writer as writer
+
+    def no_full_read(*a, **k):
+        raise AssertionError("the full log was read")
+
+    monkeypatch.setattr(writer.SequenceTracker, "_check_resume_by_reading", no_full_read)
+    assert tracker(path).check_resume(head) is None
+    monkeypatch.undo()
+    (tmp_path / "log.jsonl.idx").unlink()  # lost: one full read rebuilds it
+    assert tracker(path).check_resume(head) is None
+    monkeypatch.setattr(writer.SequenceTracker, "_check_resume_by_reading", no_full_read)
+    assert tracker(path).check_resume(head) is None

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.data.state import RECORD_KEY, DataState, DataStateMismatch
-from torchtitan_zephon.tracker import LOG_NAME, LogContents, TrackerError, read_log
+from torchtitan_zephon.tracker import LOG_NAME, LogContents, LogReader, TrackerError, read_log
+from torchtitan_zephon.tracker.reader import ForkedLogReader
 
 LOSS_TAG = "loss_metrics/global_avg_loss"
 _LOG_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eEnaif]+)")
@@ -263,6 +264,25 @@ def sequence_log(path: str | os.PathLike) -> LogContents:
         raise RunError(f"{p}: the sequence log is corrupt ({type(e).__name__}: {e})") from None
 
 
+def log_reader(path: str | os.PathLike, *, forked: bool = False) -> LogReader:
+    """A streaming reader of a run's sequence log (events read, records not yet);
+    ``forked``: the reading runs in a child process (two logs on two cores).
+
+    Raises RunError (a ValueError) with what was expected when the path is missing
+    or an event line is corrupt; record lines are checked as they are streamed.
+    """
+    p = Path(path)
+    if not p.exists():
+        raise RunError(
+            f"{p} does not exist: expected a run folder (TorchTitan job.dump_folder) or its "
+            f"zephon/{LOG_NAME}"
+        )
+    try:
+        return ForkedLogReader(p) if forked else LogReader(p)
+    except TrackerError as e:
+        raise RunError(str(e)) from None
+
+
 def topology(event: dict[str, Any]) -> dict[str, Any]:
     """``from_step`` and the topology fields of a start / resume event (absent ones omitted)."""
     out = {"event": event.get("event"), "from_step": event.get("from_step")}
@@ -276,7 +296,7 @@ def format_topology(event: dict[str, Any]) -> str:
     return ", ".join(parts) if parts else "topology not recorded"
 
 
-def resumes(contents: LogContents) -> list[dict[str, Any]]:
+def resumes(contents: LogContents | LogReader) -> list[dict[str, Any]]:
     """The resume events of the effective history, in order, as :func:`topology` records.
 
     A start event begins a new history: resumes logged before it no longer count.

@@ -14,3 +14,6 @@ corpus_dir = _fixtures.corpus_dir
 store_path = _fixtures.store_path
 store = _fixtures.store
 build_tokenizer = _fixtures.build_tokenizer
+copy_store = _fixtures.copy_store
+edit_token = _fixtures.edit_token
+make_v1 = _fixtures.make_v1

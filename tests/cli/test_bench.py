@@ -32,6 +32,13 @@ def test_loader(capsys, tmp_path):
     stock = r["stock_state_bytes"]
     assert stock["1024"] == 1024 * stock["1"] == 1024 * r["stock_rank_state_bytes"]
     assert r["state_constant"] and r["meets"]["state_bytes"]
+    checks = r["content_checks"]  # the same loader with the store's content checks on and off
+    assert checks["chunk_tokens"] == 1 << 16 and checks["chunks"] >= 1
+    for phase in ("first_epoch", "steady"):
+        c = checks[phase]
+        assert c["on_tokens_per_s"] > 0 and c["off_tokens_per_s"] > 0
+        assert c["ratio"] == pytest.approx(c["on_tokens_per_s"] / c["off_tokens_per_s"])
+    assert "check_ratio" in r["meets"]
 
 
 def test_step(capsys):

@@ -3,12 +3,15 @@
 import json
 import subprocess
 import sys
+import warnings
 
 import pytest
 
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.data.store import TokenStore, UncheckedStoreWarning
+
+from .conftest import copy_store, edit_token, make_v1
 
 
 def test_prepare_then_inspect(tmp_path, tokenizer_dir, corpus_dir, capsys, store):
@@ -138,3 +141,56 @@ def test_python_dash_m_entry_point(store_path):
         text=True,
     )
     assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+def _inspect(capsys, *argv):
+    rc = main(["inspect", *map(str, argv)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_inspect_check_reports_bad_chunks(tmp_path, store_path, capsys):
+    path = copy_store(store_path, tmp_path / "s", chunk_tokens=100)
+    rc, out, _ = _inspect(capsys, path, "--check")
+    assert rc == 0 and "check:       intact (" in out and "chunks of 100 tokens" in out
+    edit_token(path, 250)
+    edit_token(path, 1234)
+    rc, out, _ = _inspect(capsys, path, "--check")
+    assert rc == 1 and "check:       FAILED, 2 problem(s):" in out
+    assert "chunk 2 (tokens [200, 300)) of tokens.bin does not match its checksum" in out
+    assert "chunk 12 (tokens [1200, 1300))" in out
+    rc, out, _ = _inspect(capsys, path, "--check", "--json")
+    report = json.loads(out)["check"]
+    assert rc == 1 and not report["ok"]
+    assert report["bad_chunks"] == [
+        {"index": 2, "start": 200, "stop": 300},
+        {"index": 12, "start": 1200, "stop": 1300},
+    ]
+    rc, out, _ = _inspect(capsys, path)  # without --check: opening is cheap and succeeds
+    assert rc == 0 and "check:" not in out
+
+
+def test_inspect_upgrade_keeps_fingerprint(tmp_path, store_path, store, capsys):
+    path = copy_store(store_path, tmp_path / "old")
+    fingerprint = make_v1(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncheckedStoreWarning)  # said in the summary instead
+        rc, out, _ = _inspect(capsys, path)
+    assert rc == 0 and "checksums:   none (format 1)" in out and "--upgrade" in out
+    rc, out, _ = _inspect(capsys, path, "--check")
+    assert rc == 1 and "no content checksums (store format version 1)" in out
+    rc, out, _ = _inspect(capsys, path, "--upgrade", "--check")
+    assert rc == 0 and f"fingerprint: {fingerprint}" in out
+    assert "upgrade:     content checksums added, fingerprint unchanged" in out
+    assert "check:       intact" in out and f"max token id {store.max_token_id}" in out
+    rc, out, _ = _inspect(capsys, path, "--upgrade")
+    assert rc == 0 and "nothing to do" in out
+    assert TokenStore.open(path).fingerprint == fingerprint
+
+
+def test_inspect_check_needs_a_store(tmp_path, capsys):
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    for flag in ("--check", "--upgrade"):
+        rc, _, err = _inspect(capsys, tmp_path / "run", flag)
+        assert rc == 2 and "--check and --upgrade apply to token stores" in err
+        assert "is a run folder" in err

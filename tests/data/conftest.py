@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -38,6 +39,55 @@ def build_tokenizer(folder: Path, *, extra_vocab: int = 0, eos_in_config: bool =
 def corpus_text(k: int, length: int) -> str:
     """Deterministic pseudo-text, document ``k``."""
     return " ".join(WORDS[(k * 7 + i * i + i) % len(WORDS)] for i in range(length))
+
+
+def _manifest(store: Path) -> dict:
+    return json.loads((store / "manifest.json").read_text())
+
+
+def _write_manifest(store: Path, manifest: dict) -> None:
+    (store / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def copy_store(src: Path, dst: Path, *, chunk_tokens: int | None = None) -> Path:
+    """Copy a store; with ``chunk_tokens``, re-cut its checksums into chunks of that size
+    (as if prepare had used it), so small test stores have many chunks."""
+    from torchtitan_zephon.data.store import manifest_fingerprint, write_checksums
+
+    shutil.copytree(src, dst)
+    if chunk_tokens is not None:
+        m = _manifest(dst)
+        m["content"] = write_checksums(dst, m, chunk_tokens=chunk_tokens)
+        m["fingerprint"] = manifest_fingerprint(m)
+        _write_manifest(dst, m)
+    return dst
+
+
+def edit_token(store: Path, index: int, value: int | None = None) -> int:
+    """Overwrite token ``index`` of tokens.bin in place (the file keeps its size); return the
+    new value (default: the next id within the vocabulary, so always a change)."""
+    m = _manifest(store)
+    itemsize = 2 if m["dtype"] == "uint16" else 4
+    with open(store / "tokens.bin", "r+b") as f:
+        f.seek(index * itemsize)
+        old = int.from_bytes(f.read(itemsize), "little")
+        new = (old + 1) % m["tokenizer"]["vocab_size"] if value is None else value
+        f.seek(index * itemsize)
+        f.write(new.to_bytes(itemsize, "little"))
+    return new
+
+
+def make_v1(store: Path) -> str:
+    """Rewrite a store as store format version 1 wrote it (no checksums); its fingerprint."""
+    from torchtitan_zephon.data.store import manifest_fingerprint
+
+    m = _manifest(store)
+    del m["content"]
+    m["version"] = 1
+    m["fingerprint"] = manifest_fingerprint(m)
+    _write_manifest(store, m)
+    (store / "checksums.bin").unlink()
+    return m["fingerprint"]
 
 
 @pytest.fixture(scope="session")

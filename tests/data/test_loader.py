@@ -11,6 +11,9 @@ from hypothesis import strategies as st
 from torchtitan_zephon.data.digest import fingerprint
 from torchtitan_zephon.data.loader import DataStateMismatch, ZephonLoader
 from torchtitan_zephon.data.plan import BatchSchedule
+from torchtitan_zephon.data.store import StoreError, TokenStore, UncheckedStoreWarning
+
+from .conftest import copy_store, edit_token, make_v1
 
 SEQ = 8
 SCHEDULE = "1:12,5:24,9:12"
@@ -226,3 +229,80 @@ def test_any_workers_and_prefetch_give_the_same_stream(store, workers, prefetch)
         got = _take_steps(ld, 6)
     for s in range(6):
         assert np.array_equal(got[s], ref[s][len(ref[s]) // 2 :])  # rank 1 of 2
+
+
+# ---------------------------------------------------------------- content checks
+
+
+def _microbatches_from(plan, step, b, count):
+    """(step, ids) of the next ``count`` micro-batches of one rank of DP 1, from ``step``."""
+    out = []
+    while len(out) < count:
+        ids = plan.rank_ids(step, 0, 1)
+        out += [(step, ids[k : k + b]) for k in range(0, len(ids), b)]
+        step += 1
+    return out[:count]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_resume_onto_edited_store_fails_at_the_first_batch_reading_it(
+    tmp_path, store_path, store, workers
+):
+    chunk = 64
+    path = copy_store(store_path, tmp_path / "s", chunk_tokens=chunk)
+    with _loader(TokenStore.open(path), 1, 0, 4) as ld:
+        _take_steps(ld, 3)
+        state = ld.state_dict()  # a checkpoint after step 3
+        upcoming = _microbatches_from(ld.plan, 4, 4, 40)
+
+    def covered(ids):  # chunks the samples ``ids`` read
+        return {c for i in ids for c in range(i * SEQ // chunk, (i * SEQ + SEQ) // chunk + 1)}
+
+    first_read: dict[int, int] = {}  # chunk -> first upcoming micro-batch reading it
+    for k, (_, ids) in enumerate(upcoming):
+        for c in covered(ids):
+            first_read.setdefault(c, k)
+    bad, k_bad = max(first_read.items(), key=lambda kv: kv[1])  # read as late as possible
+    assert k_bad >= 5
+    edit_token(path, bad * chunk + 3)  # same size: the fingerprint cannot see it
+    edited = TokenStore.open(path)
+    with _loader(edited, 1, 0, 4, workers=workers, prefetch=3) as ld:
+        ld.load_state_dict(state)  # accepted: same manifest, nothing read yet
+        for _, ids in upcoming[:k_bad]:  # every batch before the bad chunk is delivered
+            x, _ = next(ld)
+            assert np.array_equal(x["input"].numpy(), store.windows(ids, SEQ)[:, :-1])
+        with pytest.raises(StoreError, match=f"chunk {bad} of tokens.bin") as e:
+            next(ld)
+        assert str(path) in str(e.value)
+        assert ld.next_step == upcoming[k_bad][0]  # that step was never completed
+        with pytest.raises(StoreError, match=f"chunk {bad} "):  # and is not skipped
+            for _ in range(k_bad + 1):
+                next(ld)
+
+
+def test_vocab_size_refused_at_open_from_max_token_id(store):
+    top = store.max_token_id
+    with pytest.raises(StoreError) as e:
+        _loader(store, 1, 0, 4, vocab_size=top)
+    msg = str(e.value)
+    assert f"holds token ids up to {top}" in msg and f"embeds only {top} ids" in msg
+    assert f"vocab_size is at least {top + 1}" in msg
+    with _loader(store, 1, 0, 4, vocab_size=top + 1) as ld:
+        _take_steps(ld, 2)
+
+
+def test_store_without_checksums_has_each_batch_checked_against_vocab(tmp_path, store_path, store):
+    path = copy_store(store_path, tmp_path / "old")
+    make_v1(path)
+    where = 500
+    edit_token(path, where, value=5000)  # beyond the model's 5000 embeddings
+    with pytest.warns(UncheckedStoreWarning):
+        old = TokenStore.open(path)
+    n = old.num_samples(SEQ)
+    with _loader(old, 1, 0, 4, schedule="12", vocab_size=5000) as ld:
+        with pytest.raises(StoreError) as e:
+            for _ in range(n // 4 + 1):  # one epoch reads token 500
+                next(ld)
+    msg = str(e.value)
+    assert f"holds token id 5000 at token {where}" in msg
+    assert "outside the model's vocabulary of 5000 ids" in msg and "--check" in msg

@@ -22,6 +22,13 @@ def test_identical_bytes_for_any_worker_count(tmp_path, tokenizer_dir, corpus_di
         [str(corpus_dir)], str(tokenizer_dir), str(tmp_path / "w2"), workers=2, progress=False
     )
     assert _files(store_path) == _files(two.path)
+    assert set(_files(two.path)) == {
+        "manifest.json",
+        "tokens.bin",
+        "doc_offsets.bin",
+        "checksums.bin",
+    }
+    assert two.content == TokenStore.open(store_path).content  # checksums and max token id
 
 
 def test_documents_are_tokens_plus_eos(tmp_path, tokenizer_dir):

@@ -1,12 +1,28 @@
-"""TokenStore: windows are the documented slices; opening refuses broken stores."""
+"""TokenStore: windows are the documented slices; opening refuses broken stores; reads
+check the content checksums; format-1 stores open with a warning and upgrade in place."""
 
 import json
 import shutil
+import tempfile
+import threading
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from torchtitan_zephon.data.store import StoreError, TokenStore
+from torchtitan_zephon.data.store import (
+    StoreError,
+    TokenStore,
+    UncheckedStoreWarning,
+    manifest_fingerprint,
+    upgrade_store,
+    write_checksums,
+)
+
+from .conftest import copy_store, edit_token, make_v1
 
 
 def test_store_basics(store):
@@ -20,6 +36,11 @@ def test_store_basics(store):
     assert len(store.fingerprint) == 64 and store.manifest["fingerprint"] == store.fingerprint
     info = store.describe()
     assert info["kind"] == "store" and info["num_documents"] == store.num_documents
+    # content checksums: one per chunk, the recorded max id is the real one
+    assert store.version == 2 and store.chunk_tokens == 1 << 16
+    assert store.num_chunks == -(-store.num_tokens // store.chunk_tokens) == len(store.checksums)
+    assert store.max_token_id == int(store.tokens.max()) < store.vocab_size
+    assert store.check().ok
 
 
 @pytest.mark.parametrize("seq_len", [1, 7, 64, 100])
@@ -86,3 +107,225 @@ def test_open_edited_manifest(broken):
     (broken / "manifest.json").write_text("{not json")
     with pytest.raises(StoreError, match="cannot read"):
         TokenStore.open(broken)
+
+
+def test_open_edited_or_missing_checksums(broken):
+    sums = broken / "checksums.bin"
+    data = bytearray(sums.read_bytes())
+    data[3] ^= 1
+    sums.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match="checksums.bin' was modified after preparation"):
+        TokenStore.open(broken)
+    sums.unlink()
+    with pytest.raises(StoreError, match="checksums.bin' is missing"):
+        TokenStore.open(broken)
+    m = json.loads((broken / "manifest.json").read_text())
+    m["content"]["max_token_id"] = 1  # the fingerprint covers the content section
+    (broken / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match="modified after preparation"):
+        TokenStore.open(broken)
+    del m["content"]  # a version-2 manifest must have one
+    m["fingerprint"] = manifest_fingerprint(m)
+    (broken / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match="invalid field \\('content'\\)"):
+        TokenStore.open(broken)
+    m["version"], m["content"] = 2, {"algorithm": "sha1"}
+    m["fingerprint"] = manifest_fingerprint(m)
+    (broken / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreError, match="content section is missing or has an invalid field"):
+        TokenStore.open(broken)
+
+
+CHUNK = 64  # tokens per checksum chunk in the edited-store tests (the fixture has ~6k tokens)
+
+
+def test_edited_token_fails_reads_of_its_chunk_only(tmp_path, store_path, store):
+    path = copy_store(store_path, tmp_path / "edited", chunk_tokens=CHUNK)
+    bad = 10
+    edit_token(path, bad * CHUNK + 5)
+    s = TokenStore.open(path)  # opening stays cheap: nothing is hashed but checksums.bin
+    seq = 16
+    inside = (bad * CHUNK) // seq  # a sample starting in the bad chunk
+    before = (bad * CHUNK - seq - 1) // seq  # the last sample ending before it
+    after = ((bad + 1) * CHUNK) // seq  # the first sample starting after it
+    ok = np.array([0, before, after, s.num_samples(seq) - 1])
+    assert np.array_equal(s.windows(ok, seq), store.windows(ok, seq))
+    for read in (lambda: s.windows(np.array([0, inside]), seq), lambda: s.window(inside, seq)):
+        with pytest.raises(StoreError) as e:
+            read()
+        msg = str(e.value)
+        assert str(path) in msg and "tokens.bin" in msg and "checksums.bin" in msg
+        assert f"chunk {bad} of tokens.bin (tokens [{bad * CHUNK}, {(bad + 1) * CHUNK}))" in msg
+        assert "zephon inspect" in msg
+    # a sample whose label token alone lies in the bad chunk fails too
+    with pytest.raises(StoreError, match=f"chunk {bad} "):
+        s.windows(np.array([(bad * CHUNK - 1) // seq]), seq)
+    assert np.array_equal(s.windows(ok, seq), store.windows(ok, seq))  # still fine
+    # unchecked reads (benchmarks only) do not look
+    TokenStore.open(path, verify=False).windows(np.array([inside]), seq)
+
+
+def test_long_windows_check_every_chunk_they_span(tmp_path, store_path):
+    path = copy_store(store_path, tmp_path / "edited", chunk_tokens=8)
+    edit_token(path, 60)  # chunk 7, strictly inside sample 1 of seq_len 40 (tokens [40, 81))
+    s = TokenStore.open(path)
+    s.windows(np.array([0, 2]), 40)  # tokens [0, 41) and [80, 121): chunks 0-5 and 10-15
+    with pytest.raises(StoreError, match="chunk 7 "):
+        s.windows(np.array([1]), 40)
+
+
+def test_check_lists_every_bad_chunk(tmp_path, store_path):
+    path = copy_store(store_path, tmp_path / "edited", chunk_tokens=CHUNK)
+    s = TokenStore.open(path)
+    assert s.check().ok
+    edit_token(path, 3 * CHUNK)
+    edit_token(path, 7 * CHUNK + CHUNK - 1, value=60_000)  # outside the vocabulary too
+    offsets = path / "doc_offsets.bin"
+    data = bytearray(offsets.read_bytes())
+    data[8] ^= 1
+    offsets.write_bytes(bytes(data))
+    report = TokenStore.open(path).check()
+    assert not report.ok
+    assert report.bad_chunks == [
+        {"index": 3, "start": 3 * CHUNK, "stop": 4 * CHUNK},
+        {"index": 7, "start": 7 * CHUNK, "stop": 8 * CHUNK},
+    ]
+    text = "\n".join(report.problems)
+    assert "chunk 3 (tokens [192, 256))" in text and "chunk 7 (tokens [448, 512))" in text
+    assert "largest token id is 60000" in text
+    assert "doc_offsets.bin does not match its recorded checksum" in text
+    assert "token id 60000 is outside the tokenizer's vocabulary" in text
+    assert "max_token_id" in text and report.max_token_id == 60_000
+
+
+def test_v1_store_opens_with_warning_and_upgrade_keeps_fingerprint(tmp_path, store_path, store):
+    path = copy_store(store_path, tmp_path / "old")
+    fingerprint = make_v1(path)
+    with pytest.warns(UncheckedStoreWarning, match="--upgrade"):
+        old = TokenStore.open(path)
+    assert old.version == 1 and old.checksums is None and old.max_token_id is None
+    assert old.fingerprint == fingerprint
+    ids = np.arange(old.num_samples(8))
+    assert np.array_equal(old.windows(ids, 8), store.windows(ids, 8))
+    report = old.check()  # nothing to check the tokens against
+    assert not report.ok and "no content checksums" in report.problems[0]
+    manifest_before = (path / "manifest.json").read_text()
+
+    up, changed = upgrade_store(path)
+    assert changed and up.fingerprint == fingerprint and up.version == 1
+    assert (path / "manifest.json").read_text() == manifest_before  # untouched
+    assert sorted(p.name for p in path.iterdir()) == [
+        "checksums.bin",
+        "content.json",
+        "doc_offsets.bin",
+        "manifest.json",
+        "tokens.bin",
+    ]
+    assert (path / "checksums.bin").read_bytes() == (store_path / "checksums.bin").read_bytes()
+    assert up.content == store.content
+    assert up.max_token_id == store.max_token_id and up.check().ok
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning any more
+        again = TokenStore.open(path)
+    assert upgrade_store(path)[1] is False  # once is enough
+    edit_token(path, 5)
+    with pytest.raises(StoreError, match="chunk 0 "):
+        TokenStore.open(path).windows(np.array([0]), 8)
+    del again
+
+
+def test_upgrade_refuses_inconsistent_content(tmp_path, store_path):
+    path = copy_store(store_path, tmp_path / "old")
+    make_v1(path)
+    edit_token(path, 100, value=50_000)  # beyond the tokenizer's vocabulary
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    with pytest.raises(StoreError, match="not upgraded.*50000 is outside.*Nothing was changed"):
+        upgrade_store(path)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+def test_concurrent_readers_get_checked_content(tmp_path, store_path, store):
+    path = copy_store(store_path, tmp_path / "c", chunk_tokens=CHUNK)
+    s = TokenStore.open(path)
+    assert s.unchecked_chunks == s.num_chunks > 50
+    seq = 8
+    ids = np.arange(s.num_samples(seq))
+    errors = []
+
+    def read(part):
+        try:
+            for k in range(0, len(part), 3):
+                assert np.array_equal(
+                    s.windows(part[k : k + 3], seq), store.windows(part[k : k + 3], seq)
+                )
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=read, args=(np.roll(ids, 37 * t),)) for t in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert s.unchecked_chunks == 0
+
+
+def _tiny_store(root: Path, tokens: np.ndarray, chunk_tokens: int) -> Path:
+    """A store holding ``tokens`` (one document), with checksums over ``chunk_tokens``."""
+    root.mkdir()
+    (root / "tokens.bin").write_bytes(tokens.astype("<u2").tobytes())
+    (root / "doc_offsets.bin").write_bytes(np.zeros(1, dtype="<i8").tobytes())
+    m = {
+        "format": "zephon-token-store",
+        "version": 2,
+        "tokenizer": {"sha256": "0" * 64, "vocab_size": 1000, "eos_token": "<eos>"},
+        "dtype": "uint16",
+        "eos_id": 0,
+        "num_tokens": int(tokens.size),
+        "num_documents": 1,
+        "text_field": "text",
+        "sources": [],
+    }
+    m["content"] = write_checksums(root, m, chunk_tokens=chunk_tokens)
+    m["fingerprint"] = manifest_fingerprint(m)
+    (root / "manifest.json").write_text(json.dumps(m))
+    return root
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    data=st.data(),
+    num_tokens=st.integers(2, 400),
+    chunk_tokens=st.integers(1, 50),
+    seq_len=st.integers(1, 60),
+)
+def test_property_reads_fail_iff_they_cover_the_edited_chunk(
+    data, num_tokens, chunk_tokens, seq_len
+):
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1)))
+    tokens = rng.integers(0, 1000, num_tokens)
+    n = (num_tokens - 1) // seq_len
+    if n < 1:
+        seq_len, n = 1, num_tokens - 1
+    edited = data.draw(st.integers(0, num_tokens - 1), label="edited token")
+    bad = edited // chunk_tokens
+    with tempfile.TemporaryDirectory() as tmp:
+        path = _tiny_store(Path(tmp) / "s", tokens, chunk_tokens)
+        edit_token(path, edited)
+        s = TokenStore.open(path)
+        reads = data.draw(
+            st.lists(st.lists(st.integers(0, n - 1), min_size=1, max_size=70), max_size=6),
+            label="reads",
+        )
+        for ids in reads:
+            covers = any(
+                i * seq_len // chunk_tokens <= bad <= (i * seq_len + seq_len) // chunk_tokens
+                for i in ids
+            )
+            if covers:
+                with pytest.raises(StoreError, match=f"chunk {bad} of tokens.bin"):
+                    s.windows(np.array(ids), seq_len)
+            else:
+                got = s.windows(np.array(ids), seq_len)
+                want = np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in ids])
+                assert np.array_equal(got, want)

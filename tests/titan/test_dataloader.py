@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from torchtitan_zephon.data.loader import DataStateMismatch
+from torchtitan_zephon.data.store import StoreError, UncheckedStoreWarning
 from torchtitan_zephon.titan.dataloader import batch_schedule, build_zephon_dataloader
 from torchtitan_zephon.tracker import sample_digests
 
@@ -152,3 +153,45 @@ def test_store_vocabulary_larger_than_the_model_is_refused(tmp_path):
             build_zephon_dataloader(1, 0, None, cfg)
     finally:
         del zephon_llama3_args["test_vocab_1000"]
+
+
+def test_resume_onto_edited_store_content_fails_before_the_step_reading_it(tmp_path):
+    """Tokens edited in place keep the fingerprint, so the resume is accepted; the first
+    micro-batch that reads the edited chunk is refused, naming it."""
+    from tests.data.conftest import copy_store, edit_token
+    from torchtitan_zephon.data.builtin import builtin_store_path
+
+    path = copy_store(builtin_store_path(), tmp_path / "store")
+    cfg = job(tmp_path / "run", store=str(path))
+    first = build_zephon_dataloader(1, 0, None, cfg)
+    deliver(first, 2 * 4)  # steps 1..2
+    state = first.state_dict()
+    sample = int(first.plan.global_ids(3)[0])  # read by step 3's first micro-batch
+    first.close()
+    token = sample * 32 + 5
+    edit_token(path, token)
+    again = build_zephon_dataloader(1, 0, None, cfg)
+    again.tracker.writer = False
+    again.load_state_dict(state)
+    with pytest.raises(StoreError, match=f"chunk {token // 65536} of tokens.bin"):
+        deliver(again, 1)
+    again.close()
+
+
+def test_out_of_vocabulary_id_in_a_store_without_checksums_is_a_clear_error(tmp_path):
+    from tests.data.conftest import copy_store, edit_token, make_v1
+    from torchtitan_zephon.data.builtin import builtin_store_path
+    from torchtitan_zephon.titan.spec import register
+
+    register()
+    path = copy_store(builtin_store_path(), tmp_path / "store")
+    make_v1(path)
+    cfg = job(tmp_path / "run", store=str(path))
+    cfg.model.name, cfg.model.flavor = "zephon_llama3", "tiny"  # 2048 embeddings
+    with pytest.warns(UncheckedStoreWarning):
+        dl = build_zephon_dataloader(1, 0, None, cfg)
+    sample = int(dl.plan.global_ids(1)[1])  # in step 1's first micro-batch
+    edit_token(path, sample * 32 + 7, value=3000)  # the map sees the edit
+    with pytest.raises(StoreError, match="holds token id 3000 .* vocabulary of 2048 ids"):
+        deliver(dl, 1)
+    dl.close()

@@ -19,6 +19,7 @@ from tests.titan.expect import (
 )
 from tests.titan.launch import copy_run_until, train
 from torchtitan_zephon import runs
+from torchtitan_zephon.tracker import read_log
 
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 
@@ -159,3 +160,30 @@ def test_trainer_state_without_data_state_is_refused(e2e_root: Path, reference: 
     job = train(run, 1, "--checkpoint.exclude_from_loading", "dataloader", log=e2e_root / "nds.log")
     assert_refused(job, "restore the trainer at step 4 but no Zephon data state")
     assert_unchanged(before, tree(run))
+
+
+def test_resume_onto_edited_store_content_fails_at_the_step_reading_it(
+    e2e_root: Path, reference: Path
+):
+    """One token edited in place (same size, same fingerprint): the resume is accepted,
+    and the job stops at step 5, whose first micro-batch reads the edited chunk, naming
+    it; no step after 4 is logged or checkpointed."""
+    from tests.data.conftest import copy_store, edit_token
+    from torchtitan_zephon.data.builtin import builtin_store_path
+    from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
+    from torchtitan_zephon.data.store import TokenStore
+
+    store = copy_store(builtin_store_path(), e2e_root / "edited_store")
+    num_samples = TokenStore.open(store).num_samples(64) - 16  # tiny.toml: seq_len, heldout
+    sample = int(DataPlan(num_samples, 0, BatchSchedule([(1, 8)])).global_ids(5)[0])
+    token = sample * 64 + 10
+    edit_token(store, token)
+    run = copy_run_until(reference, e2e_root / "edited_store_resume", 4)
+    job = train(run, 1, "--zephon.store", str(store))
+    assert job.returncode != 0
+    assert f"chunk {token // 65536} of tokens.bin" in job.output, job.output[-3000:]
+    assert str(store) in job.output
+    assert resume_events(run)[-1]["from_step"] == 4  # accepted: the manifest is unchanged
+    log = read_log(run / "zephon" / "sequence_log.jsonl")
+    assert max(log.records) == 4, sorted(log.records)  # the old 5..8 are superseded
+    assert sorted(p.name for p in (run / "checkpoint").iterdir()) == ["step-4"]

@@ -8,6 +8,9 @@ pre-tokenized windows (loader overhead alone), (3) the Zephon loader; each also
 with loader workers. Then the time to the first batch after restoring a state
 at step 10 and at step 1,000,000, and the checkpointed data state in bytes at
 DP 1, 8 and 1024 against stock TorchTitan's one-pickle-per-DP-rank state.
+Last, the cost of the store's content checks alone: Zephon loader tokens/s
+with checks on vs off, over a first epoch (a freshly opened store: every chunk
+hashed once) and in steady state (every chunk already checked).
 
 Invariant: all loaders yield the same shape, ``local_batch x seq_len`` tokens
 per batch; tokens/s counts input tokens delivered to the caller.
@@ -20,7 +23,9 @@ import json
 import logging
 import os
 import pickle
+import statistics
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -38,9 +43,17 @@ from torchtitan_zephon.data.store import TokenStore
 DATASET_NAME = "zephon_bench_corpus"
 RESTORE_STEPS = (10, 1_000_000)
 DP_DEGREES = (1, 8, 1024)
-TARGETS = {"speedup": 100.0, "restore_ratio": 1.5, "state_bytes": 4096}
+TARGETS = {"speedup": 100.0, "restore_ratio": 1.5, "state_bytes": 4096, "check_ratio": 0.95}
 
-DEFAULTS = {"seconds": 3.0, "seq_len": 2048, "batch": 8, "workers": 2, "repeats": 20, "rounds": 3}
+DEFAULTS = {
+    "seconds": 3.0,
+    "seq_len": 2048,
+    "batch": 8,
+    "workers": 2,
+    "repeats": 20,
+    "rounds": 3,
+    "epochs": 41,
+}
 QUICK = {
     "seconds": 0.3,
     "seq_len": 256,
@@ -48,6 +61,7 @@ QUICK = {
     "workers": 2,
     "repeats": 3,
     "rounds": 1,
+    "epochs": 3,
     "max_docs": 20,
 }
 
@@ -184,6 +198,98 @@ def _restore_first_batch(store: TokenStore, opts: dict, state: dict[str, Any]) -
         loader.close()
 
 
+def _sync_loader(
+    store: TokenStore, seq_len: int, batch: int, samples: int, seed: int
+) -> ZephonLoader:
+    """A loader without prefetch: each ``next`` does all the work, checks included."""
+    return ZephonLoader(
+        store,
+        seq_len=seq_len,
+        seed=seed,
+        schedule=BatchSchedule([(1, batch)]),
+        dp_rank=0,
+        dp_degree=1,
+        local_batch_size=batch,
+        num_samples=samples,
+        prefetch=0,
+    )
+
+
+def _epoch_seconds(path: Path, seq_len: int, batch: int, verify: bool, seed: int) -> float:
+    """CPU seconds of this thread to open the store afresh and read one whole epoch (every
+    chunk is new). The loader has no threads, so this is all its work, and unlike wall
+    time it does not count the moments other processes held the CPU."""
+    t0 = time.thread_time()
+    store = TokenStore.open(path, verify=verify)
+    loader = _sync_loader(store, seq_len, batch, store.num_samples(seq_len), seed)
+    for _ in range(store.num_samples(seq_len) // batch):
+        next(loader)
+    return time.thread_time() - t0
+
+
+def content_check_cost(
+    path: Path, seq_len: int, batch: int, seconds: float, epochs: int
+) -> dict[str, Any]:
+    """Loader tokens/s with the store's content checks on vs off, measured side by side.
+
+    The loaders run without prefetch, so the figures are the whole cost of producing a
+    batch (a prefetch thread would hide part of it from the consumer). First epoch: a
+    freshly opened store read for one whole epoch (opening included), so every chunk is
+    hashed once and batches look their chunks up until all are checked; tokens per CPU
+    second (the same as tokens/s on an idle core), the median over ``epochs`` epochs, on
+    and off alternating, each epoch with its own seed. Steady
+    state: the loader reads all samples but those touching the last chunk (as with
+    held-out samples), so one chunk stays unchecked and every batch still looks its
+    chunks up, the costlier steady state (with every chunk checked a read tests one
+    counter); the median time per batch, the two loaders taking turns batch by batch
+    over ``seconds`` (with different seeds: neither reads what the other just cached).
+    """
+    epoch_s: dict[bool, list[float]] = {True: [], False: []}
+    for k in range(epochs):
+        for verify in (True, False) if k % 2 else (False, True):  # neither always goes first
+            epoch_s[verify].append(_epoch_seconds(path, seq_len, batch, verify, seed=k))
+    first = {v: statistics.median(t) for v, t in epoch_s.items()}
+    on, off = TokenStore.open(path), TokenStore.open(path, verify=False)
+    last_chunk = (on.num_chunks - 1) * on.chunk_tokens
+    samples = max(batch, (last_chunk - seq_len) // seq_len)  # windows end before the last chunk
+    samples = min(samples, on.num_samples(seq_len))
+    loaders = {
+        v: _sync_loader(s, seq_len, batch, samples, seed=int(v))
+        for v, s in ((True, on), (False, off))
+    }
+    for _ in range(samples // batch):  # check every chunk these samples read
+        next(loaders[True])
+    t0 = time.perf_counter()
+    next(loaders[False])
+    repeats = max(20, int(seconds / (2 * (time.perf_counter() - t0))))
+    steady = paired_latency({v: ld.__next__ for v, ld in loaders.items()}, repeats)
+    unchecked = on.unchecked_chunks
+    for ld in loaders.values():
+        ld.close()
+    tokens_epoch = (on.num_samples(seq_len) // batch) * batch * seq_len
+    per_batch = batch * seq_len
+
+    def side_by_side(on_rate: float, off_rate: float) -> dict[str, float]:
+        return {
+            "on_tokens_per_s": on_rate,
+            "off_tokens_per_s": off_rate,
+            "ratio": ratio(on_rate, off_rate),
+        }
+
+    return {
+        "chunk_tokens": on.chunk_tokens,
+        "chunks": on.num_chunks,
+        "epoch_tokens": tokens_epoch,
+        "epochs_timed": epochs,
+        "steady_batches_timed": repeats,
+        "steady_unchecked_chunks": unchecked,
+        "first_epoch": side_by_side(tokens_epoch / first[True], tokens_epoch / first[False]),
+        "steady": side_by_side(
+            per_batch / steady[True]["median_s"], per_batch / steady[False]["median_s"]
+        ),
+    }
+
+
 # ---------------------------------------------------------------- the suite
 
 
@@ -308,11 +414,15 @@ def run(opts: dict) -> dict:
     res["stock_rank_state_bytes"] = stock_rank_bytes
     res["stock_token_buffer_tokens"] = stock_buffer_tokens
     res["state_constant"] = len(set(record_bytes.values())) == 1 == len(set(state_bytes.values()))
+    checks = content_check_cost(store.path, seq_len, batch, seconds, o["epochs"])
+    res["content_checks"] = checks
     res["meets"] = {
         "speedup": res["speedup"] >= TARGETS["speedup"],
         "restore_ratio": res["restore_ratio"] <= TARGETS["restore_ratio"],
         "state_bytes": res["state_constant"]
         and max(record_bytes.values()) < TARGETS["state_bytes"],
+        "check_ratio": min(checks["first_epoch"]["ratio"], checks["steady"]["ratio"])
+        >= TARGETS["check_ratio"],
     }
     return res
 
@@ -354,6 +464,16 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
             f"target <= {TARGETS['restore_ratio']}",
         ),
     ]
+    c = r["content_checks"]
+    for phase, label in (("first_epoch", "first epoch"), ("steady", "steady state")):
+        f = c[phase]
+        out.append(
+            (
+                f"content checks on | off, {label}",
+                f"{f['on_tokens_per_s']:,.0f} | {f['off_tokens_per_s']:,.0f} tokens/s",
+                f"ratio {f['ratio']:.3f}, target >= {TARGETS['check_ratio']}",
+            )
+        )
     for d in r["state_bytes"]:
         out.append(
             (

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from torchtitan_zephon.bench import tracker as tracker_bench
 from torchtitan_zephon.bench.corpus import builtin_store
 from torchtitan_zephon.bench.measure import latency, paired_latency, ratio
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
@@ -127,6 +128,7 @@ def run(opts: dict) -> dict:
         "fixed_global": fixed,
         "tracker_ids_per_step_s": tracker_ids,
         "sequence_log": log_growth(store, seq_len, o["log_steps"], 64),
+        **tracker_bench.run(bool(opts.get("quick")), bool(opts.get("slow"))),
     }
 
 
@@ -158,6 +160,32 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
                 f"tracker (audit ids) per step, global batch {gbs:,}",
                 f"{s * 1e3:.2f} ms",
                 "every rank, O(global batch)",
+            )
+        )
+    for n, sec in r["log_resume_s"].items():
+        out.append(
+            (
+                f"resume: find the checkpoint's record, log of {int(n):,} steps",
+                f"{sec * 1e3:.2f} ms",
+                "end and far behind, the slower",
+            )
+        )
+    out.append(
+        ("resume time, longest log / 1,000 steps", f"{r['log_resume_ratio']:.2f}x", "target <= 2")
+    )
+    out.append(
+        (
+            f"zephon verify, two logs of {r['verify_steps']:,} steps",
+            f"{r['verify_s']:.2f} s, {r['verify_peak_rss_mb']:.0f} MB peak RSS",
+            f"{r['verify_steps_per_s']:,.0f} steps/s",
+        )
+    )
+    for n, ms in r["tracker_step_path_ms"].items():
+        out.append(
+            (
+                f"tracker on the training thread, {int(n):,} samples/step",
+                f"{ms:.3f} ms",
+                "ids digest computed ahead; target < 1 ms",
             )
         )
     log = r["sequence_log"]

@@ -52,6 +52,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--steps", type=int, help="training steps per run (step)")
     p.add_argument("--nproc", type=int, help="ranks per training run (step)")
     p.add_argument("--levels", help="comma-separated audit levels to run, of off,ids,tokens (step)")
+    p.add_argument(
+        "--slow",
+        action="store_true",
+        help="also the slow cases (scale: a 10,000,000-step sequence log, written once and cached)",
+    )
     return p
 
 
@@ -94,7 +99,17 @@ def print_table(name: str, result: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     opts = {
         k: getattr(args, k)
-        for k in ("quick", "seconds", "seq_len", "batch", "workers", "steps", "nproc", "levels")
+        for k in (
+            "quick",
+            "seconds",
+            "seq_len",
+            "batch",
+            "workers",
+            "steps",
+            "nproc",
+            "levels",
+            "slow",
+        )  # fmt: skip
     }
     names = SUITES if args.suite == "all" else [args.suite]
     results = {}

@@ -24,8 +24,8 @@ import argparse
 import json
 from typing import Any
 
-from torchtitan_zephon.runs import format_topology, resumes, sequence_log, topology
-from torchtitan_zephon.tracker import LogContents
+from torchtitan_zephon.runs import format_topology, log_reader, resumes, topology
+from torchtitan_zephon.tracker import LogReader
 
 DIGESTS = ("ids_digest", "tokens_digest")
 
@@ -59,41 +59,72 @@ def differing_fields(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return out
 
 
-def _ranges(steps: list[int]) -> list[list[int]]:
-    """[[first, last], ...] runs of consecutive steps."""
-    out: list[list[int]] = []
-    for s in steps:
-        if out and s == out[-1][1] + 1:
-            out[-1][1] = s
-        else:
-            out.append([s, s])
-    return out
+class _Ranges:
+    """Consecutive steps folded into [first, last] ranges (at most ``cap`` kept)."""
+
+    def __init__(self, cap: int = 1000) -> None:
+        self.items: list[list[int]] = []
+        self.cap = cap
+
+    def add(self, step: int) -> None:
+        if self.items and step == self.items[-1][1] + 1:
+            self.items[-1][1] = step
+        elif len(self.items) < self.cap:
+            self.items.append([step, step])
+
+    def within(self, lo: int | None, hi: int | None) -> list[list[int]]:
+        if lo is None or hi is None:
+            return []
+        return [[max(a, lo), min(b, hi)] for a, b in self.items if b >= lo and a <= hi]
 
 
 def _fmt_ranges(ranges: list[list[int]]) -> str:
     return ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in ranges)
 
 
-def integrity(log: LogContents) -> dict[str, Any]:
-    """The one-log report: intact or the first problem, notes, unbound steps."""
+class _Span:
+    """Count, first and last step of a stream of effective records."""
+
+    def __init__(self) -> None:
+        self.records, self.first, self.last = 0, None, None
+
+    def add(self, step: int) -> None:
+        self.records += 1
+        self.first = step if self.first is None else self.first
+        self.last = step
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"records": self.records, "first": self.first, "last": self.last}
+
+
+def integrity(log: LogReader, span: _Span) -> dict[str, Any]:
+    """The one-log report (after ``log.records()`` was exhausted)."""
     first = log.problems[0] if log.problems else None
     return {
         "path": str(log.path),
         "intact": first is None,
-        "problems": len(log.problems),
+        "problems": log.problem_count,
         "first_problem": None
         if first is None
         else {"line": first.line, "step": first.step, "kind": first.kind, "message": first.message},
         "notes": list(log.notes),
-        "unbound_steps": _ranges(log.unbound_steps()),
-        "steps": _range(log),
-        "starts": _starts(log),
+        "unbound_steps": [list(r) for r in log.unbound],
+        "steps": span.as_dict(),
+        "starts": [topology(e) for e in log.events if e.get("event") == "start"],
         "resumes": resumes(log),
         "truncated_tail": log.truncated_tail,
     }
 
 
-def config_difference(a: LogContents, b: LogContents, step: int) -> list[str]:
+def check_log(log: LogReader) -> dict[str, Any]:
+    """Check one log alone, streaming."""
+    span = _Span()
+    for rec in log.records():
+        span.add(int(rec["step"]))
+    return integrity(log, span)
+
+
+def config_difference(a: LogReader, b: LogReader, step: int) -> list[str]:
     """``field: A -> B`` for each data-config field that differs between the jobs that
     wrote step ``step`` in each log (empty when unknown or equal)."""
     ea, eb = a.event_for(step), b.event_for(step)
@@ -108,87 +139,92 @@ def config_difference(a: LogContents, b: LogContents, step: int) -> list[str]:
     ]
 
 
-def compare_logs(a: LogContents, b: LogContents) -> dict[str, Any]:
-    """The verify report of two resolved logs (the ``--json`` object)."""
-    common = sorted(set(a.records) & set(b.records))
-    lo, hi = (common[0], common[-1]) if common else (None, None)
-    matches = 0
+def compare_logs(a: LogReader, b: LogReader) -> dict[str, Any]:
+    """The verify report of two logs (the ``--json`` object), streamed: memory is
+    bounded by the number of events and gaps, never by the number of steps."""
+    spans = {"a": _Span(), "b": _Span()}
+    only = {"a": _Ranges(), "b": _Ranges()}
+    unbound = _Ranges()
+    compared = matches = tokens_compared = 0
+    lo = hi = None
     first_mismatch = None
-    tokens_compared = 0
-    unbound = []
-    for step in common:
-        ra, rb = a.records[step], b.records[step]
-        tokens_compared += "tokens_digest" in ra and "tokens_digest" in rb
-        if ra.get("v", 1) < 2 or rb.get("v", 1) < 2:
-            unbound.append(step)
-        fields = differing_fields(ra, rb)
-        if not fields:
-            matches += 1
-        elif first_mismatch is None:
-            first_mismatch = {
-                "step": step,
-                "fields": fields,
-                "a": ra,
-                "b": rb,
-                "config_difference": config_difference(a, b, step),
-            }
-    ia, ib = integrity(a), integrity(b)
-    if not (ia["intact"] and ib["intact"]):
+    ia, ib = a.records(), b.records()
+    ra, rb = next(ia, None), next(ib, None)
+    if ra is not None:
+        spans["a"].add(int(ra["step"]))
+    if rb is not None:
+        spans["b"].add(int(rb["step"]))
+    while ra is not None or rb is not None:
+        sa = int(ra["step"]) if ra is not None else None
+        sb = int(rb["step"]) if rb is not None else None
+        advance_a = advance_b = False
+        if sa is not None and sb is not None and sa == sb:
+            compared += 1
+            lo = sa if lo is None else lo
+            hi = sa
+            tokens_compared += "tokens_digest" in ra and "tokens_digest" in rb
+            if ra.get("v", 1) < 2 or rb.get("v", 1) < 2:
+                unbound.add(sa)
+            fields = differing_fields(ra, rb)
+            if not fields:
+                matches += 1
+            elif first_mismatch is None:
+                first_mismatch = {
+                    "step": sa,
+                    "fields": fields,
+                    "a": ra,
+                    "b": rb,
+                    "config_difference": config_difference(a, b, sa),
+                }
+            advance_a = advance_b = True
+        elif sb is None or (sa is not None and sa < sb):
+            only["a"].add(sa)
+            advance_a = True
+        else:
+            only["b"].add(sb)
+            advance_b = True
+        if advance_a:
+            ra = next(ia, None)
+            if ra is not None:
+                spans["a"].add(int(ra["step"]))
+        if advance_b:
+            rb = next(ib, None)
+            if rb is not None:
+                spans["b"].add(int(rb["step"]))
+    ia_report, ib_report = integrity(a, spans["a"]), integrity(b, spans["b"])
+    if not (ia_report["intact"] and ib_report["intact"]):
         verdict = "corrupt"
-    elif not common:
+    elif not compared:
         verdict = "no-overlap"
     elif first_mismatch is not None:
         verdict = "mismatch"
-    elif unbound:
+    elif unbound.items:
         verdict = "unbound"
     else:
         verdict = "match"
-    only = {}
-    for side, mine, other in (("a", a, b), ("b", b, a)):
-        # inside the common range a step in one log only is a hole in the other
-        only[side] = _ranges(
-            sorted(
-                s
-                for s in mine.records
-                if s not in other.records and lo is not None and lo <= s <= hi
-            )
-        )
     return {
         "run_a": str(a.path),
         "run_b": str(b.path),
-        "steps_compared": len(common),
+        "steps_compared": compared,
         "first_common_step": lo,
         "last_common_step": hi,
         "tokens_compared": tokens_compared,
         "matches": matches,
         "first_mismatch": first_mismatch,
-        "unbound_steps": _ranges(unbound),
-        "only_in_a": only["a"],
-        "only_in_b": only["b"],
-        "integrity_a": ia,
-        "integrity_b": ib,
-        "resumes_a": resumes(a),
-        "resumes_b": resumes(b),
-        "starts_a": _starts(a),
-        "starts_b": _starts(b),
-        "steps_a": _range(a),
-        "steps_b": _range(b),
+        "unbound_steps": unbound.items,
+        "only_in_a": only["a"].within(lo, hi),
+        "only_in_b": only["b"].within(lo, hi),
+        "integrity_a": ia_report,
+        "integrity_b": ib_report,
+        "resumes_a": ia_report["resumes"],
+        "resumes_b": ib_report["resumes"],
+        "starts_a": ia_report["starts"],
+        "starts_b": ib_report["starts"],
+        "steps_a": ia_report["steps"],
+        "steps_b": ib_report["steps"],
         "truncated_tail_a": a.truncated_tail,
         "truncated_tail_b": b.truncated_tail,
         "verdict": verdict,
-    }
-
-
-def _starts(log: LogContents) -> list[dict[str, Any]]:
-    return [topology(e) for e in log.events if e.get("event") == "start"]
-
-
-def _range(log: LogContents) -> dict[str, Any]:
-    steps = log.steps()
-    return {
-        "records": len(steps),
-        "first": steps[0] if steps else None,
-        "last": steps[-1] if steps else None,
     }
 
 
@@ -283,11 +319,12 @@ def format_single(r: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    a = sequence_log(args.run_a)
     if args.run_b is None:
-        report = integrity(a)
+        a = log_reader(args.run_a)
+        report = check_log(a)
         print(json.dumps(report, indent=2) if args.json else format_single(report))
         return 0 if report["intact"] else 1
-    report = compare_logs(a, sequence_log(args.run_b))
+    a = log_reader(args.run_a, forked=True)
+    report = compare_logs(a, log_reader(args.run_b, forked=True))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["verdict"] == "match" else 1

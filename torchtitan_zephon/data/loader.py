@@ -14,6 +14,8 @@ Invariants:
   local_batch_size, num_workers or on batches prefetched but not yet returned.
   Loading it under any DP layout that divides the global batch size continues
   the global stream exactly where it stopped; restoring is O(1).
+- Every batch holds tokens the store checked against its content checksums
+  (see ``store.py``) and, given ``vocab_size``, only ids below it.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from torchtitan_zephon.data.state import (
     ResumeDecision,
     check_resume,
 )
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.data.store import StoreError, TokenStore
 
 __all__ = ["DataStateMismatch", "MicroBatch", "ZephonLoader"]
 
@@ -61,8 +63,12 @@ class ZephonLoader:
         prefetch: int = 2,
         pin_memory: bool = False,
         extra_config: dict | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         available = store.num_samples(seq_len)
+        # Token ids must index the model's embedding: exact and free from the manifest's
+        # max_token_id; a store without one (format 1) has each batch checked instead.
+        self._id_limit = _id_limit(store, vocab_size)
         if num_samples is None:
             num_samples = available - sample_offset
         if sample_offset < 0 or num_samples < 1 or sample_offset + num_samples > available:
@@ -134,7 +140,10 @@ class ZephonLoader:
         return self._tensors(self._rank_ids(step)[index * b : (index + 1) * b])
 
     def _tensors(self, ids: np.ndarray) -> MicroBatch:
-        w = torch.from_numpy(self.store.windows(ids, self.seq_len).astype(np.int64))
+        tokens = self.store.windows(ids, self.seq_len)  # the store checks the chunks it reads
+        if self._id_limit is not None and tokens.size and int(tokens.max()) >= self._id_limit:
+            raise StoreError(_out_of_vocab(self.store, ids, tokens, self.seq_len, self._id_limit))
+        w = torch.from_numpy(tokens.astype(np.int64))
         inputs, labels = w[:, :-1].contiguous(), w[:, 1:].contiguous()
         if self.pin_memory:
             inputs, labels = inputs.pin_memory(), labels.pin_memory()
@@ -242,3 +251,34 @@ class ZephonLoader:
         self._next_step = saved.next_step
         self._cursor = (saved.next_step, 0)
         return decision
+
+
+def _id_limit(store: TokenStore, vocab_size: int | None) -> int | None:
+    """Refuse a store whose recorded ids exceed ``vocab_size``; the limit left to check per
+    batch (only for stores that record no max_token_id)."""
+    if vocab_size is None:
+        return None
+    if store.max_token_id is None:
+        return int(vocab_size)
+    if store.max_token_id >= vocab_size:
+        raise StoreError(
+            f"the store {str(store.path)!r} holds token ids up to {store.max_token_id}, but the "
+            f"model embeds only {vocab_size} ids (0..{vocab_size - 1}): use a model whose "
+            f"vocab_size is at least {store.max_token_id + 1}, or a store prepared with the "
+            "model's tokenizer."
+        )
+    return None
+
+
+def _out_of_vocab(
+    store: TokenStore, ids: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
+) -> str:
+    row, col = np.unravel_index(int(np.argmax(tokens)), tokens.shape)
+    sample = int(np.asarray(ids).ravel()[row])
+    return (
+        f"the store {str(store.path)!r} holds token id {int(tokens[row, col])} at token "
+        f"{sample * seq_len + int(col)} (sample {sample}), outside the model's vocabulary of "
+        f"{limit} ids. The store has no content checksums (format {store.version}), so this may "
+        f"be a changed file: check it with `zephon inspect {store.path} --check`, or rebuild it "
+        "with `zephon prepare`."
+    )

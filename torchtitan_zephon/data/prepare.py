@@ -40,6 +40,7 @@ from torchtitan_zephon.data.store import (
     StoreError,
     TokenStore,
     manifest_fingerprint,
+    write_checksums,
 )
 
 EOS_FALLBACKS = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
@@ -462,6 +463,7 @@ def prepare_store(
             "text_field": text_field,
             "sources": records,
         }
+        manifest["content"] = write_checksums(tmp, manifest)  # chunk checksums, max token id
         manifest["fingerprint"] = manifest_fingerprint(manifest)
         (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if out.exists():

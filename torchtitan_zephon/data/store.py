@@ -4,17 +4,48 @@ Role: give O(1) access to training samples. Sample ``i`` for a given
 ``seq_len`` is the window ``tokens[i*seq_len : i*seq_len + seq_len + 1]``
 (inputs = window[:-1], labels = window[1:]).
 
-Invariant: a store that opens is complete and unmodified: every file has the
-size its manifest promises and the manifest hashes to its recorded
-``fingerprint``. The fingerprint identifies the token content (tokenizer,
-sources and their hashes, counts); two stores with the same fingerprint serve
-the same samples.
+Invariants:
+- A store that opens is complete and its manifest unmodified: every file has
+  the size its manifest promises, the manifest hashes to its recorded
+  ``fingerprint`` and checksums.bin hashes to the value the manifest records.
+  Opening reads no tokens.
+- Every token that ``window``/``windows`` return was checked against the
+  content checksums first: tokens.bin is cut into chunks of ``chunk_tokens``
+  tokens, each with an xxh3-64 checksum in checksums.bin; a TokenStore hashes a
+  chunk the first time it reads from it (once per object, thread-safe) and a
+  mismatch is a StoreError naming the store, the file and the chunk, so no
+  sample is served from changed content. ``tokens`` itself is the raw map.
+- ``max_token_id`` (recorded by prepare) bounds every id the checked reads can
+  return, so a vocabulary check against it is exact.
+- The fingerprint of a version-2 store hashes the whole manifest, checksums
+  included: two such stores with the same fingerprint serve the same samples.
+
+Chunks of 65,536 tokens suit random sample access: hashing one takes ~10-20
+microseconds, so the first read of a chunk (128-256 KB) costs little and
+an epoch hashes the store once; checksums.bin (8 bytes per chunk,
+120 MB for 10^12 tokens) is hashed whole at open.
+
+Version-1 stores (written before checksums) still open, with an
+``UncheckedStoreWarning``, and their reads are not checked. ``upgrade_store``
+(``zephon inspect STORE --upgrade``) adds checksums.bin and content.json (the
+content section) beside the unchanged manifest, so the fingerprint, and every
+checkpoint and sequence log that names it, stays valid (older zephon versions
+still open the store); the checksums then vouch for the content as it was at
+the upgrade. ``TokenStore.check`` (``zephon inspect STORE --check``) hashes
+everything and reports each bad chunk. The checksums catch corruption and
+edits, not a forger who also rewrites checksums.bin and the manifest.
 
 Layout on disk::
 
-    <store>/manifest.json      format, tokenizer identity, dtype, counts, sources, fingerprint
-    <store>/tokens.bin         num_tokens tokens, little-endian uint16 or uint32
-    <store>/doc_offsets.bin    num_documents int64 start offsets, one per document
+    <store>/manifest.json    format, tokenizer, dtype, counts, sources, content, fingerprint
+    <store>/tokens.bin       num_tokens tokens, little-endian uint16 or uint32
+    <store>/doc_offsets.bin  num_documents int64 start offsets, one per document
+    <store>/checksums.bin    one little-endian uint64 xxh3-64 per chunk of tokens.bin
+    <store>/content.json     only in a version-1 store upgraded in place: its content section
+
+The content section: ``algorithm`` ("xxh3_64"), ``chunk_tokens``,
+``checksums_xxh3_128`` (of checksums.bin), ``doc_offsets_xxh3_128`` (checked by
+``check`` only: training does not read document offsets) and ``max_token_id``.
 """
 
 from __future__ import annotations
@@ -22,17 +53,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import threading
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 from numpy.lib.stride_tricks import as_strided
 
 FORMAT = "zephon-token-store"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 TOKENS = "tokens.bin"
 DOC_OFFSETS = "doc_offsets.bin"
+CHECKSUMS = "checksums.bin"
+CONTENT = "content.json"
+CHUNK_TOKENS = 1 << 16
+CHECKSUM_ALGORITHM = "xxh3_64"
 
 _DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 _REPREPARE = "Re-run `zephon prepare` to rebuild the store."
@@ -40,6 +80,10 @@ _REPREPARE = "Re-run `zephon prepare` to rebuild the store."
 
 class StoreError(ValueError):
     """A token store (or the input to build one) is missing, incomplete or invalid."""
+
+
+class UncheckedStoreWarning(UserWarning):
+    """A store without content checksums (format version 1) was opened: its reads are unchecked."""
 
 
 def manifest_fingerprint(manifest: dict[str, Any]) -> str:
@@ -60,15 +104,107 @@ def is_store(path: str | os.PathLike) -> bool:
         return False
 
 
+# ----------------------------------------------------------------------------- checksums
+
+
+def content_checksums(
+    tokens: np.ndarray, chunk_tokens: int = CHUNK_TOKENS
+) -> tuple[np.ndarray, np.ndarray]:
+    """(xxh3-64 of each chunk's little-endian bytes as uint64, max token id of each chunk).
+
+    Chunk ``c`` is ``tokens[c * chunk_tokens : (c + 1) * chunk_tokens]``; the last may be short.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
+    tokens = np.ascontiguousarray(tokens)
+    n = -(-tokens.size // chunk_tokens)
+    sums = np.empty(n, dtype="<u8")
+    maxima = np.empty(n, dtype=np.int64)
+    for c in range(n):
+        chunk = tokens[c * chunk_tokens : (c + 1) * chunk_tokens]
+        sums[c] = xxhash.xxh3_64_intdigest(chunk)
+        maxima[c] = int(chunk.max())
+    return sums, maxima
+
+
+def _file_xxh3_128(path: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def write_checksums(
+    store_dir: str | os.PathLike, manifest: dict[str, Any], *, chunk_tokens: int = CHUNK_TOKENS
+) -> dict[str, Any]:
+    """Hash the token content of the store files in ``store_dir`` (as ``manifest`` describes
+    them), write ``checksums.bin`` and return the manifest's ``content`` section.
+
+    Depends only on the bytes of tokens.bin and doc_offsets.bin (and ``chunk_tokens``).
+    """
+    root = Path(store_dir)
+    tokens = _map(root / TOKENS, _DTYPES[manifest["dtype"]], int(manifest["num_tokens"]))
+    sums, maxima = content_checksums(tokens, chunk_tokens)
+    blob = sums.tobytes()
+    tmp = root / f".{CHECKSUMS}.tmp"
+    tmp.write_bytes(blob)
+    os.replace(tmp, root / CHECKSUMS)
+    return {
+        "algorithm": CHECKSUM_ALGORITHM,
+        "chunk_tokens": int(chunk_tokens),
+        "checksums_xxh3_128": xxhash.xxh3_128_hexdigest(blob),
+        "doc_offsets_xxh3_128": _file_xxh3_128(root / DOC_OFFSETS),
+        "max_token_id": int(maxima.max()) if maxima.size else -1,
+    }
+
+
+@dataclass
+class ContentReport:
+    """Result of ``TokenStore.check``: each finding, and the chunks whose checksum differs."""
+
+    chunks: int
+    chunk_tokens: int | None
+    max_token_id: int | None  # the largest id actually found
+    bad_chunks: list[dict[str, int]] = field(default_factory=list)  # index, start, stop
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "chunks": self.chunks,
+            "chunk_tokens": self.chunk_tokens,
+            "max_token_id": self.max_token_id,
+            "bad_chunks": self.bad_chunks,
+            "problems": self.problems,
+        }
+
+
+# ----------------------------------------------------------------------------- the store
+
+
 class TokenStore:
     """A validated, memory-mapped token store. Build one with ``TokenStore.open``."""
 
     def __init__(
-        self, path: Path, manifest: dict[str, Any], tokens: np.ndarray, doc_offsets: np.ndarray
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        tokens: np.ndarray,
+        doc_offsets: np.ndarray,
+        content: dict[str, Any] | None = None,
+        checksums: np.ndarray | None = None,
+        *,
+        verify: bool = True,
     ) -> None:
         self.path = path
         self.manifest = manifest
         self.fingerprint: str = manifest["fingerprint"]
+        self.version: int = int(manifest["version"])
         self.tokens = tokens
         self.doc_offsets = doc_offsets
         self.num_tokens: int = int(manifest["num_tokens"])
@@ -77,6 +213,21 @@ class TokenStore:
         self.vocab_size: int = int(manifest["tokenizer"]["vocab_size"])
         self.tokenizer_hash: str = manifest["tokenizer"]["sha256"]
         self.dtype = tokens.dtype
+        self.content = content  # the content section (manifest, or content.json for version 1)
+        self.checksums = checksums
+        # Plain ndarray views of the same maps: slicing them is cheaper than slicing a memmap.
+        self._token_array = tokens.view(np.ndarray)
+        self._sums = None if checksums is None else checksums.view(np.ndarray)
+        self.chunk_tokens: int | None = int(content["chunk_tokens"]) if content else None
+        self.max_token_id: int | None = int(content["max_token_id"]) if content else None
+        self.num_chunks = 0 if checksums is None else int(checksums.size)
+        self.verifies = bool(verify) and checksums is not None
+        # One flag per chunk: checked by this object. Flags only go 0 -> 1, under the lock.
+        # A bytearray (fast to test from Python) with a numpy view of the same memory.
+        self._checked = bytearray(self.num_chunks)
+        self._checked_np = np.frombuffer(self._checked, dtype=np.bool_)
+        self._unverified = self.num_chunks if self.verifies else 0
+        self._verify_lock = threading.Lock()
         self._views: dict[int, np.ndarray] = {}
 
     def __repr__(self) -> str:
@@ -86,8 +237,13 @@ class TokenStore:
         )
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> TokenStore:
-        """Open and validate the store at ``path``; raise StoreError if it is not usable."""
+    def open(cls, path: str | os.PathLike, *, verify: bool = True) -> TokenStore:
+        """Open and validate the store at ``path``; raise StoreError if it is not usable.
+
+        Cheap: reads the manifest and checksums.bin, maps the rest. With ``verify``
+        (the default) every read checks the chunks it touches (see the module
+        docstring); ``verify=False`` serves unchecked tokens (benchmarks only).
+        """
         root = Path(path)
         if not root.exists():
             raise StoreError(
@@ -112,10 +268,11 @@ class TokenStore:
             raise StoreError(
                 f"{str(mpath)!r} is not a token store manifest (expected format {FORMAT!r})."
             )
-        if manifest.get("version") != FORMAT_VERSION:
+        version = manifest.get("version")
+        if version not in READABLE_VERSIONS:
             raise StoreError(
-                f"{str(mpath)!r} has store format version {manifest.get('version')!r}, this "
-                f"version of zephon reads version {FORMAT_VERSION}. {_REPREPARE}"
+                f"{str(mpath)!r} has store format version {version!r}, this "
+                f"version of zephon reads versions {list(READABLE_VERSIONS)}. {_REPREPARE}"
             )
         try:
             expected = manifest["fingerprint"]
@@ -124,6 +281,8 @@ class TokenStore:
             num_docs = int(manifest["num_documents"])
             manifest["tokenizer"]["vocab_size"], manifest["tokenizer"]["sha256"]
             int(manifest["eos_id"])
+            if version >= 2:
+                manifest["content"]
         except (KeyError, TypeError, ValueError) as e:
             raise StoreError(
                 f"{str(mpath)!r} is missing or has an invalid field ({e}). {_REPREPARE}"
@@ -138,7 +297,22 @@ class TokenStore:
             raise StoreError(f"token store {str(root)!r} holds no tokens. {_REPREPARE}")
         tokens = _map(root / TOKENS, dtype, num_tokens)
         doc_offsets = _map(root / DOC_OFFSETS, np.dtype("<i8"), num_docs)
-        return cls(root, manifest, tokens, doc_offsets)
+        if version >= 2:
+            content, where = manifest["content"], mpath
+        else:
+            content, where = _read_content(root), root / CONTENT
+        checksums = None
+        if content is None:
+            warnings.warn(
+                f"token store {str(root)!r} has no content checksums (store format version 1): "
+                "changed or corrupt tokens cannot be detected when it is read. Add them in "
+                f"place, keeping its fingerprint, with `zephon inspect {root} --upgrade`.",
+                UncheckedStoreWarning,
+                stacklevel=2,
+            )
+        else:
+            checksums = _map_checksums(root, content, where, num_tokens)
+        return cls(root, manifest, tokens, doc_offsets, content, checksums, verify=verify)
 
     def num_samples(self, seq_len: int) -> int:
         """Number of whole samples of ``seq_len`` (+1 label token) in the store."""
@@ -147,15 +321,17 @@ class TokenStore:
         return (self.num_tokens - 1) // seq_len
 
     def window(self, i: int, seq_len: int) -> np.ndarray:
-        """Tokens of sample ``i``: ``seq_len + 1`` values in the store dtype."""
+        """Tokens of sample ``i``: ``seq_len + 1`` values in the store dtype (checked)."""
         n = self.num_samples(seq_len)
         if not 0 <= i < n:
             raise IndexError(f"sample {i} outside [0, {n}) for seq_len {seq_len}.")
         start = int(i) * seq_len
+        if self._unverified:
+            self._check_samples(np.array([i], dtype=np.int64), seq_len)
         return np.array(self.tokens[start : start + seq_len + 1])
 
     def windows(self, ids: np.ndarray, seq_len: int) -> np.ndarray:
-        """Gather samples ``ids``: array [len(ids), seq_len + 1] in the store dtype."""
+        """Gather samples ``ids``: array [len(ids), seq_len + 1] in the store dtype (checked)."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
         n = self.num_samples(seq_len)
         if ids.size and (ids.min() < 0 or ids.max() >= n):
@@ -163,7 +339,127 @@ class TokenStore:
                 f"sample ids must lie in [0, {n}) for seq_len {seq_len}, "
                 f"found values in [{ids.min()}, {ids.max()}]."
             )
+        if self._unverified:  # 0 once every chunk was checked (or checks are off)
+            self._check_samples(ids, seq_len)
         return self._sample_view(seq_len, n)[ids]
+
+    # ------------------------------------------------------------------ content checks
+
+    @property
+    def unchecked_chunks(self) -> int:
+        """Chunks this object would still hash before serving from them (0: checks off)."""
+        return self._unverified
+
+    def _check_samples(self, ids: np.ndarray, seq_len: int) -> None:
+        """Check every chunk that the windows of samples ``ids`` touch, unless this object
+        checked it before."""
+        c = self.chunk_tokens
+        if seq_len <= c and ids.size <= 64:
+            # A window touches at most two chunks. For a micro-batch, plain Python on the
+            # bytearray is several times faster than numpy's per-call overhead.
+            flags = self._checked
+            missing = []
+            for i in ids.tolist():
+                start = i * seq_len
+                first, last = start // c, (start + seq_len) // c
+                if not (flags[first] and flags[last]):
+                    missing += (first, last)
+            if not missing:
+                return
+        else:
+            lo = ids * seq_len // c
+            hi = (ids * seq_len + seq_len) // c
+            width = seq_len // c + 2  # chunks one window can touch, at most
+            grid = lo[:, None] + np.arange(width)[None, :]
+            need = grid[grid <= hi[:, None]]
+            missing = need[~self._checked_np[need]].tolist()
+        for chunk in sorted(set(missing)):
+            if not self._checked[chunk]:  # another thread may have checked it meanwhile
+                self._verify_chunk(chunk)
+
+    def _chunk_range(self, chunk: int) -> tuple[int, int]:
+        start = chunk * self.chunk_tokens
+        return start, min(start + self.chunk_tokens, self.num_tokens)
+
+    def _verify_chunk(self, chunk: int) -> None:
+        start, stop = self._chunk_range(chunk)
+        found = xxhash.xxh3_64_intdigest(self._token_array[start:stop])
+        if found != int(self._sums[chunk]):
+            raise StoreError(
+                f"token store {str(self.path)!r}: chunk {chunk} of {TOKENS} (tokens "
+                f"[{start}, {stop})) does not match its checksum in {CHECKSUMS}; the file was "
+                "changed or corrupted after preparation. Run `zephon inspect "
+                f"{self.path} --check` to list every bad chunk. {_REPREPARE}"
+            )
+        self._mark_checked(chunk)
+
+    def _mark_checked(self, chunk: int) -> None:
+        with self._verify_lock:
+            if not self._checked[chunk]:
+                self._checked[chunk] = 1
+                self._unverified -= 1
+
+    def check(self) -> ContentReport:
+        """Hash and check everything (``zephon inspect STORE --check``); never raises on
+        bad content, reports it. Chunks found intact count as checked for later reads."""
+        report = ContentReport(self.num_chunks, self.chunk_tokens, None)
+        content = self.content
+        if content is None:
+            report.problems.append(
+                f"no content checksums (store format version {self.version}): the tokens "
+                "cannot be verified. Add checksums with `zephon inspect "
+                f"{self.path} --upgrade` (keeps the fingerprint)."
+            )
+            maxima = content_checksums(self.tokens, CHUNK_TOKENS)[1]
+        else:
+            sums, maxima = content_checksums(self.tokens, self.chunk_tokens)
+            for chunk in np.flatnonzero(sums != np.asarray(self.checksums)).tolist():
+                start, stop = self._chunk_range(chunk)
+                report.bad_chunks.append({"index": chunk, "start": start, "stop": stop})
+                report.problems.append(
+                    f"chunk {chunk} (tokens [{start}, {stop})) of {TOKENS} does not match its "
+                    f"checksum; its largest token id is {int(maxima[chunk])}"
+                )
+            if self.verifies:
+                for chunk in np.flatnonzero(sums == np.asarray(self.checksums)).tolist():
+                    self._mark_checked(chunk)
+            found = _file_xxh3_128(self.path / DOC_OFFSETS)
+            if found != content["doc_offsets_xxh3_128"]:
+                report.problems.append(
+                    f"{DOC_OFFSETS} does not match its recorded checksum (document "
+                    "boundaries were changed after preparation)"
+                )
+        report.max_token_id = int(maxima.max())
+        if content is not None and report.max_token_id != self.max_token_id:
+            report.problems.append(
+                f"the largest token id is {report.max_token_id}, the manifest records "
+                f"max_token_id {self.max_token_id}"
+            )
+        report.problems.extend(self._structure_problems(report.max_token_id))
+        return report
+
+    def _structure_problems(self, max_token_id: int) -> list[str]:
+        """What prepare guarantees about any store: ids within the tokenizer's vocabulary,
+        document offsets increasing from 0, and EOS ending every document."""
+        problems = []
+        if max_token_id >= self.vocab_size:
+            problems.append(
+                f"token id {max_token_id} is outside the tokenizer's vocabulary of "
+                f"{self.vocab_size} ids"
+            )
+        offs = np.asarray(self.doc_offsets)
+        if offs.size and (offs[0] != 0 or (np.diff(offs) < 1).any() or offs[-1] >= self.num_tokens):
+            problems.append(
+                f"{DOC_OFFSETS} is not an increasing list of offsets from 0 below {self.num_tokens}"
+            )
+        else:
+            ends = np.append(offs[1:], self.num_tokens) - 1
+            missing = int(np.count_nonzero(self.tokens[ends] != self.eos_id))
+            if missing:
+                problems.append(
+                    f"{missing} of {offs.size} documents do not end with the EOS id {self.eos_id}"
+                )
+        return problems
 
     def _sample_view(self, seq_len: int, n: int) -> np.ndarray:
         """Read-only [n, seq_len + 1] view of overlapping windows (no copy).
@@ -191,16 +487,97 @@ class TokenStore:
             "kind": "store",
             "path": str(self.path),
             "fingerprint": self.fingerprint,
+            "format_version": self.version,
             "num_tokens": self.num_tokens,
             "num_documents": self.num_documents,
             "dtype": m["dtype"],
             "eos_id": self.eos_id,
             "vocab_size": self.vocab_size,
+            "max_token_id": self.max_token_id,
+            "chunk_tokens": self.chunk_tokens,
+            "num_chunks": self.num_chunks,
             "tokenizer_sha256": self.tokenizer_hash,
             "text_field": m.get("text_field"),
-            "size_bytes": self.num_tokens * self.tokens.dtype.itemsize + self.num_documents * 8,
+            "size_bytes": self.num_tokens * self.tokens.dtype.itemsize
+            + self.num_documents * 8
+            + self.num_chunks * 8,
             "sources": m.get("sources", []),
         }
+
+
+def upgrade_store(path: str | os.PathLike) -> tuple[TokenStore, bool]:
+    """Add content checksums to a version-1 store in place; (the store, whether it changed).
+
+    Writes checksums.bin and content.json; the manifest, hence the fingerprint, stays
+    byte for byte the same. The content is first checked as far as it can be without
+    checksums (ids within the vocabulary, document offsets, EOS at document ends); a
+    store failing that is refused and left as it was. A store that already has
+    checksums is left alone.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UncheckedStoreWarning)
+        store = TokenStore.open(path)
+    if store.checksums is not None:
+        return store, False
+    content = write_checksums(store.path, store.manifest)
+    problems = store._structure_problems(content["max_token_id"])
+    if problems:
+        (store.path / CHECKSUMS).unlink(missing_ok=True)
+        raise StoreError(
+            f"token store {str(store.path)!r} was not upgraded: its content is already "
+            f"inconsistent ({'; '.join(problems)}), and checksums would vouch for it. "
+            f"Nothing was changed. {_REPREPARE}"
+        )
+    tmp = store.path / f".{CONTENT}.tmp"
+    tmp.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, store.path / CONTENT)  # last: until here the store is unchanged
+    return TokenStore.open(store.path), True
+
+
+def _map_checksums(root: Path, content: dict[str, Any], where: Path, num_tokens: int) -> np.ndarray:
+    """Map checksums.bin after checking the content section (from ``where``) and the file's
+    own hash against it."""
+    try:
+        chunk_tokens = int(content["chunk_tokens"])
+        int(content["max_token_id"])
+        recorded = str(content["checksums_xxh3_128"])
+        str(content["doc_offsets_xxh3_128"])
+        if content["algorithm"] != CHECKSUM_ALGORITHM or chunk_tokens < 1:
+            raise ValueError(
+                f"algorithm {content['algorithm']!r}, chunk_tokens {chunk_tokens}; expected "
+                f"{CHECKSUM_ALGORITHM!r} and >= 1"
+            )
+    except (KeyError, TypeError, ValueError) as e:
+        raise StoreError(
+            f"{str(where)!r}: the content section is missing or has an invalid field ({e}). "
+            f"{_REPREPARE}"
+        ) from None
+    checksums = _map(root / CHECKSUMS, np.dtype("<u8"), -(-num_tokens // chunk_tokens))
+    found = xxhash.xxh3_128_hexdigest(checksums)
+    if found != recorded:
+        raise StoreError(
+            f"store file {str(root / CHECKSUMS)!r} was modified after preparation: "
+            f"{where.name} records xxh3-128 {recorded[:16]}..., the file hashes to "
+            f"{found[:16]}.... {_REPREPARE}"
+        )
+    return checksums
+
+
+def _read_content(root: Path) -> dict[str, Any] | None:
+    """The content section a version-1 store gained by ``upgrade_store``, if any."""
+    path = root / CONTENT
+    if not path.exists():
+        return None
+    try:
+        content = json.loads(path.read_text())
+        if not isinstance(content, dict):
+            raise ValueError(f"expected a JSON object, found {type(content).__name__}")
+    except (OSError, ValueError) as e:
+        raise StoreError(
+            f"cannot read {str(path)!r}: {e}. Delete it and run `zephon inspect {root} "
+            "--upgrade` again."
+        ) from None
+    return content
 
 
 def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
 from torchtitan_zephon.data.store import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
+from torchtitan_zephon.tracker.writer import StepDigests
 
 
 def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
@@ -76,6 +78,10 @@ class ZephonDataLoader(BaseDataLoader):
     Yields ``({"input": LongTensor[b, L]}, labels)`` micro-batches. With audit level
     ``tokens`` it also keeps a 16-byte digest per delivered sample, per step, so the
     trainer can hash the tokens each rank really received.
+
+    Everything the sequence log needs that grows with the batch (the step's global
+    ids digest, the per-sample token digests) is computed by a background thread,
+    ahead of the step where possible: the training thread only collects results.
     """
 
     def __init__(
@@ -95,7 +101,9 @@ class ZephonDataLoader(BaseDataLoader):
         self.ignore_log_mismatch = ignore_log_mismatch
         self.topology = topology
         self.resumed_from: int | None = None
-        self._digests: dict[int, list[bytes]] = {}
+        self._digests: dict[int, list[Future]] = {}
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-digest")
+        self.ids_digests = StepDigests(lambda: self.loader.plan, tracker.config.order_key)
 
     @property
     def plan(self):  # noqa: ANN201 - DataPlan
@@ -106,11 +114,13 @@ class ZephonDataLoader(BaseDataLoader):
         step = self.loader.next_step
         delivered = 0
         for input_dict, labels in self.loader:
+            if delivered == 0 and self.tracker.enabled:
+                self.ids_digests.ahead(step)
+                self.ids_digests.ahead(step + 1)
             if self.audit == "tokens":
-                windows = np.concatenate(
-                    [input_dict["input"].numpy(), labels[:, -1:].numpy()], axis=1
+                self._digests.setdefault(step, []).append(
+                    self._pool.submit(_window_digests, input_dict["input"], labels)
                 )
-                self._digests.setdefault(step, []).append(sample_digests(windows))
             yield input_dict, labels
             delivered += 1
             if delivered == mb_per_step(step):
@@ -122,7 +132,7 @@ class ZephonDataLoader(BaseDataLoader):
 
     def step_token_digests(self, step: int) -> bytes:
         """This rank's per-sample digests of ``step``, in delivery order (then forgotten)."""
-        return b"".join(self._digests.pop(step, []))
+        return b"".join(f.result() for f in self._digests.pop(step, []))
 
     # -- checkpoint ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -145,6 +155,8 @@ class ZephonDataLoader(BaseDataLoader):
             decision = self.loader.load_state_dict(saved, allow_changes=self.allow_changes)
         except DataStateMismatch as e:
             raise with_trainer_hint(e) from None
+        self.ids_digests.reset()  # computed under the plan before the resume
+        self._digests.clear()
         head = saved.tracker
         done = self.loader.next_step - 1
         details: dict[str, Any] = {}
@@ -181,6 +193,14 @@ class ZephonDataLoader(BaseDataLoader):
 
     def close(self) -> None:
         self.loader.close()
+        self.ids_digests.close()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _window_digests(inputs: torch.Tensor, labels: torch.Tensor) -> bytes:
+    """Per-sample digests of a delivered micro-batch (its windows: inputs + last label)."""
+    windows = np.concatenate([inputs.numpy(), labels[:, -1:].numpy()], axis=1)
+    return sample_digests(windows)
 
 
 def topology_from_env(dp_degree: int, job_config: Any) -> dict[str, Any]:
@@ -285,6 +305,9 @@ def build_zephon_dataloader(
         num_workers=job_config.training.dataloader.num_workers,
         prefetch=zc.prefetch,
         pin_memory=job_config.training.dataloader.pin_memory,
+        vocab_size=_model_vocab_size(
+            job_config
+        ),  # exact: refuses ids beyond the embedding (store.max_token_id)
     )
     if loader.config != config:  # one rule for the preflight and the loader
         raise RuntimeError(

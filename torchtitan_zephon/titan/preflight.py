@@ -42,7 +42,7 @@ from torchtitan_zephon.titan.dataloader import (
     open_job_data,
     with_trainer_hint,
 )
-from torchtitan_zephon.tracker import SequenceTracker, TrackerError, log_path, read_log
+from torchtitan_zephon.tracker import LogReader, SequenceTracker, TrackerError, log_path
 
 START_OVER = "--zephon.start_over (TOML: [zephon] start_over = true)"
 
@@ -238,13 +238,16 @@ def _leftovers(job_config: Any) -> list[str]:
         out.append(f"checkpoints {', '.join(f'step-{c.step}' for c in found)}")
     path = log_path(dump)
     if path.is_file():
+        first = last = None
         try:
-            steps = read_log(path).steps()
+            for record in LogReader(path).records():  # streamed: any log length
+                last = int(record["step"])
+                first = last if first is None else min(first, last)
         except (TrackerError, KeyError, TypeError, ValueError) as e:
             out.append(f"a sequence log that cannot be read ({e})")
         else:
-            if steps:
-                out.append(f"a sequence log with steps {steps[0]}..{steps[-1]}")
+            if first is not None:
+                out.append(f"a sequence log with steps {first}..{last}")
     return out
 
 
@@ -328,7 +331,7 @@ def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> Star
         if writer and zc.audit != "off" and head is not None and int(head["step"]) == done:
             path = log_path(job_config.job.dump_folder)
             tracker = SequenceTracker(path, config=config, writer=True)
-            problem = tracker.check_resume(head)
+            problem = tracker.check_resume(head, repair_index=False)
             if problem is not None and not zc.ignore_log_mismatch:
                 raise StartRefused(log_mismatch(path, done, problem))
         return plan

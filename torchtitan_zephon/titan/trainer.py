@@ -167,9 +167,10 @@ class ZephonTrainer(Trainer):
             else:
                 tokens = local
         # Every rank advances the same chain (the checkpointed head must be identical
-        # everywhere); only global rank 0 writes the log.
-        first, _count = dl.plan.step_positions(step)
-        dl.tracker.record(step, first, dl.plan.global_ids(step), tokens)
+        # everywhere); only global rank 0 writes the log. The ids digest was computed
+        # ahead, off this thread.
+        first, count, digest = dl.ids_digests.take(step)
+        dl.tracker.record(step, first, tokens=tokens, digest=digest, num_samples=count)
 
     def close(self) -> None:
         """TorchTitan's close; the run folder is released only when no exception is being

@@ -1,0 +1,978 @@
+"""Mixtures: several token stores drawn in exact proportions that follow a weight schedule.
+
+Role: the pure index math of a data mixture. A mixture file names the sources
+(stores) and a weight schedule; ``MixturePlan`` turns it, with a seed and the
+global batch schedule, into the ordered (source, sample id) pairs of every
+global step, DP-rank slice and micro-batch, like ``DataPlan`` does for one store.
+
+The global stream is the slots 0, 1, 2, ...; step ``t`` covers the slots
+``[BatchSchedule.first_position(t), + gbs(t))`` and slot ``s`` carries the
+weights of its step. Each slot goes to one source; the k-th slot a source gets
+is its stream position k, drawn like a single-store plan:
+``Permutation(n_source, source_seed(seed, name), k // n_source)[k % n_source]``.
+
+Invariants:
+- Pure: the slot -> source assignment of steps 1..k depends only on the
+  weights in effect at steps 1..k, the batch sizes of steps 1..k and the source
+  names. Entries appended after k, sources added with weight 0 up to k and the
+  order of the ``[[source]]`` blocks (it only numbers the sources) change
+  nothing up to k; ``past_change`` says whether two specs agree up to a step.
+- Weight 0 means none: a source never gets a slot of a step where its weight
+  is 0, not even one it is "owed".
+- Exact: weights are exact rationals (decimals as written, normalized by their
+  sum). With one schedule entry (and any batch schedule), every source's count
+  after every step is within ``1 - 1/(2m-2)`` < 1 sample of its exact target
+  ``sum over steps of w x GBS`` (m = sources of weight > 0). A weight change
+  continues from the residuals the previous weights left (no fresh pattern per
+  segment); ``MixturePlan.max_deviation`` computes the exact worst deviation of
+  a given schedule over all steps. No pure plan that keeps "weight 0 means
+  none" can stay within 1 for every schedule once weights change: see
+  ``test_weight_changes_can_force_more_than_one_sample`` (7/6 is forced).
+- Each source's ids within one of its epochs are a permutation of its training
+  samples ``[0, n_source)``; a source that runs out starts its next epoch
+  reshuffled; an optional ``max_epochs`` makes running past it an error.
+- Elastic: DP rank r of D gets the contiguous slots ``[r*G/D, (r+1)*G/D)`` of
+  the step; the rank slices concatenate to the global batch for every D
+  dividing G.
+- O(1) in the step: a step's ids cost O(GBS + sources + 512) whatever the
+  step number and world size; nothing is replayed from step 1. The plan walks
+  the weight segments once when built; within a segment the assignment is
+  periodic (period: a multiple of the entry's common denominator, found by
+  comparing states) after a prefix, kept as one table per segment with
+  per-source counts every 512 slots. The tables depend only on the spec and
+  the batch schedule, so every rank builds the same ones.
+
+Warnings (a source smaller than its share of one global batch) are returned as
+strings in ``MixturePlan.warnings`` for the caller to log; errors raise
+``MixtureError``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import decimal
+import hashlib
+import heapq
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchtitan_zephon.data.plan import BatchSchedule, DataPlan, _divisors, check_batch_layout
+
+MAX_PATTERN = 10**6
+"""Largest common denominator of one schedule entry's normalized weights: the
+length of its slot pattern. 0.7/0.3 gives 10, three weights of 0.001/0.499/0.5
+give 1000; seven-decimal weights that do not simplify are refused."""
+
+_CHECKPOINT = 512  # slots between prefix-count checkpoints of a pattern table
+_SOURCE_KEYS = {"name", "store", "heldout_samples", "max_epochs"}
+_ENTRY_KEYS = {"from_step", "weights"}
+_SPEC_FORMAT = "zephon-mixture/1"
+
+
+class MixtureError(ValueError):
+    """A mixture file, spec or plan request is invalid."""
+
+
+def source_seed(seed: int, name: str) -> int:
+    """Permutation seed of source ``name``: independent of the other sources."""
+    digest = hashlib.blake2b(
+        f"zephon-mixture-source-v1:{int(seed)}:{name}".encode(), digest_size=8
+    ).digest()
+    return int.from_bytes(digest, "little")
+
+
+def fraction_text(value: Fraction) -> str:
+    """Exact text of a weight: ``"7/10"``, ``"1/1"``, ``"0/1"``."""
+    return f"{value.numerator}/{value.denominator}"
+
+
+# ---------------------------------------------------------------------- parsing
+
+
+def _weight_value(value: Any, where: str, *, text_ok: bool) -> Fraction:
+    """One raw weight as an exact Fraction, or MixtureError."""
+    if isinstance(value, bool) or not isinstance(value, (int, decimal.Decimal, Fraction, str)):
+        raise MixtureError(
+            f"{where}: weight must be a number (like 0.7 or 3), found {value!r} "
+            f"({type(value).__name__})."
+        )
+    if isinstance(value, str):
+        if not text_ok:
+            raise MixtureError(
+                f"{where}: weight must be a number (like 0.7 or 3), found the string {value!r}; "
+                "remove the quotes."
+            )
+        try:
+            value = Fraction(value)
+        except (ValueError, ZeroDivisionError):
+            raise MixtureError(
+                f"{where}: weight {value!r} is not a fraction like '7/10'."
+            ) from None
+    if isinstance(value, decimal.Decimal) and not value.is_finite():
+        raise MixtureError(f"{where}: weight must be finite, found {value}.")
+    frac = Fraction(value)
+    if frac < 0:
+        raise MixtureError(f"{where}: weight must be >= 0, found {value}.")
+    return frac
+
+
+def _plain_int(value: Any, where: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise MixtureError(f"{where} must be an integer >= {minimum}, found {value!r}.")
+    return value
+
+
+@dataclass(frozen=True)
+class WeightEntry:
+    """One schedule entry: from ``from_step`` on, these normalized weights (every source)."""
+
+    from_step: int
+    weights: Mapping[str, Fraction]
+
+    @property
+    def period(self) -> int:
+        """Common denominator of the weights: the slot pattern length."""
+        return math.lcm(*(w.denominator for w in self.weights.values()))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "from_step": self.from_step,
+            "weights": {k: fraction_text(v) for k, v in sorted(self.weights.items())},
+        }
+
+
+def parse_schedule(
+    entries: Any, names: Sequence[str], origin: str, *, text_ok: bool = False
+) -> tuple[WeightEntry, ...]:
+    """Validate and normalize raw ``[[schedule]]`` entries against the source ``names``."""
+    if not isinstance(entries, list) or not entries:
+        raise MixtureError(
+            f"{origin}: needs at least one [[schedule]] entry with from_step = 1 and "
+            "weights = { source = weight, ... }."
+        )
+    declared = set(names)
+    out: list[WeightEntry] = []
+    for k, raw in enumerate(entries, 1):
+        where = f"{origin}: schedule entry {k}"
+        if not isinstance(raw, Mapping):
+            raise MixtureError(f"{where} must be a table with from_step and weights.")
+        unknown = set(raw) - _ENTRY_KEYS
+        if unknown:
+            raise MixtureError(
+                f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_ENTRY_KEYS)}."
+            )
+        if "from_step" not in raw:
+            raise MixtureError(f"{where} has no from_step.")
+        step = _plain_int(raw["from_step"], f"{where}: from_step", 1)
+        where = f"{origin}: schedule entry {k} (from_step {step})"
+        if not out and step != 1:
+            raise MixtureError(
+                f"{where}: the first entry must start at from_step = 1 (steps are 1-based)."
+            )
+        if out and step <= out[-1].from_step:
+            raise MixtureError(
+                f"{where}: from_step must be strictly increasing, found {out[-1].from_step} "
+                f"then {step}."
+            )
+        raw_weights = raw.get("weights")
+        if not isinstance(raw_weights, Mapping):
+            raise MixtureError(
+                f"{where} needs weights = {{ source = weight, ... }}, found {raw_weights!r}."
+            )
+        unknown = [n for n in raw_weights if n not in declared]
+        if unknown:
+            raise MixtureError(
+                f"{where}: unknown source {unknown[0]!r}; declared sources: {list(names)}."
+            )
+        missing = [n for n in names if n not in raw_weights]
+        if missing:
+            raise MixtureError(
+                f"{where}: no weight for source {missing[0]!r}; give every source a weight "
+                "(0 leaves it out of this entry)."
+            )
+        values = {
+            n: _weight_value(raw_weights[n], f"{where}, source {n!r}", text_ok=text_ok)
+            for n in names
+        }
+        total = sum(values.values(), Fraction(0))
+        if total == 0:
+            raise MixtureError(f"{where}: all weights are 0; at least one must be positive.")
+        entry = WeightEntry(step, {n: v / total for n, v in values.items()})
+        if entry.period > MAX_PATTERN:
+            raise MixtureError(
+                f"{where}: the normalized weights have common denominator {entry.period}, over "
+                f"the cap of {MAX_PATTERN} slots per pattern; use weights with fewer decimals "
+                "(e.g. 0.123 rather than 0.1234567)."
+            )
+        out.append(entry)
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class MixtureSource:
+    """A ``[[source]]`` of a mixture file. ``None`` fields take the job's defaults."""
+
+    name: str
+    store: str
+    heldout_samples: int | None = None
+    max_epochs: int | None = None
+
+
+def _parse_sources(raw: Any, origin: str, base_dir: Path | None) -> tuple[MixtureSource, ...]:
+    if not isinstance(raw, list) or not raw:
+        raise MixtureError(
+            f"{origin}: needs at least one [[source]] with name and store, "
+            'e.g. [[source]] name = "web" store = "/data/web".'
+        )
+    out: list[MixtureSource] = []
+    for k, src in enumerate(raw, 1):
+        where = f"{origin}: source {k}"
+        if not isinstance(src, Mapping):
+            raise MixtureError(f"{where} must be a table with name and store.")
+        unknown = set(src) - _SOURCE_KEYS
+        if unknown:
+            raise MixtureError(
+                f"{where} has unknown keys {sorted(unknown)}; allowed: {sorted(_SOURCE_KEYS)}."
+            )
+        name = src.get("name")
+        if not isinstance(name, str) or not name.strip():
+            raise MixtureError(f"{where} needs a non-empty name string, found {name!r}.")
+        where = f"{origin}: source {name!r}"
+        if any(s.name == name for s in out):
+            raise MixtureError(f"{where} is declared twice; source names must be unique.")
+        store = src.get("store")
+        if not isinstance(store, str) or not store.strip():
+            raise MixtureError(
+                f"{where} needs store = a token store path (absolute, or relative to the "
+                f"mixture file), found {store!r}."
+            )
+        if base_dir is not None and not os.path.isabs(store):
+            store = str(base_dir / store)
+        held = src.get("heldout_samples")
+        if held is not None:
+            held = _plain_int(held, f"{where}: heldout_samples", 0)
+        max_epochs = src.get("max_epochs")
+        if max_epochs is not None:
+            max_epochs = _plain_int(max_epochs, f"{where}: max_epochs", 1)
+        out.append(MixtureSource(name, store, held, max_epochs))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class MixtureConfig:
+    """A parsed mixture file: sources (with store paths) and the weight schedule."""
+
+    sources: tuple[MixtureSource, ...]
+    schedule: tuple[WeightEntry, ...]
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    @classmethod
+    def from_dict(
+        cls, data: Any, *, base_dir: Path | None = None, origin: str = "mixture"
+    ) -> MixtureConfig:
+        """Validate a parsed TOML document (floats as ``decimal.Decimal``)."""
+        if not isinstance(data, Mapping):
+            raise MixtureError(f"{origin}: expected a table with [[source]] and [[schedule]].")
+        unknown = set(data) - {"source", "schedule"}
+        if unknown:
+            raise MixtureError(
+                f"{origin}: unknown top-level keys {sorted(unknown)}; a mixture file has "
+                "[[source]] and [[schedule]] entries only."
+            )
+        sources = _parse_sources(data.get("source"), origin, base_dir)
+        schedule = parse_schedule(data.get("schedule"), [s.name for s in sources], origin)
+        return cls(sources, schedule)
+
+    @classmethod
+    def loads(
+        cls, text: str, *, base_dir: Path | None = None, origin: str = "mixture"
+    ) -> MixtureConfig:
+        """Parse TOML text; floats are read as exact decimals, never as binary floats."""
+        try:
+            import tomllib
+        except ImportError:  # Python 3.10
+            import tomli as tomllib  # type: ignore[no-redef]
+        try:
+            data = tomllib.loads(text, parse_float=decimal.Decimal)
+        except tomllib.TOMLDecodeError as e:
+            raise MixtureError(f"{origin}: not valid TOML ({e}).") from None
+        return cls.from_dict(data, base_dir=base_dir, origin=origin)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> MixtureConfig:
+        """Read a mixture file; relative store paths are taken relative to its folder."""
+        p = Path(path)
+        try:
+            text = p.read_text()
+        except OSError as e:
+            raise MixtureError(
+                f"cannot read mixture file {str(p)!r}: {e.strerror or e}. Pass --zephon.mixture "
+                "a TOML file with [[source]] and [[schedule]] entries."
+            ) from None
+        return cls.loads(text, base_dir=p.resolve().parent, origin=f"mixture file {str(p)!r}")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "sources": [
+                {
+                    "name": s.name,
+                    "store": s.store,
+                    "heldout_samples": s.heldout_samples,
+                    "max_epochs": s.max_epochs,
+                }
+                for s in self.sources
+            ],
+            "schedule": [e.to_json() for e in self.schedule],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> MixtureConfig:
+        origin = "mixture config JSON"
+        sources = _parse_sources(list(data.get("sources") or []), origin, None)
+        schedule = parse_schedule(
+            list(data.get("schedule") or []), [s.name for s in sources], origin, text_ok=True
+        )
+        return cls(sources, schedule)
+
+    def open_stores(self) -> dict[str, Any]:
+        """Open every source's TokenStore; a missing or broken store names its source."""
+        from torchtitan_zephon.data.store import StoreError, TokenStore
+
+        stores = {}
+        for s in self.sources:
+            try:
+                stores[s.name] = TokenStore.open(s.store)
+            except StoreError as e:
+                raise MixtureError(f"mixture source {s.name!r}: {e}") from None
+        return stores
+
+
+# ------------------------------------------------------------------ resolved spec
+
+
+@dataclass(frozen=True)
+class SpecSource:
+    """A source as the plan sees it: its content fingerprint and training samples."""
+
+    name: str
+    store_fingerprint: str
+    num_samples: int
+    heldout_samples: int = 0
+    max_epochs: int | None = None
+
+
+@dataclass(frozen=True)
+class MixtureSpec:
+    """What fixes a mixture's sample stream (with the seed and the batch schedule).
+
+    ``to_json`` is canonical (store fingerprints, sample counts, weights as exact
+    fractions; no paths, and no ``max_epochs``, which guards a run without
+    changing its samples): the data-config fingerprint hashes it.
+    """
+
+    sources: tuple[SpecSource, ...]
+    schedule: tuple[WeightEntry, ...]
+    tokenizer_hash: str = ""
+
+    def __post_init__(self) -> None:
+        names = [s.name for s in self.sources]
+        if not names or len(set(names)) != len(names):
+            raise MixtureError(f"a mixture spec needs distinct source names, found {names}.")
+        for s in self.sources:
+            if int(s.num_samples) < 1:
+                raise MixtureError(
+                    f"mixture source {s.name!r} has {s.num_samples} training samples; it needs "
+                    "at least 1 (a larger store, a shorter seq_len or fewer heldout_samples)."
+                )
+        if not self.schedule or self.schedule[0].from_step != 1:
+            raise MixtureError("a mixture spec needs a schedule whose first entry is at step 1.")
+        for e in self.schedule:
+            if sum(e.weights.values()) != 1 or min(e.weights.values()) < 0:
+                raise MixtureError(
+                    f"schedule entry from_step {e.from_step}: weights must be normalized "
+                    "(>= 0, summing to 1); build entries with parse_schedule."
+                )
+            if set(e.weights) != set(names):
+                raise MixtureError(
+                    f"schedule entry from_step {e.from_step} gives weights for "
+                    f"{sorted(e.weights)}, the sources are {sorted(names)}."
+                )
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.sources]
+
+    @classmethod
+    def build(
+        cls,
+        sizes: Mapping[str, int],
+        schedule: Sequence[tuple[int, Mapping[str, Any]]],
+        *,
+        max_epochs: Mapping[str, int] | None = None,
+    ) -> MixtureSpec:
+        """A spec from plain values (tests, tools): ``sizes`` name -> samples, in order."""
+        names = list(sizes)
+        entries = parse_schedule(
+            [{"from_step": s, "weights": dict(w)} for s, w in schedule],
+            names,
+            "mixture schedule",
+            text_ok=True,
+        )
+        me = max_epochs or {}
+        return cls(
+            tuple(
+                SpecSource(n, f"unfingerprinted:{n}", int(k), 0, me.get(n))
+                for n, k in sizes.items()
+            ),
+            entries,
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": _SPEC_FORMAT,
+            "tokenizer_hash": self.tokenizer_hash,
+            "sources": [
+                {
+                    "name": s.name,
+                    "store_fingerprint": s.store_fingerprint,
+                    "num_samples": int(s.num_samples),
+                    "heldout_samples": int(s.heldout_samples),
+                }
+                for s in self.sources
+            ],
+            "schedule": [e.to_json() for e in self.schedule],
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> MixtureSpec:
+        if data.get("format") != _SPEC_FORMAT:
+            raise MixtureError(
+                f"mixture spec format {data.get('format')!r} is not {_SPEC_FORMAT!r}."
+            )
+        try:
+            sources = tuple(
+                SpecSource(
+                    str(s["name"]),
+                    str(s["store_fingerprint"]),
+                    int(s["num_samples"]),
+                    int(s.get("heldout_samples", 0)),
+                )
+                for s in data["sources"]
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise MixtureError(f"mixture spec JSON has a malformed source ({e}).") from None
+        schedule = parse_schedule(
+            list(data.get("schedule") or []),
+            [s.name for s in sources],
+            "mixture spec JSON",
+            text_ok=True,
+        )
+        return cls(sources, schedule, str(data.get("tokenizer_hash", "")))
+
+
+def resolve_mixture(
+    config: MixtureConfig,
+    stores: Mapping[str, Any],
+    seq_len: int,
+    *,
+    default_heldout: int = 0,
+) -> MixtureSpec:
+    """Check the opened stores against each other and fix each source's sample count.
+
+    ``stores`` maps source name -> an opened store (``TokenStore`` or anything with
+    ``fingerprint``, ``tokenizer_hash``, ``vocab_size``, ``eos_id``, ``dtype`` and
+    ``num_samples(seq_len)``). All sources must share one tokenizer (hash, vocab
+    size, EOS id) and token dtype. A source keeps its last ``heldout_samples``
+    (default ``default_heldout``) for validation.
+    """
+    missing = [n for n in config.names if n not in stores]
+    if missing:
+        raise MixtureError(f"no opened store for mixture source {missing[0]!r}.")
+    first = config.sources[0].name
+    ref = stores[first]
+    for s in config.sources[1:]:
+        st = stores[s.name]
+        for field, label in (
+            ("tokenizer_hash", "tokenizer (sha256)"),
+            ("vocab_size", "vocabulary size"),
+            ("eos_id", "EOS id"),
+            ("dtype", "token dtype"),
+        ):
+            a, b = getattr(ref, field), getattr(st, field)
+            if a != b:
+                raise MixtureError(
+                    f"mixture sources {first!r} and {s.name!r} differ in {label}: {a} vs {b}. "
+                    "Every source must be prepared with the same tokenizer; re-run `zephon "
+                    f"prepare` for {s.name!r} with the tokenizer of {first!r}."
+                )
+    out = []
+    for s in config.sources:
+        st = stores[s.name]
+        total = int(st.num_samples(seq_len))
+        held = default_heldout if s.heldout_samples is None else s.heldout_samples
+        if not 0 <= held < total:
+            raise MixtureError(
+                f"mixture source {s.name!r}: heldout_samples={held} must be in [0, {total}): its "
+                f"store holds {total} samples of seq_len {seq_len}. Lower heldout_samples or "
+                "seq_len, or use a larger store."
+            )
+        out.append(SpecSource(s.name, st.fingerprint, total - held, held, s.max_epochs))
+    return MixtureSpec(tuple(out), config.schedule, str(ref.tokenizer_hash))
+
+
+def _weights_equal(a: Mapping[str, Fraction], b: Mapping[str, Fraction]) -> bool:
+    return all(a.get(k, 0) == b.get(k, 0) for k in set(a) | set(b))
+
+
+def _effective_entries(spec: MixtureSpec, step: int) -> list[tuple[int, WeightEntry]]:
+    """(entry number, entry) of the entries up to ``step`` that change the weights."""
+    out: list[tuple[int, WeightEntry]] = []
+    for k, e in enumerate(spec.schedule, 1):
+        if e.from_step <= step and not (out and _weights_equal(out[-1][1].weights, e.weights)):
+            out.append((k, e))
+    return out
+
+
+def past_change(old: MixtureSpec, new: MixtureSpec, step: int) -> str | None:
+    """None when steps 1..``step`` draw the same samples under ``old`` and ``new``.
+
+    Otherwise a sentence naming the first differing schedule entry or source
+    field. Only what the past depends on counts: the weights in effect at
+    steps <= ``step`` (a source absent from one side weighs 0 there; an entry
+    that repeats the previous weights changes nothing) and the content and size
+    of the sources they use. Source order does not count. The seed, seq_len and
+    batch schedule live in the data config and are compared by its owner.
+    """
+    old_past, new_past = _effective_entries(old, step), _effective_entries(new, step)
+    for k in range(max(len(old_past), len(new_past))):
+        if k >= len(old_past) or k >= len(new_past):
+            num, extra = (new_past if k >= len(old_past) else old_past)[k]
+            side = "added" if k >= len(old_past) else "removed"
+            return (
+                f"schedule entry {num} (from_step {extra.from_step}) was {side}; it starts at "
+                f"or before step {step}."
+            )
+        (num, a), (_, b) = old_past[k], new_past[k]
+        if a.from_step != b.from_step:
+            return (
+                f"schedule entry {num}: from_step was {a.from_step}, now {b.from_step} "
+                f"(at or before step {step})."
+            )
+        for name in sorted(set(a.weights) | set(b.weights)):
+            wa, wb = a.weights.get(name, Fraction(0)), b.weights.get(name, Fraction(0))
+            if wa != wb:
+                return (
+                    f"schedule entry {num} (from_step {a.from_step}): weight of source "
+                    f"{name!r} was {fraction_text(wa)}, now {fraction_text(wb)} (normalized)."
+                )
+    used = sorted({n for _, e in old_past for n, w in e.weights.items() if w > 0})
+    olds = {s.name: s for s in old.sources}
+    news = {s.name: s for s in new.sources}
+    for name in used:
+        a, b = olds[name], news.get(name)
+        if b is None:
+            return f"source {name!r} was removed; steps up to {step} draw from it."
+        for field in ("store_fingerprint", "num_samples"):
+            va, vb = getattr(a, field), getattr(b, field)
+            if va != vb:
+                hint = ""
+                if field == "num_samples" and a.heldout_samples != b.heldout_samples:
+                    hint = f" (heldout_samples {a.heldout_samples} -> {b.heldout_samples})"
+                return f"source {name!r}: {field} was {va}, now {vb}{hint}."
+    return None
+
+
+# ------------------------------------------------------------------ slot patterns
+
+
+class _Pattern:
+    """The slot -> source assignment of one weight segment, periodic after a prefix.
+
+    ``local`` holds, per simulated slot, an index into ``active`` (the sources
+    with weight > 0): ``prefix`` slots, then one period of ``cycle`` slots that
+    repeats forever (``cycle`` = 0 when the segment is shorter than that).
+    """
+
+    def __init__(self, active: np.ndarray, local: np.ndarray, prefix: int, cycle: int) -> None:
+        self.active = active
+        self.local = local
+        self.prefix = prefix
+        self.cycle = cycle
+        m = len(active)
+        checkpoints = np.zeros((len(local) // _CHECKPOINT + 1, m), dtype=np.int64)
+        for q in range(1, len(checkpoints)):
+            block = local[(q - 1) * _CHECKPOINT : q * _CHECKPOINT]
+            checkpoints[q] = checkpoints[q - 1] + np.bincount(block, minlength=m)
+        self._checkpoints = checkpoints
+        self._cycle_counts = (
+            self._local_counts(prefix + cycle) - self._local_counts(prefix)
+            if cycle
+            else np.zeros(m, dtype=np.int64)
+        )
+
+    def _local_counts(self, x: int) -> np.ndarray:
+        """Counts per active source of simulated slots [0, x), x <= len(local)."""
+        q = x // _CHECKPOINT
+        tail = self.local[q * _CHECKPOINT : x]
+        return self._checkpoints[q] + np.bincount(tail, minlength=len(self.active))
+
+    def counts(self, t: int) -> np.ndarray:
+        """Counts per active source of the segment's slots [0, t)."""
+        if t <= len(self.local):
+            return self._local_counts(t)
+        if not self.cycle:
+            raise AssertionError("slot beyond a finite segment pattern")
+        full, rem = divmod(t - self.prefix, self.cycle)
+        return self._local_counts(self.prefix + rem) + full * self._cycle_counts
+
+    def sources(self, t0: int, count: int) -> np.ndarray:
+        """Source indices (into the mixture's sources) of the segment's slots [t0, t0+count)."""
+        idx = np.arange(t0, t0 + count, dtype=np.int64)
+        if self.cycle:
+            wrap = idx >= self.prefix + self.cycle
+            idx[wrap] = self.prefix + (idx[wrap] - self.prefix) % self.cycle
+        return self.active[self.local[idx]]
+
+
+def _simulate(
+    weights: Sequence[Fraction],
+    residual: Sequence[Fraction],
+    ranks: Sequence[int],
+    length: int | None,
+) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """Chairman assignment of one weight segment, from the residuals it inherits.
+
+    Returns (active source indices, per-slot index into them, prefix, cycle).
+    Rule: earliest deadline first on Tijdeman's windows, in exact integer
+    arithmetic. With m sources of weight > 0 and ``d = 1/(2m-2)``, a source is
+    a candidate for a slot when its deficit ``r`` (target - count) plus the
+    slot's accrual ``w`` is at least ``d`` (taking the slot leaves it at most
+    ``1 - d`` ahead); its deadline is the last slot before its deficit would
+    pass ``1 - d`` at the current weights. The candidate with the earliest
+    deadline wins, ties to the smaller name. Tijdeman (1980) shows a sequence
+    within ``1 - d`` exists for constant weights, and earliest-deadline-first
+    meets every deadline of unit jobs whenever any schedule does, so from the
+    start of the stream this stays within ``1 - d``. After a weight change the
+    windows may have no solution: a source may then pass its deadline (it stays
+    first in line), and with no candidate the largest ``r + w`` wins. Sources
+    with weight 0 never win.
+    """
+    active = [i for i, w in enumerate(weights) if w > 0]
+    m = len(active)
+    period = math.lcm(*(weights[i].denominator for i in active))
+    if m == 1:
+        return np.array(active, dtype=np.int64), np.zeros(1, dtype=np.uint16), 0, 1
+    scale = math.lcm(period, 2 * m - 2, *(residual[i].denominator for i in active))
+    acc = [int(weights[i] * scale) for i in active]  # accrual per slot, scaled
+    low = scale // (2 * m - 2)  # d
+    high = scale - low  # 1 - d
+    rank = [ranks[i] for i in active]
+    base_t = [0] * m  # each source's deficit is base_r at time base_t (+ acc per slot)
+    base_r = [int(residual[i] * scale) for i in active]
+
+    def candidate_from(j: int) -> int:
+        need = low - base_r[j] - acc[j]
+        return base_t[j] + (0 if need <= 0 else -(-need // acc[j]))
+
+    waiting = [(candidate_from(j), rank[j], j) for j in range(m)]
+    heapq.heapify(waiting)
+    ready: list[tuple[int, int, int]] = []  # (deadline, rank, j)
+    picks: list[int] = []
+    seen: dict[tuple[int, ...], int] = {tuple(base_r): 0}  # state at multiples of period
+    cap = 64 * period + 4096
+    prefix = cycle = 0
+    t = 0
+    push, pop = heapq.heappush, heapq.heappop
+    while length is None or t < length:
+        while waiting and waiting[0][0] <= t:
+            j = pop(waiting)[2]
+            push(ready, (base_t[j] + (high - base_r[j]) // acc[j], rank[j], j))
+        if ready:
+            j = pop(ready)[2]
+        else:
+            j = max(range(m), key=lambda x: (base_r[x] + acc[x] * (t - base_t[x] + 1), -rank[x]))
+            waiting = [w for w in waiting if w[2] != j]
+            heapq.heapify(waiting)
+        base_r[j] += acc[j] * (t - base_t[j] + 1) - scale
+        base_t[j] = t + 1
+        push(waiting, (candidate_from(j), rank[j], j))
+        picks.append(j)
+        t += 1
+        if t % period == 0:
+            state = tuple(base_r[x] + acc[x] * (t - base_t[x]) for x in range(m))
+            if state in seen:
+                prefix = seen[state]
+                cycle = t - prefix
+                break
+            seen[state] = t
+            if t > cap:
+                raise MixtureError(
+                    f"internal: the slot pattern of weights {[str(weights[i]) for i in active]} "
+                    f"did not repeat within {cap} slots; please report this mixture."
+                )
+    local = np.array(picks, dtype=np.uint16 if m <= 1 << 16 else np.int32)
+    return np.array(active, dtype=np.int64), local, prefix, cycle
+
+
+@dataclass
+class _Segment:
+    entry: WeightEntry
+    weights: list[Fraction]  # per source, mixture order
+    first_slot: int
+    end_slot: int | None
+    start_counts: np.ndarray  # per source
+    start_targets: list[Fraction]  # exact per-source targets at first_slot
+    pattern: _Pattern
+
+    def counts(self, slot: int) -> np.ndarray:
+        """Per-source counts of slots [0, slot) of the whole stream (slot in this segment)."""
+        out = self.start_counts.copy()
+        out[self.pattern.active] += self.pattern.counts(slot - self.first_slot)
+        return out
+
+
+class MixturePlan:
+    """(source, sample id) of every global step, rank slice and micro-batch of a mixture.
+
+    Built once per job from a ``MixtureSpec``, the seed and the global batch
+    schedule; immutable afterwards (safe to share between loader threads).
+    """
+
+    def __init__(self, spec: MixtureSpec, seed: int, schedule: BatchSchedule) -> None:
+        self.spec = spec
+        self.seed = int(seed)
+        self.schedule = schedule
+        self.names = spec.names
+        n = len(self.names)
+        self.num_samples = np.array([s.num_samples for s in spec.sources], dtype=np.int64)
+        self.max_epochs = [s.max_epochs for s in spec.sources]
+        self.source_seeds = [source_seed(self.seed, name) for name in self.names]
+        self._streams = [
+            DataPlan(int(k), sd, BatchSchedule([(1, 1)]))
+            for k, sd in zip(self.num_samples, self.source_seeds, strict=True)
+        ]
+        order = sorted(range(n), key=lambda i: self.names[i])
+        ranks = [0] * n
+        for r, i in enumerate(order):
+            ranks[i] = r
+        self.segments: list[_Segment] = []
+        counts = np.zeros(n, dtype=np.int64)
+        targets = [Fraction(0)] * n
+        entries = spec.schedule
+        for k, entry in enumerate(entries):
+            first = schedule.first_position(entry.from_step)
+            end = (
+                schedule.first_position(entries[k + 1].from_step) if k + 1 < len(entries) else None
+            )
+            weights = [entry.weights[name] for name in self.names]
+            residual = [t - int(c) for t, c in zip(targets, counts, strict=True)]
+            active, local, prefix, cycle = _simulate(
+                weights, residual, ranks, None if end is None else end - first
+            )
+            seg = _Segment(
+                entry, weights, first, end, counts, targets, _Pattern(active, local, prefix, cycle)
+            )
+            self.segments.append(seg)
+            if end is not None:
+                counts = seg.counts(end)
+                targets = [t + w * (end - first) for t, w in zip(targets, weights, strict=True)]
+        self._starts = [s.first_slot for s in self.segments]
+        self.warnings = self._small_source_warnings()
+
+    # ------------------------------------------------------------ accounting
+
+    def _small_source_warnings(self) -> list[str]:
+        out = []
+        sched = self.schedule.entries
+        for k, seg in enumerate(self.segments):
+            lo = seg.entry.from_step
+            hi = self.segments[k + 1].entry.from_step if k + 1 < len(self.segments) else None
+            sizes = {g for s, g in sched if (hi is None or s < hi) and s >= lo}
+            sizes.add(self.schedule.gbs(lo))
+            gbs = max(sizes)
+            for i, w in enumerate(seg.weights):
+                share = math.ceil(w * gbs)
+                if share > self.num_samples[i]:
+                    out.append(
+                        f"mixture source {self.names[i]!r} has {self.num_samples[i]} training "
+                        f"samples but weight {fraction_text(w)} of a global batch of {gbs} "
+                        f"(schedule entry from_step {lo}) asks up to {share} per step: its "
+                        "samples repeat within a step."
+                    )
+        return out
+
+    def _segment_of(self, slot: int) -> _Segment:
+        return self.segments[bisect.bisect_right(self._starts, slot) - 1]
+
+    def step_slots(self, step: int) -> tuple[int, int]:
+        """(first slot, number of slots) of global step ``step``."""
+        return self.schedule.first_position(step), self.schedule.gbs(step)
+
+    def counts_at_slot(self, slot: int) -> np.ndarray:
+        """Per-source number of slots among [0, slot) (int64, mixture order)."""
+        if slot < 0:
+            raise ValueError(f"slots are >= 0, got {slot}.")
+        return self._segment_of(slot).counts(slot)
+
+    def counts_before(self, step: int) -> np.ndarray:
+        """Per-source samples drawn by steps 1 .. step-1 (each source's next stream position)."""
+        return self.counts_at_slot(self.step_slots(step)[0])
+
+    def step_counts(self, step: int) -> np.ndarray:
+        """Per-source samples of step ``step``."""
+        first, gbs = self.step_slots(step)
+        return self.counts_at_slot(first + gbs) - self.counts_at_slot(first)
+
+    def targets_before(self, step: int) -> list[Fraction]:
+        """Exact per-source targets ``sum over steps < step of w x GBS``."""
+        slot = self.step_slots(step)[0]
+        seg = self._segment_of(slot)
+        return [
+            t + w * (slot - seg.first_slot)
+            for t, w in zip(seg.start_targets, seg.weights, strict=True)
+        ]
+
+    def epochs(self, step: int) -> np.ndarray:
+        """Per-source epoch of the next sample each source draws at ``step``."""
+        return self.counts_before(step) // self.num_samples
+
+    def max_deviation(self) -> tuple[Fraction, str]:
+        """(worst |count - target| over every slot of the infinite stream, its source).
+
+        Exact; an upper bound for every step boundary. Below 1 for a single
+        schedule entry.
+        """
+        worst, who = Fraction(0), self.names[0]
+        for seg in self.segments:
+            pat = seg.pattern
+            residual = [
+                t - int(c) for t, c in zip(seg.start_targets, seg.start_counts, strict=True)
+            ]
+            for i, r in enumerate(residual):  # sources with weight 0 keep their residual
+                if seg.weights[i] == 0 and abs(r) > worst:
+                    worst, who = abs(r), self.names[i]
+            period = math.lcm(*(seg.weights[i].denominator for i in pat.active))
+            num = np.array([int(seg.weights[i] * period) for i in pat.active], dtype=np.int64)
+            local = pat.local.astype(np.int64)
+            t = np.arange(len(local), dtype=np.int64)
+            order = np.argsort(local, kind="stable")
+            sorted_src = local[order]
+            starts = np.searchsorted(sorted_src, np.arange(len(pat.active)))
+            occurrence = np.empty_like(local)
+            occurrence[order] = np.arange(len(local)) - starts[sorted_src]
+            # deficit x period: before each pick (largest) and after it (smallest)
+            before = num[local] * t - period * occurrence
+            after = before + num[local] - period
+            m = len(pat.active)
+            end = num * len(local) - period * np.bincount(local, minlength=m)
+            hi = np.maximum(end, 0)
+            lo = np.minimum(end, 0)
+            np.maximum.at(hi, local, before)
+            np.minimum.at(lo, local, after)
+            for j, i in enumerate(pat.active.tolist()):
+                for x in (int(hi[j]), int(lo[j])):
+                    dev = abs(residual[i] + Fraction(x, period))
+                    if dev > worst:
+                        worst, who = dev, self.names[i]
+        return worst, who
+
+    def check_max_epochs(self, last_step: int) -> None:
+        """Raise MixtureError if steps 1..``last_step`` run a source past its max_epochs."""
+        total = self.counts_before(last_step + 1)
+        for i, limit in enumerate(self.max_epochs):
+            if limit is None or total[i] <= limit * self.num_samples[i]:
+                continue
+            lo, hi = 1, last_step  # first step whose end exceeds the limit
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if self.counts_before(mid + 1)[i] > limit * self.num_samples[i]:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            raise self._epoch_error(i, lo)
+
+    def _epoch_error(self, i: int, step: int | None) -> MixtureError:
+        limit, n = self.max_epochs[i], int(self.num_samples[i])
+        when = "" if step is None else f" at step {step}"
+        return MixtureError(
+            f"mixture source {self.names[i]!r} runs past max_epochs={limit}{when}: it has {n} "
+            f"training samples and its share of the steps so far needs more than {limit * n}. "
+            "Raise its max_epochs, lower its weight, train fewer steps or add data."
+        )
+
+    # ------------------------------------------------------------ sample ids
+
+    def slot_sources(self, first: int, count: int) -> np.ndarray:
+        """Source index (int64) of each slot in [first, first + count)."""
+        out = np.empty(count, dtype=np.int64)
+        done = 0
+        while done < count:
+            slot = first + done
+            k = bisect.bisect_right(self._starts, slot) - 1
+            seg = self.segments[k]
+            stop = first + count if seg.end_slot is None else min(first + count, seg.end_slot)
+            out[done : done + stop - slot] = seg.pattern.sources(slot - seg.first_slot, stop - slot)
+            done += stop - slot
+        return out
+
+    def ids_for_slots(
+        self, first: int, count: int, *, step: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, sample id) arrays (int64) of slots [first, first + count)."""
+        sources = self.slot_sources(first, count)
+        before = self.counts_at_slot(first)
+        order = np.argsort(sources, kind="stable")  # each source's slots, in slot order
+        per_source = np.bincount(sources, minlength=len(self.names))
+        ids_sorted = np.empty(count, dtype=np.int64)
+        done = 0
+        for i in np.nonzero(per_source)[0].tolist():
+            k, start = int(per_source[i]), int(before[i])
+            limit = self.max_epochs[i]
+            if limit is not None and start + k > limit * self.num_samples[i]:
+                raise self._epoch_error(i, step)
+            ids_sorted[done : done + k] = self._streams[i].ids_for_positions(start, k)
+            done += k
+        ids = np.empty(count, dtype=np.int64)
+        ids[order] = ids_sorted
+        return sources, ids
+
+    def global_ids(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, sample id) of every slot of global step ``step``, in order."""
+        first, gbs = self.step_slots(step)
+        return self.ids_for_slots(first, gbs, step=step)
+
+    def rank_slots(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+        """(first slot, count) of DP rank ``dp_rank``'s contiguous slice of ``step``."""
+        first, gbs = self.step_slots(step)
+        if dp_degree < 1 or gbs % dp_degree != 0:
+            raise ValueError(
+                f"DP degree {dp_degree} does not divide the global batch size {gbs} of step "
+                f"{step}; DP degrees that divide it: {_divisors(gbs)}."
+            )
+        if not 0 <= dp_rank < dp_degree:
+            raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
+        per_rank = gbs // dp_degree
+        return first + dp_rank * per_rank, per_rank
+
+    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> tuple[np.ndarray, np.ndarray]:
+        """Slots [r*G/D, (r+1)*G/D) of the step: (source index, sample id)."""
+        return self.ids_for_slots(*self.rank_slots(step, dp_rank, dp_degree), step=step)
+
+    def microbatch_ids(
+        self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The rank slice cut, in order, into micro-batches of ``local_batch_size``."""
+        check_batch_layout(self.schedule.gbs(step), dp_degree, local_batch_size)
+        src, ids = self.rank_ids(step, dp_rank, dp_degree)
+        b = local_batch_size
+        return [(src[k : k + b], ids[k : k + b]) for k in range(0, len(ids), b)]
