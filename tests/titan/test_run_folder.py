@@ -131,6 +131,8 @@ def test_model_only_last_checkpoint_says_what_to_do(e2e_root: Path):
     run = e2e_root / "model_only"
     short = ("--training.steps", "2", "--checkpoint.interval", "1", "--validation.no-enable")
     train(run, 1, *short, "--checkpoint.last_save_model_only").check()
+    holds = {c["step"]: c["holds"] for c in describe_run(run)["checkpoints"]}
+    assert holds == {1: "training", 2: "model"}
     longer = ("--training.steps", "3", "--checkpoint.interval", "1", "--validation.no-enable")
     before = tree(run)
     job = train(run, 1, *longer, log=e2e_root / "model_only.log")

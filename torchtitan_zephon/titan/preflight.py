@@ -151,10 +151,11 @@ def choose_checkpoint(job_config: Any) -> tuple[runs.CheckpointInfo | None, Star
         break
     if chosen is None:
         if titan_step != -1:
+            problems = [f"step-{c.step}: {c.problem}" for c in plan.skipped if c.problem]
             raise StartRefused(
                 f"no checkpoint in {folder} can be loaded ({_listing(found)}"
-                f"{'; ' + plan.skipped[0].problem if plan.skipped[0].problem else ''}), but "
-                f"TorchTitan would try step {titan_step}. Move the broken folders out of "
+                f"{''.join('; ' + p for p in problems)}), but TorchTitan would try step "
+                f"{titan_step}. Move the broken folders out of "
                 f"{folder} (TorchTitan counts any name that contains step-<N>), or use "
                 "another --job.dump_folder."
             )
