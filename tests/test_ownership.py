@@ -230,3 +230,19 @@ def test_a_reused_pid_is_not_the_dead_holder():
     time.sleep(0.2)
     assert not proc.alive()  # a zombie (not yet reaped) is dead too
     child.wait()
+
+
+def test_a_filesystem_without_hard_links_still_gets_an_exclusive_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    def no_links(*_):
+        raise PermissionError("hard links not supported")
+
+    monkeypatch.setattr(os, "link", no_links)
+    first = RunFolderLock(tmp_path, lease_s=600)
+    first.acquire()
+    assert read_holder(tmp_path).token == first.token
+    with pytest.raises(FolderInUse):  # alive on this machine (this very process)
+        RunFolderLock(tmp_path, lease_s=600).acquire()
+    first.release()
+    assert not lock_path(tmp_path).exists()

@@ -32,6 +32,7 @@ No torch here: the trainer gathers its ranks' agents and passes them in.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import socket
 import threading
@@ -40,6 +41,8 @@ import uuid
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 LOCK_NAME = "owner.lock"
 LEASE_ENV = "ZEPHON_LOCK_LEASE_S"
@@ -295,6 +298,11 @@ class RunFolderLock:
                 return Verdict("dead", holder, text)
         lease = holder.lease_s if holder else self.lease_s
         poll = min(0.5, lease / (4 * BEATS_PER_LEASE))
+        logger.warning(
+            f"Zephon: {self.path} names a job on another machine "
+            f"({holder.describe() if holder else 'unreadable lock'}); watching its heartbeat "
+            f"for up to {lease:g} s to tell whether it is alive"
+        )
         while self.clock() - start < lease:
             time.sleep(poll)
             now = self._read_text()
@@ -336,6 +344,13 @@ class RunFolderLock:
                     os.link(tmp, self.path)  # fails when the name exists: atomic create
                 except FileExistsError:
                     return self.acquire(self.check())
+                except OSError:  # no hard links here (some FUSE mounts): O_EXCL create
+                    try:
+                        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+                    except FileExistsError:
+                        return self.acquire(self.check())
+                    with os.fdopen(fd, "w", encoding="utf-8") as f:
+                        f.write(self._holder.to_json())
             else:
                 if self._read_text() != verdict.observed:  # changed since we decided
                     return self.acquire(self.check())
