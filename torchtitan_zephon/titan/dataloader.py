@@ -21,10 +21,18 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.plan import BatchSchedule
-from torchtitan_zephon.data.state import RECORD_KEY, DataState, DataStateMismatch
+from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
 from torchtitan_zephon.data.store import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests
+
+
+def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
+    """A refused resume, with how to opt in from the trainer's command line."""
+    return DataStateMismatch(
+        f"{e}\nWith the trainer: --zephon.allow_changes FIELD (repeatable; TOML: "
+        '[zephon] allow_changes = ["FIELD", ...]). Nothing was changed on disk.'
+    )
 
 
 def resolve_store(job_config: Any) -> TokenStore:
@@ -146,10 +154,7 @@ class ZephonDataLoader(BaseDataLoader):
             saved = DataState.from_json(state_dict[RECORD_KEY])
             decision = self.loader.load_state_dict(saved, allow_changes=self.allow_changes)
         except DataStateMismatch as e:
-            raise DataStateMismatch(
-                f"{e}\nWith the trainer: --zephon.allow_changes FIELD (repeatable; TOML: "
-                '[zephon] allow_changes = ["FIELD", ...]). Nothing was changed on disk.'
-            ) from None
+            raise with_trainer_hint(e) from None
         self.ids_digests.reset()  # computed under the plan before the resume
         self._digests.clear()
         head = saved.tracker
@@ -228,21 +233,16 @@ def _model_vocab_size(job_config: Any) -> int | None:
     return getattr(args, "vocab_size", None)
 
 
-def build_zephon_dataloader(
-    dp_world_size: int,
-    dp_rank: int,
-    tokenizer: Any,
-    job_config: Any,
-    **_: Any,
-) -> ZephonDataLoader:
-    """``TrainSpec.build_dataloader_fn``: the Zephon loader for this rank's DP coordinates.
+def open_job_data(job_config: Any, tokenizer: Any = None) -> tuple[TokenStore, DataConfig]:
+    """The token store a job reads and its data config, without building a loader.
 
-    TP/PP/CP peers share ``dp_rank`` and so receive identical batches.
+    Every check that needs only the job config and the store runs here (store
+    vocabulary against the model and the tokenizer, held-out samples), so the
+    trainer's preflight refuses a bad job before anything is written, and the
+    dataloader builder (which calls this again) builds exactly this config.
     """
     zc = job_config.zephon
     schedule = batch_schedule(job_config)
-    # Before the store is opened or built: a bad layout fails in milliseconds.
-    schedule.check_layout(dp_world_size, job_config.training.local_batch_size)
     store = resolve_store(job_config)
     model_vocab = _model_vocab_size(job_config)
     if model_vocab is not None and store.vocab_size > model_vocab:
@@ -265,21 +265,54 @@ def build_zephon_dataloader(
             f"zephon.heldout_samples={zc.heldout_samples} must be in [0, {total}): the store has "
             f"{total} samples of seq_len {seq_len}"
         )
-    loader = ZephonLoader(
-        store,
+    config = DataConfig.make(
         seq_len=seq_len,
         seed=zc.seed,
         schedule=schedule,
+        sample_offset=0,
+        num_samples=total - zc.heldout_samples,
+        store_fingerprint=store.fingerprint,
+        tokenizer_hash=store.tokenizer_hash,
+    )
+    return store, config
+
+
+def build_zephon_dataloader(
+    dp_world_size: int,
+    dp_rank: int,
+    tokenizer: Any,
+    job_config: Any,
+    **_: Any,
+) -> ZephonDataLoader:
+    """``TrainSpec.build_dataloader_fn``: the Zephon loader for this rank's DP coordinates.
+
+    TP/PP/CP peers share ``dp_rank`` and so receive identical batches.
+    """
+    zc = job_config.zephon
+    # Before the store is opened or built: a bad layout fails in milliseconds.
+    batch_schedule(job_config).check_layout(dp_world_size, job_config.training.local_batch_size)
+    store, config = open_job_data(job_config, tokenizer)
+    loader = ZephonLoader(
+        store,
+        seq_len=config.seq_len,
+        seed=config.seed,
+        schedule=config.batch_schedule(),
         dp_rank=dp_rank,
         dp_degree=dp_world_size,
         local_batch_size=job_config.training.local_batch_size,
-        sample_offset=0,
-        num_samples=total - zc.heldout_samples,
+        sample_offset=config.sample_offset,
+        num_samples=config.num_samples,
         num_workers=job_config.training.dataloader.num_workers,
         prefetch=zc.prefetch,
         pin_memory=job_config.training.dataloader.pin_memory,
-        vocab_size=model_vocab,  # exact: refuses ids beyond the embedding (store.max_token_id)
+        vocab_size=_model_vocab_size(
+            job_config
+        ),  # exact: refuses ids beyond the embedding (store.max_token_id)
     )
+    if loader.config != config:  # one rule for the preflight and the loader
+        raise RuntimeError(
+            f"the loader built data config {loader.config} but open_job_data made {config}"
+        )
     rank = int(os.environ.get("RANK", "0"))
     tracker = SequenceTracker(
         log_path(job_config.job.dump_folder),
