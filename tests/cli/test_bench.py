@@ -34,6 +34,11 @@ def test_loader(capsys, tmp_path):
         assert s["speedup_vs_torchdata"] == pytest.approx(
             s["zephon_tokens_per_s"] / s["torchdata_tokens_per_s"]
         )
+        cpu = s["tokens_per_cpu_s"]  # in-process loaders only: 0 workers
+        assert set(cpu) == {f"{name}_workers0" for name in ("stock", "torchdata", "zephon")}
+        assert s["speedup_vs_torchdata_cpu"] == pytest.approx(
+            cpu["zephon_workers0"] / cpu["torchdata_workers0"]
+        )
     assert r["meets"]["torchdata_ratio"] == (
         min(s["speedup_vs_torchdata"] for s in r["shapes"]) >= r["targets"]["torchdata_ratio"]
     )

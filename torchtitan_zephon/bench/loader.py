@@ -325,17 +325,25 @@ def _stock_rank_state(loader: Any) -> tuple[int, int | None]:
 
 
 def zephon_breakdown(store: TokenStore, seq_len: int, batch: int, seconds: float) -> dict:
-    """Microseconds per batch of the Zephon loader's parts: plan (ids), gather, tensors."""
+    """Microseconds per micro-batch of the Zephon loader's parts, as its prefetch thread
+    does them: plan (the ids of ``plan_window`` micro-batches in one call), gather and
+    int64 tensors (``window`` micro-batches at once)."""
     zl = zephon_loader(store, seq_len, batch, 0)
-    steps = itertools.count(1)
-    plan_rate = rate(lambda: zl.plan.rank_ids(next(steps), 0, 1), 1, seconds / 3)
-    ids = zl.plan.rank_ids(1, 0, 1)
+    plan_ids = zl.plan_window * batch
+    starts = itertools.count(0, plan_ids)
+    plan_rate = rate(
+        lambda: zl.plan.rank_stream_ids(1, next(starts), plan_ids, 0, 1), 1, seconds / 3
+    )
+    ids = zl.plan.rank_stream_ids(1, 0, zl.window * batch, 0, 1)
     gather_rate = rate(lambda: store.windows(ids, seq_len), 1, seconds / 3)
-    tensor_rate = rate(lambda: zl._tensors(ids), 1, seconds / 3)
+    tensor_rate = rate(lambda: zl.batch(ids), 1, seconds / 3)
     zl.close()
-    plan_us, batch_us = 1e6 / plan_rate["per_s"], 1e6 / tensor_rate["per_s"]
-    gather_us = 1e6 / gather_rate["per_s"]
+    plan_us = 1e6 / plan_rate["per_s"] / zl.plan_window
+    batch_us = 1e6 / tensor_rate["per_s"] / zl.window
+    gather_us = 1e6 / gather_rate["per_s"] / zl.window
     return {
+        "window": zl.window,
+        "plan_window": zl.plan_window,
         "plan_us": plan_us,
         "gather_us": gather_us,
         "to_tensors_us": batch_us - gather_us,
@@ -346,11 +354,22 @@ def zephon_breakdown(store: TokenStore, seq_len: int, batch: int, seconds: float
 LOADERS = ("zephon", "torchdata", "stock")
 
 
-def _round_rate(fn: Any, tokens_per_batch: int, seconds: float) -> float:
-    """Tokens/s of ``fn`` over ``seconds``, after a quarter as long drawing batches untimed:
-    what a loader prefetched while the others had their turn is not counted."""
+def _round_rate(fn: Any, tokens_per_batch: int, seconds: float) -> tuple[float, float]:
+    """(tokens per second, tokens per CPU second of this process) of ``fn`` over
+    ``seconds``, after a quarter as long drawing batches untimed: what a loader prefetched
+    while the others had their turn is not counted."""
     rate(fn, tokens_per_batch, seconds / 4)
-    return rate(fn, tokens_per_batch, seconds)["per_s"]
+    calls, cpu0, start = 0, time.process_time(), time.perf_counter()
+    deadline = start + seconds
+    while True:
+        fn()
+        calls += 1
+        now = time.perf_counter()
+        if now >= deadline:
+            break
+    cpu = time.process_time() - cpu0
+    tokens = calls * tokens_per_batch
+    return tokens / (now - start), tokens / cpu if cpu > 0 else float("inf")
 
 
 def loader_throughput(
@@ -363,9 +382,14 @@ def loader_throughput(
 
     The median is robust to the rounds that other processes on a shared machine
     disturbed, for every loader alike; the per-round figures are kept beside it.
+    Without workers every loader runs in this process, so its tokens per CPU second
+    (all its threads) are measured too: the work per token, whatever the machine's
+    load, where tokens/s also rewards a loader's background thread for the CPU
+    share it wins on a busy machine.
     """
     tokens_per_batch = batch * seq_len
     per_round: dict[str, list[float]] = {}
+    cpu_round: dict[str, list[float]] = {}
     stock_state: tuple[int, int | None] = (0, None)
     for w in [0, workers] if workers else [0]:
         zl = zephon_loader(store, seq_len, batch, w)
@@ -376,8 +400,10 @@ def loader_throughput(
         nexts = {"zephon": zl.__next__, "torchdata": td_it.__next__, "stock": stock_it.__next__}
         for _ in range(rounds):
             for name, fn in nexts.items():
-                r = _round_rate(fn, tokens_per_batch, seconds / rounds)
+                r, cpu = _round_rate(fn, tokens_per_batch, seconds / rounds)
                 per_round.setdefault(f"{name}_workers{w}", []).append(r)
+                if w == 0:  # with workers, their processes' CPU time is not ours to see
+                    cpu_round.setdefault(f"{name}_workers{w}", []).append(cpu)
         if w == 0:  # a mid-stream state, as a checkpoint would hold it
             stock_state = _stock_rank_state(stock)
         zl.close()
@@ -386,6 +412,7 @@ def loader_throughput(
         _shutdown(stock)
         del nexts, stock_it
     tp = {k: statistics.median(v) for k, v in per_round.items()}
+    tp_cpu = {k: statistics.median(v) for k, v in cpu_round.items()}
     out: dict[str, Any] = {
         "seq_len": seq_len,
         "local_batch": batch,
@@ -396,6 +423,8 @@ def loader_throughput(
         "zephon_tokens_per_s": tp["zephon_workers0"],
         "speedup": ratio(tp["zephon_workers0"], tp["stock_workers0"]),
         "speedup_vs_torchdata": ratio(tp["zephon_workers0"], tp["torchdata_workers0"]),
+        "tokens_per_cpu_s": tp_cpu,
+        "speedup_vs_torchdata_cpu": ratio(tp_cpu["zephon_workers0"], tp_cpu["torchdata_workers0"]),
         # the same ratio round by round (each round's two figures measured moments apart)
         "speedup_vs_torchdata_paired": statistics.median(
             ratio(z, t)
@@ -522,6 +551,16 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
                     + (f" (target >= {TARGETS['speedup']:.0f}x)" if w == 0 else ""),
                 )
             )
+        c = shape["tokens_per_cpu_s"]
+        z, t, s = (c[f"{name}_workers0"] for name in LOADERS)
+        out.append(
+            (
+                f"seq {shape['seq_len']} x batch {shape['local_batch']}, 0 workers, "
+                "tokens per CPU s: zephon | torchdata | stock",
+                f"{z / 1e6:,.1f} M | {t / 1e6:,.1f} M | {s / 1e6:,.2f} M",
+                f"zephon/torchdata {ratio(z, t):.2f}x (all threads of this process)",
+            )
+        )
     out.append(
         (
             "tokens/s: median of interleaved rounds",
@@ -532,9 +571,10 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
     b = r["zephon_breakdown"]
     out.append(
         (
-            "zephon us/batch: plan | gather | tensors",
-            f"{b['plan_us']:.0f} | {b['gather_us']:.0f} | {b['to_tensors_us']:.0f}",
-            f"plan = {b['plan_share']:.0%} of the batch",
+            "zephon us/micro-batch: plan | gather | tensors",
+            f"{b['plan_us']:.1f} | {b['gather_us']:.1f} | {b['to_tensors_us']:.1f}",
+            f"plan = {b['plan_share']:.0%}; planned {b['plan_window']} and made "
+            f"{b['window']} micro-batches at a time",
         )
     )
     out += [
