@@ -27,6 +27,8 @@ micro-batches. With ``prefetch`` or ``num_workers``, ``max(1, num_workers)``
 background threads each prepare a *window* of consecutive micro-batches
 (``window``: about 64K tokens, at least ``prefetch`` micro-batches) with one
 gather and one int64 conversion; its micro-batches are views of two buffers.
+Plans and windows grow from one micro-batch after a start or a reset, so the
+first batch waits for one micro-batch's work.
 Without either, each micro-batch is prepared on demand in the caller's thread.
 """
 
@@ -63,8 +65,7 @@ Window = tuple[list[tuple[Slot, MicroBatch]], Exception | None]
 # enough that the window's buffers stay in cache; at most MAX_WINDOW micro-batches.
 WINDOW_TOKENS = 1 << 16
 MAX_WINDOW = 64
-# Sample ids planned at once, at most: one plan call per this many ids. After a reset
-# the plan starts at one window and doubles up to this, so a first batch stays cheap.
+# Sample ids planned at once, at most: one plan call per this many ids.
 PLAN_IDS = 1 << 12
 
 
@@ -136,7 +137,8 @@ class ZephonLoader:
             else 1
         )  # micro-batches per window job
         # Micro-batches planned in one call, at most (a multiple of the window, about
-        # PLAN_IDS ids); after a reset planning starts at one window and doubles.
+        # PLAN_IDS ids). From the start and after a reset, plans and windows start at one
+        # micro-batch and double up to these sizes, so a first batch costs no more than one.
         self.plan_window = max(
             self.window, PLAN_IDS // self.local_batch_size // self.window * self.window
         )
@@ -146,7 +148,7 @@ class ZephonLoader:
         self._planned: list[Slot] = []  # planned slots, with their ids, not yet handed out
         self._planned_ids = np.empty((0, self.local_batch_size), dtype=np.int64)
         self._planned_at = 0
-        self._plan_size = self.window
+        self._plan_size = self._window_size = 1
         self._ready: deque[tuple[Slot, MicroBatch]] = deque()  # produced, not yet delivered
         self._failure: Exception | None = None  # raised once self._ready is delivered
         self._pending: deque[Future[Window]] = deque()
@@ -210,7 +212,8 @@ class ZephonLoader:
         if self._planned_at == len(self._planned):
             self._plan_ahead()
         k = self._planned_at
-        self._planned_at = stop = min(k + self.window, len(self._planned))
+        self._planned_at = stop = min(k + self._window_size, len(self._planned))
+        self._window_size = min(2 * self._window_size, self.window)
         return self._planned[k:stop], self._planned_ids[k:stop]
 
     def _make(self, slots: list[Slot], ids: np.ndarray) -> list[tuple[Slot, MicroBatch]]:
@@ -297,7 +300,8 @@ class ZephonLoader:
         self._ready.clear()
         self._failure = None
         self._cursor = self._delivered
-        self._planned, self._planned_at, self._plan_size = [], 0, self.window
+        self._planned, self._planned_at = [], 0
+        self._plan_size = self._window_size = 1
 
     def close(self) -> None:
         """Stop background threads and drop prefetched batches."""
