@@ -23,7 +23,10 @@ Invariants:
 Chunks of 65,536 tokens suit random sample access: hashing one takes ~10-20
 microseconds, so the first read of a chunk (128-256 KB) costs little and
 an epoch hashes the store once; checksums.bin (8 bytes per chunk,
-120 MB for 10^12 tokens) is hashed whole at open.
+120 MB for 10^12 tokens) is hashed whole at open. Once every chunk is checked a
+read costs nothing more; before that, a read wholly below the lowest unchecked
+chunk or above the highest (say, all but held-out samples at the end) costs one
+comparison, any other looks up each sample's chunks.
 
 Version-1 stores (written before checksums) still open, with an
 ``UncheckedStoreWarning``, and their reads are not checked. ``upgrade_store``
@@ -227,6 +230,11 @@ class TokenStore:
         self._checked = bytearray(self.num_chunks)
         self._checked_np = np.frombuffer(self._checked, dtype=np.bool_)
         self._unverified = self.num_chunks if self.verifies else 0
+        # Every chunk below the lowest unchecked one and above the highest is checked: a
+        # read within those ranges needs no per-sample lookup. Both only move inwards,
+        # under the lock, so a stale read of either is merely conservative.
+        self._lowest_unchecked = 0 if self._unverified else self.num_chunks
+        self._highest_unchecked = self.num_chunks - 1 if self._unverified else -1
         self._verify_lock = threading.Lock()
         self._views: dict[int, np.ndarray] = {}
 
@@ -339,13 +347,20 @@ class TokenStore:
         """Gather samples ``ids``: array [len(ids), seq_len + 1] in the store dtype (checked)."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
         n = self.num_samples(seq_len)
-        if ids.size and (ids.min() < 0 or ids.max() >= n):
-            raise IndexError(
-                f"sample ids must lie in [0, {n}) for seq_len {seq_len}, "
-                f"found values in [{ids.min()}, {ids.max()}]."
-            )
-        if self._unverified:  # 0 once every chunk was checked (or checks are off)
-            self._check_samples(ids, seq_len)
+        if ids.size:
+            if ids.size <= 64:  # a micro-batch: plain Python beats numpy's per-call overhead
+                listed = ids.tolist()
+                lo, hi = min(listed), max(listed)
+            else:
+                lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= n:
+                raise IndexError(
+                    f"sample ids must lie in [0, {n}) for seq_len {seq_len}, "
+                    f"found values in [{lo}, {hi}]."
+                )
+            # _unverified is 0 once every chunk was checked (or checks are off)
+            if self._unverified and not self._checked_span(lo * seq_len, hi * seq_len + seq_len):
+                self._check_samples(ids, seq_len)
         return self._sample_view(seq_len, n)[ids]
 
     # ------------------------------------------------------------------ content checks
@@ -354,6 +369,12 @@ class TokenStore:
     def unchecked_chunks(self) -> int:
         """Chunks this object would still hash before serving from them (0: checks off)."""
         return self._unverified
+
+    def _checked_span(self, first: int, last: int) -> bool:
+        """True when tokens [first, last] lie wholly below the lowest unchecked chunk or
+        above the highest (a sufficient test: False says nothing)."""
+        c = self.chunk_tokens
+        return last // c < self._lowest_unchecked or first // c > self._highest_unchecked
 
     def _check_samples(self, ids: np.ndarray, seq_len: int) -> None:
         """Check every chunk that the windows of samples ``ids`` touch, unless this object
@@ -403,6 +424,12 @@ class TokenStore:
             if not self._checked[chunk]:
                 self._checked[chunk] = 1
                 self._unverified -= 1
+                flags, lo, hi = self._checked, self._lowest_unchecked, self._highest_unchecked
+                while lo < self.num_chunks and flags[lo]:
+                    lo += 1
+                while hi >= 0 and flags[hi]:
+                    hi -= 1
+                self._lowest_unchecked, self._highest_unchecked = lo, hi
 
     def check(self) -> ContentReport:
         """Hash and check everything (``zephon inspect STORE --check``); never raises on
