@@ -195,6 +195,8 @@ def test_inspect_check_needs_a_store(tmp_path, capsys):
         rc, _, err = _inspect(capsys, tmp_path / "run", flag)
         assert rc == 2 and "--check and --upgrade apply to token stores" in err
         assert "is a run folder" in err
+
+
 # ----------------------------------------------------------------------------- plan: bad arguments
 
 

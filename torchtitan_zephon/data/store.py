@@ -610,6 +610,8 @@ def _read_content(root: Path) -> dict[str, Any] | None:
             "--upgrade` again."
         ) from None
     return content
+
+
 def _check_sources(sources: Any) -> None:
     """Source records as prepare writes them (inspect prints these fields)."""
     if not isinstance(sources, list) or not all(
