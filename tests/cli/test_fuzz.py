@@ -152,15 +152,31 @@ def test_inspect_verify_compare_refuse_bad_input(zoo):
         (["verify", zoo["missing"], zoo["missing"]], ["does not exist"], 2),
         (["verify", zoo["empty"], zoo["empty"]], ["NO OVERLAP", "0 effective records"], 1),
         (["verify", zoo["folder"], zoo["folder"]], ["no sequence log"], 2),
-        (["verify", zoo["log_garbage"], zoo["log_garbage"]], ["not valid JSON", "the log is corrupt"], 2),
-        (["verify", zoo["log_deep"], zoo["log_deep"]], ["sequence log is corrupt"], 2),
+        (
+            ["verify", zoo["log_garbage"], zoo["log_garbage"]],
+            ["not valid JSON", "the log is corrupt"],
+            2,
+        ),
+        (
+            ["verify", zoo["log_deep"], zoo["log_deep"]],
+            ["nested too deeply", "the log is corrupt"],
+            2,
+        ),
         (
             ["verify", zoo["log_overflow"], zoo["log_garbage"]],
             ["wrong type", "the log is corrupt"],
             2,
         ),
-        (["verify", zoo["deep_json"], zoo["deep_json"]], ["deep.json: the sequence log is"], 2),
-        (["verify", zoo["log_deep"]], ["the following arguments are required"], 2),
+        (
+            ["verify", zoo["deep_json"], zoo["deep_json"]],
+            ["deep.json:1: JSON nested too deeply", "the log is corrupt"],
+            2,
+        ),
+        (
+            ["verify", zoo["log_deep"]],
+            ["nested too deeply", "the log is corrupt"],
+            2,
+        ),  # one run: its log alone
         (["compare", zoo["missing"], zoo["missing"]], ["missing"], 2),
         (["compare", zoo["garbage"], zoo["garbage"]], ["does not exist"], 2),
         (["compare", zoo["folder"], zoo["folder"]], ["no losses"], 2),

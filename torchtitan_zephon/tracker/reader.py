@@ -104,6 +104,8 @@ class LogReader:
                     except ValueError:
                         self.truncated_tail = True
                         return
+                    except RecursionError:
+                        pass  # complete but too deep: _parse says so
                 line = raw.rstrip(b"\r\n")
                 if line.strip():
                     yield lineno, line
