@@ -269,3 +269,21 @@ def test_content_checks_and_the_vocabulary_guard_hold_for_every_source(slices, t
     assert source.id_limit(10**6) is None
     with pytest.raises(IndexError, match="the mixture has 3"):
         source.windows(make_keys(np.array([3]), np.array([0])), SEQ)
+
+
+def test_ids_at_far_slots_with_huge_epochs():
+    """(source, epoch) pairs too large to pack in one int64 take the slower path alike."""
+    from torchtitan_zephon.data.mixture import MixtureSpec
+
+    spec = MixtureSpec.build({"a": 1, "b": 3}, [(1, {"a": 1, "b": 1})])
+    plan = MixturePlan(spec, 7, BatchSchedule([(1, 4)]))
+    for step in (5, 10**18):  # epochs of 'a' near 2 x 10^18: past the packed path
+        first, count = plan.step_slots(step)
+        sources, ids = plan.ids_for_slots(first, count)
+        before = plan.counts_at_slot(first)
+        seen = {0: 0, 1: 0}
+        for s, i in zip(sources.tolist(), ids.tolist(), strict=True):
+            position = int(before[s]) + seen[s]
+            seen[s] += 1
+            expect = plan._streams[s].ids_for_positions(position, 1)[0]
+            assert i == expect, (step, s, position)

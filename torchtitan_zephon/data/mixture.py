@@ -759,6 +759,7 @@ class MixturePlan:
         n = len(self.names)
         self.num_samples = np.array([s.num_samples for s in spec.sources], dtype=np.int64)
         self.max_epochs = [s.max_epochs for s in spec.sources]
+        self._limited = any(x is not None for x in self.max_epochs)
         self.source_seeds = [source_seed(self.seed, name) for name in self.names]
         self._streams = [
             DataPlan(int(k), sd, BatchSchedule([(1, 1)]))
@@ -975,16 +976,19 @@ class MixturePlan:
         stride = int(epochs.max()) + 1 if epochs.size else 1
         if (len(self.names) + 1) * stride < 1 << 62:  # (source, epoch) as one int64
             codes, which = np.unique(sources * stride + epochs, return_inverse=True)
-            pairs = zip(*np.divmod(codes, stride), strict=True)
+            first, second = np.divmod(codes, stride)
         else:
-            both, which = np.unique(np.stack([sources, epochs]), axis=1, return_inverse=True)
-            pairs = zip(*both, strict=True)
-        perms = []
-        for i, epoch in ((int(a), int(b)) for a, b in pairs):
-            limit = self.max_epochs[i]
-            if limit is not None and epoch >= limit:
-                raise self._epoch_error(i, step)
-            perms.append(self._streams[i].permutation(epoch))
+            (first, second), which = np.unique(
+                np.stack([sources, epochs]), axis=1, return_inverse=True
+            )
+        pairs = list(zip(first.tolist(), second.tolist(), strict=True))
+        if self._limited:
+            for i, epoch in pairs:
+                limit = self.max_epochs[i]
+                if limit is not None and epoch >= limit:
+                    raise self._epoch_error(i, step)
+        streams = self._streams
+        perms = [streams[i].permutation(epoch) for i, epoch in pairs]
         return map_many(perms, which.ravel(), within)
 
     def global_ids(self, step: int) -> tuple[np.ndarray, np.ndarray]:

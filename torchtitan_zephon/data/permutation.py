@@ -72,23 +72,31 @@ class Permutation:
         ).digest()
         # Per round: (key, right shift, right mask, left shift, left mask). The halves
         # alternate sizes so an odd bit count still gives a bijection on 2**bits.
-        self._rounds = []
+        self._int_rounds: list[tuple[int, int, int, int, int]] = []
         right_bits = self._bits // 2
         for r in range(_ROUNDS):
             left_bits = self._bits - right_bits
-            key = np.uint64(int.from_bytes(digest[8 * r : 8 * r + 8], "little"))
-            self._rounds.append(
-                (
-                    key,
-                    np.uint64(right_bits),
-                    np.uint64((1 << right_bits) - 1),
-                    np.uint64(left_bits),
-                    np.uint64((1 << left_bits) - 1),
-                )
+            key = int.from_bytes(digest[8 * r : 8 * r + 8], "little")
+            self._int_rounds.append(
+                (key, right_bits, (1 << right_bits) - 1, left_bits, (1 << left_bits) - 1)
             )
             right_bits = left_bits
-        self._int_rounds = [tuple(int(v) for v in r) for r in self._rounds]
-        self._table = np.array(self._int_rounds, dtype=np.uint64)  # [rounds, 5], for map_many
+        self._np_rounds: list[tuple[np.uint64, ...]] | None = None  # built on first use
+        self._np_table: np.ndarray | None = None
+
+    @property
+    def _rounds(self) -> list[tuple[np.uint64, ...]]:
+        """The rounds as numpy scalars (the vectorized path); built once, on first use."""
+        if self._np_rounds is None:
+            self._np_rounds = [tuple(np.uint64(v) for v in r) for r in self._int_rounds]
+        return self._np_rounds
+
+    @property
+    def _table(self) -> np.ndarray:
+        """The rounds as a [rounds, 5] uint64 array (``map_many``); built on first use."""
+        if self._np_table is None:
+            self._np_table = np.array(self._int_rounds, dtype=np.uint64)
+        return self._np_table
 
     def __len__(self) -> int:
         return self.n

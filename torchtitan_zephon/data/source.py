@@ -285,21 +285,37 @@ class MixtureStream:
     ) -> np.ndarray:
         """Keys ``[skip, skip + count)`` of DP rank ``dp_rank``'s stream from ``step`` on
         (its slices of steps ``step, step + 1, ...`` concatenated), looked up together:
-        one permutation call per source and epoch for the whole window."""
+        one permutation call per source and epoch for the whole window. Within one
+        batch-schedule entry a rank's slice moves by the global batch each step (and
+        with one rank the slices are contiguous: one range)."""
         if skip < 0 or count < 0:
             raise ValueError(f"skip and count must be >= 0, got skip={skip}, count={count}.")
-        ranges, need, s = [], skip + count, step
+        ranges: list[tuple[int, int]] = []
+        need, s = skip + count, step
         while need > 0:
-            first, n = self.rank_positions(s, dp_rank, dp_degree)
-            if skip >= n:  # a whole slice before the window
-                skip, need = skip - n, need - n
+            first, per_rank = self.rank_positions(s, dp_rank, dp_degree)
+            gbs = self.schedule.gbs(s)
+            steps = -(-need // per_rank)
+            end = next((e for e, _ in self.schedule.entries if e > s), None)
+            if end is not None:
+                steps = min(steps, end - s)
+            if per_rank == gbs:
+                ranges.append((first, steps * gbs))
             else:
-                take = min(n - skip, need - skip)
-                ranges.append((first + skip, take))
-                need -= skip + take
-                skip = 0
-            s += 1
-        return make_keys(*self.mixture.ids_for_ranges(ranges))
+                ranges += [(first + k * gbs, per_rank) for k in range(steps)]
+            need -= steps * per_rank
+            s += steps
+        window: list[tuple[int, int]] = []
+        for first, n in ranges:  # cut [skip, skip + count) out of the ranges
+            if skip >= n:
+                skip -= n
+                continue
+            take = min(n - skip, count)
+            if take > 0:
+                window.append((first + skip, take))
+            count -= take
+            skip = 0
+        return make_keys(*self.mixture.ids_for_ranges(window))
 
     def microbatch_ids(
         self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
@@ -364,6 +380,7 @@ class MixtureSource:
         self.dtype = ref.dtype
         self.fingerprint = mixture_store_fingerprint(spec)
         self.warnings: list[str] = []
+        self._num_samples = np.array([st.num_samples(seq_len) for st in self.stores])
         self._plans: dict[tuple[str, tuple[int, int]], MixtureStream] = {}
 
     @classmethod
@@ -421,14 +438,15 @@ class MixtureSource:
 
     def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
         sources, ids = split_keys(np.asarray(keys, dtype=np.int64).ravel())
-        if sources.size and (sources.min() < 0 or sources.max() >= len(self.stores)):
+        lo, hi = (int(sources.min()), int(sources.max())) if sources.size else (0, 0)
+        if lo < 0 or hi >= len(self.stores):
             raise IndexError(
-                f"sample keys name sources in [{sources.min()}, {sources.max()}], the mixture "
-                f"has {len(self.stores)}."
+                f"sample keys name sources in [{lo}, {hi}], the mixture has {len(self.stores)}."
             )
-        if sources.size and sources.min() == sources.max():
-            return self.stores[int(sources[0])].windows(ids, seq_len)
-        return gather_windows(self.stores, sources, ids, seq_len)
+        if lo == hi:
+            return self.stores[lo].windows(ids, seq_len)
+        counts = self._num_samples if seq_len == self.seq_len else None
+        return gather_windows(self.stores, sources, ids, seq_len, num_samples=counts)
 
     def id_limit(self, vocab_size: int | None) -> int | None:
         limits = [store_id_limit(st, vocab_size) for st in self.stores]

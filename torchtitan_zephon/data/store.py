@@ -643,26 +643,41 @@ def slice_store(source: TokenStore, start: int, stop: int, output: str | os.Path
 
 
 def gather_windows(
-    stores: list[TokenStore], sources: np.ndarray, ids: np.ndarray, seq_len: int
+    stores: list[TokenStore],
+    sources: np.ndarray,
+    ids: np.ndarray,
+    seq_len: int,
+    *,
+    num_samples: np.ndarray | None = None,
 ) -> np.ndarray:
     """Row k: the window of sample ``ids[k]`` of ``stores[sources[k]]`` (stores of one
     dtype), checked like ``TokenStore.windows``: a mixture's micro-batches, where most
-    rows come from different stores, without a ``windows`` call per store."""
-    src, idl = np.asarray(sources).ravel().tolist(), np.asarray(ids).ravel().tolist()
-    out = np.empty((len(idl), seq_len + 1), dtype=stores[0].dtype)
-    unchecked: dict[int, list[int]] = {}
-    for i, j in zip(src, idl, strict=True):
+    rows come from different stores, without a ``windows`` call per store.
+    ``num_samples``: each store's ``num_samples(seq_len)``, when the caller keeps them."""
+    sources = np.asarray(sources, dtype=np.int64).ravel()
+    ids = np.asarray(ids, dtype=np.int64).ravel()
+    if num_samples is None:
+        num_samples = np.array([st.num_samples(seq_len) for st in stores], dtype=np.int64)
+    bad = (ids < 0) | (ids >= num_samples[sources])
+    if bad.any():
+        k = int(np.argmax(bad))
+        st = stores[int(sources[k])]
+        raise IndexError(
+            f"sample id {int(ids[k])} outside [0, {int(num_samples[sources[k]])}) for seq_len "
+            f"{seq_len} in {str(st.path)!r}."
+        )
+    src, starts = sources.tolist(), (ids * seq_len).tolist()
+    for i, x in zip(src, starts, strict=True):
         st = stores[i]
-        n = st.num_samples(seq_len)
-        if not 0 <= j < n:
-            raise IndexError(
-                f"sample id {j} outside [0, {n}) for seq_len {seq_len} in {str(st.path)!r}."
-            )
-        if st._unverified:
-            unchecked.setdefault(i, []).append(j)
-    for i, js in unchecked.items():
-        stores[i]._check_samples(np.array(js, dtype=np.int64), seq_len)
-    for row, (i, j) in enumerate(zip(src, idl, strict=True)):
-        start = j * seq_len
-        out[row] = stores[i]._token_array[start : start + seq_len + 1]
-    return out
+        if st._unverified:  # 0 once every chunk of the store was checked (or checks are off)
+            c = st.chunk_tokens
+            first, last = x // c, (x + seq_len) // c
+            if not all(st._checked[first : last + 1]):
+                for chunk in range(first, last + 1):
+                    if not st._checked[chunk]:
+                        st._verify_chunk(chunk)
+    width = seq_len + 1
+    rows = [stores[i]._token_array[x : x + width] for i, x in zip(src, starts, strict=True)]
+    if not rows:
+        return np.empty((0, width), dtype=stores[0].dtype)
+    return np.concatenate(rows).reshape(len(rows), width)
