@@ -154,9 +154,11 @@ def start(run: Path, layout: tuple[int, int], steps: int, log) -> subprocess.Pop
     ranks, local = layout
     log.write(f"\n===== start: {ranks} ranks, local batch {local} =====\n")
     log.flush()
+    cmd = command(run, ranks, local, steps, free_port())
+    if not complete_steps(run):  # killed before its first checkpoint: train again from step 1
+        cmd.append("--zephon.start_over")
     return subprocess.Popen(
-        command(run, ranks, local, steps, free_port()),
-        cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT,
+        cmd, cwd=REPO, env=env(), stdout=log, stderr=subprocess.STDOUT,
     )  # fmt: skip
 
 

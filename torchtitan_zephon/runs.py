@@ -104,6 +104,12 @@ def losses(run: str | os.PathLike) -> tuple[dict[int, float], str]:
     )
 
 
+CHECKPOINT_NAME = re.compile(r"step-(\d+)")
+"""A checkpoint folder's name: ``step-N`` (TorchTitan saves and loads that name)."""
+DATA_STATE_KEY = f"dataloader.{RECORD_KEY}"
+"""Where DCP keeps the Zephon record in a checkpoint."""
+
+
 @dataclass
 class CheckpointInfo:
     step: int
@@ -111,21 +117,98 @@ class CheckpointInfo:
     complete: bool
     """DCP wrote its ``.metadata`` file last: a folder without it was interrupted."""
     bytes: int
+    problem: str | None = None
+    """Why a complete checkpoint cannot be loaded: an unreadable ``.metadata``, a shard
+    missing or shorter than ``.metadata`` says (None: whole, or not verified)."""
+    holds: str | None = None
+    """What a whole checkpoint holds: ``"training"`` (model, optimizer, trainer and the
+    Zephon data state: a job can resume from it), ``"model"`` (the weights only, e.g.
+    TorchTitan's last checkpoint with ``checkpoint.last_save_model_only``), or
+    ``"no data state"`` (a training checkpoint without the Zephon record, e.g. stock
+    TorchTitan's). None: not verified, incomplete or corrupt."""
+    keys: frozenset[str] = frozenset()
+    """The state-dict keys its ``.metadata`` lists (verified checkpoints)."""
+
+    @property
+    def status(self) -> str:
+        """``complete``, ``incomplete`` (no .metadata) or ``corrupt`` (see ``problem``)."""
+        if not self.complete:
+            return "incomplete"
+        return "corrupt" if self.problem else "complete"
+
+    @property
+    def resumable(self) -> bool:
+        """Verified whole and holding everything a training job resumes from."""
+        return self.complete and self.problem is None and self.holds == "training"
 
 
-def checkpoints(run: str | os.PathLike, folder: str = "checkpoint") -> list[CheckpointInfo]:
+def checkpoints(
+    run: str | os.PathLike, folder: str = "checkpoint", *, verify: bool = False
+) -> list[CheckpointInfo]:
+    """The ``step-N`` folders of a run's checkpoint folder, by step.
+
+    ``verify``: also read each complete one's ``.metadata`` and check its shards
+    (see :func:`verify_checkpoint`); otherwise only ``complete`` is known.
+    """
     root = Path(run) / folder
     out = []
     if not root.is_dir():
         return out
     for child in root.iterdir():
-        m = re.fullmatch(r"step-(\d+)", child.name)
+        m = CHECKPOINT_NAME.fullmatch(child.name)
         if m and child.is_dir():
             size = sum(f.stat().st_size for f in child.rglob("*") if f.is_file())
-            out.append(
-                CheckpointInfo(int(m.group(1)), child, (child / ".metadata").is_file(), size)
-            )
+            info = CheckpointInfo(int(m.group(1)), child, (child / ".metadata").is_file(), size)
+            out.append(verify_checkpoint(info) if verify else info)
     return sorted(out, key=lambda c: c.step)
+
+
+def verify_checkpoint(info: CheckpointInfo) -> CheckpointInfo:
+    """Fill in ``problem``, ``holds`` and ``keys`` from the files: a pure function of the
+    checkpoint folder, so every rank that asks reaches the same verdict.
+
+    A shard is whole when its size covers every byte range (offset + length) that
+    ``.metadata`` assigns to it; DCP writes ``.metadata`` last, so a folder with it and a
+    short shard was damaged afterwards (a full disk, a copy cut short, a bad node).
+    Content changed in place at the same size is not detected (DCP keeps no checksums).
+    """
+    if not info.complete:
+        return info
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(info.path)).read_metadata()
+    except Exception as e:  # noqa: BLE001 - a damaged pickle fails in many ways
+        info.problem = f".metadata is unreadable ({type(e).__name__}: {e or 'cut short'})"
+        return info
+    needed: dict[str, int] = {}
+    for item in (metadata.storage_data or {}).values():
+        end = int(item.offset) + int(item.length)
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), end)
+    for name, end in sorted(needed.items()):
+        shard = info.path / name
+        if not shard.is_file():
+            info.problem = f"shard {name} is missing"
+            return info
+        size = shard.stat().st_size
+        if size < end:
+            info.problem = (
+                f"shard {name} is truncated: {size} bytes, its .metadata needs at least {end}"
+            )
+            return info
+    keys = frozenset(metadata.state_dict_metadata)
+    info.keys = keys
+    if DATA_STATE_KEY in keys:
+        info.holds = "training"
+    elif any(k == "train_state" or k.split(".")[0] in TRAINING_STATES for k in keys):
+        info.holds = "no data state"
+    else:
+        info.holds = "model"
+    return info
+
+
+TRAINING_STATES = ("train_state", "optimizer", "lr_scheduler", "dataloader")
+"""TorchTitan's checkpoint entries besides the model (a model-only checkpoint has none)."""
 
 
 def read_data_state(checkpoint: str | os.PathLike) -> DataState:
@@ -138,7 +221,7 @@ def read_data_state(checkpoint: str | os.PathLike) -> DataState:
         metadata = reader.read_metadata()
     except FileNotFoundError:
         raise RunError(f"{checkpoint} is not a complete DCP checkpoint (no .metadata)") from None
-    key = f"dataloader.{RECORD_KEY}"
+    key = DATA_STATE_KEY
     if not isinstance(metadata.state_dict_metadata.get(key), BytesStorageMetadata):
         raise RunError(f"{checkpoint} holds no Zephon data state (key {key!r} missing)")
     import warnings
@@ -177,7 +260,9 @@ def sequence_log(path: str | os.PathLike) -> LogContents:
         return read_log(p)
     except TrackerError as e:
         raise RunError(str(e)) from None
-    except (KeyError, TypeError, ValueError) as e:  # e.g. a record whose "step" is not a number
+    # e.g. a record whose "step" is not a number (ValueError) or is 1e400 (OverflowError),
+    # or a line of JSON nested too deeply to parse (RecursionError)
+    except (KeyError, TypeError, ValueError, OverflowError, RecursionError) as e:
         raise RunError(f"{p}: the sequence log is corrupt ({type(e).__name__}: {e})") from None
 
 
@@ -232,7 +317,7 @@ def saved_config(run: str | os.PathLike) -> tuple[Path, dict] | None:
     for f in sorted(Path(run).glob("*.json")):
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+        except (OSError, ValueError, RecursionError):
             continue
         if isinstance(data, dict) and "job" in data and "training" in data:
             return f, data

@@ -47,11 +47,23 @@ def main() -> None:
     platform.apply()
     from torchtitan.train import main as titan_main
 
+    from torchtitan_zephon.data.state import DataStateMismatch
+    from torchtitan_zephon.ownership import FolderInUse
+    from torchtitan_zephon.titan.preflight import StartRefused
     from torchtitan_zephon.titan.spec import register
     from torchtitan_zephon.titan.trainer import ZephonTrainer
+    from torchtitan_zephon.tracker import TrackerError
+
+    refusals = (StartRefused, FolderInUse, DataStateMismatch, TrackerError)
 
     register()
-    titan_main(ZephonTrainer)
+    try:
+        titan_main(ZephonTrainer)
+    except refusals as e:  # a refused start: the message says it all, no traceback
+        from torchtitan.tools.logging import logger
+
+        logger.error(f"Zephon refused to start: {type(e).__name__}: {e}")
+        raise SystemExit(1) from None
 
 
 if __name__ == "__main__":

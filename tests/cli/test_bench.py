@@ -19,9 +19,29 @@ def test_loader(capsys, tmp_path):
     for key in ("stock_tokens_per_s", "zephon_tokens_per_s", "torchdata_tokens_per_s"):
         assert r[key] > 0
     assert r["speedup"] == pytest.approx(r["zephon_tokens_per_s"] / r["stock_tokens_per_s"])
-    assert set(r["tokens_per_s"]) == {
-        f"{name}_workers{w}" for name in ("stock", "torchdata", "zephon") for w in (0, 2)
-    }
+    keys = {f"{name}_workers{w}" for name in ("stock", "torchdata", "zephon") for w in (0, 2)}
+    assert set(r["tokens_per_s"]) == keys
+    # both shapes in one run, each figure the median of its interleaved rounds
+    assert [(s["seq_len"], s["local_batch"]) for s in r["shapes"]] == [(256, 2), (64, 8)]
+    assert r["shapes"][0]["tokens_per_s"] == r["tokens_per_s"]
+    for s in r["shapes"]:
+        assert set(s["tokens_per_s_rounds"]) == keys
+        for key, rounds in s["tokens_per_s_rounds"].items():
+            assert len(rounds) == r["rounds"] == 3
+            assert s["tokens_per_s"][key] == sorted(rounds)[1]
+        assert s["zephon_tokens_per_s"] == s["tokens_per_s"]["zephon_workers0"]
+        assert s["torchdata_tokens_per_s"] == s["tokens_per_s"]["torchdata_workers0"]
+        assert s["speedup_vs_torchdata"] == pytest.approx(
+            s["zephon_tokens_per_s"] / s["torchdata_tokens_per_s"]
+        )
+        cpu = s["tokens_per_cpu_s"]  # in-process loaders only: 0 workers
+        assert set(cpu) == {f"{name}_workers0" for name in ("stock", "torchdata", "zephon")}
+        assert s["speedup_vs_torchdata_cpu"] == pytest.approx(
+            cpu["zephon_workers0"] / cpu["torchdata_workers0"]
+        )
+    assert r["meets"]["torchdata_ratio"] == (
+        min(s["speedup_vs_torchdata"] for s in r["shapes"]) >= r["targets"]["torchdata_ratio"]
+    )
     assert r["restore_s_step_10"] > 0 and r["restore_s_step_1000000"] > 0
     assert r["restore_ratio"] == pytest.approx(r["restore_s_step_1000000"] / r["restore_s_step_10"])
     sizes = r["state_bytes"]

@@ -98,7 +98,7 @@ def test_errors_exit_2_without_traceback(argv, message, store_path, capsys):
     argv = [str(store_path) if a == "STORE" else a for a in argv]
     assert main(argv) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"zephon {argv[0]}: error: ") and message in err
+    assert f"zephon {argv[0]}: error: " in err and message in err
     assert "Traceback" not in err
 
 
@@ -134,7 +134,8 @@ def test_python_dash_m_entry_point(store_path):
         capture_output=True,
         text=True,
     )
-    assert bad.returncode == 2 and "zephon plan: error: seq_len must be >= 1" in bad.stderr
+    assert bad.returncode == 2
+    assert "zephon plan: error: argument --seq-len: expected an integer >= 1, got '0'" in bad.stderr
     usage = subprocess.run(
         [sys.executable, "-m", "torchtitan_zephon", "plan", "--steps", "x"],
         capture_output=True,
@@ -194,3 +195,79 @@ def test_inspect_check_needs_a_store(tmp_path, capsys):
         rc, _, err = _inspect(capsys, tmp_path / "run", flag)
         assert rc == 2 and "--check and --upgrade apply to token stores" in err
         assert "is a run folder" in err
+
+
+# ----------------------------------------------------------------------------- plan: bad arguments
+
+
+def _plan(store_path, *extra: str) -> list[str]:
+    base = {"--seq-len": "8", "--global-batch-size": "4", "--seed": "1", "--steps": "1:2"}
+    for flag, value in zip(extra[::2], extra[1::2], strict=True):
+        base[flag] = value
+    argv = ["plan", "--store", str(store_path)]
+    for flag, value in base.items():
+        argv += [flag, value] if value is not None else [flag]
+    return argv
+
+
+def test_plan_huge_global_batch_is_refused_up_front(store_path, capsys):
+    """A batch no one could print is refused before any id is computed (was a numpy
+    MemoryError traceback); a huge entry outside the printed steps does not matter."""
+    assert main(_plan(store_path, "--global-batch-size", str(10**12), "--json", None)) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("zephon plan: error: step 1 has 1000000000000 sample ids")
+    assert "at most 1000000000 per step" in captured.err and "--dp-rank" in captured.err
+    later = f"1:4,100:{10**12}"
+    assert main(_plan(store_path, "--global-batch-size", later, "--steps", "98:99")) == 0
+    assert main(_plan(store_path, "--global-batch-size", later, "--steps", "99:100")) == 2
+    assert "step 100 has 1000000000000 sample ids" in capsys.readouterr().err
+
+
+def test_plan_streams_big_steps_in_blocks(store_path, capsys, monkeypatch):
+    """Steps are printed block by block (bounded memory); the output is the same as
+    printing each step's ids at once."""
+    import torchtitan_zephon.cli.plan as plan_cli
+
+    n = TokenStore.open(store_path).num_samples(8)
+    plan = DataPlan(n, 1, BatchSchedule.parse("40"))
+    monkeypatch.setattr(plan_cli, "BLOCK", 7)
+    assert main(_plan(store_path, "--global-batch-size", "40", "--json", None)) == 0
+    expected = [{"step": s, "ids": plan.global_ids(s).tolist()} for s in (1, 2)]
+    assert [json.loads(x) for x in capsys.readouterr().out.splitlines()] == expected
+    assert main(_plan(store_path, "--global-batch-size", "40", "--steps", "2:2")) == 0
+    assert capsys.readouterr().out == "step 2: " + " ".join(map(str, expected[1]["ids"])) + "\n"
+    argv = _plan(store_path, "--global-batch-size", "40", "--dp-degree", "4", "--dp-rank", "3")
+    assert main([*argv, "--json"]) == 0
+    last = json.loads(capsys.readouterr().out.splitlines()[1])
+    assert last == {"step": 2, "ids": plan.rank_ids(2, 3, 4).tolist()}
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--seq-len", "0", "argument --seq-len: expected an integer >= 1, got '0'"),
+        ("--seq-len", "-8", "argument --seq-len: expected an integer >= 1, got '-8'"),
+        ("--seq-len", "eight", "argument --seq-len: expected an integer >= 1, got 'eight'"),
+        ("--dp-degree", "0", "argument --dp-degree: expected an integer >= 1, got '0'"),
+        ("--dp-degree", "-2", "argument --dp-degree: expected an integer >= 1, got '-2'"),
+        ("--dp-rank", "-1", "argument --dp-rank: expected an integer >= 0, got '-1'"),
+        ("--dp-rank", "1", "--dp-rank 1 must be below --dp-degree 1"),
+        ("--local-batch-size", "0", "argument --local-batch-size: expected an integer >= 1"),
+        ("--sample-offset", "-1", "argument --sample-offset: expected an integer >= 0"),
+        ("--num-samples", "0", "argument --num-samples: expected an integer >= 1"),
+        ("--num-samples", "10000000", "samples [0, 10000000) do not fit the store"),
+        ("--seed", "1.5", "argument --seed: invalid int value: '1.5'"),
+        ("--steps", "0:2", "argument --steps: expected 1 <= FIRST <= LAST"),
+        ("--steps", "3:1", "argument --steps: expected 1 <= FIRST <= LAST"),
+        ("--steps", "1:2:3", "argument --steps: expected FIRST:LAST"),
+        ("--steps", "1:", "argument --steps: expected FIRST:LAST"),
+        ("--global-batch-size", "0", "global batch size must be >= 1"),
+        ("--global-batch-size", "1:4,1:8", "strictly increasing"),
+        ("--global-batch-size", "4x", "cannot parse global batch schedule '4x'"),
+    ],
+)
+def test_plan_argument_errors(store_path, capsys, flag, value, message):
+    code = main(_plan(store_path, flag, value))
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and "Traceback" not in err, err

@@ -61,6 +61,42 @@ def test_checkpoint_folder_and_an_incomplete_one(real_runs, capsys, tmp_path):  
     assert "INCOMPLETE (no .metadata" in out and "next step:          5" in out
 
 
+def test_corrupt_checkpoint_and_the_folder_owner(real_runs, capsys, tmp_path):  # noqa: F811
+    """A shard cut short after .metadata was written: inspect calls the checkpoint corrupt
+    (as the trainer does, which skips it) and names the job holding the folder."""
+    import dataclasses
+    import os
+    import subprocess
+    import sys
+
+    from torchtitan_zephon.ownership import Holder, Process, lock_path
+
+    run = tmp_path / "run"
+    shutil.copytree(real_runs.ref, run)
+    shard = run / "checkpoint" / "step-8" / "__0_0.distcp"
+    os.truncate(shard, 100)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lock_path(run).write_text(
+        Holder("t", dataclasses.replace(Process.of(os.getpid()), pid=dead.pid)).to_json()
+    )
+    rc, out, _ = inspect(capsys, run)
+    assert rc == 0
+    assert "step-8" in out and "CORRUPT (shard __0_0.distcp is truncated: 100 bytes" in out
+    assert "latest complete checkpoint: step 4" in out and "next step:          5" in out
+    assert f"owner: host {Process.of(os.getpid()).host}, pid {dead.pid} (dead" in out
+    rc, out, _ = inspect(capsys, run / "checkpoint" / "step-8")
+    assert rc == 0 and "status: CORRUPT" in out and "data state: unavailable (corrupt" in out
+    rc, out, _ = inspect(capsys, run, "--json")
+    info = json.loads(out)
+    assert [(c["step"], c["status"]) for c in info["checkpoints"]] == [
+        (4, "complete"),
+        (8, "corrupt"),
+    ]
+    assert info["checkpoints"][0]["holds"] == "training"
+    assert info["owner"]["state"] == "dead" and info["owner"]["pid"] == dead.pid
+
+
 def test_run_with_only_a_log_and_a_saved_config(tmp_path, capsys):
     run = write_log(tmp_path / "run", 5, resume_at=2, died_at=3)
     config = {

@@ -1,6 +1,7 @@
 """ZephonLoader: exact stream, elastic resume, world-size-free state, refusals."""
 
 import json
+import math
 
 import numpy as np
 import pytest
@@ -9,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchtitan_zephon.data.digest import fingerprint
-from torchtitan_zephon.data.loader import DataStateMismatch, ZephonLoader
+from torchtitan_zephon.data.loader import MAX_WINDOW, DataStateMismatch, ZephonLoader
 from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.store import StoreError, TokenStore, UncheckedStoreWarning
 
@@ -306,3 +307,75 @@ def test_store_without_checksums_has_each_batch_checked_against_vocab(tmp_path, 
     msg = str(e.value)
     assert f"holds token id 5000 at token {where}" in msg
     assert "outside the model's vocabulary of 5000 ids" in msg and "--check" in msg
+
+
+# ---------------------------------------------------------------- prefetch windows
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    layout=st.sampled_from(LAYOUTS),
+    multiples=st.lists(st.integers(1, 3), min_size=1, max_size=3),
+    starts=st.lists(st.integers(2, 9), max_size=2, unique=True),
+    seed=st.integers(0, 10**6),
+    num_samples=st.integers(5, 40),  # an epoch every few steps: windows span epochs
+    mode=st.sampled_from([(0, 0), (0, 2), (1, 1), (2, 3)]),  # (num_workers, prefetch)
+)
+def test_window_path_equals_per_step_path(
+    store, layout, multiples, starts, seed, num_samples, mode
+):
+    d, b = layout
+    sizes = [d * b * 12 // math.gcd(12, d * b) * m for m in multiples]  # each a multiple of 12
+    entries = list(zip([1, *sorted(starts)], sizes, strict=False))
+    schedule = ",".join(f"{s}:{g}" for s, g in entries)
+    rank = d - 1
+    with _loader(
+        store, d, rank, b, workers=mode[0], prefetch=mode[1], seed=seed, schedule=schedule,
+        num_samples=num_samples,
+    ) as ld:  # fmt: skip
+        assert ld.window == (1 if mode == (0, 0) else MAX_WINDOW)  # tiny micro-batches
+        got = _take_steps(ld, 12)
+        plan = ld.plan
+    for s, rows in enumerate(got, start=1):
+        ids = plan.rank_ids(s, rank, d)
+        assert np.array_equal(plan.rank_stream_ids(s, 0, len(ids), rank, d), ids)
+        assert np.array_equal(rows, store.windows(ids, SEQ)), f"step {s}"
+
+
+@pytest.mark.parametrize("workers, prefetch", [(0, 0), (0, 2), (2, 3)])
+def test_retry_after_a_mid_step_failure_resumes_at_the_failed_micro_batch(
+    tmp_path, store_path, store, workers, prefetch
+):
+    chunk = 64
+    path = copy_store(store_path, tmp_path / "s", chunk_tokens=chunk)
+    b, per_step = 2, 6  # global batch 12 on DP 1: 6 micro-batches per step
+    with _loader(store, 1, 0, b, schedule="12") as ld:
+        upcoming = _microbatches_from(ld.plan, 1, b, 60)
+
+    def covered(ids):  # chunks the samples ``ids`` read
+        return {c for i in ids for c in range(i * SEQ // chunk, (i * SEQ + SEQ) // chunk + 1)}
+
+    seen: set[int] = set()
+    for k, (_, ids) in enumerate(upcoming):  # a chunk first read mid-step, after step 1
+        new = covered(ids) - seen
+        if new and k > per_step and k % per_step >= 2:
+            bad, k_bad = min(new), k
+            break
+        seen |= covered(ids)
+    token = bad * chunk + 5
+    original = int(np.asarray(store.tokens)[token])
+    edit_token(path, token)  # same size: only the content checks can see it
+    with _loader(TokenStore.open(path), 1, 0, b, workers, prefetch, schedule="12") as ld:
+        for _, ids in upcoming[:k_bad]:
+            x, _ = next(ld)
+            assert np.array_equal(x["input"].numpy(), store.windows(ids, SEQ)[:, :-1])
+        with pytest.raises(StoreError, match=f"chunk {bad} of tokens.bin"):
+            next(ld)
+        step = upcoming[k_bad][0]
+        assert ld.next_step == step  # the step is not complete
+        edit_token(path, token, value=original)  # the fault is gone (say, a bad read)
+        for _, ids in upcoming[k_bad:]:  # the retry starts at the failed micro-batch
+            x, y = next(ld)
+            assert np.array_equal(x["input"].numpy(), store.windows(ids, SEQ)[:, :-1])
+            assert np.array_equal(y.numpy(), store.windows(ids, SEQ)[:, 1:])
+        assert ld.next_step == upcoming[-1][0] + 1

@@ -1,5 +1,7 @@
 """DataPlan and BatchSchedule: partition, epoch coverage, exact position accounting."""
 
+import math
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -103,3 +105,47 @@ def test_anchor_shifts_positions():
     assert plan.step_positions(6) == (41, 8)
     with pytest.raises(ValueError, match="before the resume anchor"):
         plan.step_positions(1)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    data=st.data(),
+    schedule=schedules(),
+    n=st.integers(1, 60),
+    seed=st.integers(0, 10**6),
+    offset=st.integers(0, 5),
+)
+def test_rank_stream_window_equals_per_step_slices(data, schedule, n, seed, offset):
+    # any DP degree dividing every global batch size of the schedule, any rank of it
+    d = data.draw(st.sampled_from(_divisors(math.gcd(*(g for _, g in schedule.entries)))))
+    r = data.draw(st.integers(0, d - 1))
+    anchor = data.draw(st.sampled_from([(1, 0), (3, 0), (3, 17), (9, 5)]))
+    plan = DataPlan(n, seed, schedule, offset, anchor_step=anchor[0], anchor_position=anchor[1])
+    step = data.draw(st.integers(anchor[0], anchor[0] + 30))
+    skip = data.draw(st.integers(0, 20))
+    count = data.draw(st.integers(0, 150))  # past 48 ids the permutation takes its numpy path
+    slices, s = [], step
+    while sum(map(len, slices)) < skip + count:
+        slices.append(plan.rank_ids(s, r, d))
+        s += 1
+    stream = np.concatenate(slices) if slices else np.empty(0, dtype=np.int64)
+    window = plan.rank_stream_ids(step, skip, count, r, d)
+    assert window.dtype == np.int64
+    assert np.array_equal(window, stream[skip : skip + count])
+    # positions in any order, over any epochs: one by one gives the same ids
+    first, _ = plan.rank_positions(step, r, d)
+    positions = data.draw(st.lists(st.integers(0, first + 4 * n), max_size=60))
+    expected = [int(plan.ids_for_positions(p, 1)[0]) for p in positions]
+    assert plan.ids_at(np.array(positions, dtype=np.int64)).tolist() == expected
+
+
+def test_rank_stream_window_spans_epochs_and_schedule_entries():
+    plan = DataPlan(7, 3, BatchSchedule.parse("1:4,3:6"))  # 7 samples: an epoch every ~1.5 steps
+    window = plan.rank_stream_ids(1, 1, 9, 1, 2)  # rank 1 of 2: 2, 2, 3, 3, ... ids per step
+    per_step = np.concatenate([plan.rank_ids(s, 1, 2) for s in range(1, 6)])
+    assert np.array_equal(window, per_step[1:10])
+    assert plan.rank_stream_ids(2, 0, 0, 0, 2).size == 0
+    with pytest.raises(ValueError, match="skip and count must be >= 0"):
+        plan.rank_stream_ids(1, -1, 3, 0, 1)
+    with pytest.raises(ValueError, match="DP degree 4 does not divide the global batch size 6"):
+        plan.rank_stream_ids(1, 0, 12, 0, 4)  # reaches step 3 (batch 6)

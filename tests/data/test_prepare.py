@@ -2,6 +2,11 @@
 
 import gzip
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -209,3 +214,278 @@ def test_dirty_inputs(tmp_path, tokenizer_dir):
     with pytest.raises(StoreError, match="looks binary"):
         prepare_store([str(tmp_path / "bin")], str(tokenizer_dir), str(tmp_path / "s3"))
     assert not (tmp_path / "s2").exists() and not (tmp_path / "s3").exists()
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def _no_leftovers(tmp_path: Path, out: str = "out") -> None:
+    """A refused prepare leaves neither the output nor its temporary sibling behind."""
+    assert not (tmp_path / out).exists()
+    assert not list(tmp_path.glob(f".{out}.tmp*"))
+
+
+def _gz_lines(n: int) -> bytes:
+    lines = "".join(json.dumps({"text": corpus_text(k, 40)}) + "\n" for k in range(n))
+    return gzip.compress(lines.encode(), mtime=0)
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        # cut in the middle: the reader saw some lines, then the stream ends
+        pytest.param(
+            "cut.jsonl.gz",
+            _gz_lines(400)[:2000],
+            r"cut\.jsonl\.gz: .*after line \d+.*truncated",
+            id="truncated-gzip",
+        ),
+        # bytes overwritten in the middle of the deflate stream
+        pytest.param(
+            "bad.jsonl.gz",
+            (lambda b: b[:40] + bytes(range(256)) * 4 + b[1064:])(_gz_lines(400)),
+            r"bad\.jsonl\.gz: .*corrupt",
+            id="corrupt-gzip",
+        ),
+        # JSON lines named .gz but not compressed
+        pytest.param(
+            "plain.jsonl.gz",
+            b'{"text": "alpha"}\n',
+            r"plain\.jsonl\.gz: .*not a gzip file",
+            id="not-gzip",
+        ),
+        # compressed files under names prepare reads as text
+        pytest.param(
+            "notes.txt",
+            __import__("bz2").compress(b"alpha " * 100),
+            r"notes\.txt is bzip2-compressed",
+            id="bzip2-as-text",
+        ),
+        pytest.param(
+            "page.json.gz",
+            gzip.compress(b'{"text": "alpha"}'),
+            r"page\.json\.gz is gzip-compressed",
+            id="json-gz",
+        ),
+    ],
+)
+def test_corrupt_compressed_input_is_a_clear_error(tmp_path, tokenizer_dir, name, content, message):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(StoreError, match=message):
+        prepare_store([str(tmp_path / name)], str(tokenizer_dir), str(tmp_path / "out"))
+    _no_leftovers(tmp_path)
+
+
+def test_corrupt_parquet_is_a_clear_error(tmp_path, tokenizer_dir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(
+        pa.table({"text": [corpus_text(k, 30) for k in range(50)]}), tmp_path / "a.parquet"
+    )
+    data = (tmp_path / "a.parquet").read_bytes()
+    (tmp_path / "cut.parquet").write_bytes(data[: len(data) // 2])
+    (tmp_path / "garbage.parquet").write_bytes(b"PAR1" + bytes(range(256)) * 3 + b"PAR1")
+    for name in ("cut.parquet", "garbage.parquet"):
+        with pytest.raises(StoreError, match=rf"{name}: cannot read Parquet"):
+            prepare_store([str(tmp_path / name)], str(tokenizer_dir), str(tmp_path / "out"))
+        _no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        pytest.param(
+            "deep.jsonl",
+            '{"text": "a"}\n' + "[" * 100_000 + "\n",
+            r"deep\.jsonl:2: .*nested",
+            id="jsonl-unclosed",
+        ),
+        pytest.param(
+            "closed.jsonl",
+            "[" * 50_000 + "]" * 50_000 + "\n",
+            r"closed\.jsonl:1: .*nested",
+            id="jsonl-closed",
+        ),
+        pytest.param("deep.json", "[" * 100_000, r"deep\.json: .*nested", id="json-unclosed"),
+        pytest.param(
+            "meta.json",
+            '[{"text": "a", "meta": ' + "[" * 5000 + "]" * 5000 + "}]",
+            r"meta\.json: .*nested",
+            id="json-deep-field",
+        ),
+    ],
+)
+def test_deeply_nested_json_is_a_clear_error(tmp_path, tokenizer_dir, name, content, message):
+    (tmp_path / name).write_text(content)
+    with pytest.raises(StoreError, match=message):
+        prepare_store([str(tmp_path / name)], str(tokenizer_dir), str(tmp_path / "out"))
+    _no_leftovers(tmp_path)
+
+
+def test_symlink_loops_and_duplicate_links_are_read_once(tmp_path, tokenizer_dir):
+    """Each real file is read once, whatever links lead to it; the order stays the walk's."""
+    root = tmp_path / "in"
+    (root / "sub").mkdir(parents=True)
+    (root / "a.txt").write_text("alpha beta")
+    (root / "sub" / "b.txt").write_text("gamma delta")
+    (root / "sub" / "up").symlink_to("..")  # a loop: in/sub/up/sub/up/...
+    (root / "z-link.txt").symlink_to("a.txt")  # a second name of a.txt
+    (root / "dangling.txt").symlink_to("missing.txt")
+    s = prepare_store([str(root)], str(tokenizer_dir), str(tmp_path / "s"), progress=False)
+    assert [src["name"] for src in s.manifest["sources"]] == ["in/a.txt", "in/sub/b.txt"]
+    assert s.num_documents == 2
+    # two loops branch: without loop detection the walk would be exponential
+    (root / "sub" / "self").symlink_to(".")
+    two = prepare_store([str(root)], str(tokenizer_dir), str(tmp_path / "s2"), progress=False)
+    assert two.fingerprint == s.fingerprint
+    # the same folder reached through a link to it gives the same tokens
+    (tmp_path / "link").symlink_to(root)
+    again = prepare_store(
+        [str(tmp_path / "link")], str(tokenizer_dir), str(tmp_path / "s3"), progress=False
+    )
+    assert again.num_documents == 2 and np.array_equal(again.tokens, s.tokens)
+
+
+def test_corrupt_hf_dataset_is_a_clear_error(tmp_path, tokenizer_dir):
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_dict({"text": [corpus_text(k, 10) for k in range(50)]}).save_to_disk(
+        str(tmp_path / "hf")
+    )
+    (arrow,) = (tmp_path / "hf").glob("*.arrow")
+    arrow.write_bytes(arrow.read_bytes()[:100])
+    with pytest.raises(StoreError, match=r"hf: cannot read this Hugging Face dataset folder"):
+        prepare_store([str(tmp_path / "hf")], str(tokenizer_dir), str(tmp_path / "out"))
+    _no_leftovers(tmp_path)
+
+
+# ----------------------------------------------------------------------------- worker processes
+
+
+def _children(pid: int) -> list[int]:
+    """Live (not zombie) child processes of ``pid``, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry.name))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _is_worker(pid: int) -> bool:
+    try:
+        return b"spawn_main" in (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def big_corpus(tmp_path_factory) -> Path:
+    """~45 MB of text: a few seconds of work for two tokenizer workers."""
+    root = tmp_path_factory.mktemp("big") / "big"
+    root.mkdir()
+    text = corpus_text(3, 30_000)
+    for k in range(300):
+        (root / f"{k:03d}.txt").write_text(text)
+    return root
+
+
+def _start_prepare_and_wait_for_output(tmp_path, tokenizer_dir, corpus) -> tuple:
+    """``zephon prepare --workers 2`` in its own session, once it has written tokens."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torchtitan_zephon", "prepare", str(corpus), "--tokenizer",
+         str(tokenizer_dir), "--output", str(tmp_path / "out"), "--workers", "2", "--quiet"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )  # fmt: skip
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        written = list(tmp_path.glob(".out.tmp-*/tokens.bin"))
+        if written and written[0].stat().st_size > 0:
+            workers = [c for c in _children(proc.pid) if _is_worker(c)]
+            if len(workers) == 2:
+                return proc, workers
+        time.sleep(0.01)
+    proc.kill()
+    pytest.fail(f"prepare ended (or never wrote tokens) before the test could act: {proc.poll()}")
+
+
+def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str, float]:
+    t0 = time.monotonic()
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        pytest.fail(f"prepare still running {timeout} s after the signal (hangs):\n{err[-3000:]}")
+    return proc.returncode, out, err, time.monotonic() - t0
+
+
+def test_killed_worker_fails_fast_and_cleans_up(tmp_path, tokenizer_dir, big_corpus):
+    """A worker SIGKILLed mid-run (as by the OOM killer) ends prepare with a clear error
+    within seconds: no store at the output path, no temporary folder, no worker left."""
+    proc, workers = _start_prepare_and_wait_for_output(tmp_path, tokenizer_dir, big_corpus)
+    os.kill(workers[0], signal.SIGKILL)
+    code, out, err, took = _finish(proc, timeout=60)
+    assert code == 2, (code, err)
+    assert "zephon prepare: error: tokenizer worker" in err and "SIGKILL" in err, err
+    assert "fewer --workers" in err and "Traceback" not in err + out, err
+    assert took < 30, took  # seconds: detection is immediate, the margin is for a busy machine
+    _no_leftovers(tmp_path)
+    assert not any(_alive(w) for w in workers)
+
+
+def test_ctrl_c_stops_prepare_promptly_and_cleans_up(tmp_path, tokenizer_dir, big_corpus):
+    """SIGINT to the whole process group (what Ctrl-C in a terminal sends) stops prepare
+    and its workers at once, without a traceback, and leaves nothing on disk."""
+    proc, workers = _start_prepare_and_wait_for_output(tmp_path, tokenizer_dir, big_corpus)
+    os.killpg(proc.pid, signal.SIGINT)
+    code, out, err, took = _finish(proc, timeout=60)
+    assert code == 130, (code, err)
+    assert err.strip() == "zephon prepare: interrupted", err
+    assert took < 30, took
+    _no_leftovers(tmp_path)
+    assert not any(_alive(w) for w in workers)
+
+
+def test_worker_count_is_bounded(tmp_path, tokenizer_dir, corpus_dir):
+    """Nothing is started for a worker count no machine could run (10**10 processes)."""
+    from torchtitan_zephon.data.encode import max_workers
+
+    for workers in (0, -3, max_workers() + 1, 10**10):
+        with pytest.raises(
+            StoreError,
+            match=rf"workers must be in \[1, {max_workers()}\] \(4 .* per CPU at most\), got",
+        ):
+            prepare_store(
+                [str(corpus_dir)], str(tokenizer_dir), str(tmp_path / "out"), workers=workers
+            )
+        _no_leftovers(tmp_path)
+
+
+def test_reader_error_with_workers_stops_them(tmp_path, tokenizer_dir, corpus_dir):
+    """A bad input found while workers are encoding earlier chunks: the reader's error,
+    the workers stopped (none left running), nothing on disk."""
+    (tmp_path / "in").mkdir()
+    for k in range(3):
+        (tmp_path / "in" / f"{k}.jsonl").write_text(
+            "".join(json.dumps({"text": corpus_text(j, 400)}) + "\n" for j in range(3000))
+        )
+    (tmp_path / "in" / "9.jsonl").write_text('{"text": "alpha"}\n{"text": "be\n')
+    with pytest.raises(StoreError, match=r"9\.jsonl:2: invalid JSON"):
+        prepare_store([str(tmp_path / "in")], str(tokenizer_dir), str(tmp_path / "out"), workers=2)
+    _no_leftovers(tmp_path)
+    assert not [c for c in _children(os.getpid()) if _is_worker(c)]

@@ -165,6 +165,29 @@ def test_edited_token_fails_reads_of_its_chunk_only(tmp_path, store_path, store)
     TokenStore.open(path, verify=False).windows(np.array([inside]), seq)
 
 
+def test_edited_tail_is_found_when_read_after_everything_before_it_was_checked(
+    tmp_path, store_path, store
+):
+    # held-out samples at the end: training reads everything below them, the tail stays
+    # unchecked; a read that reaches it is still checked, before and after the others
+    path = copy_store(store_path, tmp_path / "tail", chunk_tokens=CHUNK)
+    s = TokenStore.open(path)
+    last = s.num_chunks - 1
+    edit_token(path, last * CHUNK + 1)
+    seq = 16
+    below = np.arange((last * CHUNK - 1) // seq)  # samples ending before the last chunk
+    for k in range(0, below.size, 7):
+        assert np.array_equal(
+            s.windows(below[k : k + 7], seq), store.windows(below[k : k + 7], seq)
+        )
+    assert s.unchecked_chunks == 1
+    for ids in ([below[-1] + 1], [0, below[-1] + 1], [s.num_samples(seq) - 1, 3]):
+        with pytest.raises(StoreError, match=f"chunk {last} of tokens.bin"):
+            s.windows(np.array(ids), seq)
+    assert np.array_equal(s.windows(below[::-5], seq), store.windows(below[::-5], seq))
+    assert s.unchecked_chunks == 1
+
+
 def test_long_windows_check_every_chunk_they_span(tmp_path, store_path):
     path = copy_store(store_path, tmp_path / "edited", chunk_tokens=8)
     edit_token(path, 60)  # chunk 7, strictly inside sample 1 of seq_len 40 (tokens [40, 81))

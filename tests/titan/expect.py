@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from pathlib import Path
 
 from torchtitan_zephon import runs
@@ -49,3 +50,32 @@ def resume_events(run: Path) -> list[dict]:
     return [
         e for e in read_log(run / "zephon" / "sequence_log.jsonl").events if e["event"] == "resume"
     ]
+
+
+def tree(root: Path) -> dict[str, tuple]:
+    """Every file and folder under ``root``: kind, size, mtime and content hash. Equal
+    before and after a refused start means nothing was created, changed or deleted."""
+    out = {}
+    for p in sorted(root.rglob("*")):
+        st = p.stat()
+        content = hashlib.sha256(p.read_bytes()).hexdigest() if p.is_file() else ""
+        out[str(p.relative_to(root))] = (p.is_dir(), st.st_size if content else 0,
+                                         st.st_mtime_ns, content)  # fmt: skip
+    return out
+
+
+def assert_unchanged(before: dict[str, tuple], after: dict[str, tuple]) -> None:
+    changed = sorted(k for k in set(before) | set(after) if before.get(k) != after.get(k))
+    assert not changed, f"the refused start changed the run folder: {changed}"
+
+
+def assert_refused(job, *texts: str) -> None:
+    """The job was refused with a clear message (no traceback through our code) that
+    contains every one of ``texts``."""
+    tail = job.output[-4000:]
+    assert job.returncode != 0, f"the job was not refused:\n{tail}"
+    assert "Zephon refused to start" in job.output, tail
+    package = str(Path(__file__).resolve().parents[2] / "torchtitan_zephon")
+    assert f'File "{package}' not in job.output, f"a traceback instead of a message:\n{tail}"
+    for text in texts:
+        assert text in job.output, f"{text!r} not in the message:\n{tail}"

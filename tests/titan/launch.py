@@ -72,11 +72,21 @@ class Job:
         return self
 
 
-def train(run: Path, nproc: int = 2, *overrides: str, timeout: int = 600) -> Job:
-    """Run one job to completion; its output is appended to ``<run>/train.log``."""
-    run.mkdir(parents=True, exist_ok=True)
+def train(
+    run: Path,
+    nproc: int = 2,
+    *overrides: str,
+    timeout: int = 600,
+    log: Path | None = None,
+    torchrun_args: list[str] | None = None,
+) -> Job:
+    """Run one job to completion; its output is appended to ``log`` (default
+    ``<run>/train.log``; tests that compare the run folder before and after put it
+    elsewhere)."""
+    if log is None:
+        run.mkdir(parents=True, exist_ok=True)
     proc = subprocess.run(
-        train_command(run, nproc, list(overrides)),
+        train_command(run, nproc, list(overrides), torchrun_args=torchrun_args),
         cwd=REPO,
         env=job_env(),
         stdout=subprocess.PIPE,
@@ -84,7 +94,7 @@ def train(run: Path, nproc: int = 2, *overrides: str, timeout: int = 600) -> Job
         text=True,
         timeout=timeout,
     )
-    with open(run / "train.log", "a") as f:
+    with open(log or run / "train.log", "a") as f:
         f.write(proc.stdout)
     return Job(run, proc.returncode, proc.stdout)
 

@@ -3,7 +3,6 @@ stream under another (DP degree, local batch size, TP), and bad resumes are refu
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 
 import pytest
@@ -11,9 +10,12 @@ import pytest
 from tests.titan.expect import (
     TOPOLOGY_RTOL,
     assert_losses,
+    assert_refused,
     assert_same_data,
+    assert_unchanged,
     log_records,
     resume_events,
+    tree,
 )
 from tests.titan.launch import copy_run_until, train
 from torchtitan_zephon import runs
@@ -61,15 +63,6 @@ def test_resume_fsdp_x_tp_to_fsdp(e2e_root: Path, reference_fsdp_tp: Path, refer
 # ------------------------------------------------------------ refused resumes
 
 
-def snapshot(run: Path) -> dict[str, str]:
-    """Content hash of every file the runs wrote (train.log is the test harness's own)."""
-    return {
-        str(p.relative_to(run)): hashlib.sha256(p.read_bytes()).hexdigest()
-        for p in sorted(run.rglob("*"))
-        if p.is_file() and p.name != "train.log"
-    }
-
-
 @pytest.fixture(scope="module")
 def other_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A store with other contents, tokenized with the same shipped tokenizer."""
@@ -101,17 +94,10 @@ def test_changed_data_config_is_refused(
     run = copy_run_until(reference, e2e_root / f"refused_{name}", 4)
     if overrides is None:
         overrides = ("--zephon.store", str(other_store))
-    before = snapshot(run)
-    job = train(run, 2, *overrides)
-    assert job.returncode != 0
-    assert "Differing fields" in job.output, job.output[-3000:]
-    for text in expected:
-        assert text in job.output, f"{text!r} not in the error:\n{job.output[-3000:]}"
-    assert "allow_changes" in job.output
-    after = snapshot(run)
-    assert {k: after[k] for k in before} == before, (
-        "the refused resume changed files in the run folder"
-    )
+    before = tree(run)
+    job = train(run, 2, *overrides, log=e2e_root / f"refused_{name}.log")
+    assert_refused(job, "Differing fields", *expected, "allow_changes")
+    assert_unchanged(before, tree(run))
 
 
 def test_changed_seed_accepted_with_explicit_opt_in(e2e_root: Path, reference: Path):
@@ -121,7 +107,7 @@ def test_changed_seed_accepted_with_explicit_opt_in(e2e_root: Path, reference: P
     assert event["from_step"] == 4
 
 
-def test_log_from_another_run_is_refused(e2e_root: Path, reference: Path):
+def test_log_from_another_run_is_refused_unless_ignored(e2e_root: Path, reference: Path):
     other = (
         train(e2e_root / "other_seed", 1, "--zephon.seed", "9", "--training.steps", "4").check().run
     )
@@ -129,12 +115,17 @@ def test_log_from_another_run_is_refused(e2e_root: Path, reference: Path):
     (run / "zephon" / "sequence_log.jsonl").write_bytes(
         (other / "zephon" / "sequence_log.jsonl").read_bytes()
     )
-    before = snapshot(run)
-    job = train(run, 2)
-    assert job.returncode != 0
-    assert "does not match the checkpoint of step 4" in job.output, job.output[-3000:]
-    after = snapshot(run)
-    assert {k: after[k] for k in before} == before
+    before = tree(run)
+    job = train(run, 2, log=e2e_root / "foreign_log.log")
+    assert_refused(job, "does not match the checkpoint of step 4")
+    assert_unchanged(before, tree(run))
+    # --zephon.ignore_log_mismatch: the job continues, warns, and the resume event says so
+    job = train(run, 1, "--zephon.ignore_log_mismatch").check()
+    assert "continuing because zephon.ignore_log_mismatch is set" in job.output
+    (event,) = resume_events(run)
+    assert event["from_step"] == 4 and "record of step 4 has chain" in event["log_mismatch_ignored"]
+    assert sorted(log_records(run)) == [1, 2, 3, 4, 5, 6, 7, 8]  # 1-4: the foreign run's
+    assert_same_data(reference, run, range(5, 9))
 
 
 def test_incomplete_last_checkpoint_is_skipped_with_a_warning(e2e_root: Path, reference: Path):
@@ -165,11 +156,10 @@ def test_batch_schedule_changes_gradient_accumulation_and_resumes(e2e_root: Path
 
 def test_trainer_state_without_data_state_is_refused(e2e_root: Path, reference: Path):
     run = copy_run_until(reference, e2e_root / "no_data_state", 4)
-    job = train(run, 1, "--checkpoint.exclude_from_loading", "dataloader")
-    assert job.returncode != 0
-    assert "restored the trainer at step 4 but no Zephon data state" in job.output, job.output[
-        -3000:
-    ]
+    before = tree(run)
+    job = train(run, 1, "--checkpoint.exclude_from_loading", "dataloader", log=e2e_root / "nds.log")
+    assert_refused(job, "restore the trainer at step 4 but no Zephon data state")
+    assert_unchanged(before, tree(run))
 
 
 def test_resume_onto_edited_store_content_fails_at_the_step_reading_it(

@@ -20,6 +20,7 @@ from tests.titan.launch import (
     train,
     train_command,
 )
+from torchtitan_zephon.tracker import TrackerError, read_log
 
 # A slower flavor than the other tests so the node dies mid-run, not after the end.
 JOB = ("--model.flavor", "small", "--training.seq_len", "128", "--training.steps", "24")
@@ -33,10 +34,11 @@ def uninterrupted(e2e_root: Path) -> Path:
 
 
 def two_nodes_lose_one(
-    run: Path, *, nnodes: str, agent_args: tuple[str, ...] = ()
+    run: Path, *, nnodes: str, agent_args: tuple[str, ...] = (), before_checkpoint: bool = False
 ) -> subprocess.Popen:
     """Start two single-rank agents; SIGKILL the second agent and its worker right after
-    checkpoint KILL_AFTER completes. Returns the surviving agent's process."""
+    checkpoint KILL_AFTER completes (``before_checkpoint``: as soon as step 2 is logged,
+    before any checkpoint). Returns the surviving agent's process."""
     port = free_port()
     launcher = [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
                 "--rdzv_id=node_loss_test", *agent_args]  # fmt: skip
@@ -50,8 +52,17 @@ def two_nodes_lose_one(
         )
         time.sleep(0.5)  # the first agent hosts the rendezvous store
     done = run / "checkpoint" / f"step-{KILL_AFTER}" / ".metadata"
+
+    def time_to_kill() -> bool:
+        if not before_checkpoint:
+            return done.exists()
+        try:
+            return 2 in read_log(run / "zephon" / "sequence_log.jsonl").records
+        except TrackerError:
+            return False
+
     deadline = time.time() + 300
-    while not done.exists():
+    while not time_to_kill():
         assert time.time() < deadline, (
             "no checkpoint within 300 s:\n" + (run / "agent0.log").read_text()[-3000:]
         )
@@ -59,6 +70,8 @@ def two_nodes_lose_one(
         time.sleep(0.02)
     kill_node(agents[1].pid)
     agents[1].wait()
+    if before_checkpoint:
+        assert not (run / "checkpoint").exists(), "a checkpoint was written before the kill"
     assert not (run / "checkpoint" / "step-24").exists(), (
         "the job finished before the node was lost"
     )
@@ -87,3 +100,28 @@ def test_lose_a_node_elastic_agent_resumes_alone(e2e_root: Path, uninterrupted: 
     assert_losses(uninterrupted, run, STEPS, rtol=TOPOLOGY_RTOL)
     (event,) = resume_events(run)
     assert (event["world_size"], event["nnodes"], event["dp_degree"]) == (1, 1, 1)
+
+
+@pytest.mark.slow
+def test_elastic_restart_before_the_first_checkpoint_starts_over(
+    e2e_root: Path, uninterrupted: Path
+):
+    """A node is lost at step 2, before any checkpoint: the elastic agent restarts the job
+    alone. Its new rank 0 runs under one of the agents recorded in the run folder's lock,
+    so it is the same job and is not refused: it starts again from step 1, its start
+    event supersedes the steps of the first attempt, and the data is the reference's."""
+    run = e2e_root / "node_loss_before_checkpoint"
+    survivor = two_nodes_lose_one(
+        run,
+        nnodes="1:2",
+        agent_args=("--max-restarts=1", "--rdzv-conf", "last_call_timeout=2"),
+        before_checkpoint=True,
+    )
+    assert survivor.wait(timeout=300) == 0, (run / "agent0.log").read_text()[-3000:]
+    assert (
+        "an elastic restart of this job before it could resume" in (run / "agent0.log").read_text()
+    )
+    log = read_log(run / "zephon" / "sequence_log.jsonl")
+    starts = [e for e in log.events if e["event"] == "start"]
+    assert [(e["world_size"], e["nnodes"]) for e in starts] == [(2, 2), (1, 1)]
+    assert_same_data(uninterrupted, run, STEPS)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.bench import SUITES
+from torchtitan_zephon.cli.args import int_in, positive_float
 
 ALL_OUT = "docs/bench_results.json"
 
@@ -45,14 +46,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--quick", action="store_true", help="tiny sizes (smoke test, not a measurement)"
     )
-    p.add_argument("--seconds", type=float, help="measuring time per loader (loader, mixture)")
     p.add_argument(
-        "--seq-len", dest="seq_len", type=int, help="tokens per sample (loader, resume, mixture)"
+        "--seconds", type=positive_float, help="measuring time per loader (loader, mixture)"
     )
-    p.add_argument("--batch", type=int, help="local batch size (loader, resume, mixture)")
-    p.add_argument("--workers", type=int, help="loader workers for the second round (loader)")
-    p.add_argument("--steps", type=int, help="training steps per run (step)")
-    p.add_argument("--nproc", type=int, help="ranks per training run (step)")
+    p.add_argument(
+        "--seq-len",
+        dest="seq_len",
+        type=int_in(1),
+        help="tokens per sample (loader, resume, mixture)",
+    )
+    p.add_argument("--batch", type=int_in(1), help="local batch size (loader, resume, mixture)")
+    p.add_argument("--workers", type=int_in(0), help="loader workers for the second round (loader)")
+    p.add_argument("--steps", type=int_in(1), help="training steps per run (step)")
+    p.add_argument(
+        "--nproc",
+        type=int_in(1, max(8, 4 * (os.cpu_count() or 1))),
+        help="ranks per training run (step; at most 4 per CPU)",
+    )
     p.add_argument("--levels", help="comma-separated audit levels to run, of off,ids,tokens (step)")
     p.add_argument(
         "--slow",

@@ -263,8 +263,10 @@ def plot(
 def run(args: argparse.Namespace) -> int:
     if len(args.runs) < 2:
         raise ValueError("give at least two runs: RUN_A (the reference) and RUN_B")
-    if args.rtol < 0 or args.atol < 0:
-        raise ValueError(f"tolerances must be >= 0, got rtol {args.rtol}, atol {args.atol}")
+    if not (0 <= args.rtol < math.inf and 0 <= args.atol < math.inf):  # also refuses nan
+        raise ValueError(
+            f"tolerances must be finite and >= 0, got rtol {args.rtol}, atol {args.atol}"
+        )
     runs = [Path(r) for r in args.runs]
     read = [losses(r) for r in runs]
     series, sources = [v for v, _ in read], [src for _, src in read]

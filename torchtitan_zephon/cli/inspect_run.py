@@ -3,13 +3,14 @@
 A run folder (TorchTitan ``job.dump_folder``) is summarised from what it holds:
 the saved job config if any (TorchTitan saves it only with
 ``--job.save_config_file``), its checkpoints (complete when DCP wrote
-``.metadata``, which it writes last), the Zephon data state of the latest
+``.metadata``, which it writes last; corrupt when a shard is missing or shorter
+than ``.metadata`` says; model-only), the Zephon data state of the latest
 complete one, the sequence log (effective records, resume history with
-topologies) and the loss range in its TensorBoard events. A checkpoint folder
-(``checkpoint/step-N``) is summarised by its data state. For a mixture, each
-source's samples drawn by the checkpointed steps against its exact target and
-the epoch it is in, computed from the data state and the plan (O(1) in the
-step: nothing is replayed).
+topologies), the job holding the folder's lock if any, and the loss range in its
+TensorBoard events. A checkpoint folder (``checkpoint/step-N``) is summarised by
+its status and data state. For a mixture, each source's samples drawn by the
+checkpointed steps against its exact target and the epoch it is in, computed
+from the data state and the plan (O(1) in the step: nothing is replayed).
 
 Invariant: inspecting reads only; a part that is missing or unreadable is
 reported as such in its field, never as a traceback.
@@ -21,7 +22,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon import runs
+from torchtitan_zephon import ownership, runs
 from torchtitan_zephon.data.state import DataState
 
 _STEP_DIR = re.compile(r"step-(\d+)")
@@ -72,22 +73,30 @@ def _mixture(state: dict[str, Any] | None) -> dict[str, Any] | None:
         return {"error": str(e) or type(e).__name__}
 
 
+def _status(c: runs.CheckpointInfo) -> dict[str, Any]:
+    return {"status": c.status, "problem": c.problem, "holds": c.holds}
+
+
 def describe_checkpoint(path: Path) -> dict[str, Any]:
     m = _STEP_DIR.fullmatch(path.name)
     files = [f for f in path.rglob("*") if f.is_file()]
     complete = (path / ".metadata").is_file()
+    c = runs.verify_checkpoint(runs.CheckpointInfo(int(m.group(1)) if m else -1, path, complete, 0))
     info: dict[str, Any] = {
         "kind": "checkpoint",
         "path": str(path),
         "step": int(m.group(1)) if m else None,
         "complete": complete,
+        **_status(c),
         "bytes": sum(f.stat().st_size for f in files),
         "files": len(files),
     }
-    if complete:
-        info["data_state"] = _data_state(path)
-    else:
+    if not complete:
         info["data_state"] = {"error": "incomplete checkpoint (no .metadata): DCP was interrupted"}
+    elif c.problem:
+        info["data_state"] = {"error": f"corrupt checkpoint: {c.problem}"}
+    else:
+        info["data_state"] = _data_state(path)
     info["mixture"] = _mixture(info["data_state"])
     return info
 
@@ -155,17 +164,43 @@ def _losses(run: Path) -> dict[str, Any]:
     }
 
 
+def _owner(run: Path) -> dict[str, Any] | None:
+    """The job named by the run folder's lock: alive, dead, or unknown from here."""
+    if not ownership.lock_path(run).exists():
+        return None
+    holder = ownership.read_holder(run)
+    if holder is None:
+        return {"error": f"unreadable lock file {ownership.lock_path(run)}"}
+    p = holder.process
+    alive = (p.alive() and "alive") if p.on_this_machine() else None
+    return {
+        "host": p.host,
+        "pid": p.pid,
+        "run_id": holder.run_id,
+        "since": holder.acquired,
+        "lease_s": holder.lease_s,
+        "state": alive or ("dead" if p.on_this_machine() else "on another machine"),
+    }
+
+
 def describe_run(path: Path) -> dict[str, Any]:
-    cks = runs.checkpoints(path)
-    complete = [c for c in cks if c.complete]
+    cks = runs.checkpoints(path, verify=True)
+    complete = [c for c in cks if c.status == "complete"]
     latest = complete[-1] if complete else None
     data_state = _data_state(latest.path) if latest else None
     return {
         "kind": "run",
         "path": str(path),
         "config": _config(path),
+        "owner": _owner(path),
         "checkpoints": [
-            {"step": c.step, "path": str(c.path), "complete": c.complete, "bytes": c.bytes}
+            {
+                "step": c.step,
+                "path": str(c.path),
+                "complete": c.complete,
+                **_status(c),
+                "bytes": c.bytes,
+            }
             for c in cks
         ],
         "latest_complete_checkpoint": latest.step if latest else None,
@@ -244,8 +279,20 @@ def _format_mixture(mixture: dict[str, Any] | None, indent: str = "  ") -> list[
     return lines
 
 
+def _format_status(c: dict[str, Any]) -> str:
+    if c["status"] == "incomplete":
+        return "INCOMPLETE (no .metadata, skipped on resume)"
+    if c["status"] == "corrupt":
+        return f"CORRUPT ({c['problem']}; skipped on resume)"
+    if c["holds"] == "model":
+        return "complete, model only (cannot be resumed)"
+    if c["holds"] == "no data state":
+        return "complete, no Zephon data state"
+    return "complete"
+
+
 def format_checkpoint(info: dict[str, Any]) -> str:
-    status = "complete" if info["complete"] else "INCOMPLETE (no .metadata)"
+    status = _format_status(info)
     lines = [
         f"checkpoint: {info['path']}",
         f"  step:   {info['step'] if info['step'] is not None else '?'}",
@@ -263,11 +310,18 @@ def format_run(info: dict[str, Any]) -> str:
         lines += [f"    {k} = {v!r}" for k, v in cfg["summary"].items()]
     else:
         lines.append("  config: not saved (TorchTitan saves it only with --job.save_config_file)")
+    owner = info["owner"]
+    if owner and "error" in owner:
+        lines.append(f"  owner: {owner['error']}")
+    elif owner:
+        lines.append(
+            f"  owner: host {owner['host']}, pid {owner['pid']} ({owner['state']}; lease "
+            f"{owner['lease_s']:g} s, since {owner['since']})"
+        )
     cks = info["checkpoints"]
     lines.append(f"  checkpoints ({len(cks)}):")
     for c in cks:
-        mark = "complete" if c["complete"] else "INCOMPLETE (no .metadata, skipped on resume)"
-        lines.append(f"    step-{c['step']:<6} {_size(c['bytes']):>10}  {mark}")
+        lines.append(f"    step-{c['step']:<6} {_size(c['bytes']):>10}  {_format_status(c)}")
     if not cks:
         lines.append("    none")
     if info["latest_complete_checkpoint"] is not None:

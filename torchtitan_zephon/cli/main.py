@@ -6,7 +6,12 @@ Role: parse the command line and run a subcommand. Each subcommand lives in
 ``COMMANDS``.
 
 Invariant: bad input never produces a traceback: it prints
-``zephon <cmd>: error: <message>`` on stderr and exits with status 2.
+``zephon <cmd>: error: <message>`` on stderr and exits with status 2 (argparse's
+usage errors too; ``main(argv)`` returns the status instead of exiting). Errors
+are classified where they are raised: the data engine, run readers and
+subcommands raise ValueError subclasses (StoreError, RunError, ...) or OSError
+(a missing file; a prepare worker that died is a ChildProcessError), which this
+module reports. tests/cli/test_fuzz.py holds every subcommand to this.
 """
 
 from __future__ import annotations
@@ -38,13 +43,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Run ``zephon`` with ``argv`` (default: sys.argv[1:]); return the exit status."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # argparse printed usage and the error (2), or --help (0)
+        return e.code if isinstance(e.code, int) else 2
     try:
         return int(args._run(args) or 0)
     except BrokenPipeError:  # output piped into e.g. `head`
         sys.stderr.close()
         return 0
-    except (ValueError, OSError) as e:  # StoreError and DataStateMismatch are ValueErrors
+    except (ValueError, OSError) as e:  # StoreError, RunError, DataStateMismatch; WorkerLost
         print(f"zephon {args.command}: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

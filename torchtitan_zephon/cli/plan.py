@@ -1,5 +1,11 @@
 """``zephon plan``: print the ordered sample ids of each step (or of one DP rank).
 
+Invariant: the ids printed for a step are ``DataPlan.global_ids`` (or
+``rank_ids``) of that step, the ones the trainer's loader reads. They are
+computed and printed ``BLOCK`` ids at a time, so memory stays bounded whatever
+the batch size; a step with more than ``MAX_IDS_PER_STEP`` ids is refused
+before anything is printed. Bad arguments are refused before the store is read.
+
 With ``--mixture FILE`` instead of ``--store``: the ids are per-source sample
 ids and ``"sources"`` names the source of each (``sources[i]`` is the source of
 ``ids[i]``); the plan's warnings and its worst deviation from the exact targets
@@ -12,8 +18,12 @@ import argparse
 import json
 import sys
 
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan, check_batch_layout
+from torchtitan_zephon.cli.args import int_in
+from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
 from torchtitan_zephon.data.store import TokenStore
+
+BLOCK = 1 << 20  # ids computed and written at a time
+MAX_IDS_PER_STEP = 10**9  # about 10 GB of output for one step
 
 
 def _steps(text: str) -> tuple[int, int]:
@@ -26,6 +36,13 @@ def _steps(text: str) -> tuple[int, int]:
     if not 1 <= a <= b:
         raise argparse.ArgumentTypeError(f"expected 1 <= FIRST <= LAST, got {text!r}")
     return a, b
+
+
+def _schedule(text: str) -> BatchSchedule:
+    try:
+        return BatchSchedule.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -43,68 +60,87 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--heldout-samples",
-        type=int,
+        type=int_in(0),
         default=0,
         metavar="N",
         help="with --mixture: the job's zephon.heldout_samples (default of each source's)",
     )
-    p.add_argument("--seq-len", type=int, required=True, metavar="L")
+    p.add_argument("--seq-len", type=int_in(1), required=True, metavar="L")
     p.add_argument(
-        "--global-batch-size", required=True, metavar="G", help="'64' or a schedule '1:64,1000:128'"
+        "--global-batch-size",
+        type=_schedule,
+        required=True,
+        metavar="G",
+        help="'64' or a schedule '1:64,1000:128'",
     )
     p.add_argument("--seed", type=int, required=True, metavar="S")
     p.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="inclusive range")
-    p.add_argument("--dp-degree", type=int, default=1, metavar="D")
-    p.add_argument("--dp-rank", type=int, default=None, metavar="R")
-    p.add_argument("--local-batch-size", type=int, default=None, metavar="B")
-    p.add_argument("--sample-offset", type=int, default=0)
-    p.add_argument("--num-samples", type=int, default=None)
+    p.add_argument("--dp-degree", type=int_in(1), default=1, metavar="D")
+    p.add_argument("--dp-rank", type=int_in(0), default=None, metavar="R")
+    p.add_argument("--local-batch-size", type=int_in(1), default=None, metavar="B")
+    p.add_argument("--sample-offset", type=int_in(0), default=0)
+    p.add_argument("--num-samples", type=int_in(1), default=None)
     p.add_argument("--json", action="store_true", help='one JSON object per line: {"step", "ids"}')
     return p
 
 
+def _largest_step(schedule: BatchSchedule, first: int, last: int) -> tuple[int, int]:
+    """(step, global batch size) of the largest batch among steps first..last."""
+    best = (first, schedule.gbs(first))
+    for start, gbs in schedule.entries:
+        if first < start <= last and gbs > best[1]:
+            best = (start, gbs)
+    return best
+
+
 def run(args: argparse.Namespace) -> int:
+    schedule: BatchSchedule = args.global_batch_size
+    first, last = args.steps
+    if args.dp_rank is not None and args.dp_rank >= args.dp_degree:
+        raise ValueError(
+            f"--dp-rank {args.dp_rank} must be below --dp-degree {args.dp_degree} "
+            f"(ranks are 0 .. {args.dp_degree - 1})."
+        )
+    schedule.check_layout(args.dp_degree, args.local_batch_size or 1)
+    step, gbs = _largest_step(schedule, first, last)
+    per_step = gbs if args.dp_rank is None else gbs // args.dp_degree
+    if per_step > MAX_IDS_PER_STEP:
+        raise ValueError(
+            f"step {step} has {per_step} sample ids to print; zephon plan prints at most "
+            f"{MAX_IDS_PER_STEP} per step. Check --global-batch-size, or print one DP rank's "
+            "slice with --dp-degree D --dp-rank R."
+        )
     if args.mixture:
-        return run_mixture(args)
+        return run_mixture(args, schedule)
     store = TokenStore.open(args.store)
-    schedule = BatchSchedule.parse(args.global_batch_size)
     available = store.num_samples(args.seq_len)
     num_samples = available - args.sample_offset if args.num_samples is None else args.num_samples
-    if args.sample_offset < 0 or num_samples < 1 or args.sample_offset + num_samples > available:
+    if num_samples < 1 or args.sample_offset + num_samples > available:
         raise ValueError(
             f"samples [{args.sample_offset}, {args.sample_offset + num_samples}) do not fit the "
             f"store, which holds {available} samples of seq_len {args.seq_len}."
         )
-    if args.dp_rank is not None and not 0 <= args.dp_rank < args.dp_degree:
-        raise ValueError(f"--dp-rank must be in [0, {args.dp_degree}), got {args.dp_rank}.")
-    for _, gbs in schedule.entries:
-        check_batch_layout(gbs, args.dp_degree, args.local_batch_size or 1)
     plan = DataPlan(num_samples, args.seed, schedule, args.sample_offset)
-    first, last = args.steps
+    out = sys.stdout
     for step in range(first, last + 1):
         if args.dp_rank is None:
-            ids = plan.global_ids(step)
+            position, count = plan.step_positions(step)
         else:
-            ids = plan.rank_ids(step, args.dp_rank, args.dp_degree)
-        if args.json:
-            print(json.dumps({"step": step, "ids": ids.tolist()}, separators=(",", ":")))
-        else:
-            print(f"step {step}: " + " ".join(map(str, ids.tolist())))
+            position, count = plan.rank_positions(step, args.dp_rank, args.dp_degree)
+        out.write(f'{{"step":{step},"ids":[' if args.json else f"step {step}: ")
+        sep = "," if args.json else " "
+        for done in range(0, count, BLOCK):
+            ids = plan.ids_for_positions(position + done, min(BLOCK, count - done))
+            out.write((sep if done else "") + sep.join(map(str, ids.tolist())))
+        out.write("]}\n" if args.json else "\n")
     return 0
 
 
-def run_mixture(args: argparse.Namespace) -> int:
-    """``zephon plan --mixture FILE``: the steps' (source, sample id) pairs."""
+def run_mixture(args: argparse.Namespace, schedule: BatchSchedule) -> int:
+    """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
     from torchtitan_zephon.data.mixture import MixtureConfig
     from torchtitan_zephon.data.source import MixtureSource, MixtureStream
 
-    schedule = BatchSchedule.parse(args.global_batch_size)
-    if args.dp_rank is not None and not 0 <= args.dp_rank < args.dp_degree:
-        raise ValueError(f"--dp-rank must be in [0, {args.dp_degree}), got {args.dp_rank}.")
-    for _, gbs in schedule.entries:
-        check_batch_layout(gbs, args.dp_degree, args.local_batch_size or 1)
-    if args.heldout_samples < 0:
-        raise ValueError(f"--heldout-samples must be >= 0, got {args.heldout_samples}.")
     source = MixtureSource.open(
         MixtureConfig.load(args.mixture),
         args.seq_len,
@@ -124,16 +160,29 @@ def run_mixture(args: argparse.Namespace) -> int:
         f"{worst.denominator}) of its exact target at every step (worst: {who!r}).",
         file=sys.stderr,
     )
+    out = sys.stdout
+    sep = "," if args.json else " "
     for step in range(first, last + 1):
         if args.dp_rank is None:
-            keys = plan.global_ids(step)
+            position, count = plan.step_positions(step)
         else:
-            keys = plan.rank_ids(step, args.dp_rank, args.dp_degree)
-        names, ids = plan.decode(keys)
-        if args.json:
-            line = {"step": step, "ids": ids.tolist(), "sources": names}
-            print(json.dumps(line, separators=(",", ":")))
+            position, count = plan.rank_positions(step, args.dp_rank, args.dp_degree)
+        blocks = [(position + done, min(BLOCK, count - done)) for done in range(0, count, BLOCK)]
+        if args.json:  # ids, then their sources: each block computed twice, memory bounded
+            out.write(f'{{"step":{step},"ids":[')
+            for k, block in enumerate(blocks):
+                _, ids = plan.decode(plan.ids_for_positions(*block))
+                out.write((sep if k else "") + sep.join(map(str, ids.tolist())))
+            out.write('],"sources":[')
+            for k, block in enumerate(blocks):
+                names, _ = plan.decode(plan.ids_for_positions(*block))
+                out.write((sep if k else "") + sep.join(json.dumps(n) for n in names))
+            out.write("]}\n")
         else:
-            pairs = " ".join(f"{n}:{i}" for n, i in zip(names, ids.tolist(), strict=True))
-            print(f"step {step}: {pairs}")
+            out.write(f"step {step}: ")
+            for k, block in enumerate(blocks):
+                names, ids = plan.decode(plan.ids_for_positions(*block))
+                pairs = (f"{n}:{i}" for n, i in zip(names, ids.tolist(), strict=True))
+                out.write((sep if k else "") + sep.join(pairs))
+            out.write("\n")
     return 0

@@ -14,6 +14,8 @@ Invariants:
   rank order is the step's global batch, and the concatenation of a rank's
   micro-batches is its slice. Nothing here depends on D, the rank or the
   micro-batch size except the cut points.
+- A window of a rank's stream (``rank_stream_ids``: many steps, across epochs, in
+  a few numpy calls) equals the per-step slices ``rank_ids`` concatenated.
 """
 
 from __future__ import annotations
@@ -131,6 +133,14 @@ class BatchSchedule:
             size = g
         return size
 
+    def segment_end(self, step: int) -> int | None:
+        """First step after ``step`` that starts a new schedule entry (None: none does);
+        steps ``step .. segment_end - 1`` all have ``gbs(step)``."""
+        for s, _ in self.entries:
+            if s > step:
+                return s
+        return None
+
     def first_position(self, step: int) -> int:
         """Number of positions consumed by steps 1 .. step-1."""
         if step < 1:
@@ -203,6 +213,22 @@ class DataPlan:
             done += take
         return out + self.sample_offset
 
+    def ids_at(self, positions: np.ndarray) -> np.ndarray:
+        """Sample ids (int64) of the stream positions ``positions`` (any shape, order and
+        epochs): one permutation call per epoch touched."""
+        p = np.asarray(positions, dtype=np.int64)
+        if p.size and p.min() < 0:
+            raise ValueError(f"positions must be >= 0, found {p.min()}.")
+        epochs, within = np.divmod(p, self.num_samples)
+        if not p.size or epochs.min() == epochs.max():
+            ids = self.permutation(int(epochs.flat[0]) if p.size else 0).map(within)
+        else:
+            ids = np.empty(p.shape, dtype=np.int64)
+            for epoch in np.unique(epochs).tolist():  # ascending: each permutation built once
+                sel = epochs == epoch
+                ids[sel] = self.permutation(epoch).map(within[sel])
+        return ids + self.sample_offset
+
     def step_positions(self, step: int) -> tuple[int, int]:
         """(first position, count) of global step ``step``."""
         if step < self.anchor_step:
@@ -239,6 +265,33 @@ class DataPlan:
     def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray:
         """Slice [r*G/D, (r+1)*G/D) of the step's global batch."""
         return self.ids_for_positions(*self.rank_positions(step, dp_rank, dp_degree))
+
+    def rank_stream_ids(
+        self, step: int, skip: int, count: int, dp_rank: int, dp_degree: int
+    ) -> np.ndarray:
+        """Ids ``[skip, skip + count)`` of DP rank ``dp_rank``'s stream from ``step`` on.
+
+        The rank's stream is ``rank_ids(s, dp_rank, dp_degree)`` for s = step, step + 1,
+        ... concatenated; this computes a window of it (several steps, possibly across
+        epochs) in a few numpy calls instead of one lookup per step, with equal values.
+        """
+        if skip < 0 or count < 0:
+            raise ValueError(f"skip and count must be >= 0, got skip={skip}, count={count}.")
+        rows: list[np.ndarray] = []  # positions, one row per step, a few steps per entry
+        need, s = skip + count, step
+        while need > 0:
+            first, per_rank = self.rank_positions(s, dp_rank, dp_degree)
+            # Within one schedule entry a rank's slice moves by gbs(s) positions per step.
+            steps = -(-need // per_rank)
+            end = self.schedule.segment_end(s)
+            if end is not None:
+                steps = min(steps, end - s)
+            starts = first + self.schedule.gbs(s) * np.arange(steps, dtype=np.int64)
+            rows.append((starts[:, None] + np.arange(per_rank, dtype=np.int64)).ravel())
+            need -= steps * per_rank
+            s += steps
+        positions = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+        return self.ids_at(positions[skip : skip + count])
 
     def microbatch_ids(
         self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int

@@ -1,10 +1,10 @@
 """Build a token store from raw text (``zephon prepare``).
 
-Role: read documents from text files, folders, JSONL (.jsonl, .jsonl.gz),
-JSON, Parquet and local Hugging Face datasets (``save_to_disk`` folders),
-tokenize them with a Hugging Face ``tokenizer.json``, and write a token store
-(see ``store.py``): every document's tokens followed by one EOS token, in input
-order.
+Role: identify the tokenizer (a Hugging Face ``tokenizer.json`` and its EOS),
+read the inputs' documents (``readers.py``: text files, folders, JSONL, JSON,
+Parquet, local Hugging Face datasets), tokenize them in chunks (``encode.py``,
+optionally in worker processes) and write a token store (see ``store.py``):
+every document's tokens followed by one EOS token, in input order.
 
 Invariant: the store's bytes depend only on the inputs' contents, their names
 relative to the given inputs, the tokenizer and ``text_field``; never on the
@@ -15,15 +15,11 @@ a store that exists is complete.
 
 from __future__ import annotations
 
-import gzip
 import hashlib
-import itertools
 import json
-import multiprocessing as mp
 import os
 import shutil
 import sys
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +27,8 @@ from typing import Any
 
 import numpy as np
 
+from torchtitan_zephon.data.encode import encode_in_order, max_workers
+from torchtitan_zephon.data.readers import Source, iter_documents, resolve_inputs, source_record
 from torchtitan_zephon.data.store import (
     DOC_OFFSETS,
     FORMAT,
@@ -44,7 +42,6 @@ from torchtitan_zephon.data.store import (
 )
 
 EOS_FALLBACKS = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
-_JSONL_SUFFIXES = (".jsonl", ".jsonl.gz", ".ndjson")
 _CHUNK_CHARS = 1 << 20
 _CHUNK_DOCS = 2048
 
@@ -119,233 +116,7 @@ def dtype_for_vocab(vocab_size: int) -> str:
     )
 
 
-# ----------------------------------------------------------------------------- sources
-
-
-@dataclass(frozen=True)
-class Source:
-    name: str  # relative, stable name recorded in the manifest
-    path: Path
-    kind: str  # text | jsonl | json | parquet | hf
-
-
-def _is_hf_dataset(path: Path) -> bool:
-    return path.is_dir() and any(
-        (path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")
-    )
-
-
-def _kind_of(path: Path) -> str:
-    name = path.name.lower()
-    if name.endswith(_JSONL_SUFFIXES):
-        return "jsonl"
-    if name.endswith(".json"):
-        return "json"
-    if name.endswith(".parquet"):
-        return "parquet"
-    return "text"
-
-
-def resolve_inputs(inputs: list[str]) -> list[Source]:
-    """Expand inputs into sources, in the given order; folders walked sorted, hidden skipped."""
-    if not inputs:
-        raise StoreError("no inputs given; pass at least one file or folder to prepare.")
-    sources: list[Source] = []
-    for raw in inputs:
-        path = Path(raw)
-        if not path.exists():
-            raise StoreError(
-                f"input {raw!r} does not exist; expected a text/JSONL/Parquet file, a folder "
-                "or a Hugging Face dataset saved with save_to_disk."
-            )
-        base = path.resolve().name
-        if _is_hf_dataset(path):
-            sources.append(Source(base, path, "hf"))
-        elif path.is_dir():
-            sources.extend(_walk(path, base))
-        else:
-            sources.append(Source(base, path, _kind_of(path)))
-    return sources
-
-
-def _walk(folder: Path, prefix: str) -> Iterator[Source]:
-    for entry in sorted(folder.iterdir(), key=lambda p: p.name):
-        if entry.name.startswith("."):
-            continue
-        name = f"{prefix}/{entry.name}"
-        if _is_hf_dataset(entry):
-            yield Source(name, entry, "hf")
-        elif entry.is_dir():
-            yield from _walk(entry, name)
-        elif entry.is_file():
-            yield Source(name, entry, _kind_of(entry))
-
-
-def _source_files(src: Source) -> list[Path]:
-    if src.path.is_dir():
-        return sorted((p for p in src.path.rglob("*") if p.is_file()), key=lambda p: p.as_posix())
-    return [src.path]
-
-
-def source_record(src: Source) -> dict[str, Any]:
-    """Manifest entry: name, kind, sha256 of the content, size in bytes."""
-    h = hashlib.sha256()
-    size = 0
-    for f in _source_files(src):
-        if src.path.is_dir():
-            h.update(f.relative_to(src.path).as_posix().encode() + b"\0")
-        with open(f, "rb") as fh:
-            for block in iter(lambda: fh.read(1 << 20), b""):
-                h.update(block)
-                size += len(block)
-    return {"name": src.name, "kind": src.kind, "sha256": h.hexdigest(), "size": size}
-
-
-def _field(record: Any, text_field: str, where: str) -> str:
-    if not isinstance(record, dict):
-        raise StoreError(
-            f"{where}: expected a JSON object with field {text_field!r}, found "
-            f"{type(record).__name__}."
-        )
-    if text_field not in record:
-        raise StoreError(
-            f"{where}: unknown text field {text_field!r}; fields present: "
-            f"{sorted(record)}. Choose one with --text-field."
-        )
-    value = record[text_field]
-    if not isinstance(value, str):
-        raise StoreError(
-            f"{where}: field {text_field!r} should be a string, found {type(value).__name__}."
-        )
-    return value
-
-
-def iter_documents(src: Source, text_field: str) -> Iterator[str]:
-    """The documents of one source, in file order, as valid Unicode text.
-
-    Empty documents are skipped. Values that are not strings are refused; lone
-    surrogates (common in scraped JSON) become U+FFFD like undecodable bytes do.
-    """
-    for k, text in enumerate(_raw_documents(src, text_field)):
-        if not isinstance(text, str):
-            raise StoreError(
-                f"{src.path}: document {k} in field {text_field!r} is a "
-                f"{type(text).__name__}, not text; choose a text column with --text-field."
-            )
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
-        yield text
-
-
-def _raw_documents(src: Source, text_field: str) -> Iterator[Any]:
-    if src.kind == "text":
-        data = src.path.read_bytes()
-        if b"\0" in data[:4096]:
-            raise StoreError(
-                f"{src.path} looks binary (NUL bytes), not text. Prepare reads text, "
-                ".jsonl(.gz), .json, .parquet and Hugging Face datasets; move other files "
-                "out of the input folder."
-            )
-        text = data.decode("utf-8", errors="replace")
-        if text:
-            yield text
-    elif src.kind == "jsonl":
-        opener = gzip.open if src.path.name.lower().endswith(".gz") else open
-        with opener(src.path, "rt", encoding="utf-8", errors="replace") as fh:
-            for lineno, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except ValueError as e:
-                    raise StoreError(f"{src.path}:{lineno}: invalid JSON ({e}).") from None
-                text = _field(record, text_field, f"{src.path}:{lineno}")
-                if text:
-                    yield text
-    elif src.kind == "json":
-        try:
-            data = json.loads(src.path.read_text(encoding="utf-8", errors="replace"))
-        except ValueError:  # maybe JSON lines with a .json suffix
-            yield from _raw_documents(Source(src.name, src.path, "jsonl"), text_field)
-            return
-        records = data if isinstance(data, list) else [data]
-        for k, record in enumerate(records):
-            text = _field(record, text_field, f"{src.path} record {k}")
-            if text:
-                yield text
-    elif src.kind == "parquet":
-        import pyarrow.parquet as pq
-
-        pf = pq.ParquetFile(src.path)
-        names = pf.schema_arrow.names
-        if text_field not in names:
-            raise StoreError(
-                f"{src.path}: unknown text field {text_field!r}; columns present: {names}. "
-                "Choose one with --text-field."
-            )
-        for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
-            for text in batch.column(0).to_pylist():
-                if text:
-                    yield text
-    elif src.kind == "hf":
-        yield from _iter_hf(src, text_field)
-    else:  # pragma: no cover - kinds are produced above
-        raise StoreError(f"unknown source kind {src.kind!r} for {src.path}.")
-
-
-def _iter_hf(src: Source, text_field: str) -> Iterator[str]:
-    try:
-        import datasets
-    except ImportError:
-        raise StoreError(
-            f"{src.path} is a Hugging Face dataset folder, but the `datasets` package is not "
-            "installed. Install it with `pip install 'torchtitan_zephon[hf]'`."
-        ) from None
-    ds = datasets.load_from_disk(str(src.path))
-    parts = [ds[k] for k in sorted(ds)] if isinstance(ds, datasets.DatasetDict) else [ds]
-    for part in parts:
-        if text_field not in part.column_names:
-            raise StoreError(
-                f"{src.path}: unknown text field {text_field!r}; columns present: "
-                f"{part.column_names}. Choose one with --text-field."
-            )
-        for batch in part.select_columns([text_field]).iter(batch_size=1024):
-            for text in batch[text_field]:
-                if text:
-                    yield text
-
-
 # ----------------------------------------------------------------------------- encoding
-
-_WORKER_TOKENIZER: Any = None
-_WORKER_EOS: int = -1
-
-
-def _init_worker(tokenizer_json: str, eos_id: int, limit_threads: bool) -> None:
-    global _WORKER_TOKENIZER, _WORKER_EOS
-    if limit_threads:
-        os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    from tokenizers import Tokenizer
-
-    _WORKER_TOKENIZER = Tokenizer.from_file(tokenizer_json)
-    _WORKER_EOS = eos_id
-
-
-def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Tokens (uint32, each document followed by EOS) and per-document lengths."""
-    tok = _WORKER_TOKENIZER
-    encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
-    ids = [e.ids for e in encode(texts, add_special_tokens=False)]
-    lengths = np.fromiter((len(x) + 1 for x in ids), dtype=np.int64, count=len(ids))
-    eos = [_WORKER_EOS]
-    flat = np.fromiter(
-        itertools.chain.from_iterable(itertools.chain(x, eos) for x in ids),
-        dtype=np.uint32,
-        count=int(lengths.sum()),
-    )
-    return flat, lengths
 
 
 def _chunks(sources: list[Source], text_field: str) -> Iterator[tuple[np.ndarray, list[str]]]:
@@ -369,24 +140,7 @@ def _encoded(
     sources: list[Source], text_field: str, info: TokenizerInfo, workers: int
 ) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
     """(owners, tokens, lengths) of each chunk in input order, computed by ``workers`` processes."""
-    if workers <= 1:
-        _init_worker(str(info.path), info.eos_id, limit_threads=False)
-        for k, texts in _chunks(sources, text_field):
-            yield (k, *_encode_chunk(texts))
-        return
-    ctx = mp.get_context("spawn")
-    with ctx.Pool(
-        workers, initializer=_init_worker, initargs=(str(info.path), info.eos_id, True)
-    ) as pool:
-        pending: deque = deque()
-        for k, texts in _chunks(sources, text_field):
-            pending.append((k, pool.apply_async(_encode_chunk, (texts,))))
-            if len(pending) >= 2 * workers:
-                k0, res = pending.popleft()
-                yield (k0, *res.get())
-        while pending:
-            k0, res = pending.popleft()
-            yield (k0, *res.get())
+    yield from encode_in_order(_chunks(sources, text_field), str(info.path), info.eos_id, workers)
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -407,8 +161,12 @@ def prepare_store(
         raise StoreError(
             f"output {str(out)!r} already exists; choose another path or delete it first."
         )
-    if workers < 1:
-        raise StoreError(f"workers must be >= 1, got {workers}.")
+    most = max_workers()
+    if not 1 <= workers <= most:
+        raise StoreError(
+            f"workers must be in [1, {most}] (4 tokenizer processes per CPU at most), got "
+            f"{workers}."
+        )
     info = load_tokenizer_info(tokenizer)
     dtype_name = dtype_for_vocab(info.vocab_size)
     dtype = np.dtype("<u2" if dtype_name == "uint16" else "<u4")
@@ -489,8 +247,6 @@ class _NoBar:
 def _progress_bar(enabled: bool) -> Any:
     if not enabled:
         return _NoBar()
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _NoBar()
+    from tqdm import tqdm  # a declared dependency: the bar never silently disappears
+
     return tqdm(desc="zephon prepare", unit=" docs", file=sys.stderr, dynamic_ncols=True)

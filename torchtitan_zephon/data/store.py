@@ -23,7 +23,10 @@ Invariants:
 Chunks of 65,536 tokens suit random sample access: hashing one takes ~10-20
 microseconds, so the first read of a chunk (128-256 KB) costs little and
 an epoch hashes the store once; checksums.bin (8 bytes per chunk,
-120 MB for 10^12 tokens) is hashed whole at open.
+120 MB for 10^12 tokens) is hashed whole at open. Once every chunk is checked a
+read costs nothing more; before that, a read wholly below the lowest unchecked
+chunk or above the highest (say, all but held-out samples at the end) costs one
+comparison, any other looks up each sample's chunks.
 
 Version-1 stores (written before checksums) still open, with an
 ``UncheckedStoreWarning``, and their reads are not checked. ``upgrade_store``
@@ -100,7 +103,7 @@ def is_store(path: str | os.PathLike) -> bool:
         return False
     try:
         return json.loads((p / MANIFEST).read_text()).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # Recursion: deep JSON
         return False
 
 
@@ -227,6 +230,11 @@ class TokenStore:
         self._checked = bytearray(self.num_chunks)
         self._checked_np = np.frombuffer(self._checked, dtype=np.bool_)
         self._unverified = self.num_chunks if self.verifies else 0
+        # Every chunk below the lowest unchecked one and above the highest is checked: a
+        # read within those ranges needs no per-sample lookup. Both only move inwards,
+        # under the lock, so a stale read of either is merely conservative.
+        self._lowest_unchecked = 0 if self._unverified else self.num_chunks
+        self._highest_unchecked = self.num_chunks - 1 if self._unverified else -1
         self._verify_lock = threading.Lock()
         self._views: dict[int, np.ndarray] = {}
 
@@ -262,7 +270,7 @@ class TokenStore:
             )
         try:
             manifest = json.loads(mpath.read_text())
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: deep JSON
             raise StoreError(f"cannot read {str(mpath)!r}: {e}. {_REPREPARE}") from None
         if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
             raise StoreError(
@@ -276,14 +284,19 @@ class TokenStore:
             )
         try:
             expected = manifest["fingerprint"]
+            if not isinstance(expected, str):
+                raise TypeError(f"fingerprint is a {type(expected).__name__}, not text")
             dtype = _DTYPES[manifest["dtype"]]
             num_tokens = int(manifest["num_tokens"])
             num_docs = int(manifest["num_documents"])
-            manifest["tokenizer"]["vocab_size"], manifest["tokenizer"]["sha256"]
+            if num_docs < 0:
+                raise ValueError(f"num_documents is {num_docs}")
+            int(manifest["tokenizer"]["vocab_size"]), manifest["tokenizer"]["sha256"]
             int(manifest["eos_id"])
             if version >= 2:
                 manifest["content"]
-        except (KeyError, TypeError, ValueError) as e:
+            _check_sources(manifest.get("sources", []))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # Overflow: 1e400
             raise StoreError(
                 f"{str(mpath)!r} is missing or has an invalid field ({e}). {_REPREPARE}"
             ) from None
@@ -334,13 +347,20 @@ class TokenStore:
         """Gather samples ``ids``: array [len(ids), seq_len + 1] in the store dtype (checked)."""
         ids = np.asarray(ids, dtype=np.int64).ravel()
         n = self.num_samples(seq_len)
-        if ids.size and (ids.min() < 0 or ids.max() >= n):
-            raise IndexError(
-                f"sample ids must lie in [0, {n}) for seq_len {seq_len}, "
-                f"found values in [{ids.min()}, {ids.max()}]."
-            )
-        if self._unverified:  # 0 once every chunk was checked (or checks are off)
-            self._check_samples(ids, seq_len)
+        if ids.size:
+            if ids.size <= 64:  # a micro-batch: plain Python beats numpy's per-call overhead
+                listed = ids.tolist()
+                lo, hi = min(listed), max(listed)
+            else:
+                lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= n:
+                raise IndexError(
+                    f"sample ids must lie in [0, {n}) for seq_len {seq_len}, "
+                    f"found values in [{lo}, {hi}]."
+                )
+            # _unverified is 0 once every chunk was checked (or checks are off)
+            if self._unverified and not self._checked_span(lo * seq_len, hi * seq_len + seq_len):
+                self._check_samples(ids, seq_len)
         return self._sample_view(seq_len, n)[ids]
 
     # ------------------------------------------------------------------ content checks
@@ -349,6 +369,12 @@ class TokenStore:
     def unchecked_chunks(self) -> int:
         """Chunks this object would still hash before serving from them (0: checks off)."""
         return self._unverified
+
+    def _checked_span(self, first: int, last: int) -> bool:
+        """True when tokens [first, last] lie wholly below the lowest unchecked chunk or
+        above the highest (a sufficient test: False says nothing)."""
+        c = self.chunk_tokens
+        return last // c < self._lowest_unchecked or first // c > self._highest_unchecked
 
     def _check_samples(self, ids: np.ndarray, seq_len: int) -> None:
         """Check every chunk that the windows of samples ``ids`` touch, unless this object
@@ -398,6 +424,12 @@ class TokenStore:
             if not self._checked[chunk]:
                 self._checked[chunk] = 1
                 self._unverified -= 1
+                flags, lo, hi = self._checked, self._lowest_unchecked, self._highest_unchecked
+                while lo < self.num_chunks and flags[lo]:
+                    lo += 1
+                while hi >= 0 and flags[hi]:
+                    hi -= 1
+                self._lowest_unchecked, self._highest_unchecked = lo, hi
 
     def check(self) -> ContentReport:
         """Hash and check everything (``zephon inspect STORE --check``); never raises on
@@ -580,6 +612,19 @@ def _read_content(root: Path) -> dict[str, Any] | None:
     return content
 
 
+def _check_sources(sources: Any) -> None:
+    """Source records as prepare writes them (inspect prints these fields)."""
+    if not isinstance(sources, list) or not all(
+        isinstance(s, dict)
+        and isinstance(s.get("name"), str)
+        and isinstance(s.get("sha256"), str)
+        and isinstance(s.get("size"), int)
+        and "kind" in s
+        for s in sources
+    ):
+        raise TypeError("sources is not a list of {name, kind, sha256, size} records")
+
+
 def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     """Memory-map ``count`` values of ``dtype`` from ``path`` read-only, checking its size."""
     if not path.is_file():
@@ -621,7 +666,8 @@ def slice_store(source: TokenStore, start: int, stop: int, output: str | os.Path
     inside = offsets[inside] - start
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir(parents=True)
-    (tmp / TOKENS).write_bytes(np.asarray(source.tokens[start:stop]).tobytes())
+    blob = np.asarray(source.tokens[start:stop]).tobytes()
+    (tmp / TOKENS).write_bytes(blob)
     (tmp / DOC_OFFSETS).write_bytes(inside.astype("<i8").tobytes())
     m = source.manifest
     manifest: dict[str, Any] = {
@@ -633,7 +679,17 @@ def slice_store(source: TokenStore, start: int, stop: int, output: str | os.Path
         "num_tokens": stop - start,
         "num_documents": int(inside.size),
         "text_field": m.get("text_field", "text"),
-        "sources": [{"slice_of": source.fingerprint, "start": start, "stop": stop}],
+        "sources": [
+            {
+                "name": f"tokens [{start}, {stop}) of store {source.fingerprint[:16]}",
+                "kind": "slice",
+                "sha256": hashlib.sha256(blob).hexdigest(),
+                "size": len(blob),
+                "slice_of": source.fingerprint,
+                "start": start,
+                "stop": stop,
+            }
+        ],
     }
     manifest["content"] = write_checksums(tmp, manifest)
     manifest["fingerprint"] = manifest_fingerprint(manifest)

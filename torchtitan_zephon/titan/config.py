@@ -65,6 +65,13 @@ class Zephon:
     """Resume even when the sequence log is missing or does not contain the
     checkpoint's chain head (the log then restarts its chain at the checkpoint)."""
 
+    start_over: bool = False
+    """Start from step 1 in a run folder that holds a history this job will not
+    resume from (sequence-log steps, checkpoints; e.g. checkpointing is off, or no
+    checkpoint is loadable). The log gets a start event that supersedes the old
+    steps; old checkpoints stay. Without it such a start is refused, except for a
+    torchrun elastic restart of the same job."""
+
     prefetch: int = 2
     """Micro-batches prepared ahead of the trainer by a background thread (0: none)."""
 

@@ -23,10 +23,18 @@ from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.mixture import MixtureConfig
 from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.source import MixtureSource, MixtureStream, Source, StoreSource
-from torchtitan_zephon.data.state import RECORD_KEY, DataState, DataStateMismatch
+from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
 from torchtitan_zephon.data.store import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests
+
+
+def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
+    """A refused resume, with how to opt in from the trainer's command line."""
+    return DataStateMismatch(
+        f"{e}\nWith the trainer: --zephon.allow_changes FIELD (repeatable; TOML: "
+        '[zephon] allow_changes = ["FIELD", ...]). Nothing was changed on disk.'
+    )
 
 
 def resolve_store(job_config: Any) -> TokenStore:
@@ -198,10 +206,7 @@ class ZephonDataLoader(BaseDataLoader):
             saved = DataState.from_json(state_dict[RECORD_KEY])
             decision = self.loader.load_state_dict(saved, allow_changes=self.allow_changes)
         except DataStateMismatch as e:
-            raise DataStateMismatch(
-                f"{e}\nWith the trainer: --zephon.allow_changes FIELD (repeatable; TOML: "
-                '[zephon] allow_changes = ["FIELD", ...]). Nothing was changed on disk.'
-            ) from None
+            raise with_trainer_hint(e) from None
         self.ids_digests.reset()  # computed under the plan before the resume
         self._digests.clear()
         head = saved.tracker
@@ -298,6 +303,21 @@ def _model_vocab_size(job_config: Any) -> int | None:
     return getattr(args, "vocab_size", None)
 
 
+def open_job_data(job_config: Any, tokenizer: Any = None) -> tuple[Source, DataConfig]:
+    """The data source a job reads and its data config, without building a loader.
+
+    Every check that needs only the job config and the stores runs here
+    (``resolve_source``: vocabulary against the model and the tokenizer, held-out
+    samples, a mixture's sources against each other), so the trainer's preflight
+    refuses a bad job before anything is written, and the dataloader builder
+    (which calls this again) builds exactly this config.
+    """
+    source = resolve_source(job_config, tokenizer)
+    return source, source.data_config(
+        seed=job_config.zephon.seed, schedule=batch_schedule(job_config)
+    )
+
+
 def build_zephon_dataloader(
     dp_world_size: int,
     dp_rank: int,
@@ -310,15 +330,14 @@ def build_zephon_dataloader(
     TP/PP/CP peers share ``dp_rank`` and so receive identical batches.
     """
     zc = job_config.zephon
-    schedule = batch_schedule(job_config)
     # Before the store is opened or built: a bad layout fails in milliseconds.
-    schedule.check_layout(dp_world_size, job_config.training.local_batch_size)
-    source = resolve_source(job_config, tokenizer)
+    batch_schedule(job_config).check_layout(dp_world_size, job_config.training.local_batch_size)
+    source, config = open_job_data(job_config, tokenizer)
     loader = ZephonLoader(
         source,
-        seq_len=job_config.training.seq_len,
-        seed=zc.seed,
-        schedule=schedule,
+        seq_len=config.seq_len,
+        seed=config.seed,
+        schedule=config.batch_schedule(),
         dp_rank=dp_rank,
         dp_degree=dp_world_size,
         local_batch_size=job_config.training.local_batch_size,
@@ -327,6 +346,10 @@ def build_zephon_dataloader(
         pin_memory=job_config.training.dataloader.pin_memory,
         vocab_size=_model_vocab_size(job_config),  # exact: refuses ids beyond the embedding
     )
+    if loader.config != config:  # one rule for the preflight and the loader
+        raise RuntimeError(
+            f"the loader built data config {loader.config} but open_job_data made {config}"
+        )
     if isinstance(loader.plan, MixtureStream):
         _check_mixture(loader.plan, source, job_config)
     rank = int(os.environ.get("RANK", "0"))

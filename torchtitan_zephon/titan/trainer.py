@@ -1,23 +1,31 @@
 """ZephonTrainer: TorchTitan's Trainer with the platform layer, a global batch size
-schedule, and the Global Sequence Tracker.
+schedule, the Global Sequence Tracker, and one job per run folder.
 
 Invariant: the training loop is TorchTitan's own; this subclass only (1) adjusts
-the job for the CPU before TorchTitan builds anything, (2) sets the gradient
-accumulation of each step from the batch schedule, and (3) after each completed
-step appends the step's record to the sequence log (global rank 0), combining the
-DP ranks' token digests in rank order at audit level ``tokens``.
+the job for the CPU, checks the start (``preflight.plan_start``) and takes the
+run folder (``ownership.RunFolderLock``, global rank 0) before TorchTitan builds
+or writes anything, so a refused start changes nothing on disk; (2) sets the
+gradient accumulation of each step from the batch schedule; (3) after each
+completed step appends the step's record to the sequence log (global rank 0),
+combining the DP ranks' token digests in rank order at audit level ``tokens``;
+(4) releases the run folder when the job ends cleanly (after a failure the lock
+stays, so an elastic restart of the same job recognises itself, and any other
+job takes over a dead holder's lock within one lease).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from torchtitan_zephon.titan import platform
+from torchtitan_zephon.ownership import RunFolderLock, torchrun_agent
+from torchtitan_zephon.titan import platform, preflight
+from torchtitan_zephon.titan.checks import check_job_config
 from torchtitan_zephon.titan.dataloader import ZephonDataLoader
 
 
@@ -25,9 +33,13 @@ class ZephonTrainer(Trainer):
     dataloader: ZephonDataLoader
 
     def __init__(self, job_config: Any) -> None:
+        check_job_config(job_config)  # before TorchTitan builds anything: clear errors
         if platform.on_cpu():
             for change in platform.cpu_job_defaults(job_config):
                 logger.info(f"CPU platform: {change}")
+        # Everything that can refuse the start runs before TorchTitan writes anything
+        # (its TensorBoard writer is created in Trainer.__init__).
+        self._lock = self._take_run_folder(job_config)
         super().__init__(job_config)
         self._tracking = False
         if not isinstance(self.dataloader, ZephonDataLoader):
@@ -36,9 +48,58 @@ class ZephonTrainer(Trainer):
                 "use a zephon_* model name (e.g. zephon_llama3)"
             )
 
+    @staticmethod
+    def _take_run_folder(job_config: Any) -> RunFolderLock | None:
+        """Check the start on every rank (reads only); global rank 0 then takes the run
+        folder. Returns rank 0's lock (None elsewhere)."""
+        rank = int(os.environ.get("RANK", "0"))
+        lock = verdict = None
+        if rank == 0:
+            lock = RunFolderLock(job_config.job.dump_folder)
+            verdict = lock.check()
+        plan = preflight.plan_start(
+            job_config, writer=rank == 0, same_job=verdict is not None and verdict.same_job
+        )
+        if lock is None or verdict is None:
+            return None
+        lock.acquire(verdict)
+        if verdict.kind == "same_job":
+            logger.info(
+                f"Zephon: run folder lock taken over from this job's earlier attempt "
+                f"({verdict.holder.describe() if verdict.holder else '?'}): an elastic restart"
+            )
+        elif verdict.kind == "dead":
+            logger.warning(
+                f"Zephon: run folder lock taken over from a dead job "
+                f"({verdict.holder.describe() if verdict.holder else 'unreadable lock'}) after "
+                f"{verdict.waited_s:.1f} s"
+            )
+        if plan.notes:
+            preflight.log_plan(plan)
+        return lock
+
+    def init_distributed(self) -> Any:
+        """TorchTitan's, then rank 0 records every rank's torchrun agent in the lock: a
+        restart whose new rank 0 runs under any of them is this same job."""
+        dims = super().init_distributed()
+        agent, _, _ = torchrun_agent()
+        agents: list[Any] = [agent]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            agents = [None] * dist.get_world_size()
+            dist.all_gather_object(agents, agent)
+        if self._lock is not None:
+            self._lock.set_agents(a for a in agents if a is not None)
+        return dims
+
     # -- per step --------------------------------------------------------
     def train_step(self, data_iterator: Any) -> None:
         step = self.step
+        if self._lock is not None and self._lock.lost:
+            raise RuntimeError(
+                f"Zephon: this job no longer owns {self.job_config.job.dump_folder}: "
+                f"{self._lock.lost} (this job missed its heartbeats for a whole lease). It stops "
+                "before writing more."
+            )
         if not self._tracking:
             self._begin_tracking()
         tc = self.job_config.training
@@ -113,30 +174,12 @@ class ZephonTrainer(Trainer):
         first, count, digest = dl.ids_digests.take(step)
         dl.tracker.record(step, first, tokens=tokens, digest=digest, num_samples=count)
 
-    def train(self) -> None:
-        self._warn_incomplete_checkpoints()
-        super().train()
-
-    def _warn_incomplete_checkpoints(self) -> None:
-        """TorchTitan loads the newest ``step-N`` with a DCP ``.metadata`` and silently
-        passes over folders a dying job left half-written: say which ones."""
-        ck = self.job_config.checkpoint
-        if not ck.enable or ck.load_step != -1 or dist.get_rank() != 0:
-            return
-        from torchtitan_zephon.runs import checkpoints
-
-        folder = os.path.join(self.job_config.job.dump_folder, ck.folder)
-        found = checkpoints(self.job_config.job.dump_folder, ck.folder)
-        complete = [c.step for c in found if c.complete]
-        for c in found:
-            if not c.complete:
-                logger.warning(
-                    f"Zephon: checkpoint {c.path} is incomplete (no .metadata: the job died while "
-                    f"writing it) and is skipped; resuming from "
-                    f"{'step ' + str(max(complete)) if complete else 'scratch'} in {folder}"
-                )
-
     def close(self) -> None:
+        """TorchTitan's close; the run folder is released only when no exception is being
+        handled (TorchTitan's ``main`` closes from its ``except`` too)."""
         if getattr(self, "dataloader", None) is not None:
             self.dataloader.close()
         super().close()
+        lock = getattr(self, "_lock", None)
+        if lock is not None and sys.exc_info()[1] is None:
+            lock.release()

@@ -120,12 +120,13 @@ class SequenceTracker:
             }
         )
 
-    def check_resume(self, head: dict[str, Any]) -> str | None:
+    def check_resume(self, head: dict[str, Any], *, repair_index: bool = True) -> str | None:
         """Why the log cannot continue from the checkpoint's chain ``head`` (None: it can).
 
         The writer looks the record up through the index (O(1) in the log's length)
-        and reads the whole log only when the index cannot confirm it; other ranks
-        answer None.
+        and reads the whole log only when the index cannot confirm it, then rewrites
+        the index unless ``repair_index`` is false (a check that must write nothing,
+        e.g. the trainer's preflight); other ranks answer None.
         """
         step, chain = int(head["step"]), str(head["chain"])
         if not self.writer or step == 0:
@@ -138,9 +139,9 @@ class SequenceTracker:
                 and self.index.superseded_after(offset, step) is False
             ):
                 return None
-        return self._check_resume_by_reading(step, chain)
+        return self._check_resume_by_reading(step, chain, repair_index)
 
-    def _check_resume_by_reading(self, step: int, chain: str) -> str | None:
+    def _check_resume_by_reading(self, step: int, chain: str, repair: bool = True) -> str | None:
         """The full read: authoritative, and it rebuilds the index."""
         if not self.path.is_file():
             return f"no sequence log at {self.path}"
@@ -152,7 +153,8 @@ class SequenceTracker:
                     rec = r
         except TrackerError as e:
             return str(e)
-        self._rebuild_index()
+        if repair:
+            self._rebuild_index()
         if rec is None:
             return f"it has no record of step {step}"
         if rec["chain"] != chain:

@@ -1,0 +1,338 @@
+"""The documents of ``zephon prepare``'s inputs, in a fixed order.
+
+Role: expand inputs (files, folders, Hugging Face ``save_to_disk`` folders) into
+sources, and read each source's documents through the reader ``READERS`` names
+for its kind: text, JSONL (.jsonl, .jsonl.gz, .ndjson), JSON, Parquet, HF. A new
+input kind is a new entry in ``KINDS`` (how to recognise it) and ``READERS``
+(how to read it).
+
+Invariant: the order of sources and of documents depends only on the inputs as
+given and the names and contents of the files: folders are walked sorted by
+name, hidden entries skipped, every real file and folder under a folder input
+visited once (symbolic-link loops end). Every document is valid Unicode text.
+Input that cannot be read (not text, truncated or corrupt compressed data,
+JSON nested too deeply, a broken Parquet file or dataset folder) is a
+``StoreError`` naming the file, and the line where there is one.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import sys
+import zlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchtitan_zephon.data.store import StoreError
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str  # relative, stable name recorded in the manifest
+    path: Path
+    kind: str  # a key of READERS
+
+
+# (name suffixes, kind), tried in order; anything else is read as text.
+KINDS: list[tuple[tuple[str, ...], str]] = [
+    ((".jsonl", ".jsonl.gz", ".ndjson"), "jsonl"),
+    ((".json",), "json"),
+    ((".parquet",), "parquet"),
+]
+
+
+def _is_hf_dataset(path: Path) -> bool:
+    return path.is_dir() and any(
+        (path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")
+    )
+
+
+def _kind_of(path: Path) -> str:
+    name = path.name.lower()
+    for suffixes, kind in KINDS:
+        if name.endswith(suffixes):
+            return kind
+    return "text"
+
+
+def resolve_inputs(inputs: list[str]) -> list[Source]:
+    """Expand inputs into sources, in the given order; folders walked sorted, hidden skipped.
+
+    Each input is taken as given. Within a folder input every real file and folder
+    is visited once: a symbolic link to something already visited (a loop such as
+    ``sub/up -> ..``, or a second name of a file) is skipped, and so are links
+    that lead nowhere.
+    """
+    if not inputs:
+        raise StoreError("no inputs given; pass at least one file or folder to prepare.")
+    sources: list[Source] = []
+    for raw in inputs:
+        path = Path(raw)
+        if not path.exists():
+            raise StoreError(
+                f"input {raw!r} does not exist; expected a text/JSONL/Parquet file, a folder "
+                "or a Hugging Face dataset saved with save_to_disk."
+            )
+        base = path.resolve().name
+        if _is_hf_dataset(path):
+            sources.append(Source(base, path, "hf"))
+        elif path.is_dir():
+            sources.extend(_walk(path, base, {path.resolve()}))
+        else:
+            sources.append(Source(base, path, _kind_of(path)))
+    return sources
+
+
+def _walk(folder: Path, prefix: str, seen: set[Path]) -> Iterator[Source]:
+    """Sources under ``folder`` sorted by name; ``seen`` holds the real paths visited."""
+    for entry in sorted(folder.iterdir(), key=lambda p: p.name):
+        if entry.name.startswith("."):
+            continue
+        try:
+            real = entry.resolve(strict=True)
+        except (OSError, RuntimeError):  # a dangling link, or a loop of links
+            continue
+        if real in seen:
+            continue
+        name = f"{prefix}/{entry.name}"
+        if _is_hf_dataset(entry):
+            seen.add(real)
+            yield Source(name, entry, "hf")
+        elif entry.is_dir():
+            seen.add(real)
+            yield from _walk(entry, name, seen)
+        elif entry.is_file():
+            seen.add(real)
+            yield Source(name, entry, _kind_of(entry))
+
+
+def _source_files(src: Source) -> list[Path]:
+    if src.path.is_dir():
+        return sorted((p for p in src.path.rglob("*") if p.is_file()), key=lambda p: p.as_posix())
+    return [src.path]
+
+
+def source_record(src: Source) -> dict[str, Any]:
+    """Manifest entry: name, kind, sha256 of the content, size in bytes."""
+    h = hashlib.sha256()
+    size = 0
+    for f in _source_files(src):
+        if src.path.is_dir():
+            h.update(f.relative_to(src.path).as_posix().encode() + b"\0")
+        with open(f, "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 20), b""):
+                h.update(block)
+                size += len(block)
+    return {"name": src.name, "kind": src.kind, "sha256": h.hexdigest(), "size": size}
+
+
+def _field(record: Any, text_field: str, where: str) -> str:
+    if not isinstance(record, dict):
+        raise StoreError(
+            f"{where}: expected a JSON object with field {text_field!r}, found "
+            f"{type(record).__name__}."
+        )
+    if text_field not in record:
+        raise StoreError(
+            f"{where}: unknown text field {text_field!r}; fields present: "
+            f"{sorted(record)}. Choose one with --text-field."
+        )
+    value = record[text_field]
+    if not isinstance(value, str):
+        raise StoreError(
+            f"{where}: field {text_field!r} should be a string, found {type(value).__name__}."
+        )
+    return value
+
+
+def iter_documents(src: Source, text_field: str) -> Iterator[str]:
+    """The documents of one source, in file order, as valid Unicode text.
+
+    Empty documents are skipped. Values that are not strings are refused; lone
+    surrogates (common in scraped JSON) become U+FFFD like undecodable bytes do.
+    """
+    reader = READERS.get(src.kind)
+    if reader is None:  # pragma: no cover - kinds come from KINDS and resolve_inputs
+        raise StoreError(f"unknown source kind {src.kind!r} for {src.path}.")
+    for k, text in enumerate(reader(src, text_field)):
+        if not isinstance(text, str):
+            raise StoreError(
+                f"{src.path}: document {k} in field {text_field!r} is a "
+                f"{type(text).__name__}, not text; choose a text column with --text-field."
+            )
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            text = text.encode("utf-8", "surrogatepass").decode("utf-8", "replace")
+        yield text
+
+
+# ----------------------------------------------------------------------------- readers
+# Each reader yields the raw documents of one source; iter_documents checks them.
+
+
+# Leading bytes of compressed files that prepare would otherwise read as text.
+_COMPRESSED = [
+    (b"\x1f\x8b", "gzip", "gunzip FILE"),
+    (b"BZh", "bzip2", "bunzip2 FILE"),
+    (b"\xfd7zXZ\x00", "xz", "unxz FILE"),
+    (b"\x28\xb5\x2f\xfd", "zstd", "unzstd FILE"),
+    (b"PK\x03\x04", "zip", "unzip FILE"),
+]
+
+
+def read_text(src: Source, text_field: str) -> Iterator[Any]:
+    """The whole file is one document (undecodable bytes become U+FFFD)."""
+    data = src.path.read_bytes()
+    for magic, kind, tool in _COMPRESSED:
+        if data.startswith(magic):
+            raise StoreError(
+                f"{src.path} is {kind}-compressed; prepare decompresses only gzip JSON lines "
+                f"named .jsonl.gz. Decompress it first (`{tool}`), or, if it holds gzip JSON "
+                "lines, name it .jsonl.gz."
+            )
+    if b"\0" in data[:4096]:
+        raise StoreError(
+            f"{src.path} looks binary (NUL bytes), not text. Prepare reads text, "
+            ".jsonl(.gz), .json, .parquet and Hugging Face datasets; move other files "
+            "out of the input folder."
+        )
+    text = data.decode("utf-8", errors="replace")
+    if text:
+        yield text
+
+
+def _too_deep(where: str) -> StoreError:
+    return StoreError(
+        f"{where}: JSON nested too deeply to parse (Python's parser stops near "
+        f"{sys.getrecursionlimit()} levels of [ or {{). A document is a JSON object with a "
+        "text field; check what wrote this file."
+    )
+
+
+def read_jsonl(src: Source, text_field: str) -> Iterator[Any]:
+    """One JSON object per line, its ``text_field`` a document; blank lines skipped.
+
+    A truncated or corrupt ``.gz`` stream is an error naming the last line read.
+    """
+    compressed = src.path.name.lower().endswith(".gz")
+    opener = gzip.open if compressed else open
+    lineno = 0
+    try:
+        with opener(src.path, "rt", encoding="utf-8", errors="replace") as fh:
+            for lineno, line in enumerate(fh, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except RecursionError:
+                    raise _too_deep(f"{src.path}:{lineno}") from None
+                except ValueError as e:
+                    raise StoreError(f"{src.path}:{lineno}: invalid JSON ({e}).") from None
+                text = _field(record, text_field, f"{src.path}:{lineno}")
+                if text:
+                    yield text
+    except EOFError:
+        raise StoreError(
+            f"{src.path}: the compressed stream ends after line {lineno}: the file is "
+            "truncated (an interrupted download or copy?). Fetch it again; `gzip -t FILE` "
+            "checks a gzip file."
+        ) from None
+    except (zlib.error, gzip.BadGzipFile) as e:
+        if lineno == 0 and isinstance(e, gzip.BadGzipFile):
+            raise StoreError(
+                f"{src.path}: not a gzip file ({e}), although its name ends in .gz. Rename "
+                "it (e.g. to .jsonl) if it is plain JSON lines."
+            ) from None
+        raise StoreError(
+            f"{src.path}: corrupt gzip data after line {lineno} ({e}). Fetch the file "
+            "again; `gzip -t FILE` checks a gzip file."
+        ) from None
+
+
+def read_json(src: Source, text_field: str) -> Iterator[Any]:
+    """A JSON list of objects (or one object); JSON lines with a .json suffix also work."""
+    try:
+        data = json.loads(src.path.read_text(encoding="utf-8", errors="replace"))
+    except RecursionError:
+        raise _too_deep(str(src.path)) from None
+    except ValueError:  # maybe JSON lines with a .json suffix
+        yield from read_jsonl(src, text_field)
+        return
+    records = data if isinstance(data, list) else [data]
+    for k, record in enumerate(records):
+        text = _field(record, text_field, f"{src.path} record {k}")
+        if text:
+            yield text
+
+
+def read_parquet(src: Source, text_field: str) -> Iterator[Any]:
+    """The ``text_field`` column, row by row."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 0
+    try:
+        pf = pq.ParquetFile(src.path)
+        names = pf.schema_arrow.names
+        if text_field not in names:
+            raise StoreError(
+                f"{src.path}: unknown text field {text_field!r}; columns present: {names}. "
+                "Choose one with --text-field."
+            )
+        for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
+            for text in batch.column(0).to_pylist():
+                rows += 1
+                if text:
+                    yield text
+    except (pa.ArrowException, OSError) as e:
+        raise StoreError(
+            f"{src.path}: cannot read Parquet after row {rows} ({e}): the file is truncated, "
+            "corrupt or not Parquet. Fetch or write it again."
+        ) from None
+
+
+def read_hf(src: Source, text_field: str) -> Iterator[Any]:
+    """A ``save_to_disk`` Dataset, or a DatasetDict's splits in sorted order."""
+    try:
+        import datasets
+    except ImportError:
+        raise StoreError(
+            f"{src.path} is a Hugging Face dataset folder, but the `datasets` package is not "
+            "installed. Install it with `pip install 'torchtitan_zephon[hf]'`."
+        ) from None
+    import pyarrow as pa
+
+    try:
+        ds = datasets.load_from_disk(str(src.path))
+        parts = [ds[k] for k in sorted(ds)] if isinstance(ds, datasets.DatasetDict) else [ds]
+        for part in parts:
+            if text_field not in part.column_names:
+                raise StoreError(
+                    f"{src.path}: unknown text field {text_field!r}; columns present: "
+                    f"{part.column_names}. Choose one with --text-field."
+                )
+            for batch in part.select_columns([text_field]).iter(batch_size=1024):
+                for text in batch[text_field]:
+                    if text:
+                        yield text
+    except StoreError:
+        raise
+    except (pa.ArrowException, OSError, ValueError) as e:  # ValueError: its JSON files
+        raise StoreError(
+            f"{src.path}: cannot read this Hugging Face dataset folder ({e}): it is "
+            "incomplete or corrupt. Save it again with `Dataset.save_to_disk`."
+        ) from None
+
+
+READERS: dict[str, Callable[[Source, str], Iterator[Any]]] = {
+    "text": read_text,
+    "jsonl": read_jsonl,
+    "json": read_json,
+    "parquet": read_parquet,
+    "hf": read_hf,
+}

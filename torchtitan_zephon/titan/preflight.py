@@ -1,0 +1,369 @@
+"""Preflight: what a job will start from, decided (and refused) before anything is written.
+
+Role: before TorchTitan's Trainer builds anything (TensorBoard writer, sequence
+log, checkpoints), find the checkpoint TorchTitan will load, by its own rule
+(``checkpoint.enable``, ``checkpoint.load_step``, else the newest ``step-N``
+with a DCP ``.metadata`` under ``job.dump_folder/checkpoint.folder``), pass over
+checkpoints whose files are incomplete or corrupt, and run every check that can
+refuse the start:
+
+* the data config against the checkpoint's data state (``data.state.check_resume``),
+* the sequence log against the checkpoint's chain head (global rank 0),
+* a checkpoint that cannot be resumed (model-only, no Zephon data state, data
+  state excluded from loading),
+* a run folder that holds a history (sequence log steps, checkpoints) the job
+  would not resume from, unless ``zephon.start_over`` or an elastic restart of
+  the same job,
+* the store against the model and tokenizer, and the global batch layout.
+
+Invariants:
+- ``plan_start`` only reads: a refused start leaves the run folder as it was.
+- The choice of checkpoint is a pure function of the job config and the files,
+  so every rank reaches the same one; it is pinned in ``checkpoint.load_step`` so
+  that TorchTitan loads exactly the checkpoint that was checked.
+- The dataloader and tracker keep their own checks as a second line; the
+  preflight refuses the same cases with the same messages, earlier.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from torchtitan.tools.logging import logger
+
+from torchtitan_zephon import runs
+from torchtitan_zephon.data.state import DataState, DataStateMismatch, check_resume
+from torchtitan_zephon.titan.dataloader import (
+    build_zephon_dataloader,
+    open_job_data,
+    with_trainer_hint,
+)
+from torchtitan_zephon.tracker import LogReader, SequenceTracker, TrackerError, log_path
+
+START_OVER = "--zephon.start_over (TOML: [zephon] start_over = true)"
+
+
+class StartRefused(RuntimeError):
+    """The job would not continue its run folder's history correctly: nothing was written."""
+
+
+@dataclass
+class StartPlan:
+    """What the job starts from."""
+
+    resume: runs.CheckpointInfo | None = None
+    """The checkpoint whose training and data state the job continues (None: step 1)."""
+    state: DataState | None = None
+    """Its Zephon data state."""
+    skipped: list[runs.CheckpointInfo] = field(default_factory=list)
+    """Newer checkpoints passed over: incomplete or corrupt."""
+    notes: list[str] = field(default_factory=list)
+    """What rank 0 tells the user before training."""
+
+
+# ---------------------------------------------------------------- TorchTitan's rule
+
+
+def titan_load_step(folder: Path) -> int:
+    """The step TorchTitan's ``CheckpointManager._find_load_step`` picks in ``folder``
+    (any entry whose name *contains* ``step-N`` and that holds a DCP ``.metadata`` or a
+    safetensors index), or -1."""
+    if not folder.is_dir():
+        return -1
+    steps = []
+    for name in os.listdir(folder):
+        m = re.search(r"step-(\d+)", name)
+        if m and (
+            (folder / name / ".metadata").is_file()
+            or (folder / name / "model.safetensors.index.json").is_file()
+        ):
+            steps.append(int(m.group(1)))
+    return max(steps, default=-1)
+
+
+def _listing(found: list[runs.CheckpointInfo]) -> str:
+    return ", ".join(f"step-{c.step} ({c.status})" for c in found) or "none"
+
+
+def choose_checkpoint(job_config: Any) -> tuple[runs.CheckpointInfo | None, StartPlan, str]:
+    """(checkpoint TorchTitan will load or None, plan with skipped ones, why none).
+
+    Pins ``checkpoint.load_step`` to the chosen step when it was -1 (the newest).
+    Raises StartRefused when TorchTitan would load something that cannot be loaded.
+    """
+    ck = job_config.checkpoint
+    dump = Path(job_config.job.dump_folder)
+    folder = dump / ck.folder
+    plan = StartPlan()
+    if not ck.enable:
+        return None, plan, "checkpoint.enable is false"
+    if not folder.exists():
+        path = ck.initial_load_path
+        if path and not ck.initial_load_model_only and not ck.initial_load_in_hf:
+            info = runs.verify_checkpoint(
+                runs.CheckpointInfo(-1, Path(path), (Path(path) / ".metadata").is_file(), 0)
+            )
+            if info.status != "complete":
+                raise StartRefused(
+                    f"checkpoint.initial_load_path {path} is {info.status}"
+                    f"{': ' + info.problem if info.problem else ' (no DCP .metadata)'}; it "
+                    "cannot be loaded. Point it at a complete checkpoint."
+                )
+            return info, plan, ""
+        return None, plan, f"it has no checkpoint folder {folder}"
+    found = runs.checkpoints(dump, ck.folder)
+    by_step = {c.step: c for c in found}
+    if ck.load_step >= 0:  # an explicit step: TorchTitan loads exactly that folder
+        info = by_step.get(ck.load_step)
+        if info is None:
+            raise StartRefused(
+                f"--checkpoint.load_step={ck.load_step} but {folder / f'step-{ck.load_step}'} "
+                f"does not exist; checkpoints there: {_listing(found)}"
+            )
+        runs.verify_checkpoint(info)
+        if info.status != "complete":
+            why = info.problem or "no DCP .metadata: the job died while writing it"
+            raise StartRefused(
+                f"--checkpoint.load_step={ck.load_step} names checkpoint {info.path}, which is "
+                f"{info.status} ({why}). Choose another: {_listing(found)}"
+            )
+        if ck.load_step == 0:
+            return None, plan, "checkpoint.load_step = 0 loads only the model of step-0"
+        return info, plan, ""
+    titan_step = titan_load_step(folder)
+    chosen = None
+    for info in sorted(found, key=lambda c: -c.step):
+        if not info.complete:
+            if (info.path / "model.safetensors.index.json").is_file():
+                info.holds, chosen = "model", info  # TorchTitan would load this export
+                break
+            plan.skipped.append(info)
+            continue
+        runs.verify_checkpoint(info)
+        if info.problem:
+            plan.skipped.append(info)
+            continue
+        chosen = info
+        break
+    if chosen is None:
+        if titan_step != -1:
+            problems = [f"step-{c.step}: {c.problem}" for c in plan.skipped if c.problem]
+            raise StartRefused(
+                f"no checkpoint in {folder} can be loaded ({_listing(found)}"
+                f"{''.join('; ' + p for p in problems)}), but TorchTitan would try step "
+                f"{titan_step}. Move the broken folders out of "
+                f"{folder} (TorchTitan counts any name that contains step-<N>), or use "
+                "another --job.dump_folder."
+            )
+        return None, plan, f"{folder} holds no complete checkpoint"
+    plan.skipped = [c for c in plan.skipped if c.step > chosen.step]
+    ck.load_step = chosen.step  # TorchTitan loads what was checked, on every rank
+    if chosen.step == 0:
+        return None, plan, "its only checkpoint is the seed checkpoint step-0 (model only)"
+    return chosen, plan, ""
+
+
+# ---------------------------------------------------------------- the checks
+
+
+def _check_loadable(info: runs.CheckpointInfo, job_config: Any) -> None:
+    """Refuse checkpoints a training job cannot resume from, saying what to do."""
+    exclude = set(job_config.checkpoint.exclude_from_loading)
+    step = info.step
+    if "dataloader" in exclude:
+        raise StartRefused(
+            f"the checkpoint {info.path} would restore the trainer at step {step} but no "
+            "Zephon data state ('dataloader' is in checkpoint.exclude_from_loading): the data "
+            "would restart at step 1. Load the data state too, or start a new job.dump_folder."
+        )
+    if "train_state" in exclude:
+        raise StartRefused(
+            f"the checkpoint {info.path} would restore the data at step {step + 1} but not the "
+            "trainer ('train_state' is in checkpoint.exclude_from_loading): the trainer would "
+            "restart at step 1 on later data. Load the train state too, or start a new "
+            "job.dump_folder."
+        )
+    if info.holds == "training":
+        return
+    if info.holds == "model":
+        full = [
+            c.step
+            for c in runs.checkpoints(info.path.parent.parent, info.path.parent.name)
+            if c.step < step and c.step > 0 and runs.verify_checkpoint(c).resumable
+        ]
+        what = (
+            f"resume from the last full checkpoint with --checkpoint.load_step {max(full)} "
+            f"(step{'s' if step > max(full) + 1 else ''} "
+            f"{max(full) + 1}{'..' + str(step) if step > max(full) + 1 else ''} "
+            "trained again, on the same data)"
+            if full
+            else "there is no earlier full checkpoint to resume from: start a new "
+            f"job.dump_folder with --checkpoint.initial_load_path {info.path} (model only)"
+        )
+        raise StartRefused(
+            f"the checkpoint {info.path} holds only the model (TorchTitan saves the last "
+            "step model-only when checkpoint.last_save_model_only = true, its default): no "
+            "optimizer, trainer or Zephon data state to resume from. To continue the run, "
+            f"{what}; and to make the last checkpoint of a run resumable, set "
+            "--checkpoint.no-last_save_model_only (TOML: [checkpoint] last_save_model_only = "
+            "false). Nothing was changed on disk."
+        )
+    raise StartRefused(
+        f"the checkpoint {info.path} holds no Zephon data state (no key "
+        f"{runs.DATA_STATE_KEY!r}); it was written by another dataloader (stock "
+        "TorchTitan?). Start a new job.dump_folder, or load only the model with "
+        "--checkpoint.initial_load_path and --checkpoint.initial_load_model_only."
+    )
+
+
+def log_mismatch(path: Path, step: int, problem: str) -> str:
+    """The refusal of a sequence log that does not hold the checkpoint's chain head."""
+    return (
+        f"the sequence log {path} does not match the checkpoint of step {step}: "
+        f"{problem}. The log belongs to another run or was edited. Restore the run's "
+        "own log, or set --zephon.ignore_log_mismatch to continue and restart the "
+        "chain from the checkpoint."
+    )
+
+
+def _leftovers(job_config: Any) -> list[str]:
+    """The history a fresh start would supersede: checkpoints and logged steps."""
+    dump = Path(job_config.job.dump_folder)
+    out = []
+    found = [c for c in runs.checkpoints(dump, job_config.checkpoint.folder) if c.step > 0]
+    if found:
+        out.append(f"checkpoints {', '.join(f'step-{c.step}' for c in found)}")
+    path = log_path(dump)
+    if path.is_file():
+        first = last = None
+        try:
+            for record in LogReader(path).records():  # streamed: any log length
+                last = int(record["step"])
+                first = last if first is None else min(first, last)
+        except (TrackerError, KeyError, TypeError, ValueError) as e:
+            out.append(f"a sequence log that cannot be read ({e})")
+        else:
+            if first is not None:
+                out.append(f"a sequence log with steps {first}..{last}")
+    return out
+
+
+def _dp_degree(job_config: Any) -> int | None:
+    """The DP degree TorchTitan will build (None when its parallel dims are invalid:
+    TorchTitan reports that itself, before it writes anything)."""
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    p = job_config.parallelism
+    try:
+        dims = ParallelDims(
+            dp_shard=p.data_parallel_shard_degree,
+            dp_replicate=p.data_parallel_replicate_degree,
+            cp=p.context_parallel_degree,
+            tp=p.tensor_parallel_degree,
+            pp=p.pipeline_parallel_degree,
+            ep=p.expert_parallel_degree,
+            etp=p.expert_tensor_parallel_degree,
+            world_size=int(os.environ.get("WORLD_SIZE", "1")),
+        )
+    except (AssertionError, ValueError):
+        return None
+    return dims.dp_replicate * dims.dp_shard
+
+
+def _check_job(job_config: Any) -> Any:
+    """The job's own settings: a Zephon train spec, the batch layout, the store. Returns
+    the data config."""
+    from torchtitan.protocols.train_spec import get_train_spec
+
+    spec = get_train_spec(job_config.model.name)
+    if spec.build_dataloader_fn is not build_zephon_dataloader:
+        raise StartRefused(
+            f"model.name={job_config.model.name} does not build a Zephon dataloader; "
+            "use a zephon_* model name (e.g. zephon_llama3)"
+        )
+    tokenizer = spec.build_tokenizer_fn(job_config) if spec.build_tokenizer_fn else None
+    _, config = open_job_data(job_config, tokenizer)
+    dp = _dp_degree(job_config)
+    if dp is not None:
+        config.batch_schedule().check_layout(dp, job_config.training.local_batch_size)
+    return config
+
+
+def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> StartPlan:
+    """Decide what the job starts from, or raise StartRefused / ValueError. Reads only.
+
+    ``writer``: this is global rank 0, which owns the sequence log (the log and the
+    run folder's history are checked there only). ``same_job``: rank 0 took over the
+    run folder's lock from an earlier attempt of this very job (a torchrun elastic
+    restart), whose history may be superseded.
+    """
+    zc = job_config.zephon
+    try:
+        config = _check_job(job_config)
+    except ValueError as e:  # the store, the model, the batch layout: said clearly
+        raise StartRefused(str(e)) from None
+    chosen, plan, why_none = choose_checkpoint(job_config)
+    for info in plan.skipped:
+        what = (
+            "incomplete (no .metadata: the job died while writing it)"
+            if not info.complete
+            else f"corrupt ({info.problem})"
+        )
+        target = f"step {chosen.step}" if chosen else "scratch"
+        plan.notes.append(
+            f"checkpoint {info.path} is {what} and is skipped; resuming from {target} in "
+            f"{info.path.parent}"
+        )
+    if chosen is not None:
+        _check_loadable(chosen, job_config)
+        try:
+            saved = runs.read_data_state(chosen.path)
+            check_resume(saved, config, zc.allow_changes)
+        except runs.RunError as e:
+            raise StartRefused(str(e)) from None
+        except DataStateMismatch as e:
+            raise with_trainer_hint(e) from None
+        plan.resume, plan.state = chosen, saved
+        head, done = saved.tracker, saved.next_step - 1
+        if writer and zc.audit != "off" and head is not None and int(head["step"]) == done:
+            path = log_path(job_config.job.dump_folder)
+            tracker = SequenceTracker(path, config=config, writer=True)
+            problem = tracker.check_resume(head, repair_index=False)
+            if problem is not None and not zc.ignore_log_mismatch:
+                raise StartRefused(log_mismatch(path, done, problem))
+        return plan
+    if not writer:
+        return plan
+    leftovers = _leftovers(job_config)
+    if not leftovers:
+        return plan
+    found = " and ".join(leftovers)
+    if same_job:
+        plan.notes.append(
+            f"an elastic restart of this job before it could resume ({why_none}): it starts "
+            f"again from step 1 in {job_config.job.dump_folder}; the log's new start event "
+            f"supersedes the steps of the earlier attempt ({found})"
+        )
+        return plan
+    if zc.start_over:
+        plan.notes.append(
+            f"zephon.start_over: starting from step 1 although the run folder holds {found}; "
+            "the log's new start event supersedes those steps"
+        )
+        return plan
+    raise StartRefused(
+        f"the run folder {job_config.job.dump_folder} holds {found}, which this job will not "
+        f"resume from ({why_none}). Starting here would supersede that history. To continue "
+        "it, resume from a checkpoint (checkpointing enabled and loading); to keep it, use "
+        f"another --job.dump_folder; to start over in this folder, pass {START_OVER}. "
+        "Nothing was changed on disk."
+    )
+
+
+def log_plan(plan: StartPlan) -> None:
+    for note in plan.notes:
+        logger.warning(f"Zephon: {note}")
