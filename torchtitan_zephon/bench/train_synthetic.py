@@ -14,6 +14,7 @@ dataloader's ``__iter__``; it is registered only by this entry module.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -39,6 +40,7 @@ class SyntheticDataLoader(ZephonDataLoader):
             yield batch
 
 
+@functools.wraps(build_zephon_dataloader)
 def build_synthetic_dataloader(*args: Any, **kwargs: Any) -> SyntheticDataLoader:
     return SyntheticDataLoader(build_zephon_dataloader(*args, **kwargs))
 

@@ -27,6 +27,7 @@ Invariants:
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from dataclasses import dataclass, field
@@ -280,7 +281,8 @@ def _check_job(job_config: Any) -> Any:
     from torchtitan.protocols.train_spec import get_train_spec
 
     spec = get_train_spec(job_config.model.name)
-    if spec.build_dataloader_fn is not build_zephon_dataloader:
+    # a wrapper declares what it wraps (functools.wraps), e.g. the bench's synthetic loader
+    if inspect.unwrap(spec.build_dataloader_fn) is not build_zephon_dataloader:
         raise StartRefused(
             f"model.name={job_config.model.name} does not build a Zephon dataloader; "
             "use a zephon_* model name (e.g. zephon_llama3)"
