@@ -107,7 +107,7 @@ _CONFIG_KEYS = {
     "training": ("steps", "global_batch_size", "local_batch_size", "seq_len", "dtype"),
     "parallelism": ("data_parallel_shard_degree", "tensor_parallel_degree"),
     "checkpoint": ("interval",),
-    "zephon": ("store", "seed", "audit"),
+    "zephon": ("store", "mixture", "seed", "audit"),
 }
 
 
