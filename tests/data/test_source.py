@@ -22,7 +22,7 @@ from torchtitan_zephon.data.source import (
     plan_of,
     split_keys,
 )
-from torchtitan_zephon.data.state import DataState, check_resume
+from torchtitan_zephon.data.state import DataConfig, DataState, check_resume
 from torchtitan_zephon.data.store import StoreError, TokenStore, slice_store
 
 from .conftest import copy_store, edit_token
@@ -137,6 +137,11 @@ def test_one_store_is_the_store_source_with_sample_ids_as_keys(store):
     a = loader(store, 1, 0, 4, num_samples=100)
     b = loader(StoreSource(store, SEQ, num_samples=100), 1, 0, 4)
     assert a.config == b.config and a.config.mixture is None
+    old = DataConfig.make(  # what the loader built before sources: old checkpoints resume
+        seq_len=SEQ, seed=5, schedule=a.plan.schedule, sample_offset=0, num_samples=100,
+        store_fingerprint=store.fingerprint, tokenizer_hash=store.tokenizer_hash,
+    )  # fmt: skip
+    assert a.config == old and a.config.fingerprint == old.fingerprint
     assert isinstance(a.plan, DataPlan)
     assert a.plan.global_ids(3).tolist() == DataPlan(100, 5, a.plan.schedule).global_ids(3).tolist()
     for x, y in zip(take_steps(a, 3), take_steps(b, 3), strict=True):
@@ -287,3 +292,19 @@ def test_ids_at_far_slots_with_huge_epochs():
             seen[s] += 1
             expect = plan._streams[s].ids_for_positions(position, 1)[0]
             assert i == expect, (step, s, position)
+
+
+def test_sources_of_another_tokenizer_are_refused(slices, corpus_dir, tmp_path):
+    """A store prepared with another tokenizer cannot join the mixture: named at open."""
+    from torchtitan_zephon.data.mixture import MixtureError
+    from torchtitan_zephon.data.prepare import prepare_store
+
+    from .conftest import build_tokenizer
+
+    other_tok = build_tokenizer(tmp_path / "tok", extra_vocab=5)
+    prepare_store([str(corpus_dir)], str(other_tok), str(tmp_path / "other"), progress=False)
+    text = mixture_text(slices, "{ web = 1, code = 1, math = 1 }").replace(
+        str(slices["web"].path), str(tmp_path / "other")
+    )
+    with pytest.raises(MixtureError, match="sources 'code' and 'web' differ in tokenizer"):
+        mixture(slices, text)
