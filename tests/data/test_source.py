@@ -308,3 +308,24 @@ def test_sources_of_another_tokenizer_are_refused(slices, corpus_dir, tmp_path):
     )
     with pytest.raises(MixtureError, match="sources 'code' and 'web' differ in tokenizer"):
         mixture(slices, text)
+
+
+def test_an_accepted_batch_schedule_edit_continues_at_the_saved_slot(slices):
+    """allow_changes=["schedule"] on a mixture: no slot skipped or repeated; the new
+    batch sizes from the resume on, every key a valid sample of its source."""
+    source = mixture(slices)
+    ld = loader(source, 1, 0, 12, schedule="12")
+    take_steps(ld, 3)
+    saved = ld.data_state()
+    edited = loader(source, 2, 1, 6, schedule="1:24")
+    with pytest.raises(ValueError, match="schedule: "):
+        edited.load_state_dict(saved)
+    decision = edited.load_state_dict(saved, allow_changes=["schedule"])
+    assert decision.anchor == (4, 36)
+    assert edited.plan.step_positions(4) == (36, 24) and edited.plan.step_positions(5) == (60, 24)
+    rows = take_steps(edited, 2)
+    assert [len(r) for r in rows] == [12, 12]  # rank 1 of 2: half of each 24
+    names, ids = edited.plan.decode(edited.plan.global_ids(5))
+    for name, i in zip(names, ids.tolist(), strict=True):
+        assert 0 <= i < slices[name].num_samples(SEQ) - 3
+    assert edited.data_state().consumed_positions == 84
