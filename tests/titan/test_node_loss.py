@@ -40,17 +40,23 @@ def two_nodes_lose_one(
     checkpoint KILL_AFTER completes (``before_checkpoint``: as soon as step 2 is logged,
     before any checkpoint). Returns the surviving agent's process."""
     port = free_port()
-    launcher = [f"--nnodes={nnodes}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-                "--rdzv_id=node_loss_test", *agent_args]  # fmt: skip
+    args = list(agent_args)
+    conf = args.pop(args.index("--rdzv-conf") + 1) if "--rdzv-conf" in args else ""
+    args = [a for a in args if a != "--rdzv-conf"]
     run.mkdir(parents=True)
     agents = []
     for i in range(2):
+        # the second agent (the one lost) must not host the rendezvous store
+        node_conf = ",".join(c for c in (conf, "is_host=false" if i else "") if c)
+        launcher = [f"--nnodes={nnodes}", "--rdzv_backend=c10d",
+                    f"--rdzv_endpoint=127.0.0.1:{port}", "--rdzv_id=node_loss_test", *args,
+                    *(["--rdzv-conf", node_conf] if node_conf else [])]  # fmt: skip
         log = open(run / f"agent{i}.log", "w")
         cmd = train_command(run, 1, list(JOB), torchrun_args=launcher)
         agents.append(
             subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=log, stderr=subprocess.STDOUT)
         )
-        time.sleep(0.5)  # the first agent hosts the rendezvous store
+        time.sleep(0.5)
     done = run / "checkpoint" / f"step-{KILL_AFTER}" / ".metadata"
 
     def time_to_kill() -> bool:
