@@ -5,16 +5,19 @@ documents within ``source_tokens`` tokens, no tokenizing), spread over it and
 overlapping when they do not fit side by side; the mixtures of 1 and 10 take
 the first of the 100; every mixture draws with equal weights. It measures, side by side in one
 run: (1) Zephon loader tokens/s on the single builtin store and on mixtures of
-1, 10 and 100 sources (same seq_len, batch and prefetch); (2) the time to plan
+1, 10 and 100 sources (same seq_len, batch and prefetch), in steady state (after
+every chunk was read once and checked); (2) the time to plan
 one global batch of a 100-source mixture with 10 schedule entries at step 10
 and at step 10^9 (and restore -> first batch at both); (3) the checkpointed data
 state of that mixture in bytes.
 
 Invariant: all loaders yield ``batch x seq_len`` input tokens per call and are
-timed in interleaved rounds, the two plan steps call by call, so load from other
-processes hits them alike; each figure is the least disturbed one (the best
-round, the fastest call: on a shared machine the others measure the neighbours),
-and ratios come from figures of the same run. Plan and restore calls find no
+timed in interleaved rounds (the median round; tokens per CPU second beside
+tokens/s: the work per token, which a busy machine does not change), the two
+plan steps call by call (the fastest call: on a shared machine the others
+measure the neighbours), so load from other processes hits them alike; ratios
+come from figures of the same run. The loaders run in one process, so the
+target is judged on tokens per CPU second. Plan and restore calls find no
 permutation cached for their step (the other step's calls evict them), as after
 a restore.
 """
@@ -22,6 +25,7 @@ a restore.
 from __future__ import annotations
 
 import os
+import statistics
 import tempfile
 import time
 from fractions import Fraction
@@ -31,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.bench.corpus import builtin_store
-from torchtitan_zephon.bench.measure import paired_latency, rate, ratio
+from torchtitan_zephon.bench.measure import paired_latency, ratio, round_rate
 from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.mixture import MixtureSpec, SpecSource, parse_schedule
 from torchtitan_zephon.data.plan import BatchSchedule
@@ -51,7 +55,7 @@ DEFAULTS = {
     "rounds": 5,
     "repeats": 60,
     "source_tokens": 1 << 19,
-    "warmup_batches": 200,
+    "warmup_batches": 20_000,
 }
 QUICK = {
     "seconds": 0.3,
@@ -60,7 +64,7 @@ QUICK = {
     "rounds": 1,
     "repeats": 3,
     "source_tokens": 1 << 14,
-    "warmup_batches": 5,
+    "warmup_batches": 20,
 }
 
 
@@ -114,13 +118,21 @@ def _loader(source: Any, seq_len: int, batch: int, gbs: int | None = None) -> Ze
 
 def loader_rates(
     loaders: dict[str, ZephonLoader], tokens_per_batch: int, seconds: float, rounds: int
-) -> dict[str, float]:
-    """Best tokens/s of each loader over interleaved rounds."""
-    per: dict[str, list[float]] = {k: [] for k in loaders}
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(tokens/s, tokens per CPU second) of each loader: the median of interleaved rounds
+    (``measure.round_rate``: what a loader prefetched during the others' turns is drawn
+    untimed first)."""
+    wall: dict[str, list[float]] = {k: [] for k in loaders}
+    cpu: dict[str, list[float]] = {k: [] for k in loaders}
     for _ in range(rounds):
         for name, ld in loaders.items():
-            per[name].append(rate(ld.__next__, tokens_per_batch, seconds / rounds)["per_s"])
-    return {k: max(v) for k, v in per.items()}
+            w, c = round_rate(ld.__next__, tokens_per_batch, seconds / rounds)
+            wall[name].append(w)
+            cpu[name].append(c)
+    return (
+        {k: statistics.median(v) for k, v in wall.items()},
+        {k: statistics.median(v) for k, v in cpu.items()},
+    )
 
 
 def state_at(loader: ZephonLoader, step: int) -> DataState:
@@ -165,15 +177,28 @@ def run(opts: dict) -> dict:
         loaders = {"single": _loader(store, seq_len, batch)}
         for k in SOURCE_COUNTS:
             loaders[f"sources_{k}"] = _loader(mixture_source(stores[k], seq_len), seq_len, batch)
-        for ld in loaders.values():  # the first reads hash each chunk once: not measured
-            for _ in range(o["warmup_batches"]):
+        # Steady state: the first read of each 64K-token chunk hashes it (the content
+        # checks); read until every store's chunks are checked (at most warmup_batches).
+        res["warmup_batches"] = {}
+        for name, ld in loaders.items():
+            group = getattr(ld.source, "stores", None) or [ld.source.store]
+            n = 0
+            while n < o["warmup_batches"] and any(st.unchecked_chunks for st in group):
                 next(ld)
-        tp = loader_rates(loaders, batch * seq_len, o["seconds"] * len(loaders), o["rounds"])
+                n += 1
+            res["warmup_batches"][name] = n
+        tp, tp_cpu = loader_rates(
+            loaders, batch * seq_len, o["seconds"] * len(loaders), o["rounds"]
+        )
         for ld in loaders.values():
             ld.close()
         res["tokens_per_s"] = tp
+        res["tokens_per_cpu_s"] = tp_cpu
         res["tokens_ratio"] = {
             str(k): ratio(tp[f"sources_{k}"], tp["single"]) for k in SOURCE_COUNTS
+        }
+        res["tokens_ratio_cpu"] = {
+            str(k): ratio(tp_cpu[f"sources_{k}"], tp_cpu["single"]) for k in SOURCE_COUNTS
         }
 
         # (2) plan and restore cost at step 10 vs 10^9: 100 sources, 10 schedule entries
@@ -210,7 +235,7 @@ def run(opts: dict) -> dict:
         res["max_deviation"] = progress["max_deviation"]
         probe.close()
     res["meets"] = {
-        "tokens_ratio_100": res["tokens_ratio"]["100"] >= TARGETS["tokens_ratio_100"],
+        "tokens_ratio_100": res["tokens_ratio_cpu"]["100"] >= TARGETS["tokens_ratio_100"],
         "plan_ratio": res["plan_ratio"] <= TARGETS["plan_ratio"],
         "state_bytes": res["state_bytes"] < TARGETS["state_bytes"],
     }
@@ -219,16 +244,23 @@ def run(opts: dict) -> dict:
 
 def rows(r: dict) -> list[tuple[str, str, str]]:
     """(measure, value, note) lines of the printed table."""
-    tp = r["tokens_per_s"]
-    out = [("single store tokens/s", f"{tp['single']:,.0f}", "the builtin store")]
+    tp, cpu = r["tokens_per_s"], r["tokens_per_cpu_s"]
+    out = [
+        (
+            "single store tokens/s | per CPU s",
+            f"{tp['single'] / 1e6:,.0f} M | {cpu['single'] / 1e6:,.0f} M",
+            "the builtin store",
+        )
+    ]
     for k in SOURCE_COUNTS:
         note = f"{r['source_samples']['min']:,}-{r['source_samples']['max']:,} samples a source"
         if k == SOURCE_COUNTS[-1]:
-            note += f"; target >= {TARGETS['tokens_ratio_100']:.0%}"
+            note += f"; target per CPU s >= {TARGETS['tokens_ratio_100']:.0%}"
         out.append(
             (
-                f"mixture of {k} tokens/s",
-                f"{tp[f'sources_{k}']:,.0f} ({r['tokens_ratio'][str(k)]:.0%})",
+                f"mixture of {k} tokens/s | per CPU s",
+                f"{tp[f'sources_{k}'] / 1e6:,.0f} M ({r['tokens_ratio'][str(k)]:.0%}) | "
+                f"{cpu[f'sources_{k}'] / 1e6:,.0f} M ({r['tokens_ratio_cpu'][str(k)]:.0%})",
                 note,
             )
         )

@@ -53,7 +53,7 @@ from torchtitan_zephon.data.mixture import (
 )
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan, check_batch_layout
 from torchtitan_zephon.data.state import MIXTURE_FIELD, DataConfig, DataState
-from torchtitan_zephon.data.store import StoreError, TokenStore, gather_windows
+from torchtitan_zephon.data.store import StoreError, StoreGroup, TokenStore
 
 SOURCE_SHIFT = 40
 """Bits of a sample key that hold the sample id: 2^40 (~10^12) samples per source."""
@@ -377,10 +377,9 @@ class MixtureSource:
         ref = self.stores[0]
         self.vocab_size = ref.vocab_size
         self.tokenizer_hash = ref.tokenizer_hash
-        self.dtype = ref.dtype
         self.fingerprint = mixture_store_fingerprint(spec)
         self.warnings: list[str] = []
-        self._num_samples = np.array([st.num_samples(seq_len) for st in self.stores])
+        self.group = StoreGroup(self.stores)
         self._plans: dict[tuple[str, tuple[int, int]], MixtureStream] = {}
 
     @classmethod
@@ -438,15 +437,15 @@ class MixtureSource:
 
     def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
         sources, ids = split_keys(np.asarray(keys, dtype=np.int64).ravel())
-        lo, hi = (int(sources.min()), int(sources.max())) if sources.size else (0, 0)
+        src = sources.tolist()  # a micro-batch's few keys: plain Python from here
+        lo, hi = (min(src), max(src)) if src else (0, 0)
         if lo < 0 or hi >= len(self.stores):
             raise IndexError(
                 f"sample keys name sources in [{lo}, {hi}], the mixture has {len(self.stores)}."
             )
         if lo == hi:
             return self.stores[lo].windows(ids, seq_len)
-        counts = self._num_samples if seq_len == self.seq_len else None
-        return gather_windows(self.stores, sources, ids, seq_len, num_samples=counts)
+        return self.group.windows(src, ids.tolist(), seq_len)
 
     def id_limit(self, vocab_size: int | None) -> int | None:
         limits = [store_id_limit(st, vocab_size) for st in self.stores]

@@ -698,42 +698,66 @@ def slice_store(source: TokenStore, start: int, stop: int, output: str | os.Path
     return TokenStore.open(out)
 
 
-def gather_windows(
-    stores: list[TokenStore],
-    sources: np.ndarray,
-    ids: np.ndarray,
-    seq_len: int,
-    *,
-    num_samples: np.ndarray | None = None,
-) -> np.ndarray:
-    """Row k: the window of sample ``ids[k]`` of ``stores[sources[k]]`` (stores of one
-    dtype), checked like ``TokenStore.windows``: a mixture's micro-batches, where most
-    rows come from different stores, without a ``windows`` call per store.
-    ``num_samples``: each store's ``num_samples(seq_len)``, when the caller keeps them."""
-    sources = np.asarray(sources, dtype=np.int64).ravel()
-    ids = np.asarray(ids, dtype=np.int64).ravel()
-    if num_samples is None:
-        num_samples = np.array([st.num_samples(seq_len) for st in stores], dtype=np.int64)
-    bad = (ids < 0) | (ids >= num_samples[sources])
-    if bad.any():
-        k = int(np.argmax(bad))
-        st = stores[int(sources[k])]
-        raise IndexError(
-            f"sample id {int(ids[k])} outside [0, {int(num_samples[sources[k]])}) for seq_len "
-            f"{seq_len} in {str(st.path)!r}."
-        )
-    src, starts = sources.tolist(), (ids * seq_len).tolist()
-    for i, x in zip(src, starts, strict=True):
-        st = stores[i]
-        if st._unverified:  # 0 once every chunk of the store was checked (or checks are off)
-            c = st.chunk_tokens
-            first, last = x // c, (x + seq_len) // c
-            if not all(st._checked[first : last + 1]):
-                for chunk in range(first, last + 1):
-                    if not st._checked[chunk]:
-                        st._verify_chunk(chunk)
-    width = seq_len + 1
-    rows = [stores[i]._token_array[x : x + width] for i, x in zip(src, starts, strict=True)]
-    if not rows:
-        return np.empty((0, width), dtype=stores[0].dtype)
-    return np.concatenate(rows).reshape(len(rows), width)
+class StoreGroup:
+    """Several stores of one dtype read together: a mixture's samples, most rows of a
+    micro-batch from a different store, without a ``windows`` call per store.
+
+    Row k of ``windows(sources, ids, seq_len)`` is the window of sample ``ids[k]`` of
+    ``stores[sources[k]]``, checked like ``TokenStore.windows`` (every chunk it
+    touches hashed before it is served).
+    """
+
+    def __init__(self, stores: list[TokenStore]) -> None:
+        if len({st.dtype for st in stores}) > 1:
+            raise StoreError(
+                "a store group needs stores of one token dtype, found "
+                f"{sorted({str(st.dtype) for st in stores})}."
+            )
+        self.stores = list(stores)
+        self.dtype = self.stores[0].dtype
+        self._views = [memoryview(st._token_array) for st in self.stores]
+        self._counts: dict[int, list[int]] = {}
+        self._all_checked = False  # chunks only ever go from unchecked to checked
+
+    def num_samples(self, seq_len: int) -> list[int]:
+        """Each store's ``num_samples(seq_len)``."""
+        counts = self._counts.get(seq_len)
+        if counts is None:
+            counts = self._counts[seq_len] = [st.num_samples(seq_len) for st in self.stores]
+        return counts
+
+    def windows(self, sources: Any, ids: Any, seq_len: int) -> np.ndarray:
+        """``sources`` and ``ids``: int arrays or lists of equal length."""
+        src = np.asarray(sources).ravel().tolist() if isinstance(sources, np.ndarray) else sources
+        idl = np.asarray(ids).ravel().tolist() if isinstance(ids, np.ndarray) else ids
+        width = seq_len + 1
+        counts = self.num_samples(seq_len)
+        for i, j in zip(src, idl, strict=True):  # plain Python: a micro-batch's few rows
+            if not 0 <= j < counts[i]:
+                raise IndexError(
+                    f"sample id {j} outside [0, {counts[i]}) for seq_len {seq_len} in "
+                    f"{str(self.stores[i].path)!r}."
+                )
+        starts = [j * seq_len for j in idl]
+        if not self._all_checked:
+            self._check(src, starts, seq_len)
+        views = self._views
+        # One C-level copy of every row's bytes (memoryview slices joined): about twice
+        # as fast as slicing and concatenating numpy arrays row by row.
+        blob = bytearray().join([views[i][x : x + width] for i, x in zip(src, starts, strict=True)])
+        return np.frombuffer(blob, dtype=self.dtype).reshape(len(src), width)
+
+    def _check(self, src: list[int], starts: list[int], seq_len: int) -> None:
+        """Hash every unchecked chunk these windows touch, before any is served."""
+        stores = self.stores
+        for i, x in zip(src, starts, strict=True):
+            st = stores[i]
+            if st._unverified:  # 0 once every chunk of the store was checked (or checks off)
+                c = st.chunk_tokens
+                first, last = x // c, (x + seq_len) // c
+                if not all(st._checked[first : last + 1]):
+                    for chunk in range(first, last + 1):
+                        if not st._checked[chunk]:
+                            st._verify_chunk(chunk)
+        if not any(st._unverified for st in stores):
+            self._all_checked = True
