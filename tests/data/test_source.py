@@ -274,6 +274,9 @@ def test_content_checks_and_the_vocabulary_guard_hold_for_every_source(slices, t
     assert source.id_limit(10**6) is None
     with pytest.raises(IndexError, match="the mixture has 3"):
         source.windows(make_keys(np.array([3]), np.array([0])), SEQ)
+    with pytest.raises(IndexError, match=r"sample id 100000 outside \[0, \d+\) for seq_len 8"):
+        source.windows(make_keys(np.array([0, 2]), np.array([0, 100000])), SEQ)
+    assert source.windows(np.empty(0, dtype=np.int64), SEQ).shape == (0, SEQ + 1)
 
 
 def test_ids_at_far_slots_with_huge_epochs():
