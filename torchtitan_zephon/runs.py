@@ -24,6 +24,7 @@ from typing import Any
 from torchtitan_zephon.data.state import RECORD_KEY, DataState, DataStateMismatch
 from torchtitan_zephon.tracker import LOG_NAME, LogContents, LogReader, TrackerError, read_log
 from torchtitan_zephon.tracker.reader import ForkedLogReader
+from torchtitan_zephon.tracker.reader import resolve as resolve_log
 
 LOSS_TAG = "loss_metrics/global_avg_loss"
 _LOG_LOSS = re.compile(r"step:\s*(\d+)\s+loss:\s*([-+0-9.eEnaif]+)")
@@ -266,9 +267,13 @@ def sequence_log(path: str | os.PathLike) -> LogContents:
         raise RunError(f"{p}: the sequence log is corrupt ({type(e).__name__}: {e})") from None
 
 
+FORK_LOG_BYTES = 16 << 20
+"""Logs at least this large (~70,000 steps) are read in a child process when asked."""
+
+
 def log_reader(path: str | os.PathLike, *, forked: bool = False) -> LogReader:
     """A streaming reader of a run's sequence log (events read, records not yet);
-    ``forked``: the reading runs in a child process (two logs on two cores).
+    ``forked``: a large log is read in a child process (two logs on two cores).
 
     Raises RunError (a ValueError) with what was expected when the path is missing
     or an event line is corrupt; record lines are checked as they are streamed.
@@ -280,7 +285,9 @@ def log_reader(path: str | os.PathLike, *, forked: bool = False) -> LogReader:
             f"zephon/{LOG_NAME}"
         )
     try:
-        return ForkedLogReader(p) if forked else LogReader(p)
+        if forked and resolve_log(p).stat().st_size >= FORK_LOG_BYTES:
+            return ForkedLogReader(p)
+        return LogReader(p)
     except TrackerError as e:
         raise RunError(str(e)) from None
 

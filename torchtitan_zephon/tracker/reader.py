@@ -115,6 +115,12 @@ class LogReader:
                 continue
             entry = self._parse(lineno, line)
             if "event" in entry:
+                k = entry.get("from_step", 0)
+                if type(k) is not int or k < 0:
+                    raise TrackerError(
+                        f"{self.path}:{lineno}: an event whose from_step is {k!r}, not a step "
+                        "number; the log is corrupt"
+                    )
                 self.events.append(entry)
                 self._event_lines.append(lineno)
         # min_after[i]: the smallest from_step of events i, i+1, ...: a record written
@@ -132,6 +138,10 @@ class LogReader:
         except ValueError as e:
             raise TrackerError(
                 f"{self.path}:{lineno}: not valid JSON ({e}); the log is corrupt"
+            ) from None
+        except RecursionError:
+            raise TrackerError(
+                f"{self.path}:{lineno}: JSON nested too deeply to parse; the log is corrupt"
             ) from None
         if not isinstance(entry, dict) or not (
             "event" in entry or ("step" in entry and "chain" in entry)
@@ -211,7 +221,7 @@ class LogReader:
             try:
                 step = int(rec["step"])
                 chain = str(rec["chain"])
-            except (TypeError, ValueError) as e:
+            except (TypeError, ValueError, OverflowError) as e:
                 raise TrackerError(
                     f"{self.path}:{lineno}: a field has the wrong type ({e}); the log is corrupt"
                 ) from None
@@ -372,6 +382,10 @@ def _serve(path: str, conn: Any) -> None:
         )
     except (TrackerError, OSError) as e:
         conn.send(("error", str(e)))
+    except Exception as e:  # noqa: BLE001 - the child reports, the parent raises TrackerError
+        conn.send(
+            ("error", f"{path}: the sequence log could not be read ({type(e).__name__}: {e})")
+        )
     finally:
         conn.close()
 
