@@ -83,3 +83,36 @@ def test_scalar_and_vector_paths_agree(n, seed, epoch):
     whole = perm.map(positions)
     pieces = np.concatenate([perm.map(positions[i : i + 8]) for i in range(0, 200, 8)])
     assert np.array_equal(whole, pieces)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    perms=st.lists(
+        st.tuples(st.integers(1, 5000), st.integers(0, 2**63 - 1), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=6,
+    ),
+    data=st.data(),
+)
+def test_map_many_equals_each_permutation(perms, data):
+    """Several permutations evaluated together (a mixture's sources) give exactly each
+    one's own values, in the small-batch and the vectorized path."""
+    from torchtitan_zephon.data.permutation import map_many
+
+    objs = [Permutation(n, seed, epoch) for n, seed, epoch in perms]
+    size = data.draw(st.sampled_from([0, 1, 7, 48, 49, 300]))
+    which = np.array(
+        data.draw(st.lists(st.integers(0, len(objs) - 1), min_size=size, max_size=size)),
+        dtype=np.int64,
+    )
+    positions = np.array(
+        [data.draw(st.integers(0, objs[w].n - 1)) for w in which.tolist()], dtype=np.int64
+    )
+    got = map_many(objs, which, positions)
+    assert got.dtype == np.int64
+    assert got.tolist() == [
+        objs[w][p] for w, p in zip(which.tolist(), positions.tolist(), strict=True)
+    ]
+    if size:
+        with pytest.raises(IndexError, match="outside"):
+            map_many(objs, which[:1], np.array([objs[which[0]].n]))

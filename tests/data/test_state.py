@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -157,3 +158,101 @@ def test_order_key_ignores_the_schedule_only():
     assert a.fingerprint != config(schedule=BatchSchedule.parse("64")).fingerprint
     for change in ({"seq_len": 9}, {"seed": 1}, {"num_samples": 5}, {"sample_offset": 1}):
         assert config(**change).order_key != a.order_key
+
+
+# ---------------------------------------------------------------- mixtures
+
+
+def mixture_config(entries, sizes=None, *, step=None, **kw) -> DataConfig:
+    """A mixture's data config (as MixtureSource.data_config makes it)."""
+    from torchtitan_zephon.data.mixture import MixtureSpec
+    from torchtitan_zephon.data.source import mixture_store_fingerprint
+
+    spec = MixtureSpec.build(sizes or {"code": 50, "web": 70}, entries)
+    fields = dict(
+        num_samples=sum((sizes or {"code": 50, "web": 70}).values()),
+        store_fingerprint=mixture_store_fingerprint(spec),
+        extra={"mixture": spec.to_json()},
+    )
+    fields.update(kw)
+    return config(**fields)
+
+
+weight_entries = st.lists(
+    st.tuples(
+        st.integers(2, 60),
+        st.fixed_dictionaries({"code": st.integers(0, 3), "web": st.integers(1, 3)}),
+    ),
+    max_size=3,
+    unique_by=lambda e: e[0],
+).map(lambda es: [(1, {"code": 1, "web": 1})] + sorted(es))
+
+
+def test_a_mixture_order_key_binds_its_sources_not_its_weights():
+    a = mixture_config([(1, {"code": 1, "web": 3})])
+    b = mixture_config([(1, {"code": 1, "web": 3}), (9, {"code": 1, "web": 0})])
+    assert a.order_key == b.order_key and a.fingerprint != b.fingerprint
+    assert [a.step_key(s) == b.step_key(s) for s in (1, 8, 9, 100)] == [True, True, False, False]
+    assert b.step_key(9) == b.step_key(10) != b.step_key(8)
+    assert mixture_config([(1, {"code": 1, "web": 3})], {"code": 50, "web": 71}).order_key != (
+        a.order_key
+    )
+    plain = config()  # one store: the order key of every run logged so far, unchanged
+    body = {k: v for k, v in plain.to_dict().items() if k != "schedule"}
+    assert plain.order_key == fingerprint(body) == plain.step_key(5)
+
+
+@settings(max_examples=200, deadline=None)
+@given(old=weight_entries, new=weight_entries, next_step=st.integers(1, 70))
+def test_a_mixture_resumes_freely_exactly_when_its_trained_steps_keep_their_weights(
+    old, new, next_step
+):
+    """Entries that differ only for steps >= next_step are a continuation ("extended");
+    any difference for a trained step is the field "mixture", refused unless allowed."""
+    from torchtitan_zephon.data.mixture import MixtureSpec, past_change
+
+    a, b = mixture_config(old), mixture_config(new)
+    state = DataState(a, next_step, a.batch_schedule().first_position(next_step))
+    same_past = (
+        past_change(
+            MixtureSpec.from_json(a.mixture), MixtureSpec.from_json(b.mixture), next_step - 1
+        )
+        is None
+    )
+    if a == b:
+        assert check_resume(state, b).extended == ()
+    elif same_past:
+        decision = check_resume(state, b)
+        assert decision.extended == ("mixture",) and decision.anchor == (1, 0)
+        for s in range(1, next_step):
+            assert a.step_key(s) == b.step_key(s)  # the trained steps' records still verify
+    else:
+        with pytest.raises(
+            DataStateMismatch, match=r"(?s)  mixture: .*allow_changes=\['mixture'\]"
+        ):
+            check_resume(state, b)
+        assert check_resume(state, b, ["mixture"]).accepted == ("mixture",)
+
+
+def test_mixture_sources_and_tokenizer_changes_are_named():
+    entries = [(1, {"code": 1, "web": 1})]
+    a = mixture_config(entries)
+    state = DataState(a, 5, 16)
+    for new, message in [
+        (
+            mixture_config(entries, {"code": 50, "web": 69}),
+            "mixture: source 'web': num_samples was 70, now 69.",
+        ),
+        (
+            mixture_config(
+                [(1, {"code": 1, "web": 1, "math": 0})], {"code": 50, "web": 70, "math": 9}
+            ),
+            "mixture: source 'math' was added",
+        ),
+        (config(), "mixture: one store replaces a mixture of 2 sources"),
+        (mixture_config(entries, tokenizer_hash="u" * 64), "tokenizer_hash: 'tttt"),
+    ]:
+        with pytest.raises(DataStateMismatch, match=re.escape(message)):
+            check_resume(state, new)
+    opened = check_resume(state, mixture_config(entries, {"code": 50, "web": 69}), ["mixture"])
+    assert opened.accepted == ("mixture",)  # store_fingerprint and num_samples go with it

@@ -352,3 +352,23 @@ def test_property_reads_fail_iff_they_cover_the_edited_chunk(
                 got = s.windows(np.array(ids), seq_len)
                 want = np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in ids])
                 assert np.array_equal(got, want)
+
+
+def test_a_slice_is_a_store_of_its_own(store, tmp_path):
+    """The whole documents within a token range, as a checked store of their own."""
+    from torchtitan_zephon.data.store import slice_store
+
+    a = slice_store(store, 100, 900, tmp_path / "a")
+    (part,) = a.manifest["sources"]
+    first, last = part["start"], part["stop"]
+    assert 100 <= first < last <= 900 and first in store.doc_offsets.tolist()
+    assert np.array_equal(np.asarray(a.tokens), np.asarray(store.tokens[first:last]))
+    assert a.window(3, 8).tolist() == store.tokens[first + 24 : first + 33].tolist()
+    assert a.tokenizer_hash == store.tokenizer_hash
+    assert a.check().ok  # every document ends with EOS, checksums hold
+    b = slice_store(store, 0, 900, tmp_path / "b")
+    assert len({a.fingerprint, b.fingerprint, store.fingerprint}) == 3
+    with pytest.raises(StoreError, match="holds no whole document"):
+        slice_store(store, 5, 6, tmp_path / "c")
+    with pytest.raises(StoreError, match="already exists"):
+        slice_store(store, 0, 900, tmp_path / "a")

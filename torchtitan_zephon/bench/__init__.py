@@ -2,8 +2,9 @@
 
 One module per suite: ``loader`` (tokens/s, restore time, state size),
 ``step`` (training steps/s and data wait), ``resume`` (cold start to first
-batch), ``scale`` (per-rank plan cost vs world size, sequence log growth) and
-``prepare`` (tokenization throughput vs workers). Each exposes
+batch), ``scale`` (per-rank plan cost vs world size, sequence log growth),
+``prepare`` (tokenization throughput vs workers) and ``mixture`` (tokens/s
+with 1, 10, 100 sources vs one store, plan cost at step 10 vs 10^9, state size). Each exposes
 ``run(opts: dict) -> dict`` (a JSON-able result) and ``rows(result)`` (the
 printed table).
 
@@ -12,4 +13,4 @@ same machine, side by side; ratios are computed from those measurements and
 never from remembered numbers.
 """
 
-SUITES = ["loader", "step", "resume", "scale", "prepare"]
+SUITES = ["loader", "step", "resume", "scale", "prepare", "mixture"]

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, builtin_store, write_jsonl
-from torchtitan_zephon.bench.measure import paired_latency, rate, ratio
+from torchtitan_zephon.bench.measure import paired_latency, rate, ratio, round_rate
 from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
 from torchtitan_zephon.data.state import DataState
@@ -354,24 +354,6 @@ def zephon_breakdown(store: TokenStore, seq_len: int, batch: int, seconds: float
 LOADERS = ("zephon", "torchdata", "stock")
 
 
-def _round_rate(fn: Any, tokens_per_batch: int, seconds: float) -> tuple[float, float]:
-    """(tokens per second, tokens per CPU second of this process) of ``fn`` over
-    ``seconds``, after a quarter as long drawing batches untimed: what a loader prefetched
-    while the others had their turn is not counted."""
-    rate(fn, tokens_per_batch, seconds / 4)
-    calls, cpu0, start = 0, time.process_time(), time.perf_counter()
-    deadline = start + seconds
-    while True:
-        fn()
-        calls += 1
-        now = time.perf_counter()
-        if now >= deadline:
-            break
-    cpu = time.process_time() - cpu0
-    tokens = calls * tokens_per_batch
-    return tokens / (now - start), tokens / cpu if cpu > 0 else float("inf")
-
-
 def loader_throughput(
     store: TokenStore, jsonl: Path, cache: Path, seq_len: int, batch: int, workers: int,
     seconds: float, rounds: int,
@@ -400,7 +382,7 @@ def loader_throughput(
         nexts = {"zephon": zl.__next__, "torchdata": td_it.__next__, "stock": stock_it.__next__}
         for _ in range(rounds):
             for name, fn in nexts.items():
-                r, cpu = _round_rate(fn, tokens_per_batch, seconds / rounds)
+                r, cpu = round_rate(fn, tokens_per_batch, seconds / rounds)
                 per_round.setdefault(f"{name}_workers{w}", []).append(r)
                 if w == 0:  # with workers, their processes' CPU time is not ours to see
                     cpu_round.setdefault(f"{name}_workers{w}", []).append(cpu)

@@ -1,7 +1,10 @@
 """Timing primitives shared by the benchmark suites.
 
 Invariant: a rate is measured after a warm-up call, over a wall-clock budget,
-with ``time.perf_counter``; a latency is the median of repeated runs.
+with ``time.perf_counter``; a latency is the median of repeated runs; a round
+rate first draws untimed for a quarter of its budget (what a prefetching loader
+made while others were timed is not counted) and also counts tokens per CPU
+second of the process (the work per token, whatever the machine's load).
 """
 
 from __future__ import annotations
@@ -24,6 +27,26 @@ def rate(step: Callable[[], object], units_per_call: float, seconds: float) -> d
             break
     elapsed = now - start
     return {"per_s": calls * units_per_call / elapsed, "calls": calls, "seconds": elapsed}
+
+
+def round_rate(
+    fn: Callable[[], object], tokens_per_batch: int, seconds: float
+) -> tuple[float, float]:
+    """(tokens per second, tokens per CPU second of this process) of ``fn`` over
+    ``seconds``, after a quarter as long drawing batches untimed: what a loader prefetched
+    while the others had their turn is not counted."""
+    rate(fn, tokens_per_batch, seconds / 4)
+    calls, cpu0, start = 0, time.process_time(), time.perf_counter()
+    deadline = start + seconds
+    while True:
+        fn()
+        calls += 1
+        now = time.perf_counter()
+        if now >= deadline:
+            break
+    cpu = time.process_time() - cpu0
+    tokens = calls * tokens_per_batch
+    return tokens / (now - start), tokens / cpu if cpu > 0 else float("inf")
 
 
 def latency(fn: Callable[[], object], repeats: int) -> dict[str, float]:

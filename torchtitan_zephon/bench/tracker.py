@@ -157,7 +157,7 @@ def step_path(samples: int, repeats: int) -> float:
     """Median ms the training thread spends on the tracker per step at ``samples``."""
     plan = DataPlan(10**9, 0, BatchSchedule([(1, samples)]))
     config = _config(gbs=samples)
-    digests = StepDigests(lambda: plan, config.order_key)
+    digests = StepDigests(lambda: plan, config.step_key)
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="zephon-bench-") as tmp:

@@ -1,6 +1,6 @@
 """``zephon bench SUITE``: the data path measured side by side with stock TorchTitan.
 
-Suites: loader, step, resume, scale, prepare (see ``torchtitan_zephon.bench``),
+Suites: loader, step, resume, scale, prepare, mixture (see ``torchtitan_zephon.bench``),
 or ``all``, which runs every suite and writes ``docs/bench_results.json``.
 Each suite prints a table (``--json``: one JSON object instead) and, with
 ``--out``, saves the JSON object.
@@ -32,8 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "Measure the Zephon data path and stock TorchTitan side by side, in one run on "
             "this machine: loader tokens/s, restore time and state size (loader), training "
             "steps/s and data wait (step), cold start to first batch (resume), per-rank plan "
-            "cost vs world size (scale), tokenization throughput (prepare). `all` runs every "
-            f"suite and writes {ALL_OUT}."
+            "cost vs world size (scale), tokenization throughput (prepare), many sources vs "
+            f"one store (mixture). `all` runs every suite and writes {ALL_OUT}."
         ),
     )
     p.add_argument(
@@ -46,11 +46,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--quick", action="store_true", help="tiny sizes (smoke test, not a measurement)"
     )
-    p.add_argument("--seconds", type=positive_float, help="measuring time per loader (loader)")
     p.add_argument(
-        "--seq-len", dest="seq_len", type=int_in(1), help="tokens per sample (loader, resume)"
+        "--seconds", type=positive_float, help="measuring time per loader (loader, mixture)"
     )
-    p.add_argument("--batch", type=int_in(1), help="local batch size (loader, resume)")
+    p.add_argument(
+        "--seq-len",
+        dest="seq_len",
+        type=int_in(1),
+        help="tokens per sample (loader, resume, mixture)",
+    )
+    p.add_argument("--batch", type=int_in(1), help="local batch size (loader, resume, mixture)")
     p.add_argument("--workers", type=int_in(0), help="loader workers for the second round (loader)")
     p.add_argument("--steps", type=int_in(1), help="training steps per run (step)")
     p.add_argument(

@@ -8,7 +8,9 @@ than ``.metadata`` says; model-only), the Zephon data state of the latest
 complete one, the sequence log (effective records, resume history with
 topologies), the job holding the folder's lock if any, and the loss range in its
 TensorBoard events. A checkpoint folder (``checkpoint/step-N``) is summarised by
-its status and data state.
+its status and data state. For a mixture, each source's samples drawn by the
+checkpointed steps against its exact target and the epoch it is in, computed
+from the data state and the plan (O(1) in the step: nothing is replayed).
 
 Invariant: inspecting reads only; a part that is missing or unreadable is
 reported as such in its field, never as a traceback.
@@ -59,6 +61,18 @@ def _data_state(checkpoint: Path) -> dict[str, Any]:
     return state.to_dict()
 
 
+def _mixture(state: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Per source of a mixture's data state: realized vs target samples and epoch."""
+    if not state or "error" in state:
+        return None
+    from torchtitan_zephon.data.source import mixture_progress
+
+    try:
+        return mixture_progress(DataState.from_dict(state))
+    except Exception as e:  # noqa: BLE001 - reported in its field, never raised
+        return {"error": str(e) or type(e).__name__}
+
+
 def _status(c: runs.CheckpointInfo) -> dict[str, Any]:
     return {"status": c.status, "problem": c.problem, "holds": c.holds}
 
@@ -83,6 +97,7 @@ def describe_checkpoint(path: Path) -> dict[str, Any]:
         info["data_state"] = {"error": f"corrupt checkpoint: {c.problem}"}
     else:
         info["data_state"] = _data_state(path)
+    info["mixture"] = _mixture(info["data_state"])
     return info
 
 
@@ -92,7 +107,7 @@ _CONFIG_KEYS = {
     "training": ("steps", "global_batch_size", "local_batch_size", "seq_len", "dtype"),
     "parallelism": ("data_parallel_shard_degree", "tensor_parallel_degree"),
     "checkpoint": ("interval",),
-    "zephon": ("store", "seed", "audit"),
+    "zephon": ("store", "mixture", "seed", "audit"),
 }
 
 
@@ -172,6 +187,7 @@ def describe_run(path: Path) -> dict[str, Any]:
     cks = runs.checkpoints(path, verify=True)
     complete = [c for c in cks if c.status == "complete"]
     latest = complete[-1] if complete else None
+    data_state = _data_state(latest.path) if latest else None
     return {
         "kind": "run",
         "path": str(path),
@@ -188,7 +204,8 @@ def describe_run(path: Path) -> dict[str, Any]:
             for c in cks
         ],
         "latest_complete_checkpoint": latest.step if latest else None,
-        "data_state": _data_state(latest.path) if latest else None,
+        "data_state": data_state,
+        "mixture": _mixture(data_state),
         "sequence_log": _sequence_log(path),
         "loss": _losses(path),
         "event_files": len(runs.event_files(path)),
@@ -229,6 +246,39 @@ def _format_data_state(state: dict[str, Any] | None, indent: str = "  ") -> list
     return lines
 
 
+def _format_mixture(mixture: dict[str, Any] | None, indent: str = "  ") -> list[str]:
+    if mixture is None:
+        return []
+    if "error" in mixture:
+        return [f"{indent}mixture: unavailable ({mixture['error']})"]
+    rows = [("source", "weight", "drawn", "target", "deviation", "epoch", "per epoch")]
+    for s in mixture["sources"]:
+        num, _, den = s["target"].partition("/")
+        rows.append(
+            (
+                s["name"],
+                s["weight"],
+                str(s["samples"]),
+                f"{int(num) / int(den or 1):.2f}",
+                f"{s['deviation']:+.3f}",
+                str(s["epoch"]),
+                str(s["num_samples"]),
+            )
+        )
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = [
+        f"{indent}mixture at step {mixture['next_step']} ({len(mixture['sources'])} sources; the "
+        f"plan's worst deviation over all steps: {mixture['max_deviation']:.3f} samples, "
+        f"{mixture['max_deviation_source']!r}):"
+    ]
+    for r in rows:
+        cells = [r[0].ljust(widths[0])] + [
+            c.rjust(w) for c, w in zip(r[1:], widths[1:], strict=True)
+        ]
+        lines.append(f"{indent}  " + "  ".join(cells))
+    return lines
+
+
 def _format_status(c: dict[str, Any]) -> str:
     if c["status"] == "incomplete":
         return "INCOMPLETE (no .metadata, skipped on resume)"
@@ -248,7 +298,8 @@ def format_checkpoint(info: dict[str, Any]) -> str:
         f"  step:   {info['step'] if info['step'] is not None else '?'}",
         f"  status: {status}, {info['files']} files, {_size(info['bytes'])}",
     ]
-    return "\n".join(lines + _format_data_state(info["data_state"]))
+    lines += _format_data_state(info["data_state"]) + _format_mixture(info.get("mixture"))
+    return "\n".join(lines)
 
 
 def format_run(info: dict[str, Any]) -> str:
@@ -276,6 +327,7 @@ def format_run(info: dict[str, Any]) -> str:
     if info["latest_complete_checkpoint"] is not None:
         lines.append(f"  latest complete checkpoint: step {info['latest_complete_checkpoint']}")
     lines += _format_data_state(info["data_state"], "  ")
+    lines += _format_mixture(info.get("mixture"), "  ")
     log = info["sequence_log"]
     if "error" in log:
         lines.append(f"  sequence log: unavailable ({log['error']})")

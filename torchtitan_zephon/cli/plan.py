@@ -5,11 +5,17 @@ Invariant: the ids printed for a step are ``DataPlan.global_ids`` (or
 computed and printed ``BLOCK`` ids at a time, so memory stays bounded whatever
 the batch size; a step with more than ``MAX_IDS_PER_STEP`` ids is refused
 before anything is printed. Bad arguments are refused before the store is read.
+
+With ``--mixture FILE`` instead of ``--store``: the ids are per-source sample
+ids and ``"sources"`` names the source of each (``sources[i]`` is the source of
+``ids[i]``); the plan's warnings and its worst deviation from the exact targets
+(``MixturePlan.max_deviation``) go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 
 from torchtitan_zephon.cli.args import int_in
@@ -44,9 +50,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "plan",
         help="print the sample ids of each step",
         description="Print, per step, the ordered sample ids the whole step (or one DP rank) "
-        'gets, one JSON object per line: {"step": s, "ids": [...]}.',
+        'gets, one JSON object per line: {"step": s, "ids": [...]}. With --mixture: '
+        '{"step": s, "ids": [...], "sources": [...]} (ids are per-source sample ids).',
     )
-    p.add_argument("--store", required=True, metavar="STORE")
+    data = p.add_mutually_exclusive_group(required=True)
+    data.add_argument("--store", metavar="STORE")
+    data.add_argument(
+        "--mixture", metavar="FILE", help="a mixture file (TOML [[source]] / [[schedule]])"
+    )
+    p.add_argument(
+        "--heldout-samples",
+        type=int_in(0),
+        default=0,
+        metavar="N",
+        help="with --mixture: the job's zephon.heldout_samples (default of each source's)",
+    )
     p.add_argument("--seq-len", type=int_in(1), required=True, metavar="L")
     p.add_argument(
         "--global-batch-size",
@@ -92,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
             f"{MAX_IDS_PER_STEP} per step. Check --global-batch-size, or print one DP rank's "
             "slice with --dp-degree D --dp-rank R."
         )
+    if args.mixture:
+        return run_mixture(args, schedule)
     store = TokenStore.open(args.store)
     available = store.num_samples(args.seq_len)
     num_samples = available - args.sample_offset if args.num_samples is None else args.num_samples
@@ -113,4 +133,56 @@ def run(args: argparse.Namespace) -> int:
             ids = plan.ids_for_positions(position + done, min(BLOCK, count - done))
             out.write((sep if done else "") + sep.join(map(str, ids.tolist())))
         out.write("]}\n" if args.json else "\n")
+    return 0
+
+
+def run_mixture(args: argparse.Namespace, schedule: BatchSchedule) -> int:
+    """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
+    from torchtitan_zephon.data.mixture import MixtureConfig
+    from torchtitan_zephon.data.source import MixtureSource, MixtureStream
+
+    source = MixtureSource.open(
+        MixtureConfig.load(args.mixture),
+        args.seq_len,
+        default_heldout=args.heldout_samples,
+        path=args.mixture,
+    )
+    plan = source.plan(source.data_config(seed=args.seed, schedule=schedule))
+    assert isinstance(plan, MixtureStream)
+    first, last = args.steps
+    plan.mixture.check_max_epochs(last)
+    for warning in source.warnings:
+        print(f"zephon plan: warning: {warning}", file=sys.stderr)
+    worst, who = plan.mixture.max_deviation()
+    print(
+        f"zephon plan: mixture of {len(plan.names)} sources ({', '.join(plan.names)}); every "
+        f"source's count stays within {float(worst):.4g} samples ({worst.numerator}/"
+        f"{worst.denominator}) of its exact target at every step (worst: {who!r}).",
+        file=sys.stderr,
+    )
+    out = sys.stdout
+    sep = "," if args.json else " "
+    for step in range(first, last + 1):
+        if args.dp_rank is None:
+            position, count = plan.step_positions(step)
+        else:
+            position, count = plan.rank_positions(step, args.dp_rank, args.dp_degree)
+        blocks = [(position + done, min(BLOCK, count - done)) for done in range(0, count, BLOCK)]
+        if args.json:  # ids, then their sources: each block computed twice, memory bounded
+            out.write(f'{{"step":{step},"ids":[')
+            for k, block in enumerate(blocks):
+                _, ids = plan.decode(plan.ids_for_positions(*block))
+                out.write((sep if k else "") + sep.join(map(str, ids.tolist())))
+            out.write('],"sources":[')
+            for k, block in enumerate(blocks):
+                names, _ = plan.decode(plan.ids_for_positions(*block))
+                out.write((sep if k else "") + sep.join(json.dumps(n) for n in names))
+            out.write("]}\n")
+        else:
+            out.write(f"step {step}: ")
+            for k, block in enumerate(blocks):
+                names, ids = plan.decode(plan.ids_for_positions(*block))
+                pairs = (f"{n}:{i}" for n, i in zip(names, ids.tolist(), strict=True))
+                out.write((sep if k else "") + sep.join(pairs))
+            out.write("\n")
     return 0

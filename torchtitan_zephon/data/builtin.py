@@ -3,11 +3,15 @@
 Text that ships with every CPython: the documentation topics of ``pydoc_data``
 (English prose) and the top-level standard-library sources (code), tokenized
 with the BPE tokenizer shipped in ``torchtitan_zephon/assets/tokenizer``.
+Besides the whole store, each half is a store of its own (``PARTS``: "docs",
+"stdlib"), named ``builtin:docs`` / ``builtin:stdlib`` where a store path is
+expected in a mixture file (``store_location``), so a two-source mixture needs
+no data either.
 
-Invariant: the store is a pure function of (this Python's text files, the shipped
-tokenizer); it is built once into a cache folder keyed by a hash of both, so
-every rank and every later run on the machine opens the same bytes. Concurrent
-builders (several ranks starting at once) serialize on a file lock.
+Invariant: a store is a pure function of (this Python's text files, the shipped
+tokenizer, the part); it is built once into a cache folder keyed by a hash of
+these, so every rank and every later run on the machine opens the same bytes.
+Concurrent builders (several ranks starting at once) serialize on a file lock.
 """
 
 from __future__ import annotations
@@ -30,8 +34,16 @@ def cache_root() -> Path:
     return Path(env) if env else Path.home() / ".cache" / "torchtitan_zephon"
 
 
-def corpus_documents() -> list[tuple[str, str]]:
-    """(name, text) of every builtin document, in a fixed order."""
+PARTS = {"docs": "pydoc_topics/", "stdlib": "stdlib/"}
+"""The halves of the builtin corpus: part name -> prefix of its document names."""
+BUILTIN_PREFIX = "builtin:"
+
+
+def corpus_documents(part: str = "all") -> list[tuple[str, str]]:
+    """(name, text) of every builtin document (of one of ``PARTS``), in a fixed order."""
+    if part != "all":
+        prefix = _part_prefix(part)
+        return [d for d in corpus_documents() if d[0].startswith(prefix)]
     import pydoc_data.topics
 
     docs = [
@@ -54,15 +66,33 @@ def _key(docs: list[tuple[str, str]]) -> str:
     return h.hexdigest()[:16]
 
 
-@functools.lru_cache(maxsize=1)
-def builtin_store_path(*, progress: bool = False) -> Path:
-    """Path of the builtin store, building it on first use (once per process: the
-    dataloader and the validator both ask, and the key hashes ~5 MB of text)."""
+def _part_prefix(part: str) -> str:
+    if part not in PARTS:
+        raise ValueError(
+            f"unknown builtin store part {part!r}; expected one of {sorted(PARTS)} "
+            f'(e.g. store = "{BUILTIN_PREFIX}docs" in a mixture file).'
+        )
+    return PARTS[part]
+
+
+def store_location(value: str, *, progress: bool = False) -> str:
+    """The folder a store value names: ``builtin:PART`` is that builtin part (built on
+    first use), anything else is a path and returned unchanged."""
+    if not value.startswith(BUILTIN_PREFIX):
+        return value
+    return str(builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :]))
+
+
+@functools.lru_cache(maxsize=8)
+def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
+    """Path of the builtin store (or of one of its ``PARTS``), building it on first use
+    (once per process: the dataloader and the validator both ask, and the key hashes
+    ~5 MB of text)."""
     from torchtitan_zephon.data.prepare import prepare_store
 
-    docs = corpus_documents()
+    docs = corpus_documents(part)
     root = cache_root()
-    out = root / f"builtin-{_key(docs)}"
+    out = root / (f"builtin-{_key(docs)}" if part == "all" else f"builtin-{part}-{_key(docs)}")
     if (out / "manifest.json").exists():
         return out
     root.mkdir(parents=True, exist_ok=True)
@@ -73,7 +103,9 @@ def builtin_store_path(*, progress: bool = False) -> Path:
                 return out
             with tempfile.TemporaryDirectory(dir=root, prefix=".corpus-") as tmp:
                 # A fixed folder name: the manifest names sources relative to it.
-                corpus = Path(tmp) / "python-docs-and-stdlib"
+                corpus = Path(tmp) / (
+                    "python-docs-and-stdlib" if part == "all" else f"python-{part}"
+                )
                 for name, text in docs:
                     p = corpus / name
                     p.parent.mkdir(parents=True, exist_ok=True)

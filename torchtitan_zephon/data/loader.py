@@ -1,9 +1,11 @@
 """The Zephon loader: one DP rank's micro-batches, with world-size-free state.
 
-Role: turn a DataPlan over a TokenStore into an infinite iterator of
+Role: turn a source's plan (``data.source``: one TokenStore, or a mixture of
+several) into an infinite iterator of
 ``({"input": LongTensor[b, seq_len]}, labels LongTensor[b, seq_len])`` for one
 DP rank, prefetched in the background, and save/restore its position as one
-small record that is the same on every rank.
+small record that is the same on every rank. The plan yields sample keys
+(sample ids for one store); ``source.windows`` gathers their tokens.
 
 Invariants:
 - For steps s = next_step, next_step + 1, ... the loader yields exactly the
@@ -42,9 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan, check_batch_layout
+from torchtitan_zephon.data.plan import BatchSchedule, check_batch_layout
+from torchtitan_zephon.data.source import Source, StoreSource
 from torchtitan_zephon.data.state import (
-    DataConfig,
     DataState,
     DataStateMismatch,
     ResumeDecision,
@@ -74,7 +76,7 @@ class ZephonLoader:
 
     def __init__(
         self,
-        store: TokenStore,
+        source: TokenStore | Source,
         *,
         seq_len: int,
         seed: int,
@@ -90,19 +92,18 @@ class ZephonLoader:
         extra_config: dict | None = None,
         vocab_size: int | None = None,
     ) -> None:
-        available = store.num_samples(seq_len)
+        if isinstance(source, TokenStore):  # the one-store case
+            source = StoreSource(
+                source, seq_len, sample_offset=sample_offset, num_samples=num_samples
+            )
+        elif source.seq_len != seq_len:
+            raise ValueError(
+                f"the source {source.path!r} was resolved for seq_len {source.seq_len}, "
+                f"the loader was asked for seq_len {seq_len}."
+            )
         # Token ids must index the model's embedding: exact and free from the manifest's
         # max_token_id; a store without one (format 1) has each batch checked instead.
-        self._id_limit = _id_limit(store, vocab_size)
-        if num_samples is None:
-            num_samples = available - sample_offset
-        if sample_offset < 0 or num_samples < 1 or sample_offset + num_samples > available:
-            raise ValueError(
-                f"samples [{sample_offset}, {sample_offset + num_samples}) do not fit the store "
-                f"{str(store.path)!r}, which holds {available} samples of seq_len {seq_len} "
-                f"({store.num_tokens} tokens). Use a smaller seq_len, sample_offset or "
-                "num_samples, or a larger store."
-            )
+        self._id_limit = source.id_limit(vocab_size)
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
         schedule.check_layout(dp_degree, local_batch_size)
@@ -110,17 +111,9 @@ class ZephonLoader:
             raise ValueError(
                 f"num_workers and prefetch must be >= 0, got {num_workers} and {prefetch}."
             )
-        self.config = DataConfig.make(
-            seq_len=seq_len,
-            seed=seed,
-            schedule=schedule,
-            sample_offset=sample_offset,
-            num_samples=num_samples,
-            store_fingerprint=store.fingerprint,
-            tokenizer_hash=store.tokenizer_hash,
-            extra=extra_config,
-        )
-        self.store = store
+        self.config = source.data_config(seed=seed, schedule=schedule, extra=extra_config)
+        self.source = source
+        self.store = source  # what ``windows`` gathers from (the source: one store or several)
         self.seq_len = int(seq_len)
         self.dp_rank = int(dp_rank)
         self.dp_degree = int(dp_degree)
@@ -128,7 +121,7 @@ class ZephonLoader:
         self.num_workers = int(num_workers)
         self.prefetch = int(prefetch)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
-        self.plan = DataPlan(int(num_samples), int(seed), schedule, int(sample_offset))
+        self.plan = source.plan(self.config)
         self._threaded = self.prefetch > 0 or self.num_workers > 0
         tokens = self.local_batch_size * self.seq_len
         self.window = (
@@ -337,51 +330,20 @@ class ZephonLoader:
         fields whose change is accepted (``seed``, ``seq_len``, ``schedule``,
         ``sample_offset``, ``num_samples``, ``store_fingerprint``, ``tokenizer_hash``,
         any extra_config key), the aliases ``store`` (store_fingerprint +
-        num_samples) and ``tokenizer``, or ``all``. A schedule that only gained
-        entries for untrained steps needs no opt-in.
+        num_samples), ``tokenizer`` and ``mixture`` (a mixture's sources or the
+        weights of trained steps), or ``all``. A batch or weight schedule that
+        changed only for untrained steps needs no opt-in.
         """
         saved = state if isinstance(state, DataState) else DataState.from_dict(state)
         decision = check_resume(saved, self.config, allow_changes)
         self._reset()
-        self.plan = DataPlan(
-            self.plan.num_samples,
-            self.plan.seed,
-            self.plan.schedule,
-            self.plan.sample_offset,
-            anchor_step=decision.anchor[0],
-            anchor_position=decision.anchor[1],
-        )
+        self.plan = self.source.plan(self.config, decision.anchor)
         self._next_step = saved.next_step
         self._cursor = self._delivered = (saved.next_step, 0)
         return decision
 
 
-def _id_limit(store: TokenStore, vocab_size: int | None) -> int | None:
-    """Refuse a store whose recorded ids exceed ``vocab_size``; the limit left to check per
-    batch (only for stores that record no max_token_id)."""
-    if vocab_size is None:
-        return None
-    if store.max_token_id is None:
-        return int(vocab_size)
-    if store.max_token_id >= vocab_size:
-        raise StoreError(
-            f"the store {str(store.path)!r} holds token ids up to {store.max_token_id}, but the "
-            f"model embeds only {vocab_size} ids (0..{vocab_size - 1}): use a model whose "
-            f"vocab_size is at least {store.max_token_id + 1}, or a store prepared with the "
-            "model's tokenizer."
-        )
-    return None
-
-
 def _out_of_vocab(
-    store: TokenStore, ids: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
+    source: Source, keys: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
 ) -> str:
-    row, col = np.unravel_index(int(np.argmax(tokens)), tokens.shape)
-    sample = int(np.asarray(ids).ravel()[row])
-    return (
-        f"the store {str(store.path)!r} holds token id {int(tokens[row, col])} at token "
-        f"{sample * seq_len + int(col)} (sample {sample}), outside the model's vocabulary of "
-        f"{limit} ids. The store has no content checksums (format {store.version}), so this may "
-        f"be a changed file: check it with `zephon inspect {store.path} --check`, or rebuild it "
-        "with `zephon prepare`."
-    )
+    return source.out_of_vocab(keys, tokens, limit)

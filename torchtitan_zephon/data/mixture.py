@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from torchtitan_zephon.data.permutation import map_many
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan, _divisors, check_batch_layout
 
 MAX_PATTERN = 10**6
@@ -251,9 +252,9 @@ def _parse_sources(raw: Any, origin: str, base_dir: Path | None) -> tuple[Mixtur
         if not isinstance(store, str) or not store.strip():
             raise MixtureError(
                 f"{where} needs store = a token store path (absolute, or relative to the "
-                f"mixture file), found {store!r}."
+                f'mixture file) or "builtin:docs" / "builtin:stdlib", found {store!r}.'
             )
-        if base_dir is not None and not os.path.isabs(store):
+        if base_dir is not None and not os.path.isabs(store) and not store.startswith("builtin:"):
             store = str(base_dir / store)
         held = src.get("heldout_samples")
         if held is not None:
@@ -316,8 +317,8 @@ class MixtureConfig:
             text = p.read_text()
         except OSError as e:
             raise MixtureError(
-                f"cannot read mixture file {str(p)!r}: {e.strerror or e}. Pass --zephon.mixture "
-                "a TOML file with [[source]] and [[schedule]] entries."
+                f"cannot read mixture file {str(p)!r}: {e.strerror or e}. Expected a TOML file "
+                "with [[source]] and [[schedule]] entries."
             ) from None
         return cls.loads(text, base_dir=p.resolve().parent, origin=f"mixture file {str(p)!r}")
 
@@ -344,15 +345,17 @@ class MixtureConfig:
         )
         return cls(sources, schedule)
 
-    def open_stores(self) -> dict[str, Any]:
-        """Open every source's TokenStore; a missing or broken store names its source."""
+    def open_stores(self, *, progress: bool = False) -> dict[str, Any]:
+        """Open every source's TokenStore (``builtin:PART`` values are built on first use,
+        with a progress bar when ``progress``); a missing or broken store names its source."""
+        from torchtitan_zephon.data.builtin import store_location
         from torchtitan_zephon.data.store import StoreError, TokenStore
 
         stores = {}
         for s in self.sources:
             try:
-                stores[s.name] = TokenStore.open(s.store)
-            except StoreError as e:
+                stores[s.name] = TokenStore.open(store_location(s.store, progress=progress))
+            except (StoreError, ValueError) as e:
                 raise MixtureError(f"mixture source {s.name!r}: {e}") from None
         return stores
 
@@ -756,6 +759,7 @@ class MixturePlan:
         n = len(self.names)
         self.num_samples = np.array([s.num_samples for s in spec.sources], dtype=np.int64)
         self.max_epochs = [s.max_epochs for s in spec.sources]
+        self._limited = any(x is not None for x in self.max_epochs)
         self.source_seeds = [source_seed(self.seed, name) for name in self.names]
         self._streams = [
             DataPlan(int(k), sd, BatchSchedule([(1, 1)]))
@@ -929,22 +933,63 @@ class MixturePlan:
         self, first: int, count: int, *, step: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
         """(source index, sample id) arrays (int64) of slots [first, first + count)."""
-        sources = self.slot_sources(first, count)
-        before = self.counts_at_slot(first)
-        order = np.argsort(sources, kind="stable")  # each source's slots, in slot order
-        per_source = np.bincount(sources, minlength=len(self.names))
-        ids_sorted = np.empty(count, dtype=np.int64)
-        done = 0
-        for i in np.nonzero(per_source)[0].tolist():
-            k, start = int(per_source[i]), int(before[i])
-            limit = self.max_epochs[i]
-            if limit is not None and start + k > limit * self.num_samples[i]:
-                raise self._epoch_error(i, step)
-            ids_sorted[done : done + k] = self._streams[i].ids_for_positions(start, k)
-            done += k
-        ids = np.empty(count, dtype=np.int64)
-        ids[order] = ids_sorted
-        return sources, ids
+        return self.ids_for_ranges([(first, count)], step=step)
+
+    def ids_for_ranges(
+        self, ranges: Sequence[tuple[int, int]], *, step: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, sample id) of the slots of ``ranges`` ([first, first + count)
+        each), concatenated in order: a window of a DP rank's stream across steps.
+
+        Each slot's source comes from its segment's pattern, its position in that
+        source's stream from the counts before its range; the ids are then looked up
+        with one permutation call per source and epoch for the whole window.
+        """
+        merged: list[tuple[int, int]] = []
+        for first, count in ranges:  # adjacent ranges (one DP rank of one) as one
+            if merged and merged[-1][0] + merged[-1][1] == first:
+                merged[-1] = (merged[-1][0], merged[-1][1] + count)
+            elif count:
+                merged.append((first, count))
+        sources_parts, positions_parts = [], []
+        for first, count in merged:
+            src = self.slot_sources(first, count)
+            order = np.argsort(src, kind="stable")  # each source's slots, in slot order
+            sorted_src = src[order]
+            starts = np.searchsorted(sorted_src, sorted_src, side="left")
+            occurrence = np.empty(count, dtype=np.int64)
+            occurrence[order] = np.arange(count, dtype=np.int64) - starts
+            sources_parts.append(src)
+            positions_parts.append(self.counts_at_slot(first)[src] + occurrence)
+        if not sources_parts:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        sources = np.concatenate(sources_parts)
+        positions = np.concatenate(positions_parts)
+        return sources, self._stream_ids(sources, positions, step)
+
+    def _stream_ids(
+        self, sources: np.ndarray, positions: np.ndarray, step: int | None
+    ) -> np.ndarray:
+        """Sample ids of stream ``positions`` of ``sources``: the (source, epoch)
+        permutations evaluated together (``map_many``), each built once per call."""
+        epochs, within = np.divmod(positions, self.num_samples[sources])
+        stride = int(epochs.max()) + 1 if epochs.size else 1
+        if (len(self.names) + 1) * stride < 1 << 62:  # (source, epoch) as one int64
+            codes, which = np.unique(sources * stride + epochs, return_inverse=True)
+            first, second = np.divmod(codes, stride)
+        else:
+            (first, second), which = np.unique(
+                np.stack([sources, epochs]), axis=1, return_inverse=True
+            )
+        pairs = list(zip(first.tolist(), second.tolist(), strict=True))
+        if self._limited:
+            for i, epoch in pairs:
+                limit = self.max_epochs[i]
+                if limit is not None and epoch >= limit:
+                    raise self._epoch_error(i, step)
+        streams = self._streams
+        perms = [streams[i].permutation(epoch) for i, epoch in pairs]
+        return map_many(perms, which.ravel(), within)
 
     def global_ids(self, step: int) -> tuple[np.ndarray, np.ndarray]:
         """(source index, sample id) of every slot of global step ``step``, in order."""

@@ -4,9 +4,10 @@ Role: map a position inside an epoch to a sample index without materialising an
 O(N) index, so that resuming at any position costs O(1).
 
 Invariant: for every (n, seed, epoch), ``Permutation(n, seed, epoch)`` is a
-bijection on ``[0, n)``; ``map`` and ``__getitem__`` agree element for element,
-and the result depends only on (n, seed, epoch), never on the platform or on
-how the positions are batched.
+bijection on ``[0, n)``; ``map``, ``__getitem__`` and ``map_many`` (several
+permutations evaluated together, for a mixture's sources) agree element for
+element, and the result depends only on (n, seed, epoch), never on the platform
+or on how the positions are batched.
 
 Mechanics: an alternating (possibly unbalanced) Feistel network over the
 smallest power of two >= n, with cycle walking to stay inside ``[0, n)``.
@@ -71,22 +72,31 @@ class Permutation:
         ).digest()
         # Per round: (key, right shift, right mask, left shift, left mask). The halves
         # alternate sizes so an odd bit count still gives a bijection on 2**bits.
-        self._rounds = []
+        self._int_rounds: list[tuple[int, int, int, int, int]] = []
         right_bits = self._bits // 2
         for r in range(_ROUNDS):
             left_bits = self._bits - right_bits
-            key = np.uint64(int.from_bytes(digest[8 * r : 8 * r + 8], "little"))
-            self._rounds.append(
-                (
-                    key,
-                    np.uint64(right_bits),
-                    np.uint64((1 << right_bits) - 1),
-                    np.uint64(left_bits),
-                    np.uint64((1 << left_bits) - 1),
-                )
+            key = int.from_bytes(digest[8 * r : 8 * r + 8], "little")
+            self._int_rounds.append(
+                (key, right_bits, (1 << right_bits) - 1, left_bits, (1 << left_bits) - 1)
             )
             right_bits = left_bits
-        self._int_rounds = [tuple(int(v) for v in r) for r in self._rounds]
+        self._np_rounds: list[tuple[np.uint64, ...]] | None = None  # built on first use
+        self._np_table: np.ndarray | None = None
+
+    @property
+    def _rounds(self) -> list[tuple[np.uint64, ...]]:
+        """The rounds as numpy scalars (the vectorized path); built once, on first use."""
+        if self._np_rounds is None:
+            self._np_rounds = [tuple(np.uint64(v) for v in r) for r in self._int_rounds]
+        return self._np_rounds
+
+    @property
+    def _table(self) -> np.ndarray:
+        """The rounds as a [rounds, 5] uint64 array (``map_many``); built on first use."""
+        if self._np_table is None:
+            self._np_table = np.array(self._int_rounds, dtype=np.uint64)
+        return self._np_table
 
     def __len__(self) -> int:
         return self.n
@@ -148,3 +158,52 @@ class Permutation:
             y[out] = self._encrypt(y[out])
             out = out[y[out] >= np.uint64(self.n)]
         return y.astype(np.int64).reshape(p.shape)
+
+
+def map_many(perms: list[Permutation], which: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """``perms[which[k]][positions[k]]`` for every k (int64): one vectorized Feistel pass
+    over all elements, each with its own permutation's round keys, sizes and domain.
+
+    Equal to calling each permutation's ``map`` on its elements; far cheaper when
+    many permutations (a mixture's sources) each map a few positions.
+    """
+    w = np.asarray(which, dtype=np.int64).ravel()
+    p = np.asarray(positions, dtype=np.int64).ravel()
+    n = np.array([q.n for q in perms], dtype=np.int64)[w]
+    if p.size and ((p < 0).any() or (p >= n).any()):
+        bad = int(np.nonzero((p < 0) | (p >= n))[0][0])
+        raise IndexError(
+            f"Permutation position {int(p[bad])} outside [0, {int(n[bad])}) (element {bad})."
+        )
+    if len(perms) == 1:
+        return perms[0].map(p)
+    if p.size <= _SCALAR_MAX:
+        return np.array(
+            [
+                perms[k].map(np.array([x], dtype=np.uint64))[0]
+                for k, x in zip(w.tolist(), p.tolist(), strict=True)
+            ],
+            dtype=np.int64,
+        )
+    table = np.stack([q._table for q in perms])[w]  # [elements, rounds, 5]
+    limit = n.astype(np.uint64)
+
+    def encrypt(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+        for r in range(_ROUNDS):
+            key, right_shift, right_mask, left_shift, left_mask = (t[:, r, j] for j in range(5))
+            right = x & right_mask
+            f = _mix(right ^ key)
+            f &= left_mask
+            f ^= x >> right_shift
+            x = (right << left_shift) | f
+        return x
+
+    y = encrypt(p.astype(np.uint64), table)
+    out = np.nonzero(y >= limit)[0]
+    while out.size:  # cycle walking: re-encrypt values that left [0, n)
+        y[out] = encrypt(y[out], table[out])
+        out = out[y[out] >= limit[out]]
+    single = n == 1
+    if single.any():
+        y[single] = 0
+    return y.astype(np.int64)

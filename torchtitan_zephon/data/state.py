@@ -3,7 +3,8 @@
 Role: the one owner of
 1. the **data config**: every setting that decides which tokens a step sees
    (store content, tokenizer, seq_len, held-out split, seed, batch schedule,
-   order format), with its fingerprint;
+   order format and, for a mixture, the mixture spec: its sources and weight
+   schedule in the extra field ``mixture``), with its fingerprint;
 2. the **data state**: the world-size-free record a checkpoint holds (config,
    next step, consumed positions, position anchor, tracker chain head), to and
    from JSON;
@@ -14,15 +15,20 @@ The loader, the TorchTitan adapter, run-folder readers, ``inspect`` and
 Invariants:
 - ``DataConfig.fingerprint`` depends only on fields that govern the data,
   never on the topology. ``DataConfig.order_key`` is the same without the batch
-  schedule: it binds what maps a position to a sample, so a step's log record
-  can bind what governed that step while a schedule extended only for later
-  steps leaves earlier steps' records unchanged.
+  schedule and without a mixture's weight schedule: it binds what maps a
+  position to a sample, so a step's log record can bind what governed that step
+  while a schedule extended only for later steps leaves earlier steps' records
+  unchanged. ``DataConfig.step_key(s)`` adds the weights in effect at step ``s``
+  (a mixture; otherwise it is the order key): a step's ids digest binds it.
 - ``DataState.from_dict(s.to_dict()) == s``, the record is identical on every
   rank, and records of format 1 (written before this module existed) load
   with the defaults they implied.
 - ``check_resume`` accepts exactly when every differing field is allowed, and
   then the current plan continues at the saved consumed position: no position
-  is skipped or repeated.
+  is skipped or repeated. A batch schedule or a mixture weight schedule that
+  differs only for untrained steps is an exact continuation (``extended``); a
+  mixture whose sources or trained steps' weights changed is the field
+  ``mixture`` (its derived ``store_fingerprint`` / ``num_samples`` go with it).
 """
 
 from __future__ import annotations
@@ -51,7 +57,10 @@ RECORD_KEY = "zephon"
 ALIASES = {
     "store": ("store_fingerprint", "num_samples"),
     "tokenizer": ("tokenizer_hash",),
+    "mixture": ("mixture", "store_fingerprint", "num_samples"),
 }
+MIXTURE_FIELD = "mixture"
+"""The extra config field holding a mixture's canonical spec (``MixtureSpec.to_json``)."""
 CORE_FIELDS = (
     "seq_len",
     "seed",
@@ -152,13 +161,39 @@ class DataConfig:
         """Hex sha256 of the canonical JSON of the whole config."""
         return fingerprint(self.to_dict())
 
+    @property
+    def mixture(self) -> Mapping[str, Any] | None:
+        """The mixture spec JSON (``MixtureSpec.to_json``), or None for one store."""
+        value = dict(self.extra).get(MIXTURE_FIELD)
+        return value if isinstance(value, Mapping) else None
+
     @functools.cached_property
     def order_key(self) -> str:
-        """Hex sha256 of the config without its batch schedule: what maps positions to
-        samples. A step's ids digest binds it together with the step's positions."""
+        """Hex sha256 of the config without its batch schedule (nor a mixture's weight
+        schedule): what maps positions to samples. A step's ids digest binds it (through
+        ``step_key``) together with the step's positions."""
         body = self.to_dict()
         del body["schedule"]
+        if self.mixture is not None:
+            body[MIXTURE_FIELD] = {k: v for k, v in self.mixture.items() if k != "schedule"}
         return fingerprint(body)
+
+    @functools.cached_property
+    def _weight_entries(self) -> tuple[tuple[int, Any], ...]:
+        entries = (self.mixture or {}).get("schedule") or ()
+        return tuple((int(e["from_step"]), e["weights"]) for e in entries)
+
+    def step_key(self, step: int) -> str:
+        """What step ``step``'s ids digest binds besides its ids and positions: the order
+        key, and for a mixture the weights in effect at that step (exact fractions)."""
+        if not self._weight_entries:
+            return self.order_key
+        weights = None
+        for from_step, w in self._weight_entries:
+            if from_step > step:
+                break
+            weights = w
+        return fingerprint({"order_key": self.order_key, "weights": weights})
 
     def differing(self, other: DataConfig) -> list[str]:
         """Names of the fields whose values differ (sorted)."""
@@ -288,7 +323,8 @@ class ResumeDecision:
     accepted: tuple[str, ...] = ()
     """Differing fields accepted through ``allow_changes``."""
     extended: tuple[str, ...] = ()
-    """Schedules that only gained entries for steps not yet trained: an exact continuation."""
+    """Schedules ("schedule": the batch schedule, "mixture": a mixture's weight schedule)
+    that changed only for steps not yet trained: an exact continuation."""
 
 
 def schedule_appended(old: BatchSchedule, new: BatchSchedule, next_step: int) -> bool:
@@ -303,8 +339,10 @@ def check_resume(
 ) -> ResumeDecision:
     """Decide whether ``saved`` may continue under ``current``.
 
-    A schedule that only gained entries for untrained steps is a continuation
-    (no opt-in). Any other differing field must be allowed; otherwise
+    A batch schedule that only gained entries for untrained steps, and a mixture
+    whose weight schedule differs only for untrained steps (``mixture.past_change``)
+    with the same sources, are continuations (no opt-in). Any other differing
+    field must be allowed; otherwise
     DataStateMismatch names every refused field (saved -> current) with the
     opt-in that would accept it. An internally inconsistent state is refused too.
     """
@@ -317,10 +355,23 @@ def check_resume(
     ):
         differing.remove("schedule")
         extended.append("schedule")
+    mixture_change = None
+    if MIXTURE_FIELD in differing:
+        mixture_change = _mixture_change(saved.config, current, saved.next_step)
+        if mixture_change is None:
+            differing.remove(MIXTURE_FIELD)
+            extended.append(MIXTURE_FIELD)
+        else:  # derived from the sources: reported, and opened, with the mixture
+            differing = [k for k in differing if k not in ("store_fingerprint", "num_samples")]
+            if allowed is not True and MIXTURE_FIELD in allowed:
+                allowed |= {"store_fingerprint", "num_samples"}
     refused = [k for k in differing if not (allowed is True or k in allowed)]
     if refused:
         lines = [
-            f"  {k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}" for k in refused
+            f"  {k}: {mixture_change}"
+            if k == MIXTURE_FIELD
+            else f"  {k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}"
+            for k in refused
         ]
         hint = _schedule_hint(saved, current) if "schedule" in refused else ""
         raise DataStateMismatch(
@@ -349,6 +400,43 @@ def check_resume(
             f"consumed_positions={saved.consumed_positions}. The checkpoint's data state is corrupt."
         )
     return ResumeDecision((anchor_step, anchor_pos), tuple(differing), tuple(extended))
+
+
+def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> str | None:
+    """None when ``current``'s mixture draws the same samples as ``saved``'s for steps
+    before ``next_step`` and has the same sources (only entries governing untrained
+    steps differ); otherwise what changed, in a sentence."""
+    from torchtitan_zephon.data.mixture import MixtureError, MixtureSpec, past_change
+
+    a, b = saved.mixture, current.mixture
+    if a is None or b is None:
+        return (
+            f"a mixture of {len(b['sources'])} sources replaces one store"
+            if a is None
+            else f"one store replaces a mixture of {len(a['sources'])} sources"
+        )
+    try:
+        old_spec, new_spec = MixtureSpec.from_json(a), MixtureSpec.from_json(b)
+    except MixtureError as e:
+        return f"the saved mixture cannot be read ({e})"
+    past = past_change(old_spec, new_spec, next_step - 1)
+    if past is not None:
+        return past
+    olds = {s["name"]: s for s in a["sources"]}
+    news = {s["name"]: s for s in b["sources"]}
+    for name in sorted(set(olds) | set(news)):
+        if name not in news or name not in olds:
+            verb = "removed" if name not in news else "added"
+            return (
+                f"source {name!r} was {verb} (the steps trained so far do not draw from it, "
+                "but every step's log record binds the list of sources)."
+            )
+        if olds[name] != news[name]:
+            field = sorted(k for k in olds[name] if olds[name].get(k) != news[name].get(k))[0]
+            return f"source {name!r}: {field} was {olds[name][field]}, now {news[name][field]}."
+    if a.get("tokenizer_hash") != b.get("tokenizer_hash"):
+        return "the sources' tokenizer changed."
+    return None
 
 
 def _schedule_hint(saved: DataState, current: DataConfig) -> str:

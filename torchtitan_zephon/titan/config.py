@@ -21,6 +21,18 @@ class Zephon:
     topics and standard-library sources) with the tokenizer in
     torchtitan_zephon/assets/tokenizer (set model.hf_assets_path to it)."""
 
+    mixture: str = ""
+    """Path of a mixture file (TOML): several stores drawn in exact proportions that
+    follow a weight schedule, instead of zephon.store (setting both is an error).
+    It holds [[source]] entries (name, store: a store path relative to the file, or
+    "builtin:docs" / "builtin:stdlib"; optional heldout_samples, default
+    zephon.heldout_samples, and max_epochs) and [[schedule]] entries (from_step,
+    weights = { name = weight, ... }, normalized exactly). Every step's global
+    batch follows the weights in effect at that step, each source with its own
+    permutation and epochs. Entries appended for untrained steps resume without
+    opt-in; changing the sources or the weights of trained steps needs
+    allow_changes = ["mixture"]. See train_configs/mixture_example.toml."""
+
     seed: int = 0
     """Seed of the per-epoch sample permutation. Part of the data config."""
 
@@ -32,7 +44,9 @@ class Zephon:
     heldout_samples: int = 0
     """Samples at the end of the store reserved for validation and never
     trained on. The validation loader reads them in order, so validation loss
-    does not depend on the DP degree."""
+    does not depend on the DP degree. With a mixture: the default of each
+    source's heldout_samples; validation then reports each source's loss
+    (validation/loss/<name>) beside the overall one."""
 
     audit: Literal["off", "ids", "tokens"] = "ids"
     """What the Global Sequence Tracker (<dump_folder>/zephon/sequence_log.jsonl)
@@ -43,8 +57,9 @@ class Zephon:
     allow_changes: list[str] = field(default_factory=list)
     """Data-config fields whose change since the checkpoint is accepted on
     resume, e.g. ["seed"]. Names: seed, seq_len, schedule, num_samples (changed
-    by heldout_samples), store (its contents), tokenizer, or "all". Without it
-    such a resume is refused, naming the differing fields."""
+    by heldout_samples), store (its contents), tokenizer, mixture (a mixture's
+    sources, or weights of steps already trained), or "all". Without it such a
+    resume is refused, naming the differing fields."""
 
     ignore_log_mismatch: bool = False
     """Resume even when the sequence log is missing or does not contain the

@@ -20,7 +20,9 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.data.loader import ZephonLoader
+from torchtitan_zephon.data.mixture import MixtureConfig
 from torchtitan_zephon.data.plan import BatchSchedule
+from torchtitan_zephon.data.source import MixtureSource, MixtureStream, Source, StoreSource
 from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
 from torchtitan_zephon.data.store import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
@@ -51,6 +53,56 @@ def resolve_store(job_config: Any) -> TokenStore:
                 f"the builtin store was tokenized with {TOKENIZER_DIR}"
             )
     return TokenStore.open(path)
+
+
+def resolve_source(job_config: Any, tokenizer: Any = None) -> Source:
+    """The data a job reads: ``zephon.mixture``, else ``zephon.store`` (or the builtin
+    store), opened and checked: the stores' vocabulary against the model and the
+    tokenizer, the held-out samples against the store sizes, a mixture's sources
+    against each other (``MixtureError`` names the source at fault)."""
+    zc = job_config.zephon
+    seq_len = job_config.training.seq_len
+    mixture = getattr(zc, "mixture", "")
+    if mixture:
+        if zc.store:
+            raise ValueError(
+                f"zephon.mixture ({mixture}) and zephon.store ({zc.store}) are both set: a job "
+                "reads either one store or a mixture. Drop zephon.store, or name the store as "
+                "a [[source]] of the mixture file."
+            )
+        source: Source = MixtureSource.open(
+            MixtureConfig.load(mixture),
+            seq_len,
+            default_heldout=zc.heldout_samples,
+            path=mixture,
+            progress=int(os.environ.get("RANK", "0")) == 0,
+        )
+        what = f"the mixture {mixture} (sources {', '.join(source.names)})"
+    else:
+        store = resolve_store(job_config)
+        total = store.num_samples(seq_len)
+        if zc.heldout_samples < 0 or zc.heldout_samples >= total:
+            raise ValueError(
+                f"zephon.heldout_samples={zc.heldout_samples} must be in [0, {total}): the store "
+                f"has {total} samples of seq_len {seq_len}"
+            )
+        source = StoreSource(store, seq_len, num_samples=total - zc.heldout_samples)
+        what = f"the store {store.path}"
+    model_vocab = _model_vocab_size(job_config)
+    if model_vocab is not None and source.vocab_size > model_vocab:
+        raise ValueError(
+            f"{what} was tokenized with a vocabulary of {source.vocab_size} "
+            f"tokens but model {job_config.model.name} flavor {job_config.model.flavor} embeds "
+            f"only {model_vocab}: choose a flavor with vocab_size >= {source.vocab_size}, or a "
+            "store prepared with a smaller tokenizer"
+        )
+    if tokenizer is not None and source.vocab_size > tokenizer.get_vocab_size():
+        raise ValueError(
+            f"{what} was tokenized with a vocabulary of {source.vocab_size} "
+            f"tokens but model.hf_assets_path's tokenizer has {tokenizer.get_vocab_size()}: "
+            "point model.hf_assets_path at the tokenizer the store was prepared with"
+        )
+    return source
 
 
 def batch_schedule(job_config: Any) -> BatchSchedule:
@@ -103,7 +155,7 @@ class ZephonDataLoader(BaseDataLoader):
         self.resumed_from: int | None = None
         self._digests: dict[int, list[Future]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-digest")
-        self.ids_digests = StepDigests(lambda: self.loader.plan, tracker.config.order_key)
+        self.ids_digests = StepDigests(lambda: self.loader.plan, tracker.config.step_key)
 
     @property
     def plan(self):  # noqa: ANN201 - DataPlan
@@ -197,6 +249,24 @@ class ZephonDataLoader(BaseDataLoader):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
+def _check_mixture(plan: MixtureStream, source: Any, job_config: Any) -> None:
+    """Refuse a mixture that runs a source past its max_epochs within training.steps;
+    on rank 0, log the plan's warnings and its worst deviation from the exact targets."""
+    steps = getattr(job_config.training, "steps", None)
+    if steps:
+        plan.mixture.check_max_epochs(int(steps))
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    for warning in source.warnings:
+        logger.warning(f"Zephon: {warning}")
+    worst, who = plan.mixture.max_deviation()
+    logger.info(
+        f"Zephon: mixture {source.path} of {len(plan.names)} sources ({', '.join(plan.names)}): "
+        f"every source's sample count stays within {float(worst):.3f} samples of its exact "
+        f"target at every step (worst: {who!r})"
+    )
+
+
 def _window_digests(inputs: torch.Tensor, labels: torch.Tensor) -> bytes:
     """Per-sample digests of a delivered micro-batch (its windows: inputs + last label)."""
     windows = np.concatenate([inputs.numpy(), labels[:, -1:].numpy()], axis=1)
@@ -233,48 +303,19 @@ def _model_vocab_size(job_config: Any) -> int | None:
     return getattr(args, "vocab_size", None)
 
 
-def open_job_data(job_config: Any, tokenizer: Any = None) -> tuple[TokenStore, DataConfig]:
-    """The token store a job reads and its data config, without building a loader.
+def open_job_data(job_config: Any, tokenizer: Any = None) -> tuple[Source, DataConfig]:
+    """The data source a job reads and its data config, without building a loader.
 
-    Every check that needs only the job config and the store runs here (store
-    vocabulary against the model and the tokenizer, held-out samples), so the
-    trainer's preflight refuses a bad job before anything is written, and the
-    dataloader builder (which calls this again) builds exactly this config.
+    Every check that needs only the job config and the stores runs here
+    (``resolve_source``: vocabulary against the model and the tokenizer, held-out
+    samples, a mixture's sources against each other), so the trainer's preflight
+    refuses a bad job before anything is written, and the dataloader builder
+    (which calls this again) builds exactly this config.
     """
-    zc = job_config.zephon
-    schedule = batch_schedule(job_config)
-    store = resolve_store(job_config)
-    model_vocab = _model_vocab_size(job_config)
-    if model_vocab is not None and store.vocab_size > model_vocab:
-        raise ValueError(
-            f"the store {store.path} was tokenized with a vocabulary of {store.vocab_size} "
-            f"tokens but model {job_config.model.name} flavor {job_config.model.flavor} embeds "
-            f"only {model_vocab}: choose a flavor with vocab_size >= {store.vocab_size}, or a "
-            "store prepared with a smaller tokenizer"
-        )
-    if tokenizer is not None and store.vocab_size > tokenizer.get_vocab_size():
-        raise ValueError(
-            f"the store {store.path} was tokenized with a vocabulary of {store.vocab_size} "
-            f"tokens but model.hf_assets_path's tokenizer has {tokenizer.get_vocab_size()}: "
-            "point model.hf_assets_path at the tokenizer the store was prepared with"
-        )
-    seq_len = job_config.training.seq_len
-    total = store.num_samples(seq_len)
-    if zc.heldout_samples < 0 or zc.heldout_samples >= total:
-        raise ValueError(
-            f"zephon.heldout_samples={zc.heldout_samples} must be in [0, {total}): the store has "
-            f"{total} samples of seq_len {seq_len}"
-        )
-    config = DataConfig.make(
-        seq_len=seq_len,
-        seed=zc.seed,
-        schedule=schedule,
-        sample_offset=0,
-        num_samples=total - zc.heldout_samples,
-        store_fingerprint=store.fingerprint,
-        tokenizer_hash=store.tokenizer_hash,
+    source = resolve_source(job_config, tokenizer)
+    return source, source.data_config(
+        seed=job_config.zephon.seed, schedule=batch_schedule(job_config)
     )
-    return store, config
 
 
 def build_zephon_dataloader(
@@ -291,28 +332,26 @@ def build_zephon_dataloader(
     zc = job_config.zephon
     # Before the store is opened or built: a bad layout fails in milliseconds.
     batch_schedule(job_config).check_layout(dp_world_size, job_config.training.local_batch_size)
-    store, config = open_job_data(job_config, tokenizer)
+    source, config = open_job_data(job_config, tokenizer)
     loader = ZephonLoader(
-        store,
+        source,
         seq_len=config.seq_len,
         seed=config.seed,
         schedule=config.batch_schedule(),
         dp_rank=dp_rank,
         dp_degree=dp_world_size,
         local_batch_size=job_config.training.local_batch_size,
-        sample_offset=config.sample_offset,
-        num_samples=config.num_samples,
         num_workers=job_config.training.dataloader.num_workers,
         prefetch=zc.prefetch,
         pin_memory=job_config.training.dataloader.pin_memory,
-        vocab_size=_model_vocab_size(
-            job_config
-        ),  # exact: refuses ids beyond the embedding (store.max_token_id)
+        vocab_size=_model_vocab_size(job_config),  # exact: refuses ids beyond the embedding
     )
     if loader.config != config:  # one rule for the preflight and the loader
         raise RuntimeError(
             f"the loader built data config {loader.config} but open_job_data made {config}"
         )
+    if isinstance(loader.plan, MixtureStream):
+        _check_mixture(loader.plan, source, job_config)
     rank = int(os.environ.get("RANK", "0"))
     tracker = SequenceTracker(
         log_path(job_config.job.dump_folder),

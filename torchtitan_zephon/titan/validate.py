@@ -12,10 +12,16 @@ Samples have the training ``seq_len`` (``validation.seq_len`` is not used: held-
 samples are windows of the same store layout), and ``validation.steps`` caps the
 number of global batches per pass (-1: every full global batch of held-out data).
 
+With a mixture (``zephon.mixture``) each source has its own held-out samples
+(the last ``heldout_samples`` of its store; sources with none are not
+validated) and the pass reads each source's in turn, as above. Besides the
+overall loss (``validation_metrics/loss``: every validated token of every
+source) it logs each source's as ``validation/loss/<name>``.
+
 Invariant: every validation pass covers the same samples whatever ``D`` and the
-micro-batch size, and the reported loss is the global sum of token losses over
-the global token count (one all-reduce of both sums at the end of the pass), so
-it is the same for every layout up to floating-point summation order.
+micro-batch size, and each reported loss is the global sum of token losses over
+the global token count (one all-reduce of the per-source sums at the end of the
+pass), so it is the same for every layout up to floating-point summation order.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
 from torchtitan_zephon.data.store import TokenStore
-from torchtitan_zephon.titan.dataloader import batch_schedule, resolve_store
+from torchtitan_zephon.titan.dataloader import batch_schedule, resolve_source
 
 
 def microbatch_size(per_rank: int, requested: int, *, equal: bool) -> int:
@@ -146,38 +152,55 @@ class ZephonValidator(Validator):
         self.pp_schedule = pp_schedule
         self.pp_has_first_stage, self.pp_has_last_stage = pp_has_first_stage, pp_has_last_stage
 
-        zc, vc = job_config.zephon, job_config.validation
-        store = resolve_store(job_config)
-        seq_len = job_config.training.seq_len
-        total = store.num_samples(seq_len)
+        vc = job_config.validation
+        source = resolve_source(job_config, tokenizer)
         gbs = batch_schedule(job_config).gbs(1)
-        held = zc.heldout_samples
-        if held < gbs:
+        parts = source.heldout()
+        mixture = parts[0].name is not None
+        if mixture:
+            small = [h for h in parts if 0 < h.count < gbs]
+            if small:
+                raise ValueError(
+                    f"validation reads held-out samples in global batches of {gbs}; mixture "
+                    f"source {small[0].name!r} holds {small[0].count} (heldout_samples). Set its "
+                    f"heldout_samples to a multiple of {gbs}, or to 0 to not validate it."
+                )
+            parts = [h for h in parts if h.count > 0]
+        if not parts or parts[0].count < gbs:
             raise ValueError(
                 f"validation needs at least one global batch ({gbs} samples) of held-out data; "
-                f"zephon.heldout_samples is {held}. Set --zephon.heldout_samples to a multiple of {gbs}."
+                f"zephon.heldout_samples is {parts[0].count if parts else 0}. Set "
+                f"--zephon.heldout_samples to a multiple of {gbs}"
+                + (" (or heldout_samples of the mixture's sources)." if mixture else ".")
             )
-        available = held // gbs
-        self.validation_dataloader = HeldoutLoader(
-            store,
-            seq_len=seq_len,
-            first_sample=total - held,
-            global_batch=gbs,
-            num_batches=available if vc.steps == -1 else min(vc.steps, available),
-            dp_rank=dp_rank,
-            dp_degree=dp_world_size,
-            local_batch_size=vc.local_batch_size,
-            equal_microbatches=bool(parallel_dims.pp_enabled),
-        )
+        self.heldout_loaders: list[tuple[str | None, HeldoutLoader]] = []
+        for h in parts:
+            available = h.count // gbs
+            loader = HeldoutLoader(
+                h.store,
+                seq_len=source.seq_len,
+                first_sample=h.first,
+                global_batch=gbs,
+                num_batches=available if vc.steps == -1 else min(vc.steps, available),
+                dp_rank=dp_rank,
+                dp_degree=dp_world_size,
+                local_batch_size=vc.local_batch_size,
+                equal_microbatches=bool(parallel_dims.pp_enabled),
+            )
+            self.heldout_loaders.append((h.name, loader))
+        self.validation_dataloader = self.heldout_loaders[0][1]
 
     @torch.no_grad()
-    def pass_totals(self, model_parts: list[torch.nn.Module]) -> torch.Tensor:
+    def pass_totals(
+        self, model_parts: list[torch.nn.Module], loader: HeldoutLoader | None = None
+    ) -> torch.Tensor:
         """``[sum of token losses, number of tokens]`` (float64) of this rank's share
-        of one pass (0 losses off the last pipeline stage)."""
+        of one pass over ``loader`` (default: the first source's held-out samples; 0
+        losses off the last pipeline stage)."""
         device_type = utils.device_type
         loss_sum = torch.zeros((), dtype=torch.float64, device=device_type)
         tokens = torch.zeros((), dtype=torch.float64, device=device_type)
-        for input_dict, labels in self.validation_dataloader:
+        for input_dict, labels in loader or self.validation_dataloader:
             self.metrics_processor.ntokens_since_last_log += labels.numel()
             input_dict = {k: v.to(device_type) for k, v in input_dict.items()}
             inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
@@ -193,14 +216,29 @@ class ZephonValidator(Validator):
         for model in model_parts:
             model.eval()
         pd = self.parallel_dims
-        totals = self.pass_totals(model_parts)
+        totals = torch.stack([self.pass_totals(model_parts, ld) for _, ld in self.heldout_loaders])
         if pd.dp_cp_enabled:
             dist.all_reduce(totals, group=pd.get_optional_mesh("loss").get_group())
+        per_source: dict[str, float] = {}
         if pd.pp_enabled and not self.pp_has_last_stage:
             loss = -1.0  # TorchTitan's marker: only the last stage computes losses
         else:
-            loss = float(totals[0] / totals[1])
-        self.metrics_processor.log_validation(loss=loss, step=step)
+            loss = float(totals[:, 0].sum() / totals[:, 1].sum())
+            for (name, _), t in zip(self.heldout_loaders, totals, strict=True):
+                if name is not None:
+                    per_source[name] = float(t[0] / t[1])
+        if per_source:
+            self.metrics_processor.log_validation(
+                loss=loss,
+                step=step,
+                extra_metrics={f"validation/loss/{k}": v for k, v in per_source.items()},
+            )
+            logger.info(
+                "Zephon validation loss per source: "
+                + ", ".join(f"{k} {v:.4f}" for k, v in per_source.items())
+            )
+        else:
+            self.metrics_processor.log_validation(loss=loss, step=step)
         for model in model_parts:
             model.train()
 

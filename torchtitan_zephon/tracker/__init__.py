@@ -4,10 +4,12 @@
 
 * a step record ``{"v": 2, "step", "first_position", "num_samples", "ids_digest",
   ["tokens_digest"], "chain"}`` per completed step. ``ids_digest`` hashes the
-  step's ordered sample ids *bound to what governed the step*: the data config's
-  order key (store content, tokenizer, seq_len, held-out split, seed, order
-  format; see ``data.state.DataConfig.order_key``) and the step's first
-  position (its size is the number of ids). ``chain`` is ``sha256(previous chain
+  step's ordered sample ids (sample keys for a mixture: source and id) *bound
+  to what governed the step*: the data config's order key (store content,
+  tokenizer, seq_len, held-out split, seed, order format, a mixture's sources)
+  with, for a mixture, the weights in effect at the step (see
+  ``data.state.DataConfig.step_key``), and the step's first position (its size
+  is the number of ids). ``chain`` is ``sha256(previous chain
   + canonical JSON of the record without "chain")``; the line is that canonical
   JSON with the chain spliced in last (``records.record_line``);
 * an event ``{"event": "start" | "resume", "from_step": k, "chain", "data_config",

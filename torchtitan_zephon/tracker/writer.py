@@ -260,7 +260,8 @@ class SequenceTracker:
         if digest is None:
             if ids is None:
                 raise ValueError("record() needs the step's ids or their digest")
-            digest, num_samples = ids_digest(ids, self.config.order_key, first_position), len(ids)
+            key = self.config.step_key(step)
+            digest, num_samples = ids_digest(ids, key, first_position), len(ids)
         rec: dict[str, Any] = {
             "v": TRACKER_FORMAT,
             "step": step,
@@ -300,20 +301,22 @@ class StepDigests:
     """The ids digests of upcoming steps, computed by a background thread.
 
     ``ahead(s)`` starts computing step ``s``'s (first position, number of samples,
-    ids digest) from ``plan()`` (a ``DataPlan``: O(global batch) work); ``take(s)``
+    ids digest) from ``plan()`` (a ``DataPlan`` or another source's plan: O(global
+    batch) work), bound to ``step_key(s)`` (``DataConfig.step_key``); ``take(s)``
     returns it, so the training thread only collects a result.
     """
 
-    def __init__(self, plan: Callable[[], Any], order_key: str) -> None:
+    def __init__(self, plan: Callable[[], Any], step_key: Callable[[int], str]) -> None:
         self.plan = plan
-        self.order_key = order_key
+        self.step_key = step_key
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-ids-digest")
         self._pending: dict[int, Future] = {}
 
     def _compute(self, step: int) -> tuple[int, int, str]:
         plan = self.plan()
         first, count = plan.step_positions(step)
-        return first, count, ids_digest(plan.ids_for_positions(first, count), self.order_key, first)
+        ids = plan.ids_for_positions(first, count)
+        return first, count, ids_digest(ids, self.step_key(step), first)
 
     def ahead(self, step: int) -> None:
         if step not in self._pending:

@@ -1,0 +1,138 @@
+"""zephon plan --mixture and zephon inspect on a mixture's checkpoint."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+
+from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.data.loader import ZephonLoader
+from torchtitan_zephon.data.mixture import MixtureConfig
+from torchtitan_zephon.data.plan import BatchSchedule
+from torchtitan_zephon.data.source import MixtureSource
+from torchtitan_zephon.data.state import RECORD_KEY, DataState
+from torchtitan_zephon.data.store import slice_store
+
+
+@pytest.fixture(scope="module")
+def mixture_file(store, tmp_path_factory) -> Path:
+    """Two sources cut from the test store, a weight change at step 3."""
+    root = tmp_path_factory.mktemp("mixture")
+    slice_store(store, 0, 2500, root / "code")
+    slice_store(store, 2500, store.num_tokens, root / "web")
+    text = (
+        '[[source]]\nname = "web"\nstore = "web"\n'  # relative to the mixture file
+        '[[source]]\nname = "code"\nstore = "code"\nheldout_samples = 4\n'
+        "[[schedule]]\nfrom_step = 1\nweights = { web = 0.7, code = 0.3 }\n"
+        "[[schedule]]\nfrom_step = 3\nweights = { web = 0.25, code = 0.75 }\n"
+    )
+    (root / "mix.toml").write_text(text)
+    return root / "mix.toml"
+
+
+def plan_of(path: Path, gbs: str = "1:10,4:20"):
+    source = MixtureSource.open(MixtureConfig.load(path), 8, default_heldout=2)
+    return source, source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse(gbs)))
+
+
+def test_plan_prints_ids_and_their_sources(mixture_file, capsys):
+    args = ["plan", "--mixture", str(mixture_file), "--seq-len", "8", "--seed", "3"]
+    args += ["--heldout-samples", "2"]
+    assert main([*args, "--global-batch-size", "1:10,4:20", "--steps", "1:5", "--json"]) == 0
+    out = capsys.readouterr()
+    lines = [json.loads(x) for x in out.out.splitlines()]
+    _, plan = plan_of(mixture_file)
+    assert [x["step"] for x in lines] == [1, 2, 3, 4, 5]
+    for x in lines:
+        names, ids = plan.decode(plan.global_ids(x["step"]))
+        assert x["sources"] == names and x["ids"] == ids.tolist()
+        assert len(x["ids"]) == (10 if x["step"] < 4 else 20)
+    assert {n for x in lines for n in x["sources"]} == {"web", "code"}
+    assert "mixture of 2 sources (code, web); every source's count stays within" in out.err
+    # the ranks' slices concatenate to the whole step
+    ranks = {"ids": [], "sources": []}
+    for r in range(5):
+        cmd = [*args, "--global-batch-size", "10", "--steps", "2:2", "--json"]
+        assert main([*cmd, "--dp-degree", "5", "--dp-rank", str(r)]) == 0
+        line = json.loads(capsys.readouterr().out)
+        ranks["ids"] += line["ids"]
+        ranks["sources"] += line["sources"]
+    assert main([*args, "--global-batch-size", "10", "--steps", "2:2", "--json"]) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert ranks == {"ids": whole["ids"], "sources": whole["sources"]}
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--store", "S"], "argument --store: not allowed with argument --mixture"),
+        (["--heldout-samples", "100000"], "mixture source 'web': heldout_samples=100000"),
+        (["--dp-degree", "3"], "DP degrees that work"),
+    ],
+)
+def test_plan_refuses_bad_input_with_a_message(mixture_file, capsys, extra, message):
+    args = ["plan", "--mixture", str(mixture_file), "--seq-len", "8", "--seed", "3"]
+    try:  # argparse's usage errors exit 2 too
+        rc = main([*args, "--global-batch-size", "10", "--steps", "1:2", *extra])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 2
+    assert message in capsys.readouterr().err
+
+
+def test_plan_names_a_bad_mixture_file(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[[source]]\nname = "web"\nstore = "nowhere"\n[[schedule]]\nfrom_step = 1\n')
+    args = ["plan", "--mixture", str(bad), "--seq-len", "8", "--seed", "3"]
+    assert main([*args, "--global-batch-size", "10", "--steps", "1:2"]) == 2
+    err = capsys.readouterr().err
+    assert "zephon plan: error: mixture file" in err and "needs weights" in err
+
+
+def save_checkpoint(path: Path, state: DataState) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"dataloader": {RECORD_KEY: state.to_json()}}, checkpoint_id=str(path), no_dist=True
+        )
+    return path
+
+
+def test_inspect_shows_each_source_drawn_vs_target_and_epoch(mixture_file, tmp_path, capsys):
+    source, _ = plan_of(mixture_file, "10")
+    loader = ZephonLoader(
+        source, seq_len=8, seed=3, schedule=BatchSchedule.parse("10"), dp_rank=0,
+        dp_degree=1, local_batch_size=10, prefetch=0,
+    )  # fmt: skip
+    drawn = {"code": 0, "web": 0}
+    for step in range(1, 7):
+        names, _ = loader.plan.decode(loader.plan.global_ids(step))
+        for n in names:
+            drawn[n] += 1
+    near = DataState(loader.config, 7, 60)
+    far = DataState(loader.config, 10**9, 10 * (10**9 - 1))  # O(1): nothing is replayed
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoint" / "step-6", near)
+    save_checkpoint(run / "checkpoint" / "step-999999999", far)
+
+    assert main(["inspect", str(run / "checkpoint" / "step-6"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)["mixture"]
+    by_name = {s["name"]: s for s in info["sources"]}
+    assert {n: s["samples"] for n, s in by_name.items()} == drawn
+    # exact targets: 0.7 x 10 x 2 steps + 0.25 x 10 x 4 steps for web
+    assert by_name["web"]["target"] == "24/1" and by_name["code"]["target"] == "36/1"
+    assert by_name["code"]["weight"] == "3/4" and by_name["code"]["heldout_samples"] == 4
+    assert by_name["web"]["epoch"] == drawn["web"] // by_name["web"]["num_samples"]
+
+    assert main(["inspect", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "mixture at step 1000000000 (2 sources; the plan's worst deviation" in out
+    assert "source  weight" in out and "drawn" in out and "target" in out
+    code = next(line for line in out.splitlines() if line.strip().startswith("code"))
+    target = 0.3 * 20 + 0.75 * 10 * (10**9 - 3)
+    assert f"{target:.2f}" in code, code

@@ -1,0 +1,292 @@
+"""``zephon bench mixture``: the cost of drawing from many stores instead of one.
+
+Sources are slices of the builtin store (``store.slice_store``: its whole
+documents within ``source_tokens`` tokens, no tokenizing), spread over it and
+overlapping when they do not fit side by side; the mixtures of 1 and 10 take
+the first of the 100; every mixture draws with equal weights. It measures, side by side in one
+run: (1) Zephon loader tokens/s on the single builtin store and on mixtures of
+1, 10 and 100 sources (same seq_len, batch and prefetch), in steady state (after
+every chunk was read once and checked); (2) the time to plan
+one global batch of a 100-source mixture with 10 schedule entries at step 10
+and at step 10^9 (and restore -> first batch at both); (3) the checkpointed data
+state of that mixture in bytes.
+
+Invariant: all loaders yield ``batch x seq_len`` input tokens per call and are
+timed in interleaved rounds (the median round; tokens per CPU second beside
+tokens/s: the work per token, which a busy machine does not change), the two
+plan steps call by call (the fastest call: on a shared machine the others
+measure the neighbours), so load from other processes hits them alike; ratios
+come from figures of the same run. The loaders run in one process, so the
+target is judged on tokens per CPU second. Plan and restore calls find no
+permutation cached for their step (the other step's calls evict them), as after
+a restore.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchtitan_zephon.bench.corpus import builtin_store
+from torchtitan_zephon.bench.measure import paired_latency, ratio, round_rate
+from torchtitan_zephon.data.loader import ZephonLoader
+from torchtitan_zephon.data.mixture import MixtureSpec, SpecSource, parse_schedule
+from torchtitan_zephon.data.plan import BatchSchedule
+from torchtitan_zephon.data.source import MixtureSource, mixture_progress
+from torchtitan_zephon.data.state import DataState
+from torchtitan_zephon.data.store import TokenStore, slice_store
+
+SOURCE_COUNTS = (1, 10, 100)
+PLAN_STEPS = (10, 10**9)
+SCHEDULE_ENTRIES = 10
+TARGETS = {"tokens_ratio_100": 0.8, "plan_ratio": 1.5, "state_bytes": 64 * 1024}
+
+DEFAULTS = {
+    "seconds": 3.0,
+    "seq_len": 2048,
+    "batch": 8,
+    "rounds": 5,
+    "repeats": 60,
+    "source_tokens": 1 << 19,
+    "warmup_batches": 20_000,
+}
+QUICK = {
+    "seconds": 0.3,
+    "seq_len": 256,
+    "batch": 2,
+    "rounds": 1,
+    "repeats": 3,
+    "source_tokens": 1 << 14,
+    "warmup_batches": 20,
+}
+
+
+def slices(store: TokenStore, k: int, tokens: int, root: Path) -> dict[str, TokenStore]:
+    """``k`` stores of at least ``tokens`` tokens each (whole documents), slices of
+    ``store`` starting at documents spread over it."""
+    offsets = np.asarray(store.doc_offsets, dtype=np.int64)
+    ends = np.append(offsets[1:], store.num_tokens)
+    tokens = min(tokens, store.num_tokens)
+    last = int(np.searchsorted(offsets, store.num_tokens - tokens, side="right")) - 1
+    out = {}
+    for i, d in enumerate(np.linspace(0, max(last, 0), k).astype(np.int64).tolist()):
+        start = int(offsets[d])
+        stop = int(ends[min(np.searchsorted(ends, start + tokens), len(ends) - 1)])
+        out[f"src{i:03d}"] = slice_store(store, start, stop, root / f"src{i:03d}")
+    return out
+
+
+def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1) -> MixtureSource:
+    """Equal weights in the first entry; later entries (every 10 steps) favour one
+    source after another (weights 1..k rotated), so each entry has its own pattern."""
+    names = sorted(stores)
+    k = len(names)
+    raw = [
+        {
+            "from_step": 1 + 10 * e,
+            "weights": {n: (1 if e == 0 else 1 + (i + e) % k) for i, n in enumerate(names)},
+        }
+        for e in range(entries)
+    ]
+    schedule = parse_schedule(raw, names, "bench mixture")
+    spec = MixtureSpec(
+        tuple(SpecSource(n, stores[n].fingerprint, stores[n].num_samples(seq_len)) for n in names),
+        schedule,
+        stores[names[0]].tokenizer_hash,
+    )
+    return MixtureSource(spec, stores, seq_len, path=f"bench mixture of {k}")
+
+
+def _loader(source: Any, seq_len: int, batch: int, gbs: int | None = None) -> ZephonLoader:
+    return ZephonLoader(
+        source,
+        seq_len=seq_len,
+        seed=0,
+        schedule=BatchSchedule([(1, gbs or batch)]),
+        dp_rank=0,
+        dp_degree=1,
+        local_batch_size=batch,
+    )
+
+
+def loader_rates(
+    loaders: dict[str, ZephonLoader], tokens_per_batch: int, seconds: float, rounds: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(tokens/s, tokens per CPU second) of each loader: the median of interleaved rounds
+    (``measure.round_rate``: what a loader prefetched during the others' turns is drawn
+    untimed first)."""
+    wall: dict[str, list[float]] = {k: [] for k in loaders}
+    cpu: dict[str, list[float]] = {k: [] for k in loaders}
+    for _ in range(rounds):
+        for name, ld in loaders.items():
+            w, c = round_rate(ld.__next__, tokens_per_batch, seconds / rounds)
+            wall[name].append(w)
+            cpu[name].append(c)
+    return (
+        {k: statistics.median(v) for k, v in wall.items()},
+        {k: statistics.median(v) for k, v in cpu.items()},
+    )
+
+
+def state_at(loader: ZephonLoader, step: int) -> DataState:
+    """The loader's state as saved after ``step - 1`` completed steps."""
+    now = loader.data_state()
+    return DataState(now.config, step, loader.plan.step_positions(step)[0], now.position_anchor)
+
+
+def _restore_first_batch(source: MixtureSource, o: dict, gbs: int, state: DataState) -> None:
+    loader = _loader(source, o["seq_len"], o["batch"], gbs)
+    try:
+        loader.load_state_dict(state)
+        next(loader)
+    finally:
+        loader.close()
+
+
+def run(opts: dict) -> dict:
+    base = QUICK if opts.get("quick") else DEFAULTS
+    o = {**base, **{k: v for k, v in opts.items() if v is not None and k in base}}
+    seq_len, batch = o["seq_len"], o["batch"]
+    store = builtin_store()
+    res: dict[str, Any] = {
+        "suite": "mixture",
+        "seq_len": seq_len,
+        "local_batch": batch,
+        "source_tokens": min(o["source_tokens"], store.num_tokens),
+        "seconds_per_measure": o["seconds"],
+        "rounds": o["rounds"],
+        "load_average_at_start": os.getloadavg()[0],
+        "targets": TARGETS,
+    }
+    with tempfile.TemporaryDirectory(prefix="zephon-bench-mixture-") as tmp:
+        t0 = time.perf_counter()
+        every = slices(store, max(SOURCE_COUNTS), o["source_tokens"], Path(tmp))
+        stores = {k: dict(list(every.items())[:k]) for k in SOURCE_COUNTS}
+        res["build_stores_s"] = time.perf_counter() - t0
+        sizes = [st.num_samples(seq_len) for st in every.values()]
+        res["source_samples"] = {"min": min(sizes), "max": max(sizes)}
+
+        # (1) loader tokens/s: one store vs mixtures of 1, 10, 100 sources
+        loaders = {"single": _loader(store, seq_len, batch)}
+        for k in SOURCE_COUNTS:
+            loaders[f"sources_{k}"] = _loader(mixture_source(stores[k], seq_len), seq_len, batch)
+        # Steady state: the first read of each 64K-token chunk hashes it (the content
+        # checks); read until every store's chunks are checked (at most warmup_batches).
+        res["warmup_batches"] = {}
+        for name, ld in loaders.items():
+            group = getattr(ld.source, "stores", None) or [ld.source.store]
+            n = 0
+            while n < o["warmup_batches"] and any(st.unchecked_chunks for st in group):
+                next(ld)
+                n += 1
+            res["warmup_batches"][name] = n
+        tp, tp_cpu = loader_rates(
+            loaders, batch * seq_len, o["seconds"] * len(loaders), o["rounds"]
+        )
+        for ld in loaders.values():
+            ld.close()
+        res["tokens_per_s"] = tp
+        res["tokens_per_cpu_s"] = tp_cpu
+        res["tokens_ratio"] = {
+            str(k): ratio(tp[f"sources_{k}"], tp["single"]) for k in SOURCE_COUNTS
+        }
+        res["tokens_ratio_cpu"] = {
+            str(k): ratio(tp_cpu[f"sources_{k}"], tp_cpu["single"]) for k in SOURCE_COUNTS
+        }
+
+        # (2) plan and restore cost at step 10 vs 10^9: 100 sources, 10 schedule entries
+        k = SOURCE_COUNTS[-1]
+        gbs = 8 * batch
+        t0 = time.perf_counter()
+        source = mixture_source(stores[k], seq_len, SCHEDULE_ENTRIES)
+        probe = _loader(source, seq_len, batch, gbs)
+        res["plan_build_s"] = time.perf_counter() - t0
+        plan = probe.plan
+        t = paired_latency({s: (lambda s=s: plan.global_ids(s)) for s in PLAN_STEPS}, o["repeats"])
+        res["plan_s"] = {str(s): t[s]["min_s"] for s in PLAN_STEPS}
+        res["plan_median_s"] = {str(s): t[s]["median_s"] for s in PLAN_STEPS}
+        res["plan_ratio"] = ratio(t[PLAN_STEPS[-1]]["min_s"], t[PLAN_STEPS[0]]["min_s"])
+        states = {s: state_at(probe, s) for s in PLAN_STEPS}
+        t = paired_latency(
+            {
+                s: (lambda st=st: _restore_first_batch(source, o, gbs, st))
+                for s, st in states.items()
+            },
+            max(3, o["repeats"] // 3),
+        )
+        res["restore_s"] = {str(s): t[s]["min_s"] for s in PLAN_STEPS}
+        res["restore_ratio"] = ratio(t[PLAN_STEPS[-1]]["min_s"], t[PLAN_STEPS[0]]["min_s"])
+
+        # (3) the checkpointed record: data state + tracker head, as the trainer saves it
+        far = states[PLAN_STEPS[-1]].with_tracker({"step": PLAN_STEPS[-1] - 1, "chain": "0" * 64})
+        res["state_bytes"] = len(far.to_json().encode())
+        single = state_at(loaders["single"], PLAN_STEPS[-1]).with_tracker(far.tracker)
+        res["single_store_state_bytes"] = len(single.to_json().encode())
+        progress = mixture_progress(far)
+        worst = max(abs(Fraction(s["target"]) - s["samples"]) for s in progress["sources"])
+        res["deviation_at_1e9"] = float(worst)
+        res["max_deviation"] = progress["max_deviation"]
+        probe.close()
+    res["meets"] = {
+        "tokens_ratio_100": res["tokens_ratio_cpu"]["100"] >= TARGETS["tokens_ratio_100"],
+        "plan_ratio": res["plan_ratio"] <= TARGETS["plan_ratio"],
+        "state_bytes": res["state_bytes"] < TARGETS["state_bytes"],
+    }
+    return res
+
+
+def rows(r: dict) -> list[tuple[str, str, str]]:
+    """(measure, value, note) lines of the printed table."""
+    tp, cpu = r["tokens_per_s"], r["tokens_per_cpu_s"]
+    out = [
+        (
+            "single store tokens/s | per CPU s",
+            f"{tp['single'] / 1e6:,.0f} M | {cpu['single'] / 1e6:,.0f} M",
+            "the builtin store",
+        )
+    ]
+    for k in SOURCE_COUNTS:
+        note = f"{r['source_samples']['min']:,}-{r['source_samples']['max']:,} samples a source"
+        if k == SOURCE_COUNTS[-1]:
+            note += f"; target per CPU s >= {TARGETS['tokens_ratio_100']:.0%}"
+        out.append(
+            (
+                f"mixture of {k} tokens/s | per CPU s",
+                f"{tp[f'sources_{k}'] / 1e6:,.0f} M ({r['tokens_ratio'][str(k)]:.0%}) | "
+                f"{cpu[f'sources_{k}'] / 1e6:,.0f} M ({r['tokens_ratio_cpu'][str(k)]:.0%})",
+                note,
+            )
+        )
+    p = r["plan_s"]
+    out += [
+        (
+            "plan a global batch, step 10 | 1e9",
+            f"{p['10'] * 1e6:,.0f} | {p['1000000000'] * 1e6:,.0f} us",
+            f"{SOURCE_COUNTS[-1]} sources, {SCHEDULE_ENTRIES} entries",
+        ),
+        ("plan ratio 1e9/10", f"{r['plan_ratio']:.2f}", f"target <= {TARGETS['plan_ratio']}"),
+        (
+            "restore->first batch, step 10 | 1e9",
+            f"{r['restore_s']['10'] * 1e3:.1f} | {r['restore_s']['1000000000'] * 1e3:.1f} ms",
+            f"ratio {r['restore_ratio']:.2f}",
+        ),
+        ("plan build (once per job)", f"{r['plan_build_s'] * 1e3:.0f} ms", ""),
+        (
+            "data state bytes",
+            f"{r['state_bytes']:,}",
+            f"target < {TARGETS['state_bytes']:,}; one store: {r['single_store_state_bytes']:,}",
+        ),
+        (
+            "deviation from target at step 1e9",
+            f"{r['deviation_at_1e9']:.3f} samples",
+            f"plan's worst over all steps: {r['max_deviation']:.3f}",
+        ),
+    ]
+    return out

@@ -1,0 +1,541 @@
+"""Data sources: what a loader reads, behind one interface.
+
+Role: a *source* pairs a plan (which sample each slot of the global stream
+holds) with the tokens of those samples. ``StoreSource`` is one token store (its
+plan is a ``DataPlan``); ``MixtureSource`` is several stores drawn in exact
+proportions by a ``MixturePlan`` (seen through ``MixtureStream``). Everything
+downstream (the loader, the sequence tracker's ids digests, the data state)
+sees only **sample keys**: int64 values naming (source index, sample id) as
+``source << SOURCE_SHIFT | id``. For one store the key is the sample id, so
+runs and logs of one store are unchanged; for a mixture the keys bind the
+sources, in name order (the order of the ``[[source]]`` blocks does not count).
+A new kind of source (a remote store, raw inputs prepared on the fly) plugs in
+by providing the same few methods; plans and state stay as they are.
+
+The interface (``Source``): ``data_config`` (the ``DataConfig`` it governs),
+``plan(config, anchor)`` (a ``StreamPlan``: keys per step, rank slice and
+window of a rank's stream), ``windows(keys, seq_len)`` (the tokens, checked by
+their store), ``id_limit`` / ``out_of_vocab`` (the vocabulary guard) and
+``heldout`` (each source's held-out samples, for validation).
+
+Invariants:
+- ``source.plan(config, anchor)`` depends only on the data config, the anchor
+  and (for a mixture) the spec it was resolved to: every rank builds the same
+  plan. Its keys of step ``s`` are ``plan.global_ids(s)``; the rank slices
+  concatenate to them for every DP degree dividing the step's batch.
+- Row k of ``windows(keys, seq_len)`` is the window of the sample ``keys[k]``
+  names, read from that sample's store.
+- ``plan_of(config, anchor)`` rebuilds the plan of a saved data state without
+  opening any store (``zephon inspect``): the same keys as the source's plan.
+- An accepted change of the batch schedule (a position anchor other than
+  (1, 0)) keeps the slot count exact; a mixture then assigns the slots from the
+  anchor on as if the steps before it had been of equal size (an opted-in
+  change: each source's next sample follows that plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any, Protocol
+
+import numpy as np
+
+from torchtitan_zephon.data.digest import fingerprint
+from torchtitan_zephon.data.mixture import (
+    MixtureConfig,
+    MixtureError,
+    MixturePlan,
+    MixtureSpec,
+    fraction_text,
+    resolve_mixture,
+)
+from torchtitan_zephon.data.plan import BatchSchedule, DataPlan, check_batch_layout
+from torchtitan_zephon.data.state import MIXTURE_FIELD, DataConfig, DataState
+from torchtitan_zephon.data.store import StoreError, StoreGroup, TokenStore
+
+SOURCE_SHIFT = 40
+"""Bits of a sample key that hold the sample id: 2^40 (~10^12) samples per source."""
+ID_MASK = (1 << SOURCE_SHIFT) - 1
+
+
+def make_keys(sources: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Sample keys (int64) of (source index, sample id) pairs."""
+    return (np.asarray(sources, dtype=np.int64) << SOURCE_SHIFT) | np.asarray(ids, dtype=np.int64)
+
+
+def split_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(source index, sample id) arrays (int64) of sample keys."""
+    k = np.asarray(keys, dtype=np.int64)
+    return k >> SOURCE_SHIFT, k & ID_MASK
+
+
+class StreamPlan(Protocol):
+    """Sample keys of every step, rank slice and micro-batch (``DataPlan``'s interface)."""
+
+    schedule: BatchSchedule
+    anchor_step: int
+    anchor_position: int
+
+    def step_positions(self, step: int) -> tuple[int, int]: ...
+    def ids_for_positions(self, first: int, count: int) -> np.ndarray: ...
+    def global_ids(self, step: int) -> np.ndarray: ...
+    def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]: ...
+    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray: ...
+    def microbatch_ids(
+        self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
+    ) -> list[np.ndarray]: ...
+
+
+@dataclass(frozen=True)
+class Heldout:
+    """One source's held-out samples: ``[first, first + count)`` of ``store``."""
+
+    name: str | None  # None: the job's only store
+    store: TokenStore
+    first: int
+    count: int
+
+
+class Source(Protocol):
+    """What a loader reads: a plan of sample keys and the tokens of a key."""
+
+    path: str
+    seq_len: int
+    vocab_size: int
+    tokenizer_hash: str
+    fingerprint: str
+    warnings: list[str]
+
+    def data_config(
+        self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
+    ) -> DataConfig: ...
+    def plan(self, config: DataConfig, anchor: tuple[int, int] = (1, 0)) -> StreamPlan: ...
+    def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray: ...
+    def id_limit(self, vocab_size: int | None) -> int | None: ...
+    def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str: ...
+    def heldout(self) -> list[Heldout]: ...
+
+
+# ---------------------------------------------------------------- one store
+
+
+def store_id_limit(store: TokenStore, vocab_size: int | None) -> int | None:
+    """Refuse a store whose recorded ids exceed ``vocab_size``; the limit left to check per
+    batch (only for stores that record no max_token_id)."""
+    if vocab_size is None:
+        return None
+    if store.max_token_id is None:
+        return int(vocab_size)
+    if store.max_token_id >= vocab_size:
+        raise StoreError(
+            f"the store {str(store.path)!r} holds token ids up to {store.max_token_id}, but the "
+            f"model embeds only {vocab_size} ids (0..{vocab_size - 1}): use a model whose "
+            f"vocab_size is at least {store.max_token_id + 1}, or a store prepared with the "
+            "model's tokenizer."
+        )
+    return None
+
+
+def store_out_of_vocab(
+    store: TokenStore, ids: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
+) -> str:
+    row, col = np.unravel_index(int(np.argmax(tokens)), tokens.shape)
+    sample = int(np.asarray(ids).ravel()[row])
+    return (
+        f"the store {str(store.path)!r} holds token id {int(tokens[row, col])} at token "
+        f"{sample * seq_len + int(col)} (sample {sample}), outside the model's vocabulary of "
+        f"{limit} ids. The store has no content checksums (format {store.version}), so this may "
+        f"be a changed file: check it with `zephon inspect {store.path} --check`, or rebuild it "
+        "with `zephon prepare`."
+    )
+
+
+class StoreSource:
+    """One token store: samples ``[sample_offset, sample_offset + num_samples)`` are
+    trained on (the rest, at the end, is held out); the keys are the sample ids."""
+
+    def __init__(
+        self,
+        store: TokenStore,
+        seq_len: int,
+        *,
+        sample_offset: int = 0,
+        num_samples: int | None = None,
+    ) -> None:
+        available = store.num_samples(seq_len)
+        if num_samples is None:
+            num_samples = available - sample_offset
+        if sample_offset < 0 or num_samples < 1 or sample_offset + num_samples > available:
+            raise ValueError(
+                f"samples [{sample_offset}, {sample_offset + num_samples}) do not fit the store "
+                f"{str(store.path)!r}, which holds {available} samples of seq_len {seq_len} "
+                f"({store.num_tokens} tokens). Use a smaller seq_len, sample_offset or "
+                "num_samples, or a larger store."
+            )
+        self.store = store
+        self.seq_len = int(seq_len)
+        self.sample_offset = int(sample_offset)
+        self.num_samples = int(num_samples)
+        self.path = str(store.path)
+        self.version = store.version
+        self.vocab_size = store.vocab_size
+        self.tokenizer_hash = store.tokenizer_hash
+        self.fingerprint = store.fingerprint
+        self.warnings: list[str] = []
+
+    def __repr__(self) -> str:
+        return f"StoreSource({self.store!r}, seq_len={self.seq_len})"
+
+    def data_config(
+        self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
+    ) -> DataConfig:
+        return DataConfig.make(
+            seq_len=self.seq_len,
+            seed=seed,
+            schedule=schedule,
+            sample_offset=self.sample_offset,
+            num_samples=self.num_samples,
+            store_fingerprint=self.store.fingerprint,
+            tokenizer_hash=self.store.tokenizer_hash,
+            extra=extra,
+        )
+
+    def plan(self, config: DataConfig, anchor: tuple[int, int] = (1, 0)) -> DataPlan:
+        return plan_of(config, anchor)
+
+    def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
+        return self.store.windows(keys, seq_len)
+
+    def id_limit(self, vocab_size: int | None) -> int | None:
+        return store_id_limit(self.store, vocab_size)
+
+    def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str:
+        return store_out_of_vocab(self.store, keys, tokens, self.seq_len, limit)
+
+    def heldout(self) -> list[Heldout]:
+        first = self.sample_offset + self.num_samples
+        return [Heldout(None, self.store, first, self.store.num_samples(self.seq_len) - first)]
+
+
+# ---------------------------------------------------------------- a mixture
+
+
+def anchored_schedule(
+    schedule: BatchSchedule, anchor_step: int, anchor_position: int
+) -> BatchSchedule:
+    """A schedule equal to ``schedule`` from ``anchor_step`` on, whose step ``anchor_step``
+    starts at ``anchor_position`` (the steps before it of (nearly) equal size): the slot
+    arithmetic of ``DataPlan``'s anchor for a plan that needs a whole schedule."""
+    a, p = int(anchor_step), int(anchor_position)
+    if (a, p) == (1, 0):
+        return schedule
+    if a < 1 or p < a - 1 or (a == 1 and p != 0):
+        raise ValueError(
+            f"position anchor (step {a}, position {p}) is impossible: steps 1..{a - 1} hold "
+            "at least one position each. The data state is corrupt."
+        )
+    q, r = divmod(p, a - 1)
+    entries = [(1, q + 1), (r + 1, q)] if r else [(1, q)]
+    entries.append((a, schedule.gbs(a)))
+    entries += [(s, g) for s, g in schedule.entries if s > a]
+    return BatchSchedule(entries)
+
+
+class MixtureStream:
+    """A ``MixturePlan`` as a stream of sample keys, with ``DataPlan``'s interface."""
+
+    def __init__(
+        self, mixture: MixturePlan, schedule: BatchSchedule, anchor: tuple[int, int] = (1, 0)
+    ) -> None:
+        self.mixture = mixture
+        self.schedule = schedule
+        self.anchor_step, self.anchor_position = int(anchor[0]), int(anchor[1])
+        self.names = mixture.names
+
+    def _check_step(self, step: int) -> None:
+        if step < self.anchor_step:
+            raise ValueError(
+                f"step {step} lies before the resume anchor (step {self.anchor_step} at "
+                f"position {self.anchor_position}); its positions are not defined under the "
+                "current schedule."
+            )
+
+    def step_positions(self, step: int) -> tuple[int, int]:
+        self._check_step(step)
+        return self.mixture.step_slots(step)
+
+    def ids_for_positions(self, first: int, count: int) -> np.ndarray:
+        return make_keys(*self.mixture.ids_for_slots(first, count))
+
+    def global_ids(self, step: int) -> np.ndarray:
+        return make_keys(*self.mixture.ids_for_slots(*self.step_positions(step), step=step))
+
+    def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+        self._check_step(step)
+        return self.mixture.rank_slots(step, dp_rank, dp_degree)
+
+    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray:
+        first, count = self.rank_positions(step, dp_rank, dp_degree)
+        return make_keys(*self.mixture.ids_for_slots(first, count, step=step))
+
+    def rank_stream_ids(
+        self, step: int, skip: int, count: int, dp_rank: int, dp_degree: int
+    ) -> np.ndarray:
+        """Keys ``[skip, skip + count)`` of DP rank ``dp_rank``'s stream from ``step`` on
+        (its slices of steps ``step, step + 1, ...`` concatenated), looked up together:
+        one permutation call per source and epoch for the whole window. Within one
+        batch-schedule entry a rank's slice moves by the global batch each step (and
+        with one rank the slices are contiguous: one range)."""
+        if skip < 0 or count < 0:
+            raise ValueError(f"skip and count must be >= 0, got skip={skip}, count={count}.")
+        ranges: list[tuple[int, int]] = []
+        need, s = skip + count, step
+        while need > 0:
+            first, per_rank = self.rank_positions(s, dp_rank, dp_degree)
+            gbs = self.schedule.gbs(s)
+            steps = -(-need // per_rank)
+            end = next((e for e, _ in self.schedule.entries if e > s), None)
+            if end is not None:
+                steps = min(steps, end - s)
+            if per_rank == gbs:
+                ranges.append((first, steps * gbs))
+            else:
+                ranges += [(first + k * gbs, per_rank) for k in range(steps)]
+            need -= steps * per_rank
+            s += steps
+        window: list[tuple[int, int]] = []
+        for first, n in ranges:  # cut [skip, skip + count) out of the ranges
+            if skip >= n:
+                skip -= n
+                continue
+            take = min(n - skip, count)
+            if take > 0:
+                window.append((first + skip, take))
+            count -= take
+            skip = 0
+        return make_keys(*self.mixture.ids_for_ranges(window))
+
+    def microbatch_ids(
+        self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
+    ) -> list[np.ndarray]:
+        check_batch_layout(self.schedule.gbs(step), dp_degree, local_batch_size)
+        keys = self.rank_ids(step, dp_rank, dp_degree)
+        b = local_batch_size
+        return [keys[k : k + b] for k in range(0, len(keys), b)]
+
+    def decode(self, keys: np.ndarray) -> tuple[list[str], np.ndarray]:
+        """(source name, per-source sample id) of each key."""
+        sources, ids = split_keys(keys)
+        return [self.names[i] for i in sources.tolist()], ids
+
+
+def mixture_store_fingerprint(spec: MixtureSpec) -> str:
+    """The ``store_fingerprint`` of a mixture's data config: a hash of its sources'
+    store fingerprints (by name)."""
+    return fingerprint(
+        {
+            "format": "zephon-mixture-stores/1",
+            "sources": {s.name: s.store_fingerprint for s in spec.sources},
+        }
+    )
+
+
+def sorted_by_name(config: MixtureConfig) -> MixtureConfig:
+    """The mixture with its sources in name order: source indices (and so sample keys)
+    do not depend on the order of the ``[[source]]`` blocks."""
+    return MixtureConfig(tuple(sorted(config.sources, key=lambda s: s.name)), config.schedule)
+
+
+class MixtureSource:
+    """Several token stores drawn by a mixture plan; key ``i << 40 | id`` is sample ``id``
+    of the ``i``-th source in name order."""
+
+    def __init__(
+        self,
+        spec: MixtureSpec,
+        stores: Mapping[str, TokenStore],
+        seq_len: int,
+        *,
+        path: str = "mixture",
+    ) -> None:
+        names = spec.names
+        if names != sorted(names):
+            raise MixtureError(f"a MixtureSource needs its sources in name order, found {names}.")
+        for s in spec.sources:
+            if s.num_samples + s.heldout_samples > ID_MASK:
+                raise MixtureError(
+                    f"mixture source {s.name!r} holds {s.num_samples + s.heldout_samples} "
+                    f"samples; a source may hold at most {ID_MASK} (split it into two sources)."
+                )
+        self.spec = spec
+        self.names = names
+        self.stores = [stores[n] for n in names]
+        self.seq_len = int(seq_len)
+        self.path = str(path)
+        ref = self.stores[0]
+        self.vocab_size = ref.vocab_size
+        self.tokenizer_hash = ref.tokenizer_hash
+        self.fingerprint = mixture_store_fingerprint(spec)
+        self.warnings: list[str] = []
+        self.group = StoreGroup(self.stores)
+        self._plans: dict[tuple[str, tuple[int, int]], MixtureStream] = {}
+
+    @classmethod
+    def open(
+        cls,
+        config: MixtureConfig,
+        seq_len: int,
+        *,
+        default_heldout: int = 0,
+        path: str = "mixture",
+        progress: bool = False,
+    ) -> MixtureSource:
+        """Open the stores of a parsed mixture file and check them against each other
+        (one tokenizer, enough samples); MixtureError names the source at fault."""
+        config = sorted_by_name(config)
+        stores = config.open_stores(progress=progress)
+        spec = resolve_mixture(config, stores, seq_len, default_heldout=default_heldout)
+        return cls(spec, stores, seq_len, path=path)
+
+    def __repr__(self) -> str:
+        return f"MixtureSource({self.path!r}, sources={self.names}, seq_len={self.seq_len})"
+
+    def data_config(
+        self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
+    ) -> DataConfig:
+        return DataConfig.make(
+            seq_len=self.seq_len,
+            seed=seed,
+            schedule=schedule,
+            sample_offset=0,
+            num_samples=sum(int(s.num_samples) for s in self.spec.sources),
+            store_fingerprint=self.fingerprint,
+            tokenizer_hash=self.tokenizer_hash,
+            extra={**(extra or {}), MIXTURE_FIELD: self.spec.to_json()},
+        )
+
+    def plan(self, config: DataConfig, anchor: tuple[int, int] = (1, 0)) -> MixtureStream:
+        """The plan of ``config`` (made by ``data_config``), built once per (config,
+        anchor); the first call also collects the plan's warnings (a source smaller than
+        its share of a global batch)."""
+        if config.mixture != self.spec.to_json():
+            raise MixtureError(
+                "the data config's mixture is not this source's mixture; build the config "
+                "with MixtureSource.data_config."
+            )
+        key = (config.fingerprint, (int(anchor[0]), int(anchor[1])))
+        stream = self._plans.get(key)
+        if stream is None:  # plans are immutable: loaders of one job share them
+            stream = self._plans[key] = plan_of(config, anchor, spec=self.spec)
+            while len(self._plans) > 4:
+                del self._plans[next(iter(self._plans))]
+        if not self.warnings:
+            self.warnings = list(stream.mixture.warnings)
+        return stream
+
+    def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
+        sources, ids = split_keys(np.asarray(keys, dtype=np.int64).ravel())
+        src = sources.tolist()  # a micro-batch's few keys: plain Python from here
+        lo, hi = (min(src), max(src)) if src else (0, 0)
+        if lo < 0 or hi >= len(self.stores):
+            raise IndexError(
+                f"sample keys name sources in [{lo}, {hi}], the mixture has {len(self.stores)}."
+            )
+        if lo == hi:
+            return self.stores[lo].windows(ids, seq_len)
+        return self.group.windows(src, ids.tolist(), seq_len)
+
+    def id_limit(self, vocab_size: int | None) -> int | None:
+        limits = [store_id_limit(st, vocab_size) for st in self.stores]
+        return None if all(x is None for x in limits) else int(vocab_size)
+
+    def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str:
+        row = int(np.unravel_index(int(np.argmax(tokens)), tokens.shape)[0])
+        sources, ids = split_keys(np.asarray(keys).ravel()[row : row + 1])
+        i = int(sources[0])
+        return f"mixture source {self.names[i]!r}: " + store_out_of_vocab(
+            self.stores[i], ids, tokens[row : row + 1], self.seq_len, limit
+        )
+
+    def heldout(self) -> list[Heldout]:
+        return [
+            Heldout(s.name, st, int(s.num_samples), int(s.heldout_samples))
+            for s, st in zip(self.spec.sources, self.stores, strict=True)
+        ]
+
+
+# ---------------------------------------------------------------- from a data config
+
+
+def plan_of(
+    config: DataConfig, anchor: tuple[int, int] = (1, 0), *, spec: MixtureSpec | None = None
+) -> DataPlan | MixtureStream:
+    """The plan a data config governs, counted from ``anchor`` (no store opened).
+
+    ``spec`` (a mixture's resolved spec, equal to the config's) keeps guards the
+    config does not record (``max_epochs``)."""
+    schedule = config.batch_schedule()
+    if config.mixture is None:
+        return DataPlan(
+            config.num_samples,
+            config.seed,
+            schedule,
+            config.sample_offset,
+            anchor_step=anchor[0],
+            anchor_position=anchor[1],
+        )
+    if spec is None:
+        spec = MixtureSpec.from_json(config.mixture)
+    mixture = MixturePlan(spec, config.seed, anchored_schedule(schedule, *anchor))
+    return MixtureStream(mixture, schedule, anchor)
+
+
+def weights_at(config: DataConfig, step: int) -> dict[str, str] | None:
+    """A mixture's normalized weights in effect at ``step`` (exact fractions as text)."""
+    if config.mixture is None:
+        return None
+    weights = None
+    for entry in config.mixture["schedule"]:
+        if int(entry["from_step"]) <= step:
+            weights = dict(entry["weights"])
+    return weights
+
+
+def mixture_progress(state: DataState) -> dict[str, Any] | None:
+    """Per source of a mixture's data state: samples drawn by the steps before
+    ``next_step`` against the exact target, and the epoch the next sample is in.
+    None for one store. O(1) in the step (the plan is not replayed)."""
+    config = state.config
+    if config.mixture is None:
+        return None
+    stream = plan_of(config, state.position_anchor)
+    assert isinstance(stream, MixtureStream)
+    plan, step = stream.mixture, state.next_step
+    counts = plan.counts_before(step)
+    targets: Sequence[Fraction] = plan.targets_before(step)
+    epochs = plan.epochs(step)
+    worst, who = plan.max_deviation()
+    weights = weights_at(config, step) or {}
+    sources = []
+    for i, s in enumerate(plan.spec.sources):
+        sources.append(
+            {
+                "name": s.name,
+                "samples": int(counts[i]),
+                "target": fraction_text(targets[i]),
+                "deviation": float(int(counts[i]) - targets[i]),
+                "epoch": int(epochs[i]),
+                "num_samples": int(s.num_samples),
+                "heldout_samples": int(s.heldout_samples),
+                "weight": weights.get(s.name, "0/1"),
+            }
+        )
+    return {
+        "next_step": step,
+        "sources": sources,
+        "max_deviation": float(worst),
+        "max_deviation_exact": fraction_text(worst),
+        "max_deviation_source": who,
+    }
