@@ -64,7 +64,12 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.data.permutation import map_many
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan, _divisors, check_batch_layout
+from torchtitan_zephon.data.plan import (
+    BatchSchedule,
+    DataPlan,
+    check_batch_layout,
+    rank_slice,
+)
 
 MAX_PATTERN = 10**6
 """Largest common denominator of one schedule entry's normalized weights: the
@@ -998,16 +1003,7 @@ class MixturePlan:
 
     def rank_slots(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
         """(first slot, count) of DP rank ``dp_rank``'s contiguous slice of ``step``."""
-        first, gbs = self.step_slots(step)
-        if dp_degree < 1 or gbs % dp_degree != 0:
-            raise ValueError(
-                f"DP degree {dp_degree} does not divide the global batch size {gbs} of step "
-                f"{step}; DP degrees that divide it: {_divisors(gbs)}."
-            )
-        if not 0 <= dp_rank < dp_degree:
-            raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
-        per_rank = gbs // dp_degree
-        return first + dp_rank * per_rank, per_rank
+        return rank_slice(*self.step_slots(step), step, dp_rank, dp_degree)
 
     def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> tuple[np.ndarray, np.ndarray]:
         """Slots [r*G/D, (r+1)*G/D) of the step: (source index, sample id)."""

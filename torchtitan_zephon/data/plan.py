@@ -62,6 +62,20 @@ def check_batch_layout(global_batch_size: int, dp_degree: int, local_batch_size:
     raise ValueError(msg)
 
 
+def rank_slice(first: int, gbs: int, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+    """(first, count) of DP rank ``dp_rank``'s contiguous slice of a step that covers
+    ``[first, first + gbs)``: the rank slices concatenate, in rank order, to the step."""
+    if dp_degree < 1 or gbs % dp_degree != 0:
+        raise ValueError(
+            f"DP degree {dp_degree} does not divide the global batch size {gbs} of step "
+            f"{step}; DP degrees that divide it: {_divisors(gbs)}."
+        )
+    if not 0 <= dp_rank < dp_degree:
+        raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
+    per_rank = gbs // dp_degree
+    return first + dp_rank * per_rank, per_rank
+
+
 class BatchSchedule:
     """Global batch size per step: piecewise constant, starting at step 1."""
 
@@ -251,16 +265,7 @@ class DataPlan:
 
     def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
         """(first position, count) of DP rank ``dp_rank``'s contiguous slice of ``step``."""
-        first, gbs = self.step_positions(step)
-        if dp_degree < 1 or gbs % dp_degree != 0:
-            raise ValueError(
-                f"DP degree {dp_degree} does not divide the global batch size {gbs} of step "
-                f"{step}; DP degrees that divide it: {_divisors(gbs)}."
-            )
-        if not 0 <= dp_rank < dp_degree:
-            raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
-        per_rank = gbs // dp_degree
-        return first + dp_rank * per_rank, per_rank
+        return rank_slice(*self.step_positions(step), step, dp_rank, dp_degree)
 
     def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray:
         """Slice [r*G/D, (r+1)*G/D) of the step's global batch."""
