@@ -149,16 +149,65 @@ def write_checksums(
     root = Path(store_dir)
     tokens = _map(root / TOKENS, _DTYPES[manifest["dtype"]], int(manifest["num_tokens"]))
     sums, maxima = content_checksums(tokens, chunk_tokens)
-    blob = sums.tobytes()
     tmp = root / f".{CHECKSUMS}.tmp"
-    tmp.write_bytes(blob)
+    tmp.write_bytes(sums.tobytes())
     os.replace(tmp, root / CHECKSUMS)
+    return content_section(root, int(maxima.max()) if maxima.size else -1, chunk_tokens)
+
+
+def num_chunks(num_tokens: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
+    """How many checksum chunks cover ``num_tokens`` tokens (the last may be short)."""
+    return -(-num_tokens // chunk_tokens)
+
+
+def write_chunk_checksums(
+    store_dir: str | os.PathLike,
+    manifest: dict[str, Any],
+    first: int,
+    stop: int,
+    *,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> int:
+    """Hash chunks ``[first, stop)`` of tokens.bin and write their checksums at their place
+    in ``checksums.bin``, which already has its final size (``num_chunks`` x 8 bytes);
+    return the largest token id of these chunks (-1 for none).
+
+    Several processes may each write a disjoint range: together they write the same
+    bytes as ``write_checksums``, and ``content_section`` then completes the section.
+    """
+    root = Path(store_dir)
+    tokens = _map(root / TOKENS, _DTYPES[manifest["dtype"]], int(manifest["num_tokens"]))
+    sums, maxima = content_checksums(
+        tokens[first * chunk_tokens : stop * chunk_tokens], chunk_tokens
+    )
+    fd = os.open(root / CHECKSUMS, os.O_WRONLY)
+    try:
+        pwrite_all(fd, sums.tobytes(), first * 8)
+    finally:
+        os.close(fd)
+    return int(maxima.max()) if maxima.size else -1
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of ``data`` to ``fd`` at ``offset`` (``os.pwrite`` may write less)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def content_section(
+    store_dir: str | os.PathLike, max_token_id: int, chunk_tokens: int = CHUNK_TOKENS
+) -> dict[str, Any]:
+    """The manifest's ``content`` section of the store files in ``store_dir``, whose
+    ``checksums.bin`` is complete and whose largest token id is ``max_token_id``."""
+    root = Path(store_dir)
     return {
         "algorithm": CHECKSUM_ALGORITHM,
         "chunk_tokens": int(chunk_tokens),
-        "checksums_xxh3_128": xxhash.xxh3_128_hexdigest(blob),
+        "checksums_xxh3_128": _file_xxh3_128(root / CHECKSUMS),
         "doc_offsets_xxh3_128": _file_xxh3_128(root / DOC_OFFSETS),
-        "max_token_id": int(maxima.max()) if maxima.size else -1,
+        "max_token_id": int(max_token_id),
     }
 
 
