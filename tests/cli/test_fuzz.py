@@ -133,7 +133,7 @@ def test_prepare_refuses_bad_input(zoo, tokenizer_dir, corpus_dir):
     for argv, words in cases:
         assert_refused(argv, *words)
     assert not (Path(zoo["root"]) / "never-written").exists()
-    assert not list(Path(zoo["root"]).glob(".never-written.tmp*"))
+    assert not list(Path(zoo["root"]).glob(".never-written.*"))
 
 
 def test_inspect_verify_compare_refuse_bad_input(zoo):
@@ -293,7 +293,7 @@ def test_prepare_random_files(tmp_path, tokenizer_dir, data, suffix):
         assert code == 2 and err.startswith("zephon prepare: error: "), err
         assert f"input{suffix}" in err or "empty corpus" in err, err
         assert not out.exists()
-    assert not list(folder.glob(".out.tmp*"))
+    assert not list(folder.glob(".out.*"))
 
 
 _manifest_values = st.one_of(

@@ -136,7 +136,7 @@ def test_errors(tmp_path, tokenizer_dir, corpus_dir):
     (tmp_path / "empty" / "blank.txt").write_text("")
     with pytest.raises(StoreError, match="empty corpus"):
         prepare_store([str(tmp_path / "empty")], str(tokenizer_dir), out, progress=False)
-    assert not Path(out).exists() and not list(tmp_path.glob(".out.tmp*"))
+    assert not Path(out).exists() and not list(tmp_path.glob(".out.*"))
     (tmp_path / "notok").mkdir()
     with pytest.raises(StoreError, match="no tokenizer.json"):
         prepare_store([str(corpus_dir)], str(tmp_path / "notok"), out)
@@ -220,9 +220,20 @@ def test_dirty_inputs(tmp_path, tokenizer_dir):
 
 
 def _no_leftovers(tmp_path: Path, out: str = "out") -> None:
-    """A refused prepare leaves neither the output nor its temporary sibling behind."""
+    """A refused prepare leaves neither the output nor a staging folder behind."""
     assert not (tmp_path / out).exists()
-    assert not list(tmp_path.glob(f".{out}.tmp*"))
+    assert not list(tmp_path.glob(f".{out}.*"))
+
+
+def _kept_staging(tmp_path: Path, message: str, out: str = "out") -> Path:
+    """A prepare stopped after finishing parts: no output, the staging folder kept with
+    finished parts, and the message naming it and what to do."""
+    assert not (tmp_path / out).exists()
+    staging = tmp_path / f".{out}.prepare"
+    assert list((staging / "parts").glob("*.json")), "no finished part kept"
+    assert f"The finished parts are kept in {staging}: run the same command again" in message
+    assert f"delete {staging} to start over" in message
+    return staging
 
 
 def _gz_lines(n: int) -> bytes:
@@ -413,8 +424,7 @@ def _start_prepare_and_wait_for_output(tmp_path, tokenizer_dir, corpus) -> tuple
     )  # fmt: skip
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
-        written = list(tmp_path.glob(".out.tmp-*/tokens.bin"))
-        if written and written[0].stat().st_size > 0:
+        if list(tmp_path.glob(".out.prepare/parts/*.json")):  # a part finished
             workers = [c for c in _children(proc.pid) if _is_worker(c)]
             if len(workers) == 2:
                 return proc, workers
@@ -436,7 +446,8 @@ def _finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str, str, floa
 
 def test_killed_worker_fails_fast_and_cleans_up(tmp_path, tokenizer_dir, big_corpus):
     """A worker SIGKILLed mid-run (as by the OOM killer) ends prepare with a clear error
-    within seconds: no store at the output path, no temporary folder, no worker left."""
+    within seconds: no store at the output path, the finished parts kept (the message
+    says where and how to continue), no worker left."""
     proc, workers = _start_prepare_and_wait_for_output(tmp_path, tokenizer_dir, big_corpus)
     os.kill(workers[0], signal.SIGKILL)
     code, out, err, took = _finish(proc, timeout=60)
@@ -444,20 +455,21 @@ def test_killed_worker_fails_fast_and_cleans_up(tmp_path, tokenizer_dir, big_cor
     assert "zephon prepare: error: tokenizer worker" in err and "SIGKILL" in err, err
     assert "fewer --workers" in err and "Traceback" not in err + out, err
     assert took < 30, took  # seconds: detection is immediate, the margin is for a busy machine
-    _no_leftovers(tmp_path)
+    _kept_staging(tmp_path, err)
     assert not any(_alive(w) for w in workers)
 
 
 def test_ctrl_c_stops_prepare_promptly_and_cleans_up(tmp_path, tokenizer_dir, big_corpus):
     """SIGINT to the whole process group (what Ctrl-C in a terminal sends) stops prepare
-    and its workers at once, without a traceback, and leaves nothing on disk."""
+    and its workers at once, without a traceback, keeping the finished parts (named)."""
     proc, workers = _start_prepare_and_wait_for_output(tmp_path, tokenizer_dir, big_corpus)
     os.killpg(proc.pid, signal.SIGINT)
     code, out, err, took = _finish(proc, timeout=60)
     assert code == 130, (code, err)
-    assert err.strip() == "zephon prepare: interrupted", err
+    assert err.startswith("zephon prepare: interrupted. The finished parts are kept in "), err
+    assert err.count("\n") == 1 and "Traceback" not in err, err
     assert took < 30, took
-    _no_leftovers(tmp_path)
+    _kept_staging(tmp_path, err)
     assert not any(_alive(w) for w in workers)
 
 

@@ -55,8 +55,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # StoreError, RunError, DataStateMismatch; WorkerLost
         print(f"zephon {args.command}: error: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print(f"zephon {args.command}: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as e:  # prepare's says where its finished work is kept
+        note = f". {e}" if str(e) else ""
+        print(f"zephon {args.command}: interrupted{note}", file=sys.stderr)
         return 130
 
 

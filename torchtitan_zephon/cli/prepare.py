@@ -1,11 +1,20 @@
-"""``zephon prepare``: tokenize text, JSONL, Parquet or HF datasets into a token store."""
+"""``zephon prepare``: tokenize text, JSONL, Parquet or HF datasets into a token store.
+
+Under torchrun (or any launcher setting RANK / WORLD_SIZE) the ranks share the
+work (``torchtitan_zephon.prepare_ranks``); rank 0 prints the result and, after a
+failure, the one error every rank agrees on.
+"""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+from typing import Any
 
-from torchtitan_zephon.data.prepare import prepare_store
+from torchtitan_zephon.cli.args import int_in
+from torchtitan_zephon.data.prepare import PrepareFailed, prepare_store
+from torchtitan_zephon.data.units import UNIT_BYTES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -15,31 +24,71 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description=(
             "Tokenize INPUTs (text files, folders, .jsonl/.jsonl.gz, .parquet, Hugging Face "
             "datasets saved with save_to_disk) into a token store. The output is "
-            "byte-identical for any number of workers."
+            "byte-identical for any number of workers and ranks. Under torchrun (`torchrun "
+            "--nnodes N --nproc-per-node P -m torchtitan_zephon prepare ...`) the ranks share "
+            "the work; the output's parent folder must be on a filesystem they all share. "
+            "An interrupted prepare keeps its finished parts beside the output: the same "
+            "command run again continues."
         ),
     )
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="files or folders")
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="folder with tokenizer.json")
     p.add_argument("--output", required=True, metavar="STORE", help="new store folder")
     p.add_argument(
-        "--workers", type=int, default=min(8, os.cpu_count() or 1), help="tokenizer processes"
+        "--workers",
+        type=int,
+        default=min(8, os.cpu_count() or 1),
+        help="tokenizer processes (per rank)",
     )
     p.add_argument("--text-field", default="text", metavar="NAME", help="JSON/Parquet field")
+    p.add_argument(
+        "--unit-bytes",
+        type=int_in(1),
+        default=UNIT_BYTES,
+        metavar="N",
+        help=f"input bytes per work unit (default {UNIT_BYTES}; the store does not depend on it)",
+    )
+    p.add_argument(
+        "--report", metavar="FILE.json", help="write a summary (tokens, parts reused, seconds)"
+    )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
 
 
 def run(args: argparse.Namespace) -> int:
-    store = prepare_store(
-        args.inputs,
-        args.tokenizer,
-        args.output,
-        workers=args.workers,
-        text_field=args.text_field,
-        progress=not args.quiet,
-    )
+    from torchtitan_zephon.prepare_ranks import ranks_from_env
+
+    ranks = ranks_from_env()
+    report: dict[str, Any] = {}
+    try:
+        store = prepare_store(
+            args.inputs,
+            args.tokenizer,
+            args.output,
+            workers=args.workers,
+            text_field=args.text_field,
+            progress=not args.quiet,
+            ranks=ranks,
+            unit_bytes=args.unit_bytes,
+            report=report,
+        )
+    except PrepareFailed:
+        if ranks.rank != 0:  # rank 0 prints the same message
+            return 2
+        raise
+    finally:
+        close = getattr(ranks, "close", None)
+        if close is not None:
+            close()
+    if ranks.rank != 0:
+        return 0
+    if args.report:
+        with open(args.report, "w") as f:
+            json.dump({**report, "fingerprint": store.fingerprint}, f, indent=2, sort_keys=True)
+    reused = f", {report['reused']} of {report['units']} parts reused" if report["reused"] else ""
     print(
         f"prepared {store.path}: {store.num_tokens} tokens, {store.num_documents} documents, "
         f"{store.manifest['dtype']}, fingerprint {store.fingerprint}"
+        f" ({report['world_size']} rank{'s' if report['world_size'] > 1 else ''}{reused})"
     )
     return 0

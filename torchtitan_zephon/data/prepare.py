@@ -1,44 +1,82 @@
-"""Build a token store from raw text (``zephon prepare``).
+"""Build a token store from raw text (``zephon prepare``), in one process or many.
 
 Role: identify the tokenizer (a Hugging Face ``tokenizer.json`` and its EOS),
-read the inputs' documents (``readers.py``: text files, folders, JSONL, JSON,
-Parquet, local Hugging Face datasets), tokenize them in chunks (``encode.py``,
-optionally in worker processes) and write a token store (see ``store.py``):
-every document's tokens followed by one EOS token, in input order.
+cut the inputs (``readers.py``) into work units (``units.py``), tokenize each
+unit into a part in a staging folder beside the output (``parts.py``; each rank
+of a group, ``ranks.py``, its share of the units, with ``encode.py``'s worker
+processes), then assemble the parts into a token store (``store.py``): every
+document's tokens followed by one EOS token, in input order.
 
-Invariant: the store's bytes depend only on the inputs' contents, their names
+Phases, the same code for one process or many (``Ranks``): (1) every rank
+resolves the inputs and cuts them into units; ranks that see different inputs
+are refused. (2) Units go to ranks by ``assign_units``; each rank makes the
+parts of its units, reusing an earlier run's intact parts. (3) Rank 0 creates
+the store's files at their final sizes; every rank writes its parts at their
+offsets, then hashes a contiguous share of the checksum chunks and its share of
+the sources (sha256 records). (4) Rank 0 writes the manifest and renames the
+assembled store to the output; the staging folder is removed.
+
+Invariants: the store's bytes depend only on the inputs' contents, their names
 relative to the given inputs, the tokenizer and ``text_field``; never on the
-number of workers, chunking, absolute paths or timing. The store appears at
-``output`` atomically (written to a temporary sibling folder, then renamed), so
-a store that exists is complete.
+number of ranks or workers, the unit size, chunking, absolute paths, timing or
+how many earlier runs were interrupted. The output path holds either nothing
+or a complete store (renamed into place last). A prepare that fails or is
+interrupted keeps its finished parts in ``.<name>.prepare`` beside the output
+(its error names the folder); the same command run again reuses them. An input
+that changes while a prepare reads it is an error (size and modification time
+checked before and after each unit and at the end, the unit's bytes hashed).
 """
 
 from __future__ import annotations
 
 import hashlib
+import heapq
 import json
 import os
 import shutil
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from torchtitan_zephon.data.digest import fingerprint
 from torchtitan_zephon.data.encode import encode_in_order, max_workers
+from torchtitan_zephon.data.parts import (
+    ASSEMBLY,
+    PARTS,
+    RANKS_FILE,
+    PartWriter,
+    create_store_files,
+    finished_parts,
+    load_part,
+    part_key,
+    staging_folder,
+    write_part_into_store,
+)
+from torchtitan_zephon.data.ranks import OneProcess, Ranks
 from torchtitan_zephon.data.readers import Source, iter_documents, resolve_inputs, source_record
 from torchtitan_zephon.data.store import (
-    DOC_OFFSETS,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
-    TOKENS,
     StoreError,
     TokenStore,
+    content_section,
     manifest_fingerprint,
-    write_checksums,
+    num_chunks,
+    write_chunk_checksums,
+)
+from torchtitan_zephon.data.units import (
+    UNIT_BYTES,
+    Unit,
+    input_identity,
+    plan_units,
+    source_stat,
+    unit_input_hash,
 )
 
 EOS_FALLBACKS = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
@@ -116,34 +154,29 @@ def dtype_for_vocab(vocab_size: int) -> str:
     )
 
 
-# ----------------------------------------------------------------------------- encoding
-
-
-def _chunks(sources: list[Source], text_field: str) -> Iterator[tuple[np.ndarray, list[str]]]:
-    """(source index of each document, documents) chunks, in input order."""
-    chunk: list[str] = []
-    owners: list[int] = []
-    chars = 0
-    for k, src in enumerate(sources):
-        for text in iter_documents(src, text_field):
-            chunk.append(text)
-            owners.append(k)
-            chars += len(text)
-            if chars >= _CHUNK_CHARS or len(chunk) >= _CHUNK_DOCS:
-                yield np.array(owners, dtype=np.int64), chunk
-                chunk, owners, chars = [], [], 0
-    if chunk:
-        yield np.array(owners, dtype=np.int64), chunk
-
-
-def _encoded(
-    sources: list[Source], text_field: str, info: TokenizerInfo, workers: int
-) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray]]:
-    """(owners, tokens, lengths) of each chunk in input order, computed by ``workers`` processes."""
-    yield from encode_in_order(_chunks(sources, text_field), str(info.path), info.eos_id, workers)
-
-
 # ----------------------------------------------------------------------------- prepare
+
+
+class PrepareFailed(StoreError):
+    """A prepare failed (on this rank or another): the message says why and, when finished
+    parts were kept, where they are and how to continue."""
+
+
+class EmptyCorpus(StoreError):
+    """The inputs hold no document: nothing worth keeping for a second run."""
+
+
+class PrepareInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped a prepare; the message names the kept staging folder, if any."""
+
+
+@dataclass
+class _Plan:
+    info: TokenizerInfo
+    dtype_name: str
+    sources: list[Source]
+    units: list[Unit]
+    identity: dict[str, Any]  # what every rank must agree on
 
 
 def prepare_store(
@@ -154,9 +187,111 @@ def prepare_store(
     workers: int = 1,
     text_field: str = "text",
     progress: bool = True,
+    ranks: Ranks | None = None,
+    unit_bytes: int = UNIT_BYTES,
+    report: dict[str, Any] | None = None,
 ) -> TokenStore:
-    """Tokenize ``inputs`` into a new token store at ``output`` and open it."""
+    """Tokenize ``inputs`` into a new token store at ``output`` and open it.
+
+    ``ranks``: the processes sharing the work (default: this one alone); every rank
+    calls this with the same arguments and gets the same store. ``unit_bytes``: the
+    target size of a work unit (the store does not depend on it). ``report``, if
+    given, receives a summary: units, parts reused from an earlier run, tokens,
+    documents, seconds. A failed or interrupted prepare keeps its finished parts in
+    the staging folder beside the output, and a second run reuses them.
+    """
+    ranks = ranks or OneProcess()
+    t0 = time.perf_counter()
     out = Path(output)
+    staging = staging_folder(out)
+    local: dict[str, _Plan] = {}
+
+    def plan() -> str:
+        local["plan"] = _plan(inputs, tokenizer, out, workers, text_field, unit_bytes)
+        return fingerprint(local["plan"].identity)
+
+    digests = _together(ranks, plan)
+    mine = local["plan"]
+    if len(set(digests)) > 1:  # rare: gather the whole views only to name the difference
+        views = ranks.all_gather_object(mine.identity)
+        differences = [_difference(views[0], v, r) for r, v in enumerate(views) if r > 0]
+        raise StoreError(
+            "the ranks of this prepare were given different inputs: "
+            + "; ".join(d for d in differences if d)
+            + ". Every rank must run the same command on the same files (a filesystem all "
+            "ranks share)."
+        )
+    try:
+        _together(ranks, lambda: _open_staging(ranks, mine, staging))
+        _together(ranks, lambda: _check_shared(ranks, mine, staging))
+        stats = _together(ranks, lambda: _stage(ranks, mine, staging, workers, progress))
+        store = _assemble(ranks, mine, out, staging, [s for st in stats for s in st[0]])
+    except KeyboardInterrupt:
+        note = _keep_or_remove(ranks, staging)
+        raise PrepareInterrupted(note) from None
+    except Exception as e:
+        note = _keep_or_remove(ranks, staging, keep=not isinstance(e, EmptyCorpus))
+        if not note and ranks.world_size == 1:
+            raise
+        raise PrepareFailed(f"{e}{' ' + note if note else ''}") from e
+    if report is not None:
+        report.update(
+            units=len(mine.units),
+            reused=sum(st[1] for st in stats),
+            tokenized=len(mine.units) - sum(st[1] for st in stats),
+            tokens=store.num_tokens,
+            documents=store.num_documents,
+            world_size=ranks.world_size,
+            seconds=time.perf_counter() - t0,
+        )
+    return store
+
+
+def _keep_or_remove(ranks: Ranks, staging: Path, *, keep: bool = True) -> str:
+    """After a failure: the staging folder stays if it holds finished parts worth reusing
+    (the note saying so), else rank 0 removes it."""
+    try:
+        if keep and finished_parts(staging):
+            return (
+                f"The finished parts are kept in {staging}: run the same command again to "
+                f"continue; delete {staging} to start over."
+            )
+        if ranks.rank == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError:
+        pass
+    return ""
+
+
+def _together(ranks: Ranks, step: Callable[[], Any]) -> list[Any]:
+    """Run ``step`` on every rank and gather the results; if any rank failed, raise its
+    error on every rank (the failure of the earliest unit first, so the error is the one
+    a single process would report), instead of leaving the others waiting."""
+    try:
+        mine: tuple[str, Any] = ("ok", step())
+    except Exception as e:
+        failure = e
+        mine = ("failed", (getattr(e, "unit_index", -1), ranks.rank, f"{e}"))
+    else:
+        failure = None
+    gathered = ranks.all_gather_object(mine)
+    failed = sorted(v for k, v in gathered if k == "failed")
+    if not failed:
+        return [v for _, v in gathered]
+    _, rank, message = failed[0]
+    if ranks.world_size == 1:
+        assert failure is not None
+        raise failure
+    if rank == ranks.rank and failure is not None:
+        raise PrepareFailed(f"{message} (rank {rank} of {ranks.world_size})") from failure
+    raise PrepareFailed(f"{message} (rank {rank} of {ranks.world_size})")
+
+
+def _plan(
+    inputs: list[str], tokenizer: str, out: Path, workers: int, text_field: str, unit_bytes: int
+) -> _Plan:
+    """Phase 1 on each rank: check the arguments, identify the tokenizer, resolve the
+    inputs and cut them into units."""
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise StoreError(
             f"output {str(out)!r} already exists; choose another path or delete it first."
@@ -167,69 +302,320 @@ def prepare_store(
             f"workers must be in [1, {most}] (4 tokenizer processes per CPU at most), got "
             f"{workers}."
         )
+    if unit_bytes < 1:
+        raise StoreError(f"unit_bytes must be >= 1, got {unit_bytes}.")
     info = load_tokenizer_info(tokenizer)
     dtype_name = dtype_for_vocab(info.vocab_size)
-    dtype = np.dtype("<u2" if dtype_name == "uint16" else "<u4")
     sources = resolve_inputs(inputs)
-    records = [source_record(s) for s in sources]
+    units = plan_units(sources, unit_bytes)
+    identity = {
+        "output": str(out.resolve()),
+        "tokenizer": info.sha256,
+        "text_field": text_field,
+        "unit_bytes": unit_bytes,
+        "sources": input_identity(sources),
+    }
+    return _Plan(info, dtype_name, sources, units, identity)
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    try:
-        bar = _progress_bar(progress)
-        num_tokens = 0
-        num_docs = 0
-        doc_counts = np.zeros(len(sources), dtype=np.int64)
-        token_counts = np.zeros(len(sources), dtype=np.int64)
-        with open(tmp / TOKENS, "wb") as ft, open(tmp / DOC_OFFSETS, "wb") as fd:
-            for k, flat, lengths in _encoded(sources, text_field, info, workers):
-                starts = num_tokens + np.concatenate(([0], np.cumsum(lengths)[:-1]))
-                fd.write(starts.astype("<i8").tobytes())
-                ft.write(flat.astype(dtype).tobytes())
-                num_tokens += int(flat.size)
-                num_docs += int(lengths.size)
-                np.add.at(doc_counts, k, 1)
-                np.add.at(token_counts, k, lengths)
-                bar.update(int(lengths.size))
-                bar.set_postfix(tokens=num_tokens, refresh=False)
-        bar.close()
-        if num_tokens == 0:
-            raise StoreError(
-                f"empty corpus: the inputs {inputs} hold no documents with text "
-                f"(text field {text_field!r}). Check the paths and --text-field."
+
+def _difference(a: dict[str, Any], b: dict[str, Any], rank: int) -> str:
+    """How rank ``rank``'s view of the inputs (``b``) differs from rank 0's (``a``)."""
+    for key in ("output", "tokenizer", "text_field", "unit_bytes"):
+        if a[key] != b[key]:
+            return f"rank 0 has {key} {a[key]!r}, rank {rank} has {b[key]!r}"
+    sa = {s[0]: s for s in a["sources"]}
+    sb = {s[0]: s for s in b["sources"]}
+    for name in sorted(set(sa) | set(sb)):
+        if name not in sb:
+            return f"{name!r} is an input on rank 0, not on rank {rank}"
+        if name not in sa:
+            return f"{name!r} is an input on rank {rank}, not on rank 0"
+        if sa[name] != sb[name]:
+            return (
+                f"{name!r} is {sa[name][1]}, {sa[name][2]} bytes, modified at {sa[name][3]} ns "
+                f"on rank 0 but {sb[name][1]}, {sb[name][2]} bytes, modified at {sb[name][3]} "
+                f"ns on rank {rank}"
             )
-        for rec, docs, toks in zip(
-            records, doc_counts.tolist(), token_counts.tolist(), strict=True
+    if a["sources"] != b["sources"]:
+        return f"the inputs are in a different order on rank {rank} than on rank 0"
+    return ""
+
+
+def assign_units(units: list[Unit], world_size: int) -> list[int]:
+    """The rank of each unit: largest first, each to the least loaded rank (lowest on
+    ties); a pure function of the units and the world size."""
+    load = [(0, r) for r in range(world_size)]
+    heapq.heapify(load)
+    owner = [0] * len(units)
+    for u in sorted(units, key=lambda u: (-u.size, u.index)):
+        work, r = heapq.heappop(load)
+        owner[u.index] = r
+        heapq.heappush(load, (work + u.size, r))
+    return owner
+
+
+def _unit_identity(plan: _Plan, unit: Unit, text_field: str) -> dict[str, Any]:
+    return {
+        **unit.describe(plan.sources[unit.source]),
+        "tokenizer": plan.info.sha256,
+        "text_field": text_field,
+        "dtype": plan.dtype_name,
+    }
+
+
+def _open_staging(ranks: Ranks, plan: _Plan, staging: Path) -> None:
+    """Rank 0 creates the staging folder (or finds an earlier run's), drops a killed
+    run's unfinished files and writes the inputs' identity for the others to read."""
+    if ranks.rank != 0:
+        return
+    parts = staging / PARTS
+    parts.mkdir(parents=True, exist_ok=True)
+    for stale in parts.glob("*.tmp-*"):
+        stale.unlink(missing_ok=True)
+    tmp = staging / f"{RANKS_FILE}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(plan.identity, sort_keys=True) + "\n")
+    os.replace(tmp, staging / RANKS_FILE)
+
+
+def _check_shared(ranks: Ranks, plan: _Plan, staging: Path) -> None:
+    """Every rank must see what rank 0 wrote into the staging folder."""
+    try:
+        shared = json.loads((staging / RANKS_FILE).read_text()) == plan.identity
+    except (OSError, ValueError):
+        shared = False
+    if not shared:
+        raise StoreError(
+            f"rank {ranks.rank} cannot see {staging / RANKS_FILE}, written by rank 0: a "
+            "prepare over several ranks needs the output's parent folder on a filesystem "
+            "all ranks share (e.g. Lustre, GPFS, NFS)."
+        )
+
+
+def _stage(
+    ranks: Ranks, plan: _Plan, staging: Path, workers: int, progress: bool
+) -> tuple[list[tuple[int, dict[str, Any]]], int]:
+    """Phase 2 on each rank: make (or reuse) the parts of this rank's units; their
+    records by unit index, and how many were reused."""
+    parts = staging / PARTS
+    text_field = plan.identity["text_field"]
+    dtype = np.dtype("<u2" if plan.dtype_name == "uint16" else "<u4")
+    owner = assign_units(plan.units, ranks.world_size)
+    mine = [u for u in plan.units if owner[u.index] == ranks.rank]
+    stats = {u.source: tuple(s[2:]) for u in mine for s in [plan.identity["sources"][u.source]]}
+    records: list[tuple[int, dict[str, Any]]] = []
+    todo: list[Unit] = []
+    hashes: dict[int, str] = {}
+    identities = {u.index: _unit_identity(plan, u, text_field) for u in mine}
+    for u in mine:
+        src = plan.sources[u.source]
+        hashes[u.index] = _input_hash(src, u, stats[u.source])
+        rec = load_part(
+            parts, part_key(identities[u.index]), identities[u.index], hashes[u.index],
+            dtype.itemsize,
+        )  # fmt: skip
+        if rec is None:
+            todo.append(u)
+        else:
+            records.append((u.index, rec))
+    reused = len(records)
+    bar = _progress_bar(progress and ranks.rank == 0)
+    writer: PartWriter | None = None
+    try:
+        chunks = _unit_chunks(todo, plan.sources, text_field, stats, hashes)
+        info = plan.info
+        for (index, last), flat, lengths in encode_in_order(
+            chunks, str(info.path), info.eos_id, workers
         ):
-            rec["documents"] = docs
-            rec["tokens"] = toks
-        manifest: dict[str, Any] = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "tokenizer": {
-                "sha256": info.sha256,
-                "vocab_size": info.vocab_size,
-                "eos_token": info.eos_token,
-            },
-            "dtype": dtype_name,
-            "eos_id": info.eos_id,
-            "num_tokens": num_tokens,
-            "num_documents": num_docs,
-            "text_field": text_field,
-            "sources": records,
-        }
-        manifest["content"] = write_checksums(tmp, manifest)  # chunk checksums, max token id
+            if writer is None:
+                writer = PartWriter(parts, part_key(identities[index]), dtype)
+            writer.add(flat, lengths)
+            bar.update(int(lengths.size))
+            if last:
+                records.append((index, writer.finish(identities[index], hashes[index])))
+                writer = None
+                bar.set_postfix(parts=f"{len(records)}/{len(mine)}", refresh=False)
+    finally:
+        if writer is not None:
+            writer.abort()
+        bar.close()
+    return records, reused
+
+
+def _input_hash(src: Source, unit: Unit, stat: tuple[int, ...]) -> str:
+    """The unit's input hash, the source checked unchanged since the start."""
+    try:
+        digest = unit_input_hash(src, unit)
+    except OSError as e:
+        raise _unreadable(src, e) from None
+    _check_unchanged(src, stat)
+    return digest
+
+
+def _unreadable(src: Source, e: OSError) -> StoreError:
+    return StoreError(f"{src.path}: cannot read this input ({e.strerror or e}). Check the file.")
+
+
+def _check_unchanged(src: Source, stat: tuple[int, ...]) -> None:
+    try:
+        now = source_stat(src)
+    except OSError as e:
+        raise _unreadable(src, e) from None
+    if tuple(now) != tuple(stat):
+        raise StoreError(
+            f"input {str(src.path)!r} changed while prepare was running (it was {stat[0]} "
+            f"bytes, modified at {stat[1]} ns; now {now[0]} bytes, modified at {now[1]} ns). "
+            "Run prepare again once the inputs are complete and no longer written."
+        )
+
+
+def _unit_chunks(
+    todo: list[Unit],
+    sources: list[Source],
+    text_field: str,
+    stats: dict[int, tuple[int, ...]],
+    hashes: dict[int, str],
+) -> Iterator[tuple[tuple[int, bool], list[str]]]:
+    """((unit index, last chunk of the unit?), documents) chunks of the units in order;
+    each unit ends with a chunk marked last (maybe empty). The unit's input is checked
+    unchanged once it has been read; an error carries the unit's index."""
+    for u in todo:
+        src = sources[u.source]
+        chunk: list[str] = []
+        chars = 0
+        try:
+            for text in iter_documents(src, text_field, u.part):
+                chunk.append(text)
+                chars += len(text)
+                if chars >= _CHUNK_CHARS or len(chunk) >= _CHUNK_DOCS:
+                    yield (u.index, False), chunk
+                    chunk, chars = [], 0
+            _check_unchanged(src, stats[u.source])
+            if unit_input_hash(src, u) != hashes[u.index]:
+                raise StoreError(
+                    f"input {str(src.path)!r} changed while prepare was reading it. Run "
+                    "prepare again once the inputs are complete and no longer written."
+                )
+        except OSError as e:
+            err = _unreadable(src, e)
+            err.unit_index = u.index  # type: ignore[attr-defined]
+            raise err from None
+        except StoreError as e:
+            e.unit_index = u.index  # type: ignore[attr-defined]
+            raise
+        yield (u.index, True), chunk
+
+
+def _layout(
+    records: dict[int, dict[str, Any]], units: list[Unit]
+) -> tuple[list[int], list[int], int, int]:
+    """First token and first document of each unit's part in the store; the totals."""
+    token_starts, doc_starts = [], []
+    tokens = docs = 0
+    for u in units:
+        token_starts.append(tokens)
+        doc_starts.append(docs)
+        tokens += int(records[u.index]["tokens"])
+        docs += int(records[u.index]["documents"])
+    return token_starts, doc_starts, tokens, docs
+
+
+def _assemble(
+    ranks: Ranks,
+    plan: _Plan,
+    out: Path,
+    staging: Path,
+    gathered: list[tuple[int, dict[str, Any]]],
+) -> TokenStore:
+    """Phase 3: every rank copies its parts into the store's files at their offsets and
+    hashes its share of the checksum chunks and of the sources; rank 0 writes the
+    manifest and renames the store to ``out``."""
+    records = dict(gathered)
+    units, sources = plan.units, plan.sources
+    token_starts, doc_starts, num_tokens, num_docs = _layout(records, units)
+    if num_tokens == 0:
+        raise EmptyCorpus(
+            f"empty corpus: the inputs hold no documents with text (text field "
+            f"{plan.identity['text_field']!r}). Check the paths and --text-field."
+        )
+    itemsize = 2 if plan.dtype_name == "uint16" else 4
+    chunks = num_chunks(num_tokens)
+    assembly = staging / ASSEMBLY
+
+    def create() -> None:
+        if ranks.rank == 0:
+            if assembly.exists():  # a killed run's
+                shutil.rmtree(assembly)
+            create_store_files(assembly, num_tokens, num_docs, chunks, itemsize)
+
+    _together(ranks, create)
+    owner = assign_units(units, ranks.world_size)
+    parts = staging / PARTS
+
+    def copy() -> None:
+        for u in units:
+            if owner[u.index] == ranks.rank:
+                write_part_into_store(
+                    assembly, parts, records[u.index], token_starts[u.index],
+                    doc_starts[u.index], itemsize,
+                )  # fmt: skip
+
+    _together(ranks, copy)
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": {
+            "sha256": plan.info.sha256,
+            "vocab_size": plan.info.vocab_size,
+            "eos_token": plan.info.eos_token,
+        },
+        "dtype": plan.dtype_name,
+        "eos_id": plan.info.eos_id,
+        "num_tokens": num_tokens,
+        "num_documents": num_docs,
+        "text_field": plan.identity["text_field"],
+    }
+    source_owner = assign_units(
+        [Unit(k, k, None, (0, 0), s[2]) for k, s in enumerate(plan.identity["sources"])],
+        ranks.world_size,
+    )
+
+    def hash_share() -> tuple[int, list[tuple[int, dict[str, Any]]]]:
+        r, w = ranks.rank, ranks.world_size
+        first, stop = chunks * r // w, chunks * (r + 1) // w
+        top = write_chunk_checksums(assembly, manifest, first, stop) if stop > first else -1
+        recs = []
+        for k, src in enumerate(sources):
+            if source_owner[k] == r:
+                try:
+                    recs.append((k, source_record(src)))
+                except OSError as e:
+                    raise _unreadable(src, e) from None
+                _check_unchanged(src, tuple(plan.identity["sources"][k][2:]))
+        return top, recs
+
+    shares = _together(ranks, hash_share)
+    records_by_source = dict(rec for _, recs in shares for rec in recs)
+    source_records = [records_by_source[k] for k in range(len(sources))]
+    for rec in source_records:
+        rec["documents"] = rec["tokens"] = 0
+    for u in units:
+        source_records[u.source]["documents"] += int(records[u.index]["documents"])
+        source_records[u.source]["tokens"] += int(records[u.index]["tokens"])
+    manifest["sources"] = source_records
+
+    def finish() -> None:
+        if ranks.rank != 0:
+            return
+        top = max(t for t, _ in shares)
+        manifest["content"] = content_section(assembly, top)
         manifest["fingerprint"] = manifest_fingerprint(manifest)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+        (assembly / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if out.exists():
-            out.rmdir()  # an empty folder, checked above
-        os.rename(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+            out.rmdir()  # an empty folder, checked at the start
+        os.rename(assembly, out)
+        shutil.rmtree(staging, ignore_errors=True)
+
+    _together(ranks, finish)
     return TokenStore.open(out)
 
 

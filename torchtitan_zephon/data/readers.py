@@ -149,13 +149,23 @@ def _field(record: Any, text_field: str, where: str) -> str:
     return value
 
 
-def iter_documents(src: Source, text_field: str) -> Iterator[str]:
-    """The documents of one source, in file order, as valid Unicode text.
+def iter_documents(
+    src: Source, text_field: str, part: tuple[int, int] | None = None
+) -> Iterator[str]:
+    """The documents of one source (or of one ``part`` of it), in file order, as valid
+    Unicode text.
 
+    ``part`` is a range ``[start, stop)`` a ``RANGE_READERS`` reader understands (bytes
+    of a plain JSONL file at line starts, row groups of a Parquet file): the documents
+    of consecutive parts covering a source, concatenated, are the source's documents.
     Empty documents are skipped. Values that are not strings are refused; lone
     surrogates (common in scraped JSON) become U+FFFD like undecodable bytes do.
     """
-    reader = READERS.get(src.kind)
+    if part is None:
+        reader = READERS.get(src.kind)
+    else:
+        ranged = RANGE_READERS.get(src.kind)
+        reader = None if ranged is None else lambda s, f: ranged(s, f, *part)
     if reader is None:  # pragma: no cover - kinds come from KINDS and resolve_inputs
         raise StoreError(f"unknown source kind {src.kind!r} for {src.path}.")
     for k, text in enumerate(reader(src, text_field)):
@@ -254,6 +264,75 @@ def read_jsonl(src: Source, text_field: str) -> Iterator[Any]:
         ) from None
 
 
+def is_line_start(data: bytes, p: int) -> bool:
+    """Whether byte ``p`` (0 < p < len(data)) of ``data`` starts a line, as Python's text
+    files split lines (universal newlines: after \\n, after \\r not followed by \\n)."""
+    before = data[p - 1]
+    return before == 0x0A or (before == 0x0D and data[p] != 0x0A)
+
+
+def _lines_before(path: Path, offset: int) -> int:
+    """How many lines (universal newlines) end before byte ``offset`` of ``path``: the line
+    number of the line starting there is this plus one. Only error messages need it."""
+    count, last = 0, b""
+    with open(path, "rb") as fh:
+        left = offset
+        while left:
+            block = fh.read(min(left, 1 << 24))
+            if not block:
+                break
+            left -= len(block)
+            # \r\n counts once: a \r followed by \n (also across blocks) is not a line end
+            count += block.count(b"\n") + block.count(b"\r") - block.count(b"\r\n")
+            if last == b"\r" and block[:1] == b"\n":
+                count -= 1
+            last = block[-1:]
+    return count
+
+
+def read_jsonl_range(src: Source, text_field: str, start: int, stop: int) -> Iterator[Any]:
+    """``read_jsonl`` of the lines in bytes ``[start, stop)`` of a plain (not compressed)
+    JSON lines file; ``start`` and ``stop`` are line starts (or 0 and the file's size).
+
+    The same lines, documents and errors (naming the file and the line) as ``read_jsonl``
+    gives for those lines: universal newlines, undecodable bytes as U+FFFD.
+    """
+    with open(src.path, "rb") as fh:
+        fh.seek(start)
+        data = fh.read(stop - start)
+    text = data.decode("utf-8", errors="replace")
+    del data
+    if "\r" in text:
+        text = text.replace("\r\n", "\n").replace("\r", "\n")
+    first: list[int] = []  # the line number of the range's first line, computed on error
+
+    def where(i: int) -> str:
+        if not first:
+            first.append(_lines_before(src.path, start) + 1)
+        return f"{src.path}:{first[0] + i}"
+
+    for i, line in enumerate(text.split("\n")):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except RecursionError:
+            raise _too_deep(where(i)) from None
+        except ValueError as e:
+            raise StoreError(f"{where(i)}: invalid JSON ({e}).") from None
+        if _plain(record, text_field):
+            value = record[text_field]
+        else:
+            value = _field(record, text_field, where(i))  # raises, naming the line
+        if value:
+            yield value
+
+
+def _plain(record: Any, text_field: str) -> bool:
+    """A JSON object whose ``text_field`` is a string: the common case, checked cheaply."""
+    return type(record) is dict and type(record.get(text_field)) is str
+
+
 def read_json(src: Source, text_field: str) -> Iterator[Any]:
     """A JSON list of objects (or one object); JSON lines with a .json suffix also work."""
     try:
@@ -285,6 +364,53 @@ def read_parquet(src: Source, text_field: str) -> Iterator[Any]:
                 "Choose one with --text-field."
             )
         for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
+            for text in batch.column(0).to_pylist():
+                rows += 1
+                if text:
+                    yield text
+    except (pa.ArrowException, OSError) as e:
+        raise StoreError(
+            f"{src.path}: cannot read Parquet after row {rows} ({e}): the file is truncated, "
+            "corrupt or not Parquet. Fetch or write it again."
+        ) from None
+
+
+def parquet_row_groups(path: Path) -> list[tuple[int, int, int]]:
+    """(first byte, compressed bytes, rows) of each row group of a Parquet file, from its
+    footer; raises pyarrow's errors for a file that is not readable Parquet."""
+    import pyarrow.parquet as pq
+
+    meta = pq.ParquetFile(path).metadata
+    groups = []
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        starts, size = [], 0
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            dict_offset = col.dictionary_page_offset if col.has_dictionary_page else None
+            starts.append(dict_offset if dict_offset else col.data_page_offset)
+            size += col.total_compressed_size
+        groups.append((min(starts) if starts else 0, size, rg.num_rows))
+    return groups
+
+
+def read_parquet_row_groups(src: Source, text_field: str, first: int, stop: int) -> Iterator[Any]:
+    """``read_parquet`` of row groups ``[first, stop)``: the same documents and errors."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = 0
+    try:
+        pf = pq.ParquetFile(src.path)
+        rows = sum(pf.metadata.row_group(g).num_rows for g in range(first))
+        names = pf.schema_arrow.names
+        if text_field not in names:
+            raise StoreError(
+                f"{src.path}: unknown text field {text_field!r}; columns present: {names}. "
+                "Choose one with --text-field."
+            )
+        groups = list(range(first, stop))
+        for batch in pf.iter_batches(columns=[text_field], batch_size=4096, row_groups=groups):
             for text in batch.column(0).to_pylist():
                 rows += 1
                 if text:
@@ -335,4 +461,10 @@ READERS: dict[str, Callable[[Source, str], Iterator[Any]]] = {
     "json": read_json,
     "parquet": read_parquet,
     "hf": read_hf,
+}
+
+# Readers of one part of a source (see ``iter_documents``): (src, text_field, start, stop).
+RANGE_READERS: dict[str, Callable[[Source, str, int, int], Iterator[Any]]] = {
+    "jsonl": read_jsonl_range,
+    "parquet": read_parquet_row_groups,
 }
