@@ -325,7 +325,7 @@ def _difference(a: dict[str, Any], b: dict[str, Any], rank: int) -> str:
             return f"rank 0 has {key} {a[key]!r}, rank {rank} has {b[key]!r}"
     sa = {s[0]: s for s in a["sources"]}
     sb = {s[0]: s for s in b["sources"]}
-    for name in sorted(set(sa) | set(sb)):
+    for name in [*sa, *(n for n in sb if n not in sa)]:  # rank 0's order, then the rest
         if name not in sb:
             return f"{name!r} is an input on rank 0, not on rank {rank}"
         if name not in sa:
