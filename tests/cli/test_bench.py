@@ -94,9 +94,14 @@ def test_scale(capsys):
 
 def test_prepare(capsys):
     r = bench(capsys, "prepare")
-    assert r["identical"] is True
-    assert r["tokens_per_s_workers1"] > 0 and r["tokens_per_s_workers2"] > 0
-    assert r["speedup"] == pytest.approx(r["tokens_per_s_workers2"] / r["tokens_per_s_workers1"])
+    assert r["identical_ranks"] is True and r["workers"]["identical"] is True
+    for n in (1, 2):
+        x = r[f"ranks{n}"]
+        assert x["tokens_per_s"] > 0 and x["limit_tokens_per_s"] > 0
+        assert x["of_limit"] == pytest.approx(x["tokens_per_s"] / x["limit_tokens_per_s"])
+        assert r["target"] == 0.9 and r["meets"][f"ranks{n}"] == (x["of_limit"] >= 0.9)
+    assert r["scaling"] == pytest.approx(r["ranks2"]["tokens_per_s"] / r["ranks1"]["tokens_per_s"])
+    assert r["units"] >= 2  # the file is split, so both ranks work
 
 
 def test_bad_level_is_a_clean_error(capsys):

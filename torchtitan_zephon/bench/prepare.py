@@ -1,17 +1,31 @@
-"""``zephon bench prepare``: tokenization throughput of ``zephon prepare`` vs workers.
+"""``zephon bench prepare``: prepare throughput under torchrun next to the tokenizer's limit.
 
-Prepares the builtin corpus (as one JSONL file) into a fresh store with 1 and
-with 2 worker processes, reports tokens/s of each and their ratio, and checks
-that the two stores are byte-identical (manifest, tokens, document offsets).
+Prepares the builtin corpus (as one JSONL file, cut into 16 work units) with 1
+and with 2 ranks under ``python -m torch.distributed.run --standalone`` (one
+tokenizing process per rank: ``--workers 1``), and measures, in the same run,
+the limit: the tokenizer alone (``encode_batch`` over the same documents, already
+in memory, in chunks as prepare makes them) in 1 and 2 processes, no reading and
+no writing. Reports tokens/s of each, prepare's share of the limit (target >= 90 %)
+and whether the 1- and 2-rank stores are byte-identical. Also prepares the file in
+one process with 1 and 2 tokenizer workers (the older comparison).
 
-Invariant: both stores are built from the same file in the same process
-environment; only ``workers`` differs.
+Invariant: every figure comes from this invocation on this machine; the tokenizer
+runs single-threaded everywhere (TOKENIZERS_PARALLELISM=false), so N processes use
+at most N cores in the prepare and in the limit alike. Prepare's rate divides its
+tokens by the time ``prepare_store`` reports (start of planning to the store in
+place: reading, tokenizing, writing parts, assembling, checksums, source hashes);
+the wall time including torchrun's start (Python, torch import, rendezvous) is
+reported beside it.
 """
 
 from __future__ import annotations
 
+import json
+import multiprocessing as mp
 import os
-import resource
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -19,41 +33,116 @@ from typing import Any
 
 from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, write_jsonl
 from torchtitan_zephon.bench.measure import ratio
-from torchtitan_zephon.data.prepare import prepare_store
-from torchtitan_zephon.data.store import DOC_OFFSETS, MANIFEST, TOKENS
+from torchtitan_zephon.data.prepare import (
+    _CHUNK_CHARS,
+    _CHUNK_DOCS,
+    load_tokenizer_info,
+    prepare_store,
+)
+from torchtitan_zephon.data.readers import Source, iter_documents
+from torchtitan_zephon.data.store import CHECKSUMS, DOC_OFFSETS, MANIFEST, TOKENS
 
+RANKS = (1, 2)
 WORKERS = (1, 2)
-DEFAULTS: dict[str, Any] = {"max_docs": None, "repeat": 2}
-QUICK: dict[str, Any] = {"max_docs": 20, "repeat": 1}
+UNITS = 16
+TARGET = 0.9
+DEFAULTS: dict[str, Any] = {"max_docs": None, "repeat": 2, "rounds": 2}
+QUICK: dict[str, Any] = {"max_docs": 20, "repeat": 1, "rounds": 1}
+_FILES = (MANIFEST, TOKENS, DOC_OFFSETS, CHECKSUMS)
+_ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 
-def _cpu_seconds() -> float:
-    """CPU time of this process and its finished children (the prepare workers)."""
-    me, kids = (
-        resource.getrusage(resource.RUSAGE_SELF),
-        resource.getrusage(resource.RUSAGE_CHILDREN),
-    )
-    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+def _same(a: Path, b: Path) -> bool:
+    return all((a / n).read_bytes() == (b / n).read_bytes() for n in _FILES)
 
 
-def _prepare_pair(tmp: Path, jsonl: Path) -> dict[str, Any]:
-    """Prepare ``jsonl`` with each worker count; tokens/s, CPU time, identity of the outputs."""
-    res: dict[str, Any] = {"input_bytes": jsonl.stat().st_size}
+def _torchrun_prepare(jsonl: Path, out: Path, nproc: int, unit_bytes: int) -> dict[str, Any]:
+    """One ``torchrun`` prepare; its report (tokens, seconds) and the wall time."""
+    report = out.with_suffix(".report.json")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", "-m", "torchtitan_zephon", "prepare", str(jsonl),
+           "--tokenizer", str(TOKENIZER_DIR), "--output", str(out), "--workers", "1",
+           "--unit-bytes", str(unit_bytes), "--quiet", "--report", str(report)]  # fmt: skip
+    t0 = time.perf_counter()
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **_ENV})
+    wall = time.perf_counter() - t0
+    if res.returncode != 0:
+        raise RuntimeError(f"torchrun prepare failed ({res.returncode}):\n{res.stderr[-3000:]}")
+    return {**json.loads(report.read_text()), "wall_s": wall}
+
+
+def _chunks(jsonl: Path) -> list[list[str]]:
+    """The corpus's documents in prepare's chunks (by characters and documents)."""
+    chunks: list[list[str]] = [[]]
+    chars = 0
+    for text in iter_documents(Source(jsonl.name, jsonl, "jsonl"), "text"):
+        chunks[-1].append(text)
+        chars += len(text)
+        if chars >= _CHUNK_CHARS or len(chunks[-1]) >= _CHUNK_DOCS:
+            chunks.append([])
+            chars = 0
+    return [c for c in chunks if c]
+
+
+def _encode_share(tokenizer_json: str, eos_id: int, chunks: list[list[str]], start, out) -> None:
+    from torchtitan_zephon.data import encode
+
+    encode._init_worker(tokenizer_json, eos_id, limit_threads=True)
+    encode._encode_chunk(["warm up"])
+    start.wait(timeout=600)
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    tokens = sum(int(encode._encode_chunk(c)[0].size) for c in chunks)
+    out.put((tokens, time.perf_counter() - t0, time.process_time() - cpu0))
+
+
+def _tokenizer_limit(chunks: list[list[str]], nproc: int) -> dict[str, Any]:
+    """Tokens/s of ``nproc`` processes encoding shares of ``chunks`` (balanced by
+    characters), timed from a common start to the last one's end."""
+    info = load_tokenizer_info(TOKENIZER_DIR)
+    shares: list[list[list[str]]] = [[] for _ in range(nproc)]
+    load = [0] * nproc
+    for c in sorted(chunks, key=lambda c: -sum(map(len, c))):
+        k = load.index(min(load))
+        shares[k].append(c)
+        load[k] += sum(map(len, c))
+    ctx = mp.get_context("spawn")
+    start, out = ctx.Barrier(nproc + 1), ctx.Queue()
+    old = {k: os.environ.get(k) for k in _ENV}
+    os.environ.update(_ENV)
+    try:
+        procs = [ctx.Process(target=_encode_share, args=(str(info.path), info.eos_id, s, start, out))
+                 for s in shares]  # fmt: skip
+        for p in procs:
+            p.start()
+        start.wait(timeout=600)
+        results = [out.get(timeout=600) for _ in procs]
+        for p in procs:
+            p.join()
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    tokens = sum(r[0] for r in results)
+    return {
+        "tokens": tokens,
+        "seconds": max(r[1] for r in results),
+        "cpu_seconds": sum(r[2] for r in results),
+    }
+
+
+def _workers_pair(tmp: Path, jsonl: Path) -> dict[str, Any]:
+    """One process, 1 and 2 tokenizer workers: tokens/s and identity of the stores."""
+    res: dict[str, Any] = {}
     stores = {}
     for w in WORKERS:
-        out = tmp / f"{jsonl.stem}-w{w}"
-        cpu0, t0 = _cpu_seconds(), time.perf_counter()
+        out = tmp / f"w{w}"
+        t0 = time.perf_counter()
         store = prepare_store([str(jsonl)], str(TOKENIZER_DIR), str(out), workers=w, progress=False)
-        elapsed = time.perf_counter() - t0
-        res[f"cpu_s_workers{w}"] = _cpu_seconds() - cpu0
-        res[f"tokens_per_s_workers{w}"] = store.num_tokens / elapsed
-        res[f"seconds_workers{w}"] = elapsed
-        res["tokens"] = store.num_tokens
-        res["documents"] = store.num_documents
+        res[f"tokens_per_s_workers{w}"] = store.num_tokens / (time.perf_counter() - t0)
         stores[w] = out
-    a, b = (stores[w] for w in WORKERS)
-    names = (MANIFEST, TOKENS, DOC_OFFSETS)
-    res["identical"] = all((a / n).read_bytes() == (b / n).read_bytes() for n in names)
+    res["identical"] = _same(*(stores[w] for w in WORKERS))
     res["speedup"] = ratio(res["tokens_per_s_workers2"], res["tokens_per_s_workers1"])
     return res
 
@@ -62,48 +151,114 @@ def run(opts: dict) -> dict:
     o = QUICK if opts.get("quick") else DEFAULTS
     res: dict[str, Any] = {
         "suite": "prepare",
-        "workers": list(WORKERS),
+        "ranks": list(RANKS),
+        "target": TARGET,
         "load_average_at_start": os.getloadavg()[0],
     }
     with tempfile.TemporaryDirectory(prefix="zephon-bench-") as tmp:
-        once = _prepare_pair(Path(tmp), write_jsonl(Path(tmp), max_docs=o["max_docs"]))
-        res.update(once)
-        if o["repeat"] > 1:
-            # The corpus is only ~5 MB (5 chunks): worker start-up weighs on the ratio.
-            # Repeated, it shows the steady-state scaling of the same text.
-            jsonl = write_jsonl(Path(tmp), max_docs=o["max_docs"], repeat=o["repeat"])
-            res["repeated"] = {"repeat": o["repeat"], **_prepare_pair(Path(tmp), jsonl)}
+        jsonl = write_jsonl(Path(tmp), max_docs=o["max_docs"], repeat=o["repeat"])
+        size = jsonl.stat().st_size
+        unit_bytes = -(-size // UNITS)
+        res.update(input_bytes=size, unit_bytes=unit_bytes)
+        chunks = _chunks(jsonl)
+        stores: dict[int, Path] = {}
+        runs: dict[int, dict[str, list[float]]] = {
+            n: {"seconds": [], "cpu": [], "wall": [], "limit": [], "limit_cpu": []} for n in RANKS
+        }
+        for round_ in range(o["rounds"]):  # interleaved: the machine's load hits all alike
+            for n in RANKS:
+                limit = _tokenizer_limit(chunks, n)
+                out = Path(tmp) / f"ranks{n}-{round_}"
+                rep = _torchrun_prepare(jsonl, out, n, unit_bytes)
+                if limit["tokens"] != rep["tokens"]:
+                    raise RuntimeError(
+                        f"the limit encoded {limit['tokens']} tokens, prepare {rep['tokens']}"
+                    )
+                if n in stores:
+                    shutil.rmtree(out)
+                else:
+                    stores[n] = out
+                runs[n]["seconds"].append(rep["seconds"])
+                runs[n]["cpu"].append(rep["cpu_seconds"])
+                runs[n]["wall"].append(rep["wall_s"])
+                runs[n]["limit"].append(limit["seconds"])
+                runs[n]["limit_cpu"].append(limit["cpu_seconds"])
+                res.update(tokens=rep["tokens"], documents=rep["documents"], units=rep["units"])
+        t = res["tokens"]
+        for n in RANKS:
+            x = runs[n]
+            best, limit = min(x["seconds"]), min(x["limit"])
+            res[f"ranks{n}"] = {
+                "tokens_per_s": t / best,
+                "limit_tokens_per_s": t / limit,
+                "of_limit": limit / best,
+                "tokens_per_cpu_s": t / min(x["cpu"]),
+                "limit_tokens_per_cpu_s": t / min(x["limit_cpu"]),
+                "of_limit_cpu": min(x["limit_cpu"]) / min(x["cpu"]),
+                "tokens_per_s_wall": t / min(x["wall"]),
+                "runs": x,
+            }
+        res["identical_ranks"] = _same(*(stores[n] for n in RANKS))
+        res["scaling"] = ratio(res["ranks2"]["tokens_per_s"], res["ranks1"]["tokens_per_s"])
+        res["meets"] = {f"ranks{n}": res[f"ranks{n}"]["of_limit"] >= TARGET for n in RANKS}
+        res["rounds"] = o["rounds"]
+        res["workers"] = _workers_pair(Path(tmp), jsonl)
+    res["load_average_at_end"] = os.getloadavg()[0]
     return res
 
 
-def _rows(label: str, r: dict) -> list[tuple[str, str, str]]:
-    out = [
-        (
-            f"prepare {label}, {w} worker{'s' if w > 1 else ''}",
-            f"{r[f'tokens_per_s_workers{w}']:,.0f} tokens/s",
-            f"{r[f'seconds_workers{w}']:.2f} s wall, {r[f'cpu_s_workers{w}']:.2f} s CPU",
-        )
-        for w in WORKERS
-    ]
-    out.append(
-        (
-            f"speedup 2 / 1 workers, {label}",
-            f"{r['speedup']:.2f}x",
-            f"{r['tokens']:,} tokens, {r['documents']} documents",
-        )
-    )
-    out.append(
-        (
-            "stores byte-identical",
-            "yes" if r["identical"] else "NO",
-            "manifest, tokens, doc offsets",
-        )
-    )
-    return out
-
-
 def rows(r: dict) -> list[tuple[str, str, str]]:
-    out = _rows("corpus", r)
-    if "repeated" in r:
-        out += _rows(f"corpus x{r['repeated']['repeat']}", r["repeated"])
+    out = []
+    for n in RANKS:
+        x = r[f"ranks{n}"]
+        ranks = f"{n} rank{'s' if n > 1 else ''}"
+        procs = f"{n} process{'es' if n > 1 else ''}"
+        out += [
+            (
+                f"prepare, {ranks} (torchrun)",
+                f"{x['tokens_per_s']:,.0f} tokens/s",
+                f"best of {r['rounds']}; with torchrun's start "
+                f"{x['tokens_per_s_wall']:,.0f} tokens/s; {r['units']} units",
+            ),
+            (
+                f"tokenizer alone, {procs} (limit)",
+                f"{x['limit_tokens_per_s']:,.0f} tokens/s",
+                f"best of {r['rounds']}, documents in memory",
+            ),
+            (
+                f"prepare / limit, {ranks}",
+                f"{100 * x['of_limit']:.1f} %",
+                f"target {100 * r['target']:.0f} %: "
+                f"{'met' if r['meets'][f'ranks{n}'] else 'NOT met'}; per CPU second "
+                f"{100 * x['of_limit_cpu']:.1f} % ({x['tokens_per_cpu_s']:,.0f} vs "
+                f"{x['limit_tokens_per_cpu_s']:,.0f})",
+            ),
+        ]
+    w = r["workers"]
+    out += [
+        (
+            "2 / 1 ranks",
+            f"{r['scaling']:.2f}x",
+            f"{r['tokens']:,} tokens, {r['documents']} documents, {r['input_bytes']:,} bytes",
+        ),
+        (
+            "1- and 2-rank stores byte-identical",
+            "yes" if r["identical_ranks"] else "NO",
+            "manifest, tokens, doc offsets, checksums",
+        ),
+        *(
+            (
+                f"prepare, 1 process, {k} worker{'s' if k > 1 else ''}",
+                f"{w[f'tokens_per_s_workers{k}']:,.0f} tokens/s",
+                "in-process call, tokenizer threads as configured",
+            )
+            for k in WORKERS
+        ),
+        ("worker stores byte-identical", "yes" if w["identical"] else "NO", f"{w['speedup']:.2f}x"),
+        (
+            "load average",
+            f"{r['load_average_at_start']:.2f} -> {r['load_average_at_end']:.2f}",
+            "1-minute, start -> end (a shared machine)",
+        ),
+    ]
     return out

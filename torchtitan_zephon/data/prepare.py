@@ -33,6 +33,7 @@ import hashlib
 import heapq
 import json
 import os
+import resource
 import shutil
 import sys
 import time
@@ -201,7 +202,7 @@ def prepare_store(
     the staging folder beside the output, and a second run reuses them.
     """
     ranks = ranks or OneProcess()
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), _cpu_seconds()
     out = Path(output)
     staging = staging_folder(out)
     local: dict[str, _Plan] = {}
@@ -234,8 +235,10 @@ def prepare_store(
         if not note and ranks.world_size == 1:
             raise
         raise PrepareFailed(f"{e}{' ' + note if note else ''}") from e
+    cpu = sum(ranks.all_gather_object(_cpu_seconds() - cpu0))
     if report is not None:
         report.update(
+            cpu_seconds=cpu,
             units=len(mine.units),
             reused=sum(st[1] for st in stats),
             tokenized=len(mine.units) - sum(st[1] for st in stats),
@@ -245,6 +248,13 @@ def prepare_store(
             seconds=time.perf_counter() - t0,
         )
     return store
+
+
+def _cpu_seconds() -> float:
+    """CPU time of this process and its finished children (tokenizer workers)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
 
 
 def _keep_or_remove(ranks: Ranks, staging: Path, *, keep: bool = True) -> str:
