@@ -4,8 +4,8 @@ Prepares the builtin corpus (as one JSONL file, cut into 16 work units) with 1
 and with 2 ranks under ``python -m torch.distributed.run --standalone`` (one
 tokenizing process per rank: ``--workers 1``), and measures, in the same run,
 the limit: the tokenizer alone (``encode_batch`` over the same documents, already
-in memory, in chunks as prepare makes them) in 1 and 2 processes, no reading and
-no writing. Reports tokens/s of each, prepare's share of the limit (target >= 90 %)
+in memory, in the chunks prepare makes, each process the units a rank would get,
+in the same order) in 1 and 2 processes, no reading and no writing. Reports tokens/s of each, prepare's share of the limit (target >= 90 %)
 and whether the 1- and 2-rank stores are byte-identical. Also prepares the file in
 one process with 1 and 2 tokenizer workers (the older comparison).
 
@@ -36,11 +36,13 @@ from torchtitan_zephon.bench.measure import ratio
 from torchtitan_zephon.data.prepare import (
     _CHUNK_CHARS,
     _CHUNK_DOCS,
+    assign_units,
     load_tokenizer_info,
     prepare_store,
 )
 from torchtitan_zephon.data.readers import Source, iter_documents
 from torchtitan_zephon.data.store import CHECKSUMS, DOC_OFFSETS, MANIFEST, TOKENS
+from torchtitan_zephon.data.units import plan_units
 
 RANKS = (1, 2)
 WORKERS = (1, 2)
@@ -71,17 +73,25 @@ def _torchrun_prepare(jsonl: Path, out: Path, nproc: int, unit_bytes: int) -> di
     return {**json.loads(report.read_text()), "wall_s": wall}
 
 
-def _chunks(jsonl: Path) -> list[list[str]]:
-    """The corpus's documents in prepare's chunks (by characters and documents)."""
-    chunks: list[list[str]] = [[]]
-    chars = 0
-    for text in iter_documents(Source(jsonl.name, jsonl, "jsonl"), "text"):
-        chunks[-1].append(text)
-        chars += len(text)
-        if chars >= _CHUNK_CHARS or len(chunks[-1]) >= _CHUNK_DOCS:
-            chunks.append([])
-            chars = 0
-    return [c for c in chunks if c]
+def _rank_chunks(jsonl: Path, unit_bytes: int, nproc: int) -> list[list[list[str]]]:
+    """For each of ``nproc`` ranks, the document chunks prepare would encode on it: its
+    units (``assign_units``), in order, each cut into chunks as prepare cuts them."""
+    src = Source(jsonl.name, jsonl, "jsonl")
+    units = plan_units([src], unit_bytes)
+    owner = assign_units(units, nproc)
+    shares: list[list[list[str]]] = [[] for _ in range(nproc)]
+    for u in units:
+        chunk: list[str] = []
+        chars = 0
+        for text in iter_documents(src, "text", u.part):
+            chunk.append(text)
+            chars += len(text)
+            if chars >= _CHUNK_CHARS or len(chunk) >= _CHUNK_DOCS:
+                shares[owner[u.index]].append(chunk)
+                chunk, chars = [], 0
+        if chunk:
+            shares[owner[u.index]].append(chunk)
+    return shares
 
 
 def _encode_share(tokenizer_json: str, eos_id: int, chunks: list[list[str]], start, out) -> None:
@@ -95,16 +105,11 @@ def _encode_share(tokenizer_json: str, eos_id: int, chunks: list[list[str]], sta
     out.put((tokens, time.perf_counter() - t0, time.process_time() - cpu0))
 
 
-def _tokenizer_limit(chunks: list[list[str]], nproc: int) -> dict[str, Any]:
-    """Tokens/s of ``nproc`` processes encoding shares of ``chunks`` (balanced by
-    characters), timed from a common start to the last one's end."""
+def _tokenizer_limit(shares: list[list[list[str]]]) -> dict[str, Any]:
+    """Tokens/s of one process per share encoding its chunks, timed from a common start
+    to the last one's end, and their CPU seconds."""
     info = load_tokenizer_info(TOKENIZER_DIR)
-    shares: list[list[list[str]]] = [[] for _ in range(nproc)]
-    load = [0] * nproc
-    for c in sorted(chunks, key=lambda c: -sum(map(len, c))):
-        k = load.index(min(load))
-        shares[k].append(c)
-        load[k] += sum(map(len, c))
+    nproc = len(shares)
     ctx = mp.get_context("spawn")
     start, out = ctx.Barrier(nproc + 1), ctx.Queue()
     old = {k: os.environ.get(k) for k in _ENV}
@@ -160,14 +165,14 @@ def run(opts: dict) -> dict:
         size = jsonl.stat().st_size
         unit_bytes = -(-size // UNITS)
         res.update(input_bytes=size, unit_bytes=unit_bytes)
-        chunks = _chunks(jsonl)
+        shares = {n: _rank_chunks(jsonl, unit_bytes, n) for n in RANKS}
         stores: dict[int, Path] = {}
         runs: dict[int, dict[str, list[float]]] = {
             n: {"seconds": [], "cpu": [], "wall": [], "limit": [], "limit_cpu": []} for n in RANKS
         }
         for round_ in range(o["rounds"]):  # interleaved: the machine's load hits all alike
             for n in RANKS:
-                limit = _tokenizer_limit(chunks, n)
+                limit = _tokenizer_limit(shares[n])
                 out = Path(tmp) / f"ranks{n}-{round_}"
                 rep = _torchrun_prepare(jsonl, out, n, unit_bytes)
                 if limit["tokens"] != rep["tokens"]:
