@@ -413,25 +413,22 @@ def _stage(
     mine = [u for u in plan.units if owner[u.index] == ranks.rank]
     stats = {u.source: tuple(s[2:]) for u in mine for s in [plan.identity["sources"][u.source]]}
     records: list[tuple[int, dict[str, Any]]] = []
-    todo: list[Unit] = []
     hashes: dict[int, str] = {}
     identities = {u.index: _unit_identity(plan, u, text_field) for u in mine}
-    for u in mine:
-        src = plan.sources[u.source]
-        hashes[u.index] = _input_hash(src, u, stats[u.source])
-        rec = load_part(
-            parts, part_key(identities[u.index]), identities[u.index], hashes[u.index],
-            dtype.itemsize,
-        )  # fmt: skip
-        if rec is None:
-            todo.append(u)
-        else:
+
+    def reuse(u: Unit) -> bool:
+        """Keep an earlier run's part of ``u`` if intact and its input unchanged."""
+        i = identities[u.index]
+        rec = load_part(parts, part_key(i), i, hashes[u.index], dtype.itemsize)
+        if rec is not None:
             records.append((u.index, rec))
-    reused = len(records)
+        return rec is not None
+
+    made_here: set[int] = set()
     bar = _progress_bar(progress and ranks.rank == 0)
     writer: PartWriter | None = None
     try:
-        chunks = _unit_chunks(todo, plan.sources, text_field, stats, hashes)
+        chunks = _unit_chunks(mine, plan.sources, text_field, stats, hashes, reuse)
         info = plan.info
         for (index, last), flat, lengths in encode_in_order(
             chunks, str(info.path), info.eos_id, workers
@@ -442,23 +439,14 @@ def _stage(
             bar.update(int(lengths.size))
             if last:
                 records.append((index, writer.finish(identities[index], hashes[index])))
+                made_here.add(index)
                 writer = None
                 bar.set_postfix(parts=f"{len(records)}/{len(mine)}", refresh=False)
     finally:
         if writer is not None:
             writer.abort()
         bar.close()
-    return records, reused
-
-
-def _input_hash(src: Source, unit: Unit, stat: tuple[int, ...]) -> str:
-    """The unit's input hash, the source checked unchanged since the start."""
-    try:
-        digest = unit_input_hash(src, unit)
-    except OSError as e:
-        raise _unreadable(src, e) from None
-    _check_unchanged(src, stat)
-    return digest
+    return records, len(records) - len(made_here)
 
 
 def _unreadable(src: Source, e: OSError) -> StoreError:
@@ -479,20 +467,28 @@ def _check_unchanged(src: Source, stat: tuple[int, ...]) -> None:
 
 
 def _unit_chunks(
-    todo: list[Unit],
+    units: list[Unit],
     sources: list[Source],
     text_field: str,
     stats: dict[int, tuple[int, ...]],
     hashes: dict[int, str],
+    reuse: Callable[[Unit], bool],
 ) -> Iterator[tuple[tuple[int, bool], list[str]]]:
-    """((unit index, last chunk of the unit?), documents) chunks of the units in order;
-    each unit ends with a chunk marked last (maybe empty). The unit's input is checked
-    unchanged once it has been read; an error carries the unit's index."""
-    for u in todo:
+    """((unit index, last chunk of the unit?), documents) chunks of the units to make, in
+    order; each ends with a chunk marked last (maybe empty). Each unit's input is hashed
+    (into ``hashes``) just before it is read, so an intact earlier part is reused
+    (``reuse``) instead, and the read mostly hits the page cache. The source must be
+    unchanged since the start before and after the read; an error carries the unit's
+    index."""
+    for u in units:
         src = sources[u.source]
         chunk: list[str] = []
         chars = 0
         try:
+            hashes[u.index] = unit_input_hash(src, u)
+            _check_unchanged(src, stats[u.source])
+            if reuse(u):
+                continue
             for text in iter_documents(src, text_field, u.part):
                 chunk.append(text)
                 chars += len(text)
@@ -500,11 +496,6 @@ def _unit_chunks(
                     yield (u.index, False), chunk
                     chunk, chars = [], 0
             _check_unchanged(src, stats[u.source])
-            if unit_input_hash(src, u) != hashes[u.index]:
-                raise StoreError(
-                    f"input {str(src.path)!r} changed while prepare was reading it. Run "
-                    "prepare again once the inputs are complete and no longer written."
-                )
         except OSError as e:
             err = _unreadable(src, e)
             err.unit_index = u.index  # type: ignore[attr-defined]
