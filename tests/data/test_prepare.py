@@ -490,14 +490,15 @@ def test_worker_count_is_bounded(tmp_path, tokenizer_dir, corpus_dir):
 
 def test_reader_error_with_workers_stops_them(tmp_path, tokenizer_dir, corpus_dir):
     """A bad input found while workers are encoding earlier chunks: the reader's error,
-    the workers stopped (none left running), nothing on disk."""
+    the workers stopped (none left running), nothing at the output; the parts finished
+    before it kept for the next run."""
     (tmp_path / "in").mkdir()
     for k in range(3):
         (tmp_path / "in" / f"{k}.jsonl").write_text(
             "".join(json.dumps({"text": corpus_text(j, 400)}) + "\n" for j in range(3000))
         )
     (tmp_path / "in" / "9.jsonl").write_text('{"text": "alpha"}\n{"text": "be\n')
-    with pytest.raises(StoreError, match=r"9\.jsonl:2: invalid JSON"):
+    with pytest.raises(StoreError, match=r"9\.jsonl:2: invalid JSON") as failed:
         prepare_store([str(tmp_path / "in")], str(tokenizer_dir), str(tmp_path / "out"), workers=2)
-    _no_leftovers(tmp_path)
+    _kept_staging(tmp_path, str(failed.value))
     assert not [c for c in _children(os.getpid()) if _is_worker(c)]
