@@ -10,28 +10,23 @@ no data either.
 
 Invariant: a store is a pure function of (this Python's text files, the shipped
 tokenizer, the part); it is built once into a cache folder keyed by a hash of
-these, so every rank and every later run on the machine opens the same bytes.
-Concurrent builders (several ranks starting at once) serialize on a file lock.
+these (``cache.build_once``), so every rank and every later run on the machine
+opens the same bytes.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
-import os
 import sysconfig
-import tempfile
 from pathlib import Path
+
+from torchtitan_zephon.data.cache import build_once, cache_root
+
+__all__ = ["PARTS", "TOKENIZER_DIR", "builtin_store_path", "cache_root", "corpus_documents"]
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TOKENIZER_DIR = ASSETS / "tokenizer"
-
-
-def cache_root() -> Path:
-    """``$ZEPHON_CACHE`` or ``~/.cache/torchtitan_zephon``."""
-    env = os.environ.get("ZEPHON_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "torchtitan_zephon"
 
 
 PARTS = {"docs": "pydoc_topics/", "stdlib": "stdlib/"}
@@ -91,28 +86,21 @@ def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
     from torchtitan_zephon.data.prepare import prepare_store
 
     docs = corpus_documents(part)
-    root = cache_root()
-    out = root / (f"builtin-{_key(docs)}" if part == "all" else f"builtin-{part}-{_key(docs)}")
-    if (out / "manifest.json").exists():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (out / "manifest.json").exists():  # another process built it meanwhile
-                return out
-            with tempfile.TemporaryDirectory(dir=root, prefix=".corpus-") as tmp:
-                # A fixed folder name: the manifest names sources relative to it.
-                corpus = Path(tmp) / (
-                    "python-docs-and-stdlib" if part == "all" else f"python-{part}"
-                )
-                for name, text in docs:
-                    p = corpus / name
-                    p.parent.mkdir(parents=True, exist_ok=True)
-                    p.write_text(text, encoding="utf-8")
-                prepare_store(
-                    [str(corpus)], str(TOKENIZER_DIR), str(out), workers=1, progress=progress
-                )
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return out
+    out = cache_root() / (
+        f"builtin-{_key(docs)}" if part == "all" else f"builtin-{part}-{_key(docs)}"
+    )
+
+    def build(dest: Path) -> None:
+        # A fixed folder name: the manifest names sources relative to it.
+        corpus = (
+            dest.parent
+            / "corpus"
+            / ("python-docs-and-stdlib" if part == "all" else f"python-{part}")
+        )
+        for name, text in docs:
+            p = corpus / name
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text, encoding="utf-8")
+        prepare_store([str(corpus)], str(TOKENIZER_DIR), str(dest), workers=1, progress=progress)
+
+    return build_once(out, build, what=f"the builtin store ({part})")
