@@ -54,7 +54,9 @@ def corpus_documents(part: str = "all") -> list[tuple[str, str]]:
 def _key(docs: list[tuple[str, str]]) -> str:
     from torchtitan_zephon.data.store import FORMAT_VERSION
 
-    h = hashlib.sha256(f"store-format-{FORMAT_VERSION}\0".encode())
+    # "canonical-names": sources are named relative to their deepest common folder
+    # (readers.resolve_inputs) since the builtin entries of this key were built.
+    h = hashlib.sha256(f"store-format-{FORMAT_VERSION}\0canonical-names\0".encode())
     h.update((TOKENIZER_DIR / "tokenizer.json").read_bytes())
     for name, text in docs:
         h.update(name.encode() + b"\0" + text.encode("utf-8", errors="replace") + b"\0")
