@@ -5,7 +5,7 @@ Text that ships with every CPython: the documentation topics of ``pydoc_data``
 with the BPE tokenizer shipped in ``torchtitan_zephon/assets/tokenizer``.
 Besides the whole store, each half is a store of its own (``PARTS``: "docs",
 "stdlib"), named ``builtin:docs`` / ``builtin:stdlib`` where a store path is
-expected in a mixture file (``store_location``), so a two-source mixture needs
+expected in a mixture file (``cache.store_location``), so a two-source mixture needs
 no data either.
 
 Invariant: a store is a pure function of (this Python's text files, the shipped
@@ -21,7 +21,7 @@ import hashlib
 import sysconfig
 from pathlib import Path
 
-from torchtitan_zephon.data.cache import build_once, cache_root
+from torchtitan_zephon.data.cache import BUILTIN_PREFIX, build_once, cache_root
 
 __all__ = ["PARTS", "TOKENIZER_DIR", "builtin_store_path", "cache_root", "corpus_documents"]
 
@@ -31,7 +31,6 @@ TOKENIZER_DIR = ASSETS / "tokenizer"
 
 PARTS = {"docs": "pydoc_topics/", "stdlib": "stdlib/"}
 """The halves of the builtin corpus: part name -> prefix of its document names."""
-BUILTIN_PREFIX = "builtin:"
 
 
 def corpus_documents(part: str = "all") -> list[tuple[str, str]]:
@@ -70,14 +69,6 @@ def _part_prefix(part: str) -> str:
             f'(e.g. store = "{BUILTIN_PREFIX}docs" in a mixture file).'
         )
     return PARTS[part]
-
-
-def store_location(value: str, *, progress: bool = False) -> str:
-    """The folder a store value names: ``builtin:PART`` is that builtin part (built on
-    first use), anything else is a path and returned unchanged."""
-    if not value.startswith(BUILTIN_PREFIX):
-        return value
-    return str(builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :]))
 
 
 @functools.lru_cache(maxsize=8)
