@@ -116,7 +116,7 @@ class _Span:
 
 
 def integrity(log: LogReader, span: _Span) -> dict[str, Any]:
-    """The one-log report (after ``log.records()`` was exhausted)."""
+    """The one-log report (after ``log.batches()`` was exhausted)."""
     first = log.problems[0] if log.problems else None
     return {
         "path": str(log.path),

@@ -1,14 +1,21 @@
 """Reading a sequence log: effective history and integrity, streamed.
 
-A log is read in two passes over its lines. The first parses only the start /
-resume events (a few per job). The second streams the step records in file
-order, recomputes each chain from the one before it, checks step order and
-event links, and yields the records of the *effective history* (those no later
-event supersedes) in increasing step order.
+A log is read in two passes, a few MB at a time (``BLOCK_BYTES``). The first
+parses only the start / resume events (a few per job). The second streams the
+step records in file order, recomputes each chain from the one before it, checks
+step order and event links, and yields the records of the *effective history*
+(those no later event supersedes) in increasing step order. A block of record
+lines in the writer's layout is checked at once (``blocks.check_block``: one
+sha256 per line, the rest column-wise) and comes out as a ``RecordRun``; any
+block it does not accept is read line by line, as with ``fast=False``.
 
 Invariants:
-- Memory is bounded by the number of events, never by the number of steps:
-  ``LogReader.records()`` yields; only ``read_log`` materialises a dict.
+- Memory is bounded by the number of events and the block size, never by the
+  number of steps: ``LogReader.batches()`` yields; only ``read_log`` materialises
+  a dict.
+- The block fast path changes nothing but speed: ``batches()`` gives the same
+  rows, problems, notes and errors with ``fast=True`` and ``fast=False``
+  (tests/test_tracker_blocks.py tampers with logs to try to break this).
 - Every record's chain is recomputed (``records.chain_of_line`` on the line's
   bytes, or from the parsed body for lines of older layouts); the first record
   whose chain, step order or resume link is wrong is reported with its line and
