@@ -443,7 +443,7 @@ class LogReader:
 
     def check(self) -> LogReader:
         """Run the integrity check without keeping records."""
-        for _ in self.records():
+        for _ in self.batches():
             pass
         return self
 
