@@ -138,9 +138,16 @@ with contextlib.redirect_stdout(io.StringIO()) as out:
     rc = main(["verify", sys.argv[1], sys.argv[2], "--json"])
 wall = time.perf_counter() - t0
 report = json.loads(out.getvalue())
+# VmHWM, not ru_maxrss: Linux carries ru_maxrss over an exec, so it would report
+# the RSS of whatever process launched this one
+try:
+    hwm = [l for l in open("/proc/self/status") if l.startswith("VmHWM:")]
+    peak = int(hwm[0].split()[1]) / 1024
+except (OSError, IndexError, ValueError):
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 print(json.dumps({"rc": rc, "verdict": report["verdict"], "steps": report["steps_compared"],
                   "wall_s": wall,
-                  "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                  "peak_rss_mb": peak,
                   "reader_peak_rss_mb": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024}))
 """
 
