@@ -400,10 +400,17 @@ class LogReader:
     def _event(
         self, lineno: int, e: dict[str, Any], linked: dict[int, str]
     ) -> tuple[int, str | None]:
-        k = int(e.get("from_step", 0))
+        k, chain = int(e.get("from_step", 0)), e.get("chain")  # from_step checked by the scan
+        if chain is not None and not isinstance(chain, str):
+            self._problem(
+                lineno, None, "event",
+                f"line {lineno}: a {e.get('event')} event whose chain is {chain!r}, not a hex "
+                "string (the event was edited)",
+            )  # fmt: skip
+            linked.clear()
+            return k, None
         for s in [s for s in linked if s > k]:
             del linked[s]
-        chain = e.get("chain")
         if e.get("event") == "start":
             linked.clear()
             fp = e.get("data_config_fingerprint")
