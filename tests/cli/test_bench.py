@@ -90,6 +90,10 @@ def test_scale(capsys):
     assert samples == {"8": 800000, "2048": 3125, "100000": 64}
     log = r["sequence_log"]
     assert 0 < log["ids_bytes_per_step"] < log["tokens_bytes_per_step"] < 1024
+    assert r["verify_steps"] == 1000
+    assert r["verify_steps_per_s"] == pytest.approx(1000 / r["verify_s"])
+    rss = r["verify_rss_detail_mb"]  # the comparing process and twice the larger reader
+    assert r["verify_peak_rss_mb"] == pytest.approx(rss["compare"] + 2 * rss["reader"])
 
 
 def test_prepare(capsys):

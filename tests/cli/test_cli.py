@@ -26,7 +26,7 @@ def test_prepare_then_inspect(tmp_path, tokenizer_dir, corpus_dir, capsys, store
     assert main(["inspect", str(out), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
     assert info["kind"] == "store" and info["num_tokens"] == store.num_tokens
-    assert info["sources"][0]["name"].startswith("corpus/")
+    assert info["sources"][0]["name"] == "doc00.txt"  # relative to the input folder
     # preparing over an existing store is refused
     assert main([*argv, "--quiet"]) == 2
     assert "already exists" in capsys.readouterr().err

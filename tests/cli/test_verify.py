@@ -367,3 +367,14 @@ def test_ignored_log_mismatch_is_noted_not_hidden(tmp_path, capsys):
     assert rc == 0 and "restarted the chain (ignore_log_mismatch)" in out
     last = json.loads(log_path(run).read_text().splitlines()[0])
     assert last["event"] == "resume" and "log_mismatch_ignored" in last
+
+
+@pytest.mark.parametrize("chain", [123, ["a"], {"x": 1}, True])
+def test_an_event_chain_that_is_not_text_is_a_broken_log_not_a_traceback(tmp_path, capsys, chain):
+    run = write_log(tmp_path / "r", 8, resume_at=4, died_at=6)
+    _edit(run, lambda ls: ls[:7] + [_set(ls[7], chain=chain)] + ls[8:])  # the resume event
+    rc, out, _ = verify(capsys, run)
+    assert rc == 1 and "BROKEN" in out and f"whose chain is {chain!r}, not a hex string" in out
+    _edit(run, lambda ls: [_set(ls[0], chain=chain)] + ls[1:])  # the start event too
+    rc, out, _ = verify(capsys, run, write_log(tmp_path / "good", 8))
+    assert rc == 1 and "BROKEN LOG" in out and "MATCH" not in out

@@ -149,3 +149,10 @@ def test_rank_stream_window_spans_epochs_and_schedule_entries():
         plan.rank_stream_ids(1, -1, 3, 0, 1)
     with pytest.raises(ValueError, match="DP degree 4 does not divide the global batch size 6"):
         plan.rank_stream_ids(1, 0, 12, 0, 4)  # reaches step 3 (batch 6)
+
+
+def test_layout_error_for_a_huge_batch_is_immediate():
+    """The message's divisor search is bounded: a global batch size of 10**30 + 1 (a typo)
+    is refused at once (the unbounded search of 10**15 candidates never returned)."""
+    with pytest.raises(ValueError, match=r"DP degrees that work with local batch size 1: \[1, "):
+        check_batch_layout(10**30 + 1, 2, 1)

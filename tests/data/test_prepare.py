@@ -344,7 +344,7 @@ def test_symlink_loops_and_duplicate_links_are_read_once(tmp_path, tokenizer_dir
     (root / "z-link.txt").symlink_to("a.txt")  # a second name of a.txt
     (root / "dangling.txt").symlink_to("missing.txt")
     s = prepare_store([str(root)], str(tokenizer_dir), str(tmp_path / "s"), progress=False)
-    assert [src["name"] for src in s.manifest["sources"]] == ["in/a.txt", "in/sub/b.txt"]
+    assert [src["name"] for src in s.manifest["sources"]] == ["a.txt", "sub/b.txt"]
     assert s.num_documents == 2
     # two loops branch: without loop detection the walk would be exponential
     (root / "sub" / "self").symlink_to(".")

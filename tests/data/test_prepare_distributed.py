@@ -248,7 +248,7 @@ def test_ranks_given_different_inputs_are_refused(tmp_path, tokenizer_dir):
     for e in results:
         assert isinstance(e, StoreError), e
         assert "ranks of this prepare were given different inputs" in str(e)
-        assert "'in/a.txt' is an input on rank 0, not on rank 1" in str(e), e
+        assert "'b.txt' is an input on rank 0, not on rank 1" in str(e), e
     assert not list(tmp_path.glob("*out*"))
 
 

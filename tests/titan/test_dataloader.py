@@ -195,3 +195,43 @@ def test_out_of_vocabulary_id_in_a_store_without_checksums_is_a_clear_error(tmp_
     with pytest.raises(StoreError, match="holds token id 3000 .* vocabulary of 2048 ids"):
         deliver(dl, 1)
     dl.close()
+
+
+def _pydoc_jsonl(path: Path, topics: int = 60) -> Path:
+    import pydoc_data.topics
+
+    with open(path, "w") as f:
+        for k in sorted(pydoc_data.topics.topics)[:topics]:
+            f.write(json.dumps({"body": pydoc_data.topics.topics[k]}) + "\n")
+    return path
+
+
+def test_raw_store_value_has_the_data_config_of_its_prepared_store(tmp_path, monkeypatch):
+    """zephon.store = a raw JSONL file gives the data config of `zephon prepare` of it:
+    the store fingerprint, never the path, identifies the data."""
+    from torchtitan_zephon.data import cache
+    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.data.prepare import prepare_store
+    from torchtitan_zephon.titan.dataloader import open_job_data
+
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "_located", {})
+    data = _pydoc_jsonl(tmp_path / "docs.jsonl")
+    prepared = tmp_path / "store"
+    prepare_store([str(data)], str(TOKENIZER_DIR), str(prepared), text_field="body")
+    _, from_raw = open_job_data(job(tmp_path, store=str(data), text_field="body"))
+    _, from_store = open_job_data(job(tmp_path, store=str(prepared)))
+    assert from_raw == from_store and from_raw.fingerprint == from_store.fingerprint
+    # another text field is another store
+    with pytest.raises(StoreError, match="unknown text field 'text'.*fields present: \\['body'\\]"):
+        open_job_data(job(tmp_path, store=str(data)))
+
+
+def test_raw_store_value_needs_a_tokenizer_json(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    data = _pydoc_jsonl(tmp_path / "docs.jsonl", topics=2)
+    config = job(tmp_path, store=str(data))
+    config.model.hf_assets_path = str(tmp_path / "assets")
+    with pytest.raises(StoreError, match=r"tokenizer.json in model.hf_assets_path = '.*/assets'"):
+        build_zephon_dataloader(1, 0, None, config)
+    assert not (tmp_path / "cache").exists()

@@ -101,7 +101,6 @@ def run(args: argparse.Namespace) -> int:
             f"--dp-rank {args.dp_rank} must be below --dp-degree {args.dp_degree} "
             f"(ranks are 0 .. {args.dp_degree - 1})."
         )
-    schedule.check_layout(args.dp_degree, args.local_batch_size or 1)
     step, gbs = _largest_step(schedule, first, last)
     per_step = gbs if args.dp_rank is None else gbs // args.dp_degree
     if per_step > MAX_IDS_PER_STEP:
@@ -110,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
             f"{MAX_IDS_PER_STEP} per step. Check --global-batch-size, or print one DP rank's "
             "slice with --dp-degree D --dp-rank R."
         )
+    schedule.check_layout(args.dp_degree, args.local_batch_size or 1)
     if args.mixture:
         return run_mixture(args, schedule)
     store = TokenStore.open(args.store)

@@ -31,7 +31,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "command run again continues."
         ),
     )
-    p.add_argument("inputs", nargs="+", metavar="INPUT", help="files or folders")
+    p.add_argument(
+        "inputs",
+        nargs="+",
+        metavar="INPUT",
+        help="files, folders, quoted glob patterns ('data/*.jsonl') or comma lists; sources "
+        "are named relative to the deepest folder holding them all, so a folder and a glob "
+        "of its files give the same store",
+    )
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="folder with tokenizer.json")
     p.add_argument("--output", required=True, metavar="STORE", help="new store folder")
     p.add_argument(

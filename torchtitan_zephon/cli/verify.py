@@ -24,8 +24,12 @@ import argparse
 import json
 from typing import Any
 
+import numpy as np
+
 from torchtitan_zephon.runs import format_topology, log_reader, resumes, topology
 from torchtitan_zephon.tracker import LogReader
+from torchtitan_zephon.tracker.blocks import RecordRun
+from torchtitan_zephon.tracker.reader import record_of_row
 
 DIGESTS = ("ids_digest", "tokens_digest")
 
@@ -72,6 +76,15 @@ class _Ranges:
         elif len(self.items) < self.cap:
             self.items.append([step, step])
 
+    def add_range(self, first: int, last: int) -> None:
+        """``add`` of every step ``first..last`` in turn, at once."""
+        if self.items and self.items[-1][1] + 1 == first:
+            self.items[-1][1] = last
+        elif len(self.items) < self.cap:
+            self.items.append([first, last])
+        elif self.items and first <= self.items[-1][1] + 1 <= last:
+            self.items[-1][1] = last
+
     def within(self, lo: int | None, hi: int | None) -> list[list[int]]:
         if lo is None or hi is None:
             return []
@@ -93,12 +106,17 @@ class _Span:
         self.first = step if self.first is None else self.first
         self.last = step
 
+    def add_range(self, first: int, last: int) -> None:
+        self.records += last - first + 1
+        self.first = first if self.first is None else self.first
+        self.last = last
+
     def as_dict(self) -> dict[str, Any]:
         return {"records": self.records, "first": self.first, "last": self.last}
 
 
 def integrity(log: LogReader, span: _Span) -> dict[str, Any]:
-    """The one-log report (after ``log.records()`` was exhausted)."""
+    """The one-log report (after ``log.batches()`` was exhausted)."""
     first = log.problems[0] if log.problems else None
     return {
         "path": str(log.path),
@@ -119,8 +137,12 @@ def integrity(log: LogReader, span: _Span) -> dict[str, Any]:
 def check_log(log: LogReader) -> dict[str, Any]:
     """Check one log alone, streaming."""
     span = _Span()
-    for rec in log.records():
-        span.add(int(rec["step"]))
+    for batch in log.batches():
+        if isinstance(batch, RecordRun):
+            span.add_range(batch.first, batch.last)
+        else:
+            for row in batch:
+                span.add(int(row[0]))
     return integrity(log, span)
 
 
@@ -139,81 +161,192 @@ def config_difference(a: LogReader, b: LogReader, step: int) -> list[str]:
     ]
 
 
-def compare_logs(a: LogReader, b: LogReader) -> dict[str, Any]:
-    """The verify report of two logs (the ``--json`` object), streamed: memory is
-    bounded by the number of events and gaps, never by the number of steps."""
-    spans = {"a": _Span(), "b": _Span()}
-    only = {"a": _Ranges(), "b": _Ranges()}
-    unbound = _Ranges()
-    compared = matches = tokens_compared = 0
-    lo = hi = None
-    first_mismatch = None
-    ia, ib = a.records(), b.records()
-    ra, rb = next(ia, None), next(ib, None)
-    if ra is not None:
-        spans["a"].add(int(ra["step"]))
-    if rb is not None:
-        spans["b"].add(int(rb["step"]))
-    while ra is not None or rb is not None:
+class _Cursor:
+    """The head of one log's stream of effective records, batch by batch."""
+
+    def __init__(self, log: LogReader) -> None:
+        self._batches = log.batches()
+        self.batch: RecordRun | list[tuple] | None = None
+        self.i = 0
+        self._next_batch()
+
+    def _next_batch(self) -> None:
+        self.batch, self.i = None, 0
+        for batch in self._batches:
+            if len(batch):
+                self.batch = batch
+                return
+
+    @property
+    def done(self) -> bool:
+        return self.batch is None
+
+    @property
+    def run(self) -> RecordRun | None:
+        """The head's ``RecordRun`` (consecutive steps, compared in bulk), if it is in one."""
+        return self.batch if isinstance(self.batch, RecordRun) else None
+
+    def record(self) -> dict[str, Any]:
+        b = self.batch
+        return record_of_row(b.row(self.i) if isinstance(b, RecordRun) else b[self.i])
+
+    def advance(self, n: int = 1) -> None:
+        self.i += n
+        if self.i >= len(self.batch):
+            self._next_batch()
+
+
+class _Comparison:
+    """What ``compare_logs`` accumulates while it walks both logs in step order."""
+
+    def __init__(self) -> None:
+        self.spans = {"a": _Span(), "b": _Span()}
+        self.only = {"a": _Ranges(), "b": _Ranges()}
+        self.unbound = _Ranges()
+        self.compared = self.matches = self.tokens_compared = 0
+        self.lo = self.hi = None
+        self.first_mismatch: dict[str, Any] | None = None
+
+    def common(self, first: int, last: int) -> None:
+        self.compared += last - first + 1
+        self.lo = first if self.lo is None else self.lo
+        self.hi = last
+
+    def mismatch(self, a: LogReader, b: LogReader, ra: dict, rb: dict, fields: list) -> None:
+        if self.first_mismatch is None:
+            step = int(ra["step"])
+            self.first_mismatch = {
+                "step": step,
+                "fields": fields,
+                "a": ra,
+                "b": rb,
+                "config_difference": config_difference(a, b, step),
+            }
+
+    def one(self, a: LogReader, b: LogReader, ca: _Cursor, cb: _Cursor) -> None:
+        """Take one record from one log or both (either head may be in any batch)."""
+        ra = None if ca.done else ca.record()
+        rb = None if cb.done else cb.record()
         sa = int(ra["step"]) if ra is not None else None
         sb = int(rb["step"]) if rb is not None else None
-        advance_a = advance_b = False
         if sa is not None and sb is not None and sa == sb:
-            compared += 1
-            lo = sa if lo is None else lo
-            hi = sa
-            tokens_compared += "tokens_digest" in ra and "tokens_digest" in rb
+            self.spans["a"].add(sa)
+            self.spans["b"].add(sb)
+            self.common(sa, sa)
+            self.tokens_compared += "tokens_digest" in ra and "tokens_digest" in rb
             if ra.get("v", 1) < 2 or rb.get("v", 1) < 2:
-                unbound.add(sa)
+                self.unbound.add(sa)
             fields = differing_fields(ra, rb)
             if not fields:
-                matches += 1
-            elif first_mismatch is None:
-                first_mismatch = {
-                    "step": sa,
-                    "fields": fields,
-                    "a": ra,
-                    "b": rb,
-                    "config_difference": config_difference(a, b, sa),
-                }
-            advance_a = advance_b = True
+                self.matches += 1
+            else:
+                self.mismatch(a, b, ra, rb, fields)
+            ca.advance()
+            cb.advance()
         elif sb is None or (sa is not None and sa < sb):
-            only["a"].add(sa)
-            advance_a = True
+            self.only["a"].add(sa)
+            self.spans["a"].add(sa)
+            ca.advance()
         else:
-            only["b"].add(sb)
-            advance_b = True
-        if advance_a:
-            ra = next(ia, None)
-            if ra is not None:
-                spans["a"].add(int(ra["step"]))
-        if advance_b:
-            rb = next(ib, None)
-            if rb is not None:
-                spans["b"].add(int(rb["step"]))
-    ia_report, ib_report = integrity(a, spans["a"]), integrity(b, spans["b"])
+            self.only["b"].add(sb)
+            self.spans["b"].add(sb)
+            cb.advance()
+
+    def runs(self, a: LogReader, b: LogReader, ca: _Cursor, cb: _Cursor) -> None:
+        """Take, at once, the records both heads' runs (or one run, the other log
+        done) allow: steps are consecutive, so this is interval arithmetic."""
+        if cb.done or ca.done:
+            c, side = (ca, "a") if cb.done else (cb, "b")
+            first, n = c.run.first + c.i, len(c.run) - c.i
+            self.only[side].add_range(first, first + n - 1)
+            self.spans[side].add_range(first, first + n - 1)
+            c.advance(n)
+            return
+        ra, rb = ca.run, cb.run
+        sa, sb = ra.first + ca.i, rb.first + cb.i
+        ea, eb = ra.last, rb.last
+        if sa != sb:
+            c, side, s, e = (
+                (ca, "a", sa, min(ea, sb - 1)) if sa < sb else (cb, "b", sb, min(eb, sa - 1))
+            )
+            self.only[side].add_range(s, e)
+            self.spans[side].add_range(s, e)
+            c.advance(e - s + 1)
+            return
+        e = min(ea, eb)
+        n = e - sa + 1
+        self.spans["a"].add_range(sa, e)
+        self.spans["b"].add_range(sa, e)
+        self.common(sa, e)
+        ids_a = ra.ids[32 * ca.i : 32 * (ca.i + n)]
+        ids_b = rb.ids[32 * cb.i : 32 * (cb.i + n)]
+        tokens = ra.tokens is not None and rb.tokens is not None
+        tok_a = ra.tokens[32 * ca.i : 32 * (ca.i + n)] if tokens else b""
+        tok_b = rb.tokens[32 * cb.i : 32 * (cb.i + n)] if tokens else b""
+        self.tokens_compared += n if tokens else 0
+        if ids_a == ids_b and tok_a == tok_b:
+            self.matches += n
+        else:
+            differ = _rows_differ(ids_a, ids_b, n)
+            if tokens:
+                differ |= _rows_differ(tok_a, tok_b, n)
+            self.matches += n - int(differ.sum())
+            j = int(np.argmax(differ))
+            ca.i += j
+            cb.i += j
+            rec_a, rec_b = ca.record(), cb.record()
+            ca.i -= j
+            cb.i -= j
+            self.mismatch(a, b, rec_a, rec_b, differing_fields(rec_a, rec_b))
+        ca.advance(n)
+        cb.advance(n)
+
+
+def _rows_differ(x: bytes, y: bytes, n: int) -> np.ndarray:
+    """Which of ``n`` 32-byte digests differ between ``x`` and ``y``."""
+    a = np.frombuffer(x, dtype=np.uint8).reshape(n, 32)
+    b = np.frombuffer(y, dtype=np.uint8).reshape(n, 32)
+    return (a != b).any(axis=1)
+
+
+def compare_logs(a: LogReader, b: LogReader) -> dict[str, Any]:
+    """The verify report of two logs (the ``--json`` object), streamed: memory is
+    bounded by the number of events and gaps, never by the number of steps.
+
+    Records are taken in step order, as a merge of the two effective histories;
+    where both heads are in runs of consecutive records the merge advances a run
+    at a time and compares digests in bulk, with the same outcome as record by
+    record (``_Comparison.one``)."""
+    c = _Comparison()
+    ca, cb = _Cursor(a), _Cursor(b)
+    while not (ca.done and cb.done):
+        if (ca.done or ca.run is not None) and (cb.done or cb.run is not None):
+            c.runs(a, b, ca, cb)
+        else:
+            c.one(a, b, ca, cb)
+    ia_report, ib_report = integrity(a, c.spans["a"]), integrity(b, c.spans["b"])
     if not (ia_report["intact"] and ib_report["intact"]):
         verdict = "corrupt"
-    elif not compared:
+    elif not c.compared:
         verdict = "no-overlap"
-    elif first_mismatch is not None:
+    elif c.first_mismatch is not None:
         verdict = "mismatch"
-    elif unbound.items:
+    elif c.unbound.items:
         verdict = "unbound"
     else:
         verdict = "match"
     return {
         "run_a": str(a.path),
         "run_b": str(b.path),
-        "steps_compared": compared,
-        "first_common_step": lo,
-        "last_common_step": hi,
-        "tokens_compared": tokens_compared,
-        "matches": matches,
-        "first_mismatch": first_mismatch,
-        "unbound_steps": unbound.items,
-        "only_in_a": only["a"].within(lo, hi),
-        "only_in_b": only["b"].within(lo, hi),
+        "steps_compared": c.compared,
+        "first_common_step": c.lo,
+        "last_common_step": c.hi,
+        "tokens_compared": c.tokens_compared,
+        "matches": c.matches,
+        "first_mismatch": c.first_mismatch,
+        "unbound_steps": c.unbound.items,
+        "only_in_a": c.only["a"].within(c.lo, c.hi),
+        "only_in_b": c.only["b"].within(c.lo, c.hi),
         "integrity_a": ia_report,
         "integrity_b": ib_report,
         "resumes_a": ia_report["resumes"],

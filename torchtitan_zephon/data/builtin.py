@@ -5,38 +5,32 @@ Text that ships with every CPython: the documentation topics of ``pydoc_data``
 with the BPE tokenizer shipped in ``torchtitan_zephon/assets/tokenizer``.
 Besides the whole store, each half is a store of its own (``PARTS``: "docs",
 "stdlib"), named ``builtin:docs`` / ``builtin:stdlib`` where a store path is
-expected in a mixture file (``store_location``), so a two-source mixture needs
+expected in a mixture file (``cache.store_location``), so a two-source mixture needs
 no data either.
 
 Invariant: a store is a pure function of (this Python's text files, the shipped
 tokenizer, the part); it is built once into a cache folder keyed by a hash of
-these, so every rank and every later run on the machine opens the same bytes.
-Concurrent builders (several ranks starting at once) serialize on a file lock.
+these (``cache.build_once``), so every rank and every later run on the machine
+opens the same bytes.
 """
 
 from __future__ import annotations
 
-import fcntl
 import functools
 import hashlib
-import os
 import sysconfig
-import tempfile
 from pathlib import Path
+
+from torchtitan_zephon.data.cache import BUILTIN_PREFIX, build_once, cache_root
+
+__all__ = ["PARTS", "TOKENIZER_DIR", "builtin_store_path", "cache_root", "corpus_documents"]
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TOKENIZER_DIR = ASSETS / "tokenizer"
 
 
-def cache_root() -> Path:
-    """``$ZEPHON_CACHE`` or ``~/.cache/torchtitan_zephon``."""
-    env = os.environ.get("ZEPHON_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "torchtitan_zephon"
-
-
 PARTS = {"docs": "pydoc_topics/", "stdlib": "stdlib/"}
 """The halves of the builtin corpus: part name -> prefix of its document names."""
-BUILTIN_PREFIX = "builtin:"
 
 
 def corpus_documents(part: str = "all") -> list[tuple[str, str]]:
@@ -59,7 +53,9 @@ def corpus_documents(part: str = "all") -> list[tuple[str, str]]:
 def _key(docs: list[tuple[str, str]]) -> str:
     from torchtitan_zephon.data.store import FORMAT_VERSION
 
-    h = hashlib.sha256(f"store-format-{FORMAT_VERSION}\0".encode())
+    # "canonical-names": sources are named relative to their deepest common folder
+    # (readers.resolve_inputs) since the builtin entries of this key were built.
+    h = hashlib.sha256(f"store-format-{FORMAT_VERSION}\0canonical-names\0".encode())
     h.update((TOKENIZER_DIR / "tokenizer.json").read_bytes())
     for name, text in docs:
         h.update(name.encode() + b"\0" + text.encode("utf-8", errors="replace") + b"\0")
@@ -75,14 +71,6 @@ def _part_prefix(part: str) -> str:
     return PARTS[part]
 
 
-def store_location(value: str, *, progress: bool = False) -> str:
-    """The folder a store value names: ``builtin:PART`` is that builtin part (built on
-    first use), anything else is a path and returned unchanged."""
-    if not value.startswith(BUILTIN_PREFIX):
-        return value
-    return str(builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :]))
-
-
 @functools.lru_cache(maxsize=8)
 def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
     """Path of the builtin store (or of one of its ``PARTS``), building it on first use
@@ -91,28 +79,21 @@ def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
     from torchtitan_zephon.data.prepare import prepare_store
 
     docs = corpus_documents(part)
-    root = cache_root()
-    out = root / (f"builtin-{_key(docs)}" if part == "all" else f"builtin-{part}-{_key(docs)}")
-    if (out / "manifest.json").exists():
-        return out
-    root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{out.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if (out / "manifest.json").exists():  # another process built it meanwhile
-                return out
-            with tempfile.TemporaryDirectory(dir=root, prefix=".corpus-") as tmp:
-                # A fixed folder name: the manifest names sources relative to it.
-                corpus = Path(tmp) / (
-                    "python-docs-and-stdlib" if part == "all" else f"python-{part}"
-                )
-                for name, text in docs:
-                    p = corpus / name
-                    p.parent.mkdir(parents=True, exist_ok=True)
-                    p.write_text(text, encoding="utf-8")
-                prepare_store(
-                    [str(corpus)], str(TOKENIZER_DIR), str(out), workers=1, progress=progress
-                )
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-    return out
+    out = cache_root() / (
+        f"builtin-{_key(docs)}" if part == "all" else f"builtin-{part}-{_key(docs)}"
+    )
+
+    def build(dest: Path) -> None:
+        # A fixed folder name: the manifest names sources relative to it.
+        corpus = (
+            dest.parent
+            / "corpus"
+            / ("python-docs-and-stdlib" if part == "all" else f"python-{part}")
+        )
+        for name, text in docs:
+            p = corpus / name
+            p.parent.mkdir(parents=True, exist_ok=True)
+            p.write_text(text, encoding="utf-8")
+        prepare_store([str(corpus)], str(TOKENIZER_DIR), str(dest), workers=1, progress=progress)
+
+    return build_once(out, build, what=f"the builtin store ({part})")

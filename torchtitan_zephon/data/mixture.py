@@ -63,6 +63,7 @@ from typing import Any
 
 import numpy as np
 
+from torchtitan_zephon.data.cache import rebase, store_location
 from torchtitan_zephon.data.permutation import map_many
 from torchtitan_zephon.data.plan import (
     BatchSchedule,
@@ -256,11 +257,12 @@ def _parse_sources(raw: Any, origin: str, base_dir: Path | None) -> tuple[Mixtur
         store = src.get("store")
         if not isinstance(store, str) or not store.strip():
             raise MixtureError(
-                f"{where} needs store = a token store path (absolute, or relative to the "
-                f'mixture file) or "builtin:docs" / "builtin:stdlib", found {store!r}.'
+                f"{where} needs store = a token store path or raw inputs (a file, folder, "
+                "glob or comma list; absolute, or relative to the mixture file) or "
+                f'"builtin:docs" / "builtin:stdlib", found {store!r}.'
             )
-        if base_dir is not None and not os.path.isabs(store) and not store.startswith("builtin:"):
-            store = str(base_dir / store)
+        if base_dir is not None:
+            store = rebase(store, base_dir)
         held = src.get("heldout_samples")
         if held is not None:
             held = _plain_int(held, f"{where}: heldout_samples", 0)
@@ -350,16 +352,18 @@ class MixtureConfig:
         )
         return cls(sources, schedule)
 
-    def open_stores(self, *, progress: bool = False) -> dict[str, Any]:
+    def open_stores(self, *, progress: bool = False, raw: Any = None) -> dict[str, Any]:
         """Open every source's TokenStore (``builtin:PART`` values are built on first use,
-        with a progress bar when ``progress``); a missing or broken store names its source."""
-        from torchtitan_zephon.data.builtin import store_location
+        with a progress bar when ``progress``; raw inputs are prepared as ``raw``, a
+        ``cache.RawInputs``, says, or refused when it is None); a missing or broken store
+        names its source."""
         from torchtitan_zephon.data.store import StoreError, TokenStore
 
         stores = {}
         for s in self.sources:
             try:
-                stores[s.name] = TokenStore.open(store_location(s.store, progress=progress))
+                location = store_location(s.store, raw, progress=progress)
+                stores[s.name] = TokenStore.open(location)
             except (StoreError, ValueError) as e:
                 raise MixtureError(f"mixture source {s.name!r}: {e}") from None
         return stores

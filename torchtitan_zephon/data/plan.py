@@ -28,7 +28,9 @@ from torchtitan_zephon.data.permutation import Permutation
 
 
 def _divisors(n: int) -> list[int]:
-    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    """Divisors of ``n`` for error messages: all of them up to n = 10**12; beyond, those
+    up to 10**6 and their cofactors (a full search of n = 10**30 would never end)."""
+    small = [d for d in range(1, min(math.isqrt(n), 10**6) + 1) if n % d == 0]
     return sorted(set(small + [n // d for d in small]))
 
 

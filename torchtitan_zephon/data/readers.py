@@ -1,15 +1,17 @@
 """The documents of ``zephon prepare``'s inputs, in a fixed order.
 
-Role: expand inputs (files, folders, Hugging Face ``save_to_disk`` folders) into
-sources, and read each source's documents through the reader ``READERS`` names
+Role: expand inputs (files, folders, Hugging Face ``save_to_disk`` folders, glob
+patterns, comma-separated lists of these) into canonically named sources, and read each source's documents through the reader ``READERS`` names
 for its kind: text, JSONL (.jsonl, .jsonl.gz, .ndjson), JSON, Parquet, HF. A new
 input kind is a new entry in ``KINDS`` (how to recognise it) and ``READERS``
 (how to read it).
 
-Invariant: the order of sources and of documents depends only on the inputs as
+Invariants: the order of sources and of documents depends only on the inputs as
 given and the names and contents of the files: folders are walked sorted by
-name, hidden entries skipped, every real file and folder under a folder input
-visited once (symbolic-link loops end). Every document is valid Unicode text.
+name, hidden entries skipped, glob matches sorted the same way, every real file
+and folder visited once (symbolic-link loops end). A source's name is its path
+relative to the deepest folder holding every source, whatever the spelling of
+the inputs (a folder, a glob of its files, a list of them). Every document is valid Unicode text.
 Input that cannot be read (not text, truncated or corrupt compressed data,
 JSON nested too deeply, a broken Parquet file or dataset folder) is a
 ``StoreError`` naming the file, and the line where there is one.
@@ -17,9 +19,11 @@ JSON nested too deeply, a broken Parquet file or dataset folder) is a
 
 from __future__ import annotations
 
+import glob
 import gzip
 import hashlib
 import json
+import os
 import sys
 import zlib
 from collections.abc import Callable, Iterator
@@ -59,36 +63,93 @@ def _kind_of(path: Path) -> str:
     return "text"
 
 
+GLOB_CHARS = frozenset("*?[")
+
+
+def expand_input(raw: str) -> list[str]:
+    """The paths one input names: itself when it exists; else, split at commas, each
+    piece itself (when it exists) or a glob pattern's matches, sorted as a folder walk
+    sorts (by name, level by level; ``**`` spans folders). An error names a piece that
+    does not exist and a pattern that matches nothing."""
+    if not raw:
+        raise StoreError("an input is empty; expected a file, a folder or a glob pattern.")
+    if os.path.lexists(raw):
+        return [raw]
+    pieces = [p.strip() for p in raw.split(",")] if "," in raw else [raw]
+    out: list[str] = []
+    for piece in pieces:
+        if not piece:
+            raise StoreError(
+                f"input {raw!r} has an empty item between commas; expected a comma-separated "
+                "list of files, folders or glob patterns."
+            )
+        if os.path.lexists(piece):
+            out.append(piece)
+        elif GLOB_CHARS & set(piece):
+            matches = glob.glob(piece, recursive=True)
+            if not matches:
+                raise StoreError(
+                    f"input pattern {piece!r} matches no file; expected a glob pattern of "
+                    "text/JSONL/Parquet files or folders (hidden names match only a pattern "
+                    "that starts with a dot)."
+                )
+            out.extend(sorted(matches, key=lambda m: Path(m).parts))
+        else:
+            within = f" (in {raw!r})" if piece != raw else ""
+            raise StoreError(
+                f"input {piece!r}{within} does not exist; expected a text/JSONL/Parquet file, "
+                "a folder, a glob pattern or a Hugging Face dataset saved with save_to_disk."
+            )
+    return out
+
+
 def resolve_inputs(inputs: list[str]) -> list[Source]:
     """Expand inputs into sources, in the given order; folders walked sorted, hidden skipped.
 
-    Each input is taken as given. Within a folder input every real file and folder
-    is visited once: a symbolic link to something already visited (a loop such as
-    ``sub/up -> ..``, or a second name of a file) is skipped, and so are links
-    that lead nowhere.
+    Every input is expanded (``expand_input``: a path, a glob pattern or a
+    comma-separated list of them) into entries: a file is one entry, a Hugging
+    Face dataset folder is one entry, any other folder is walked into its files
+    (and dataset folders). Every real file and folder is visited once, at its
+    first place: a symbolic link to something already visited (a loop such as
+    ``sub/up -> ..``, a second name of a file, a file listed twice or reached by
+    two inputs) is skipped, and so are links that lead nowhere.
+
+    Names are canonical: each entry is named by its path relative to the deepest
+    folder that holds every entry (one file: its base name). So a folder, a glob of
+    its files and a list of the same files give the same names, and the same store.
     """
     if not inputs:
         raise StoreError("no inputs given; pass at least one file or folder to prepare.")
-    sources: list[Source] = []
+    entries: list[tuple[str, Path, str]] = []  # (absolute path as reached, path, kind)
+    seen: set[Path] = set()
     for raw in inputs:
-        path = Path(raw)
-        if not path.exists():
-            raise StoreError(
-                f"input {raw!r} does not exist; expected a text/JSONL/Parquet file, a folder "
-                "or a Hugging Face dataset saved with save_to_disk."
-            )
-        base = path.resolve().name
-        if _is_hf_dataset(path):
-            sources.append(Source(base, path, "hf"))
-        elif path.is_dir():
-            sources.extend(_walk(path, base, {path.resolve()}))
-        else:
-            sources.append(Source(base, path, _kind_of(path)))
-    return sources
+        for given in expand_input(raw):
+            path = Path(given)
+            try:
+                real = path.resolve(strict=True)
+            except (OSError, RuntimeError):
+                raise StoreError(
+                    f"input {given!r} is a link that leads nowhere (or a loop of links); "
+                    "expected a text/JSONL/Parquet file, a folder or a Hugging Face dataset."
+                ) from None
+            if real in seen:
+                continue
+            seen.add(real)
+            if _is_hf_dataset(path):
+                entries.append((os.path.abspath(given), path, "hf"))
+            elif path.is_dir():
+                entries.extend(_walk(path, os.path.abspath(given), seen))
+            else:
+                entries.append((os.path.abspath(given), path, _kind_of(path)))
+    if not entries:
+        return []
+    root = os.path.commonpath([os.path.dirname(a) for a, _, _ in entries])
+    return [Source(Path(os.path.relpath(a, root)).as_posix(), p, k) for a, p, k in entries]
 
 
-def _walk(folder: Path, prefix: str, seen: set[Path]) -> Iterator[Source]:
-    """Sources under ``folder`` sorted by name; ``seen`` holds the real paths visited."""
+def _walk(folder: Path, at: str, seen: set[Path]) -> Iterator[tuple[str, Path, str]]:
+    """(absolute path as reached, path, kind) of the entries under ``folder`` (reached
+    as ``at``) sorted by name, level by level; ``seen`` holds the real paths visited."""
     for entry in sorted(folder.iterdir(), key=lambda p: p.name):
         if entry.name.startswith("."):
             continue
@@ -98,16 +159,16 @@ def _walk(folder: Path, prefix: str, seen: set[Path]) -> Iterator[Source]:
             continue
         if real in seen:
             continue
-        name = f"{prefix}/{entry.name}"
+        name = os.path.join(at, entry.name)
         if _is_hf_dataset(entry):
             seen.add(real)
-            yield Source(name, entry, "hf")
+            yield name, entry, "hf"
         elif entry.is_dir():
             seen.add(real)
             yield from _walk(entry, name, seen)
         elif entry.is_file():
             seen.add(real)
-            yield Source(name, entry, _kind_of(entry))
+            yield name, entry, _kind_of(entry)
 
 
 def _source_files(src: Source) -> list[Path]:

@@ -391,11 +391,13 @@ class MixtureSource:
         default_heldout: int = 0,
         path: str = "mixture",
         progress: bool = False,
+        raw: Any = None,
     ) -> MixtureSource:
         """Open the stores of a parsed mixture file and check them against each other
-        (one tokenizer, enough samples); MixtureError names the source at fault."""
+        (one tokenizer, enough samples); MixtureError names the source at fault. Sources
+        that name raw inputs are prepared as ``raw`` (a ``cache.RawInputs``) says."""
         config = sorted_by_name(config)
-        stores = config.open_stores(progress=progress)
+        stores = config.open_stores(progress=progress, raw=raw)
         spec = resolve_mixture(config, stores, seq_len, default_heldout=default_heldout)
         return cls(spec, stores, seq_len, path=path)
 

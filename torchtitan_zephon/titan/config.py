@@ -16,16 +16,36 @@ CONFIG_MODULE = "torchtitan_zephon.titan.config"
 @dataclass
 class Zephon:
     store: str = ""
-    """Path of a token store made by `zephon prepare`. Empty: the builtin store,
-    built on first use from text that ships with Python (its documentation
-    topics and standard-library sources) with the tokenizer in
+    """Path of a token store made by `zephon prepare`, or raw inputs: a text /
+    JSONL(.gz) / Parquet file, a folder of them, a local Hugging Face dataset
+    folder, a glob pattern ("data/*.jsonl") or a comma-separated list of these.
+    Raw inputs are tokenized with the tokenizer.json at model.hf_assets_path
+    (field zephon.text_field) on first use, by the local ranks together under a
+    lock, into a content-addressed cache (ZEPHON_CACHE, else zephon.cache_dir);
+    later runs find it by file names, sizes and mtimes without reading the
+    corpus. The store is the one `zephon prepare` makes of the same inputs (same
+    fingerprint, however they are spelled). Empty: the builtin store, built on
+    first use from text that ships with Python (its documentation topics and
+    standard-library sources) with the tokenizer in
     torchtitan_zephon/assets/tokenizer (set model.hf_assets_path to it)."""
+
+    text_field: str = "text"
+    """The JSON / Parquet / dataset field holding a document's text, where
+    zephon.store (or a mixture source) names raw inputs. It is part of the
+    prepared store, so of its fingerprint."""
+
+    cache_dir: str = ""
+    """Folder of the store cache (raw inputs prepared on first use, the builtin
+    store) when the environment variable ZEPHON_CACHE is unset. Empty:
+    ~/.cache/torchtitan_zephon. On a shared filesystem whose file locks work
+    across machines, one node prepares and the others wait; on local disk each
+    node prepares once."""
 
     mixture: str = ""
     """Path of a mixture file (TOML): several stores drawn in exact proportions that
     follow a weight schedule, instead of zephon.store (setting both is an error).
-    It holds [[source]] entries (name, store: a store path relative to the file, or
-    "builtin:docs" / "builtin:stdlib"; optional heldout_samples, default
+    It holds [[source]] entries (name, store: a store path or raw inputs as in
+    zephon.store, relative to the file, or "builtin:docs" / "builtin:stdlib"; optional heldout_samples, default
     zephon.heldout_samples, and max_epochs) and [[schedule]] entries (from_step,
     weights = { name = weight, ... }, normalized exactly). Every step's global
     batch follows the weights in effect at that step, each source with its own

@@ -19,6 +19,7 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
+from torchtitan_zephon.data.cache import RawInputs, store_location
 from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.mixture import MixtureConfig
 from torchtitan_zephon.data.plan import BatchSchedule
@@ -37,8 +38,27 @@ def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
     )
 
 
+def raw_inputs(job_config: Any) -> RawInputs:
+    """How this job prepares a store value that names raw inputs: with the tokenizer at
+    model.hf_assets_path and zephon.text_field, into the cache (``$ZEPHON_CACHE``, else
+    zephon.cache_dir); the process that holds the entry's lock uses one tokenizer process
+    per local rank (the others wait for it anyway); progress on global rank 0."""
+    zc = job_config.zephon
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return RawInputs(
+        tokenizer=job_config.model.hf_assets_path,
+        text_field=getattr(zc, "text_field", "text"),
+        cache_dir=getattr(zc, "cache_dir", ""),
+        workers=max(1, min(local, os.cpu_count() or 1)),
+        progress=int(os.environ.get("RANK", "0")) == 0,
+        log=lambda message: logger.info(f"Zephon: {message}"),
+        tokenizer_origin="model.hf_assets_path",
+    )
+
+
 def resolve_store(job_config: Any) -> TokenStore:
-    """Open ``zephon.store``, or the builtin store when it is empty."""
+    """Open ``zephon.store`` (a store folder, or raw inputs prepared into the cache on
+    first use: ``data.cache.store_location``), or the builtin store when it is empty."""
     path = job_config.zephon.store
     if not path:
         from torchtitan_zephon.data.builtin import TOKENIZER_DIR, builtin_store_path
@@ -52,7 +72,8 @@ def resolve_store(job_config: Any) -> TokenStore:
                 f"model.hf_assets_path={job_config.model.hf_assets_path} has no tokenizer.json; "
                 f"the builtin store was tokenized with {TOKENIZER_DIR}"
             )
-    return TokenStore.open(path)
+        return TokenStore.open(path)
+    return TokenStore.open(store_location(path, raw_inputs(job_config)))
 
 
 def resolve_source(job_config: Any, tokenizer: Any = None) -> Source:
@@ -76,6 +97,7 @@ def resolve_source(job_config: Any, tokenizer: Any = None) -> Source:
             default_heldout=zc.heldout_samples,
             path=mixture,
             progress=int(os.environ.get("RANK", "0")) == 0,
+            raw=raw_inputs(job_config),
         )
         what = f"the mixture {mixture} (sources {', '.join(source.names)})"
     else:
@@ -96,13 +118,23 @@ def resolve_source(job_config: Any, tokenizer: Any = None) -> Source:
             f"only {model_vocab}: choose a flavor with vocab_size >= {source.vocab_size}, or a "
             "store prepared with a smaller tokenizer"
         )
+    check_tokenizer(source, tokenizer)
+    return source
+
+
+def check_tokenizer(source: Source, tokenizer: Any) -> None:
+    """Refuse a source whose token ids the job's tokenizer (when given) cannot hold."""
     if tokenizer is not None and source.vocab_size > tokenizer.get_vocab_size():
+        what = (
+            f"the mixture {source.path} (sources {', '.join(source.names)})"
+            if isinstance(source, MixtureSource)
+            else f"the store {source.path}"
+        )
         raise ValueError(
             f"{what} was tokenized with a vocabulary of {source.vocab_size} "
             f"tokens but model.hf_assets_path's tokenizer has {tokenizer.get_vocab_size()}: "
             "point model.hf_assets_path at the tokenizer the store was prepared with"
         )
-    return source
 
 
 def batch_schedule(job_config: Any) -> BatchSchedule:

@@ -14,7 +14,11 @@ refuse the start:
 * a run folder that holds a history (sequence log steps, checkpoints) the job
   would not resume from, unless ``zephon.start_over`` or an elastic restart of
   the same job,
-* the store against the model and tokenizer, and the global batch layout.
+* the store against the model and tokenizer, and the global batch layout;
+  where ``zephon.store`` (or a mixture source) names raw inputs they are prepared
+  here, into the cache (``data.cache``), before TorchTitan initializes the process
+  group: no collective waits on the tokenization, and a missing input or
+  tokenizer.json is refused before anything is written.
 
 Invariants:
 - ``plan_start`` only reads: a refused start leaves the run folder as it was.
@@ -40,6 +44,7 @@ from torchtitan_zephon import runs
 from torchtitan_zephon.data.state import DataState, DataStateMismatch, check_resume
 from torchtitan_zephon.titan.dataloader import (
     build_zephon_dataloader,
+    check_tokenizer,
     open_job_data,
     with_trainer_hint,
 )
@@ -287,8 +292,11 @@ def _check_job(job_config: Any) -> Any:
             f"model.name={job_config.model.name} does not build a Zephon dataloader; "
             "use a zephon_* model name (e.g. zephon_llama3)"
         )
+    # The data first: raw inputs are prepared (or refused: a missing tokenizer.json
+    # said as such) before TorchTitan builds its tokenizer from the same folder.
+    source, config = open_job_data(job_config)
     tokenizer = spec.build_tokenizer_fn(job_config) if spec.build_tokenizer_fn else None
-    _, config = open_job_data(job_config, tokenizer)
+    check_tokenizer(source, tokenizer)
     dp = _dp_degree(job_config)
     if dp is not None:
         config.batch_schedule().check_layout(dp, job_config.training.local_batch_size)

@@ -38,7 +38,8 @@ Beside the log, ``sequence_log.jsonl.idx`` and ``.events`` index it (a cache,
 see ``index``), so a resume finds its record in O(1) of the log's length.
 
 Modules: ``records`` (formats, digests, chain), ``reader`` (streamed reading and
-integrity), ``index`` (the sidecar), ``writer`` (``SequenceTracker``).
+integrity), ``blocks`` (the reader's fast path: a block of record lines checked
+at once), ``index`` (the sidecar), ``writer`` (``SequenceTracker``).
 No torch.distributed here: the trainer decides who writes (global rank 0).
 """
 

@@ -1,14 +1,21 @@
 """Reading a sequence log: effective history and integrity, streamed.
 
-A log is read in two passes over its lines. The first parses only the start /
-resume events (a few per job). The second streams the step records in file
-order, recomputes each chain from the one before it, checks step order and
-event links, and yields the records of the *effective history* (those no later
-event supersedes) in increasing step order.
+A log is read in two passes, a few MB at a time (``BLOCK_BYTES``). The first
+parses only the start / resume events (a few per job). The second streams the
+step records in file order, recomputes each chain from the one before it, checks
+step order and event links, and yields the records of the *effective history*
+(those no later event supersedes) in increasing step order. A block of record
+lines in the writer's layout is checked at once (``blocks.check_block``: one
+sha256 per line, the rest column-wise) and comes out as a ``RecordRun``; any
+block it does not accept is read line by line, as with ``fast=False``.
 
 Invariants:
-- Memory is bounded by the number of events, never by the number of steps:
-  ``LogReader.records()`` yields; only ``read_log`` materialises a dict.
+- Memory is bounded by the number of events and the block size, never by the
+  number of steps: ``LogReader.batches()`` yields; only ``read_log`` materialises
+  a dict.
+- The block fast path changes nothing but speed: ``batches()`` gives the same
+  rows, problems, notes and errors with ``fast=True`` and ``fast=False``
+  (tests/test_tracker_blocks.py tampers with logs to try to break this).
 - Every record's chain is recomputed (``records.chain_of_line`` on the line's
   bytes, or from the parsed body for lines of older layouts); the first record
   whose chain, step order or resume link is wrong is reported with its line and
@@ -27,7 +34,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from torchtitan_zephon.data.digest import fingerprint
+from torchtitan_zephon.tracker.blocks import RecordRun, check_block
 from torchtitan_zephon.tracker.records import (
     LOG_NAME,
     RECORD_LINE,
@@ -71,14 +81,41 @@ def resolve(path: str | os.PathLike) -> Path:
     return path
 
 
-class LogReader:
-    """One sequence log, read lazily: events up front, records streamed."""
+def count_lines(piece: bytes) -> int:
+    """Newlines in ``piece`` (numpy counts several times faster than bytes.count)."""
+    return int(np.count_nonzero(np.frombuffer(piece, dtype=np.uint8) == 10))
 
-    def __init__(self, path: str | os.PathLike) -> None:
+
+def has_event(piece: bytes) -> bool:
+    """``b'"event"' in piece``, found from the few places a ``v`` is (one per record)."""
+    buf = np.frombuffer(piece, dtype=np.uint8)
+    v = np.flatnonzero(buf == ord("v"))
+    v = v[(v >= 2) & (v + 5 <= len(buf))]
+    return bool(
+        (
+            (buf[v - 2] == ord('"')) & (buf[v - 1] == ord("e")) & (buf[v + 1] == ord("e"))
+            & (buf[v + 2] == ord("n")) & (buf[v + 3] == ord("t")) & (buf[v + 4] == ord('"'))
+        ).any()
+    )  # fmt: skip
+
+
+BLOCK_BYTES = 4 << 20
+"""How much of the log the reader takes at once (whole lines; at least one line)."""
+
+
+class LogReader:
+    """One sequence log, read lazily: events up front, records streamed.
+
+    ``fast=False`` reads every line on its own (the reference the block fast path
+    of ``blocks.check_block`` is tested against)."""
+
+    def __init__(self, path: str | os.PathLike, *, fast: bool = True) -> None:
         self.path = resolve(path)
+        self.fast = fast
         self.events: list[dict[str, Any]] = []
         """Start and resume events in log order."""
         self._event_lines: list[int] = []
+        self._event_offsets: list[int] = []
         self.truncated_tail = False
         """The last line was cut short (a crash mid-write); it was ignored."""
         self.problems: list[LogProblem] = []
@@ -89,42 +126,73 @@ class LogReader:
         self.unbound: list[list[int]] = []
         """Ranges of effective steps written by tracker format 1 (filled by records())."""
         self.last_line = 0
+        self._end = 0
+        """Byte offset just past the last line of the first pass: the second reads no further."""
         self._scan_events()
 
     # -- pass 1: events --------------------------------------------------
-    def _lines(self) -> Iterator[tuple[int, bytes]]:
-        """(line number, line without newline) of every non-blank line but a cut last one."""
+    def _pieces(self) -> Iterator[tuple[int, int, bytes, int]]:
+        """(line number, byte offset, bytes, newlines) of the log in pieces of whole
+        lines; a last line without its newline comes as a piece of its own."""
         with open(self.path, "rb") as f:
-            lineno = 0
-            for raw in f:
-                lineno += 1
+            lineno, offset = 1, 0
+            while piece := f.read(BLOCK_BYTES):
+                if not piece.endswith(b"\n"):
+                    piece += f.readline()
+                    cut = piece.rfind(b"\n") + 1
+                    if 0 < cut < len(piece):  # the file's last line, without its newline
+                        head, piece = piece[:cut], piece[cut:]
+                        newlines = count_lines(head)
+                        yield lineno, offset, head, newlines
+                        lineno, offset = lineno + newlines, offset + cut
+                newlines = count_lines(piece)
+                yield lineno, offset, piece, newlines
+                lineno, offset = lineno + newlines, offset + len(piece)
+
+    @staticmethod
+    def _split(lineno: int, offset: int, piece: bytes) -> Iterator[tuple[int, int, bytes]]:
+        """(line number, offset, raw line with its newline) of each line of a piece."""
+        at = 0
+        while at < len(piece):
+            nl = piece.find(b"\n", at) + 1 or len(piece)
+            yield lineno, offset + at, piece[at:nl]
+            lineno += 1
+            at = nl
+
+    def _scan_events(self) -> None:
+        for lineno0, offset0, piece, newlines in self._pieces():
+            if piece.endswith(b"\n") and not has_event(piece):
+                text = piece.rstrip()  # the last non-blank line is the last one to read
+                if text:
+                    self.last_line = lineno0 + newlines - piece.count(b"\n", len(text))
+                    self._end = offset0 + piece.index(b"\n", len(text)) + 1
+                continue
+            for lineno, offset, raw in self._split(lineno0, offset0, piece):
                 if not raw.endswith(b"\n"):  # the last line, written without its newline
                     try:
                         json.loads(raw)
                     except ValueError:
                         self.truncated_tail = True
-                        return
+                        break
                     except RecursionError:
                         pass  # complete but too deep: _parse says so
                 line = raw.rstrip(b"\r\n")
-                if line.strip():
-                    yield lineno, line
-
-    def _scan_events(self) -> None:
-        for lineno, line in self._lines():
-            self.last_line = lineno
-            if b'"event"' not in line:
-                continue
-            entry = self._parse(lineno, line)
-            if "event" in entry:
-                k = entry.get("from_step", 0)
-                if type(k) is not int or k < 0:
-                    raise TrackerError(
-                        f"{self.path}:{lineno}: an event whose from_step is {k!r}, not a step "
-                        "number; the log is corrupt"
-                    )
-                self.events.append(entry)
-                self._event_lines.append(lineno)
+                if not line.strip():
+                    continue
+                self.last_line, self._end = lineno, offset + len(raw)
+                if b'"event"' not in line:
+                    continue
+                entry = self._parse(lineno, line)
+                if "event" in entry:
+                    k = entry.get("from_step", 0)
+                    if type(k) is not int or k < 0:
+                        raise TrackerError(
+                            f"{self.path}:{lineno}: an event whose from_step is {k!r}, not a "
+                            "step number; the log is corrupt"
+                        )
+                    self.events.append(entry)
+                    self._event_lines.append(lineno)
+                    self._event_offsets.append(offset)
         # min_after[i]: the smallest from_step of events i, i+1, ...: a record written
         # before event i is effective iff min_after[i] >= its step.
         self._min_after = [0] * (len(self.events) + 1)
@@ -172,106 +240,177 @@ class LogReader:
         ``problems``, ``notes`` and ``unbound`` are complete once the iterator is
         exhausted (call ``check()`` to only check)."""
         for row in self.rows():
-            rec = dict(zip(FIELDS, row, strict=True))
-            if rec["tokens_digest"] is None:
-                del rec["tokens_digest"]
-            if rec["v"] is None:
-                del rec["v"]
-            yield rec
+            yield record_of_row(row)
 
     def rows(self) -> Iterator[tuple]:
-        """``records()`` as tuples in ``FIELDS`` order (None for an absent field): the
-        fast path for lines in the writer's layout builds no dict."""
+        """``records()`` as tuples in ``FIELDS`` order (None for an absent field)."""
+        return rows_of_batches(self.batches())
+
+    def _regions(self) -> Iterator[tuple[int, int, bytes, bool]]:
+        """(line number, offset, bytes, is an event line) of the log up to the first
+        pass's end: runs of whole lines between events, and each event line alone."""
+        stops = [*self._event_offsets, self._end]
+        lineno, offset = 1, 0
+        with open(self.path, "rb") as f:
+            for i, stop in enumerate(stops):
+                while offset < stop:  # whole lines: an event starts a line, _end ends one
+                    size = min(BLOCK_BYTES, stop - offset)
+                    f.seek(offset)
+                    piece = f.read(size)
+                    if len(piece) < size:
+                        raise TrackerError(f"{self.path} changed while it was read (it shrank)")
+                    if offset + size < stop:
+                        cut = piece.rfind(b"\n") + 1
+                        if cut == 0:  # a line longer than a block
+                            piece += f.readline(stop - offset - size)
+                            cut = len(piece)
+                        piece = piece[:cut]
+                    elif not piece.endswith(b"\n") and b"\n" in piece:
+                        piece = piece[: piece.rfind(b"\n") + 1]  # the last line comes alone
+                    yield lineno, offset, piece, False
+                    lineno += count_lines(piece)
+                    offset += len(piece)
+                if i < len(self._event_offsets):
+                    f.seek(offset)
+                    raw = f.readline()
+                    lineno = self._event_lines[i]
+                    yield lineno, offset, raw, True
+                    lineno += 1
+                    offset += len(raw)
+
+    def batches(self) -> Iterator[RecordRun | list[tuple]]:
+        """``rows()`` in batches: a ``blocks.RecordRun`` for a block of lines the fast
+        path accepts, else a list of row tuples."""
         self.problems, self.problem_count, self.notes, self.unbound = [], 0, [], []
-        sha256 = hashlib.sha256
-        match = RECORD_LINE.fullmatch
-        wanted = {int(e.get("from_step", 0)) for e in self.events if e.get("event") == "resume"}
-        linked: dict[int, str] = {}  # chains of the steps resume events name
-        prev_chain: str | None = None
-        prev_step: int | None = None
-        n_event = 0
-        for lineno, line in self._lines():
-            if lineno > self.last_line:  # appended after the first pass: not part of this read
-                break
-            if n_event < len(self.events) and lineno == self._event_lines[n_event]:
-                e = self.events[n_event]
-                n_event += 1
-                prev_step, prev_chain = self._event(lineno, e, linked)
-                continue
-            m = match(line) if prev_chain is not None else None
-            if m is not None:  # the writer's layout: chain checked on the bytes
-                g = m.groups()
-                step = int(g[3])
-                if (
-                    step == prev_step + 1
-                    and g[5] != b"1"  # format 1 records are "unbound": the general path
-                    and sha256(prev_chain.encode() + line[:-76] + b"}").hexdigest() == g[6].decode()
-                ):
-                    prev_step, prev_chain = step, g[6].decode()
-                    if step in wanted:
-                        linked[step] = prev_chain
-                    if self._min_after[n_event] >= step:
-                        yield (step, int(g[0]), int(g[2]), g[1].decode(),
-                               None if g[4] is None else g[4].decode(), int(g[5]), prev_chain)  # fmt: skip
+        self._wanted = {
+            int(e.get("from_step", 0)) for e in self.events if e.get("event") == "resume"
+        }
+        self._linked: dict[int, str] = {}  # chains of the steps resume events name
+        self._prev_chain: str | None = None
+        self._prev_step: int | None = None
+        self._n_event = 0
+        for lineno0, offset0, piece, is_event in self._regions():
+            if self.fast and not is_event and isinstance(self._prev_chain, str):
+                runs = check_block(piece, self._prev_step, self._prev_chain)
+                if runs is not None:
+                    for run in runs:
+                        out = self._accept(run)
+                        if out is not None:
+                            yield out
                     continue
-            fast = chain_of_line(prev_chain, line) if prev_chain is not None else None
-            rec = fields_of_line(line) if fast and fast[1] else None
-            if rec is None:
-                rec = self._parse(lineno, line)
-            if "event" in rec:  # an event the first pass missed: the file changed meanwhile
-                raise TrackerError(f"{self.path} changed while it was read (line {lineno})")
-            try:
-                step = int(rec["step"])
-                chain = str(rec["chain"])
-            except (TypeError, ValueError, OverflowError) as e:
-                raise TrackerError(
-                    f"{self.path}:{lineno}: a field has the wrong type ({e}); the log is corrupt"
-                ) from None
-            if prev_step is None:
-                self._problem(
-                    lineno, step, "orphan", f"line {lineno}: step {step} before any start event"
-                )
-            elif step > prev_step + 1:  # the first bad step is the first missing one
-                gap = prev_step + 1
-                what = f"step {gap} is" if gap == step - 1 else f"steps {gap}..{step - 1} are"
-                self._problem(
-                    lineno, gap, "order",
-                    f"line {lineno}: {what} missing before the record of step {step} (deleted?)",
-                )  # fmt: skip
-            elif step <= prev_step:
-                self._problem(
-                    lineno, step, "order",
-                    f"line {lineno}: record of step {step} follows step {prev_step} "
-                    "(repeated or out of order)",
-                )  # fmt: skip
+            rows = []
+            for lineno, _, raw in self._split(lineno0, offset0, piece):
+                line = raw.rstrip(b"\r\n")
+                if line.strip():
+                    row = self._line(lineno, line)
+                    if row is not None:
+                        rows.append(row)
+            if rows:
+                yield rows
+
+    def _accept(self, run: RecordRun) -> RecordRun | None:
+        """Note a run the fast path checked; its effective part (no later event
+        supersedes it) or None."""
+        self._prev_step, self._prev_chain = run.last, run.chains[-32:].hex()
+        for s in self._wanted:
+            if run.first <= s <= run.last:
+                i = s - run.first
+                self._linked[s] = run.chains[32 * i : 32 * i + 32].hex()
+        keep = min(len(run), self._min_after[self._n_event] - run.first + 1)
+        return None if keep <= 0 else run if keep == len(run) else run.head(keep)
+
+    def _line(self, lineno: int, line: bytes) -> tuple | None:
+        """Read one line: an event, or a record checked against the one before it;
+        the record's row when it is effective."""
+        linked, n_event = self._linked, self._n_event
+        prev_chain, prev_step = self._prev_chain, self._prev_step
+        if n_event < len(self.events) and lineno == self._event_lines[n_event]:
+            self._n_event += 1
+            self._prev_step, self._prev_chain = self._event(lineno, self.events[n_event], linked)
+            return None
+        m = RECORD_LINE.fullmatch(line) if prev_chain is not None else None
+        if m is not None:  # the writer's layout: chain checked on the bytes
+            g = m.groups()
+            step = int(g[3])
             if (
-                prev_chain is not None
-                and not (fast and fast[1])
-                and chain_next(prev_chain, rec) != chain
+                step == prev_step + 1
+                and g[5] != b"1"  # format 1 records are "unbound": the general path
+                and hashlib.sha256(prev_chain.encode() + line[:-76] + b"}").hexdigest()
+                == g[6].decode()
             ):
-                self._problem(
-                    lineno, step, "chain",
-                    f"line {lineno}: record of step {step}: its chain does not follow from the "
-                    "record before it (a record was edited, inserted or deleted)",
-                )  # fmt: skip
-            prev_step, prev_chain = step, chain
-            if step in wanted:
-                linked[step] = chain
-            if self._min_after[n_event] >= step:  # no later event supersedes it
-                if rec.get("v", 1) < 2:
-                    if self.unbound and self.unbound[-1][1] == step - 1:
-                        self.unbound[-1][1] = step
-                    else:
-                        self.unbound.append([step, step])
-                yield tuple(rec.get(k) for k in FIELDS)
+                self._prev_step, self._prev_chain = step, g[6].decode()
+                if step in self._wanted:
+                    linked[step] = self._prev_chain
+                if self._min_after[n_event] >= step:
+                    return (step, int(g[0]), int(g[2]), g[1].decode(),
+                            None if g[4] is None else g[4].decode(), int(g[5]), self._prev_chain)  # fmt: skip
+                return None
+        fast = chain_of_line(prev_chain, line) if prev_chain is not None else None
+        rec = fields_of_line(line) if fast and fast[1] else None
+        if rec is None:
+            rec = self._parse(lineno, line)
+        if "event" in rec:  # an event the first pass missed: the file changed meanwhile
+            raise TrackerError(f"{self.path} changed while it was read (line {lineno})")
+        try:
+            step = int(rec["step"])
+            chain = str(rec["chain"])
+        except (TypeError, ValueError, OverflowError) as e:
+            raise TrackerError(
+                f"{self.path}:{lineno}: a field has the wrong type ({e}); the log is corrupt"
+            ) from None
+        if prev_step is None:
+            self._problem(
+                lineno, step, "orphan", f"line {lineno}: step {step} before any start event"
+            )
+        elif step > prev_step + 1:  # the first bad step is the first missing one
+            gap = prev_step + 1
+            what = f"step {gap} is" if gap == step - 1 else f"steps {gap}..{step - 1} are"
+            self._problem(
+                lineno, gap, "order",
+                f"line {lineno}: {what} missing before the record of step {step} (deleted?)",
+            )  # fmt: skip
+        elif step <= prev_step:
+            self._problem(
+                lineno, step, "order",
+                f"line {lineno}: record of step {step} follows step {prev_step} "
+                "(repeated or out of order)",
+            )  # fmt: skip
+        if (
+            prev_chain is not None
+            and not (fast and fast[1])
+            and chain_next(prev_chain, rec) != chain
+        ):
+            self._problem(
+                lineno, step, "chain",
+                f"line {lineno}: record of step {step}: its chain does not follow from the "
+                "record before it (a record was edited, inserted or deleted)",
+            )  # fmt: skip
+        self._prev_step, self._prev_chain = step, chain
+        if step in self._wanted:
+            linked[step] = chain
+        if self._min_after[n_event] >= step:  # no later event supersedes it
+            if rec.get("v", 1) < 2:
+                if self.unbound and self.unbound[-1][1] == step - 1:
+                    self.unbound[-1][1] = step
+                else:
+                    self.unbound.append([step, step])
+            return tuple(rec.get(k) for k in FIELDS)
+        return None
 
     def _event(
         self, lineno: int, e: dict[str, Any], linked: dict[int, str]
     ) -> tuple[int, str | None]:
-        k = int(e.get("from_step", 0))
+        k, chain = int(e.get("from_step", 0)), e.get("chain")  # from_step checked by the scan
+        if chain is not None and not isinstance(chain, str):
+            self._problem(
+                lineno, None, "event",
+                f"line {lineno}: a {e.get('event')} event whose chain is {chain!r}, not a hex "
+                "string (the event was edited)",
+            )  # fmt: skip
+            linked.clear()
+            return k, None
         for s in [s for s in linked if s > k]:
             del linked[s]
-        chain = e.get("chain")
         if e.get("event") == "start":
             linked.clear()
             fp = e.get("data_config_fingerprint")
@@ -311,7 +450,7 @@ class LogReader:
 
     def check(self) -> LogReader:
         """Run the integrity check without keeping records."""
-        for _ in self.records():
+        for _ in self.batches():
             pass
         return self
 
@@ -352,25 +491,51 @@ def read_log(path: str | os.PathLike) -> LogContents:
     )
 
 
+def record_of_row(row: tuple) -> dict[str, Any]:
+    """A ``FIELDS`` tuple as a record dict (absent fields left out)."""
+    rec = dict(zip(FIELDS, row, strict=True))
+    if rec["tokens_digest"] is None:
+        del rec["tokens_digest"]
+    if rec["v"] is None:
+        del rec["v"]
+    return rec
+
+
+def rows_of_batches(batches: Iterator[RecordRun | list[tuple]]) -> Iterator[tuple]:
+    for batch in batches:
+        if isinstance(batch, RecordRun):
+            for i in range(len(batch)):
+                yield batch.row(i)
+        else:
+            yield from batch
+
+
 # ---------------------------------------------------------------- in another process
 
 _BLOCK = 4096
 
 
 def _serve(path: str, conn: Any) -> None:
-    """Child process: stream a log's effective records to ``conn`` in blocks of tuples,
-    then one summary dict (or an error string)."""
+    """Child process: stream a log's effective records to ``conn`` in batches
+    (``RecordRun`` columns, or lists of row tuples), then one summary dict (or an
+    error string)."""
     try:
         reader = LogReader(path)
         conn.send(("events", reader.events, reader.truncated_tail))
-        block: list[tuple] = []
-        for row in reader.rows():
-            block.append(row)
-            if len(block) == _BLOCK:
-                conn.send(("records", block))
-                block = []
-        if block:
-            conn.send(("records", block))
+        rows: list[tuple] = []
+        for batch in reader.batches():
+            if isinstance(batch, RecordRun):
+                if rows:
+                    conn.send(("batch", rows))
+                    rows = []
+                conn.send(("batch", batch))
+                continue
+            rows += batch
+            if len(rows) >= _BLOCK:
+                conn.send(("batch", rows))
+                rows = []
+        if rows:
+            conn.send(("batch", rows))
         conn.send(
             (
                 "done",
@@ -394,8 +559,8 @@ def _serve(path: str, conn: Any) -> None:
 
 class ForkedLogReader:
     """A ``LogReader`` whose work runs in a child process (records streamed back in
-    blocks through a pipe: memory stays bounded), so two logs are checked on two
-    cores at once. Same attributes as ``LogReader`` once ``records()`` is exhausted."""
+    batches through a pipe: memory stays bounded), so two logs are checked on two
+    cores at once. Same attributes as ``LogReader`` once ``batches()`` is exhausted."""
 
     def __init__(self, path: str | os.PathLike) -> None:
         import multiprocessing as mp
@@ -423,22 +588,23 @@ class ForkedLogReader:
             raise TrackerError(msg[1])
         return msg
 
-    def records(self) -> Iterator[dict[str, Any]]:
+    def batches(self) -> Iterator[RecordRun | list[tuple]]:
         try:
             while True:
                 kind, payload = self._recv()
                 if kind == "done":
                     self.__dict__.update(payload)
                     return
-                for values in payload:
-                    rec = dict(zip(FIELDS, values, strict=True))
-                    if rec["tokens_digest"] is None:
-                        del rec["tokens_digest"]
-                    if rec["v"] is None:
-                        del rec["v"]
-                    yield rec
+                yield payload
         finally:
             self._conn.close()
             self._proc.join()
+
+    def rows(self) -> Iterator[tuple]:
+        return rows_of_batches(self.batches())
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        for row in self.rows():
+            yield record_of_row(row)
 
     event_for = LogReader.event_for

@@ -1,0 +1,252 @@
+"""Store values and the store cache (``data.cache``): raw inputs are prepared once into
+a stat-keyed entry whose store equals ``zephon prepare``'s, found again without reading
+the corpus, rebuilt when a file changes, refused clearly when bad; the lock serializes
+builders and a failed build leaves nothing behind."""
+
+from __future__ import annotations
+
+import builtins
+import errno
+import fcntl
+import io
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.data.conftest import corpus_text
+from torchtitan_zephon.data import cache
+from torchtitan_zephon.data.cache import RawInputs, store_location
+from torchtitan_zephon.data.mixture import MixtureConfig
+from torchtitan_zephon.data.prepare import prepare_store
+from torchtitan_zephon.data.store import StoreError, TokenStore
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch) -> Path:
+    monkeypatch.delenv(cache.CACHE_ENV, raising=False)
+    monkeypatch.setattr(cache, "_located", {})  # every test resolves from scratch
+    return tmp_path / "cache"
+
+
+@pytest.fixture
+def corpus(tmp_path) -> Path:
+    root = tmp_path / "corpus"
+    (root / "sub").mkdir(parents=True)
+    for k in range(3):
+        with open(root / f"part{k}.jsonl", "w") as f:
+            for d in range(20):
+                f.write(json.dumps({"text": corpus_text(10 * k + d, 40), "id": d}) + "\n")
+    (root / "sub" / "notes.txt").write_text(corpus_text(99, 60))
+    return root
+
+
+def raw(tokenizer_dir: Path, cache_dir: Path, **kw) -> RawInputs:
+    return RawInputs(tokenizer=str(tokenizer_dir), cache_dir=str(cache_dir), **kw)
+
+
+def entries(cache_dir: Path) -> list[str]:
+    return sorted(p.name for p in cache_dir.iterdir() if p.is_dir()) if cache_dir.exists() else []
+
+
+def test_raw_inputs_prepare_what_zephon_prepare_makes_however_spelled(
+    tmp_path, tokenizer_dir, cache_dir, corpus
+):
+    reference = prepare_store(
+        [str(corpus)], str(tokenizer_dir), str(tmp_path / "s"), progress=False
+    )
+    opts = raw(tokenizer_dir, cache_dir, workers=2)
+    spellings = [
+        str(corpus),
+        f"{corpus}/*",
+        f"{corpus}/part0.jsonl,{corpus}/part1.jsonl, {corpus}/part2.jsonl,{corpus}/sub",
+        os.path.relpath(corpus) + "/",
+    ]
+    located = set()
+    for value in spellings:
+        cache._located.clear()
+        location = store_location(value, opts)
+        assert TokenStore.open(location).fingerprint == reference.fingerprint, value
+        located.add(location)
+    assert len(located) == 1 and entries(cache_dir) == [located.pop().name]
+    (record,) = cache_dir.glob("raw-*.json")  # what the entry was prepared from
+    info = json.loads(record.read_text())
+    assert info["fingerprint"] == reference.fingerprint and info["text_field"] == "text"
+    assert [s["sha256"] for s in info["sources"]] == [
+        s["sha256"] for s in reference.manifest["sources"]
+    ]
+
+
+def test_a_hit_reads_no_input_file(tokenizer_dir, cache_dir, corpus, monkeypatch):
+    opts = raw(tokenizer_dir, cache_dir)
+    first = store_location(str(corpus), opts)
+    cache._located.clear()
+
+    def no_prepare(*a, **k):
+        raise AssertionError("prepared again")
+
+    real_open, real_io_open = builtins.open, io.open
+
+    def guarded(opener):
+        def open_(file, *a, **k):
+            if isinstance(file, (str, os.PathLike)) and str(corpus) in os.path.realpath(file):
+                raise AssertionError(f"read {file}")
+            return opener(file, *a, **k)
+
+        return open_
+
+    monkeypatch.setattr("torchtitan_zephon.data.prepare.prepare_store", no_prepare)
+    monkeypatch.setattr(builtins, "open", guarded(real_open))
+    monkeypatch.setattr(io, "open", guarded(real_io_open))
+    with pytest.raises(AssertionError, match="read"):  # the guard works
+        (corpus / "part0.jsonl").read_bytes()
+    assert store_location(str(corpus), opts) == first
+
+
+@pytest.mark.parametrize("change", ["mtime", "size"])
+def test_a_changed_file_makes_another_entry(tokenizer_dir, cache_dir, corpus, change):
+    opts = raw(tokenizer_dir, cache_dir)
+    first = store_location(str(corpus), opts)
+    f = corpus / "part1.jsonl"
+    if change == "mtime":  # same bytes, touched: stats are all the key knows
+        st = f.stat()
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    else:
+        with open(f, "a") as fh:
+            fh.write(json.dumps({"text": "one more document"}) + "\n")
+    cache._located.clear()
+    second = store_location(str(corpus), opts)
+    assert second != first and entries(cache_dir) == sorted([first.name, second.name])
+    same = TokenStore.open(first).fingerprint == TokenStore.open(second).fingerprint
+    assert same == (change == "mtime")
+
+
+@pytest.mark.parametrize(
+    "value, tokenizer, message",
+    [
+        (
+            "{c}/missing.jsonl",
+            None,
+            r"token store '.*/missing.jsonl' does not exist.*or raw inputs",
+        ),
+        ("{c}/*.parquet", None, r"input pattern '.*/\*.parquet' matches no file"),
+        ("{c}/part0.jsonl,{c}/gone.jsonl", None, r"input '.*/gone.jsonl' \(in .*\) does not exist"),
+        ("{c}", "{t}/none", r"tokenizer.json in the tokenizer folder = '.*/none', but it does not"),
+        ("{c}", "{c}/sub", r"but it holds \['notes.txt'\]"),
+    ],
+)
+def test_bad_raw_inputs_are_refused_before_anything_is_written(
+    tmp_path, tokenizer_dir, cache_dir, corpus, value, tokenizer, message
+):
+    opts = RawInputs(
+        tokenizer=(tokenizer or str(tokenizer_dir)).format(t=tmp_path, c=corpus),
+        cache_dir=str(cache_dir),
+    )
+    with pytest.raises(StoreError, match=message):
+        store_location(value.format(c=corpus), opts)
+    assert not cache_dir.exists()
+
+
+def test_raw_inputs_without_a_tokenizer_are_refused(corpus):
+    with pytest.raises(StoreError, match="names raw inputs, not a token store.*zephon prepare"):
+        store_location(str(corpus))
+
+
+def test_store_folders_stay_stores(tmp_path, store_path, cache_dir):
+    assert store_location(str(store_path)) == store_path
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokens.bin").write_bytes(b"\0" * 8)  # a store whose manifest is missing
+    assert store_location(str(broken), raw(tmp_path, cache_dir)) == broken
+    with pytest.raises(StoreError, match="no manifest.json"):
+        TokenStore.open(store_location(str(broken)))
+
+
+def test_a_corrupt_file_is_named_and_leaves_no_entry(tokenizer_dir, cache_dir, corpus):
+    with open(corpus / "part1.jsonl", "a") as f:
+        f.write('{"text": "cut off\n')
+    with pytest.raises(StoreError, match=r"part1.jsonl:21: invalid JSON"):
+        store_location(str(corpus), raw(tokenizer_dir, cache_dir))
+    assert entries(cache_dir) == []  # no entry, no staging folder
+    assert [p.name for p in cache_dir.iterdir() if p.name.startswith(".")] == []
+    (lock,) = cache_dir.glob("*.lock")
+    with open(lock) as fh:  # released
+        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def test_waiters_wait_for_the_lock_holder_and_say_so(tokenizer_dir, cache_dir, corpus):
+    """A process that finds the entry's lock held waits (saying who holds it), then finds
+    or builds the entry."""
+    said: list[str] = []
+    opts = raw(tokenizer_dir, cache_dir, log=said.append)
+    cache_dir.mkdir()
+    result: list[Path] = []
+    # the entry's name, as the waiter will compute it: ask once in an empty cache copy
+    probe = store_location(str(corpus), raw(tokenizer_dir, cache_dir / "probe"))
+    cache._located.clear()
+    with open(cache_dir / f"{probe.name}.lock", "a+") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("node-7 pid 42\n")
+        held.flush()
+        waiter = threading.Thread(target=lambda: result.append(store_location(str(corpus), opts)))
+        waiter.start()
+        deadline = time.monotonic() + 60
+        while not said and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert waiter.is_alive() and not result
+        assert said and said[0].startswith("waiting for node-7 pid 42 to prepare the raw inputs")
+        fcntl.flock(held, fcntl.LOCK_UN)
+    waiter.join(120)
+    assert result == [cache_dir / probe.name]
+    assert TokenStore.open(result[0]).fingerprint == TokenStore.open(probe).fingerprint
+
+
+def test_without_flock_each_process_builds_and_the_first_wins(
+    tokenizer_dir, cache_dir, corpus, monkeypatch
+):
+    def refuse(fh, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    said: list[str] = []
+    monkeypatch.setattr(cache.fcntl, "flock", refuse)
+    location = store_location(str(corpus), raw(tokenizer_dir, cache_dir, log=said.append))
+    assert TokenStore.open(location).num_documents == 61
+    assert any("refuses file locks" in s for s in said)
+    assert [p.name for p in cache_dir.iterdir() if p.name.startswith(".")] == []
+
+
+def test_an_edited_entry_is_refused(tokenizer_dir, cache_dir, corpus):
+    opts = raw(tokenizer_dir, cache_dir)
+    location = store_location(str(corpus), opts)
+    manifest = json.loads((location / "manifest.json").read_text())
+    manifest["sources"][0]["size"] += 1
+    (location / "manifest.json").write_text(json.dumps(manifest))
+    cache._located.clear()
+    with pytest.raises(StoreError, match=r"cache entry .* does not hold what its key promises"):
+        store_location(str(corpus), opts)
+
+
+def test_mixture_sources_name_raw_inputs_relative_to_the_file(
+    tmp_path, tokenizer_dir, cache_dir, corpus
+):
+    (tmp_path / "mix.toml").write_text(
+        '[[source]]\nname = "jsonl"\nstore = "corpus/part0.jsonl,corpus/part1.jsonl"\n'
+        '[[source]]\nname = "notes"\nstore = "corpus/sub"\n'
+        "[[schedule]]\nfrom_step = 1\nweights = { jsonl = 1, notes = 1 }\n"
+    )
+    config = MixtureConfig.load(tmp_path / "mix.toml")
+    assert config.sources[0].store == f"{tmp_path}/corpus/part0.jsonl,{tmp_path}/corpus/part1.jsonl"
+    stores = config.open_stores(raw=raw(tokenizer_dir, cache_dir))
+    expected = prepare_store(
+        [f"{corpus}/part0.jsonl", f"{corpus}/part1.jsonl"],
+        str(tokenizer_dir),
+        str(tmp_path / "s"),
+        progress=False,
+    )
+    assert stores["jsonl"].fingerprint == expected.fingerprint
+    assert stores["notes"].num_documents == 1
+    with pytest.raises(Exception, match="mixture source 'jsonl': .* names raw inputs"):
+        config.open_stores()
