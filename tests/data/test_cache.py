@@ -1,7 +1,7 @@
 """Store values and the store cache (``data.cache``): raw inputs are prepared once into
 a stat-keyed entry whose store equals ``zephon prepare``'s, found again without reading
 the corpus, rebuilt when a file changes, refused clearly when bad; the lock serializes
-builders and a failed build leaves nothing behind."""
+builders and a failed build leaves no entry (only the parts prepare finished, for the next run)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tests.data.conftest import corpus_text
 from torchtitan_zephon.data import cache
 from torchtitan_zephon.data.cache import RawInputs, store_location
 from torchtitan_zephon.data.mixture import MixtureConfig
+from torchtitan_zephon.data.parts import finished_parts
 from torchtitan_zephon.data.prepare import prepare_store
 from torchtitan_zephon.data.store import StoreError, TokenStore
 
@@ -165,16 +166,33 @@ def test_store_folders_stay_stores(tmp_path, store_path, cache_dir):
         TokenStore.open(store_location(str(broken)))
 
 
-def test_a_corrupt_file_is_named_and_leaves_no_entry(tokenizer_dir, cache_dir, corpus):
+def test_a_corrupt_file_is_named_leaves_no_entry_and_its_fix_resumes(
+    tokenizer_dir, cache_dir, corpus
+):
+    """A failed build leaves no entry and frees the lock; the parts prepare finished
+    stay where its message says, and the run after the fix reuses them."""
+    good = (corpus / "part1.jsonl").read_text()
     with open(corpus / "part1.jsonl", "a") as f:
         f.write('{"text": "cut off\n')
-    with pytest.raises(StoreError, match=r"part1.jsonl:21: invalid JSON"):
+    with pytest.raises(StoreError, match=r"part1.jsonl:21: invalid JSON") as e:
         store_location(str(corpus), raw(tokenizer_dir, cache_dir))
-    assert entries(cache_dir) == []  # no entry, no staging folder
-    assert [p.name for p in cache_dir.iterdir() if p.name.startswith(".")] == []
+    assert [e for e in entries(cache_dir) if not e.startswith(".")] == []  # no entry
     (lock,) = cache_dir.glob("*.lock")
     with open(lock) as fh:  # released
         fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    (building,) = [p for p in cache_dir.iterdir() if p.name.startswith(".")]
+    kept = building / ".store.prepare"
+    assert f"kept in {kept}" in str(e.value) and finished_parts(kept) == 1  # part0.jsonl, before it
+    (corpus / "part1.jsonl").write_text(good)
+    cache._located.clear()
+    path = store_location(str(corpus), raw(tokenizer_dir, cache_dir))
+    assert (
+        TokenStore.open(path).fingerprint
+        == prepare_store(
+            [str(corpus)], str(tokenizer_dir), str(corpus.parent / "ref"), progress=False
+        ).fingerprint
+    )
+    assert [p.name for p in cache_dir.iterdir() if p.name.startswith(".")] == []
 
 
 def test_waiters_wait_for_the_lock_holder_and_say_so(tokenizer_dir, cache_dir, corpus):
@@ -187,7 +205,8 @@ def test_waiters_wait_for_the_lock_holder_and_say_so(tokenizer_dir, cache_dir, c
     # the entry's name, as the waiter will compute it: ask once in an empty cache copy
     probe = store_location(str(corpus), raw(tokenizer_dir, cache_dir / "probe"))
     cache._located.clear()
-    with open(cache_dir / f"{probe.name}.lock", "a+") as held:
+    (lock,) = (cache_dir / "probe").glob("raw-work-*.lock")  # the inputs' lock, by name
+    with open(cache_dir / lock.name, "a+") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("node-7 pid 42\n")
         held.flush()

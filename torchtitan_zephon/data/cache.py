@@ -23,8 +23,10 @@ Invariants:
   sources (names, sizes) are checked against the listing; the entry's
   ``<entry>.json`` records the inputs and their content hashes.
 - An entry that exists is complete: it appears by one rename, after its build
-  succeeded. A build that fails leaves no entry and no staging folder, and the
-  lock is released (the kernel drops it if the process dies).
+  succeeded. A build that fails leaves no entry and the lock is released (the
+  kernel drops it if the process dies); prepare's finished parts stay in the
+  staging folder ``.<entry>.building`` (its message names them), so the next
+  holder continues where it stopped; with nothing finished the folder goes.
 - Under the lock one process builds an entry: once per machine with the cache on
   local disk, once per cluster on a shared filesystem whose ``flock`` works
   across machines. Where ``flock`` is unavailable (the filesystem refuses it)
@@ -117,8 +119,13 @@ def build_once(
     *,
     what: str = "a store",
     log: Log | None = None,
+    work: str = "",
 ) -> Path:
     """The entry ``out`` (a store folder in the cache), built by ``build(dest)`` on first use.
+
+    ``work`` names the lock and the staging folder (default: the entry's name): entries
+    that are versions of the same inputs share them, so a build after a failed one of
+    an earlier version finds its finished work.
 
     ``build`` must create a complete store at ``dest`` (a path that does not exist
     yet) or raise; the store is then renamed to ``out``. ``what`` and ``log`` name
@@ -128,7 +135,8 @@ def build_once(
         return out
     root = out.parent
     root.mkdir(parents=True, exist_ok=True)
-    with open(root / f"{out.name}.lock", "a+") as fh:
+    work = work or out.name
+    with open(root / f"{work}.lock", "a+") as fh:
         locked = _wait_for_lock(fh, what, log)
         try:
             if (out / MANIFEST).is_file():  # another process built it meanwhile
@@ -138,9 +146,9 @@ def build_once(
                 fh.truncate()
                 fh.write(_holder() + "\n")
                 fh.flush()
-                # Only the holder writes here: a build killed midway leaves its work for
-                # the next holder (a resumable build can reuse it); a failure removes it.
-                staging = root / f".{out.name}.building"
+                # Only the holder writes here: a build killed or failed midway leaves its
+                # work for the next holder (prepare reuses its finished parts; it says so).
+                staging = root / f".{work}.building"
             else:
                 if log is not None:
                     log(
@@ -149,15 +157,20 @@ def build_once(
                         "cache on local disk (ZEPHON_CACHE) or prepare ahead with `zephon "
                         "prepare` to do the work once."
                     )
-                staging = root / f".{out.name}.building-{uuid.uuid4().hex}"
-            _build_into(staging, out, build)
+                staging = root / f".{work}.building-{uuid.uuid4().hex}"
+            _build_into(staging, out, build, keep_on_failure=locked)
         finally:
             if locked:
                 fcntl.flock(fh, fcntl.LOCK_UN)
     return out
 
 
-def _build_into(staging: Path, out: Path, build: Callable[[Path], None]) -> None:
+def _build_into(
+    staging: Path, out: Path, build: Callable[[Path], None], *, keep_on_failure: bool
+) -> None:
+    """Build into ``staging``/store and rename it to ``out``. After a failure the staging
+    folder stays for the next holder when ``keep_on_failure`` and the build left work
+    in it (prepare's finished parts), else it is removed."""
     dest = staging / "store"
     if dest.exists():  # complete but never moved: a holder died between the two renames
         shutil.rmtree(dest)
@@ -170,7 +183,8 @@ def _build_into(staging: Path, out: Path, build: Callable[[Path], None]) -> None
             if not (out / MANIFEST).is_file():  # not a lost race with another builder
                 raise
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if not (keep_on_failure and staging.is_dir() and any(staging.iterdir())):
+            shutil.rmtree(staging, ignore_errors=True)
         raise
     shutil.rmtree(staging, ignore_errors=True)
 
@@ -294,6 +308,10 @@ def raw_store(value: str, raw: RawInputs) -> Path:
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     out = root / f"raw-{digest[:24]}"
+    # The same inputs at any sizes and mtimes: one lock and staging folder, so a build
+    # after a failure (a corrupt file, since fixed) reuses the parts already finished.
+    key["files"] = [row[:3] for row in listing]
+    work = "raw-work-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     if not (out / MANIFEST).is_file():
 
         def build(dest: Path) -> None:
@@ -326,7 +344,7 @@ def raw_store(value: str, raw: RawInputs) -> Path:
                     f"{store.num_tokens} tokens, fingerprint {store.fingerprint[:16]}..."
                 )
 
-        build_once(out, build, what=f"the raw inputs {value!r}", log=raw.log)
+        build_once(out, build, what=f"the raw inputs {value!r}", log=raw.log, work=work)
     manifest = _read_manifest(out)
     _check_entry(manifest, sources, listing, out, value)
     if manifest.get("tokenizer", {}).get("sha256") != tokenizer_sha or (
