@@ -502,3 +502,26 @@ def test_reader_error_with_workers_stops_them(tmp_path, tokenizer_dir, corpus_di
         prepare_store([str(tmp_path / "in")], str(tokenizer_dir), str(tmp_path / "out"), workers=2)
     _kept_staging(tmp_path, str(failed.value))
     assert not [c for c in _children(os.getpid()) if _is_worker(c)]
+
+
+def test_a_second_prepare_of_the_same_output_is_refused_while_one_runs(
+    tmp_path, tokenizer_dir, corpus_dir
+):
+    """Rank 0 holds a lock beside the output for the whole prepare: another prepare of
+    that output is refused naming the holder and writes nothing; once free, it runs."""
+    import fcntl
+
+    out = tmp_path / "store"
+    with open(tmp_path / ".store.prepare.lock", "a+") as held:  # a prepare in progress
+        fcntl.flock(held, fcntl.LOCK_EX)
+        held.write("node-3 pid 77\n")
+        held.flush()
+        before = sorted(p.name for p in tmp_path.iterdir())
+        with pytest.raises(
+            StoreError, match=r"another prepare \(node-3 pid 77\) is writing .*store"
+        ):
+            prepare_store([str(corpus_dir)], str(tokenizer_dir), str(out), progress=False)
+        assert sorted(p.name for p in tmp_path.iterdir()) == before
+        fcntl.flock(held, fcntl.LOCK_UN)
+    store = prepare_store([str(corpus_dir)], str(tokenizer_dir), str(out), progress=False)
+    assert store.num_tokens > 0 and not (tmp_path / ".store.prepare").exists()

@@ -21,8 +21,10 @@ Invariants:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ import numpy as np
 import xxhash
 
 from torchtitan_zephon.data.digest import canonical_json
-from torchtitan_zephon.data.store import CHECKSUMS, DOC_OFFSETS, TOKENS, pwrite_all
+from torchtitan_zephon.data.store import CHECKSUMS, DOC_OFFSETS, TOKENS, StoreError, pwrite_all
 
 PARTS = "parts"
 ASSEMBLY = "store"
@@ -41,6 +43,57 @@ _BLOCK = 1 << 24
 def staging_folder(output: Path) -> Path:
     """The staging folder of a prepare writing ``output``: a hidden sibling of it."""
     return output.parent / f".{output.name}.prepare"
+
+
+class WriterLock:
+    """Rank 0's exclusive ``flock`` on ``.<name>.prepare.lock`` beside the output, held
+    for a whole prepare, so two prepares never write one staging folder or output
+    (the second is refused, naming the holder). The file is removed on release (a
+    locker checks it still holds the file at that path, so the removal cannot let
+    two in). Where the filesystem refuses locks, nothing is locked."""
+
+    def __init__(self, output: Path) -> None:
+        self.path = output.parent / f".{output.name}.prepare.lock"
+        self._fh: Any = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        while True:
+            fh = open(self.path, "a+")
+            try:
+                fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                fh.seek(0)
+                holder = fh.read().strip() or "another process"
+                fh.close()
+                output = self.path.parent / self.path.name[1 : -len(".prepare.lock")]
+                raise StoreError(
+                    f"another prepare ({holder}) is writing {output}; wait for it to "
+                    f"finish, or stop it first (its lock: {self.path})."
+                ) from None
+            except OSError:  # no locks on this filesystem
+                fh.close()
+                self.path.unlink(missing_ok=True)
+                return
+            try:
+                same = os.stat(self.path).st_ino == os.fstat(fh.fileno()).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                break
+            fh.close()  # the holder before us removed it: lock the new file
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{socket.gethostname()} pid {os.getpid()}\n")
+        fh.flush()
+        self._fh = fh
+
+    def release(self) -> None:
+        if self._fh is not None:
+            self.path.unlink(missing_ok=True)
+            fcntl.flock(self._fh, fcntl.LOCK_UN)
+            self._fh.close()
+            self._fh = None
 
 
 def part_key(identity: dict[str, Any]) -> str:

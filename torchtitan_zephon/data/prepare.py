@@ -22,7 +22,9 @@ number of ranks or workers, the unit size, chunking, absolute paths, timing or
 how many earlier runs were interrupted. The output path holds either nothing
 or a complete store (renamed into place last). A prepare that fails or is
 interrupted keeps its finished parts in ``.<name>.prepare`` beside the output
-(its error names the folder); the same command run again reuses them. An input
+(its error names the folder); the same command run again reuses them. Two
+prepares of one output never run at once: rank 0 holds ``WriterLock`` (flock)
+throughout, and a second prepare is refused naming the holder. An input
 that changes while a prepare reads it is an error (size and modification time
 checked before and after each unit and at the end, the unit's bytes hashed).
 """
@@ -51,6 +53,7 @@ from torchtitan_zephon.data.parts import (
     PARTS,
     RANKS_FILE,
     PartWriter,
+    WriterLock,
     create_store_files,
     finished_parts,
     load_part,
@@ -222,6 +225,8 @@ def prepare_store(
             + ". Every rank must run the same command on the same files (a filesystem all "
             "ranks share)."
         )
+    lock = WriterLock(out)
+    _together(ranks, lambda: lock.acquire() if ranks.rank == 0 else None)
     try:
         _together(ranks, lambda: _open_staging(ranks, mine, staging))
         _together(ranks, lambda: _check_shared(ranks, mine, staging))
@@ -235,6 +240,8 @@ def prepare_store(
         if not note and ranks.world_size == 1:
             raise
         raise PrepareFailed(f"{e}{' ' + note if note else ''}") from e
+    finally:
+        lock.release()
     cpu = sum(ranks.all_gather_object(_cpu_seconds() - cpu0))
     if report is not None:
         report.update(
