@@ -58,6 +58,7 @@ from torchtitan_zephon.data.store import StoreError, StoreGroup, TokenStore
 SOURCE_SHIFT = 40
 """Bits of a sample key that hold the sample id: 2^40 (~10^12) samples per source."""
 ID_MASK = (1 << SOURCE_SHIFT) - 1
+_SHIFT, _MASK = np.int64(SOURCE_SHIFT), np.int64(ID_MASK)  # as numpy scalars: no conversion
 
 
 def make_keys(sources: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -68,7 +69,7 @@ def make_keys(sources: np.ndarray, ids: np.ndarray) -> np.ndarray:
 def split_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(source index, sample id) arrays (int64) of sample keys."""
     k = np.asarray(keys, dtype=np.int64)
-    return k >> SOURCE_SHIFT, k & ID_MASK
+    return k >> _SHIFT, k & _MASK
 
 
 class StreamPlan(Protocol):
@@ -437,15 +438,7 @@ class MixtureSource:
 
     def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
         sources, ids = split_keys(np.asarray(keys, dtype=np.int64).ravel())
-        src = sources.tolist()  # a micro-batch's few keys: plain Python from here
-        lo, hi = (min(src), max(src)) if src else (0, 0)
-        if lo < 0 or hi >= len(self.stores):
-            raise IndexError(
-                f"sample keys name sources in [{lo}, {hi}], the mixture has {len(self.stores)}."
-            )
-        if lo == hi:
-            return self.stores[lo].windows(ids, seq_len)
-        return self.group.windows(src, ids.tolist(), seq_len)
+        return self.group.windows(sources, ids, seq_len)
 
     def id_limit(self, vocab_size: int | None) -> int | None:
         limits = [store_id_limit(st, vocab_size) for st in self.stores]
