@@ -114,6 +114,7 @@ def test_mixture(capsys):
     for k in ("1", "10", "100"):
         assert r["tokens_ratio"][k] == pytest.approx(tp[f"sources_{k}"] / tp["single"])
         assert r["tokens_ratio_cpu"][k] == pytest.approx(cpu[f"sources_{k}"] / cpu["single"])
+        assert 0 < r["tokens_ratio_cpu_paired"][k] < float("inf")
     assert r["meets"]["tokens_ratio_100"] == (r["tokens_ratio_cpu"]["100"] >= 0.8)
     assert r["plan_ratio"] == pytest.approx(r["plan_s"]["1000000000"] / r["plan_s"]["10"])
     assert 0 < r["state_bytes"] < 64 * 1024 and r["meets"]["state_bytes"]

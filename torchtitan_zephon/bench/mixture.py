@@ -13,11 +13,14 @@ state of that mixture in bytes.
 
 Invariant: all loaders yield ``batch x seq_len`` input tokens per call and are
 timed in interleaved rounds (the median round; tokens per CPU second beside
-tokens/s: the work per token, which a busy machine does not change), the two
+tokens/s: the work per token, which a busy machine changes less), the two
 plan steps call by call (the fastest call: on a shared machine the others
 measure the neighbours), so load from other processes hits them alike; ratios
 come from figures of the same run. The loaders run in one process, so the
-target is judged on tokens per CPU second. Plan and restore calls find no
+target is judged on tokens per CPU second. Beside the ratio of the medians, the
+median of the per-round ratios (``tokens_ratio_cpu_paired``: each mixture
+against the single store of the same round, a second or two apart) shows how
+much of a difference is drift in the machine's load. Plan and restore calls find no
 permutation cached for their step (the other step's calls evict them), as after
 a restore.
 """
@@ -52,7 +55,7 @@ DEFAULTS = {
     "seconds": 3.0,
     "seq_len": 2048,
     "batch": 8,
-    "rounds": 5,
+    "rounds": 15,
     "repeats": 60,
     "source_tokens": 1 << 19,
     "warmup_batches": 20_000,
@@ -118,10 +121,10 @@ def _loader(source: Any, seq_len: int, batch: int, gbs: int | None = None) -> Ze
 
 def loader_rates(
     loaders: dict[str, ZephonLoader], tokens_per_batch: int, seconds: float, rounds: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """(tokens/s, tokens per CPU second) of each loader: the median of interleaved rounds
-    (``measure.round_rate``: what a loader prefetched during the others' turns is drawn
-    untimed first)."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(tokens/s, tokens per CPU second) of each loader in each of ``rounds`` interleaved
+    rounds (``measure.round_rate``: what a loader prefetched during the others' turns is
+    drawn untimed first)."""
     wall: dict[str, list[float]] = {k: [] for k in loaders}
     cpu: dict[str, list[float]] = {k: [] for k in loaders}
     for _ in range(rounds):
@@ -129,9 +132,13 @@ def loader_rates(
             w, c = round_rate(ld.__next__, tokens_per_batch, seconds / rounds)
             wall[name].append(w)
             cpu[name].append(c)
-    return (
-        {k: statistics.median(v) for k, v in wall.items()},
-        {k: statistics.median(v) for k, v in cpu.items()},
+    return wall, cpu
+
+
+def paired_ratio(rounds: dict[str, list[float]], name: str, reference: str) -> float:
+    """Median over rounds of ``name``'s rate over ``reference``'s rate in the same round."""
+    return statistics.median(
+        ratio(a, b) for a, b in zip(rounds[name], rounds[reference], strict=True)
     )
 
 
@@ -187,11 +194,11 @@ def run(opts: dict) -> dict:
                 next(ld)
                 n += 1
             res["warmup_batches"][name] = n
-        tp, tp_cpu = loader_rates(
-            loaders, batch * seq_len, o["seconds"] * len(loaders), o["rounds"]
-        )
+        wall, cpu = loader_rates(loaders, batch * seq_len, o["seconds"] * len(loaders), o["rounds"])
         for ld in loaders.values():
             ld.close()
+        tp = {k: statistics.median(v) for k, v in wall.items()}
+        tp_cpu = {k: statistics.median(v) for k, v in cpu.items()}
         res["tokens_per_s"] = tp
         res["tokens_per_cpu_s"] = tp_cpu
         res["tokens_ratio"] = {
@@ -199,6 +206,9 @@ def run(opts: dict) -> dict:
         }
         res["tokens_ratio_cpu"] = {
             str(k): ratio(tp_cpu[f"sources_{k}"], tp_cpu["single"]) for k in SOURCE_COUNTS
+        }
+        res["tokens_ratio_cpu_paired"] = {
+            str(k): paired_ratio(cpu, f"sources_{k}", "single") for k in SOURCE_COUNTS
         }
 
         # (2) plan and restore cost at step 10 vs 10^9: 100 sources, 10 schedule entries
@@ -253,7 +263,10 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
         )
     ]
     for k in SOURCE_COUNTS:
-        note = f"{r['source_samples']['min']:,}-{r['source_samples']['max']:,} samples a source"
+        note = (
+            f"{r['source_samples']['min']:,}-{r['source_samples']['max']:,} samples a source; "
+            f"per CPU s, median of rounds' ratios {r['tokens_ratio_cpu_paired'][str(k)]:.0%}"
+        )
         if k == SOURCE_COUNTS[-1]:
             note += f"; target per CPU s >= {TARGETS['tokens_ratio_100']:.0%}"
         out.append(
