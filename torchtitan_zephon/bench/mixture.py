@@ -6,7 +6,10 @@ overlapping when they do not fit side by side; the mixtures of 1 and 10 take
 the first of the 100; every mixture draws with equal weights. It measures, side by side in one
 run: (1) Zephon loader tokens/s on the single builtin store and on mixtures of
 1, 10 and 100 sources (same seq_len, batch and prefetch), in steady state (after
-every chunk was read once and checked); (2) the time to plan
+every chunk was read once and checked), and on one store of the 100 sources'
+tokens joined (``joined_store``: the 100 sources are ~25x the builtin store's
+tokens, and reads spread over more memory miss the caches more; against it, the
+100-source ratio is what the mixture itself costs); (2) the time to plan
 one global batch of a 100-source mixture with 10 schedule entries at step 10
 and at step 10^9 (and restore -> first batch at both); (3) the checkpointed data
 state of that mixture in bytes.
@@ -27,6 +30,8 @@ a restore.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import statistics
 import tempfile
@@ -44,7 +49,14 @@ from torchtitan_zephon.data.mixture import MixtureSpec, SpecSource, parse_schedu
 from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.source import MixtureSource, mixture_progress
 from torchtitan_zephon.data.state import DataState
-from torchtitan_zephon.data.store import TokenStore, slice_store
+from torchtitan_zephon.data.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    TokenStore,
+    manifest_fingerprint,
+    slice_store,
+    write_checksums,
+)
 
 SOURCE_COUNTS = (1, 10, 100)
 PLAN_STEPS = (10, 10**9)
@@ -84,6 +96,43 @@ def slices(store: TokenStore, k: int, tokens: int, root: Path) -> dict[str, Toke
         stop = int(ends[min(np.searchsorted(ends, start + tokens), len(ends) - 1)])
         out[f"src{i:03d}"] = slice_store(store, start, stop, root / f"src{i:03d}")
     return out
+
+
+def joined_store(stores: list[TokenStore], output: Path) -> TokenStore:
+    """One store holding the tokens of ``stores`` one after another (their documents
+    unchanged): a single store with the 100 sources' data volume, so the comparison
+    with it shows what drawing from many stores costs beyond reading more memory."""
+    output.mkdir()
+    blob = b"".join(np.asarray(st.tokens).tobytes() for st in stores)
+    starts = np.cumsum([0] + [st.num_tokens for st in stores[:-1]])
+    offsets = np.concatenate(
+        [np.asarray(st.doc_offsets) + a for st, a in zip(stores, starts, strict=True)]
+    )
+    (output / "tokens.bin").write_bytes(blob)
+    (output / "doc_offsets.bin").write_bytes(offsets.astype("<i8").tobytes())
+    m = stores[0].manifest
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": m["tokenizer"],
+        "dtype": m["dtype"],
+        "eos_id": m["eos_id"],
+        "num_tokens": len(blob) // stores[0].dtype.itemsize,
+        "num_documents": int(offsets.size),
+        "text_field": m.get("text_field", "text"),
+        "sources": [
+            {
+                "name": f"{len(stores)} stores joined",
+                "kind": "joined",
+                "sha256": hashlib.sha256(blob).hexdigest(),
+                "size": len(blob),
+            }
+        ],
+    }
+    manifest["content"] = write_checksums(output, manifest)
+    manifest["fingerprint"] = manifest_fingerprint(manifest)
+    (output / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return TokenStore.open(output)
 
 
 def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1) -> MixtureSource:
@@ -181,7 +230,11 @@ def run(opts: dict) -> dict:
         res["source_samples"] = {"min": min(sizes), "max": max(sizes)}
 
         # (1) loader tokens/s: one store vs mixtures of 1, 10, 100 sources
-        loaders = {"single": _loader(store, seq_len, batch)}
+        joined = joined_store(list(stores[max(SOURCE_COUNTS)].values()), Path(tmp) / "joined")
+        loaders = {
+            "single": _loader(store, seq_len, batch),
+            "single_joined": _loader(joined, seq_len, batch),
+        }
         for k in SOURCE_COUNTS:
             loaders[f"sources_{k}"] = _loader(mixture_source(stores[k], seq_len), seq_len, batch)
         # Steady state: the first read of each 64K-token chunk hashes it (the content
@@ -210,6 +263,10 @@ def run(opts: dict) -> dict:
         res["tokens_ratio_cpu_paired"] = {
             str(k): paired_ratio(cpu, f"sources_{k}", "single") for k in SOURCE_COUNTS
         }
+        # The 100 sources against one store of their tokens joined (same data volume).
+        big = f"sources_{max(SOURCE_COUNTS)}"
+        res["joined_ratio_cpu"] = ratio(tp_cpu[big], tp_cpu["single_joined"])
+        res["joined_ratio_cpu_paired"] = paired_ratio(cpu, big, "single_joined")
 
         # (2) plan and restore cost at step 10 vs 10^9: 100 sources, 10 schedule entries
         k = SOURCE_COUNTS[-1]
@@ -277,6 +334,14 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
                 note,
             )
         )
+    out.append(
+        (
+            "one store of the 100 sources joined | per CPU s",
+            f"{tp['single_joined'] / 1e6:,.0f} M | {cpu['single_joined'] / 1e6:,.0f} M",
+            f"100 sources per CPU s: {r['joined_ratio_cpu']:.0%} of it (median of rounds' "
+            f"ratios {r['joined_ratio_cpu_paired']:.0%}); same tokens, one store",
+        )
+    )
     p = r["plan_s"]
     out += [
         (
