@@ -35,13 +35,17 @@ Invariants:
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from torchtitan_zephon.data.builtin import store_location
 from torchtitan_zephon.data.digest import fingerprint
 from torchtitan_zephon.data.mixture import (
     MixtureConfig,
@@ -394,11 +398,29 @@ class MixtureSource:
         progress: bool = False,
     ) -> MixtureSource:
         """Open the stores of a parsed mixture file and check them against each other
-        (one tokenizer, enough samples); MixtureError names the source at fault."""
+        (one tokenizer, enough samples); MixtureError names the source at fault.
+
+        One opened mixture per (mixture, seq_len, default_heldout, path) is kept per
+        process (the last two): a trainer rank resolves its source for the preflight,
+        the loader and the validator, and they share its stores (each chunk hashed
+        once), its resolved spec and its plans. It is reused only while every file of
+        every store is the one it opened (inode, size and modification time); a store
+        rebuilt or edited in between is opened and checked afresh."""
         config = sorted_by_name(config)
+        key = json.dumps(
+            [config.to_json(), int(seq_len), int(default_heldout), str(path)], sort_keys=True
+        )
+        kept = _OPENED.get(key)
+        if kept is not None and kept[0] == _store_files(config, progress):
+            return kept[1]
         stores = config.open_stores(progress=progress)
         spec = resolve_mixture(config, stores, seq_len, default_heldout=default_heldout)
-        return cls(spec, stores, seq_len, path=path)
+        source = cls(spec, stores, seq_len, path=path)
+        _OPENED.pop(key, None)
+        _OPENED[key] = (_store_files(config, progress), source)
+        while len(_OPENED) > 2:
+            del _OPENED[next(iter(_OPENED))]
+        return source
 
     def __repr__(self) -> str:
         return f"MixtureSource({self.path!r}, sources={self.names}, seq_len={self.seq_len})"
@@ -457,6 +479,24 @@ class MixtureSource:
             Heldout(s.name, st, int(s.num_samples), int(s.heldout_samples))
             for s, st in zip(self.spec.sources, self.stores, strict=True)
         ]
+
+
+_OPENED: dict[str, tuple[tuple | None, MixtureSource]] = {}  # see MixtureSource.open
+
+
+def _store_files(config: MixtureConfig, progress: bool) -> tuple | None:
+    """(inode, size, mtime) of every file of every store of ``config``; None if any
+    cannot be read (then nothing is reused: opening names the problem)."""
+    out = []
+    try:
+        for s in config.sources:
+            root = Path(store_location(s.store, progress=progress))
+            for entry in sorted(os.scandir(root), key=lambda e: e.name):
+                st = entry.stat()
+                out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    except (OSError, ValueError):
+        return None
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- from a data config
