@@ -460,6 +460,8 @@ class MixtureSource:
 
     def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
         sources, ids = split_keys(np.asarray(keys, dtype=np.int64).ravel())
+        if len(self.stores) == 1 and not np.count_nonzero(sources):
+            return self.stores[0].windows(ids, seq_len)  # one source: the store's own read
         return self.group.windows(sources, ids, seq_len)
 
     def id_limit(self, vocab_size: int | None) -> int | None:

@@ -708,10 +708,10 @@ class StoreGroup:
     ``stores[sources[k]]``, equal to ``stores[sources[k]].windows([ids[k]], seq_len)[0]``
     and checked like it: every chunk a row touches is hashed before any row is served.
 
-    Mechanics: the stores' token maps stay at fixed addresses. One read-only byte view
+    Mechanics: the stores' token maps stay at fixed addresses. One read-only view
     (``as_strided``) starts at the lowest map and reaches the end of the highest, with a
-    row of ``(seq_len + 1) x itemsize`` bytes at every byte offset; sample ``j`` of store
-    ``i`` is the row at the store's offset plus ``j x seq_len x itemsize``. The view
+    window of ``seq_len + 1`` tokens at every token offset; sample ``j`` of store ``i``
+    is the window at the store's offset (in tokens) plus ``j x seq_len``. The view
     spans the gaps between the maps too, so memory safety rests on one invariant: the
     group reads only rows wholly inside one store's map. Every (source, id) pair is
     checked against ``[0, stores) x [0, num_samples)`` before the gather, and the group
@@ -733,10 +733,13 @@ class StoreGroup:
         self.dtype = self.stores[0].dtype
         arrays = [st._token_array for st in self.stores]
         addresses = [int(a.__array_interface__["data"][0]) for a in arrays]
-        low = min(addresses)
-        self._base = arrays[addresses.index(low)].view(np.uint8)
-        self._offsets = np.array([a - low for a in addresses], dtype=np.int64)
-        self._span = max(a + x.nbytes for a, x in zip(addresses, arrays, strict=True)) - low
+        low, item = min(addresses), self.dtype.itemsize
+        if any((a - low) % item for a in addresses):  # maps are page-aligned: never
+            raise StoreError(f"a store group needs token maps aligned to {item} bytes.")
+        self._base = arrays[addresses.index(low)]
+        self._offsets = np.array([(a - low) // item for a in addresses], dtype=np.int64)
+        end = max(a + x.nbytes for a, x in zip(addresses, arrays, strict=True))
+        self._span = (end - low) // item  # tokens from the lowest map to the end of the highest
         self._num_stores = np.uint64(len(self.stores))
         self._rows: dict[int, np.ndarray] = {}
         self._limits: dict[int, np.ndarray] = {}
@@ -784,15 +787,15 @@ class StoreGroup:
             self._check(src, idv * seq_len, seq_len)
         rows = self._rows.get(seq_len)
         if rows is None:
-            size = (seq_len + 1) * self.dtype.itemsize
+            item = self.dtype.itemsize
             rows = self._rows[seq_len] = as_strided(
                 self._base,
-                shape=(max(self._span - size + 1, 0), size),
-                strides=(1, 1),
+                shape=(max(self._span - seq_len, 0), seq_len + 1),
+                strides=(item, item),
                 writeable=False,
             )
         # Every row lies inside one store's map: checked above (the class invariant).
-        return rows[self._offsets[src] + idv * (seq_len * self.dtype.itemsize)].view(self.dtype)
+        return rows[self._offsets[src] + idv * seq_len]
 
     def _check(self, src: np.ndarray, starts: np.ndarray, seq_len: int) -> None:
         """Hash every unchecked chunk these windows touch, before any is served."""
