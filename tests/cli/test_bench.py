@@ -116,13 +116,15 @@ def test_bad_level_is_a_clean_error(capsys):
 def test_mixture(capsys):
     r = bench(capsys, "mixture")
     tp = r["tokens_per_s"]
-    assert set(tp) == {"single", "sources_1", "sources_10", "sources_100"}
+    assert set(tp) == {"single", "single_joined", "sources_1", "sources_10", "sources_100"}
     assert all(v > 0 for v in tp.values())
     cpu = r["tokens_per_cpu_s"]
     assert set(cpu) == set(tp) and all(v > 0 for v in cpu.values())
     for k in ("1", "10", "100"):
         assert r["tokens_ratio"][k] == pytest.approx(tp[f"sources_{k}"] / tp["single"])
         assert r["tokens_ratio_cpu"][k] == pytest.approx(cpu[f"sources_{k}"] / cpu["single"])
+        assert 0 < r["tokens_ratio_cpu_paired"][k] < float("inf")
+    assert r["joined_ratio_cpu"] == pytest.approx(cpu["sources_100"] / cpu["single_joined"])
     assert r["meets"]["tokens_ratio_100"] == (r["tokens_ratio_cpu"]["100"] >= 0.8)
     assert r["plan_ratio"] == pytest.approx(r["plan_s"]["1000000000"] / r["plan_s"]["10"])
     assert 0 < r["state_bytes"] < 64 * 1024 and r["meets"]["state_bytes"]

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from torchtitan_zephon.data.store import (
     StoreError,
+    StoreGroup,
     TokenStore,
     UncheckedStoreWarning,
     manifest_fingerprint,
@@ -352,6 +353,66 @@ def test_property_reads_fail_iff_they_cover_the_edited_chunk(
                 got = s.windows(np.array(ids), seq_len)
                 want = np.stack([tokens[i * seq_len : i * seq_len + seq_len + 1] for i in ids])
                 assert np.array_equal(got, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), seq_len=st.integers(1, 40))
+def test_property_a_store_group_reads_what_each_store_reads(data, seq_len):
+    """StoreGroup.windows (one gather across all stores) gives row k = the window of
+    ``ids[k]`` of ``stores[sources[k]]``; a read fails naming the edited chunk iff one of
+    its rows touches it (checked stores only), whatever the stores checked before on their
+    own; out-of-range sources or ids are refused, never read."""
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**32 - 1), label="rng"))
+    k = data.draw(st.integers(1, 5), label="stores")
+    with tempfile.TemporaryDirectory() as tmp:
+        tokens, chunks, paths = [], [], []
+        for i in range(k):
+            tokens.append(rng.integers(0, 1000, data.draw(st.integers(seq_len + 1, 300))))
+            chunks.append(data.draw(st.integers(1, 50), label=f"chunk_tokens {i}"))
+            paths.append(_tiny_store(Path(tmp) / f"s{i}", tokens[i], chunks[i]))
+        bad_store = data.draw(st.integers(0, k - 1), label="edited store")
+        bad_token = data.draw(st.integers(0, len(tokens[bad_store]) - 1), label="edited token")
+        tokens[bad_store][bad_token] = edit_token(paths[bad_store], bad_token)  # served unchecked
+        bad = bad_token // chunks[bad_store]
+        verify = [data.draw(st.booleans(), label=f"verify {i}") for i in range(k)]
+        stores = [TokenStore.open(p, verify=v) for p, v in zip(paths, verify, strict=True)]
+        counts = [s.num_samples(seq_len) for s in stores]
+        pair = st.integers(0, k - 1).flatmap(
+            lambda i: st.tuples(st.just(i), st.integers(0, counts[i] - 1))
+        )
+
+        def covers(rows):  # some row of a checked store spans the edited chunk
+            return any(
+                verify[i]
+                and i == bad_store
+                and j * seq_len // chunks[i] <= bad <= (j * seq_len + seq_len) // chunks[i]
+                for i, j in rows
+            )
+
+        for i, j in data.draw(st.lists(pair, max_size=5), label="read by the stores first"):
+            if not covers([(i, j)]):
+                stores[i].windows(np.array([j]), seq_len)
+        group = StoreGroup(stores)
+        for rows in data.draw(st.lists(st.lists(pair, max_size=40), max_size=6), label="reads"):
+            src = np.array([i for i, _ in rows], dtype=np.int64)
+            ids = np.array([j for _, j in rows], dtype=np.int64)
+            if covers(rows):
+                with pytest.raises(StoreError, match=f"chunk {bad} of tokens.bin") as e:
+                    group.windows(src, ids, seq_len)
+                assert str(paths[bad_store]) in str(e.value)
+            else:
+                got = group.windows(src, ids, seq_len)
+                want = [tokens[i][j * seq_len : j * seq_len + seq_len + 1] for i, j in rows]
+                assert got.dtype == np.uint16 and got.shape == (len(rows), seq_len + 1)
+                assert np.array_equal(got, np.array(want).reshape(got.shape))
+        for src, ids, match in (
+            ([0], [counts[0]], r"sample id \d+ outside \[0, \d+\) for seq_len"),
+            ([0], [-1], r"sample id -1 outside"),
+            ([k], [0], f"sources in \\[{k}, {k}\\], the mixture has {k} sources"),
+            ([0, -1], [0, 0], "sources in \\[-1, 0\\]"),
+        ):
+            with pytest.raises(IndexError, match=match):
+                group.windows(np.array(src), np.array(ids), seq_len)
 
 
 def test_a_slice_is_a_store_of_its_own(store, tmp_path):

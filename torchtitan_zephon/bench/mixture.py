@@ -6,24 +6,32 @@ overlapping when they do not fit side by side; the mixtures of 1 and 10 take
 the first of the 100; every mixture draws with equal weights. It measures, side by side in one
 run: (1) Zephon loader tokens/s on the single builtin store and on mixtures of
 1, 10 and 100 sources (same seq_len, batch and prefetch), in steady state (after
-every chunk was read once and checked); (2) the time to plan
+every chunk was read once and checked), and on one store of the 100 sources'
+tokens joined (``joined_store``: the 100 sources are ~25x the builtin store's
+tokens, and reads spread over more memory miss the caches more; against it, the
+100-source ratio is what the mixture itself costs); (2) the time to plan
 one global batch of a 100-source mixture with 10 schedule entries at step 10
 and at step 10^9 (and restore -> first batch at both); (3) the checkpointed data
 state of that mixture in bytes.
 
 Invariant: all loaders yield ``batch x seq_len`` input tokens per call and are
 timed in interleaved rounds (the median round; tokens per CPU second beside
-tokens/s: the work per token, which a busy machine does not change), the two
+tokens/s: the work per token, which a busy machine changes less), the two
 plan steps call by call (the fastest call: on a shared machine the others
 measure the neighbours), so load from other processes hits them alike; ratios
 come from figures of the same run. The loaders run in one process, so the
-target is judged on tokens per CPU second. Plan and restore calls find no
+target is judged on tokens per CPU second. Beside the ratio of the medians, the
+median of the per-round ratios (``tokens_ratio_cpu_paired``: each mixture
+against the single store of the same round, a second or two apart) shows how
+much of a difference is drift in the machine's load. Plan and restore calls find no
 permutation cached for their step (the other step's calls evict them), as after
 a restore.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import statistics
 import tempfile
@@ -41,7 +49,14 @@ from torchtitan_zephon.data.mixture import MixtureSpec, SpecSource, parse_schedu
 from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.source import MixtureSource, mixture_progress
 from torchtitan_zephon.data.state import DataState
-from torchtitan_zephon.data.store import TokenStore, slice_store
+from torchtitan_zephon.data.store import (
+    FORMAT,
+    FORMAT_VERSION,
+    TokenStore,
+    manifest_fingerprint,
+    slice_store,
+    write_checksums,
+)
 
 SOURCE_COUNTS = (1, 10, 100)
 PLAN_STEPS = (10, 10**9)
@@ -52,7 +67,7 @@ DEFAULTS = {
     "seconds": 3.0,
     "seq_len": 2048,
     "batch": 8,
-    "rounds": 5,
+    "rounds": 15,
     "repeats": 60,
     "source_tokens": 1 << 19,
     "warmup_batches": 20_000,
@@ -81,6 +96,43 @@ def slices(store: TokenStore, k: int, tokens: int, root: Path) -> dict[str, Toke
         stop = int(ends[min(np.searchsorted(ends, start + tokens), len(ends) - 1)])
         out[f"src{i:03d}"] = slice_store(store, start, stop, root / f"src{i:03d}")
     return out
+
+
+def joined_store(stores: list[TokenStore], output: Path) -> TokenStore:
+    """One store holding the tokens of ``stores`` one after another (their documents
+    unchanged): a single store with the 100 sources' data volume, so the comparison
+    with it shows what drawing from many stores costs beyond reading more memory."""
+    output.mkdir()
+    blob = b"".join(np.asarray(st.tokens).tobytes() for st in stores)
+    starts = np.cumsum([0] + [st.num_tokens for st in stores[:-1]])
+    offsets = np.concatenate(
+        [np.asarray(st.doc_offsets) + a for st, a in zip(stores, starts, strict=True)]
+    )
+    (output / "tokens.bin").write_bytes(blob)
+    (output / "doc_offsets.bin").write_bytes(offsets.astype("<i8").tobytes())
+    m = stores[0].manifest
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": m["tokenizer"],
+        "dtype": m["dtype"],
+        "eos_id": m["eos_id"],
+        "num_tokens": len(blob) // stores[0].dtype.itemsize,
+        "num_documents": int(offsets.size),
+        "text_field": m.get("text_field", "text"),
+        "sources": [
+            {
+                "name": f"{len(stores)} stores joined",
+                "kind": "joined",
+                "sha256": hashlib.sha256(blob).hexdigest(),
+                "size": len(blob),
+            }
+        ],
+    }
+    manifest["content"] = write_checksums(output, manifest)
+    manifest["fingerprint"] = manifest_fingerprint(manifest)
+    (output / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    return TokenStore.open(output)
 
 
 def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1) -> MixtureSource:
@@ -118,10 +170,10 @@ def _loader(source: Any, seq_len: int, batch: int, gbs: int | None = None) -> Ze
 
 def loader_rates(
     loaders: dict[str, ZephonLoader], tokens_per_batch: int, seconds: float, rounds: int
-) -> tuple[dict[str, float], dict[str, float]]:
-    """(tokens/s, tokens per CPU second) of each loader: the median of interleaved rounds
-    (``measure.round_rate``: what a loader prefetched during the others' turns is drawn
-    untimed first)."""
+) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """(tokens/s, tokens per CPU second) of each loader in each of ``rounds`` interleaved
+    rounds (``measure.round_rate``: what a loader prefetched during the others' turns is
+    drawn untimed first)."""
     wall: dict[str, list[float]] = {k: [] for k in loaders}
     cpu: dict[str, list[float]] = {k: [] for k in loaders}
     for _ in range(rounds):
@@ -129,9 +181,13 @@ def loader_rates(
             w, c = round_rate(ld.__next__, tokens_per_batch, seconds / rounds)
             wall[name].append(w)
             cpu[name].append(c)
-    return (
-        {k: statistics.median(v) for k, v in wall.items()},
-        {k: statistics.median(v) for k, v in cpu.items()},
+    return wall, cpu
+
+
+def paired_ratio(rounds: dict[str, list[float]], name: str, reference: str) -> float:
+    """Median over rounds of ``name``'s rate over ``reference``'s rate in the same round."""
+    return statistics.median(
+        ratio(a, b) for a, b in zip(rounds[name], rounds[reference], strict=True)
     )
 
 
@@ -174,7 +230,11 @@ def run(opts: dict) -> dict:
         res["source_samples"] = {"min": min(sizes), "max": max(sizes)}
 
         # (1) loader tokens/s: one store vs mixtures of 1, 10, 100 sources
-        loaders = {"single": _loader(store, seq_len, batch)}
+        joined = joined_store(list(stores[max(SOURCE_COUNTS)].values()), Path(tmp) / "joined")
+        loaders = {
+            "single": _loader(store, seq_len, batch),
+            "single_joined": _loader(joined, seq_len, batch),
+        }
         for k in SOURCE_COUNTS:
             loaders[f"sources_{k}"] = _loader(mixture_source(stores[k], seq_len), seq_len, batch)
         # Steady state: the first read of each 64K-token chunk hashes it (the content
@@ -187,11 +247,11 @@ def run(opts: dict) -> dict:
                 next(ld)
                 n += 1
             res["warmup_batches"][name] = n
-        tp, tp_cpu = loader_rates(
-            loaders, batch * seq_len, o["seconds"] * len(loaders), o["rounds"]
-        )
+        wall, cpu = loader_rates(loaders, batch * seq_len, o["seconds"] * len(loaders), o["rounds"])
         for ld in loaders.values():
             ld.close()
+        tp = {k: statistics.median(v) for k, v in wall.items()}
+        tp_cpu = {k: statistics.median(v) for k, v in cpu.items()}
         res["tokens_per_s"] = tp
         res["tokens_per_cpu_s"] = tp_cpu
         res["tokens_ratio"] = {
@@ -200,6 +260,13 @@ def run(opts: dict) -> dict:
         res["tokens_ratio_cpu"] = {
             str(k): ratio(tp_cpu[f"sources_{k}"], tp_cpu["single"]) for k in SOURCE_COUNTS
         }
+        res["tokens_ratio_cpu_paired"] = {
+            str(k): paired_ratio(cpu, f"sources_{k}", "single") for k in SOURCE_COUNTS
+        }
+        # The 100 sources against one store of their tokens joined (same data volume).
+        big = f"sources_{max(SOURCE_COUNTS)}"
+        res["joined_ratio_cpu"] = ratio(tp_cpu[big], tp_cpu["single_joined"])
+        res["joined_ratio_cpu_paired"] = paired_ratio(cpu, big, "single_joined")
 
         # (2) plan and restore cost at step 10 vs 10^9: 100 sources, 10 schedule entries
         k = SOURCE_COUNTS[-1]
@@ -253,7 +320,10 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
         )
     ]
     for k in SOURCE_COUNTS:
-        note = f"{r['source_samples']['min']:,}-{r['source_samples']['max']:,} samples a source"
+        note = (
+            f"{r['source_samples']['min']:,}-{r['source_samples']['max']:,} samples a source; "
+            f"per CPU s, median of rounds' ratios {r['tokens_ratio_cpu_paired'][str(k)]:.0%}"
+        )
         if k == SOURCE_COUNTS[-1]:
             note += f"; target per CPU s >= {TARGETS['tokens_ratio_100']:.0%}"
         out.append(
@@ -264,6 +334,14 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
                 note,
             )
         )
+    out.append(
+        (
+            "one store of the 100 sources joined | per CPU s",
+            f"{tp['single_joined'] / 1e6:,.0f} M | {cpu['single_joined'] / 1e6:,.0f} M",
+            f"100 sources per CPU s: {r['joined_ratio_cpu']:.0%} of it (median of rounds' "
+            f"ratios {r['joined_ratio_cpu_paired']:.0%}); same tokens, one store",
+        )
+    )
     p = r["plan_s"]
     out += [
         (

@@ -82,7 +82,6 @@ class Permutation:
             )
             right_bits = left_bits
         self._np_rounds: list[tuple[np.uint64, ...]] | None = None  # built on first use
-        self._np_table: np.ndarray | None = None
 
     @property
     def _rounds(self) -> list[tuple[np.uint64, ...]]:
@@ -90,13 +89,6 @@ class Permutation:
         if self._np_rounds is None:
             self._np_rounds = [tuple(np.uint64(v) for v in r) for r in self._int_rounds]
         return self._np_rounds
-
-    @property
-    def _table(self) -> np.ndarray:
-        """The rounds as a [rounds, 5] uint64 array (``map_many``); built on first use."""
-        if self._np_table is None:
-            self._np_table = np.array(self._int_rounds, dtype=np.uint64)
-        return self._np_table
 
     def __len__(self) -> int:
         return self.n
@@ -185,25 +177,41 @@ def map_many(perms: list[Permutation], which: np.ndarray, positions: np.ndarray)
             ],
             dtype=np.int64,
         )
-    table = np.stack([q._table for q in perms])[w]  # [elements, rounds, 5]
-    limit = n.astype(np.uint64)
-
-    def encrypt(x: np.ndarray, t: np.ndarray) -> np.ndarray:
-        for r in range(_ROUNDS):
-            key, right_shift, right_mask, left_shift, left_mask = (t[:, r, j] for j in range(5))
-            right = x & right_mask
-            f = _mix(right ^ key)
-            f &= left_mask
-            f ^= x >> right_shift
-            x = (right << left_shift) | f
-        return x
-
-    y = encrypt(p.astype(np.uint64), table)
-    out = np.nonzero(y >= limit)[0]
-    while out.size:  # cycle walking: re-encrypt values that left [0, n)
-        y[out] = encrypt(y[out], table[out])
-        out = out[y[out] >= limit[out]]
+    # Round keys per element as rows ([rounds, elements], contiguous); shifts and masks
+    # depend only on the domain's bits, so elements are encrypted in groups of equal bits
+    # (usually one) with those as scalars: the per-element work is the keys alone.
+    keys = np.array([[r[0] for r in q._int_rounds] for q in perms], dtype=np.uint64).T
+    bits = np.array([q._bits for q in perms], dtype=np.int64)
+    groups = np.unique(bits).tolist()
+    y = np.empty(p.size, dtype=np.uint64)
+    for b in groups:
+        sel = slice(None) if len(groups) == 1 else np.flatnonzero(bits[w] == b)
+        rounds = perms[bits.tolist().index(b)]._rounds
+        x, kw, limit = p[sel].astype(np.uint64), keys[:, w[sel]], n[sel].astype(np.uint64)
+        x = _encrypt_keyed(x, kw, rounds)
+        walk = np.flatnonzero(x >= limit)  # cycle walking: re-encrypt values outside [0, n)
+        kw, limit = kw[:, walk], limit[walk]
+        while walk.size:
+            v = x[walk] = _encrypt_keyed(x[walk], kw, rounds)
+            keep = v >= limit
+            walk, kw, limit = walk[keep], kw[:, keep], limit[keep]
+        y[sel] = x
     single = n == 1
     if single.any():
         y[single] = 0
     return y.astype(np.int64)
+
+
+def _encrypt_keyed(
+    x: np.ndarray, keys: np.ndarray, rounds: list[tuple[np.uint64, ...]]
+) -> np.ndarray:
+    """``Permutation._encrypt`` with a round key per element (``keys[r]``: round r's)."""
+    for r, (_, right_shift, right_mask, left_shift, left_mask) in enumerate(rounds):
+        right = x & right_mask
+        f = _mix(right ^ keys[r])
+        f &= left_mask
+        f ^= x >> right_shift
+        right <<= left_shift
+        right |= f
+        x = right
+    return x

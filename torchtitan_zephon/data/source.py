@@ -35,13 +35,17 @@ Invariants:
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from torchtitan_zephon.data.cache import store_location
 from torchtitan_zephon.data.digest import fingerprint
 from torchtitan_zephon.data.mixture import (
     MixtureConfig,
@@ -58,6 +62,7 @@ from torchtitan_zephon.data.store import StoreError, StoreGroup, TokenStore
 SOURCE_SHIFT = 40
 """Bits of a sample key that hold the sample id: 2^40 (~10^12) samples per source."""
 ID_MASK = (1 << SOURCE_SHIFT) - 1
+_SHIFT, _MASK = np.int64(SOURCE_SHIFT), np.int64(ID_MASK)  # as numpy scalars: no conversion
 
 
 def make_keys(sources: np.ndarray, ids: np.ndarray) -> np.ndarray:
@@ -68,7 +73,7 @@ def make_keys(sources: np.ndarray, ids: np.ndarray) -> np.ndarray:
 def split_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(source index, sample id) arrays (int64) of sample keys."""
     k = np.asarray(keys, dtype=np.int64)
-    return k >> SOURCE_SHIFT, k & ID_MASK
+    return k >> _SHIFT, k & _MASK
 
 
 class StreamPlan(Protocol):
@@ -395,11 +400,29 @@ class MixtureSource:
     ) -> MixtureSource:
         """Open the stores of a parsed mixture file and check them against each other
         (one tokenizer, enough samples); MixtureError names the source at fault. Sources
-        that name raw inputs are prepared as ``raw`` (a ``cache.RawInputs``) says."""
+        that name raw inputs are prepared as ``raw`` (a ``cache.RawInputs``) says.
+
+        One opened mixture per (mixture, seq_len, default_heldout, path) is kept per
+        process (the last two): a trainer rank resolves its source for the preflight,
+        the loader and the validator, and they share its stores (each chunk hashed
+        once), its resolved spec and its plans. It is reused only while every file of
+        every store is the one it opened (inode, size and modification time); a store
+        rebuilt or edited in between is opened and checked afresh."""
         config = sorted_by_name(config)
+        key = json.dumps(
+            [config.to_json(), int(seq_len), int(default_heldout), str(path)], sort_keys=True
+        )
+        kept = _OPENED.get(key)
+        if kept is not None and kept[0] == _store_files(config, progress, raw):
+            return kept[1]
         stores = config.open_stores(progress=progress, raw=raw)
         spec = resolve_mixture(config, stores, seq_len, default_heldout=default_heldout)
-        return cls(spec, stores, seq_len, path=path)
+        source = cls(spec, stores, seq_len, path=path)
+        _OPENED.pop(key, None)
+        _OPENED[key] = (_store_files(config, progress, raw), source)
+        while len(_OPENED) > 2:
+            del _OPENED[next(iter(_OPENED))]
+        return source
 
     def __repr__(self) -> str:
         return f"MixtureSource({self.path!r}, sources={self.names}, seq_len={self.seq_len})"
@@ -439,15 +462,9 @@ class MixtureSource:
 
     def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
         sources, ids = split_keys(np.asarray(keys, dtype=np.int64).ravel())
-        src = sources.tolist()  # a micro-batch's few keys: plain Python from here
-        lo, hi = (min(src), max(src)) if src else (0, 0)
-        if lo < 0 or hi >= len(self.stores):
-            raise IndexError(
-                f"sample keys name sources in [{lo}, {hi}], the mixture has {len(self.stores)}."
-            )
-        if lo == hi:
-            return self.stores[lo].windows(ids, seq_len)
-        return self.group.windows(src, ids.tolist(), seq_len)
+        if len(self.stores) == 1 and not np.count_nonzero(sources):
+            return self.stores[0].windows(ids, seq_len)  # one source: the store's own read
+        return self.group.windows(sources, ids, seq_len)
 
     def id_limit(self, vocab_size: int | None) -> int | None:
         limits = [store_id_limit(st, vocab_size) for st in self.stores]
@@ -466,6 +483,24 @@ class MixtureSource:
             Heldout(s.name, st, int(s.num_samples), int(s.heldout_samples))
             for s, st in zip(self.spec.sources, self.stores, strict=True)
         ]
+
+
+_OPENED: dict[str, tuple[tuple | None, MixtureSource]] = {}  # see MixtureSource.open
+
+
+def _store_files(config: MixtureConfig, progress: bool, raw: Any = None) -> tuple | None:
+    """(inode, size, mtime) of every file of every store of ``config``; None if any
+    cannot be read (then nothing is reused: opening names the problem)."""
+    out = []
+    try:
+        for s in config.sources:
+            root = Path(store_location(s.store, raw, progress=progress))
+            for entry in sorted(os.scandir(root), key=lambda e: e.name):
+                st = entry.stat()
+                out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    except (OSError, ValueError):
+        return None
+    return tuple(out)
 
 
 # ---------------------------------------------------------------- from a data config
