@@ -525,3 +525,13 @@ def test_a_second_prepare_of_the_same_output_is_refused_while_one_runs(
         fcntl.flock(held, fcntl.LOCK_UN)
     store = prepare_store([str(corpus_dir)], str(tokenizer_dir), str(out), progress=False)
     assert store.num_tokens > 0 and not (tmp_path / ".store.prepare").exists()
+
+
+def test_an_output_whose_parent_is_a_file_is_a_clear_error(tmp_path, tokenizer_dir, corpus_dir):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StoreError, match=r"cannot create the folder of the output .*a-file"):
+        prepare_store(
+            [str(corpus_dir)], str(tokenizer_dir), str(blocker / "sub" / "store"), progress=False
+        )
+    assert blocker.read_text() == "not a folder"

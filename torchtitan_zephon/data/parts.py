@@ -53,22 +53,35 @@ class WriterLock:
     two in). Where the filesystem refuses locks, nothing is locked."""
 
     def __init__(self, output: Path) -> None:
+        self.output = output
         self.path = output.parent / f".{output.name}.prepare.lock"
         self._fh: Any = None
 
     def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StoreError(
+                f"cannot create the folder of the output {self.output} ({e.strerror}: "
+                f"{e.filename}); choose an output in a folder this process can create and "
+                "write."
+            ) from None
         while True:
-            fh = open(self.path, "a+")
+            try:
+                fh = open(self.path, "a+")  # noqa: SIM115 - kept open while locked
+            except OSError as e:
+                raise StoreError(
+                    f"cannot write beside the output {self.output} ({e.strerror}: "
+                    f"{e.filename}); choose an output in a folder this process can write."
+                ) from None
             try:
                 fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 fh.seek(0)
                 holder = fh.read().strip() or "another process"
                 fh.close()
-                output = self.path.parent / self.path.name[1 : -len(".prepare.lock")]
                 raise StoreError(
-                    f"another prepare ({holder}) is writing {output}; wait for it to "
+                    f"another prepare ({holder}) is writing {self.output}; wait for it to "
                     f"finish, or stop it first (its lock: {self.path})."
                 ) from None
             except OSError:  # no locks on this filesystem
