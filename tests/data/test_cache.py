@@ -269,3 +269,21 @@ def test_mixture_sources_name_raw_inputs_relative_to_the_file(
     assert stores["notes"].num_documents == 1
     with pytest.raises(Exception, match="mixture source 'jsonl': .* names raw inputs"):
         config.open_stores()
+
+
+def test_a_cache_folder_inside_the_inputs_is_refused(tokenizer_dir, corpus, monkeypatch):
+    """The cache's own files (locks, entries) must never become inputs of the next run."""
+    monkeypatch.setattr(cache, "_located", {})
+    inside = corpus / "cache"
+    with pytest.raises(StoreError, match=r"cache folder .*cache.* is inside the input folder"):
+        store_location(str(corpus), raw(tokenizer_dir, inside))
+    assert not inside.exists()
+    hidden = corpus / ".cache"  # hidden names are not inputs: fine
+    assert store_location(str(corpus), raw(tokenizer_dir, hidden)).parent == hidden
+
+
+def test_a_cache_folder_that_cannot_be_made_is_a_clear_error(tokenizer_dir, corpus, tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    with pytest.raises(StoreError, match=r"cannot create .*a-file/cache.*ZEPHON_CACHE"):
+        store_location(str(corpus), raw(tokenizer_dir, blocker / "cache"))

@@ -51,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.data.readers import GLOB_CHARS, Source, resolve_inputs
+from torchtitan_zephon.data.readers import GLOB_CHARS, Source, expand_input, resolve_inputs
 from torchtitan_zephon.data.store import FORMAT_VERSION, StoreError, is_store
 
 CACHE_ENV = "ZEPHON_CACHE"
@@ -134,9 +134,17 @@ def build_once(
     if (out / MANIFEST).is_file():
         return out
     root = out.parent
-    root.mkdir(parents=True, exist_ok=True)
     work = work or out.name
-    with open(root / f"{work}.lock", "a+") as fh:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        fh = open(root / f"{work}.lock", "a+")  # noqa: SIM115 - closed by the with below
+    except OSError as e:
+        raise StoreError(
+            f"cannot create the cache folder {root} or write in it ({e.strerror}: "
+            f"{e.filename}); set {CACHE_ENV} (the trainer: zephon.cache_dir) to a folder "
+            "this process can write."
+        ) from None
+    with fh:
         locked = _wait_for_lock(fh, what, log)
         try:
             if (out / MANIFEST).is_file():  # another process built it meanwhile
@@ -297,6 +305,7 @@ def raw_store(value: str, raw: RawInputs) -> Path:
             f"the raw inputs {value!r} hold no files (hidden names are skipped); expected "
             "text/JSONL/Parquet files or Hugging Face dataset folders."
         )
+    _check_cache_outside(value, root)
     tokenizer_sha = hashlib.sha256(tokenizer_json.read_bytes()).hexdigest()
     listing = stat_listing(sources)
     key = {
@@ -354,6 +363,27 @@ def raw_store(value: str, raw: RawInputs) -> Path:
     _write_record(out, value, key, manifest)
     _located[memo] = out
     return out
+
+
+def _check_cache_outside(value: str, root: Path) -> None:
+    """Refuse a cache folder inside an input folder (where a walk would see it): the
+    cache's own files would become inputs of the next run, which never matches."""
+    cache = root.resolve()
+    for given in expand_input(value):
+        folder = Path(given).resolve()
+        if not folder.is_dir():
+            continue
+        try:
+            inner = cache.relative_to(folder)
+        except ValueError:
+            continue
+        if not any(part.startswith(".") for part in inner.parts):
+            raise StoreError(
+                f"the cache folder {root} is inside the input folder {given!r} of {value!r}: "
+                "its entries and locks would be read as inputs. Set "
+                f"{CACHE_ENV} (the trainer: zephon.cache_dir) to a folder outside the "
+                "inputs, or to a hidden one (a name starting with a dot) within them."
+            )
 
 
 def stat_listing(sources: list[Source]) -> list[list[Any]]:
