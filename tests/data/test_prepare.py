@@ -535,3 +535,19 @@ def test_an_output_whose_parent_is_a_file_is_a_clear_error(tmp_path, tokenizer_d
             [str(corpus_dir)], str(tokenizer_dir), str(blocker / "sub" / "store"), progress=False
         )
     assert blocker.read_text() == "not a folder"
+
+
+@pytest.mark.parametrize("spelling", [".", "../here/.", "../here"])
+def test_an_output_spelled_as_the_current_empty_folder_is_prepared_there(
+    tmp_path, tokenizer_dir, corpus_dir, monkeypatch, spelling
+):
+    reference = prepare_store(
+        [str(corpus_dir)], str(tokenizer_dir), str(tmp_path / "ref"), progress=False
+    )
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    store = prepare_store([str(corpus_dir)], str(tokenizer_dir), spelling, progress=False)
+    assert store.fingerprint == reference.fingerprint
+    assert (here / "tokens.bin").read_bytes() == (tmp_path / "ref" / "tokens.bin").read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "ref"]  # no staging left

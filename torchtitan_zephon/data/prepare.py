@@ -206,7 +206,9 @@ def prepare_store(
     """
     ranks = ranks or OneProcess()
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
-    out = Path(output)
+    # Absolute and without . or ..: ``.`` (an empty current folder) has a parent to stage
+    # beside, and the renames do not depend on the current folder, which is the output's.
+    out = Path(os.path.abspath(output))
     staging = staging_folder(out)
     local: dict[str, _Plan] = {}
 
