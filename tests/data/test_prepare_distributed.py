@@ -4,7 +4,6 @@ in one go; finished parts reused, changed inputs redone, bad input named."""
 import gzip
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.titan.launch import kill_node
 from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, write_jsonl
 from torchtitan_zephon.data import prepare as prepare_module
 from torchtitan_zephon.data.prepare import prepare_store
@@ -33,33 +33,6 @@ def _torchrun(nproc: int, *args: str, wait: bool = True, **kw):
         return subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, **kw)
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True, **kw)  # fmt: skip
-
-
-def _kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process below it (torchrun starts its ranks in sessions
-    of their own, so killing its process group would leave them running). All are
-    stopped first, so none can start another or finish meanwhile."""
-    tree, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        try:
-            os.kill(p, signal.SIGSTOP)
-        except ProcessLookupError:  # already gone
-            continue
-        tree.append(p)
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                if ppid == p:
-                    frontier.append(int(entry.name))
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
 
 class ThreadRanks:
@@ -146,7 +119,7 @@ def test_killed_torchrun_prepare_resumes_with_the_same_bytes(tmp_path):
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None and not list(parts.glob("*.json")):
         time.sleep(0.005)
-    _kill_tree(proc.pid)
+    kill_node(proc.pid)
     _, err = proc.communicate()
     kept = {p.stem for p in parts.glob("*.json")}
     assert kept and not (tmp_path / "out").exists(), err[-3000:]

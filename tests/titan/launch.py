@@ -109,30 +109,30 @@ def copy_run_until(src: Path, dst: Path, step: int) -> Path:
     return dst
 
 
-def descendants(pid: int) -> list[int]:
-    """All live descendants of ``pid`` (from /proc): torchrun starts each worker in a
-    session of its own, so killing the agent's process group misses them."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def kill_node(pid: int) -> None:
-    """Lose a "node": SIGKILL a torchrun agent and every process under it at once."""
+    """Lose a "node": SIGKILL a torchrun agent and every process under it. torchrun
+    starts each worker in a session of its own, so killing the agent's process group
+    would miss them; every process of the tree (from /proc) is stopped first, so none
+    can start another or finish its work meanwhile, then all are killed."""
     import signal
 
-    for p in [pid, *descendants(pid)]:
+    tree, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        try:
+            os.kill(p, signal.SIGSTOP)
+        except ProcessLookupError:  # already gone
+            continue
+        tree.append(p)
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+                except (OSError, IndexError, ValueError):
+                    continue
+                if ppid == p:
+                    frontier.append(int(entry.name))
+    for p in tree:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:

@@ -412,28 +412,7 @@ def read_json(src: Source, text_field: str) -> Iterator[Any]:
 
 def read_parquet(src: Source, text_field: str) -> Iterator[Any]:
     """The ``text_field`` column, row by row."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    rows = 0
-    try:
-        pf = pq.ParquetFile(src.path)
-        names = pf.schema_arrow.names
-        if text_field not in names:
-            raise StoreError(
-                f"{src.path}: unknown text field {text_field!r}; columns present: {names}. "
-                "Choose one with --text-field."
-            )
-        for batch in pf.iter_batches(columns=[text_field], batch_size=4096):
-            for text in batch.column(0).to_pylist():
-                rows += 1
-                if text:
-                    yield text
-    except (pa.ArrowException, OSError) as e:
-        raise StoreError(
-            f"{src.path}: cannot read Parquet after row {rows} ({e}): the file is truncated, "
-            "corrupt or not Parquet. Fetch or write it again."
-        ) from None
+    return read_parquet_row_groups(src, text_field, 0, None)
 
 
 def parquet_row_groups(path: Path) -> list[tuple[int, int, int]]:
@@ -455,8 +434,11 @@ def parquet_row_groups(path: Path) -> list[tuple[int, int, int]]:
     return groups
 
 
-def read_parquet_row_groups(src: Source, text_field: str, first: int, stop: int) -> Iterator[Any]:
-    """``read_parquet`` of row groups ``[first, stop)``: the same documents and errors."""
+def read_parquet_row_groups(
+    src: Source, text_field: str, first: int, stop: int | None
+) -> Iterator[Any]:
+    """The ``text_field`` column of row groups ``[first, stop)`` (``stop`` None: to the
+    end), row by row; a corrupt file is an error naming it and the last row read."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -470,7 +452,7 @@ def read_parquet_row_groups(src: Source, text_field: str, first: int, stop: int)
                 f"{src.path}: unknown text field {text_field!r}; columns present: {names}. "
                 "Choose one with --text-field."
             )
-        groups = list(range(first, stop))
+        groups = None if stop is None else list(range(first, stop))
         for batch in pf.iter_batches(columns=[text_field], batch_size=4096, row_groups=groups):
             for text in batch.column(0).to_pylist():
                 rows += 1
