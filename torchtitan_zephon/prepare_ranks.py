@@ -51,7 +51,24 @@ class GlooRanks:
 
 def ranks_from_env() -> Ranks:
     """The group described by RANK / WORLD_SIZE, or this process alone."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    try:
+        world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        rank = int(os.environ.get("RANK", "0") or 0)
+    except ValueError:
+        raise ValueError(
+            f"RANK={os.environ.get('RANK')!r} / WORLD_SIZE={os.environ.get('WORLD_SIZE')!r} "
+            "are not whole numbers; a launcher sets them (torchrun does), or unset both to "
+            "prepare in this process alone."
+        ) from None
     if world <= 1 or "RANK" not in os.environ:
         return OneProcess()
+    if not 0 <= rank < world:
+        raise ValueError(f"RANK={rank} is outside [0, WORLD_SIZE={world}).")
+    missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
+    if missing:
+        raise ValueError(
+            f"RANK / WORLD_SIZE are set (rank {rank} of {world}) but {' and '.join(missing)} "
+            "not: the ranks meet at MASTER_ADDR:MASTER_PORT. Launch with torchrun (it sets "
+            "all four), set them, or unset RANK / WORLD_SIZE to prepare in this process alone."
+        )
     return GlooRanks()

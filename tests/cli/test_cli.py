@@ -32,6 +32,27 @@ def test_prepare_then_inspect(tmp_path, tokenizer_dir, corpus_dir, capsys, store
     assert "already exists" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2"}, "but MASTER_ADDR and MASTER_PORT not"),
+        ({"RANK": "0", "WORLD_SIZE": "two"}, "are not whole numbers"),
+        ({"RANK": "5", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "1"}, "outside"),
+    ],
+)
+def test_prepare_with_half_a_launcher_environment_says_what_is_missing(
+    tmp_path, tokenizer_dir, corpus_dir, capsys, monkeypatch, env, message
+):
+    for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    out = tmp_path / "s"
+    argv = ["prepare", str(corpus_dir), "--tokenizer", str(tokenizer_dir), "--output", str(out)]
+    assert main([*argv, "--quiet"]) == 2
+    assert message in capsys.readouterr().err and not out.exists()
+
+
 def test_plan_json_lines(store_path, capsys):
     args = ["plan", "--store", str(store_path), "--seq-len", "8", "--seed", "3"]
     assert main([*args, "--global-batch-size", "1:4,3:8", "--steps", "1:4", "--json"]) == 0

@@ -551,3 +551,16 @@ def test_an_output_spelled_as_the_current_empty_folder_is_prepared_there(
     assert store.fingerprint == reference.fingerprint
     assert (here / "tokens.bin").read_bytes() == (tmp_path / "ref" / "tokens.bin").read_bytes()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here", "ref"]  # no staging left
+
+
+def test_a_store_inside_an_input_folder_is_skipped_and_a_store_as_input_refused(
+    tmp_path, tokenizer_dir, corpus_dir
+):
+    """A store prepared into its corpus folder holds no raw text: the next prepare of the
+    folder skips it (same fingerprint as before it was there); naming it is refused."""
+    first = prepare_store([str(corpus_dir)], str(tokenizer_dir), str(corpus_dir / "store"))
+    again = prepare_store([str(corpus_dir)], str(tokenizer_dir), str(tmp_path / "again"))
+    assert again.fingerprint == first.fingerprint
+    with pytest.raises(StoreError, match=r"is a token store \(made by zephon prepare\), not raw"):
+        prepare_store([str(corpus_dir / "store")], str(tokenizer_dir), str(tmp_path / "x"))
+    assert not (tmp_path / "x").exists()

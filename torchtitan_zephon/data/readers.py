@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.data.store import StoreError
+from torchtitan_zephon.data.store import StoreError, is_store
 
 
 @dataclass(frozen=True)
@@ -114,6 +114,10 @@ def resolve_inputs(inputs: list[str]) -> list[Source]:
     ``sub/up -> ..``, a second name of a file, a file listed twice or reached by
     two inputs) is skipped, and so are links that lead nowhere.
 
+    A token store (a folder ``zephon prepare`` made) holds no raw text: inside a
+    folder input it is skipped (a store prepared next to its corpus does not break
+    the next prepare of that folder); given as an input it is refused.
+
     Names are canonical: each entry is named by its path relative to the deepest
     folder that holds every entry (one file: its base name). So a folder, a glob of
     its files and a list of the same files give the same names, and the same store.
@@ -135,6 +139,12 @@ def resolve_inputs(inputs: list[str]) -> list[Source]:
             if real in seen:
                 continue
             seen.add(real)
+            if path.is_dir() and is_store(path):
+                raise StoreError(
+                    f"input {given!r} is a token store (made by zephon prepare), not raw "
+                    f"text; train on it as it is (--zephon.store {given}), or prepare "
+                    "the raw files it was made from."
+                )
             if _is_hf_dataset(path):
                 entries.append((os.path.abspath(given), path, "hf"))
             elif path.is_dir():
@@ -163,6 +173,8 @@ def _walk(folder: Path, at: str, seen: set[Path]) -> Iterator[tuple[str, Path, s
         if _is_hf_dataset(entry):
             seen.add(real)
             yield name, entry, "hf"
+        elif entry.is_dir() and is_store(entry):  # prepared tokens, not raw text: skipped
+            seen.add(real)
         elif entry.is_dir():
             seen.add(real)
             yield from _walk(entry, name, seen)
