@@ -30,8 +30,6 @@ a restore.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import statistics
 import tempfile
@@ -49,14 +47,7 @@ from torchtitan_zephon.data.mixture import MixtureSpec, SpecSource, parse_schedu
 from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.source import MixtureSource, mixture_progress
 from torchtitan_zephon.data.state import DataState
-from torchtitan_zephon.data.store import (
-    FORMAT,
-    FORMAT_VERSION,
-    TokenStore,
-    manifest_fingerprint,
-    slice_store,
-    write_checksums,
-)
+from torchtitan_zephon.data.store import TokenStore, slice_store, write_derived_store
 
 SOURCE_COUNTS = (1, 10, 100)
 PLAN_STEPS = (10, 10**9)
@@ -108,30 +99,9 @@ def joined_store(stores: list[TokenStore], output: Path) -> TokenStore:
     offsets = np.concatenate(
         [np.asarray(st.doc_offsets) + a for st, a in zip(stores, starts, strict=True)]
     )
-    (output / "tokens.bin").write_bytes(blob)
-    (output / "doc_offsets.bin").write_bytes(offsets.astype("<i8").tobytes())
-    m = stores[0].manifest
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "tokenizer": m["tokenizer"],
-        "dtype": m["dtype"],
-        "eos_id": m["eos_id"],
-        "num_tokens": len(blob) // stores[0].dtype.itemsize,
-        "num_documents": int(offsets.size),
-        "text_field": m.get("text_field", "text"),
-        "sources": [
-            {
-                "name": f"{len(stores)} stores joined",
-                "kind": "joined",
-                "sha256": hashlib.sha256(blob).hexdigest(),
-                "size": len(blob),
-            }
-        ],
-    }
-    manifest["content"] = write_checksums(output, manifest)
-    manifest["fingerprint"] = manifest_fingerprint(manifest)
-    (output / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    write_derived_store(
+        output, stores[0], blob, offsets, {"name": f"{len(stores)} stores joined", "kind": "joined"}
+    )
     return TokenStore.open(output)
 
 

@@ -692,6 +692,32 @@ def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
 
 
+def write_derived_store(
+    folder: Path, like: TokenStore, blob: bytes, doc_offsets: np.ndarray, source: dict[str, Any]
+) -> None:
+    """Write a store into the existing folder ``folder`` from tokens already prepared:
+    ``blob`` (tokens in ``like``'s dtype), its document starts, and the one manifest
+    source record naming where they came from (sha256 and size added here); tokenizer,
+    dtype and EOS are ``like``'s. Checksums and fingerprint are computed fresh."""
+    (folder / TOKENS).write_bytes(blob)
+    (folder / DOC_OFFSETS).write_bytes(np.asarray(doc_offsets).astype("<i8").tobytes())
+    m = like.manifest
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": m["tokenizer"],
+        "dtype": m["dtype"],
+        "eos_id": m["eos_id"],
+        "num_tokens": len(blob) // like.dtype.itemsize,
+        "num_documents": int(np.asarray(doc_offsets).size),
+        "text_field": m.get("text_field", "text"),
+        "sources": [{**source, "sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}],
+    }
+    manifest["content"] = write_checksums(folder, manifest)
+    manifest["fingerprint"] = manifest_fingerprint(manifest)
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
 def slice_store(source: TokenStore, start: int, stop: int, output: str | os.PathLike) -> TokenStore:
     """Write the whole documents of ``source`` that lie within tokens ``[start, stop)``
     as a store of their own (same tokenizer and dtype, fresh checksums) and open it.
@@ -717,33 +743,19 @@ def slice_store(source: TokenStore, start: int, stop: int, output: str | os.Path
     tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
     tmp.mkdir(parents=True)
     blob = np.asarray(source.tokens[start:stop]).tobytes()
-    (tmp / TOKENS).write_bytes(blob)
-    (tmp / DOC_OFFSETS).write_bytes(inside.astype("<i8").tobytes())
-    m = source.manifest
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "tokenizer": m["tokenizer"],
-        "dtype": m["dtype"],
-        "eos_id": m["eos_id"],
-        "num_tokens": stop - start,
-        "num_documents": int(inside.size),
-        "text_field": m.get("text_field", "text"),
-        "sources": [
-            {
-                "name": f"tokens [{start}, {stop}) of store {source.fingerprint[:16]}",
-                "kind": "slice",
-                "sha256": hashlib.sha256(blob).hexdigest(),
-                "size": len(blob),
-                "slice_of": source.fingerprint,
-                "start": start,
-                "stop": stop,
-            }
-        ],
-    }
-    manifest["content"] = write_checksums(tmp, manifest)
-    manifest["fingerprint"] = manifest_fingerprint(manifest)
-    (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+    write_derived_store(
+        tmp,
+        source,
+        blob,
+        inside,
+        {
+            "name": f"tokens [{start}, {stop}) of store {source.fingerprint[:16]}",
+            "kind": "slice",
+            "slice_of": source.fingerprint,
+            "start": start,
+            "stop": stop,
+        },
+    )
     os.rename(tmp, out)
     return TokenStore.open(out)
 
