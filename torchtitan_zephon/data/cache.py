@@ -52,11 +52,23 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.data.readers import GLOB_CHARS, Source, expand_input, resolve_inputs
-from torchtitan_zephon.data.store import FORMAT_VERSION, StoreError, is_store
+from torchtitan_zephon.data.store import (
+    CHECKSUMS,
+    DOC_OFFSETS,
+    FORMAT_VERSION,
+    MANIFEST,
+    TOKENS,
+    StoreError,
+    is_store,
+)
 
 CACHE_ENV = "ZEPHON_CACHE"
-MANIFEST = "manifest.json"  # store.MANIFEST: an entry is complete when its manifest exists
-STORE_FILES = (MANIFEST, "tokens.bin", "doc_offsets.bin", "checksums.bin")
+STORE_FILES = (
+    MANIFEST,
+    TOKENS,
+    DOC_OFFSETS,
+    CHECKSUMS,
+)  # an entry is complete when its manifest exists
 """Any of these in a folder makes it a (maybe broken) store, never raw inputs."""
 BUILTIN_PREFIX = "builtin:"
 RAW_KEY_FORMAT = "zephon-raw-inputs/1"
