@@ -29,6 +29,34 @@ NAMES = ["web", "code", "math", "wiki", "books", "a", "zz", "q7"]
 WEIGHTS = [0, 0, 1, 2, 3, 7, Decimal("0.001"), Decimal("0.1"), Decimal("0.25"), Decimal("0.7")]
 
 
+def least_worst(
+    deficit: list[Fraction], w: list[Fraction], gbs: int, names: list[str]
+) -> list[int]:
+    """Slow reference for a corrected step: the counts (>= 0, weight 0 gets none,
+    summing to gbs) with the least worst |deficit - count|, found by trying every
+    candidate worst value in increasing order; at that value each source gets the
+    fewest counts within it, the rest one by one to the largest remaining deficit
+    (ties: smaller name)."""
+    n = len(w)
+    active = [i for i in range(n) if w[i] > 0]
+    floor = max([abs(deficit[i]) for i in range(n) if w[i] == 0] + [Fraction(0)])
+    values = sorted({floor} | {abs(deficit[i] - k) for i in active for k in range(0, 4 * gbs + 8)})
+    for d in values:
+        if d < floor:
+            continue
+        lo = {i: max(0, math.ceil(deficit[i] - d)) for i in active}
+        hi = {i: math.floor(deficit[i] + d) for i in active}
+        if any(lo[i] > hi[i] for i in active) or not sum(lo.values()) <= gbs <= sum(hi.values()):
+            continue
+        for _ in range(gbs - sum(lo.values())):
+            j = min(
+                (i for i in active if lo[i] < hi[i]), key=lambda i: (lo[i] - deficit[i], names[i])
+            )
+            lo[j] += 1
+        return [lo.get(i, 0) for i in range(n)]
+    raise AssertionError("no counts")
+
+
 def replay(spec: MixtureSpec, batch: BatchSchedule, steps: int) -> list[list[int]]:
     """Slow reference: every slot from step 1, exact fractions, no tables, no heaps.
 
@@ -36,6 +64,9 @@ def replay(spec: MixtureSpec, batch: BatchSchedule, steps: int) -> list[list[int
     and d = 1/(2m-2), a source may take a slot when deficit + weight >= d; its
     deadline is floor((1 - d - deficit) / weight) slots from now; ties go to
     the smaller name; without a candidate the largest deficit + weight wins.
+    A step whose end would leave a source of weight > 0 more than 1 from its
+    target takes ``least_worst`` counts instead, its k-th sample of a source at
+    (2k+1)/(2 count) of the step (ties: smaller name).
     """
     names = spec.names
     n = len(names)
@@ -46,6 +77,7 @@ def replay(spec: MixtureSpec, batch: BatchSchedule, steps: int) -> list[list[int
         w = [entry.weights[x] for x in names]
         active = [i for i in range(n) if w[i] > 0]
         row = []
+        before = list(deficit)
         for _ in range(batch.gbs(step)):
             if len(active) == 1:
                 j = active[0]
@@ -60,6 +92,17 @@ def replay(spec: MixtureSpec, batch: BatchSchedule, steps: int) -> list[list[int
                 deficit[i] += w[i]
             deficit[j] -= 1
             row.append(j)
+        if len(active) > 1 and max(abs(deficit[i]) for i in active) > 1:
+            g = batch.gbs(step)
+            after = [before[i] + w[i] * g for i in range(n)]
+            counts = least_worst(after, w, g, names)
+            slots = [
+                (Fraction(2 * k + 1, 2 * c), names[i], i)
+                for i, c in enumerate(counts)
+                for k in range(c)
+            ]
+            row = [i for _, _, i in sorted(slots)]
+            deficit = [after[i] - counts[i] for i in range(n)]
         out.append(row)
     return out
 
@@ -340,6 +383,57 @@ def test_small_source_warning():
         "'tiny' has 3 training samples but weight 1/2 of a global batch of 16" in plan.warnings[0]
     )
     assert MixturePlan(spec, 0, BatchSchedule([(1, 6)])).warnings == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(spec=mixtures(), batch=batch_schedules())
+def test_a_step_ends_more_than_one_sample_off_only_when_no_counts_do_better(spec, batch):
+    """The one-sample bound at every step end, except where the step's weights
+    make it unreachable from where the earlier steps left off: then no counts of
+    that step (weight 0 gets none) leave a smaller worst deviation."""
+    plan = MixturePlan(spec, 0, batch)
+    names = spec.names
+    targets = exact_targets(spec, batch, 40)
+    for step in range(1, 41):
+        before = plan.counts_before(step)
+        after = plan.counts_before(step + 1)
+        worst = max(abs(t - int(c)) for t, c in zip(targets[step], after, strict=True))
+        if worst <= 1:
+            continue
+        w = weights_at(spec, step)
+        deficit = [t - int(c) for t, c in zip(targets[step], before, strict=True)]
+        best = least_worst(deficit, w, batch.gbs(step), names)
+        assert worst == max(abs(d - k) for d, k in zip(deficit, best, strict=True))
+
+
+def test_corrections_that_recur_repeat_as_a_block():
+    """After a weight change the earliest-deadline pattern can miss the bound once
+    per period; each miss is corrected, and once the residuals after a corrected
+    step recur the steps between repeat (until the batch size changes): the far
+    steps equal the slow replay and advance by the block's counts."""
+    w1 = {"a": Decimal("0.5"), "b": Decimal("0.123"), "c": Decimal("0.7")}
+    w2 = {"a": 1, "b": Decimal("0.3"), "c": Decimal("0.001")}
+    w3 = {"a": Decimal("0.3"), "b": Decimal("0.5"), "c": 0}
+    spec = MixtureSpec.build(dict.fromkeys("abc", 1000), [(1, w1), (16, w2), (18, w3)])
+    batch = BatchSchedule([(1, 11), (16, 11), (900, 5)])
+    plan = MixturePlan(spec, 0, batch)
+    repeats = [s for s in plan.segments if hasattr(s, "block")]
+    assert len(repeats) >= 2 and plan.first_correction is not None
+    steps = 1000
+    ref = replay(spec, batch, steps)
+    assert [plan.global_ids(s)[0].tolist() for s in range(1, steps + 1)] == ref
+    targets = exact_targets(spec, batch, steps)
+    worst = max(
+        abs(t - int(c))
+        for s in range(1, steps + 1)
+        for t, c in zip(targets[s], plan.counts_before(s + 1), strict=True)
+    )
+    assert worst <= 1 and worst == plan.max_deviation()[0]
+    last = repeats[-1]
+    for s in (10**6, 10**9 + 7):
+        ahead = plan.counts_before(s + last.span) - plan.counts_before(s)
+        assert np.array_equal(ahead, last.delta)
+        assert np.array_equal(plan.global_ids(s)[0], plan.global_ids(s + last.span)[0])
 
 
 def test_weight_changes_can_force_more_than_one_sample():

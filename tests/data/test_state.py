@@ -256,3 +256,34 @@ def test_mixture_sources_and_tokenizer_changes_are_named():
             check_resume(state, new)
     opened = check_resume(state, mixture_config(entries, {"code": 50, "web": 69}), ["mixture"])
     assert opened.accepted == ("mixture",)  # store_fingerprint and num_samples go with it
+
+
+def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_step():
+    """Mixture records of format 1 (before corrected steps) continue exactly when
+    the current rule corrects no step of their schedule; otherwise the change is
+    named with the first corrected step and needs the opt-in."""
+    from torchtitan_zephon.data.mixture import MixturePlan, MixtureSpec
+
+    def old(cfg: DataConfig) -> DataConfig:
+        rule1 = {**cfg.mixture, "format": "zephon-mixture/1"}
+        return DataConfig.from_dict({**cfg.to_dict(), "mixture": rule1})
+
+    sizes = {"a": 900, "b": 900, "c": 900, "d": 900}
+    calm = [(1, {"a": 1, "b": 1, "c": 1, "d": 1})]
+    cfg = mixture_config(calm, sizes, schedule=BatchSchedule([(1, 5)]))
+    decision = check_resume(DataState(old(cfg), 5, 20), cfg)
+    assert decision.extended == ("mixture",)
+    rough = [
+        (1, {"a": 1, "b": "0.25", "c": "0.3", "d": "0.7"}),
+        (2, {"a": 0, "b": "0.5", "c": "0.3", "d": 0}),
+    ]
+    cfg = mixture_config(rough, sizes, schedule=BatchSchedule([(1, 5)]))
+    step = MixturePlan(MixtureSpec.from_json(cfg.mixture), 0, BatchSchedule([(1, 5)]))
+    assert step.first_correction is not None
+    message = (
+        "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2): the new rule "
+        f"corrects step {step.first_correction}"
+    )
+    with pytest.raises(DataStateMismatch, match=re.escape(message)):
+        check_resume(DataState(old(cfg), 5, 20), cfg)
+    assert check_resume(DataState(old(cfg), 5, 20), cfg, ["mixture"]).accepted == ("mixture",)

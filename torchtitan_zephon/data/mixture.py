@@ -24,10 +24,15 @@ Invariants:
   after every step is within ``1 - 1/(2m-2)`` < 1 sample of its exact target
   ``sum over steps of w x GBS`` (m = sources of weight > 0). A weight change
   continues from the residuals the previous weights left (no fresh pattern per
-  segment); ``MixturePlan.max_deviation`` computes the exact worst deviation of
-  a given schedule over all steps. No pure plan that keeps "weight 0 means
-  none" can stay within 1 for every schedule once weights change: see
-  ``test_weight_changes_can_force_more_than_one_sample`` (7/6 is forced).
+  segment). Across changes, every step ends within 1 sample of every target,
+  or else no counts of that step do better: a step whose end the
+  earliest-deadline pattern would leave more than 1 off takes the counts with
+  the least worst deviation instead (``_least_worst_counts``; at most
+  ``_MAX_CORRECTIONS`` such steps per weight entry, repeats not counted).
+  ``MixturePlan.max_deviation`` is the exact worst over every step end. No pure
+  plan that keeps "weight 0 means none" can stay within 1 for every schedule
+  once weights change: see ``test_weight_changes_can_force_more_than_one_sample``
+  (7/6 is forced).
 - Each source's ids within one of its epochs are a permutation of its training
   samples ``[0, n_source)``; a source that runs out starts its next epoch
   reshuffled; an optional ``max_epochs`` makes running past it an error.
@@ -39,8 +44,11 @@ Invariants:
   the weight segments once when built; within a segment the assignment is
   periodic (period: a multiple of the entry's common denominator, found by
   comparing states) after a prefix, kept as one table per segment with
-  per-source counts every 512 slots. The tables depend only on the spec and
-  the batch schedule, so every rank builds the same ones.
+  per-source counts every 512 slots. A corrected step is its own one-step
+  segment; when the residuals after a corrected step recur under the same
+  batch size, the steps between repeat as a block (``_Repeat``) until the batch
+  size or the weights change. The tables depend only on the spec and the batch
+  schedule, so every rank builds the same ones.
 
 Warnings (a source smaller than its share of one global batch) are returned as
 strings in ``MixturePlan.warnings`` for the caller to log; errors raise
@@ -78,9 +86,15 @@ length of its slot pattern. 0.7/0.3 gives 10, three weights of 0.001/0.499/0.5
 give 1000; seven-decimal weights that do not simplify are refused."""
 
 _CHECKPOINT = 512  # slots between prefix-count checkpoints of a pattern table
+_MAX_CORRECTIONS = 256
+"""Steps per weight entry that may take the least-worst counts instead of the
+earliest-deadline pattern's, not counting repeats (bounds the plan's build time)."""
 _SOURCE_KEYS = {"name", "store", "heldout_samples", "max_epochs"}
 _ENTRY_KEYS = {"from_step", "weights"}
-_SPEC_FORMAT = "zephon-mixture/1"
+_SPEC_FORMAT = "zephon-mixture/2"
+_OLD_SPEC_FORMATS = ("zephon-mixture/1",)
+"""Read, not written. Rule 1 had no corrected steps: for a schedule where rule 2
+corrects none (``MixturePlan.first_correction`` is None) both draw the same."""
 
 
 class MixtureError(ValueError):
@@ -467,7 +481,7 @@ class MixtureSpec:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> MixtureSpec:
-        if data.get("format") != _SPEC_FORMAT:
+        if data.get("format") not in (_SPEC_FORMAT, *_OLD_SPEC_FORMATS):
             raise MixtureError(
                 f"mixture spec format {data.get('format')!r} is not {_SPEC_FORMAT!r}."
             )
@@ -647,13 +661,13 @@ class _Pattern:
         full, rem = divmod(t - self.prefix, self.cycle)
         return self._local_counts(self.prefix + rem) + full * self._cycle_counts
 
-    def sources(self, t0: int, count: int) -> np.ndarray:
-        """Source indices (into the mixture's sources) of the segment's slots [t0, t0+count)."""
+    def local_at(self, t0: int, count: int) -> np.ndarray:
+        """Indices into ``active`` of the segment's slots [t0, t0+count)."""
         idx = np.arange(t0, t0 + count, dtype=np.int64)
         if self.cycle:
             wrap = idx >= self.prefix + self.cycle
             idx[wrap] = self.prefix + (idx[wrap] - self.prefix) % self.cycle
-        return self.active[self.local[idx]]
+        return self.local[idx]
 
 
 def _simulate(
@@ -736,10 +750,77 @@ def _simulate(
     return np.array(active, dtype=np.int64), local, prefix, cycle
 
 
+def _least_worst_counts(
+    deficit: Sequence[Fraction], weights: Sequence[Fraction], gbs: int, ranks: Sequence[int]
+) -> list[int]:
+    """The counts of one step that leave the smallest worst |target - count| at its end.
+
+    ``deficit[i]`` is source i's target after the step minus its count before
+    it. Counts are integers >= 0 summing to ``gbs``; a source of weight 0 gets
+    none. Among the counts that reach the least worst deviation ``D``, each
+    source first gets the fewest that keep it within ``D``; the rest go one at
+    a time to the source with the largest remaining deficit that can take one
+    more, ties to the smaller name.
+    """
+    active = [i for i, w in enumerate(weights) if w > 0]
+    floor = max((abs(deficit[i]) for i, w in enumerate(weights) if w == 0), default=Fraction(0))
+    candidates = {floor}
+    for i in active:  # the least D is floor or the distance of a deficit to a count
+        x = deficit[i]
+        candidates.update(abs(x - k) for k in range(max(0, math.floor(x) - 3), math.floor(x) + 5))
+
+    def bounds(d: Fraction) -> tuple[list[int], list[int]] | None:
+        lo = [max(0, math.ceil(deficit[i] - d)) for i in active]
+        hi = [math.floor(deficit[i] + d) for i in active]
+        if any(a > b for a, b in zip(lo, hi, strict=True)) or not sum(lo) <= gbs <= sum(hi):
+            return None
+        return lo, hi
+
+    ordered = sorted(c for c in candidates if c >= floor)
+    lo_k, hi_k = 0, len(ordered) - 1  # feasibility is monotone in D; the largest is feasible
+    while bounds(ordered[hi_k]) is None:  # (cannot happen for a state within 2 samples)
+        ordered.append(ordered[-1] + 1)
+        hi_k = len(ordered) - 1
+    while lo_k < hi_k:
+        mid = (lo_k + hi_k) // 2
+        if bounds(ordered[mid]) is None:
+            lo_k = mid + 1
+        else:
+            hi_k = mid
+    found = bounds(ordered[lo_k])
+    assert found is not None
+    lo, hi = found
+    n = list(lo)
+    heap = [(-(deficit[i] - n[j]), ranks[i], j) for j, i in enumerate(active) if n[j] < hi[j]]
+    heapq.heapify(heap)
+    for _ in range(gbs - sum(n)):
+        _, _, j = heapq.heappop(heap)
+        n[j] += 1
+        if n[j] < hi[j]:
+            heapq.heappush(heap, (-(deficit[active[j]] - n[j]), ranks[active[j]], j))
+    out = [0] * len(weights)
+    for j, i in enumerate(active):
+        out[i] = n[j]
+    return out
+
+
+def _spread(counts: Sequence[int], ranks: Sequence[int]) -> np.ndarray:
+    """A step's slots in order, given its per-source counts: source i's k-th sample
+    sits at (2k+1)/(2 counts[i]) of the step, ties to the smaller name."""
+    src = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
+    n = np.asarray(counts, dtype=np.int64)[src]
+    k = np.arange(len(src), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    key = (2 * k + 1) / (2 * n)  # correctly rounded: equal fractions give equal floats
+    return src[np.lexsort((np.asarray(ranks, dtype=np.int64)[src], key))]
+
+
 @dataclass
 class _Segment:
-    entry: WeightEntry
+    """Steps [first_step, end_step) of the stream: one weight vector, one pattern."""
+
     weights: list[Fraction]  # per source, mixture order
+    first_step: int
+    end_step: int | None
     first_slot: int
     end_slot: int | None
     start_counts: np.ndarray  # per source
@@ -751,6 +832,124 @@ class _Segment:
         out = self.start_counts.copy()
         out[self.pattern.active] += self.pattern.counts(slot - self.first_slot)
         return out
+
+    def sources(self, slot: int, count: int) -> np.ndarray:
+        """Source indices of slots [slot, slot + count) (all in this segment)."""
+        return self.pattern.active[self.pattern.local_at(slot - self.first_slot, count)]
+
+    def step_ends(self, schedule: BatchSchedule) -> tuple[np.ndarray, np.ndarray]:
+        """(steps, pattern positions) of this segment's step ends, each step end
+        position folded into the pattern's table. Enough steps to meet every
+        position the infinite segment ever folds to: after the table, a
+        constant batch size walks the period with period C / gcd(C, G)."""
+        pat = self.pattern
+        length = len(pat.local)
+        steps_out, pos_out = [], []
+        entries = schedule.entries
+        for k, (a, g) in enumerate(entries):
+            b = entries[k + 1][0] if k + 1 < len(entries) else None
+            lo = max(a, self.first_step)
+            hi = (
+                b
+                if self.end_step is None
+                else (self.end_step if b is None else min(b, self.end_step))
+            )
+            if hi is not None and lo >= hi:
+                continue
+            x0 = schedule.first_position(lo) + g - self.first_slot
+            count = None if hi is None else hi - lo
+            if pat.cycle:
+                direct = (length - x0) // g + 1 if x0 <= length else 0
+                bound = direct + pat.cycle // math.gcd(pat.cycle, g)
+                count = bound if count is None else min(count, bound)
+            assert count is not None, "an infinite segment has a periodic pattern"
+            kk = np.arange(count, dtype=np.int64)
+            x = x0 + kk * g
+            if pat.cycle:
+                over = x > length
+                x[over] = pat.prefix + (x[over] - pat.prefix) % pat.cycle
+            steps_out.append(lo + kk)
+            pos_out.append(x)
+        if not steps_out:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        return np.concatenate(steps_out), np.concatenate(pos_out)
+
+    def deviations(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+        """At each pattern position: the worst |target - count| of the sources of
+        weight > 0 and which source it is, both scaled by the returned integer."""
+        pat = self.pattern
+        residual = [t - int(c) for t, c in zip(self.start_targets, self.start_counts, strict=True)]
+        active = pat.active.tolist()
+        scale = math.lcm(
+            *(self.weights[i].denominator for i in active),
+            *(residual[i].denominator for i in active),
+        )
+        big = max(abs(residual[i]) for i in active) * scale + scale * (
+            int(positions.max(initial=0)) + 2
+        )
+        dtype: Any = np.int64 if big < 1 << 62 else object
+        order = np.argsort(pat.local, kind="stable")
+        bounds_ = np.searchsorted(pat.local[order], np.arange(len(active) + 1))
+        pos = positions.astype(dtype)
+        worst = np.full(len(positions), -1, dtype=dtype)
+        who = np.zeros(len(positions), dtype=np.int64)
+        for j, i in enumerate(active):
+            picks = order[bounds_[j] : bounds_[j + 1]]  # slots source i takes, ascending
+            taken = np.searchsorted(picks, positions, side="left").astype(dtype)
+            dev = int(residual[i] * scale) + int(self.weights[i] * scale) * pos - scale * taken
+            dev = np.abs(dev)
+            better = dev > worst
+            worst = np.where(better, dev, worst)
+            who[better] = i
+        return worst, who, scale
+
+
+class _Repeat:
+    """Steps that repeat an earlier block of segments: ``block`` covers the
+    ``span`` steps from slot ``block_slot``, and every repetition adds ``delta``
+    to each source's count (the residuals are the same at each block start)."""
+
+    def __init__(
+        self,
+        weights: list[Fraction],
+        first_step: int,
+        end_step: int | None,
+        first_slot: int,
+        start_counts: np.ndarray,
+        start_targets: list[Fraction],
+        block: list[_Segment],
+        block_slot: int,
+        delta: np.ndarray,
+        span: int,
+    ) -> None:
+        self.weights = weights
+        self.first_step, self.end_step = first_step, end_step
+        self.first_slot = first_slot
+        self.slots = first_slot - block_slot
+        self.end_slot = (
+            None if end_step is None else first_slot + (end_step - first_step) // span * self.slots
+        )
+        self.start_counts, self.start_targets = start_counts, start_targets
+        self.block, self.block_slot, self.delta, self.span = block, block_slot, delta, span
+        self._starts = [b.first_slot for b in block]
+
+    def _locate(self, slot: int) -> tuple[int, int, _Segment]:
+        q, within = divmod(slot - self.first_slot, self.slots)
+        orig = self.block_slot + within
+        return q + 1, orig, self.block[bisect.bisect_right(self._starts, orig) - 1]
+
+    def counts(self, slot: int) -> np.ndarray:
+        q, orig, seg = self._locate(slot)
+        return seg.counts(orig) + q * self.delta
+
+    def sources(self, slot: int, count: int) -> np.ndarray:
+        parts = []
+        while count > 0:
+            _, orig, seg = self._locate(slot)
+            take = min(count, int(seg.end_slot) - orig)
+            parts.append(seg.sources(orig, take))
+            slot, count = slot + take, count - take
+        return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
 
 
 class MixturePlan:
@@ -778,53 +977,158 @@ class MixturePlan:
         ranks = [0] * n
         for r, i in enumerate(order):
             ranks[i] = r
-        self.segments: list[_Segment] = []
+        self.segments: list[_Segment | _Repeat] = []
+        self.corrected_steps = 0
+        self.first_correction: int | None = None
         counts = np.zeros(n, dtype=np.int64)
         targets = [Fraction(0)] * n
-        entries = spec.schedule
+        entries = [e for _, e in _effective_entries(spec, 2**63)]
         for k, entry in enumerate(entries):
-            first = schedule.first_position(entry.from_step)
-            end = (
-                schedule.first_position(entries[k + 1].from_step) if k + 1 < len(entries) else None
-            )
-            weights = [entry.weights[name] for name in self.names]
+            end_step = entries[k + 1].from_step if k + 1 < len(entries) else None
+            counts, targets = self._build_entry(entry, end_step, counts, targets, ranks)
+        self._starts = [s.first_slot for s in self.segments]
+        self.warnings = self._small_source_warnings()
+
+    def _build_entry(
+        self,
+        entry: WeightEntry,
+        end_step: int | None,
+        counts: np.ndarray,
+        targets: list[Fraction],
+        ranks: list[int],
+    ) -> tuple[np.ndarray, list[Fraction]]:
+        """Append the segments of steps [entry.from_step, end_step); return the
+        per-source counts and targets at ``end_step``.
+
+        Earliest deadline first from the residuals the entry inherits, cut at the
+        first step whose end would leave a source of weight > 0 more than one
+        sample from its target; that step takes ``_least_worst_counts`` instead
+        and the pattern restarts after it. When the residuals after a corrected
+        step repeat those after an earlier one (same batch size), the steps
+        between repeat until the batch size changes: one ``_Repeat`` holds them.
+        """
+        schedule = self.schedule
+        n = len(self.names)
+        weights = [entry.weights[name] for name in self.names]
+        end = None if end_step is None else schedule.first_position(end_step)
+        step, corrections = entry.from_step, 0
+        seen: dict[tuple[Any, ...], tuple[int, int, np.ndarray]] = {}
+        while True:
+            first = schedule.first_position(step)
             residual = [t - int(c) for t, c in zip(targets, counts, strict=True)]
             active, local, prefix, cycle = _simulate(
                 weights, residual, ranks, None if end is None else end - first
             )
             seg = _Segment(
-                entry, weights, first, end, counts, targets, _Pattern(active, local, prefix, cycle)
+                weights,
+                step,
+                end_step,
+                first,
+                end,
+                counts,
+                targets,
+                _Pattern(active, local, prefix, cycle),
             )
-            self.segments.append(seg)
-            if end is not None:
-                counts = seg.counts(end)
-                targets = [t + w * (end - first) for t, w in zip(targets, weights, strict=True)]
-        self._starts = [s.first_slot for s in self.segments]
-        self.warnings = self._small_source_warnings()
+            bad = None
+            if corrections < _MAX_CORRECTIONS and len(active) > 1:
+                steps, positions = seg.step_ends(schedule)
+                worst, _, scale = seg.deviations(positions)
+                over = steps[worst > scale]
+                bad = int(over.min()) if over.size else None
+            if bad is not None:
+                seg.end_step, seg.end_slot = bad, schedule.first_position(bad)
+            if seg.end_slot is None or seg.end_slot > seg.first_slot:
+                self.segments.append(seg)
+            if bad is None:
+                if end is None:
+                    return counts, targets
+                return seg.counts(end), [
+                    t + w * (end - first) for t, w in zip(targets, weights, strict=True)
+                ]
+            # step `bad` takes the counts with the least worst deviation instead
+            cut, gbs = schedule.first_position(bad), schedule.gbs(bad)
+            counts = seg.counts(cut)
+            targets = [t + w * (cut - first) for t, w in zip(targets, weights, strict=True)]
+            after = [t + w * gbs for t, w in zip(targets, weights, strict=True)]
+            chosen = _least_worst_counts(
+                [t - int(c) for t, c in zip(after, counts, strict=True)], weights, gbs, ranks
+            )
+            where = np.zeros(n, dtype=np.int64)
+            where[active] = np.arange(len(active))
+            fixed = _Pattern(active, where[_spread(chosen, ranks)].astype(local.dtype), gbs, 0)
+            self.segments.append(
+                _Segment(weights, bad, bad + 1, cut, cut + gbs, counts, targets, fixed)
+            )
+            self.corrected_steps += 1
+            if self.first_correction is None:
+                self.first_correction = bad
+            corrections += 1
+            counts = counts + np.array(chosen, dtype=np.int64)
+            targets, step = after, bad + 1
+            if end_step is not None and step >= end_step:
+                return counts, targets
+            # the same residuals under the same batch size: the steps since repeat
+            region = bisect.bisect_right([s for s, _ in schedule.entries], step) - 1
+            key = (region, *(t - int(c) for t, c in zip(targets, counts, strict=True)))
+            if key not in seen:
+                seen[key] = (len(self.segments), step, counts)
+                continue
+            index, step0, counts0 = seen[key]
+            limit = schedule.entries[region + 1][0] if region + 1 < len(schedule.entries) else None
+            if end_step is not None:
+                limit = end_step if limit is None else min(limit, end_step)
+            span = step - step0
+            reps = None if limit is None else (limit - step) // span
+            if reps == 0:
+                continue
+            block = self.segments[index:]
+            rep = _Repeat(
+                weights,
+                step,
+                None if reps is None else step + reps * span,
+                schedule.first_position(step),
+                counts,
+                targets,
+                block,
+                schedule.first_position(step0),
+                counts - counts0,
+                span,
+            )
+            self.segments.append(rep)
+            if reps is None:
+                return counts, targets
+            counts = counts + reps * rep.delta
+            targets = [t + w * reps * rep.slots for t, w in zip(targets, weights, strict=True)]
+            step += reps * span
+            seen.clear()
+            if end_step is not None and step >= end_step:
+                return counts, targets
 
     # ------------------------------------------------------------ accounting
 
     def _small_source_warnings(self) -> list[str]:
         out = []
         sched = self.schedule.entries
-        for k, seg in enumerate(self.segments):
-            lo = seg.entry.from_step
-            hi = self.segments[k + 1].entry.from_step if k + 1 < len(self.segments) else None
+        entries = [e for _, e in _effective_entries(self.spec, 2**63)]
+        for k, entry in enumerate(entries):
+            lo = entry.from_step
+            hi = entries[k + 1].from_step if k + 1 < len(entries) else None
             sizes = {g for s, g in sched if (hi is None or s < hi) and s >= lo}
             sizes.add(self.schedule.gbs(lo))
             gbs = max(sizes)
-            for i, w in enumerate(seg.weights):
+            for i, name in enumerate(self.names):
+                w = entry.weights[name]
                 share = math.ceil(w * gbs)
                 if share > self.num_samples[i]:
                     out.append(
-                        f"mixture source {self.names[i]!r} has {self.num_samples[i]} training "
+                        f"mixture source {name!r} has {self.num_samples[i]} training "
                         f"samples but weight {fraction_text(w)} of a global batch of {gbs} "
                         f"(schedule entry from_step {lo}) asks up to {share} per step: its "
                         "samples repeat within a step."
                     )
         return out
 
-    def _segment_of(self, slot: int) -> _Segment:
+    def _segment_of(self, slot: int) -> _Segment | _Repeat:
         return self.segments[bisect.bisect_right(self._starts, slot) - 1]
 
     def step_slots(self, step: int) -> tuple[int, int]:
@@ -860,43 +1164,23 @@ class MixturePlan:
         return self.counts_before(step) // self.num_samples
 
     def max_deviation(self) -> tuple[Fraction, str]:
-        """(worst |count - target| over every slot of the infinite stream, its source).
-
-        Exact; an upper bound for every step boundary. Below 1 for a single
-        schedule entry.
-        """
+        """(worst |count - target| over the end of every step of the infinite
+        stream, its source). Exact. Below 1 for a single schedule entry."""
         worst, who = Fraction(0), self.names[0]
         for seg in self.segments:
-            pat = seg.pattern
-            residual = [
-                t - int(c) for t, c in zip(seg.start_targets, seg.start_counts, strict=True)
-            ]
-            for i, r in enumerate(residual):  # sources with weight 0 keep their residual
-                if seg.weights[i] == 0 and abs(r) > worst:
-                    worst, who = abs(r), self.names[i]
-            period = math.lcm(*(seg.weights[i].denominator for i in pat.active))
-            num = np.array([int(seg.weights[i] * period) for i in pat.active], dtype=np.int64)
-            local = pat.local.astype(np.int64)
-            t = np.arange(len(local), dtype=np.int64)
-            order = np.argsort(local, kind="stable")
-            sorted_src = local[order]
-            starts = np.searchsorted(sorted_src, np.arange(len(pat.active)))
-            occurrence = np.empty_like(local)
-            occurrence[order] = np.arange(len(local)) - starts[sorted_src]
-            # deficit x period: before each pick (largest) and after it (smallest)
-            before = num[local] * t - period * occurrence
-            after = before + num[local] - period
-            m = len(pat.active)
-            end = num * len(local) - period * np.bincount(local, minlength=m)
-            hi = np.maximum(end, 0)
-            lo = np.minimum(end, 0)
-            np.maximum.at(hi, local, before)
-            np.minimum.at(lo, local, after)
-            for j, i in enumerate(pat.active.tolist()):
-                for x in (int(hi[j]), int(lo[j])):
-                    dev = abs(residual[i] + Fraction(x, period))
-                    if dev > worst:
-                        worst, who = dev, self.names[i]
+            if isinstance(seg, _Repeat):  # the same deviations as its block
+                continue
+            for i, w in enumerate(seg.weights):  # sources of weight 0 keep their residual
+                r = abs(seg.start_targets[i] - int(seg.start_counts[i]))
+                if w == 0 and r > worst:
+                    worst, who = r, self.names[i]
+            _, positions = seg.step_ends(self.schedule)
+            if not positions.size:
+                continue
+            dev, source, scale = seg.deviations(positions)
+            k = int(np.argmax(dev))
+            if Fraction(int(dev[k]), scale) > worst:
+                worst, who = Fraction(int(dev[k]), scale), self.names[int(source[k])]
         return worst, who
 
     def check_max_epochs(self, last_step: int) -> None:
@@ -934,7 +1218,7 @@ class MixturePlan:
             k = bisect.bisect_right(self._starts, slot) - 1
             seg = self.segments[k]
             stop = first + count if seg.end_slot is None else min(first + count, seg.end_slot)
-            out[done : done + stop - slot] = seg.pattern.sources(slot - seg.first_slot, stop - slot)
+            out[done : done + stop - slot] = seg.sources(slot, stop - slot)
             done += stop - slot
         return out
 

@@ -422,6 +422,17 @@ def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> s
     past = past_change(old_spec, new_spec, next_step - 1)
     if past is not None:
         return past
+    if a.get("format") != b.get("format"):
+        from torchtitan_zephon.data.mixture import MixturePlan
+
+        step = MixturePlan(new_spec, saved.seed, saved.batch_schedule()).first_correction
+        if step is not None:
+            return (
+                f"the mixture rule changed ({a.get('format')} -> {b.get('format')}): the new "
+                f"rule corrects step {step}, where the old one left a source more than one "
+                "sample from its target, so steps from "
+                f"{step} on draw other samples than this run was planned with."
+            )
     olds = {s["name"]: s for s in a["sources"]}
     news = {s["name"]: s for s in b["sources"]}
     for name in sorted(set(olds) | set(news)):
