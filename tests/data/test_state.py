@@ -272,7 +272,11 @@ def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_step():
     calm = [(1, {"a": 1, "b": 1, "c": 1, "d": 1})]
     cfg = mixture_config(calm, sizes, schedule=BatchSchedule([(1, 5)]))
     decision = check_resume(DataState(old(cfg), 5, 20), cfg)
-    assert decision.extended == ("mixture",)
+    assert decision.extended == () and decision.accepted == ()
+    assert decision.notes == (
+        "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2) but corrects no "
+        "step of this schedule: every step draws the same samples",
+    )
     rough = [
         (1, {"a": 1, "b": "0.25", "c": "0.3", "d": "0.7"}),
         (2, {"a": 0, "b": "0.5", "c": "0.3", "d": 0}),

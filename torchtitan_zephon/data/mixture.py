@@ -875,8 +875,8 @@ class _Segment:
         return np.concatenate(steps_out), np.concatenate(pos_out)
 
     def deviations(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
-        """At each pattern position: the worst |target - count| of the sources of
-        weight > 0 and which source it is, both scaled by the returned integer."""
+        """At each pattern position: the worst |target - count| among the sources
+        of weight > 0, times the returned integer, and which source it is."""
         pat = self.pattern
         residual = [t - int(c) for t, c in zip(self.start_targets, self.start_counts, strict=True)]
         active = pat.active.tolist()

@@ -325,6 +325,9 @@ class ResumeDecision:
     extended: tuple[str, ...] = ()
     """Schedules ("schedule": the batch schedule, "mixture": a mixture's weight schedule)
     that changed only for steps not yet trained: an exact continuation."""
+    notes: tuple[str, ...] = ()
+    """Other differences that change no sample, in sentences (e.g. a mixture rule
+    update that corrects no step of this schedule)."""
 
 
 def schedule_appended(old: BatchSchedule, new: BatchSchedule, next_step: int) -> bool:
@@ -356,11 +359,20 @@ def check_resume(
         differing.remove("schedule")
         extended.append("schedule")
     mixture_change = None
+    notes: list[str] = []
     if MIXTURE_FIELD in differing:
         mixture_change = _mixture_change(saved.config, current, saved.next_step)
         if mixture_change is None:
             differing.remove(MIXTURE_FIELD)
-            extended.append(MIXTURE_FIELD)
+            a, b = dict(saved.config.mixture or {}), dict(current.mixture or {})
+            rule_a, rule_b = a.pop("format", None), b.pop("format", None)
+            if a != b:
+                extended.append(MIXTURE_FIELD)
+            if rule_a != rule_b:
+                notes.append(
+                    f"the mixture rule changed ({rule_a} -> {rule_b}) but corrects no step of "
+                    "this schedule: every step draws the same samples"
+                )
         else:  # derived from the sources: reported, and opened, with the mixture
             differing = [k for k in differing if k not in ("store_fingerprint", "num_samples")]
             if allowed is not True and MIXTURE_FIELD in allowed:
@@ -383,7 +395,7 @@ def check_resume(
         )
     if "schedule" in differing:  # accepted: count the new schedule from the saved position
         anchor = (saved.next_step, saved.consumed_positions)
-        return ResumeDecision(anchor, tuple(differing), tuple(extended))
+        return ResumeDecision(anchor, tuple(differing), tuple(extended), tuple(notes))
     anchor_step, anchor_pos = saved.position_anchor
     schedule = current.batch_schedule()
     expected = None
@@ -399,7 +411,9 @@ def check_resume(
             f"{expected} under schedule {schedule}, but the state records "
             f"consumed_positions={saved.consumed_positions}. The checkpoint's data state is corrupt."
         )
-    return ResumeDecision((anchor_step, anchor_pos), tuple(differing), tuple(extended))
+    return ResumeDecision(
+        (anchor_step, anchor_pos), tuple(differing), tuple(extended), tuple(notes)
+    )
 
 
 def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> str | None:

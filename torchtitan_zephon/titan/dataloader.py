@@ -252,6 +252,10 @@ class ZephonDataLoader(BaseDataLoader):
                 f"Zephon: {', '.join(decision.extended)} gained entries for steps after {done}: "
                 "an exact continuation"
             )
+        for note in decision.notes:
+            logger.info(f"Zephon: {note}")
+        if decision.notes:
+            details["notes"] = list(decision.notes)
         if head is not None and int(head["step"]) == done:
             problem = self.tracker.resume(
                 head, self.topology, ignore_mismatch=self.ignore_log_mismatch, details=details
