@@ -65,6 +65,29 @@ def test_plan_prints_ids_and_their_sources(mixture_file, capsys):
     assert ranks == {"ids": whole["ids"], "sources": whole["sources"]}
 
 
+def test_plan_warns_when_a_step_cannot_stay_within_one_sample(store, tmp_path, capsys):
+    """A weight change that leaves no counts within one sample at some step: the
+    plan says which source, which step and how far, on stderr; the ids still print."""
+    quarter = store.num_tokens // 4
+    text = ""
+    for k, name in enumerate("abcd"):
+        slice_store(store, k * quarter, (k + 1) * quarter, tmp_path / name)
+        text += f'[[source]]\nname = "{name}"\nstore = "{name}"\n'
+    text += "[[schedule]]\nfrom_step = 1\nweights = { a = 1, b = 0.25, c = 0.3, d = 0.7 }\n"
+    text += "[[schedule]]\nfrom_step = 2\nweights = { a = 0, b = 0.5, c = 0.3, d = 0 }\n"
+    (tmp_path / "mix.toml").write_text(text)
+    args = ["plan", "--mixture", str(tmp_path / "mix.toml"), "--seq-len", "8", "--seed", "0"]
+    assert main([*args, "--global-batch-size", "5", "--steps", "1:6", "--json"]) == 0
+    out = capsys.readouterr()
+    assert len(out.out.splitlines()) == 6
+    source = MixtureSource.open(MixtureConfig.load(tmp_path / "mix.toml"), 8)
+    plan = source.plan(source.data_config(seed=0, schedule=BatchSchedule.parse("5")))
+    worst, who, step = plan.mixture.deviation_report()
+    assert worst > 1
+    assert f"zephon plan: warning: mixture source {who!r} ends step {step} " in out.err
+    assert "Traceback" not in out.err
+
+
 @pytest.mark.parametrize(
     "extra, message",
     [

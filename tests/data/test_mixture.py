@@ -19,6 +19,7 @@ from torchtitan_zephon.data.mixture import (
     MixtureError,
     MixturePlan,
     MixtureSpec,
+    deviation_warning,
     past_change,
     resolve_mixture,
     source_seed,
@@ -461,6 +462,14 @@ def test_weight_changes_can_force_more_than_one_sample():
     targets = exact_targets(spec, batch, 2)[2]
     engine = max(abs(t - c) for t, c in zip(targets, plan.counts_before(3), strict=True))
     assert engine == plan.max_deviation()[0] == Fraction(7, 6)
+    worst, who, step = plan.deviation_report()
+    assert (worst, step) == (Fraction(7, 6), 2) and who in (x, y, z)
+    assert deviation_warning(worst, who, step).startswith(
+        f"mixture source {who!r} ends step 2 1.167 samples (7/6) from its exact target, more "
+        "than one: from the counts the earlier steps left, no counts of that step keep every "
+        "source within one sample"
+    )
+    assert deviation_warning(Fraction(1), who, 2) is None
     # No assignment of any step 1 within one sample, followed by that step 2, does better.
     best = None
     for first in itertools.combinations(range(6), 3):  # step 1 must serve 3 distinct sources

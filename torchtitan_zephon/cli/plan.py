@@ -138,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
 
 def run_mixture(args: argparse.Namespace, schedule: BatchSchedule) -> int:
     """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
-    from torchtitan_zephon.data.mixture import MixtureConfig
+    from torchtitan_zephon.data.mixture import MixtureConfig, deviation_warning
     from torchtitan_zephon.data.source import MixtureSource, MixtureStream
 
     source = MixtureSource.open(
@@ -153,7 +153,10 @@ def run_mixture(args: argparse.Namespace, schedule: BatchSchedule) -> int:
     plan.mixture.check_max_epochs(last)
     for warning in source.warnings:
         print(f"zephon plan: warning: {warning}", file=sys.stderr)
-    worst, who = plan.mixture.max_deviation()
+    worst, who, step = plan.mixture.deviation_report()
+    warning = deviation_warning(worst, who, step)
+    if warning:
+        print(f"zephon plan: warning: {warning}", file=sys.stderr)
     print(
         f"zephon plan: mixture of {len(plan.names)} sources ({', '.join(plan.names)}); every "
         f"source's count stays within {float(worst):.4g} samples ({worst.numerator}/"

@@ -904,6 +904,20 @@ class _Segment:
         return worst, who, scale
 
 
+def deviation_warning(worst: Fraction, who: str, step: int) -> str | None:
+    """A sentence for a ``MixturePlan.deviation_report`` over one sample, else None."""
+    if worst <= 1:
+        return None
+    return (
+        f"mixture source {who!r} ends step {step} {float(worst):.3f} samples "
+        f"({fraction_text(worst)}) from its exact target, more than one: from the counts "
+        "the earlier steps left, no counts of that step keep every source within one sample "
+        "(weight 0 draws nothing, and earlier steps do not depend on later weights). Other "
+        f"weights at step {step}, or a change one step earlier or later, may stay within one "
+        "sample: `zephon plan --mixture` prints a schedule's worst deviation."
+    )
+
+
 class _Repeat:
     """Steps that repeat an earlier block of segments: ``block`` covers the
     ``span`` steps from slot ``block_slot``, and every repetition adds ``delta``
@@ -1166,22 +1180,28 @@ class MixturePlan:
     def max_deviation(self) -> tuple[Fraction, str]:
         """(worst |count - target| over the end of every step of the infinite
         stream, its source). Exact. Below 1 for a single schedule entry."""
-        worst, who = Fraction(0), self.names[0]
+        worst, who, _ = self.deviation_report()
+        return worst, who
+
+    def deviation_report(self) -> tuple[Fraction, str, int]:
+        """``max_deviation`` and the first step whose end reaches it."""
+        worst, who, when = Fraction(0), self.names[0], 1
         for seg in self.segments:
-            if isinstance(seg, _Repeat):  # the same deviations as its block
+            if isinstance(seg, _Repeat):  # the same deviations as its block, earlier
                 continue
             for i, w in enumerate(seg.weights):  # sources of weight 0 keep their residual
                 r = abs(seg.start_targets[i] - int(seg.start_counts[i]))
                 if w == 0 and r > worst:
-                    worst, who = r, self.names[i]
-            _, positions = seg.step_ends(self.schedule)
+                    worst, who, when = r, self.names[i], seg.first_step
+            steps, positions = seg.step_ends(self.schedule)
             if not positions.size:
                 continue
             dev, source, scale = seg.deviations(positions)
             k = int(np.argmax(dev))
             if Fraction(int(dev[k]), scale) > worst:
                 worst, who = Fraction(int(dev[k]), scale), self.names[int(source[k])]
-        return worst, who
+                when = int(steps[k])
+        return worst, who, when
 
     def check_max_epochs(self, last_step: int) -> None:
         """Raise MixtureError if steps 1..``last_step`` run a source past its max_epochs."""

@@ -21,7 +21,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.data.cache import RawInputs, store_location
 from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.mixture import MixtureConfig
+from torchtitan_zephon.data.mixture import MixtureConfig, deviation_warning
 from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.source import MixtureSource, MixtureStream, Source, StoreSource
 from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
@@ -295,7 +295,10 @@ def _check_mixture(plan: MixtureStream, source: Any, job_config: Any) -> None:
         return
     for warning in source.warnings:
         logger.warning(f"Zephon: {warning}")
-    worst, who = plan.mixture.max_deviation()
+    worst, who, step = plan.mixture.deviation_report()
+    warning = deviation_warning(worst, who, step)
+    if warning:
+        logger.warning(f"Zephon: {warning}")
     logger.info(
         f"Zephon: mixture {source.path} of {len(plan.names)} sources ({', '.join(plan.names)}): "
         f"every source's sample count stays within {float(worst):.3f} samples of its exact "
