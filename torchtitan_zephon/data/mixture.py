@@ -28,7 +28,8 @@ Invariants:
   or else no counts of that step do better: a step whose end the
   earliest-deadline pattern would leave more than 1 off takes the counts with
   the least worst deviation instead (``_least_worst_counts``; at most
-  ``_MAX_CORRECTIONS`` such steps per weight entry, repeats not counted).
+  ``_MAX_CORRECTIONS`` such steps per weight entry, fewer for long periods,
+  repeats not counted).
   ``MixturePlan.max_deviation`` is the exact worst over every step end. No pure
   plan that keeps "weight 0 means none" can stay within 1 for every schedule
   once weights change: see ``test_weight_changes_can_force_more_than_one_sample``
@@ -87,8 +88,11 @@ give 1000; seven-decimal weights that do not simplify are refused."""
 
 _CHECKPOINT = 512  # slots between prefix-count checkpoints of a pattern table
 _MAX_CORRECTIONS = 256
+_CORRECTION_SLOTS = 1 << 22
 """Steps per weight entry that may take the least-worst counts instead of the
-earliest-deadline pattern's, not counting repeats (bounds the plan's build time)."""
+earliest-deadline pattern's, not counting repeats: ``_MAX_CORRECTIONS``, and at
+most ``_CORRECTION_SLOTS // period`` (at least 1), since each restarts a pattern
+of the entry's period (bounds the plan's build time; depends on the weights only)."""
 _SOURCE_KEYS = {"name", "store", "heldout_samples", "max_epochs"}
 _ENTRY_KEYS = {"from_step", "weights"}
 _SPEC_FORMAT = "zephon-mixture/2"
@@ -1026,6 +1030,7 @@ class MixturePlan:
         weights = [entry.weights[name] for name in self.names]
         end = None if end_step is None else schedule.first_position(end_step)
         step, corrections = entry.from_step, 0
+        most = min(_MAX_CORRECTIONS, max(1, _CORRECTION_SLOTS // entry.period))
         seen: dict[tuple[Any, ...], tuple[int, int, np.ndarray]] = {}
         while True:
             first = schedule.first_position(step)
@@ -1044,7 +1049,7 @@ class MixturePlan:
                 _Pattern(active, local, prefix, cycle),
             )
             bad = None
-            if corrections < _MAX_CORRECTIONS and len(active) > 1:
+            if corrections < most and len(active) > 1:
                 steps, positions = seg.step_ends(schedule)
                 worst, _, scale = seg.deviations(positions)
                 over = steps[worst > scale]
