@@ -437,6 +437,49 @@ def test_corrections_that_recur_repeat_as_a_block():
         assert np.array_equal(plan.global_ids(s)[0], plan.global_ids(s + last.span)[0])
 
 
+def test_a_long_run_of_corrected_steps_equals_the_replay():
+    """A tiny weight next to a source of weight 0 that is ahead: the pattern misses
+    the bound at every step for hundreds of steps; each is corrected (no cap cuts
+    in), and the plan stays the slow replay, within one sample throughout."""
+    spec = MixtureSpec.build(
+        {"x": 100, "y": 100, "z": 100},
+        [
+            (1, {"x": 2, "y": 1, "z": 5}),
+            (3, {"x": Decimal("0.0005"), "y": Decimal("0.9995"), "z": 0}),
+        ],
+    )
+    batch = BatchSchedule([(1, 1)])
+    plan = MixturePlan(spec, 0, batch)
+    assert plan.corrected_steps > 256
+    steps = 2500
+    ref = replay(spec, batch, steps)
+    assert [plan.global_ids(s)[0].tolist() for s in range(1, steps + 1)] == ref
+    assert plan.max_deviation()[0] <= 1
+
+
+def test_an_entry_appended_inside_a_repeat_keeps_every_step_before_it():
+    """Corrections that recur become a repeated block; a weight or batch-size entry
+    appended later cuts the block (its last repetition partial) and changes no
+    step before it."""
+    sizes = {"x": 100, "y": 100, "z": 100}
+    base = [
+        (1, {"x": 2, "y": 1, "z": 5}),
+        (3, {"x": Decimal("0.001"), "y": Decimal("0.999"), "z": 0}),
+    ]
+    plan = MixturePlan(MixtureSpec.build(sizes, base), 0, BatchSchedule([(1, 1)]))
+    assert any(hasattr(s, "block") for s in plan.segments)
+    cases = [
+        (2003, MixtureSpec.build(sizes, [*base, (2003, {"x": 1, "y": 1, "z": 1})]), [(1, 1)]),
+        (2003, MixtureSpec.build(sizes, base), [(1, 1), (2003, 2)]),
+        (1504, MixtureSpec.build(sizes, base), [(1, 1), (1504, 2)]),
+    ]
+    for k, spec, batch in cases:
+        other = MixturePlan(spec, 0, BatchSchedule(batch))
+        for s in range(1, k):
+            assert other.global_ids(s)[0].tolist() == plan.global_ids(s)[0].tolist(), s
+        assert np.array_equal(other.counts_before(k), plan.counts_before(k))
+
+
 def test_weight_changes_can_force_more_than_one_sample():
     """Why the one-sample bound is promised for one schedule entry only.
 

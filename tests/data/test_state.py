@@ -258,10 +258,10 @@ def test_mixture_sources_and_tokenizer_changes_are_named():
     assert opened.accepted == ("mixture",)  # store_fingerprint and num_samples go with it
 
 
-def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_step():
+def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_trained_step():
     """Mixture records of format 1 (before corrected steps) continue exactly when
-    the current rule corrects no step of their schedule; otherwise the change is
-    named with the first corrected step and needs the opt-in."""
+    the current rule corrects no trained step of their schedule (a note says so);
+    otherwise the change is named with the first corrected step and needs the opt-in."""
     from torchtitan_zephon.data.mixture import MixturePlan, MixtureSpec
 
     def old(cfg: DataConfig) -> DataConfig:
@@ -269,8 +269,9 @@ def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_step():
         return DataConfig.from_dict({**cfg.to_dict(), "mixture": rule1})
 
     sizes = {"a": 900, "b": 900, "c": 900, "d": 900}
+    five = BatchSchedule([(1, 5)])
     calm = [(1, {"a": 1, "b": 1, "c": 1, "d": 1})]
-    cfg = mixture_config(calm, sizes, schedule=BatchSchedule([(1, 5)]))
+    cfg = mixture_config(calm, sizes, schedule=five)
     decision = check_resume(DataState(old(cfg), 5, 20), cfg)
     assert decision.extended == () and decision.accepted == ()
     assert decision.notes == (
@@ -281,13 +282,22 @@ def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_step():
         (1, {"a": 1, "b": "0.25", "c": "0.3", "d": "0.7"}),
         (2, {"a": 0, "b": "0.5", "c": "0.3", "d": 0}),
     ]
-    cfg = mixture_config(rough, sizes, schedule=BatchSchedule([(1, 5)]))
-    step = MixturePlan(MixtureSpec.from_json(cfg.mixture), 0, BatchSchedule([(1, 5)]))
-    assert step.first_correction is not None
-    message = (
-        "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2): the new rule "
-        f"corrects step {step.first_correction}"
-    )
-    with pytest.raises(DataStateMismatch, match=re.escape(message)):
-        check_resume(DataState(old(cfg), 5, 20), cfg)
-    assert check_resume(DataState(old(cfg), 5, 20), cfg, ["mixture"]).accepted == ("mixture",)
+    for shift in (0, 100):  # the rough entries from step 1 or from step 101
+        entries = rough if not shift else [calm[0], *((s + shift, w) for s, w in rough)]
+        cfg = mixture_config(entries, sizes, schedule=five)
+        step = MixturePlan(MixtureSpec.from_json(cfg.mixture), 0, five).first_correction
+        assert step is not None and shift < step
+        trained = DataState(old(cfg), step, 5 * (step - 1))
+        message = (
+            "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2): the new rule "
+            f"corrects step {step}, a trained step"
+        )
+        with pytest.raises(DataStateMismatch, match=re.escape(message)):
+            check_resume(DataState(old(cfg), step + 1, 5 * step), cfg)
+        assert check_resume(DataState(old(cfg), step + 1, 5 * step), cfg, ["mixture"]).accepted
+        decision = check_resume(trained, cfg)  # the corrected step not trained yet
+        assert decision.accepted == () and decision.notes == (
+            "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2); its first "
+            f"corrected step is {step}, after the trained ones: those keep their samples, "
+            f"and steps from {step} on follow the new rule",
+        )

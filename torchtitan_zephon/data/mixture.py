@@ -28,8 +28,8 @@ Invariants:
   or else no counts of that step do better: a step whose end the
   earliest-deadline pattern would leave more than 1 off takes the counts with
   the least worst deviation instead (``_least_worst_counts``; at most
-  ``_MAX_CORRECTIONS`` such steps per weight entry, fewer for long periods,
-  repeats not counted).
+  ``_MAX_CORRECTIONS`` = 65,536 such steps per weight entry before their
+  residuals recur).
   ``MixturePlan.max_deviation`` is the exact worst over every step end. No pure
   plan that keeps "weight 0 means none" can stay within 1 for every schedule
   once weights change: see ``test_weight_changes_can_force_more_than_one_sample``
@@ -87,12 +87,11 @@ length of its slot pattern. 0.7/0.3 gives 10, three weights of 0.001/0.499/0.5
 give 1000; seven-decimal weights that do not simplify are refused."""
 
 _CHECKPOINT = 512  # slots between prefix-count checkpoints of a pattern table
-_MAX_CORRECTIONS = 256
-_CORRECTION_SLOTS = 1 << 22
-"""Steps per weight entry that may take the least-worst counts instead of the
-earliest-deadline pattern's, not counting repeats: ``_MAX_CORRECTIONS``, and at
-most ``_CORRECTION_SLOTS // period`` (at least 1), since each restarts a pattern
-of the entry's period (bounds the plan's build time; depends on the weights only)."""
+_MAX_CORRECTIONS = 1 << 16
+"""Corrected steps per weight entry before their residuals recur (steps inside
+a ``_Repeat`` are not counted): bounds the plan's build time; past it, the
+earliest-deadline pattern alone. Counted in step order, so pure."""
+_PROBE_STEPS = 16  # steps simulated first after a correction, before a whole pattern
 _SOURCE_KEYS = {"name", "store", "heldout_samples", "max_epochs"}
 _ENTRY_KEYS = {"from_step", "weights"}
 _SPEC_FORMAT = "zephon-mixture/2"
@@ -925,7 +924,9 @@ def deviation_warning(worst: Fraction, who: str, step: int) -> str | None:
 class _Repeat:
     """Steps that repeat an earlier block of segments: ``block`` covers the
     ``span`` steps from slot ``block_slot``, and every repetition adds ``delta``
-    to each source's count (the residuals are the same at each block start)."""
+    to each source's count (the residuals are the same at each block start).
+    The last repetition may be partial (``end_step`` need not be a whole number
+    of spans away)."""
 
     def __init__(
         self,
@@ -944,8 +945,10 @@ class _Repeat:
         self.first_step, self.end_step = first_step, end_step
         self.first_slot = first_slot
         self.slots = first_slot - block_slot
-        self.end_slot = (
-            None if end_step is None else first_slot + (end_step - first_step) // span * self.slots
+        self.end_slot = (  # one batch size throughout: slots // span per step
+            None
+            if end_step is None
+            else first_slot + (end_step - first_step) * (self.slots // span)
         )
         self.start_counts, self.start_targets = start_counts, start_targets
         self.block, self.block_slot, self.delta, self.span = block, block_slot, delta, span
@@ -1022,40 +1025,25 @@ class MixturePlan:
         first step whose end would leave a source of weight > 0 more than one
         sample from its target; that step takes ``_least_worst_counts`` instead
         and the pattern restarts after it. When the residuals after a corrected
-        step repeat those after an earlier one (same batch size), the steps
-        between repeat until the batch size changes: one ``_Repeat`` holds them.
+        step repeat those after an earlier one under the same batch size, the
+        steps from there on repeat those between (the state is the same), up to
+        the next batch-size change: one ``_Repeat`` holds them, and its last
+        repetition may be partial, so a later entry cuts it without changing
+        any step before.
         """
         schedule = self.schedule
         n = len(self.names)
         weights = [entry.weights[name] for name in self.names]
         end = None if end_step is None else schedule.first_position(end_step)
+        starts = [s for s, _ in schedule.entries]
         step, corrections = entry.from_step, 0
-        most = min(_MAX_CORRECTIONS, max(1, _CORRECTION_SLOTS // entry.period))
         seen: dict[tuple[Any, ...], tuple[int, int, np.ndarray]] = {}
         while True:
             first = schedule.first_position(step)
             residual = [t - int(c) for t, c in zip(targets, counts, strict=True)]
-            active, local, prefix, cycle = _simulate(
-                weights, residual, ranks, None if end is None else end - first
+            seg, bad = self._pattern_until_bad(
+                weights, residual, ranks, step, end_step, counts, targets, corrections
             )
-            seg = _Segment(
-                weights,
-                step,
-                end_step,
-                first,
-                end,
-                counts,
-                targets,
-                _Pattern(active, local, prefix, cycle),
-            )
-            bad = None
-            if corrections < most and len(active) > 1:
-                steps, positions = seg.step_ends(schedule)
-                worst, _, scale = seg.deviations(positions)
-                over = steps[worst > scale]
-                bad = int(over.min()) if over.size else None
-            if bad is not None:
-                seg.end_step, seg.end_slot = bad, schedule.first_position(bad)
             if seg.end_slot is None or seg.end_slot > seg.first_slot:
                 self.segments.append(seg)
             if bad is None:
@@ -1072,12 +1060,16 @@ class MixturePlan:
             chosen = _least_worst_counts(
                 [t - int(c) for t, c in zip(after, counts, strict=True)], weights, gbs, ranks
             )
+            active = seg.pattern.active
             where = np.zeros(n, dtype=np.int64)
             where[active] = np.arange(len(active))
-            fixed = _Pattern(active, where[_spread(chosen, ranks)].astype(local.dtype), gbs, 0)
+            order = where[_spread(chosen, ranks)].astype(seg.pattern.local.dtype)
             self.segments.append(
-                _Segment(weights, bad, bad + 1, cut, cut + gbs, counts, targets, fixed)
-            )
+                _Segment(
+                    weights, bad, bad + 1, cut, cut + gbs, counts, targets,
+                    _Pattern(active, order, gbs, 0),
+                )
+            )  # fmt: skip
             self.corrected_steps += 1
             if self.first_correction is None:
                 self.first_correction = bad
@@ -1087,41 +1079,73 @@ class MixturePlan:
             if end_step is not None and step >= end_step:
                 return counts, targets
             # the same residuals under the same batch size: the steps since repeat
-            region = bisect.bisect_right([s for s, _ in schedule.entries], step) - 1
+            region = bisect.bisect_right(starts, step) - 1
             key = (region, *(t - int(c) for t, c in zip(targets, counts, strict=True)))
             if key not in seen:
                 seen[key] = (len(self.segments), step, counts)
                 continue
             index, step0, counts0 = seen[key]
-            limit = schedule.entries[region + 1][0] if region + 1 < len(schedule.entries) else None
+            limit = starts[region + 1] if region + 1 < len(starts) else None
             if end_step is not None:
                 limit = end_step if limit is None else min(limit, end_step)
-            span = step - step0
-            reps = None if limit is None else (limit - step) // span
-            if reps == 0:
-                continue
             block = self.segments[index:]
             rep = _Repeat(
-                weights,
-                step,
-                None if reps is None else step + reps * span,
-                schedule.first_position(step),
-                counts,
-                targets,
-                block,
-                schedule.first_position(step0),
-                counts - counts0,
-                span,
-            )
+                weights, step, limit, schedule.first_position(step), counts, targets,
+                block, schedule.first_position(step0), counts - counts0, step - step0,
+            )  # fmt: skip
             self.segments.append(rep)
-            if reps is None:
+            if limit is None:
                 return counts, targets
-            counts = counts + reps * rep.delta
-            targets = [t + w * reps * rep.slots for t, w in zip(targets, weights, strict=True)]
-            step += reps * span
+            last = schedule.first_position(limit)
+            counts = rep.counts(last)
+            targets = [
+                t + w * (last - rep.first_slot) for t, w in zip(targets, weights, strict=True)
+            ]
+            step = limit
             seen.clear()
             if end_step is not None and step >= end_step:
                 return counts, targets
+
+    def _pattern_until_bad(
+        self,
+        weights: list[Fraction],
+        residual: list[Fraction],
+        ranks: list[int],
+        step: int,
+        end_step: int | None,
+        counts: np.ndarray,
+        targets: list[Fraction],
+        corrections: int,
+    ) -> tuple[_Segment, int | None]:
+        """The earliest-deadline segment from ``step`` with these residuals, cut at
+        the first step it would end more than one sample off (returned; None if
+        none or no correction is allowed). A short probe of the next steps comes
+        first: right after a correction the next miss is often close."""
+        schedule = self.schedule
+        first = schedule.first_position(step)
+        end = None if end_step is None else schedule.first_position(end_step)
+        period = math.lcm(*(w.denominator for w in weights))
+        probe_step = step + _PROBE_STEPS if end_step is None else min(end_step, step + _PROBE_STEPS)
+        probe = schedule.first_position(probe_step) - first
+        tries = [(probe_step, probe)] if probe < period and probe_step != end_step else []
+        for last_step, length in [*tries, (end_step, None if end is None else end - first)]:
+            active, local, prefix, cycle = _simulate(weights, residual, ranks, length)
+            seg = _Segment(
+                weights, step, last_step, first, None if length is None else first + length,
+                counts, targets, _Pattern(active, local, prefix, cycle),
+            )  # fmt: skip
+            if corrections >= _MAX_CORRECTIONS or len(active) < 2:
+                if last_step == end_step:
+                    return seg, None
+                continue
+            steps, positions = seg.step_ends(schedule)
+            worst, _, scale = seg.deviations(positions)
+            over = steps[worst > scale]
+            if over.size:
+                bad = int(over.min())
+                seg.end_step, seg.end_slot = bad, schedule.first_position(bad)
+                return seg, bad
+        return seg, None
 
     # ------------------------------------------------------------ accounting
 

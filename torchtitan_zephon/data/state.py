@@ -369,9 +369,14 @@ def check_resume(
             if a != b:
                 extended.append(MIXTURE_FIELD)
             if rule_a != rule_b:
+                step = _first_correction(current)
                 notes.append(
                     f"the mixture rule changed ({rule_a} -> {rule_b}) but corrects no step of "
                     "this schedule: every step draws the same samples"
+                    if step is None
+                    else f"the mixture rule changed ({rule_a} -> {rule_b}); its first "
+                    f"corrected step is {step}, after the trained ones: those keep their "
+                    f"samples, and steps from {step} on follow the new rule"
                 )
         else:  # derived from the sources: reported, and opened, with the mixture
             differing = [k for k in differing if k not in ("store_fingerprint", "num_samples")]
@@ -437,15 +442,12 @@ def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> s
     if past is not None:
         return past
     if a.get("format") != b.get("format"):
-        from torchtitan_zephon.data.mixture import MixturePlan
-
-        step = MixturePlan(new_spec, saved.seed, saved.batch_schedule()).first_correction
-        if step is not None:
+        step = _first_correction(saved)
+        if step is not None and step < next_step:
             return (
                 f"the mixture rule changed ({a.get('format')} -> {b.get('format')}): the new "
-                f"rule corrects step {step}, where the old one left a source more than one "
-                "sample from its target, so steps from "
-                f"{step} on draw other samples than this run was planned with."
+                f"rule corrects step {step}, a trained step the old rule left more than one "
+                f"sample off, so steps from {step} on draw other samples than this run did."
             )
     olds = {s["name"]: s for s in a["sources"]}
     news = {s["name"]: s for s in b["sources"]}
@@ -462,6 +464,15 @@ def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> s
     if a.get("tokenizer_hash") != b.get("tokenizer_hash"):
         return "the sources' tokenizer changed."
     return None
+
+
+def _first_correction(config: DataConfig) -> int | None:
+    """The first step the current mixture rule corrects under ``config``'s weights and
+    batch schedule (``MixturePlan.first_correction``); None if none."""
+    from torchtitan_zephon.data.mixture import MixturePlan, MixtureSpec
+
+    spec = MixtureSpec.from_json(config.mixture or {})
+    return MixturePlan(spec, config.seed, config.batch_schedule()).first_correction
 
 
 def _schedule_hint(saved: DataState, current: DataConfig) -> str:
