@@ -829,6 +829,8 @@ class _Segment:
     start_counts: np.ndarray  # per source
     start_targets: list[Fraction]  # exact per-source targets at first_slot
     pattern: _Pattern
+    report: tuple[Fraction, int, int] | None = None
+    """(worst deviation, source, first step) over its step ends, sources of weight > 0."""
 
     def counts(self, slot: int) -> np.ndarray:
         """Per-source counts of slots [0, slot) of the whole stream (slot in this segment)."""
@@ -905,6 +907,17 @@ class _Segment:
             worst = np.where(better, dev, worst)
             who[better] = i
         return worst, who, scale
+
+
+def _worst_of(
+    steps: np.ndarray, worst: np.ndarray, who: np.ndarray, scale: int
+) -> tuple[Fraction, int, int]:
+    """(largest deviation, its source, its first step) of ``_Segment.deviations``."""
+    if not steps.size:
+        return Fraction(0), 0, 1
+    top = worst.max()
+    k = int(np.flatnonzero(worst == top)[np.argmin(steps[worst == top])])
+    return Fraction(int(top), scale), int(who[k]), int(steps[k])
 
 
 def deviation_warning(worst: Fraction, who: str, step: int) -> str | None:
@@ -1139,11 +1152,15 @@ class MixturePlan:
                     return seg, None
                 continue
             steps, positions = seg.step_ends(schedule)
-            worst, _, scale = seg.deviations(positions)
+            worst, who, scale = seg.deviations(positions)
             over = steps[worst > scale]
-            if over.size:
-                bad = int(over.min())
+            bad = int(over.min()) if over.size else None
+            if bad is not None:
                 seg.end_step, seg.end_slot = bad, schedule.first_position(bad)
+                keep = steps < bad
+                steps, worst, who = steps[keep], worst[keep], who[keep]
+            seg.report = _worst_of(steps, worst, who, scale)
+            if bad is not None or last_step == end_step:
                 return seg, bad
         return seg, None
 
@@ -1222,14 +1239,12 @@ class MixturePlan:
                 r = abs(seg.start_targets[i] - int(seg.start_counts[i]))
                 if w == 0 and r > worst:
                     worst, who, when = r, self.names[i], seg.first_step
-            steps, positions = seg.step_ends(self.schedule)
-            if not positions.size:
-                continue
-            dev, source, scale = seg.deviations(positions)
-            k = int(np.argmax(dev))
-            if Fraction(int(dev[k]), scale) > worst:
-                worst, who = Fraction(int(dev[k]), scale), self.names[int(source[k])]
-                when = int(steps[k])
+            if seg.report is None:
+                steps, positions = seg.step_ends(self.schedule)
+                seg.report = _worst_of(steps, *seg.deviations(positions))
+            value, source, step = seg.report
+            if value > worst:
+                worst, who, when = value, self.names[source], step
         return worst, who, when
 
     def check_max_epochs(self, last_step: int) -> None:
