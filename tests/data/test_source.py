@@ -354,3 +354,28 @@ def test_an_accepted_batch_schedule_edit_continues_at_the_saved_slot(slices):
     for name, i in zip(names, ids.tolist(), strict=True):
         assert 0 <= i < slices[name].num_samples(SEQ) - 3
     assert edited.data_state().consumed_positions == 84
+
+
+def test_a_rule_1_state_continues_bound_to_rule_1_when_no_step_is_corrected(slices):
+    """A checkpoint of the previous mixture rule (format 1), whose schedule the current
+    rule corrects nowhere: the loader continues the same batches and keeps the saved
+    rule in its config, so the next checkpoint and every step's ids digest key still
+    bind it (a run resumed across the upgrade verifies against an uninterrupted one)."""
+    source = mixture(slices)
+    with loader(source, 1, 0, 12) as ld:
+        assert source.plan(ld.config).mixture.first_correction is None
+        take_steps(ld, 3)
+        saved = ld.data_state()
+        expected = take_steps(ld, 4)
+    rule1 = {**saved.config.mixture, "format": "zephon-mixture/1"}
+    old = DataConfig.from_dict({**saved.config.to_dict(), "mixture": rule1})
+    state = DataState(old, saved.next_step, saved.consumed_positions, saved.position_anchor)
+    with loader(source, 2, 1, 6) as ld:
+        decision = ld.load_state_dict(state)
+        assert decision.config == old and ld.config == old
+        assert ld.data_state().config == old
+        assert [ld.config.step_key(s) for s in range(1, 9)] == [
+            old.step_key(s) for s in range(1, 9)
+        ]
+        got = take_steps(ld, 4)
+    assert all(np.array_equal(a, b[len(b) // 2 :]) for a, b in zip(got, expected, strict=True))

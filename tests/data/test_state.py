@@ -276,8 +276,10 @@ def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_trained_step():
     assert decision.extended == () and decision.accepted == ()
     assert decision.notes == (
         "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2) but corrects no "
-        "step of this schedule: every step draws the same samples",
+        "step of this schedule: every step draws the same samples; the run keeps "
+        "zephon-mixture/1",
     )
+    assert decision.config == old(cfg)  # the run goes on bound to the rule it started with
     rough = [
         (1, {"a": 1, "b": "0.25", "c": "0.3", "d": "0.7"}),
         (2, {"a": 0, "b": "0.5", "c": "0.3", "d": 0}),
@@ -296,6 +298,7 @@ def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_trained_step():
             check_resume(DataState(old(cfg), step + 1, 5 * step), cfg)
         assert check_resume(DataState(old(cfg), step + 1, 5 * step), cfg, ["mixture"]).accepted
         decision = check_resume(trained, cfg)  # the corrected step not trained yet
+        assert decision.config is None  # the new rule plans the steps from there on
         assert decision.accepted == () and decision.notes == (
             "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2); its first "
             f"corrected step is {step}, after the trained ones: those keep their samples, "

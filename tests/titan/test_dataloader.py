@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from torchtitan_zephon.data.loader import DataStateMismatch
+from torchtitan_zephon.data.state import DataConfig, DataState
 from torchtitan_zephon.data.store import StoreError, UncheckedStoreWarning
 from torchtitan_zephon.titan.dataloader import batch_schedule, build_zephon_dataloader
 from torchtitan_zephon.tracker import sample_digests
@@ -235,3 +236,30 @@ def test_raw_store_value_needs_a_tokenizer_json(tmp_path, monkeypatch):
     with pytest.raises(StoreError, match=r"tokenizer.json in model.hf_assets_path = '.*/assets'"):
         build_zephon_dataloader(1, 0, None, config)
     assert not (tmp_path / "cache").exists()
+
+
+def test_a_rule_1_mixture_checkpoint_resumes_bound_to_rule_1(tmp_path):
+    """A mixture checkpoint of the previous rule (format 1) whose schedule the current
+    rule corrects nowhere resumes with the same batches; the next checkpoint, the
+    resume event and the steps' ids digest keys keep binding rule 1."""
+    cfg = job(tmp_path, mixture="train_configs/mixtures/docs_stdlib.toml")
+    a = build_zephon_dataloader(1, 0, None, cfg)
+    a.tracker.writer = False
+    deliver(a, 2 * 4)
+    saved = DataState.from_json(a.state_dict()["zephon"])
+    expected = deliver(a, 2 * 4)
+    rule1 = {**saved.config.mixture, "format": "zephon-mixture/1"}
+    old = DataConfig.from_dict({**saved.config.to_dict(), "mixture": rule1})
+    state = DataState(old, saved.next_step, saved.consumed_positions, saved.position_anchor)
+    b = build_zephon_dataloader(1, 0, None, cfg)
+    b.load_state_dict({"zephon": state.to_json()})
+    assert b.tracker.config == old and b.loader.config == old
+    (event,) = [json.loads(line) for line in b.tracker.path.read_text().splitlines()]
+    assert event["event"] == "resume" and event["data_config"]["mixture"]["format"] == (
+        "zephon-mixture/1"
+    )
+    assert "the run keeps zephon-mixture/1" in event["notes"][0]
+    got = deliver(b, 2 * 4)
+    assert all(np.array_equal(x, y) for x, y in zip(got, expected, strict=True))
+    assert b.ids_digests.step_key(3) == old.step_key(3)
+    assert DataState.from_json(b.state_dict()["zephon"]).config == old

@@ -336,6 +336,8 @@ class ZephonLoader:
         """
         saved = state if isinstance(state, DataState) else DataState.from_dict(state)
         decision = check_resume(saved, self.config, allow_changes)
+        if decision.config is not None:  # the same samples, bound to the saved rule
+            self.config = decision.config
         self._reset()
         self.plan = self.source.plan(self.config, decision.anchor)
         self._next_step = saved.next_step

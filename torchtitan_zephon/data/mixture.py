@@ -482,6 +482,16 @@ class MixtureSpec:
             "schedule": [e.to_json() for e in self.schedule],
         }
 
+    def is_written_as(self, data: Mapping[str, Any] | None) -> bool:
+        """True when ``data`` is this spec's JSON under this rule or an older one it
+        reads (a run continued under its saved rule, ``state.check_resume``)."""
+        if not isinstance(data, Mapping) or data.get("format") not in (
+            _SPEC_FORMAT,
+            *_OLD_SPEC_FORMATS,
+        ):
+            return False
+        return {**data, "format": _SPEC_FORMAT} == self.to_json()
+
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> MixtureSpec:
         if data.get("format") not in (_SPEC_FORMAT, *_OLD_SPEC_FORMATS):

@@ -445,7 +445,7 @@ class MixtureSource:
         """The plan of ``config`` (made by ``data_config``), built once per (config,
         anchor); the first call also collects the plan's warnings (a source smaller than
         its share of a global batch)."""
-        if config.mixture != self.spec.to_json():
+        if not self.spec.is_written_as(config.mixture):
             raise MixtureError(
                 "the data config's mixture is not this source's mixture; build the config "
                 "with MixtureSource.data_config."

@@ -328,6 +328,12 @@ class ResumeDecision:
     notes: tuple[str, ...] = ()
     """Other differences that change no sample, in sentences (e.g. a mixture rule
     update that corrects no step of this schedule)."""
+    config: DataConfig | None = None
+    """The config to continue under when it is not the current one: the current
+    config keeping the saved mixture rule, when the current rule corrects no step
+    of the schedule (both rules draw the same samples), so the steps' ids digests
+    keep binding the rule the run started with and it still verifies against an
+    uninterrupted run."""
 
 
 def schedule_appended(old: BatchSchedule, new: BatchSchedule, next_step: int) -> bool:
@@ -360,6 +366,7 @@ def check_resume(
         extended.append("schedule")
     mixture_change = None
     notes: list[str] = []
+    keep: DataConfig | None = None
     if MIXTURE_FIELD in differing:
         mixture_change = _mixture_change(saved.config, current, saved.next_step)
         if mixture_change is None:
@@ -370,9 +377,12 @@ def check_resume(
                 extended.append(MIXTURE_FIELD)
             if rule_a != rule_b:
                 step = _first_correction(current)
+                if step is None:
+                    rule = {**(current.mixture or {}), "format": rule_a}
+                    keep = DataConfig.from_dict({**current.to_dict(), MIXTURE_FIELD: rule})
                 notes.append(
                     f"the mixture rule changed ({rule_a} -> {rule_b}) but corrects no step of "
-                    "this schedule: every step draws the same samples"
+                    f"this schedule: every step draws the same samples; the run keeps {rule_a}"
                     if step is None
                     else f"the mixture rule changed ({rule_a} -> {rule_b}); its first "
                     f"corrected step is {step}, after the trained ones: those keep their "
@@ -400,7 +410,7 @@ def check_resume(
         )
     if "schedule" in differing:  # accepted: count the new schedule from the saved position
         anchor = (saved.next_step, saved.consumed_positions)
-        return ResumeDecision(anchor, tuple(differing), tuple(extended), tuple(notes))
+        return ResumeDecision(anchor, tuple(differing), tuple(extended), tuple(notes), keep)
     anchor_step, anchor_pos = saved.position_anchor
     schedule = current.batch_schedule()
     expected = None
@@ -417,7 +427,7 @@ def check_resume(
             f"consumed_positions={saved.consumed_positions}. The checkpoint's data state is corrupt."
         )
     return ResumeDecision(
-        (anchor_step, anchor_pos), tuple(differing), tuple(extended), tuple(notes)
+        (anchor_step, anchor_pos), tuple(differing), tuple(extended), tuple(notes), keep
     )
 
 

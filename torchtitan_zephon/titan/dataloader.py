@@ -187,7 +187,9 @@ class ZephonDataLoader(BaseDataLoader):
         self.resumed_from: int | None = None
         self._digests: dict[int, list[Future]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-digest")
-        self.ids_digests = StepDigests(lambda: self.loader.plan, tracker.config.step_key)
+        self.ids_digests = StepDigests(
+            lambda: self.loader.plan, lambda step: self.tracker.config.step_key(step)
+        )
 
     @property
     def plan(self):  # noqa: ANN201 - DataPlan
@@ -239,6 +241,7 @@ class ZephonDataLoader(BaseDataLoader):
             decision = self.loader.load_state_dict(saved, allow_changes=self.allow_changes)
         except DataStateMismatch as e:
             raise with_trainer_hint(e) from None
+        self.tracker.config = self.loader.config  # a resume may keep the saved mixture rule
         self.ids_digests.reset()  # computed under the plan before the resume
         self._digests.clear()
         head = saved.tracker
@@ -272,7 +275,7 @@ class ZephonDataLoader(BaseDataLoader):
                     f"Zephon: the checkpoint of step {done} holds no sequence-log chain head "
                     "(it was written with zephon.audit = 'off'); the log's chain restarts here"
                 )
-            self.tracker.restart(done, self.topology)
+            self.tracker.restart(done, self.topology, details)
         self.resumed_from = done
         logger.info(
             f"Zephon: resuming at step {self.loader.next_step} (position "

@@ -222,9 +222,12 @@ class SequenceTracker:
         )
         return problem
 
-    def restart(self, step: int, topology: dict[str, Any]) -> None:
+    def restart(
+        self, step: int, topology: dict[str, Any], details: dict[str, Any] | None = None
+    ) -> None:
         """Continue after step ``step`` from a checkpoint that holds no chain head for it
-        (written with audit "off"): the chain restarts there, which the event says."""
+        (written with audit "off"): the chain restarts there, which the event says.
+        ``details`` (accepted changes, notes) go into the event as in ``resume``."""
         self.step = int(step)
         self.chain = hashlib.sha256(f"zephon-restart:{step}:{self.chain}".encode()).hexdigest()
         self._event(
@@ -234,6 +237,7 @@ class SequenceTracker:
                 "chain": self.chain,
                 "chain_restart": True,
                 **self._config_fields(),
+                **(details or {}),
                 **topology,
             }
         )
