@@ -280,23 +280,23 @@ def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_trained_step():
         "zephon-mixture/1",
     )
     assert decision.config == old(cfg)  # the run goes on bound to the rule it started with
-    rough = [
-        (1, {"a": 1, "b": "0.25", "c": "0.3", "d": "0.7"}),
-        (2, {"a": 0, "b": "0.5", "c": "0.3", "d": 0}),
-    ]
-    for shift in (0, 100):  # the rough entries from step 1 or from step 101
-        entries = rough if not shift else [calm[0], *((s + shift, w) for s, w in rough)]
-        cfg = mixture_config(entries, sizes, schedule=five)
-        step = MixturePlan(MixtureSpec.from_json(cfg.mixture), 0, five).first_correction
+    w1 = {"a": "0.5", "b": "0.123", "c": "0.7"}
+    w2 = {"a": 1, "b": "0.3", "c": "0.001"}
+    w3 = {"a": "0.3", "b": "0.5", "c": 0}
+    eleven = BatchSchedule([(1, 11)])
+    for shift in (0, 100):  # the changes at steps 16 and 18, or 116 and 118
+        entries = [(1, w1), (16 + shift, w2), (18 + shift, w3)]
+        cfg = mixture_config(entries, dict.fromkeys("abc", 900), schedule=eleven)
+        step = MixturePlan(MixtureSpec.from_json(cfg.mixture), 0, eleven).first_correction
         assert step is not None and shift < step
-        trained = DataState(old(cfg), step, 5 * (step - 1))
+        trained = DataState(old(cfg), step, 11 * (step - 1))
         message = (
             "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2): the new rule "
             f"corrects step {step}, a trained step"
         )
         with pytest.raises(DataStateMismatch, match=re.escape(message)):
-            check_resume(DataState(old(cfg), step + 1, 5 * step), cfg)
-        assert check_resume(DataState(old(cfg), step + 1, 5 * step), cfg, ["mixture"]).accepted
+            check_resume(DataState(old(cfg), step + 1, 11 * step), cfg)
+        assert check_resume(DataState(old(cfg), step + 1, 11 * step), cfg, ["mixture"]).accepted
         decision = check_resume(trained, cfg)  # the corrected step not trained yet
         assert decision.config is None  # the new rule plans the steps from there on
         assert decision.accepted == () and decision.notes == (
@@ -304,3 +304,24 @@ def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_trained_step():
             f"corrected step is {step}, after the trained ones: those keep their samples, "
             f"and steps from {step} on follow the new rule",
         )
+
+
+def test_a_rule_1_note_under_an_accepted_batch_schedule_change_names_no_trained_step():
+    """Rule 2 corrects nothing under the saved batch size but step 20 under the new
+    one: resuming at step 30 with the schedule change accepted says so truthfully."""
+    entries = [
+        (1, {"a": "0.5", "b": "0.123", "c": "0.7"}),
+        (16, {"a": 1, "b": "0.3", "c": "0.001"}),
+        (18, {"a": "0.3", "b": "0.5", "c": 0}),
+    ]
+    saved = mixture_config(entries, dict.fromkeys("abc", 900), schedule=BatchSchedule([(1, 12)]))
+    rule1 = {**saved.mixture, "format": "zephon-mixture/1"}
+    old = DataConfig.from_dict({**saved.to_dict(), "mixture": rule1})
+    current = mixture_config(entries, dict.fromkeys("abc", 900), schedule=BatchSchedule([(1, 11)]))
+    decision = check_resume(DataState(old, 30, 12 * 29), current, ["schedule"])
+    assert decision.accepted == ("schedule",) and decision.config is None
+    assert decision.notes == (
+        "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2); under the new batch "
+        "schedule it first corrects step 20: the trained steps kept the old batch schedule's "
+        "samples, and the steps from here on follow the new rule",
+    )

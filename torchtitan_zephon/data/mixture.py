@@ -24,12 +24,15 @@ Invariants:
   after every step is within ``1 - 1/(2m-2)`` < 1 sample of its exact target
   ``sum over steps of w x GBS`` (m = sources of weight > 0). A weight change
   continues from the residuals the previous weights left (no fresh pattern per
-  segment). Across changes, every step ends within 1 sample of every target,
-  or else no counts of that step do better: a step whose end the
+  segment). Across changes, every step ends with every source of weight > 0
+  within 1 sample of its target, or else no counts of that step do better (a
+  source of weight 0 keeps its deviation): a step whose end the
   earliest-deadline pattern would leave more than 1 off takes the counts with
-  the least worst deviation instead (``_least_worst_counts``; at most
-  ``_MAX_CORRECTIONS`` = 65,536 such steps per weight entry before their
-  residuals recur).
+  the least worst deviation instead when they do better
+  (``_least_worst_counts``; at most
+  ``_MAX_CORRECTIONS`` = 4,096 such steps per weight entry before their
+  residuals recur; a schedule that needs more, e.g. a weight of 1e-6 at batch
+  size 1, follows the pattern alone after them).
   ``MixturePlan.max_deviation`` is the exact worst over every step end. No pure
   plan that keeps "weight 0 means none" can stay within 1 for every schedule
   once weights change: see ``test_weight_changes_can_force_more_than_one_sample``
@@ -87,7 +90,7 @@ length of its slot pattern. 0.7/0.3 gives 10, three weights of 0.001/0.499/0.5
 give 1000; seven-decimal weights that do not simplify are refused."""
 
 _CHECKPOINT = 512  # slots between prefix-count checkpoints of a pattern table
-_MAX_CORRECTIONS = 1 << 16
+_MAX_CORRECTIONS = 4096
 """Corrected steps per weight entry before their residuals recur (steps inside
 a ``_Repeat`` are not counted): bounds the plan's build time; past it, the
 earliest-deadline pattern alone. Counted in step order, so pure."""
@@ -766,19 +769,18 @@ def _simulate(
 def _least_worst_counts(
     deficit: Sequence[Fraction], weights: Sequence[Fraction], gbs: int, ranks: Sequence[int]
 ) -> list[int]:
-    """The counts of one step that leave the smallest worst |target - count| at its end.
+    """The counts of one step that leave the smallest worst |target - count| at its
+    end among the sources of weight > 0 (those of weight 0 get none and keep theirs).
 
     ``deficit[i]`` is source i's target after the step minus its count before
-    it. Counts are integers >= 0 summing to ``gbs``; a source of weight 0 gets
-    none. Among the counts that reach the least worst deviation ``D``, each
-    source first gets the fewest that keep it within ``D``; the rest go one at
-    a time to the source with the largest remaining deficit that can take one
-    more, ties to the smaller name.
+    it. Counts are integers >= 0 summing to ``gbs``. Among the counts that reach
+    the least worst deviation ``D``, each source first gets the fewest that keep
+    it within ``D``; the rest go one at a time to the source with the largest
+    remaining deficit that can take one more, ties to the smaller name.
     """
     active = [i for i, w in enumerate(weights) if w > 0]
-    floor = max((abs(deficit[i]) for i, w in enumerate(weights) if w == 0), default=Fraction(0))
-    candidates = {floor}
-    for i in active:  # the least D is floor or the distance of a deficit to a count
+    candidates: set[Fraction] = set()
+    for i in active:  # the least D is the distance of a deficit to a count
         x = deficit[i]
         candidates.update(abs(x - k) for k in range(max(0, math.floor(x) - 3), math.floor(x) + 5))
 
@@ -789,7 +791,7 @@ def _least_worst_counts(
             return None
         return lo, hi
 
-    ordered = sorted(c for c in candidates if c >= floor)
+    ordered = sorted(candidates)
     lo_k, hi_k = 0, len(ordered) - 1  # feasibility is monotone in D; the largest is feasible
     while bounds(ordered[hi_k]) is None:  # (cannot happen for a state within 2 samples)
         ordered.append(ordered[-1] + 1)
@@ -1064,12 +1066,12 @@ class MixturePlan:
         while True:
             first = schedule.first_position(step)
             residual = [t - int(c) for t, c in zip(targets, counts, strict=True)]
-            seg, bad = self._pattern_until_bad(
+            seg, bad, chosen = self._pattern_until_bad(
                 weights, residual, ranks, step, end_step, counts, targets, corrections
             )
             if seg.end_slot is None or seg.end_slot > seg.first_slot:
                 self.segments.append(seg)
-            if bad is None:
+            if bad is None or chosen is None:
                 if end is None:
                     return counts, targets
                 return seg.counts(end), [
@@ -1080,19 +1082,21 @@ class MixturePlan:
             counts = seg.counts(cut)
             targets = [t + w * (cut - first) for t, w in zip(targets, weights, strict=True)]
             after = [t + w * gbs for t, w in zip(targets, weights, strict=True)]
-            chosen = _least_worst_counts(
-                [t - int(c) for t, c in zip(after, counts, strict=True)], weights, gbs, ranks
-            )
             active = seg.pattern.active
             where = np.zeros(n, dtype=np.int64)
             where[active] = np.arange(len(active))
             order = where[_spread(chosen, ranks)].astype(seg.pattern.local.dtype)
-            self.segments.append(
-                _Segment(
-                    weights, bad, bad + 1, cut, cut + gbs, counts, targets,
-                    _Pattern(active, order, gbs, 0),
-                )
+            fixed = _Segment(
+                weights, bad, bad + 1, cut, cut + gbs, counts, targets,
+                _Pattern(active, order, gbs, 0),
             )  # fmt: skip
+            ends = [
+                (abs(t - int(c) - k), i)
+                for i, (t, c, k) in enumerate(zip(after, counts, chosen, strict=True))
+            ]
+            top = max(d for d, i in ends if weights[i] > 0)
+            fixed.report = (top, next(i for d, i in ends if weights[i] > 0 and d == top), bad)
+            self.segments.append(fixed)
             self.corrected_steps += 1
             if self.first_correction is None:
                 self.first_correction = bad
@@ -1139,11 +1143,12 @@ class MixturePlan:
         counts: np.ndarray,
         targets: list[Fraction],
         corrections: int,
-    ) -> tuple[_Segment, int | None]:
+    ) -> tuple[_Segment, int | None, list[int] | None]:
         """The earliest-deadline segment from ``step`` with these residuals, cut at
-        the first step it would end more than one sample off (returned; None if
-        none or no correction is allowed). A short probe of the next steps comes
-        first: right after a correction the next miss is often close."""
+        the first step it would end more than one sample off where other counts do
+        better; that step and those counts (None, None if none or no correction is
+        allowed). A short probe of the next steps comes first: right after a
+        correction the next miss is often close."""
         schedule = self.schedule
         first = schedule.first_position(step)
         end = None if end_step is None else schedule.first_position(end_step)
@@ -1159,20 +1164,44 @@ class MixturePlan:
             )  # fmt: skip
             if corrections >= _MAX_CORRECTIONS or len(active) < 2:
                 if last_step == end_step:
-                    return seg, None
+                    return seg, None, None
                 continue
             steps, positions = seg.step_ends(schedule)
             worst, who, scale = seg.deviations(positions)
-            over = steps[worst > scale]
-            bad = int(over.min()) if over.size else None
+            bad = chosen = None
+            for k in np.flatnonzero(worst > scale)[np.argsort(steps[worst > scale])]:
+                chosen = self._better_counts(
+                    seg, int(steps[k]), Fraction(int(worst[k]), scale), ranks
+                )
+                if chosen is not None:
+                    bad = int(steps[k])
+                    break
             if bad is not None:
                 seg.end_step, seg.end_slot = bad, schedule.first_position(bad)
                 keep = steps < bad
                 steps, worst, who = steps[keep], worst[keep], who[keep]
             seg.report = _worst_of(steps, worst, who, scale)
             if bad is not None or last_step == end_step:
-                return seg, bad
-        return seg, None
+                return seg, bad, chosen
+        return seg, None, None
+
+    def _better_counts(
+        self, seg: _Segment, step: int, worst: Fraction, ranks: list[int]
+    ) -> list[int] | None:
+        """``_least_worst_counts`` of ``step`` (in ``seg``) if they end it closer than
+        the pattern's ``worst`` (the sources of weight > 0), else None."""
+        slot, gbs = self.schedule.first_position(step), self.schedule.gbs(step)
+        counts = seg.counts(slot)
+        after = [
+            t + w * (slot - seg.first_slot + gbs)
+            for t, w in zip(seg.start_targets, seg.weights, strict=True)
+        ]
+        deficit = [t - int(c) for t, c in zip(after, counts, strict=True)]
+        chosen = _least_worst_counts(deficit, seg.weights, gbs, ranks)
+        best = max(
+            abs(d - k) for d, k, w in zip(deficit, chosen, seg.weights, strict=True) if w > 0
+        )
+        return chosen if best < worst else None
 
     # ------------------------------------------------------------ accounting
 

@@ -387,6 +387,11 @@ def check_resume(
                     else f"the mixture rule changed ({rule_a} -> {rule_b}); its first "
                     f"corrected step is {step}, after the trained ones: those keep their "
                     f"samples, and steps from {step} on follow the new rule"
+                    if step >= saved.next_step
+                    else f"the mixture rule changed ({rule_a} -> {rule_b}); under the new "
+                    f"batch schedule it first corrects step {step}: the trained steps kept "
+                    "the old batch schedule's samples, and the steps from here on follow "
+                    "the new rule"
                 )
         else:  # derived from the sources: reported, and opened, with the mixture
             differing = [k for k in differing if k not in ("store_fingerprint", "num_samples")]
