@@ -29,6 +29,10 @@ Invariants:
   differs only for untrained steps is an exact continuation (``extended``); a
   mixture whose sources or trained steps' weights changed is the field
   ``mixture`` (its derived ``store_fingerprint`` / ``num_samples`` go with it).
+  A mixture saved under an older rule (``zephon-mixture/1``) is refused only when
+  the current rule corrects a trained step; when it corrects no step at all the
+  run continues under the saved rule (``ResumeDecision.config``), so its steps'
+  ids digests keep binding it.
 """
 
 from __future__ import annotations
@@ -326,8 +330,8 @@ class ResumeDecision:
     """Schedules ("schedule": the batch schedule, "mixture": a mixture's weight schedule)
     that changed only for steps not yet trained: an exact continuation."""
     notes: tuple[str, ...] = ()
-    """Other differences that change no sample, in sentences (e.g. a mixture rule
-    update that corrects no step of this schedule)."""
+    """Other accepted differences, in sentences: a mixture rule update that corrects
+    no step of the schedule, or first corrects one not yet trained."""
     config: DataConfig | None = None
     """The config to continue under when it is not the current one: the current
     config keeping the saved mixture rule, when the current rule corrects no step
