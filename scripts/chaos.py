@@ -28,11 +28,12 @@ import argparse
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+from torchtitan_zephon import ownership
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs" / "debug_model.toml"
@@ -74,29 +75,9 @@ def command(run: Path, ranks: int, local_batch: int, steps: int, port: int) -> l
     ]  # fmt: skip
 
 
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry.name))
-    out, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
-
-
 def kill_tree(proc: subprocess.Popen) -> None:
-    for p in [proc.pid, *descendants(proc.pid)]:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """Lose the node: the launcher and every process under it (ownership.kill_tree)."""
+    ownership.kill_tree(proc.pid)
     proc.wait()
 
 

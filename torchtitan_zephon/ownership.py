@@ -96,13 +96,46 @@ def machine_id() -> str:
     return f"{boot}/{ns}" if boot or ns else ""
 
 
+def _stat_fields(pid: int) -> list[str] | None:
+    """The fields of ``/proc/<pid>/stat`` after the command name (state first)."""
+    text = _read(f"/proc/{pid}/stat")
+    return text.rsplit(")", 1)[-1].split() if text else None
+
+
 def _stat(pid: int) -> tuple[str, str] | None:
     """(state, start time in clock ticks since boot) of a live or zombie process."""
-    text = _read(f"/proc/{pid}/stat")
-    if not text:
-        return None
-    fields = text.rsplit(")", 1)[-1].split()
-    return (fields[0], fields[19]) if len(fields) > 19 else None
+    fields = _stat_fields(pid)
+    return (fields[0], fields[19]) if fields and len(fields) > 19 else None
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it, as a lost node would lose them.
+
+    torchrun starts each worker in a session of its own, so killing the agent's
+    process group would miss them. Every process of the tree (found in /proc) is
+    stopped first, so none can start another or finish its work meanwhile, then
+    all are killed. For the node-loss demo and tests; the trainer never calls it.
+    """
+    import signal
+
+    tree, frontier = [], [pid]
+    while frontier:
+        p = frontier.pop()
+        try:
+            os.kill(p, signal.SIGSTOP)
+        except ProcessLookupError:  # already gone
+            continue
+        tree.append(p)
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                fields = _stat_fields(int(entry.name))
+                if fields and len(fields) > 1 and fields[1] == str(p):
+                    frontier.append(int(entry.name))
+    for p in tree:
+        try:
+            os.kill(p, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from torchtitan_zephon.ownership import kill_tree
+
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "tests" / "titan" / "tiny.toml"
 
@@ -110,30 +112,5 @@ def copy_run_until(src: Path, dst: Path, step: int) -> Path:
 
 
 def kill_node(pid: int) -> None:
-    """Lose a "node": SIGKILL a torchrun agent and every process under it. torchrun
-    starts each worker in a session of its own, so killing the agent's process group
-    would miss them; every process of the tree (from /proc) is stopped first, so none
-    can start another or finish its work meanwhile, then all are killed."""
-    import signal
-
-    tree, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        try:
-            os.kill(p, signal.SIGSTOP)
-        except ProcessLookupError:  # already gone
-            continue
-        tree.append(p)
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                except (OSError, IndexError, ValueError):
-                    continue
-                if ppid == p:
-                    frontier.append(int(entry.name))
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    """Lose a "node": SIGKILL a torchrun agent and every process under it."""
+    kill_tree(pid)
