@@ -97,7 +97,7 @@ earliest-deadline pattern alone. Counted in step order, so pure."""
 _PROBE_STEPS = 16  # steps simulated first after a correction, before a whole pattern
 _SOURCE_KEYS = {"name", "store", "heldout_samples", "max_epochs"}
 _ENTRY_KEYS = {"from_step", "weights"}
-_SPEC_FORMAT = "zephon-mixture/2"
+SPEC_FORMAT = "zephon-mixture/2"
 _OLD_SPEC_FORMATS = ("zephon-mixture/1",)
 """Read, not written. Rule 1 had no corrected steps: for a schedule where rule 2
 corrects none (``MixturePlan.first_correction`` is None) both draw the same."""
@@ -471,7 +471,7 @@ class MixtureSpec:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "format": _SPEC_FORMAT,
+            "format": SPEC_FORMAT,
             "tokenizer_hash": self.tokenizer_hash,
             "sources": [
                 {
@@ -489,17 +489,17 @@ class MixtureSpec:
         """True when ``data`` is this spec's JSON under this rule or an older one it
         reads (a run continued under its saved rule, ``state.check_resume``)."""
         if not isinstance(data, Mapping) or data.get("format") not in (
-            _SPEC_FORMAT,
+            SPEC_FORMAT,
             *_OLD_SPEC_FORMATS,
         ):
             return False
-        return {**data, "format": _SPEC_FORMAT} == self.to_json()
+        return {**data, "format": SPEC_FORMAT} == self.to_json()
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> MixtureSpec:
-        if data.get("format") not in (_SPEC_FORMAT, *_OLD_SPEC_FORMATS):
+        if data.get("format") not in (SPEC_FORMAT, *_OLD_SPEC_FORMATS):
             raise MixtureError(
-                f"mixture spec format {data.get('format')!r} is not {_SPEC_FORMAT!r}."
+                f"mixture spec format {data.get('format')!r} is not {SPEC_FORMAT!r}."
             )
         try:
             sources = tuple(

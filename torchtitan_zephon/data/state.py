@@ -487,11 +487,20 @@ def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> s
 
 def _first_correction(config: DataConfig) -> int | None:
     """The first step the current mixture rule corrects under ``config``'s weights and
-    batch schedule (``MixturePlan.first_correction``); None if none."""
-    from torchtitan_zephon.data.mixture import MixturePlan, MixtureSpec
+    batch schedule (``MixturePlan.first_correction``); None if none. A resume asks it
+    of the saved and the current config, which usually plan the same steps."""
+    rule_free = {k: v for k, v in (config.mixture or {}).items() if k != "format"}
+    return _first_correction_of(json.dumps(rule_free, sort_keys=True), config.seed, config.schedule)
 
-    spec = MixtureSpec.from_json(config.mixture or {})
-    return MixturePlan(spec, config.seed, config.batch_schedule()).first_correction
+
+@functools.lru_cache(maxsize=4)
+def _first_correction_of(
+    mixture: str, seed: int, schedule: tuple[tuple[int, int], ...]
+) -> int | None:
+    from torchtitan_zephon.data.mixture import SPEC_FORMAT, MixturePlan, MixtureSpec
+
+    spec = MixtureSpec.from_json({**json.loads(mixture), "format": SPEC_FORMAT})
+    return MixturePlan(spec, seed, BatchSchedule(list(schedule))).first_correction
 
 
 def _schedule_hint(saved: DataState, current: DataConfig) -> str:
