@@ -181,6 +181,8 @@ def test_store_changed_mid_run_stops_with_one_line_even_from_a_filtered_rank(tmp
         "--training.steps", "2",
     )  # fmt: skip
     assert proc.returncode == 1, proc.stdout[-3000:]
+    shown = [line for line in proc.stdout.splitlines() if line.startswith("[rank0]:")]
+    assert shown and not any("Zephon stopped" in line for line in shown)  # rank 1 failed
     last = last_line(proc.stdout)
     assert last.startswith("Zephon stopped at step 1: StoreError: token store "), last
     assert f"chunk {token // CHUNK_TOKENS} of tokens.bin" in last and str(store) in last
