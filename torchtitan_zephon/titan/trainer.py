@@ -10,7 +10,10 @@ completed step appends the step's record to the sequence log (global rank 0),
 combining the DP ranks' token digests in rank order at audit level ``tokens``;
 (4) releases the run folder when the job ends cleanly (after a failure the lock
 stays, so an elastic restart of the same job recognises itself, and any other
-job takes over a dead holder's lock within one lease).
+job takes over a dead holder's lock within one lease). What it refuses or stops
+for it raises as ``SettingRefused`` / ``JobStopped`` (or the preflight's own
+errors), whose messages say it all: the entry point reports them without a
+traceback.
 """
 
 from __future__ import annotations
@@ -23,17 +26,38 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
+from torchtitan_zephon.data.store import StoreError
 from torchtitan_zephon.ownership import RunFolderLock, torchrun_agent
 from torchtitan_zephon.titan import platform, preflight
 from torchtitan_zephon.titan.checks import check_job_config
 from torchtitan_zephon.titan.dataloader import ZephonDataLoader
+from torchtitan_zephon.tracker import TrackerError
+
+
+class SettingRefused(Exception):
+    """``check_job_config`` refused a setting before TorchTitan built anything; the
+    check's ``ValueError`` is the ``__cause__``, and it is what the user is shown."""
+
+
+class JobStopped(RuntimeError):
+    """Training stopped at ``step`` for a reason the message states in full (what was
+    found, what to do): a store changed after preparation, the run folder lost, ranks
+    that read different data, a checkpoint that mixes two runs."""
+
+    def __init__(self, step: int, message: str) -> None:
+        super().__init__(message)
+        self.step = step
 
 
 class ZephonTrainer(Trainer):
     dataloader: ZephonDataLoader
 
     def __init__(self, job_config: Any) -> None:
-        check_job_config(job_config)  # before TorchTitan builds anything: clear errors
+        self._tracking = False
+        try:  # before TorchTitan builds anything: clear errors
+            check_job_config(job_config)
+        except ValueError as e:
+            raise SettingRefused(str(e)) from e
         if platform.on_cpu():
             for change in platform.cpu_job_defaults(job_config):
                 logger.info(f"CPU platform: {change}")
@@ -41,7 +65,6 @@ class ZephonTrainer(Trainer):
         # (its TensorBoard writer is created in Trainer.__init__).
         self._lock = self._take_run_folder(job_config)
         super().__init__(job_config)
-        self._tracking = False
         if not isinstance(self.dataloader, ZephonDataLoader):
             raise TypeError(
                 f"model.name={job_config.model.name} does not build a Zephon dataloader; "
@@ -91,14 +114,26 @@ class ZephonTrainer(Trainer):
             self._lock.set_agents(a for a in agents if a is not None)
         return dims
 
+    def train(self) -> None:
+        """TorchTitan's loop; a store or sequence log that fails once training has begun
+        (a ``tokens.bin`` changed after preparation, ...) stops it as ``JobStopped``.
+        Before the first step such an error is a refused start and passes as it is."""
+        try:
+            super().train()
+        except (StoreError, TrackerError) as e:
+            if not self._tracking:
+                raise
+            raise JobStopped(self.step, f"{type(e).__name__}: {e}") from e
+
     # -- per step --------------------------------------------------------
     def train_step(self, data_iterator: Any) -> None:
         step = self.step
         if self._lock is not None and self._lock.lost:
-            raise RuntimeError(
-                f"Zephon: this job no longer owns {self.job_config.job.dump_folder}: "
+            raise JobStopped(
+                step,
+                f"this job no longer owns {self.job_config.job.dump_folder}: "
                 f"{self._lock.lost} (this job missed its heartbeats for a whole lease). It stops "
-                "before writing more."
+                "before writing more.",
             )
         if not self._tracking:
             self._begin_tracking()
@@ -116,15 +151,17 @@ class ZephonTrainer(Trainer):
         dl, done = self.dataloader, self.step - 1
         self._check_same_data_everywhere()
         if dl.resumed_from is None and done > 0:
-            raise RuntimeError(
+            raise JobStopped(
+                self.step,
                 f"the checkpoint restored the trainer at step {done} but no Zephon data state "
                 "(was 'dataloader' in checkpoint.exclude_from_loading?): the data would restart "
-                "at step 1. Load the data state too, or start a new job.dump_folder."
+                "at step 1. Load the data state too, or start a new job.dump_folder.",
             )
         if dl.resumed_from is not None and dl.resumed_from != done:
-            raise RuntimeError(
+            raise JobStopped(
+                self.step,
                 f"the checkpoint's trainer state is at step {done} but its Zephon data "
-                f"state is at step {dl.resumed_from}: the checkpoint folder mixes two runs"
+                f"state is at step {dl.resumed_from}: the checkpoint folder mixes two runs",
             )
         if dl.resumed_from is None:
             dl.tracker.start(dl.topology)
@@ -148,10 +185,11 @@ class ZephonTrainer(Trainer):
                 f"  rank {r}: store {f[2]} fingerprint {f[0][:16]}..., data config {f[1][:16]}..."
                 for r, f in enumerate(everyone)
             ]
-            raise RuntimeError(
+            raise JobStopped(
+                self.step,
                 "the ranks do not read the same data:\n" + "\n".join(lines) + "\nGive every "
                 "node the same store (a shared filesystem, or identical copies: compare "
-                "`zephon inspect STORE` fingerprints) and the same zephon settings."
+                "`zephon inspect STORE` fingerprints) and the same zephon settings.",
             )
 
     def _record_step(self, step: int) -> None:
