@@ -430,3 +430,19 @@ def test_saved_records_are_named_in_json_words_never_python():
         assert message in text, text
         for python in ("NoneType", "None", "True", "KeyError", "ValueError", "list", "int("):
             assert python not in text, text
+
+
+def test_config_text_writes_values_as_toml_and_json_do():
+    from decimal import Decimal
+    from fractions import Fraction
+
+    from torchtitan_zephon.data.state import config_text
+
+    for value, text in [
+        (Decimal("1.5"), "1.5"), (Decimal("NaN"), "nan"), (Decimal("-Infinity"), "-inf"),
+        (float("inf"), "inf"), (None, "null"), (True, "true"), (3, "3"), (Fraction(3, 4), "3/4"),
+        ("web", "'web'"), ("it's", '"it\'s"'), ([1, None], "[1, null]"),
+        ({"a": Decimal("0.7"), "b": [False]}, "{ a = 0.7, b = [false] }"), ({}, "{}"),
+    ]:  # fmt: skip
+        assert config_text(value) == text
+    assert config_text(list(range(1000))).endswith(" ...") and len(config_text("x" * 999)) < 210

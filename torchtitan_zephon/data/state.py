@@ -44,6 +44,7 @@ import datetime
 import decimal
 import functools
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -106,6 +107,10 @@ def _config_text(value: Any) -> str:
         return f"'{value}'" if plain else json.dumps(value, ensure_ascii=False)
     if isinstance(value, Fraction):
         return f"{value.numerator}/{value.denominator}"
+    if isinstance(value, decimal.Decimal) and not value.is_finite():  # TOML's spelling
+        return "nan" if value.is_nan() else "-inf" if value < 0 else "inf"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "-inf" if value < 0 else "inf"
     if isinstance(value, (int, float, decimal.Decimal)):
         return str(value)
     if isinstance(value, Mapping):
