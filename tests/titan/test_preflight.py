@@ -394,16 +394,29 @@ def test_builtin_and_raw_stores_get_the_same_size_checks(lines_store, tmp_path, 
     ]
 
 
+@pytest.fixture(scope="module")
+def own_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tokenizer folder, store) of a small word-level tokenizer that is not the builtin."""
+    from tests.data.conftest import build_tokenizer, corpus_text
+    from torchtitan_zephon.data.prepare import prepare_store
+
+    root = tmp_path_factory.mktemp("own")
+    (root / "corpus").mkdir()
+    for k in range(30):
+        (root / "corpus" / f"d{k}.txt").write_text(corpus_text(k, 120))
+    tokenizer = build_tokenizer(root / "tokenizer")
+    prepare_store([str(root / "corpus")], str(tokenizer), str(root / "store"), progress=False)
+    return tokenizer, root / "store"
+
+
 def test_a_missing_or_unloadable_tokenizer_is_refused_naming_the_store_tokenizer(
-    lines_store, tmp_path
+    lines_store, own_store, tmp_path
 ):
     """TorchTitan's tokenizer error (or the tokenizers library's) becomes a refusal naming
     model.hf_assets_path, the sha256 the store records and where the builtin tokenizer is."""
     import hashlib
 
-    from tests.data.conftest import build_tokenizer, corpus_text
     from torchtitan_zephon.data.builtin import TOKENIZER_DIR
-    from torchtitan_zephon.data.prepare import prepare_store
     from torchtitan_zephon.titan.spec import register
 
     register()
@@ -421,12 +434,7 @@ def test_a_missing_or_unloadable_tokenizer_is_refused_naming_the_store_tokenizer
         "changed on disk."
     )
     # a store of another tokenizer: its sha256, and the builtin one is not it
-    (tmp_path / "corpus").mkdir()
-    for k in range(30):
-        (tmp_path / "corpus" / f"d{k}.txt").write_text(corpus_text(k, 120))
-    own = build_tokenizer(tmp_path / "own_tokenizer")
-    store = tmp_path / "own_store"
-    prepare_store([str(tmp_path / "corpus")], str(own), str(store), progress=False)
+    own, store = own_store
     own_sha = hashlib.sha256((own / "tokenizer.json").read_bytes()).hexdigest()
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -453,6 +461,20 @@ def test_a_missing_or_unloadable_tokenizer_is_refused_naming_the_store_tokenizer
         ) in msg
     cfg.model.hf_assets_path = str(own)  # the right one: the checks pass
     assert preflight._check_job(cfg).tokenizer_hash == own_sha
+    # a mixture of builtin halves: the sources' tokenizer, the builtin one
+    mixture = tmp_path / "halves.toml"
+    mixture.write_text(
+        '[[source]]\nname = "docs"\nstore = "builtin:docs"\n[[source]]\nname = "stdlib"\n'
+        'store = "builtin:stdlib"\n[[schedule]]\nfrom_step = 1\nweights = { docs = 1, stdlib = 1 }\n'
+    )
+    cfg = data_job(tmp_path, mixture=str(mixture), heldout_samples=16)
+    cfg.model.hf_assets_path = str(missing)
+    with pytest.raises(StartRefused) as e:
+        preflight._check_job(cfg)
+    assert (
+        f"The mixture {mixture} (sources docs, stdlib) was prepared with tokenizer sha256 "
+        f"{builtin_sha}, the builtin tokenizer in {TOKENIZER_DIR}: set --model.hf_assets_path"
+    ) in str(e.value)
 
 
 # ---------------------------------------------------------------- the same, under torchrun
@@ -514,3 +536,30 @@ def test_the_trainer_warns_once_for_a_store_smaller_than_a_batch(lines_store, tm
         "step repeats samples within itself."
     )
     assert job.output.count(warning) == 1, job.output[-4000:]
+
+
+def test_a_mixture_tokenizer_mismatch_names_the_source_without_the_jobs_tokenizer(
+    own_store, tmp_path
+):
+    """Two sources, two tokenizers, no majority: model.hf_assets_path decides which source
+    is the odd one out (here the second in name order, not simply 'the other one')."""
+    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.data.mixture import MixtureError
+    from torchtitan_zephon.titan.dataloader import resolve_source
+
+    own, store = own_store
+    mixture = tmp_path / "mixed.toml"
+    mixture.write_text(
+        f'[[source]]\nname = "a_words"\nstore = "{store}"\n[[source]]\nname = "docs"\n'
+        'store = "builtin:docs"\n[[schedule]]\nfrom_step = 1\nweights = { a_words = 1, docs = 1 }\n'
+    )
+    for tokenizer, odd, right in ((TOKENIZER_DIR, "a_words", "docs"), (own, "docs", "a_words")):
+        cfg = data_job(tmp_path, mixture=str(mixture), heldout_samples=4)
+        cfg.model.hf_assets_path = str(tokenizer)
+        with pytest.raises(MixtureError) as e:
+            resolve_source(cfg)
+        assert (
+            f"The odd one out: '{odd}' ('{right}' has the tokenizer of model.hf_assets_path "
+            f"({tokenizer})). Re-run `zephon prepare` for '{odd}' with the tokenizer of "
+            f"'{right}'."
+        ) in str(e.value), str(e.value)
