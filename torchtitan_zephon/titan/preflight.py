@@ -14,7 +14,9 @@ refuse the start:
 * a run folder that holds a history (sequence log steps, checkpoints) the job
   would not resume from, unless ``zephon.start_over`` or an elastic restart of
   the same job,
-* the store against the model and tokenizer, and the global batch layout;
+* the store against the model and tokenizer (a tokenizer TorchTitan cannot load
+  from ``model.hf_assets_path`` is refused naming the path and the tokenizer the
+  store was prepared with), its size, and the global batch layout;
   where ``zephon.store`` (or a mixture source) names raw inputs they are prepared
   here, into the cache (``data.cache``), before TorchTitan initializes the process
   group: no collective waits on the tokenization, and a missing input or
