@@ -292,3 +292,79 @@ def test_plan_argument_errors(store_path, capsys, flag, value, message):
     code = main(_plan(store_path, flag, value))
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+# ---------------------------------------------------------------- small stores (issue 18)
+
+
+def test_plan_warns_for_a_store_smaller_than_a_batch_and_refuses_one_sample(
+    store_path, store, capsys
+):
+    """Warned (stderr, ids still printed) when a global batch is larger than the store,
+    naming the store, its sample count and the batch; refused with one sample."""
+    t = store.num_tokens
+    three = str((t - 1) // 3)  # a seq_len that leaves 3 samples
+    assert main(_plan(store_path, "--seq-len", three, "--global-batch-size", "1:2,5:8",
+                      "--steps", "4:5", "--json", None)) == 0  # fmt: skip
+    out = capsys.readouterr()
+    assert out.err == (
+        f"zephon plan: warning: the store {store_path} (seq_len {three}) has 3 training "
+        "samples, fewer than the global batch of 8 from step 5 on (batch schedule entry "
+        "5:8): every such step repeats samples within itself. Use a larger store or a "
+        "smaller global batch.\n"
+    )
+    steps = [json.loads(x) for x in out.out.splitlines()]
+    assert steps[1]["ids"] == DataPlan(3, 1, BatchSchedule.parse("1:2,5:8")).global_ids(5).tolist()
+    assert main(_plan(store_path, "--seq-len", three, "--global-batch-size", "3")) == 0
+    assert capsys.readouterr().err == ""  # every step fits the store: no word
+    one = str(t - 1)
+    assert main(_plan(store_path, "--seq-len", one, "--global-batch-size", "8")) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == (
+        f"zephon plan: error: the store {store_path} (seq_len {one}) has 1 training sample: "
+        "every step would train on that one sample alone, repeated to fill the global batch "
+        "(8 at step 1), whatever the seed or the number of ranks. A single store needs at "
+        f"least 2. To change it: use --seq-len {(t - 1) // 2} or less (the longest that gives "
+        "2 samples), or use a larger store.\n"
+    )
+    assert main(_plan(store_path, "--num-samples", "1", "--global-batch-size", "1")) == 2
+    assert "To change it: raise --num-samples (now 1)." in capsys.readouterr().err
+
+
+def test_plan_of_a_store_shorter_than_one_sample_says_tokens_and_seq_len(store_path, store, capsys):
+    t = store.num_tokens
+    assert main(_plan(store_path, "--seq-len", str(t))) == 2
+    assert capsys.readouterr().err == (
+        f"zephon plan: error: the store {store_path} has {t} tokens, but a sample of seq_len "
+        f"{t} needs seq_len + 1 = {t + 1} tokens (its inputs and the label of the last one), "
+        f"so it holds no sample. To change it: use --seq-len {(t - 1) // 2} or less (the "
+        "longest that gives 2 samples), or use a larger store.\n"
+    )
+
+
+def test_plan_of_raw_inputs_prepares_them_as_the_trainer_does(
+    tmp_path, monkeypatch, corpus_dir, tokenizer_dir, store_path, capsys
+):
+    """--store naming raw inputs with --tokenizer: the ids of the store `zephon prepare`
+    makes of them (the trainer's cache entry); without --tokenizer, what to pass."""
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    assert main(_plan(store_path, "--json", None)) == 0
+    expected = capsys.readouterr().out
+    raw = _plan(corpus_dir, "--json", None, "--tokenizer", str(tokenizer_dir))
+    assert main(raw) == 0
+    out = capsys.readouterr()
+    assert out.out == expected and "zephon plan: preparing the raw inputs" in out.err
+    assert main(raw) == 0  # the cache entry is found again: nothing prepared
+    out = capsys.readouterr()
+    assert out.out == expected and "preparing" not in out.err
+    assert main(_plan(corpus_dir)) == 2
+    err = capsys.readouterr().err
+    assert (
+        "has no manifest.json" in err
+        and (
+            f"{str(corpus_dir)!r} names raw inputs: pass --tokenizer DIR (the trainer's "
+            "model.hf_assets_path) and, when the text is not in the field 'text', --text-field F "
+            "(the trainer's zephon.text_field)"
+        )
+        in err
+    )

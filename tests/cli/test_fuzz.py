@@ -211,7 +211,10 @@ def test_plan_refuses_bad_input(zoo, store_path):
         (plan(str(store_path), "--dp-degree", "3"), ["DP degrees that work"]),
         (plan(str(store_path), "--dp-rank", "5", "--dp-degree", "2"), ["must be below"]),
         (plan(str(store_path), "--seq-len", "-1"), ["--seq-len: expected an integer >= 1"]),
-        (plan(str(store_path), "--seq-len", str(10**30)), ["do not fit the store"]),
+        (  # a store shorter than seq_len + 1 tokens (issue 18: it said "samples [0, 0)")
+            plan(str(store_path), "--seq-len", str(10**30)),
+            [f"a sample of seq_len {10**30} needs seq_len + 1", "holds no sample", "--seq-len "],
+        ),
         (plan(str(store_path), "--steps", "2:1"), ["expected 1 <= FIRST <= LAST"]),
         (plan(str(store_path), "--steps", "one:two"), ["expected FIRST:LAST"]),
         (plan(str(store_path), "--seed", "0x10"), ["invalid int value"]),

@@ -159,3 +159,42 @@ def test_inspect_shows_each_source_drawn_vs_target_and_epoch(mixture_file, tmp_p
     code = next(line for line in out.splitlines() if line.strip().startswith("code"))
     target = 0.3 * 20 + 0.75 * 10 * (10**9 - 3)
     assert f"{target:.2f}" in code, code
+
+
+def test_plan_takes_raw_input_sources_with_the_trainers_tokenizer_options(
+    store, tokenizer_dir, tmp_path, monkeypatch, capsys
+):
+    """A [[source]] naming raw inputs (a JSONL file whose text is in another field) is
+    prepared into the cache as the trainer prepares it: the same ids as a mixture of the
+    store `zephon prepare` makes of it. Without --tokenizer: what to pass, naming it."""
+    from tests.data.conftest import corpus_text
+
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    slice_store(store, 0, 2500, tmp_path / "web")
+    with open(tmp_path / "notes.jsonl", "w") as f:
+        for k in range(60):
+            f.write(json.dumps({"body": corpus_text(k, 40 + k % 13)}) + "\n")
+    prepare = ["prepare", str(tmp_path / "notes.jsonl"), "--tokenizer", str(tokenizer_dir)]
+    assert main([*prepare, "--output", str(tmp_path / "notes"), "--text-field", "body"]) == 0
+    schedule = "[[schedule]]\nfrom_step = 1\nweights = { web = 0.5, notes = 0.5 }\n"
+    for name, notes in (("raw.toml", "notes.jsonl"), ("prepared.toml", "notes")):
+        (tmp_path / name).write_text(
+            f'[[source]]\nname = "web"\nstore = "web"\n[[source]]\nname = "notes"\n'
+            f'store = "{notes}"\n' + schedule
+        )
+    args = ["--seq-len", "8", "--seed", "3", "--global-batch-size", "6", "--steps", "1:4"]
+    capsys.readouterr()
+    assert main(["plan", "--mixture", str(tmp_path / "prepared.toml"), *args, "--json"]) == 0
+    expected = capsys.readouterr().out
+    raw = ["plan", "--mixture", str(tmp_path / "raw.toml"), *args, "--json"]
+    assert main([*raw, "--tokenizer", str(tokenizer_dir), "--text-field", "body"]) == 0
+    out = capsys.readouterr()
+    assert out.out == expected and '"notes"' in expected
+    assert "zephon plan: preparing the raw inputs" in out.err
+    assert main(raw) == 2
+    assert capsys.readouterr().err == (
+        f"zephon plan: error: mixture source 'notes' names raw inputs ({tmp_path}/notes.jsonl): "
+        "pass --tokenizer DIR (the trainer's model.hf_assets_path) and, when the text is not "
+        "in the field 'text', --text-field F (the trainer's zephon.text_field): zephon plan "
+        "then prepares them into the store cache as the trainer does.\n"
+    )

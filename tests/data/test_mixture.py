@@ -21,6 +21,7 @@ from torchtitan_zephon.data.mixture import (
     MixtureSpec,
     deviation_warning,
     past_change,
+    past_changes,
     resolve_mixture,
     source_seed,
 )
@@ -646,11 +647,35 @@ TWO = '[[source]]\nname = "web"\nstore = "w"\n[[source]]\nname = "code"\nstore =
         ),
         (
             TWO + "[[schedule]]\nfrom_step=1\nweights={web=true, code=1}",
-            "weight must be a number (like 0.7 or 3), found True",
+            "weight must be a number (like 0.7 or 3), found true.",
         ),
         (
             TWO + "[[schedule]]\nfrom_step=1.5\nweights={web=1, code=1}",
-            "from_step must be an integer >= 1",
+            "from_step must be an integer >= 1, found 1.5.",
+        ),
+        (
+            TWO + "[[schedule]]\nfrom_step=1\nweights={web=[1, 2], code={a=1}}",
+            "weight must be a number (like 0.7 or 3), found [1, 2].",
+        ),
+        (
+            TWO + "[[schedule]]\nfrom_step=1\nweights=[0.5, 0.5]",
+            "needs weights = { source = weight, ... }, found [0.5, 0.5].",
+        ),
+        (
+            TWO + "[[schedule]]\nfrom_step=1",
+            "needs weights = { source = weight, ... }, found nothing.",
+        ),
+        (
+            '[[source]]\nname = 3\nstore = "w"\n[[schedule]]\nfrom_step=1\nweights={web=1}',
+            "source 1 needs a non-empty name string, found 3.",
+        ),
+        (
+            '[[source]]\nname = "web"\nstore = 1979-05-27\n[[schedule]]\nfrom_step=1\nweights={web=1}',
+            'or "builtin:docs" / "builtin:stdlib", found 1979-05-27.',
+        ),
+        (
+            '[[source]]\nname = "web"\nstore = "w"\nmax_epochs = 2.0\n[[schedule]]\nfrom_step=1\nweights={web=1}',
+            "max_epochs must be an integer >= 1, found 2.0.",
         ),
         (
             '[[source]]\nname = "web"\n[[schedule]]\nfrom_step=1\nweights={web=1}',
@@ -691,6 +716,21 @@ def test_bad_mixtures_are_refused_with_a_clear_message(text, message):
         MixtureConfig.loads(text, origin="mixture file 'm.toml'")
     assert message in str(e.value)
     assert str(e.value).startswith("mixture file 'm.toml'")
+    for python in ("Decimal(", "NoneType", "True", "False", "None", "<class", "datetime."):
+        assert python not in str(e.value), str(e.value)  # TOML's words, not Python's
+
+
+def test_saved_mixture_json_is_named_in_json_words():
+    """A saved mixture config (JSON: null, true) is reported as written, never as Python."""
+    good = {"sources": [{"name": "web", "store": "w"}], "schedule": [{"from_step": 1}]}
+    cases = [(None, "found null"), ({"web": None}, "found null"), ({"web": True}, "found true")]
+    for weights, found in cases:
+        data = {**good, "schedule": [{"from_step": 1, "weights": weights}]}
+        with pytest.raises(MixtureError) as e:
+            MixtureConfig.from_json(data)
+        assert found in str(e.value) and "None" not in str(e.value), str(e.value)
+    with pytest.raises(MixtureError, match=r"from_step must be an integer >= 1, found null\."):
+        MixtureConfig.from_json({**good, "schedule": [{"from_step": None, "weights": {}}]})
 
 
 def test_missing_file_and_missing_store(tmp_path):
@@ -749,3 +789,82 @@ def test_resolve_checks_stores_and_gives_the_canonical_spec(store, store_path):
         resolve_mixture(cfg, stores, 16, default_heldout=total)
     with pytest.raises(MixtureError, match="no opened store for mixture source 'code'"):
         resolve_mixture(cfg, {"web": stores["web"]}, 16)
+
+
+# ---------------------------------------------------------------- issue 18
+
+
+def test_past_changes_lists_every_changed_weight_not_only_the_first():
+    sizes = {"web": 100, "code": 50, "math": 10}
+    base = MixtureSpec.build(
+        sizes, [(1, {"web": 2, "code": 1, "math": 1}), (5, {"web": 1, "code": 1, "math": 0})]
+    )
+    edited = MixtureSpec.build(
+        sizes, [(1, {"web": 1, "code": 2, "math": 1}), (5, {"web": 1, "code": 1, "math": 2})]
+    )
+    assert past_changes(base, edited, 4) == [
+        "schedule entry 1 (from_step 1): weight of source 'code' was 1/4, now 1/2 (normalized).",
+        "schedule entry 1 (from_step 1): weight of source 'web' was 1/2, now 1/4 (normalized).",
+    ]
+    assert len(past_changes(base, edited, 5)) == 5  # and every weight of entry 2
+    assert past_change(base, edited, 4) == " ".join(past_changes(base, edited, 4))
+    assert past_changes(base, base, 10**6) == [] and past_change(base, base, 9) is None
+
+
+def _tokenizers(store, hashes: dict[str, str]) -> dict:
+    return {name: _fake(store, tokenizer_hash=h) for name, h in hashes.items()}
+
+
+def test_a_tokenizer_mismatch_names_the_odd_one_out(store, store_path):
+    """The advice names the source outside the majority, or outside the group that has
+    the job's tokenizer when that decides, never simply the second source."""
+    names = ["web", "code", "math"]
+    body = "".join(f'[[source]]\nname = "{n}"\nstore = "{store_path}"\n' for n in names)
+    weights = "[[schedule]]\nfrom_step = 1\nweights = { web = 1, code = 1, math = 1 }\n"
+    cfg = MixtureConfig.loads(body + weights)
+    x, y = "x" * 64, "y" * 64
+
+    def refused(hashes: dict[str, str], tokenizer=None) -> str:
+        with pytest.raises(MixtureError) as e:
+            resolve_mixture(cfg, _tokenizers(store, hashes), 16, tokenizer=tokenizer)
+        return str(e.value)
+
+    # the first source is the odd one: the other two share one tokenizer
+    msg = refused({"web": x, "code": y, "math": y})
+    assert msg.startswith(
+        f"mixture sources 'code' and 'web' differ in tokenizer (sha256): {y} vs {x}."
+    )
+    assert (
+        "The odd one out: 'web' ('code', 'math' share one: 2 of the 3 sources). Re-run `zephon "
+        "prepare` for 'web' with the tokenizer of 'code'."
+    ) in msg
+    # the job's tokenizer decides, even against the majority
+    msg = refused({"web": x, "code": y, "math": y}, (x, "model.hf_assets_path (/tok)"))
+    assert (
+        "The odd ones out: 'code', 'math' ('web' has the tokenizer of model.hf_assets_path (/tok))"
+        in msg
+    )
+    assert "Re-run `zephon prepare` for 'code', 'math' with the tokenizer of 'web'." in msg
+    # no majority and no job tokenizer among them: said so, the groups named
+    z = "z" * 64
+    msg = refused({"web": x, "code": y, "math": z})
+    assert "No majority tells which is right (the groups: 'web'; 'code'; 'math')" in msg
+    msg = refused({"web": x, "code": y, "math": z}, ("q" * 64, "--tokenizer (/t)"))
+    assert f"and none has the tokenizer of --tokenizer (/t) (sha256 {'q' * 64})" in msg
+
+
+def test_a_source_shorter_than_one_sample_says_tokens_and_seq_len(store, store_path):
+    cfg = MixtureConfig.loads(
+        f'[[source]]\nname = "web"\nstore = "{store_path}"\n'
+        "[[schedule]]\nfrom_step = 1\nweights = { web = 1 }\n"
+    )
+    seq_len = store.num_tokens  # one token short of a sample
+    with pytest.raises(MixtureError) as e:
+        resolve_mixture(cfg, cfg.open_stores(), seq_len, default_heldout=2)
+    assert str(e.value) == (
+        f"mixture source 'web': its store {str(store_path)!r} has {store.num_tokens} tokens, "
+        f"but a sample of seq_len {seq_len} needs seq_len + 1 = {seq_len + 1} tokens (its "
+        "inputs and the label of the last one), so it holds no sample. To change it: use "
+        f"seq_len {(store.num_tokens - 1) // 3} or less (the longest that gives 3 samples), or "
+        "use a larger store."
+    )

@@ -7,7 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan, check_batch_layout
+from torchtitan_zephon.data.plan import (
+    MIN_STORE_SAMPLES,
+    BatchSchedule,
+    DataPlan,
+    check_batch_layout,
+    check_store_size,
+    no_sample_text,
+    store_fix,
+)
 
 
 def _divisors(n):
@@ -156,3 +164,61 @@ def test_layout_error_for_a_huge_batch_is_immediate():
     is refused at once (the unbounded search of 10**15 candidates never returned)."""
     with pytest.raises(ValueError, match=r"DP degrees that work with local batch size 1: \[1, "):
         check_batch_layout(10**30 + 1, 2, 1)
+
+
+# ---------------------------------------------------------------- store sizes (issue 18)
+
+
+@settings(max_examples=200, deadline=None)
+@given(schedule=schedules(), n=st.integers(0, 80), data=st.data())
+def test_a_store_is_refused_or_warned_by_its_samples_and_schedule_alone(schedule, n, data):
+    """Refused below MIN_STORE_SAMPLES, warned when smaller than some global batch, naming
+    the first such entry; and the verdict holds for every layout of that schedule: every
+    DP degree and local batch size draws the same ids, with as many repeats."""
+    what = "the store S"
+    if n < MIN_STORE_SAMPLES:
+        with pytest.raises(ValueError) as e:
+            check_store_size(what, n, schedule, "FIX.")
+        msg = str(e.value)
+        assert msg.startswith(what) and msg.endswith("FIX.")
+        if n == 1:
+            assert "has 1 training sample: every step would train on that one sample" in msg
+            assert f"({schedule.gbs(1)} at step 1)" in msg and "needs at least 2" in msg
+        return
+    warning = check_store_size(what, n, schedule, "FIX.")
+    over = [(s, g) for s, g in schedule.entries if g > n]
+    if not over:
+        assert warning is None
+        return
+    step, gbs = over[0]
+    assert warning.startswith(f"{what} has {n} training samples, fewer than the global batch ")
+    assert f"of {gbs} from step {step} on (batch schedule entry {step}:{gbs}" in warning
+    plan = DataPlan(n, 0, schedule)
+    ids = plan.global_ids(step)
+    assert len(np.unique(ids)) < len(ids)  # what the warning says: samples repeat
+    d = data.draw(st.sampled_from(_divisors(gbs)))
+    assert np.array_equal(np.concatenate([plan.rank_ids(step, r, d) for r in range(d)]), ids)
+
+
+def test_what_a_too_short_store_needs_is_said_in_tokens_and_seq_len():
+    msg = no_sample_text("the store S", 40, 64)
+    assert msg == (
+        "the store S has 40 tokens, but a sample of seq_len 64 needs seq_len + 1 = 65 tokens "
+        "(its inputs and the label of the last one), so it holds no sample"
+    )
+    fix = store_fix(40, 2, "--training.seq_len", first="lower --zephon.heldout_samples (now 3)")
+    assert fix == (
+        "To change it: lower --zephon.heldout_samples (now 3), or use --training.seq_len 19 or "
+        "less (the longest that gives 2 samples), or use a larger store."
+    )
+    # the seq_len offered gives the samples asked for, and one more token would not
+    for tokens in range(2, 300):
+        for samples in range(1, 12):
+            longest = (tokens - 1) // samples
+            if longest >= 1:
+                assert (tokens - 1) // longest >= samples > (tokens - 1) // (longest + 1)
+                assert f"--seq-len {longest} or less" in store_fix(tokens, samples, "--seq-len")
+            else:
+                assert store_fix(tokens, samples, "--seq-len") == (
+                    "To change it: use a larger store."
+                )

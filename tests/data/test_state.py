@@ -325,3 +325,124 @@ def test_a_rule_1_note_under_an_accepted_batch_schedule_change_names_no_trained_
         "schedule it first corrects step 20: the trained steps kept the old batch schedule's "
         "samples, and the steps from here on follow the new rule",
     )
+
+
+# ---------------------------------------------------------------- whole changes (issue 18)
+
+
+def refusal(state: DataState, current: DataConfig, allow=()) -> str:
+    with pytest.raises(DataStateMismatch) as e:
+        check_resume(state, current, allow)
+    return str(e.value)
+
+
+def test_a_seq_len_change_is_named_once_with_what_follows_under_one_opt_in():
+    """One store: the sample count that changes with seq_len is on the seq_len line, and
+    allow_changes=['seq_len'] accepts both."""
+    state = DataState(config(seq_len=8, num_samples=1000), 5, 16)
+    new = config(seq_len=16, num_samples=499)
+    msg = refusal(state, new)
+    assert (
+        "  seq_len: 8 -> 16 (every sample is another window of the same store, so num_samples "
+        "1000 -> 499)\nTo accept, opt in with allow_changes=['seq_len'] (or 'all')."
+    ) in msg
+    assert "  num_samples:" not in msg
+    assert check_resume(state, new, ["seq_len"]).accepted == ("num_samples", "seq_len")
+    # with another store too, the counts are the store's doing: named apart, as before
+    other = config(seq_len=16, num_samples=499, store_fingerprint="o" * 64)
+    msg = refusal(state, other)
+    assert "  num_samples: 1000 -> 499\n" in msg and "  seq_len: 8 -> 16\n" in msg
+    with pytest.raises(DataStateMismatch, match="num_samples"):
+        check_resume(state, other, ["seq_len"])
+    assert check_resume(state, other, ["seq_len", "store"]).accepted
+
+
+def test_a_mixture_seq_len_change_names_every_source_once_under_one_opt_in():
+    """A mixture's seq_len change: every source's new count on the seq_len line (not
+    'mixture: source ...' for the first one), and 'seq_len' alone accepts it."""
+    entries = [(1, {"code": 1, "web": 3, "gz": 0})]
+    state = DataState(mixture_config(entries, {"code": 50, "web": 70, "gz": 9}, seq_len=8), 5, 16)
+    new = mixture_config(entries, {"code": 25, "web": 35, "gz": 4}, seq_len=16)
+    msg = refusal(state, new)
+    assert (
+        "  seq_len: 8 -> 16 (every sample is another window of the same stores, so the "
+        "sources' training samples: 'code' 50 -> 25, 'gz' 9 -> 4, 'web' 70 -> 35)\n"
+        "To accept, opt in with allow_changes=['seq_len'] (or 'all')."
+    ) in msg
+    assert "mixture:" not in msg and "num_samples:" not in msg
+    decision = check_resume(state, new, ["seq_len"])
+    assert "seq_len" in decision.accepted and decision.anchor == (1, 0)
+    # another change besides it stays a change of its own, named without the counts
+    weights = [(1, {"code": 1, "web": 1, "gz": 0})]
+    edited = mixture_config(weights, {"code": 25, "web": 35, "gz": 4}, seq_len=16)
+    msg = refusal(state, edited)
+    assert (
+        "  mixture: schedule entry 1 (from_step 1): weight of source 'code' was 1/4, now 1/2" in msg
+    )
+    assert "num_samples was" not in msg and "allow_changes=['mixture', 'seq_len']" in msg
+    with pytest.raises(DataStateMismatch, match="mixture"):
+        check_resume(state, edited, ["seq_len"])
+    assert check_resume(state, edited, ["seq_len", "mixture"]).accepted
+
+
+def test_a_past_weight_edit_lists_every_changed_weight_and_source():
+    sizes = {"code": 50, "web": 70, "math": 30}
+    old = [(1, {"code": 1, "web": 2, "math": 1}), (3, {"code": 1, "web": 1, "math": 0})]
+    new = [(1, {"code": 1, "web": 1, "math": 2}), (3, {"code": 0, "web": 1, "math": 1})]
+    state = DataState(mixture_config(old, sizes), 5, 16)
+    msg = refusal(state, mixture_config(new, {"code": 50, "web": 69, "math": 31}))
+    lines = [
+        "schedule entry 1 (from_step 1): weight of source 'math' was 1/4, now 1/2 (normalized).",
+        "schedule entry 1 (from_step 1): weight of source 'web' was 1/2, now 1/4 (normalized).",
+        "schedule entry 2 (from_step 3): weight of source 'code' was 1/2, now 0/1 (normalized).",
+        "schedule entry 2 (from_step 3): weight of source 'math' was 0/1, now 1/2 (normalized).",
+        "source 'math': num_samples was 30, now 31.",
+        "source 'web': num_samples was 70, now 69.",
+    ]
+    assert "  mixture: " + "\n    ".join(lines) + "\n" in msg, msg
+    assert "'code' was 1/4" not in msg  # an unchanged weight is not a change
+
+
+def test_saved_records_are_named_in_json_words_never_python():
+    cfg = config()
+    record = json.loads(DataState(cfg, 3, 8).to_json())
+    cases = [
+        (None, "the data state is null, not a JSON object"),
+        ([1, 2], "the data state is [1, 2], not a JSON object"),
+        ({**record, "format": None}, "unsupported data state format null; expected 2"),
+        ({**record, "format": True}, "unsupported data state format true"),
+        (
+            {**record, "next_step": "x"},
+            "has an invalid field 'next_step': 'x', expected an integer",
+        ),
+        ({**record, "next_step": None}, "the data state has no field 'next_step'"),
+        ({**record, "position_anchor": 3}, "invalid field 'position_anchor': 3, expected [step"),
+        ({**record, "tracker": {"step": 1}}, "invalid field 'tracker': { step = 1 }"),
+    ]
+    bad_config = {k: v for k, v in record["data_config"].items() if k != "seq_len"}
+    cases.append(({**record, "data_config": bad_config}, "has no field 'seq_len'"))
+    schedule = {**record["data_config"], "schedule": [[1, None]]}
+    cases.append(({**record, "data_config": schedule}, "invalid field 'schedule': [[1, null]]"))
+    for value, message in cases:
+        with pytest.raises(DataStateMismatch) as e:
+            DataState.from_dict(value)
+        text = str(e.value)
+        assert message in text, text
+        for python in ("NoneType", "None", "True", "KeyError", "ValueError", "list", "int("):
+            assert python not in text, text
+
+
+def test_config_text_writes_values_as_toml_and_json_do():
+    from decimal import Decimal
+    from fractions import Fraction
+
+    from torchtitan_zephon.data.state import config_text
+
+    for value, text in [
+        (Decimal("1.5"), "1.5"), (Decimal("NaN"), "nan"), (Decimal("-Infinity"), "-inf"),
+        (float("inf"), "inf"), (None, "null"), (True, "true"), (3, "3"), (Fraction(3, 4), "3/4"),
+        ("web", "'web'"), ("it's", '"it\'s"'), ([1, None], "[1, null]"),
+        ({"a": Decimal("0.7"), "b": [False]}, "{ a = 0.7, b = [false] }"), ({}, "{}"),
+    ]:  # fmt: skip
+        assert config_text(value) == text
+    assert config_text(list(range(1000))).endswith(" ...") and len(config_text("x" * 999)) < 210

@@ -260,3 +260,306 @@ def test_log_with_steps_and_no_checkpoint_is_refused(tmp_path: Path, current_con
         sidecar.unlink()
     SequenceTracker(log_path(tmp_path), config=CONFIG, writer=True).start(TOPOLOGY)
     assert plan_start(job(tmp_path), writer=True).resume is None
+
+
+# ---------------------------------------------------------------- the job's data (issue 18)
+
+
+@pytest.fixture(scope="module")
+def lines_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store of Python's documentation lines (short documents), builtin tokenizer."""
+    import json
+    import pydoc_data.topics
+
+    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.data.prepare import prepare_store
+
+    root = tmp_path_factory.mktemp("lines")
+    with open(root / "lines.jsonl", "w") as f:
+        for k in sorted(pydoc_data.topics.topics)[:20]:
+            for line in pydoc_data.topics.topics[k].splitlines():
+                if line.strip():
+                    f.write(json.dumps({"text": line}) + "\n")
+    prepare_store([str(root / "lines.jsonl")], str(TOKENIZER_DIR), str(root / "store"))
+    return root / "store"
+
+
+def small_store(lines_store: Path, folder: Path, samples: int, seq_len: int = 64) -> Path:
+    """A store of exactly ``samples`` samples of ``seq_len`` (whole short documents)."""
+    from torchtitan_zephon.data.store import TokenStore, slice_store
+
+    store = slice_store(
+        TokenStore.open(lines_store), 0, samples * seq_len + 1 + seq_len // 2, folder
+    )
+    assert store.num_samples(seq_len) == samples, store.num_tokens
+    return folder
+
+
+def open_store(path: Path | str):  # noqa: ANN201 - a TokenStore
+    from torchtitan_zephon.data.store import TokenStore
+
+    return TokenStore.open(path)
+
+
+def data_job(tmp: Path, **zephon) -> SimpleNamespace:
+    """The trainer's job config as the data checks read it (tiny flavor, seq_len 64)."""
+    from tests.titan.test_dataloader import job as loader_job
+
+    cfg = loader_job(tmp, **zephon)
+    cfg.training.seq_len = 64
+    cfg.model.name, cfg.model.flavor = "zephon_llama3", "tiny"
+    cfg.parallelism = SimpleNamespace(
+        data_parallel_shard_degree=-1, data_parallel_replicate_degree=1,
+        context_parallel_degree=1, tensor_parallel_degree=1, pipeline_parallel_degree=1,
+        expert_parallel_degree=1, expert_tensor_parallel_degree=1,
+    )  # fmt: skip
+    return cfg
+
+
+def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_store, tmp_path):
+    from torchtitan_zephon.titan.dataloader import resolve_source
+
+    short = small_store(lines_store, tmp_path / "short", 0)
+    tokens = open_store(short).num_tokens
+    with pytest.raises(ValueError) as e:
+        resolve_source(data_job(tmp_path, store=str(short), heldout_samples=16))
+    assert str(e.value) == (
+        f"the store {short} has {tokens} tokens, but a sample of seq_len 64 needs seq_len + 1 = "
+        "65 tokens (its inputs and the label of the last one), so it holds no sample. To "
+        f"change it: lower --zephon.heldout_samples (now 16), or use --training.seq_len "
+        f"{(tokens - 1) // 18} or less (the longest that gives 18 samples), or use a larger "
+        "store."
+    )
+    seventeen = small_store(lines_store, tmp_path / "seventeen", 17)
+    tokens = open_store(seventeen).num_tokens
+    for heldout, message in [
+        (16, f"the store {seventeen} (seq_len 64, 16 held out) has 1 training sample: every "
+         "step would train on that one sample alone, repeated to fill the global batch (8 at "
+         "step 1), whatever the seed or the number of ranks. A single store needs at least 2. "
+         "To change it: lower --zephon.heldout_samples (now 16), or use --training.seq_len "
+         f"{(tokens - 1) // 18} or less (the longest that gives 18 samples), or use a larger "
+         "store."),
+        (17, f"zephon.heldout_samples=17 must be in [0, 17): the store {seventeen} has 17 "
+         "samples of seq_len 64. To change it: lower --zephon.heldout_samples (now 17)"),
+    ]:  # fmt: skip
+        with pytest.raises(ValueError) as e:
+            resolve_source(data_job(tmp_path, store=str(seventeen), heldout_samples=heldout))
+        assert str(e.value).startswith(message), str(e.value)
+    # refused whatever the layout: the verdict is the data config's, not the topology's
+    for local in (1, 2, 8):
+        cfg = data_job(tmp_path, store=str(seventeen), heldout_samples=16)
+        cfg.training.local_batch_size = local
+        with pytest.raises(ValueError, match="has 1 training sample"):
+            resolve_source(cfg)
+    # two training samples: trained on, with the warning
+    source = resolve_source(data_job(tmp_path, store=str(seventeen), heldout_samples=15))
+    assert source.warnings == [
+        f"the store {seventeen} (seq_len 64, 15 held out) has 2 training samples, fewer than "
+        "the global batch of 8 from step 1 on (batch schedule entry 1:8): every such step "
+        "repeats samples within itself. Use a larger store or a smaller global batch."
+    ]
+    assert (
+        resolve_source(data_job(tmp_path, store=str(seventeen), heldout_samples=9)).warnings == []
+    )
+
+
+def test_builtin_and_raw_stores_get_the_same_size_checks(lines_store, tmp_path, monkeypatch):
+    """The builtin store and raw inputs reach the same check, named as the user named them."""
+    from torchtitan_zephon.data.builtin import builtin_store_path
+    from torchtitan_zephon.titan.dataloader import resolve_source
+
+    builtin = open_store(builtin_store_path())
+    cfg = data_job(tmp_path, store="", heldout_samples=16)
+    cfg.training.seq_len = (builtin.num_tokens - 1) // 19  # 19 samples: 3 to train on
+    source = resolve_source(cfg)
+    assert source.warnings == [
+        f"the builtin store ({builtin.path}) (seq_len {cfg.training.seq_len}, 16 held out) has "
+        "3 training samples, fewer than the global batch of 8 from step 1 on (batch schedule "
+        "entry 1:8): every such step repeats samples within itself. Use a larger store or a "
+        "smaller global batch."
+    ]
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    raw = tmp_path / "notes.txt"
+    raw.write_text("hello world, a short note of a few dozen tokens.\n" * 8)
+    cfg = data_job(tmp_path, store=str(raw), heldout_samples=0)
+    cfg.training.seq_len = 1
+    entry = resolve_source(cfg).path  # prepared into the cache on first use
+    assert str(tmp_path / "cache") in entry and resolve_source(cfg).warnings == []
+    cfg.training.seq_len = (open_store(entry).num_tokens - 1) // 4
+    assert resolve_source(cfg).warnings == [
+        f"the store {str(raw)!r} ({entry}) (seq_len {cfg.training.seq_len}) has 4 training "
+        "samples, fewer than the global batch of 8 from step 1 on (batch schedule entry 1:8): "
+        "every such step repeats samples within itself. Use a larger store or a smaller "
+        "global batch."
+    ]
+
+
+@pytest.fixture(scope="module")
+def own_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(tokenizer folder, store) of a small word-level tokenizer that is not the builtin."""
+    from tests.data.conftest import build_tokenizer, corpus_text
+    from torchtitan_zephon.data.prepare import prepare_store
+
+    root = tmp_path_factory.mktemp("own")
+    (root / "corpus").mkdir()
+    for k in range(30):
+        (root / "corpus" / f"d{k}.txt").write_text(corpus_text(k, 120))
+    tokenizer = build_tokenizer(root / "tokenizer")
+    prepare_store([str(root / "corpus")], str(tokenizer), str(root / "store"), progress=False)
+    return tokenizer, root / "store"
+
+
+def test_a_missing_or_unloadable_tokenizer_is_refused_naming_the_store_tokenizer(
+    lines_store, own_store, tmp_path
+):
+    """TorchTitan's tokenizer error (or the tokenizers library's) becomes a refusal naming
+    model.hf_assets_path, the sha256 the store records and where the builtin tokenizer is."""
+    import hashlib
+
+    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.titan.spec import register
+
+    register()
+    builtin_sha = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
+    missing = tmp_path / "no_such_folder"
+    cfg = data_job(tmp_path, store=str(lines_store), heldout_samples=16)
+    cfg.model.hf_assets_path = str(missing)
+    with pytest.raises(StartRefused) as e:
+        preflight._check_job(cfg)
+    assert str(e.value) == (
+        f"model.hf_assets_path = {str(missing)!r} does not exist; TorchTitan builds the job's "
+        f"tokenizer from that folder (its tokenizer.json). The store {lines_store} was prepared "
+        f"with tokenizer sha256 {builtin_sha}, the builtin tokenizer in {TOKENIZER_DIR}: set "
+        f"--model.hf_assets_path {TOKENIZER_DIR} (TOML: [model] hf_assets_path). Nothing was "
+        "changed on disk."
+    )
+    # a store of another tokenizer: its sha256, and the builtin one is not it
+    own, store = own_store
+    own_sha = hashlib.sha256((own / "tokenizer.json").read_bytes()).hexdigest()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "tokenizer.json").write_text("{ not json")
+    for path, found in [
+        (missing, "does not exist"),
+        (empty, "holds no tokenizer TorchTitan can load (No supported tokenizer files found"),
+        (broken, "holds no tokenizer TorchTitan can load ("),
+        (own / "tokenizer.json", "is a file, not a folder"),
+    ]:
+        cfg = data_job(tmp_path, store=str(store), heldout_samples=16)
+        cfg.model.hf_assets_path = str(path)
+        with pytest.raises(StartRefused) as e:
+            preflight._check_job(cfg)
+        msg = str(e.value)
+        assert msg.startswith(f"model.hf_assets_path = {str(path)!r} {found}"), msg
+        assert (
+            f"The store {store} was prepared with tokenizer sha256 {own_sha}; the builtin "
+            f"tokenizer in {TOKENIZER_DIR} is another one (sha256 {builtin_sha}). Point "
+            "--model.hf_assets_path at the folder holding the tokenizer.json the data was "
+            "prepared with"
+        ) in msg
+    cfg.model.hf_assets_path = str(own)  # the right one: the checks pass
+    assert preflight._check_job(cfg).tokenizer_hash == own_sha
+    # a mixture of builtin halves: the sources' tokenizer, the builtin one
+    mixture = tmp_path / "halves.toml"
+    mixture.write_text(
+        '[[source]]\nname = "docs"\nstore = "builtin:docs"\n[[source]]\nname = "stdlib"\n'
+        'store = "builtin:stdlib"\n[[schedule]]\nfrom_step = 1\nweights = { docs = 1, stdlib = 1 }\n'
+    )
+    cfg = data_job(tmp_path, mixture=str(mixture), heldout_samples=16)
+    cfg.model.hf_assets_path = str(missing)
+    with pytest.raises(StartRefused) as e:
+        preflight._check_job(cfg)
+    assert (
+        f"The mixture {mixture} (sources docs, stdlib) was prepared with tokenizer sha256 "
+        f"{builtin_sha}, the builtin tokenizer in {TOKENIZER_DIR}: set --model.hf_assets_path"
+    ) in str(e.value)
+
+
+# ---------------------------------------------------------------- the same, under torchrun
+
+
+def test_the_trainer_refuses_a_missing_tokenizer_folder_naming_the_store_tokenizer(
+    lines_store, tmp_path
+):
+    """Issue 18: a prepared store and no tokenizer at model.hf_assets_path was a 30-line
+    traceback into TorchTitan's tokenizer; now a refusal, and nothing is written."""
+    import hashlib
+
+    from tests.titan.expect import assert_refused
+    from tests.titan.launch import train
+    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+
+    sha = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
+    run, missing = tmp_path / "run", tmp_path / "tokenizer"
+    job = train(run, 1, "--zephon.store", str(lines_store), "--model.hf_assets_path",
+                str(missing), log=tmp_path / "refused.log")  # fmt: skip
+    assert_refused(
+        job,
+        f"model.hf_assets_path = {str(missing)!r} does not exist",
+        f"The store {lines_store} was prepared with tokenizer sha256 {sha}, the builtin "
+        f"tokenizer in {TOKENIZER_DIR}: set --model.hf_assets_path {TOKENIZER_DIR}",
+    )
+    assert "Traceback" not in job.output.split("Zephon refused to start")[0]
+    assert not run.exists()
+
+
+def test_the_trainer_refuses_a_store_of_one_training_sample(lines_store, tmp_path):
+    """Issue 18: a store smaller than one global batch trained silently on repeats. One
+    training sample is refused, and nothing is written; three train, with one warning
+    (rank 0) naming the store, its samples and the batch (below)."""
+    from tests.titan.expect import assert_refused
+    from tests.titan.launch import train
+
+    one = small_store(lines_store, tmp_path / "one", 17)  # tiny.toml holds 16 out
+    run = tmp_path / "run_one"
+    job = train(run, 1, "--zephon.store", str(one), log=tmp_path / "refused.log")
+    assert_refused(
+        job,
+        f"the store {one} (seq_len 64, 16 held out) has 1 training sample: every step would "
+        "train on that one sample alone, repeated to fill the global batch (8 at step 1)",
+        "lower --zephon.heldout_samples (now 16)",
+    )
+    assert not run.exists()
+
+
+def test_the_trainer_warns_once_for_a_store_smaller_than_a_batch(lines_store, tmp_path):
+    from tests.titan.launch import train
+
+    three = small_store(lines_store, tmp_path / "three", 19)
+    job = train(tmp_path / "run_three", 2, "--zephon.store", str(three), "--training.steps", "1",
+                "--checkpoint.no-enable", "--validation.no-enable").check()  # fmt: skip
+    warning = (
+        f"Zephon: the store {three} (seq_len 64, 16 held out) has 3 training samples, fewer "
+        "than the global batch of 8 from step 1 on (batch schedule entry 1:8): every such "
+        "step repeats samples within itself."
+    )
+    assert job.output.count(warning) == 1, job.output[-4000:]
+
+
+def test_a_mixture_tokenizer_mismatch_names_the_source_without_the_jobs_tokenizer(
+    own_store, tmp_path
+):
+    """Two sources, two tokenizers, no majority: model.hf_assets_path decides which source
+    is the odd one out (here the second in name order, not simply 'the other one')."""
+    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.data.mixture import MixtureError
+    from torchtitan_zephon.titan.dataloader import resolve_source
+
+    own, store = own_store
+    mixture = tmp_path / "mixed.toml"
+    mixture.write_text(
+        f'[[source]]\nname = "a_words"\nstore = "{store}"\n[[source]]\nname = "docs"\n'
+        'store = "builtin:docs"\n[[schedule]]\nfrom_step = 1\nweights = { a_words = 1, docs = 1 }\n'
+    )
+    for tokenizer, odd, right in ((TOKENIZER_DIR, "a_words", "docs"), (own, "docs", "a_words")):
+        cfg = data_job(tmp_path, mixture=str(mixture), heldout_samples=4)
+        cfg.model.hf_assets_path = str(tokenizer)
+        with pytest.raises(MixtureError) as e:
+            resolve_source(cfg)
+        assert (
+            f"The odd one out: '{odd}' ('{right}' has the tokenizer of model.hf_assets_path "
+            f"({tokenizer})). Re-run `zephon prepare` for '{odd}' with the tokenizer of "
+            f"'{right}'."
+        ) in str(e.value), str(e.value)

@@ -10,6 +10,13 @@ With ``--mixture FILE`` instead of ``--store``: the ids are per-source sample
 ids and ``"sources"`` names the source of each (``sources[i]`` is the source of
 ``ids[i]``); the plan's warnings and its worst deviation from the exact targets
 (``MixturePlan.max_deviation``) go to stderr.
+
+A store value (``--store``, a mixture source) is read as the trainer reads it
+(``cache.store_location``): a store folder, ``builtin:PART``, or raw inputs, which
+``--tokenizer`` (the trainer's ``model.hf_assets_path``) and ``--text-field``
+prepare into the same cache entry the trainer would use, so the ids are the
+trainer's. A store smaller than a global batch is a warning; one with fewer than
+``MIN_STORE_SAMPLES`` training samples is refused, as the trainer refuses it.
 """
 
 from __future__ import annotations
@@ -19,8 +26,16 @@ import json
 import sys
 
 from torchtitan_zephon.cli.args import int_in
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.data.cache import RawInputs, names_store, store_location
+from torchtitan_zephon.data.plan import (
+    MIN_STORE_SAMPLES,
+    BatchSchedule,
+    DataPlan,
+    check_store_size,
+    no_sample_text,
+    store_fix,
+)
+from torchtitan_zephon.data.store import StoreError, TokenStore
 
 BLOCK = 1 << 20  # ids computed and written at a time
 MAX_IDS_PER_STEP = 10**9  # about 10 GB of output for one step
@@ -54,9 +69,38 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         '{"step": s, "ids": [...], "sources": [...]} (ids are per-source sample ids).',
     )
     data = p.add_mutually_exclusive_group(required=True)
-    data.add_argument("--store", metavar="STORE")
+    data.add_argument(
+        "--store",
+        metavar="STORE",
+        help="a token store, builtin:PART, or raw inputs (with --tokenizer), as zephon.store",
+    )
     data.add_argument(
         "--mixture", metavar="FILE", help="a mixture file (TOML [[source]] / [[schedule]])"
+    )
+    raw = p.add_argument_group(
+        "raw inputs",
+        "where --store or a mixture source names raw inputs (files, folders, globs), they are "
+        "prepared into the store cache as the trainer prepares them",
+    )
+    raw.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help="folder holding the tokenizer.json (the trainer's model.hf_assets_path)",
+    )
+    raw.add_argument(
+        "--text-field",
+        default="text",
+        metavar="F",
+        help="JSON / Parquet field of the text (the trainer's zephon.text_field; default: text)",
+    )
+    raw.add_argument(
+        "--cache-dir",
+        default="",
+        metavar="DIR",
+        help="the store cache when ZEPHON_CACHE is unset (the trainer's zephon.cache_dir)",
+    )
+    raw.add_argument(
+        "--workers", type=int_in(1), default=1, metavar="N", help="tokenizer processes"
     )
     p.add_argument(
         "--heldout-samples",
@@ -110,16 +154,28 @@ def run(args: argparse.Namespace) -> int:
             "slice with --dp-degree D --dp-rank R."
         )
     schedule.check_layout(args.dp_degree, args.local_batch_size or 1)
+    raw = _raw_inputs(args)
     if args.mixture:
-        return run_mixture(args, schedule)
-    store = TokenStore.open(args.store)
+        return run_mixture(args, schedule, raw)
+    store = _open_store(args.store, raw)
     available = store.num_samples(args.seq_len)
+    what = store_name(args.store, store)
+    wanted = args.sample_offset + max(args.num_samples or 0, MIN_STORE_SAMPLES)
+    fix = store_fix(store.num_tokens, wanted, "--seq-len")
+    if available == 0:
+        raise ValueError(f"{no_sample_text(what, store.num_tokens, args.seq_len)}. {fix}")
     num_samples = available - args.sample_offset if args.num_samples is None else args.num_samples
     if num_samples < 1 or args.sample_offset + num_samples > available:
         raise ValueError(
             f"samples [{args.sample_offset}, {args.sample_offset + num_samples}) do not fit the "
-            f"store, which holds {available} samples of seq_len {args.seq_len}."
+            f"store {store.path}, which holds {available} samples of seq_len {args.seq_len} "
+            f"({store.num_tokens} tokens). {fix}"
         )
+    if args.num_samples is not None:
+        fix = f"To change it: raise --num-samples (now {args.num_samples})."
+    warning = check_store_size(f"{what} (seq_len {args.seq_len})", num_samples, schedule, fix)
+    if warning:
+        print(f"zephon plan: warning: {warning}", file=sys.stderr)
     plan = DataPlan(num_samples, args.seed, schedule, args.sample_offset)
     out = sys.stdout
     for step in range(first, last + 1):
@@ -136,16 +192,67 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_mixture(args: argparse.Namespace, schedule: BatchSchedule) -> int:
+def _raw_inputs(args: argparse.Namespace) -> RawInputs | None:
+    """How raw inputs are prepared (None without --tokenizer): as the trainer does it."""
+    if args.tokenizer is None:
+        return None
+    return RawInputs(
+        tokenizer=args.tokenizer,
+        text_field=args.text_field,
+        cache_dir=args.cache_dir,
+        workers=args.workers,
+        progress=sys.stderr.isatty(),
+        log=lambda message: print(f"zephon plan: {message}", file=sys.stderr),
+        tokenizer_origin="--tokenizer",
+    )
+
+
+RAW_HINT = (
+    "pass --tokenizer DIR (the trainer's model.hf_assets_path) and, when the text is not in "
+    "the field 'text', --text-field F (the trainer's zephon.text_field): zephon plan then "
+    "prepares them into the store cache as the trainer does"
+)
+
+
+def store_name(value: str, store: TokenStore) -> str:
+    """The store as the user named it, and where it is when that differs (a builtin
+    part, raw inputs prepared into the cache)."""
+    if str(store.path) == value:
+        return f"the store {value}"
+    return f"the store {value!r} ({store.path})"
+
+
+def _open_store(value: str, raw: RawInputs | None) -> TokenStore:
+    """The store ``--store`` names: a store folder, ``builtin:PART``, or raw inputs."""
+    if raw is None and not value.startswith("builtin:"):
+        try:
+            return TokenStore.open(value)
+        except StoreError as e:
+            if names_store(value):
+                raise
+            raise StoreError(f"{e} {value!r} names raw inputs: {RAW_HINT}.") from None
+    return TokenStore.open(store_location(value, raw))
+
+
+def run_mixture(
+    args: argparse.Namespace, schedule: BatchSchedule, raw: RawInputs | None = None
+) -> int:
     """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
-    from torchtitan_zephon.data.mixture import MixtureConfig, deviation_warning
+    from torchtitan_zephon.data.mixture import MixtureConfig, MixtureError, deviation_warning
     from torchtitan_zephon.data.source import MixtureSource, MixtureStream
 
+    config = MixtureConfig.load(args.mixture)
+    for s in config.sources:
+        if raw is None and not names_store(s.store):
+            raise MixtureError(
+                f"mixture source {s.name!r} names raw inputs ({s.store}): {RAW_HINT}."
+            )
     source = MixtureSource.open(
-        MixtureConfig.load(args.mixture),
+        config,
         args.seq_len,
         default_heldout=args.heldout_samples,
         path=args.mixture,
+        raw=raw,
     )
     plan = source.plan(source.data_config(seed=args.seed, schedule=schedule))
     assert isinstance(plan, MixtureStream)

@@ -16,7 +16,8 @@ Invariants:
   weights in effect at steps 1..k, the batch sizes of steps 1..k and the source
   names. Entries appended after k, sources added with weight 0 up to k and the
   order of the ``[[source]]`` blocks (it only numbers the sources) change
-  nothing up to k; ``past_change`` says whether two specs agree up to a step.
+  nothing up to k; ``past_changes`` says whether two specs agree up to a step
+  (and names every difference).
 - Weight 0 means none: a source never gets a slot of a step where its weight
   is 0, not even one it is "owed".
 - Exact: weights are exact rationals (decimals as written, normalized by their
@@ -81,8 +82,11 @@ from torchtitan_zephon.data.plan import (
     BatchSchedule,
     DataPlan,
     check_batch_layout,
+    no_sample_text,
     rank_slice,
+    store_fix,
 )
+from torchtitan_zephon.data.state import config_text
 
 MAX_PATTERN = 10**6
 """Largest common denominator of one schedule entry's normalized weights: the
@@ -127,20 +131,19 @@ def _weight_value(value: Any, where: str, *, text_ok: bool) -> Fraction:
     """One raw weight as an exact Fraction, or MixtureError."""
     if isinstance(value, bool) or not isinstance(value, (int, decimal.Decimal, Fraction, str)):
         raise MixtureError(
-            f"{where}: weight must be a number (like 0.7 or 3), found {value!r} "
-            f"({type(value).__name__})."
+            f"{where}: weight must be a number (like 0.7 or 3), found {config_text(value)}."
         )
     if isinstance(value, str):
         if not text_ok:
             raise MixtureError(
-                f"{where}: weight must be a number (like 0.7 or 3), found the string {value!r}; "
-                "remove the quotes."
+                f"{where}: weight must be a number (like 0.7 or 3), found the string "
+                f"{config_text(value)}; remove the quotes."
             )
         try:
             value = Fraction(value)
         except (ValueError, ZeroDivisionError):
             raise MixtureError(
-                f"{where}: weight {value!r} is not a fraction like '7/10'."
+                f'{where}: weight {config_text(value)} is not a fraction like "7/10".'
             ) from None
     if isinstance(value, decimal.Decimal) and not value.is_finite():
         raise MixtureError(f"{where}: weight must be finite, found {value}.")
@@ -150,9 +153,14 @@ def _weight_value(value: Any, where: str, *, text_ok: bool) -> Fraction:
     return frac
 
 
+def _found(table: Mapping[str, Any], key: str) -> str:
+    """The value of ``key`` in a table of a mixture file, as written there."""
+    return config_text(table[key]) if key in table else "nothing"
+
+
 def _plain_int(value: Any, where: str, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise MixtureError(f"{where} must be an integer >= {minimum}, found {value!r}.")
+        raise MixtureError(f"{where} must be an integer >= {minimum}, found {config_text(value)}.")
     return value
 
 
@@ -211,7 +219,8 @@ def parse_schedule(
         raw_weights = raw.get("weights")
         if not isinstance(raw_weights, Mapping):
             raise MixtureError(
-                f"{where} needs weights = {{ source = weight, ... }}, found {raw_weights!r}."
+                f"{where} needs weights = {{ source = weight, ... }}, found "
+                f"{_found(raw, 'weights')}."
             )
         unknown = [n for n in raw_weights if n not in declared]
         if unknown:
@@ -270,7 +279,9 @@ def _parse_sources(raw: Any, origin: str, base_dir: Path | None) -> tuple[Mixtur
             )
         name = src.get("name")
         if not isinstance(name, str) or not name.strip():
-            raise MixtureError(f"{where} needs a non-empty name string, found {name!r}.")
+            raise MixtureError(
+                f"{where} needs a non-empty name string, found {_found(src, 'name')}."
+            )
         where = f"{origin}: source {name!r}"
         if any(s.name == name for s in out):
             raise MixtureError(f"{where} is declared twice; source names must be unique.")
@@ -279,7 +290,7 @@ def _parse_sources(raw: Any, origin: str, base_dir: Path | None) -> tuple[Mixtur
             raise MixtureError(
                 f"{where} needs store = a token store path or raw inputs (a file, folder, "
                 "glob or comma list; absolute, or relative to the mixture file) or "
-                f'"builtin:docs" / "builtin:stdlib", found {store!r}.'
+                f'"builtin:docs" / "builtin:stdlib", found {_found(src, "store")}.'
             )
         if base_dir is not None:
             store = rebase(store, base_dir)
@@ -499,7 +510,8 @@ class MixtureSpec:
     def from_json(cls, data: Mapping[str, Any]) -> MixtureSpec:
         if data.get("format") not in (SPEC_FORMAT, *_OLD_SPEC_FORMATS):
             raise MixtureError(
-                f"mixture spec format {data.get('format')!r} is not {SPEC_FORMAT!r}."
+                f"mixture spec format {config_text(data.get('format'))} is not "
+                f"{config_text(SPEC_FORMAT)}."
             )
         try:
             sources = tuple(
@@ -511,8 +523,15 @@ class MixtureSpec:
                 )
                 for s in data["sources"]
             )
-        except (KeyError, TypeError, ValueError) as e:
-            raise MixtureError(f"mixture spec JSON has a malformed source ({e}).") from None
+        except KeyError as e:
+            raise MixtureError(
+                f"mixture spec JSON has a source without the field {e.args[0]!r}."
+            ) from None
+        except (TypeError, ValueError):
+            raise MixtureError(
+                f"mixture spec JSON has a malformed source list: {config_text(data.get('sources'))}"
+                " (each source needs name, store_fingerprint and an integer num_samples)."
+            ) from None
         schedule = parse_schedule(
             list(data.get("schedule") or []),
             [s.name for s in sources],
@@ -528,40 +547,35 @@ def resolve_mixture(
     seq_len: int,
     *,
     default_heldout: int = 0,
+    tokenizer: tuple[str, str] | None = None,
 ) -> MixtureSpec:
     """Check the opened stores against each other and fix each source's sample count.
 
     ``stores`` maps source name -> an opened store (``TokenStore`` or anything with
     ``fingerprint``, ``tokenizer_hash``, ``vocab_size``, ``eos_id``, ``dtype`` and
     ``num_samples(seq_len)``). All sources must share one tokenizer (hash, vocab
-    size, EOS id) and token dtype. A source keeps its last ``heldout_samples``
-    (default ``default_heldout``) for validation.
+    size, EOS id) and token dtype; ``tokenizer`` (the sha256 of the job's
+    tokenizer.json and the setting that names it) tells which is right when the
+    sources disagree. A source keeps its last ``heldout_samples`` (default
+    ``default_heldout``) for validation.
     """
     missing = [n for n in config.names if n not in stores]
     if missing:
         raise MixtureError(f"no opened store for mixture source {missing[0]!r}.")
-    first = config.sources[0].name
-    ref = stores[first]
-    for s in config.sources[1:]:
-        st = stores[s.name]
-        for field, label in (
-            ("tokenizer_hash", "tokenizer (sha256)"),
-            ("vocab_size", "vocabulary size"),
-            ("eos_id", "EOS id"),
-            ("dtype", "token dtype"),
-        ):
-            a, b = getattr(ref, field), getattr(st, field)
-            if a != b:
-                raise MixtureError(
-                    f"mixture sources {first!r} and {s.name!r} differ in {label}: {a} vs {b}. "
-                    "Every source must be prepared with the same tokenizer; re-run `zephon "
-                    f"prepare` for {s.name!r} with the tokenizer of {first!r}."
-                )
+    _check_one_tokenizer(config.names, stores, tokenizer)
+    ref = stores[config.sources[0].name]
     out = []
     for s in config.sources:
         st = stores[s.name]
         total = int(st.num_samples(seq_len))
         held = default_heldout if s.heldout_samples is None else s.heldout_samples
+        tokens = getattr(st, "num_tokens", None)
+        if total == 0 and tokens is not None:
+            what = f"mixture source {s.name!r}: its store {str(getattr(st, 'path', ''))!r}"
+            raise MixtureError(
+                f"{no_sample_text(what, int(tokens), seq_len)}. "
+                + store_fix(int(tokens), 1 + max(held, 0), "seq_len")
+            )
         if not 0 <= held < total:
             raise MixtureError(
                 f"mixture source {s.name!r}: heldout_samples={held} must be in [0, {total}): its "
@@ -570,6 +584,63 @@ def resolve_mixture(
             )
         out.append(SpecSource(s.name, st.fingerprint, total - held, held, s.max_epochs))
     return MixtureSpec(tuple(out), config.schedule, str(ref.tokenizer_hash))
+
+
+_TOKENIZER_FIELDS = (
+    ("tokenizer_hash", "tokenizer (sha256)"),
+    ("vocab_size", "vocabulary size"),
+    ("eos_id", "EOS id"),
+    ("dtype", "token dtype"),
+)
+
+
+def _check_one_tokenizer(
+    names: Sequence[str], stores: Mapping[str, Any], tokenizer: tuple[str, str] | None
+) -> None:
+    """Refuse sources prepared with different tokenizers, naming the odd ones out: the
+    sources outside the group that has the job's tokenizer (``tokenizer``: its sha256
+    and the setting naming it) when one has it, else outside the largest group."""
+    groups: dict[tuple[Any, ...], list[str]] = {}
+    for name in names:
+        st = stores[name]
+        groups.setdefault(tuple(getattr(st, f) for f, _ in _TOKENIZER_FIELDS), []).append(name)
+    if len(groups) == 1:
+        return
+    ranked = sorted(groups.items(), key=lambda kv: -len(kv[1]))  # stable: source order
+    sha, origin = tokenizer or ("", "")
+    by_job = [kv for kv in ranked if sha and kv[0][0] == sha]
+    ref = by_job[0] if by_job else ranked[0] if len(ranked[0][1]) > len(ranked[1][1]) else None
+    if ref is None:  # no majority and no job tokenizer among them: the first two named
+        first, odd = ranked[0][1][0], next(n for n in names if n not in ranked[0][1])
+    else:
+        first, odd = ref[1][0], next(n for n in names if n not in ref[1])
+    a, b = stores[first], stores[odd]
+    field, label = next((f, lab) for f, lab in _TOKENIZER_FIELDS if getattr(a, f) != getattr(b, f))
+    message = (
+        f"mixture sources {first!r} and {odd!r} differ in {label}: {getattr(a, field)} vs "
+        f"{getattr(b, field)}. Every source must be prepared with the same tokenizer. "
+    )
+    if ref is not None:
+        odd_ones = [n for n in names if n not in ref[1]]
+        shared = ", ".join(repr(n) for n in ref[1])
+        listed = ", ".join(repr(n) for n in odd_ones)
+        why = (
+            f"{shared} {'has' if len(ref[1]) == 1 else 'have'} the tokenizer of {origin}"
+            if by_job
+            else f"{shared} share one: {len(ref[1])} of the {len(names)} sources"
+        )
+        message += (
+            f"The odd one{'s' if len(odd_ones) > 1 else ''} out: {listed} ({why}). Re-run "
+            f"`zephon prepare` for {listed} with the tokenizer of {first!r}."
+        )
+    else:
+        listing = "; ".join(", ".join(repr(n) for n in g) for _, g in ranked)
+        job = f", and none has the tokenizer of {origin} (sha256 {sha})" if sha else ""
+        message += (
+            f"No majority tells which is right (the groups: {listing}){job}: re-run `zephon "
+            "prepare` for the sources that do not have the model's tokenizer, with it."
+        )
+    raise MixtureError(message)
 
 
 def _weights_equal(a: Mapping[str, Fraction], b: Mapping[str, Fraction]) -> bool:
@@ -586,34 +657,47 @@ def _effective_entries(spec: MixtureSpec, step: int) -> list[tuple[int, WeightEn
 
 
 def past_change(old: MixtureSpec, new: MixtureSpec, step: int) -> str | None:
-    """None when steps 1..``step`` draw the same samples under ``old`` and ``new``.
+    """None when steps 1..``step`` draw the same samples under ``old`` and ``new``;
+    otherwise ``past_changes`` as one text, a sentence per change."""
+    changes = past_changes(old, new, step)
+    return " ".join(changes) if changes else None
 
-    Otherwise a sentence naming the first differing schedule entry or source
-    field. Only what the past depends on counts: the weights in effect at
-    steps <= ``step`` (a source absent from one side weighs 0 there; an entry
-    that repeats the previous weights changes nothing) and the content and size
-    of the sources they use. Source order does not count. The seed, seq_len and
-    batch schedule live in the data config and are compared by its owner.
+
+def past_changes(old: MixtureSpec, new: MixtureSpec, step: int) -> list[str]:
+    """What makes steps 1..``step`` draw other samples under ``new`` than under ``old``,
+    one sentence per change ([]: the same samples).
+
+    Every changed weight of every schedule entry in effect at those steps (up to the
+    first entry added, removed or moved, after which entries no longer pair up), then
+    every source they use whose content or size changed. Only what the past depends
+    on counts: the weights in effect at steps <= ``step`` (a source absent from one
+    side weighs 0 there; an entry that repeats the previous weights changes nothing)
+    and the content and size of the sources they use. Source order does not count.
+    The seed, seq_len and batch schedule live in the data config and are compared by
+    its owner.
     """
+    out: list[str] = []
     old_past, new_past = _effective_entries(old, step), _effective_entries(new, step)
     for k in range(max(len(old_past), len(new_past))):
         if k >= len(old_past) or k >= len(new_past):
             num, extra = (new_past if k >= len(old_past) else old_past)[k]
             side = "added" if k >= len(old_past) else "removed"
-            return (
+            out.append(
                 f"schedule entry {num} (from_step {extra.from_step}) was {side}; it starts at "
                 f"or before step {step}."
             )
+            break
         (num, a), (_, b) = old_past[k], new_past[k]
         if a.from_step != b.from_step:
-            return (
+            out.append(
                 f"schedule entry {num}: from_step was {a.from_step}, now {b.from_step} "
                 f"(at or before step {step})."
             )
+            break
         for name in sorted(set(a.weights) | set(b.weights)):
             wa, wb = a.weights.get(name, Fraction(0)), b.weights.get(name, Fraction(0))
             if wa != wb:
-                return (
+                out.append(
                     f"schedule entry {num} (from_step {a.from_step}): weight of source "
                     f"{name!r} was {fraction_text(wa)}, now {fraction_text(wb)} (normalized)."
                 )
@@ -623,15 +707,16 @@ def past_change(old: MixtureSpec, new: MixtureSpec, step: int) -> str | None:
     for name in used:
         a, b = olds[name], news.get(name)
         if b is None:
-            return f"source {name!r} was removed; steps up to {step} draw from it."
+            out.append(f"source {name!r} was removed; steps up to {step} draw from it.")
+            continue
         for field in ("store_fingerprint", "num_samples"):
             va, vb = getattr(a, field), getattr(b, field)
             if va != vb:
                 hint = ""
                 if field == "num_samples" and a.heldout_samples != b.heldout_samples:
                     hint = f" (heldout_samples {a.heldout_samples} -> {b.heldout_samples})"
-                return f"source {name!r}: {field} was {va}, now {vb}{hint}."
-    return None
+                out.append(f"source {name!r}: {field} was {va}, now {vb}{hint}.")
+    return out
 
 
 # ------------------------------------------------------------------ slot patterns

@@ -35,6 +35,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Mapping, Sequence
@@ -55,7 +56,13 @@ from torchtitan_zephon.data.mixture import (
     fraction_text,
     resolve_mixture,
 )
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan, check_batch_layout
+from torchtitan_zephon.data.plan import (
+    BatchSchedule,
+    DataPlan,
+    check_batch_layout,
+    no_sample_text,
+    store_fix,
+)
 from torchtitan_zephon.data.state import MIXTURE_FIELD, DataConfig, DataState
 from torchtitan_zephon.data.store import StoreError, StoreGroup, TokenStore
 
@@ -170,6 +177,12 @@ class StoreSource:
         num_samples: int | None = None,
     ) -> None:
         available = store.num_samples(seq_len)
+        if available == 0:
+            what = f"the store {str(store.path)!r}"
+            raise ValueError(
+                f"{no_sample_text(what, store.num_tokens, seq_len)}. "
+                + store_fix(store.num_tokens, sample_offset + (num_samples or 1), "seq_len")
+            )
         if num_samples is None:
             num_samples = available - sample_offset
         if sample_offset < 0 or num_samples < 1 or sample_offset + num_samples > available:
@@ -416,7 +429,9 @@ class MixtureSource:
         if kept is not None and kept[0] == _store_files(config, progress, raw):
             return kept[1]
         stores = config.open_stores(progress=progress, raw=raw)
-        spec = resolve_mixture(config, stores, seq_len, default_heldout=default_heldout)
+        spec = resolve_mixture(
+            config, stores, seq_len, default_heldout=default_heldout, tokenizer=_job_tokenizer(raw)
+        )
         source = cls(spec, stores, seq_len, path=path)
         _OPENED.pop(key, None)
         _OPENED[key] = (_store_files(config, progress, raw), source)
@@ -486,6 +501,20 @@ class MixtureSource:
 
 
 _OPENED: dict[str, tuple[tuple | None, MixtureSource]] = {}  # see MixtureSource.open
+
+
+def _job_tokenizer(raw: Any) -> tuple[str, str] | None:
+    """(sha256 of the job's tokenizer.json, the setting that names it) from a
+    ``cache.RawInputs``; None without one: what tells which of disagreeing sources has
+    the right tokenizer."""
+    path = Path(raw.tokenizer) / "tokenizer.json" if raw is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+    return sha, f"{raw.tokenizer_origin} ({raw.tokenizer})"
 
 
 def _store_files(config: MixtureConfig, progress: bool, raw: Any = None) -> tuple | None:

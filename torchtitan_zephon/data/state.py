@@ -29,6 +29,9 @@ Invariants:
   differs only for untrained steps is an exact continuation (``extended``); a
   mixture whose sources or trained steps' weights changed is the field
   ``mixture`` (its derived ``store_fingerprint`` / ``num_samples`` go with it).
+  A ``seq_len`` change is named once with what follows from it over the same
+  stores (the sample counts, a mixture's per-source counts) and accepted by the
+  one opt-in ``seq_len``; a refusal lists every change, never only the first.
   A mixture saved under an older rule (``zephon-mixture/1``) is refused only when
   the current rule corrects a trained step; when it corrects no step at all the
   run continues under the saved rule (``ResumeDecision.config``), so its steps'
@@ -37,10 +40,14 @@ Invariants:
 
 from __future__ import annotations
 
+import datetime
+import decimal
 import functools
 import json
+import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 from torchtitan_zephon.data.digest import fingerprint
@@ -79,6 +86,57 @@ CORE_FIELDS = (
 
 class DataStateMismatch(ValueError):
     """A saved data state does not match the current data config, or is corrupt."""
+
+
+def config_text(value: Any, limit: int = 200) -> str:
+    """A value of a config file or saved record as the user wrote it (TOML / JSON), for
+    messages: ``1.5``, ``3/4``, ``null``, ``true``, ``'text'``, ``[1, 2]``,
+    ``{ a = 1 }``; never Python's repr (``Decimal('1.5')``) or type names. Cut after
+    ``limit`` characters."""
+    text = _config_text(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _config_text(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):  # a TOML literal string where it can be one, as names are shown
+        plain = "'" not in value and value.isprintable()
+        return f"'{value}'" if plain else json.dumps(value, ensure_ascii=False)
+    if isinstance(value, Fraction):
+        return f"{value.numerator}/{value.denominator}"
+    if isinstance(value, decimal.Decimal) and not value.is_finite():  # TOML's spelling
+        return "nan" if value.is_nan() else "-inf" if value < 0 else "inf"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "-inf" if value < 0 else "inf"
+    if isinstance(value, (int, float, decimal.Decimal)):
+        return str(value)
+    if isinstance(value, Mapping):
+        inner = ", ".join(f"{k} = {_config_text(v)}" for k, v in value.items())
+        return f"{{ {inner} }}" if inner else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_config_text(v) for v in value) + "]"
+    if isinstance(value, (datetime.date, datetime.time)):  # TOML dates and times
+        return value.isoformat()
+    return str(value)
+
+
+def _int(d: Mapping[str, Any], name: str, what: str, default: Any = None) -> int:
+    """Field ``name`` of a saved record as an integer, or DataStateMismatch naming it."""
+    value = d.get(name, default)
+    if value is None:
+        raise DataStateMismatch(f"{what} has no field {name!r}; the checkpoint is corrupt.")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return int(value)
+    except (TypeError, ValueError):
+        raise DataStateMismatch(
+            f"{what} has an invalid field {name!r}: {config_text(value)}, expected an integer; "
+            "the checkpoint is corrupt."
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -142,23 +200,35 @@ class DataConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> DataConfig:
         """Parse a saved config; a format-1 config (no ``order_format``) means order 1."""
-        try:
-            return cls(
-                seq_len=int(d["seq_len"]),
-                seed=int(d["seed"]),
-                schedule=tuple((int(s), int(g)) for s, g in d["schedule"]),
-                sample_offset=int(d.get("sample_offset", 0)),
-                num_samples=int(d["num_samples"]),
-                store_fingerprint=str(d["store_fingerprint"]),
-                tokenizer_hash=str(d["tokenizer_hash"]),
-                order_format=int(d.get("order_format", 1)),
-                extra=tuple(sorted((k, v) for k, v in d.items() if k not in CORE_FIELDS)),
-            )
-        except (KeyError, TypeError, ValueError) as e:
+        what = "the saved data config"
+        if not isinstance(d, Mapping):
             raise DataStateMismatch(
-                f"the saved data config is missing or has an invalid field ({e!r}); "
-                "the checkpoint's data state is corrupt or was written by another tool."
+                f"{what} is {config_text(d)}, not a JSON object; the checkpoint's data state "
+                "is corrupt or was written by another tool."
+            )
+        raw = d.get("schedule")
+        try:
+            schedule = tuple((int(s), int(g)) for s, g in raw)
+        except (TypeError, ValueError):
+            raise DataStateMismatch(
+                f"{what} has an invalid field 'schedule': {config_text(raw)}, expected "
+                "[[step, global batch size], ...]; the checkpoint's data state is corrupt or "
+                "was written by another tool."
             ) from None
+        for name in ("store_fingerprint", "tokenizer_hash"):
+            if name not in d:
+                raise DataStateMismatch(f"{what} has no field {name!r}; the checkpoint is corrupt.")
+        return cls(
+            seq_len=_int(d, "seq_len", what),
+            seed=_int(d, "seed", what),
+            schedule=schedule,
+            sample_offset=_int(d, "sample_offset", what, 0),
+            num_samples=_int(d, "num_samples", what),
+            store_fingerprint=str(d["store_fingerprint"]),
+            tokenizer_hash=str(d["tokenizer_hash"]),
+            order_format=_int(d, "order_format", what, 1),
+            extra=tuple(sorted((k, v) for k, v in d.items() if k not in CORE_FIELDS)),
+        )
 
     @functools.cached_property
     def fingerprint(self) -> str:
@@ -253,11 +323,16 @@ class DataState:
     @classmethod
     def from_dict(cls, d: Any) -> DataState:
         """Parse a saved record (format 1 or 2); DataStateMismatch names what is wrong."""
-        found = d.get("format") if isinstance(d, Mapping) else type(d).__name__
-        if found not in (1, STATE_FORMAT):
+        if not isinstance(d, Mapping):
             raise DataStateMismatch(
-                f"unsupported data state format {found!r}; expected {STATE_FORMAT} (or 1). "
-                "The checkpoint was written by an incompatible version of zephon."
+                f"the data state is {config_text(d)}, not a JSON object; the checkpoint's data "
+                "state is corrupt or was written by another tool."
+            )
+        found = d.get("format")
+        if isinstance(found, bool) or found not in (1, STATE_FORMAT):
+            raise DataStateMismatch(
+                f"unsupported data state format {config_text(found)}; expected {STATE_FORMAT} "
+                "(or 1). The checkpoint was written by an incompatible version of zephon."
             )
         raw = d.get("data_config")
         if not isinstance(raw, Mapping):
@@ -272,23 +347,32 @@ class DataState:
             raise DataStateMismatch(
                 "data state is corrupt: its store_fingerprint disagrees with its data_config."
             )
+        what = "the data state"
         tracker = d.get("tracker")
-        try:
-            anchor = d.get("position_anchor", [1, 0])
-            state = cls(
-                config,
-                int(d["next_step"]),
-                int(d["consumed_positions"]),
-                (int(anchor[0]), int(anchor[1])),
-                None
-                if tracker is None
-                else {"step": int(tracker["step"]), "chain": str(tracker["chain"])},
-            )
-        except (KeyError, TypeError, ValueError, IndexError) as e:
+        anchor = d.get("position_anchor", [1, 0])
+        if not isinstance(anchor, list) or len(anchor) != 2:
             raise DataStateMismatch(
-                f"data state is missing or has an invalid field ({e!r}); the checkpoint is corrupt."
-            ) from None
-        return state
+                f"{what} has an invalid field 'position_anchor': {config_text(anchor)}, "
+                "expected [step, position]; the checkpoint is corrupt."
+            )
+        if tracker is not None and not (isinstance(tracker, Mapping) and "chain" in tracker):
+            raise DataStateMismatch(
+                f"{what} has an invalid field 'tracker': {config_text(tracker)}, expected "
+                '{ step = N, chain = "..." }; the checkpoint is corrupt.'
+            )
+        anchors = {"step": anchor[0], "position": anchor[1]}
+        at = "the data state's position_anchor"
+        head = None
+        if tracker is not None:
+            step = _int(tracker, "step", "the data state's tracker")
+            head = {"step": step, "chain": str(tracker["chain"])}
+        return cls(
+            config,
+            _int(d, "next_step", what),
+            _int(d, "consumed_positions", what),
+            (_int(anchors, "step", at), _int(anchors, "position", at)),
+            head,
+        )
 
     @classmethod
     def from_json(cls, text: str) -> DataState:
@@ -357,11 +441,18 @@ def check_resume(
     with the same sources, are continuations (no opt-in). Any other differing
     field must be allowed; otherwise
     DataStateMismatch names every refused field (saved -> current) with the
-    opt-in that would accept it. An internally inconsistent state is refused too.
+    opt-in that would accept it. The sample counts that change because seq_len
+    does (over unchanged stores) are named on the seq_len line and accepted with
+    it. An internally inconsistent state is refused too.
     """
     allowed = allowed_fields(allow_changes, current)
     old, new = saved.config.to_dict(), current.to_dict()
     differing = saved.config.differing(current)
+    follows, counts = _seq_len_follows(saved.config, current, differing)
+    if allowed is not True and "seq_len" in allowed:
+        allowed |= follows  # one opt-in for a seq_len change and what it implies
+    # a mixture is compared as if its sources already had the new seq_len's counts
+    base = _with_counts_of(saved.config, current) if counts else saved.config
     extended: list[str] = []
     if "schedule" in differing and schedule_appended(
         saved.config.batch_schedule(), current.batch_schedule(), saved.next_step
@@ -371,11 +462,11 @@ def check_resume(
     mixture_change = None
     notes: list[str] = []
     keep: DataConfig | None = None
-    if MIXTURE_FIELD in differing:
-        mixture_change = _mixture_change(saved.config, current, saved.next_step)
+    if MIXTURE_FIELD in differing and MIXTURE_FIELD not in follows:
+        mixture_change = _mixture_change(base, current, saved.next_step)
         if mixture_change is None:
             differing.remove(MIXTURE_FIELD)
-            a, b = dict(saved.config.mixture or {}), dict(current.mixture or {})
+            a, b = dict(base.mixture or {}), dict(current.mixture or {})
             rule_a, rule_b = a.pop("format", None), b.pop("format", None)
             if a != b:
                 extended.append(MIXTURE_FIELD)
@@ -402,13 +493,20 @@ def check_resume(
             if allowed is not True and MIXTURE_FIELD in allowed:
                 allowed |= {"store_fingerprint", "num_samples"}
     refused = [k for k in differing if not (allowed is True or k in allowed)]
+    if "seq_len" in refused:  # named once, with what it implies, under one opt-in
+        refused = [k for k in refused if k not in follows]
     if refused:
-        lines = [
-            f"  {k}: {mixture_change}"
-            if k == MIXTURE_FIELD
-            else f"  {k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}"
-            for k in refused
-        ]
+        lines = []
+        for k in refused:
+            if k == MIXTURE_FIELD:
+                lines.append(f"  {k}: " + str(mixture_change).replace("\n", "\n    "))
+                continue
+            was, now = (config_text(d[k], 10**6) if k in d else "(absent)" for d in (old, new))
+            line = f"  {k}: {was} -> {now}"
+            if k == "seq_len" and counts:
+                stores = "stores" if base.mixture else "store"
+                line += f" (every sample is another window of the same {stores}, so {counts})"
+            lines.append(line)
         hint = _schedule_hint(saved, current) if "schedule" in refused else ""
         raise DataStateMismatch(
             "the data config differs from the one saved in the checkpoint; resuming would "
@@ -444,7 +542,7 @@ def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> s
     """None when ``current``'s mixture draws the same samples as ``saved``'s for steps
     before ``next_step`` and has the same sources (only entries governing untrained
     steps differ); otherwise what changed, in a sentence."""
-    from torchtitan_zephon.data.mixture import MixtureError, MixtureSpec, past_change
+    from torchtitan_zephon.data.mixture import MixtureError, MixtureSpec, past_changes
 
     a, b = saved.mixture, current.mixture
     if a is None or b is None:
@@ -457,9 +555,9 @@ def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> s
         old_spec, new_spec = MixtureSpec.from_json(a), MixtureSpec.from_json(b)
     except MixtureError as e:
         return f"the saved mixture cannot be read ({e})"
-    past = past_change(old_spec, new_spec, next_step - 1)
-    if past is not None:
-        return past
+    past = past_changes(old_spec, new_spec, next_step - 1)
+    if past:
+        return "\n".join(past)
     if a.get("format") != b.get("format"):
         step = _first_correction(saved)
         if step is not None and step < next_step:
@@ -470,19 +568,80 @@ def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> s
             )
     olds = {s["name"]: s for s in a["sources"]}
     news = {s["name"]: s for s in b["sources"]}
+    changes = []
     for name in sorted(set(olds) | set(news)):
         if name not in news or name not in olds:
             verb = "removed" if name not in news else "added"
-            return (
+            changes.append(
                 f"source {name!r} was {verb} (the steps trained so far do not draw from it, "
                 "but every step's log record binds the list of sources)."
             )
-        if olds[name] != news[name]:
-            field = sorted(k for k in olds[name] if olds[name].get(k) != news[name].get(k))[0]
-            return f"source {name!r}: {field} was {olds[name][field]}, now {news[name][field]}."
+            continue
+        for key in sorted(set(olds[name]) | set(news[name])):
+            va, vb = olds[name].get(key), news[name].get(key)
+            if va != vb:
+                changes.append(
+                    f"source {name!r}: {key} was {config_text(va)}, now {config_text(vb)}."
+                )
     if a.get("tokenizer_hash") != b.get("tokenizer_hash"):
-        return "the sources' tokenizer changed."
-    return None
+        changes.append("the sources' tokenizer changed.")
+    return "\n".join(changes) or None
+
+
+def _seq_len_follows(
+    saved: DataConfig, current: DataConfig, differing: list[str]
+) -> tuple[set[str], str]:
+    """The fields that differ because ``seq_len`` does (every sample is another window
+    of the same stores, so their sample counts change), and those counts in words;
+    (set(), "") when seq_len is unchanged or nothing follows from it."""
+    if "seq_len" not in differing:
+        return set(), ""
+    a, b = saved.mixture, current.mixture
+    if a is None and b is None:
+        if "num_samples" in differing and "store_fingerprint" not in differing:
+            return {"num_samples"}, f"num_samples {saved.num_samples} -> {current.num_samples}"
+        return set(), ""
+    if a is None or b is None:
+        return set(), ""
+    try:
+        olds = {s["name"]: s for s in a["sources"]}
+        news = {s["name"]: s for s in b["sources"]}
+        same_store = [
+            n
+            for n in sorted(olds)
+            if n in news and olds[n].get("store_fingerprint") == news[n].get("store_fingerprint")
+        ]
+        changed = [n for n in same_store if olds[n]["num_samples"] != news[n]["num_samples"]]
+        if not changed:
+            return set(), ""
+
+        def without_counts(m: Mapping[str, Any]) -> dict[str, Any]:
+            rows = [{k: v for k, v in s.items() if k != "num_samples"} for s in m["sources"]]
+            return {**m, "sources": rows}
+
+        same_otherwise = without_counts(a) == without_counts(b)
+    except (KeyError, TypeError, AttributeError):  # a malformed saved mixture: named later
+        return set(), ""
+    words = ", ".join(
+        f"{n!r} {olds[n]['num_samples']} -> {news[n]['num_samples']}" for n in changed
+    )
+    follows = {"num_samples", MIXTURE_FIELD} if same_otherwise else {"num_samples"}
+    return follows, f"the sources' training samples: {words}"
+
+
+def _with_counts_of(saved: DataConfig, current: DataConfig) -> DataConfig:
+    """``saved`` with its mixture sources' sample counts taken from ``current`` (by
+    name): what remains of a mixture change once a seq_len change is accounted for."""
+    if saved.mixture is None or current.mixture is None:
+        return saved
+    counts = {s["name"]: s["num_samples"] for s in current.mixture["sources"]}
+    rows = [
+        {**s, "num_samples": counts.get(s["name"], s["num_samples"])}
+        for s in saved.mixture["sources"]
+    ]
+    return DataConfig.from_dict(
+        {**saved.to_dict(), MIXTURE_FIELD: {**saved.mixture, "sources": rows}}
+    )
 
 
 def _first_correction(config: DataConfig) -> int | None:

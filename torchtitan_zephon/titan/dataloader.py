@@ -22,7 +22,13 @@ from torchtitan.tools.logging import logger
 from torchtitan_zephon.data.cache import RawInputs, store_location
 from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.mixture import MixtureConfig, deviation_warning
-from torchtitan_zephon.data.plan import BatchSchedule
+from torchtitan_zephon.data.plan import (
+    MIN_STORE_SAMPLES,
+    BatchSchedule,
+    check_store_size,
+    no_sample_text,
+    store_fix,
+)
 from torchtitan_zephon.data.source import MixtureSource, MixtureStream, Source, StoreSource
 from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
 from torchtitan_zephon.data.store import TokenStore
@@ -102,13 +108,15 @@ def resolve_source(job_config: Any, tokenizer: Any = None) -> Source:
         what = f"the mixture {mixture} (sources {', '.join(source.names)})"
     else:
         store = resolve_store(job_config)
-        total = store.num_samples(seq_len)
-        if zc.heldout_samples < 0 or zc.heldout_samples >= total:
-            raise ValueError(
-                f"zephon.heldout_samples={zc.heldout_samples} must be in [0, {total}): the store "
-                f"has {total} samples of seq_len {seq_len}"
-            )
-        source = StoreSource(store, seq_len, num_samples=total - zc.heldout_samples)
+        named = (  # as the user named it, and where it is when that differs
+            f"the builtin store ({store.path})"
+            if not zc.store
+            else f"the store {zc.store}"
+            if str(store.path) == zc.store
+            else f"the store {zc.store!r} ({store.path})"
+        )
+        schedule = batch_schedule(job_config)
+        source = store_source(store, seq_len, zc.heldout_samples, schedule, what=named)
         what = f"the store {store.path}"
     model_vocab = _model_vocab_size(job_config)
     if model_vocab is not None and source.vocab_size > model_vocab:
@@ -119,6 +127,32 @@ def resolve_source(job_config: Any, tokenizer: Any = None) -> Source:
             "store prepared with a smaller tokenizer"
         )
     check_tokenizer(source, tokenizer)
+    return source
+
+
+def store_source(
+    store: TokenStore, seq_len: int, heldout: int, schedule: BatchSchedule, *, what: str
+) -> StoreSource:
+    """The job's one store (``what`` names it), its last ``heldout`` samples held out:
+    refused when it holds fewer than ``MIN_STORE_SAMPLES`` training samples (or none of
+    seq_len), with a warning in ``source.warnings`` when they are fewer than a global
+    batch."""
+    total = store.num_samples(seq_len)
+    held = f"lower --zephon.heldout_samples (now {heldout})" if heldout > 0 else ""
+    need = MIN_STORE_SAMPLES + max(heldout, 0)
+    fix = store_fix(store.num_tokens, need, "--training.seq_len", first=held)
+    if total == 0:
+        raise ValueError(f"{no_sample_text(what, store.num_tokens, seq_len)}. {fix}")
+    if heldout < 0 or heldout >= total:
+        raise ValueError(
+            f"zephon.heldout_samples={heldout} must be in [0, {total}): {what} has {total} "
+            f"samples of seq_len {seq_len}. {fix}"
+        )
+    training = f"{what} (seq_len {seq_len}{f', {heldout} held out' if heldout else ''})"
+    warning = check_store_size(training, total - heldout, schedule, fix)
+    source = StoreSource(store, seq_len, num_samples=total - heldout)
+    if warning:
+        source.warnings.append(warning)
     return source
 
 
@@ -392,9 +426,12 @@ def build_zephon_dataloader(
         raise RuntimeError(
             f"the loader built data config {loader.config} but open_job_data made {config}"
         )
+    rank = int(os.environ.get("RANK", "0"))
     if isinstance(loader.plan, MixtureStream):
         _check_mixture(loader.plan, source, job_config)
-    rank = int(os.environ.get("RANK", "0"))
+    elif rank == 0:  # a store smaller than a global batch (mixtures: per source, above)
+        for warning in source.warnings:
+            logger.warning(f"Zephon: {warning}")
     tracker = SequenceTracker(
         log_path(job_config.job.dump_folder),
         config=loader.config,

@@ -14,7 +14,9 @@ refuse the start:
 * a run folder that holds a history (sequence log steps, checkpoints) the job
   would not resume from, unless ``zephon.start_over`` or an elastic restart of
   the same job,
-* the store against the model and tokenizer, and the global batch layout;
+* the store against the model and tokenizer (a tokenizer TorchTitan cannot load
+  from ``model.hf_assets_path`` is refused naming the path and the tokenizer the
+  store was prepared with), its size, and the global batch layout;
   where ``zephon.store`` (or a mixture source) names raw inputs they are prepared
   here, into the cache (``data.cache``), before TorchTitan initializes the process
   group: no collective waits on the tokenization, and a missing input or
@@ -31,6 +33,7 @@ Invariants:
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import os
 import re
@@ -295,12 +298,61 @@ def _check_job(job_config: Any) -> Any:
     # The data first: raw inputs are prepared (or refused: a missing tokenizer.json
     # said as such) before TorchTitan builds its tokenizer from the same folder.
     source, config = open_job_data(job_config)
-    tokenizer = spec.build_tokenizer_fn(job_config) if spec.build_tokenizer_fn else None
+    tokenizer = None
+    if spec.build_tokenizer_fn:
+        try:
+            tokenizer = spec.build_tokenizer_fn(job_config)
+        except Exception as e:  # TorchTitan's FileNotFoundError, or the tokenizers
+            # library's bare Exception for a file it cannot parse: said as a refusal
+            path = job_config.model.hf_assets_path
+            raise StartRefused(tokenizer_refusal(path, source, e)) from None
     check_tokenizer(source, tokenizer)
     dp = _dp_degree(job_config)
     if dp is not None:
         config.batch_schedule().check_layout(dp, job_config.training.local_batch_size)
     return config
+
+
+def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
+    """Why TorchTitan could not load the tokenizer at model.hf_assets_path ``path``, with
+    the tokenizer the data was prepared with (the sha256 of its tokenizer.json, as the
+    store records it) and where the builtin tokenizer is (and whether it is that one)."""
+    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+
+    if not os.path.exists(path):
+        found = "does not exist"
+    elif not os.path.isdir(path):
+        found = "is a file, not a folder"
+    else:
+        found = f"holds no tokenizer TorchTitan can load ({error})"
+    what = (
+        f"the mixture {source.path} (sources {', '.join(source.names)})"
+        if hasattr(source, "names")
+        else f"the store {source.path}"
+    )
+    builtin = TOKENIZER_DIR / "tokenizer.json"
+    builtin_sha = hashlib.sha256(builtin.read_bytes()).hexdigest() if builtin.is_file() else ""
+    recorded = source.tokenizer_hash
+    if not recorded:
+        known = f"{what} does not record its tokenizer's sha256"
+    else:
+        known = f"{what} was prepared with tokenizer sha256 {recorded}"
+    if recorded and recorded == builtin_sha:
+        todo = (
+            f", the builtin tokenizer in {TOKENIZER_DIR}: set --model.hf_assets_path "
+            f"{TOKENIZER_DIR}"
+        )
+    else:
+        todo = (
+            f"; the builtin tokenizer in {TOKENIZER_DIR} is another one (sha256 "
+            f"{builtin_sha}). Point --model.hf_assets_path at the folder holding the "
+            "tokenizer.json the data was prepared with"
+        )
+    return (
+        f"model.hf_assets_path = {path!r} {found}; TorchTitan builds the job's tokenizer from "
+        f"that folder (its tokenizer.json). {known[0].upper()}{known[1:]}{todo} (TOML: "
+        "[model] hf_assets_path). Nothing was changed on disk."
+    )
 
 
 def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> StartPlan:
