@@ -203,3 +203,55 @@ def test_resume_reads_only_the_index_when_it_can(tmp_path, monkeypatch):
     assert tracker(path).check_resume(head) is None
     monkeypatch.setattr(writer.SequenceTracker, "_check_resume_by_reading", no_full_read)
     assert tracker(path).check_resume(head) is None
+
+
+def _reordered(tmp_path, order: list[int], *, resume_at: int | None = None):
+    """A log of steps 1..10 whose record lines come in ``order`` (line 1: the start
+    event; with ``resume_at``, a resume event after the records)."""
+    path = tmp_path / "log.jsonl"
+    t = tracker(path)
+    t.start(TOPO)
+    heads = {}
+    for s in range(1, 11):
+        t.record(s, (s - 1) * 4, ids(s))
+        heads[s] = t.head()
+    lines = path.read_text().splitlines()
+    body = [lines[0]] + [lines[s] for s in order]
+    path.write_text("\n".join(body) + "\n")
+    if resume_at is not None:
+        tracker(path).resume(heads[resume_at], TOPO)
+    return read_log(path).problems
+
+
+def test_a_record_moved_later_is_out_of_order_and_what_never_came_is_missing(tmp_path):
+    problems = _reordered(tmp_path, [1, 2, 3, 4, 7, 8, 9, 10, 5])  # 5 moved, 6 deleted
+    assert problems[0].step == 5 and problems[0].kind == "order"
+    assert problems[0].message == (
+        "line 6: out of order (step 5 after step 10): the record of step 5 belongs before "
+        "this line's record of step 7 but is at line 10; step 6 is missing (deleted?)"
+    )
+    assert "line 10: out of order (step 5 after step 10)" in [p.message for p in problems]
+
+
+def test_a_repeated_record_is_called_repeated(tmp_path):
+    problems = _reordered(tmp_path, [1, 2, 3, 4, 5, 3, 4, 5, 6, 7, 8, 9, 10])
+    assert problems[0].step == 3
+    assert problems[0].message == (
+        "line 7: record of step 3 follows step 5: step 3 is repeated (its record came "
+        "earlier in the log)"
+    )
+
+
+def test_a_resume_forgets_the_gaps_of_the_steps_it_supersedes(tmp_path):
+    """Step 7 lost by the first job, then a job resumed from step 5: the first problem is
+    the gap; the resumed job's records of steps 6.. are in order, not out of order."""
+    path = tmp_path / "log.jsonl"
+    _reordered(tmp_path, [1, 2, 3, 4, 5, 6, 8, 9, 10], resume_at=5)
+    t = tracker(path)
+    t.step, t.chain = 5, read_log(path).records[5]["chain"]
+    for s in range(6, 9):
+        t.record(s, (s - 1) * 4, ids(s))
+    problems = read_log(path).problems
+    assert [p.message for p in problems if p.kind == "order"] == [
+        "line 8: step 7 is missing before the record of step 8 (deleted?)"
+    ]

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from torchtitan_zephon import runs
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.state import DataConfig
@@ -378,3 +379,159 @@ def test_an_event_chain_that_is_not_text_is_a_broken_log_not_a_traceback(tmp_pat
     _edit(run, lambda ls: [_set(ls[0], chain=chain)] + ls[1:])  # the start event too
     rc, out, _ = verify(capsys, run, write_log(tmp_path / "good", 8))
     assert rc == 1 and "BROKEN LOG" in out and "MATCH" not in out
+
+
+# ---------------------------------------------------------------- the log against its checkpoints
+
+
+def _copy(run: Path, dst: Path, *, until: int | None = None) -> Path:
+    """A copy of a real run to edit (``until``: later checkpoints removed)."""
+    import shutil
+
+    from tests.titan.launch import copy_run_until
+
+    return copy_run_until(run, dst, until) if until is not None else shutil.copytree(run, dst)
+
+
+def _cut_last_line(run: Path, how: str) -> None:
+    text = log_path(run).read_text()
+    last = text.splitlines()[-1]
+    log_path(run).write_text(
+        text[: -len(last) // 2 - 1] if how == "half" else text[: -len(last) - 1]
+    )
+
+
+@pytest.mark.parametrize("how", ["half", "delete"])
+def test_a_log_that_lost_the_record_its_latest_checkpoint_vouches_for_is_broken(
+    real_runs, tmp_path, capsys, how
+):
+    run = _copy(real_runs.ref, tmp_path / "cut")
+    _cut_last_line(run, how)  # step 8, where the latest checkpoint is
+    ckpt = run / "checkpoint" / "step-8"
+    rc, out, _ = verify(capsys, run)
+    assert rc == 1, out
+    assert f"verdict: BROKEN at step 8: checkpoint {ckpt} saved the chain head of step 8" in out
+    assert "it has no record of step 8" in out and "INTACT" not in out
+    assert "the log holds the chain heads of step-4" in out
+    # the trainer's own resume check says the same of this folder
+    head = runs.read_data_state(ckpt).tracker
+    tracker = SequenceTracker(log_path(run), config=data_config(), writer=True)
+    assert tracker.check_resume(head, repair_index=False) == "it has no record of step 8"
+    rc, out, _ = verify(capsys, run, "--json")
+    report = json.loads(out)
+    assert rc == 1 and not report["intact"] and report["problems"] == 1
+    assert report["first_problem"]["kind"] == "checkpoint"
+    assert report["first_problem"]["step"] == 8 and str(ckpt) in report["first_problem"]["message"]
+    assert [(c["step"], c["result"]) for c in report["checkpoints"]] == [
+        (4, "held"),
+        (8, "missing"),
+    ]
+    # against the reference: no longer MATCH over the 7 common steps
+    rc, out, _ = verify(capsys, real_runs.ref, run)
+    assert rc == 1 and "BROKEN LOG: the sequence log of B does not verify" in out
+    assert "MATCH" not in out and "A has 1 step beyond B, B has 0 beyond A" in out
+    rc, report = verify_json(capsys, real_runs.ref, run)
+    assert report["verdict"] == "corrupt" and report["matches"] == 7
+    assert report["integrity_a"]["intact"] and not report["integrity_b"]["intact"]
+    assert report["only_in_a"] == [[8, 8]] and report["steps_only_in_a"] == 1
+    assert report["only_in_b"] == [] and report["steps_only_in_b"] == 0
+
+
+@pytest.mark.parametrize("latest", ["removed", "incomplete"])
+def test_a_torn_line_beyond_the_latest_complete_checkpoint_stays_a_note(
+    real_runs, tmp_path, capsys, latest
+):
+    """A job that died writing step 8's record, before checkpoint 8 (or while DCP wrote
+    it): the log holds every step a complete checkpoint vouches for."""
+    run = _copy(real_runs.ref, tmp_path / "torn", until=4 if latest == "removed" else None)
+    if latest == "incomplete":
+        (run / "checkpoint" / "step-8" / ".metadata").unlink()
+    _cut_last_line(run, "half")
+    rc, out, _ = verify(capsys, run)
+    assert rc == 0, out
+    assert "last line truncated (a job died mid-write); ignored" in out
+    assert "the log holds the chain heads of step-4" in out
+    assert "verdict: INTACT: 7 effective records" in out
+    if latest == "incomplete":
+        assert f"note: checkpoint {run / 'checkpoint' / 'step-8'} is incomplete" in out
+
+
+def test_a_foreign_log_in_a_run_folder_is_broken_naming_the_checkpoint(real_runs, tmp_path, capsys):
+    """An intact log of another run with as many steps: the checkpoints' heads differ."""
+    run = _copy(real_runs.ref, tmp_path / "foreign")
+    foreign = write_log(tmp_path / "other", 8)
+    log_path(run).write_bytes(log_path(foreign).read_bytes())
+    for sidecar in log_path(run).parent.glob("*.jsonl.*"):
+        sidecar.unlink()
+    rc, out, _ = verify(capsys, run)
+    assert rc == 1
+    assert f"verdict: BROKEN at step 4: checkpoint {run / 'checkpoint' / 'step-4'}" in out
+    assert "its record of step 4 has chain" in out and "belongs to another run" in out
+    rc, out, _ = verify(capsys, run, "--json")
+    report = json.loads(out)
+    assert report["problems"] == 2
+    assert [c["result"] for c in report["checkpoints"]] == ["differs", "differs"]
+
+
+def test_checkpoints_of_a_superseded_history_are_a_note(real_runs, tmp_path, capsys):
+    """A start over in the folder with checkpointing off: the old checkpoints stay, the
+    log's new start event supersedes the steps they vouch for. The log is intact."""
+    run = _copy(real_runs.ref, tmp_path / "over")
+    tracker = SequenceTracker(log_path(run), config=data_config(), writer=True)
+    tracker.start(TOPO_1)
+    for s in (1, 2):
+        tracker.record(s, (s - 1) * 8, step_ids(s))
+    rc, out, _ = verify(capsys, run)
+    assert rc == 0, out
+    assert "verdict: INTACT: 2 effective records" in out
+    for step in (4, 8):
+        assert (
+            f"checkpoint {run / 'checkpoint' / f'step-{step}'} saved step {step} of a superseded history"
+            in out
+        )
+
+
+def test_two_logs_say_how_many_steps_each_has_beyond_the_other(tmp_path, capsys):
+    a = write_log(tmp_path / "a", 8)
+    b = write_log(tmp_path / "b", 10, first_step=3)  # from a checkpoint copied at step 2
+    rc, out, _ = verify(capsys, a, b)
+    assert rc == 0, out
+    assert "A has 2 steps beyond B, B has 2 beyond A" in out.splitlines()[-1]
+    assert "only in A (missing from the other): steps 1..2" in out
+    assert "only in B (missing from the other): steps 9..10" in out
+    rc, report = verify_json(capsys, a, b)
+    assert report["verdict"] == "match" and report["steps_compared"] == 6
+    assert report["only_in_a"] == [[1, 2]] and report["only_in_b"] == [[9, 10]]
+    assert report["steps_only_in_a"] == 2 and report["steps_only_in_b"] == 2
+    rc, out, _ = verify(capsys, write_log(tmp_path / "c", 9), a)
+    assert rc == 0 and out.splitlines()[-1].endswith("A has 1 step beyond B, B has 0 beyond A")
+
+
+@pytest.mark.parametrize(
+    "edit, expected",
+    [
+        (lambda ls: ls[:5] + [ls[6], ls[5]] + ls[7:], "out of order (step 5 after step 6)"),
+        (lambda ls: ls[:5] + ls[6:] + [ls[5]], "out of order (step 5 after step 10)"),
+    ],
+    ids=["swapped", "moved to the end"],
+)
+def test_reordered_lines_are_out_of_order_not_missing(tmp_path, capsys, edit, expected):
+    run = write_log(tmp_path / "r", 10)
+    _edit(run, edit)  # line i holds step i
+    rc, out, _ = verify(capsys, run)
+    assert rc == 1 and f"verdict: BROKEN at step 5: line 6: {expected}" in out, out
+    assert "missing" not in out.splitlines()[-1]
+    rc, report = verify_json(capsys, write_log(tmp_path / "good", 10), run)
+    assert report["verdict"] == "corrupt"
+    assert expected in report["integrity_b"]["first_problem"]["message"]
+
+
+def test_a_deleted_record_is_still_missing(tmp_path, capsys):
+    run = write_log(tmp_path / "r", 10)
+    _edit(run, lambda ls: ls[:5] + ls[6:])
+    rc, out, _ = verify(capsys, run)
+    assert rc == 1
+    assert (
+        "verdict: BROKEN at step 5: line 6: step 5 is missing before the record of step 6 (deleted?)"
+        in out
+    )

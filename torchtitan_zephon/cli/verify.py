@@ -1,7 +1,13 @@
 """``zephon verify RUN [RUN_B]``: is a sequence log intact, and did two runs see the same data?
 
 With one run: recomputes the hash chain of every record, checks step order and
-the links of start / resume events, and names the first bad step.
+the links of start / resume events, and names the first bad step (a deleted,
+repeated or out-of-order record says which). In a run folder the log is also
+checked against its complete checkpoints: each one's saved chain head must be
+the log's record of that step, as a resume requires, so a log that lost records
+a checkpoint vouches for (a cut or deleted last line) is broken, naming the
+checkpoint and step. A torn last line beyond the latest complete checkpoint is
+only noted (a crash mid-write).
 
 With two runs: checks both logs the same way, resolves their start / resume
 events to the effective history (what a resumed job superseded no longer
@@ -9,9 +15,11 @@ counts), and compares ``ids_digest`` (and ``tokens_digest`` where both logs have
 it) at every step the two histories have in common. Each step's ``ids_digest``
 binds the data config that governed it (store content, tokenizer, seq_len,
 held-out split, seed, order format) and the step's positions, so runs that
-differ in any of these never match even where their sample ids coincide.
+differ in any of these never match even where their sample ids coincide. Steps
+one history has and the other lacks are listed and counted.
 
-Invariant: exit 0 exactly when the logs are intact and (with two runs) there is
+Invariant: exit 0 exactly when the logs are intact (their chains, and the heads
+their runs' complete checkpoints saved) and (with two runs) there is
 at least one common step, every common step matches and every compared record
 is bound to its data config; 1 otherwise (a broken log, a mismatch, records of
 tracker format 1 ("unbound", written before records bound the config), or no
@@ -21,15 +29,20 @@ overlap); 2 when an input is missing or unreadable.
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from torchtitan_zephon import runs
 from torchtitan_zephon.runs import format_topology, log_reader, resumes, topology
-from torchtitan_zephon.tracker import LogReader
+from torchtitan_zephon.tracker import LOG_NAME, LogReader
 from torchtitan_zephon.tracker.blocks import RecordRun
-from torchtitan_zephon.tracker.reader import record_of_row
+from torchtitan_zephon.tracker.reader import BLOCK_BYTES, record_of_row
+from torchtitan_zephon.tracker.writer import head_problem
 
 DIGESTS = ("ids_digest", "tokens_digest")
 
@@ -69,8 +82,11 @@ class _Ranges:
     def __init__(self, cap: int = 1000) -> None:
         self.items: list[list[int]] = []
         self.cap = cap
+        self.steps = 0
+        """Every step added, kept in ``items`` or not."""
 
     def add(self, step: int) -> None:
+        self.steps += 1
         if self.items and step == self.items[-1][1] + 1:
             self.items[-1][1] = step
         elif len(self.items) < self.cap:
@@ -78,17 +94,13 @@ class _Ranges:
 
     def add_range(self, first: int, last: int) -> None:
         """``add`` of every step ``first..last`` in turn, at once."""
+        self.steps += last - first + 1
         if self.items and self.items[-1][1] + 1 == first:
             self.items[-1][1] = last
         elif len(self.items) < self.cap:
             self.items.append([first, last])
         elif self.items and first <= self.items[-1][1] + 1 <= last:
             self.items[-1][1] = last
-
-    def within(self, lo: int | None, hi: int | None) -> list[list[int]]:
-        if lo is None or hi is None:
-            return []
-        return [[max(a, lo), min(b, hi)] for a, b in self.items if b >= lo and a <= hi]
 
 
 def _fmt_ranges(ranges: list[list[int]]) -> str:
@@ -115,17 +127,194 @@ class _Span:
         return {"records": self.records, "first": self.first, "last": self.last}
 
 
-def integrity(log: LogReader, span: _Span) -> dict[str, Any]:
-    """The one-log report (after ``log.batches()`` was exhausted)."""
+# ---------------------------------------------------------------- checkpoints
+
+
+def run_folder(log_file: Path) -> Path | None:
+    """The run folder a log belongs to (``<run>/zephon/sequence_log.jsonl``), if any."""
+    if log_file.name == LOG_NAME and log_file.parent.name == "zephon":
+        return log_file.parent.parent
+    return None
+
+
+class CheckpointHeads:
+    """The chain heads a run's complete checkpoints saved, checked against its log.
+
+    A checkpoint's Zephon record (``runs.read_data_state``, as the trainer's resume
+    check reads it) holds the chain value of the last step it covers; the log must
+    hold that value as its effective record of that step (``writer.head_problem``,
+    the trainer's test and wording), or a job resuming from the checkpoint is
+    refused: the log lost or changed records the checkpoint vouches for. A head found
+    only in a superseded record (a checkpoint of a history a later start or resume
+    replaced) is a note. Incomplete and corrupt checkpoints are skipped, as a resume
+    skips them. Watching the log costs O(checkpoints) per batch of records."""
+
+    def __init__(self, log_file: Path) -> None:
+        self.checked: list[dict[str, Any]] = []
+        """One entry per checkpoint folder (the ``--json`` report's ``checkpoints``)."""
+        self.notes: list[str] = []
+        self._found: dict[int, str] = {}
+        run = run_folder(log_file)
+        for c in runs.checkpoints(run, _checkpoint_folder(run)) if run else []:
+            self._add(runs.verify_checkpoint(c))
+        self._steps = sorted({e["head"]["step"] for e in self.checked if e["head"]})
+        self._wanted = set(self._steps)
+
+    def _add(self, c: runs.CheckpointInfo) -> None:
+        entry: dict[str, Any] = {"step": c.step, "path": str(c.path), "status": c.status}
+        entry.update(head=None, result="skipped", message=None)
+        self.checked.append(entry)
+        if c.status != "complete":
+            why = "incomplete (no .metadata)" if not c.complete else f"corrupt ({c.problem})"
+            self.notes.append(f"checkpoint {c.path} is {why}: skipped, as a resume skips it")
+            return
+        if c.holds != "training":
+            what = "the model only" if c.holds == "model" else "no Zephon data state"
+            self.notes.append(f"checkpoint {c.path} holds {what}: not checked")
+            return
+        try:
+            state = runs.read_data_state(c.path)
+        except Exception as e:  # noqa: BLE001 - a DCP folder can be broken in many ways
+            self.notes.append(
+                f"checkpoint {c.path}: its data state is unreadable ({e}): not checked"
+            )
+            return
+        head, done = state.tracker, state.next_step - 1
+        if head is None or int(head["step"]) != done or done == 0:
+            entry["result"] = "no chain head"  # audit off, or step 0: nothing to hold
+            return
+        entry["head"] = {"step": done, "chain": str(head["chain"])}
+
+    def watch(
+        self, batches: Iterator[RecordRun | list[tuple]]
+    ) -> Iterator[RecordRun | list[tuple]]:
+        """``batches`` passed through, noting the chains of the steps the heads name."""
+        steps, wanted, found = self._steps, self._wanted, self._found
+        for batch in batches:
+            if not steps:
+                pass
+            elif isinstance(batch, RecordRun):
+                lo = bisect.bisect_left(steps, batch.first)
+                for s in steps[lo : bisect.bisect_right(steps, batch.last, lo)]:
+                    i = s - batch.first
+                    found[s] = batch.chains[32 * i : 32 * i + 32].hex()
+            else:
+                for row in batch:
+                    if int(row[0]) in wanted:
+                        found[int(row[0])] = str(row[6])
+            yield batch
+
+    def problems(self, log: LogReader) -> list[dict[str, Any]]:
+        """After the log's batches were watched to the end: a problem per checkpoint
+        whose head the log does not hold (each entry's ``result`` filled in)."""
+        pending = []
+        for e in self.checked:
+            if e["head"] is None:
+                continue
+            k, chain = e["head"]["step"], e["head"]["chain"]
+            problem = head_problem(k, chain, self._found.get(k))
+            if problem is None:
+                e["result"] = "held"
+            elif any(_continued_anyway(ev, k, chain) for ev in log.events):
+                e["result"] = "mismatch ignored"
+                self.notes.append(
+                    f"checkpoint {e['path']}: the log does not hold its chain head ({problem}); "
+                    f"a resume from step {k} continued with the mismatch ignored"
+                )
+            else:
+                pending.append((e, problem))
+        superseded = _records_of(log.path, [e["head"] for e, _ in pending]) if pending else {}
+        out = []
+        for e, problem in pending:
+            k, chain = e["head"]["step"], e["head"]["chain"]
+            line = superseded.get((k, chain))
+            if line is not None:
+                e["result"] = "superseded"
+                self.notes.append(
+                    f"checkpoint {e['path']} saved step {k} of a superseded history (its record "
+                    f"is line {line}, replaced by a later start or resume): a job resuming from "
+                    f"it is refused ({problem})"
+                )
+                continue
+            lost = k not in self._found
+            e["result"] = "missing" if lost else "differs"
+            e["message"] = (
+                f"checkpoint {e['path']} saved the chain head of step {k}, which the log does "
+                f"not hold: {problem}. "
+                + (
+                    "Records the checkpoint vouches for are gone (a cut or deleted line?)"
+                    if lost
+                    else "The log was edited or belongs to another run"
+                )
+                + "; a job resuming from that checkpoint is refused"
+            )
+            out.append({"line": None, "step": k, "kind": "checkpoint", "message": e["message"]})
+        return out
+
+
+def _checkpoint_folder(run: Path) -> str:
+    """``checkpoint.folder`` of the job config the run saved, else TorchTitan's default."""
+    saved = runs.saved_config(run)
+    section = saved[1].get("checkpoint") if saved else None
+    folder = section.get("folder") if isinstance(section, dict) else None
+    return folder if isinstance(folder, str) and folder else "checkpoint"
+
+
+def _continued_anyway(event: dict[str, Any], step: int, chain: str) -> bool:
+    """A resume from ``step`` that took ``chain`` from the checkpoint and knowingly
+    restarted the log's chain there (``zephon.ignore_log_mismatch``, audit off)."""
+    return (
+        event.get("event") == "resume"
+        and event.get("from_step") == step
+        and event.get("chain") == chain
+        and bool(event.get("log_mismatch_ignored") or event.get("chain_restart"))
+    )
+
+
+def _records_of(path: Path, heads: list[dict[str, Any]]) -> dict[tuple[int, str], int]:
+    """``(step, chain) -> line`` of any record (superseded or not) of those heads: one
+    pass over the log's bytes, made only for heads the effective history lacks."""
+    needles = {h["chain"].encode(): h["step"] for h in heads}
+    out: dict[tuple[int, str], int] = {}
+    with open(path, "rb") as f:
+        lineno = 1
+        while block := f.read(BLOCK_BYTES):
+            block += f.readline()
+            for needle, step in needles.items():
+                at = block.find(needle)
+                while at >= 0:
+                    start = block.rfind(b"\n", 0, at) + 1
+                    end = block.find(b"\n", at)
+                    end = len(block) if end < 0 else end
+                    try:
+                        entry = json.loads(block[start:end])
+                    except (ValueError, RecursionError):
+                        entry = None
+                    if (
+                        isinstance(entry, dict)
+                        and "event" not in entry
+                        and entry.get("step") == step
+                        and entry.get("chain") == needle.decode()
+                    ):
+                        out[(step, needle.decode())] = lineno + block.count(b"\n", 0, start)
+                    at = block.find(needle, end)
+            lineno += block.count(b"\n")
+    return out
+
+
+def integrity(log: LogReader, span: _Span, heads: CheckpointHeads | None = None) -> dict[str, Any]:
+    """The one-log report (after ``log.batches()`` was exhausted, watched by ``heads``)."""
     first = log.problems[0] if log.problems else None
+    unheld = heads.problems(log) if heads else []  # checkpoints whose heads the log lacks
     return {
         "path": str(log.path),
-        "intact": first is None,
-        "problems": log.problem_count,
-        "first_problem": None
+        "intact": first is None and not unheld,
+        "problems": log.problem_count + len(unheld),
+        "first_problem": (unheld[0] if unheld else None)
         if first is None
         else {"line": first.line, "step": first.step, "kind": first.kind, "message": first.message},
-        "notes": list(log.notes),
+        "notes": list(log.notes) + (heads.notes if heads else []),
+        "checkpoints": heads.checked if heads else [],
         "unbound_steps": [list(r) for r in log.unbound],
         "steps": span.as_dict(),
         "starts": [topology(e) for e in log.events if e.get("event") == "start"],
@@ -134,16 +323,16 @@ def integrity(log: LogReader, span: _Span) -> dict[str, Any]:
     }
 
 
-def check_log(log: LogReader) -> dict[str, Any]:
-    """Check one log alone, streaming."""
+def check_log(log: LogReader, heads: CheckpointHeads | None = None) -> dict[str, Any]:
+    """Check one log alone, streaming (and against its run's checkpoints: ``heads``)."""
     span = _Span()
-    for batch in log.batches():
+    for batch in heads.watch(log.batches()) if heads else log.batches():
         if isinstance(batch, RecordRun):
             span.add_range(batch.first, batch.last)
         else:
             for row in batch:
                 span.add(int(row[0]))
-    return integrity(log, span)
+    return integrity(log, span, heads)
 
 
 def config_difference(a: LogReader, b: LogReader, step: int) -> list[str]:
@@ -164,8 +353,8 @@ def config_difference(a: LogReader, b: LogReader, step: int) -> list[str]:
 class _Cursor:
     """The head of one log's stream of effective records, batch by batch."""
 
-    def __init__(self, log: LogReader) -> None:
-        self._batches = log.batches()
+    def __init__(self, log: LogReader, heads: CheckpointHeads | None = None) -> None:
+        self._batches = heads.watch(log.batches()) if heads else log.batches()
         self.batch: RecordRun | list[tuple] | None = None
         self.i = 0
         self._next_batch()
@@ -309,22 +498,29 @@ def _rows_differ(x: bytes, y: bytes, n: int) -> np.ndarray:
     return (a != b).any(axis=1)
 
 
-def compare_logs(a: LogReader, b: LogReader) -> dict[str, Any]:
+def compare_logs(
+    a: LogReader,
+    b: LogReader,
+    heads_a: CheckpointHeads | None = None,
+    heads_b: CheckpointHeads | None = None,
+) -> dict[str, Any]:
     """The verify report of two logs (the ``--json`` object), streamed: memory is
-    bounded by the number of events and gaps, never by the number of steps.
+    bounded by the number of events and gaps, never by the number of steps. Each
+    log is also checked against its run's checkpoints (``heads_a``, ``heads_b``).
 
     Records are taken in step order, as a merge of the two effective histories;
     where both heads are in runs of consecutive records the merge advances a run
     at a time and compares digests in bulk, with the same outcome as record by
     record (``_Comparison.one``)."""
     c = _Comparison()
-    ca, cb = _Cursor(a), _Cursor(b)
+    ca, cb = _Cursor(a, heads_a), _Cursor(b, heads_b)
     while not (ca.done and cb.done):
         if (ca.done or ca.run is not None) and (cb.done or cb.run is not None):
             c.runs(a, b, ca, cb)
         else:
             c.one(a, b, ca, cb)
-    ia_report, ib_report = integrity(a, c.spans["a"]), integrity(b, c.spans["b"])
+    ia_report = integrity(a, c.spans["a"], heads_a)
+    ib_report = integrity(b, c.spans["b"], heads_b)
     if not (ia_report["intact"] and ib_report["intact"]):
         verdict = "corrupt"
     elif not c.compared:
@@ -345,8 +541,10 @@ def compare_logs(a: LogReader, b: LogReader) -> dict[str, Any]:
         "matches": c.matches,
         "first_mismatch": c.first_mismatch,
         "unbound_steps": c.unbound.items,
-        "only_in_a": c.only["a"].within(c.lo, c.hi),
-        "only_in_b": c.only["b"].within(c.lo, c.hi),
+        "only_in_a": c.only["a"].items,
+        "only_in_b": c.only["b"].items,
+        "steps_only_in_a": c.only["a"].steps,
+        "steps_only_in_b": c.only["b"].steps,
         "integrity_a": ia_report,
         "integrity_b": ib_report,
         "resumes_a": ia_report["resumes"],
@@ -387,6 +585,9 @@ def _describe_log(label: str, r: dict[str, Any]) -> list[str]:
             f"   unbound: steps {_fmt_ranges(r['unbound_steps'])} were written by tracker "
             "format 1 (their digests do not bind the data config)"
         )
+    held = [f"step-{c['step']}" for c in r["checkpoints"] if c["result"] == "held"]
+    if held:
+        lines.append(f"   checkpoints: the log holds the chain heads of {', '.join(held)}")
     p = r["first_problem"]
     if p:
         lines.append(f"   BROKEN: {p['message']} ({r['problems']} problem(s) in all)")
@@ -420,23 +621,25 @@ def format_report(r: dict[str, Any]) -> str:
             lines += [f"     {d}" for d in mm["config_difference"]]
     v = r["verdict"]
     if v == "match":
-        lines.append(f"verdict: MATCH: both runs saw identical data at all {n} common steps")
+        verdict = f"verdict: MATCH: both runs saw identical data at all {n} common steps"
     elif v == "corrupt":
         bad = [s.upper() for s in ("a", "b") if not r[f"integrity_{s}"]["intact"]]
-        lines.append(
+        verdict = (
             f"verdict: BROKEN LOG: the sequence log of {' and '.join(bad)} does not verify; "
             "it proves nothing about the steps after the first problem"
         )
     elif v == "mismatch":
-        lines.append(f"verdict: MISMATCH: the runs saw different data from step {mm['step']}")
+        verdict = f"verdict: MISMATCH: the runs saw different data from step {mm['step']}"
     elif v == "unbound":
-        lines.append(
+        verdict = (
             f"verdict: UNBOUND: the digests agree at all {n} common steps, but steps "
             f"{_fmt_ranges(r['unbound_steps'])} were logged by an older zephon whose digests "
             "do not bind the data config (seq_len, held-out split, ...): not a proof"
         )
     else:
-        lines.append("verdict: NO OVERLAP: the runs have no step in common, nothing to compare")
+        verdict = "verdict: NO OVERLAP: the runs have no step in common, nothing to compare"
+    na, nb = r["steps_only_in_a"], r["steps_only_in_b"]
+    lines.append(f"{verdict}; A has {na} step{'s' * (na != 1)} beyond B, B has {nb} beyond A")
     return "\n".join(lines)
 
 
@@ -454,10 +657,11 @@ def format_single(r: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.run_b is None:
         a = log_reader(args.run_a)
-        report = check_log(a)
+        report = check_log(a, CheckpointHeads(a.path))
         print(json.dumps(report, indent=2) if args.json else format_single(report))
         return 0 if report["intact"] else 1
     a = log_reader(args.run_a, forked=True)
-    report = compare_logs(a, log_reader(args.run_b, forked=True))
+    b = log_reader(args.run_b, forked=True)  # the readers work while the checkpoints are read
+    report = compare_logs(a, b, CheckpointHeads(a.path), CheckpointHeads(b.path))
     print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["verdict"] == "match" else 1

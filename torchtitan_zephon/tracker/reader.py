@@ -10,9 +10,9 @@ sha256 per line, the rest column-wise) and comes out as a ``RecordRun``; any
 block it does not accept is read line by line, as with ``fast=False``.
 
 Invariants:
-- Memory is bounded by the number of events and the block size, never by the
-  number of steps: ``LogReader.batches()`` yields; only ``read_log`` materialises
-  a dict.
+- Memory is bounded by the number of events, the block size and MAX_GAPS, never
+  by the number of steps: ``LogReader.batches()`` yields; only ``read_log``
+  materialises a dict.
 - The block fast path changes nothing but speed: ``batches()`` gives the same
   rows, problems, notes and errors with ``fast=True`` and ``fast=False``
   (tests/test_tracker_blocks.py tampers with logs to try to break this).
@@ -20,12 +20,16 @@ Invariants:
   bytes, or from the parsed body for lines of older layouts); the first record
   whose chain, step order or resume link is wrong is reported with its line and
   step. A deleted, inserted, reordered or edited record never goes unnoticed.
+  A step-order problem says which it is: a step missing (its record never comes),
+  out of order (its record comes further on: ``_Order`` follows the skipped steps),
+  or repeated.
 - A truncated last line (a crash mid-write) is tolerated and reported; an
   unparsable line anywhere else is a TrackerError naming the line.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -66,6 +70,127 @@ class LogProblem:
     reordered step), ``event`` (a start or resume event that does not link up),
     ``orphan`` (a step record before any start event)."""
     message: str
+
+
+MAX_GAPS = 1000
+"""Skipped ranges followed in detail; past this the reader no longer tells a missing
+step from an out-of-order one (until the next start event)."""
+
+
+class _Gap:
+    """Steps a forward jump in the log skipped: reported missing (``problem``) until one
+    of them turns up further on; the problem then says the log is out of order."""
+
+    def __init__(self, line: int, step: int, problem: LogProblem | None) -> None:
+        self.line, self.step, self.problem = line, step, problem
+        """The line of the record that jumped ahead, its step, the problem said there."""
+        self.filled = False
+
+
+class _Order:
+    """Which steps of the current history the log has shown so far, in O(gaps) memory:
+    every step in ``floor + 1 .. high`` has had a record except the ``missing`` ranges
+    (sorted, disjoint, each with the gap that skipped it). Tells a deleted record from
+    one that comes later (out of order) or again (repeated). ``high`` None: not
+    followed (before a start event, or past MAX_GAPS)."""
+
+    def __init__(self) -> None:
+        self.high: int | None = None
+        self.floor = 0
+        self.missing: list[list] = []  # [first, last, _Gap]
+
+    def event(self, kind: Any, k: int) -> None:
+        """A start event (the history begins again) or a resume from step ``k``."""
+        if kind == "start":
+            self.high, self.floor, self.missing = k, k, []
+        elif self.high is None:
+            return
+        elif k <= self.high:
+            self.high = k
+            self.missing = [[a, min(b, k), g] for a, b, g in self.missing if a <= k]
+        else:  # a resume from a step the log never reached: the steps up to k unknown
+            self.high = self.floor = k
+
+    def knows(self, step: int) -> bool:
+        """Whether the log so far says if ``step`` had its record."""
+        return self.high is not None and self.floor < step <= self.high
+
+    def _overlapping(self, first: int, last: int) -> tuple[int, int]:
+        """The slice of ``missing`` whose ranges overlap ``first..last`` (O(log gaps))."""
+        lo = bisect.bisect_left(self.missing, first, key=lambda r: r[1])
+        hi = bisect.bisect_right(self.missing, last, lo, key=lambda r: r[0])
+        return lo, hi
+
+    def is_missing(self, step: int) -> bool:
+        lo, hi = self._overlapping(step, step)
+        return lo < hi
+
+    def unseen(self, first: int, last: int) -> list[int]:
+        """The first step of each stretch of ``first..last`` with no record so far
+        (the first two at most: enough to tell none, one and more)."""
+        if self.high is None or first <= self.floor:
+            return [first]
+        lo, hi = self._overlapping(first, last)
+        out = [max(a, first) for a, _, _ in self.missing[lo : min(hi, lo + 2)]]
+        if last > self.high:
+            out.append(max(first, self.high + 1))
+        return out
+
+    def skipped(self, first: int, last: int, gap: _Gap) -> None:
+        """A forward jump left ``first..last`` without records (what lies beyond
+        ``high`` is new)."""
+        if self.high is None:
+            return
+        first = max(first, self.high + 1)
+        if first <= last:
+            if len(self.missing) >= MAX_GAPS:
+                self.high = None  # too disordered to follow
+                return
+            self.missing.append([first, last, gap])
+
+    def saw(self, first: int, last: int, line: int, prev: int | None) -> None:
+        """Records of the consecutive steps ``first..last``, the first at ``line`` after
+        a record of step ``prev``. The first record a gap was missing turns the gap's
+        problem into an out-of-order one."""
+        if self.high is None:
+            return
+        if first <= self.high and self.missing:
+            lo, hi = self._overlapping(first, last)
+            out = []
+            for a, b, g in self.missing[lo:hi]:
+                if not g.filled:
+                    g.filled = True
+                    s = max(a, first)
+                    after = prev if s == first else s - 1
+                    if g.problem is not None:
+                        g.problem.message = (
+                            f"line {g.line}: out of order (step {s} after step {after}): the "
+                            f"record of step {s} belongs before this line's record of step "
+                            f"{g.step} but is at line {line + s - first}"
+                        )
+                if a < first:
+                    out.append([a, first - 1, g])
+                if b > last:
+                    out.append([last + 1, b, g])
+            self.missing[lo:hi] = out
+            if len(self.missing) > MAX_GAPS:  # split past the bound: too disordered to follow
+                self.high, self.missing = None, []
+                return
+        self.high = max(self.high, last)
+
+    def finish(self) -> None:
+        """At the end of the log: an out-of-order gap's steps that never came are named."""
+        left: dict[int, list[list]] = {}
+        for r in self.missing:
+            if r[2].filled and r[2].problem is not None:
+                left.setdefault(id(r[2]), []).append(r)
+        for ranges in left.values():
+            (a, b, g), n = ranges[0], sum(b - a + 1 for a, b, _ in ranges)
+            if len(ranges) == 1:
+                what = f"step {a} is" if a == b else f"steps {a}..{b} are"
+            else:
+                what = f"{n} of its steps, from step {a} on, are"
+            g.problem.message += f"; {what} missing (deleted?)"
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -229,10 +354,13 @@ class LogReader:
         return chosen
 
     # -- pass 2: records -------------------------------------------------
-    def _problem(self, line: int, step: int | None, kind: str, message: str) -> None:
+    def _problem(self, line: int, step: int | None, kind: str, message: str) -> LogProblem | None:
+        """Count a problem; keep it (and return it) while fewer than MAX_PROBLEMS are kept."""
         self.problem_count += 1
         if len(self.problems) < MAX_PROBLEMS:
             self.problems.append(LogProblem(line, step, kind, message))
+            return self.problems[-1]
+        return None
 
     def records(self) -> Iterator[dict[str, Any]]:
         """Check the whole log and yield its effective records in increasing step order.
@@ -289,12 +417,14 @@ class LogReader:
         self._prev_chain: str | None = None
         self._prev_step: int | None = None
         self._n_event = 0
+        self._order = _Order()
         for lineno0, offset0, piece, is_event in self._regions():
             if self.fast and not is_event and isinstance(self._prev_chain, str):
                 runs = check_block(piece, self._prev_step, self._prev_chain)
                 if runs is not None:
                     for run in runs:
-                        out = self._accept(run)
+                        out = self._accept(run, lineno0)
+                        lineno0 += len(run)
                         if out is not None:
                             yield out
                     continue
@@ -307,10 +437,12 @@ class LogReader:
                         rows.append(row)
             if rows:
                 yield rows
+        self._order.finish()
 
-    def _accept(self, run: RecordRun) -> RecordRun | None:
-        """Note a run the fast path checked; its effective part (no later event
-        supersedes it) or None."""
+    def _accept(self, run: RecordRun, lineno: int) -> RecordRun | None:
+        """Note a run the fast path checked (its first line is ``lineno``); its
+        effective part (no later event supersedes it) or None."""
+        self._order.saw(run.first, run.last, lineno, self._prev_step)
         self._prev_step, self._prev_chain = run.last, run.chains[-32:].hex()
         for s in self._wanted:
             if run.first <= s <= run.last:
@@ -338,6 +470,7 @@ class LogReader:
                 and hashlib.sha256(prev_chain.encode() + line[:-76] + b"}").hexdigest()
                 == g[6].decode()
             ):
+                self._order.saw(step, step, lineno, prev_step)
                 self._prev_step, self._prev_chain = step, g[6].decode()
                 if step in self._wanted:
                     linked[step] = self._prev_chain
@@ -362,19 +495,11 @@ class LogReader:
             self._problem(
                 lineno, step, "orphan", f"line {lineno}: step {step} before any start event"
             )
-        elif step > prev_step + 1:  # the first bad step is the first missing one
-            gap = prev_step + 1
-            what = f"step {gap} is" if gap == step - 1 else f"steps {gap}..{step - 1} are"
-            self._problem(
-                lineno, gap, "order",
-                f"line {lineno}: {what} missing before the record of step {step} (deleted?)",
-            )  # fmt: skip
+        elif step > prev_step + 1:
+            self._jump(lineno, prev_step, step)
         elif step <= prev_step:
-            self._problem(
-                lineno, step, "order",
-                f"line {lineno}: record of step {step} follows step {prev_step} "
-                "(repeated or out of order)",
-            )  # fmt: skip
+            self._back(lineno, prev_step, step)
+        self._order.saw(step, step, lineno, prev_step)
         if (
             prev_chain is not None
             and not (fast and fast[1])
@@ -397,10 +522,46 @@ class LogReader:
             return tuple(rec.get(k) for k in FIELDS)
         return None
 
+    def _jump(self, lineno: int, prev: int, step: int) -> None:
+        """The record of ``step`` follows that of ``prev < step - 1``: the steps between
+        are missing, unless all came earlier (the log is out of order)."""
+        unseen = self._order.unseen(prev + 1, step - 1)
+        if not unseen:
+            between = (
+                f"step {prev + 1}" if prev + 1 == step - 1 else f"steps {prev + 1}..{step - 1}"
+            )
+            self._problem(
+                lineno, step, "order",
+                f"line {lineno}: out of order (step {step} after step {prev}): {between} came "
+                "earlier in the log",
+            )  # fmt: skip
+            return
+        gap = unseen[0]  # the first bad step is the first missing one
+        what = f"step {gap} is" if gap == step - 1 else f"steps {gap}..{step - 1} are"
+        problem = self._problem(
+            lineno, gap, "order",
+            f"line {lineno}: {what} missing before the record of step {step} (deleted?)",
+        )  # fmt: skip
+        self._order.skipped(prev + 1, step - 1, _Gap(lineno, step, problem))
+
+    def _back(self, lineno: int, prev: int, step: int) -> None:
+        """The record of ``step`` follows that of ``prev >= step``."""
+        if not self._order.knows(step):
+            message = f"record of step {step} follows step {prev} (repeated or out of order)"
+        elif self._order.is_missing(step):
+            message = f"out of order (step {step} after step {prev})"
+        else:
+            message = (
+                f"record of step {step} follows step {prev}: step {step} is repeated (its "
+                "record came earlier in the log)"
+            )
+        self._problem(lineno, step, "order", f"line {lineno}: {message}")
+
     def _event(
         self, lineno: int, e: dict[str, Any], linked: dict[int, str]
     ) -> tuple[int, str | None]:
         k, chain = int(e.get("from_step", 0)), e.get("chain")  # from_step checked by the scan
+        self._order.event(e.get("event"), k)
         if chain is not None and not isinstance(chain, str):
             self._problem(
                 lineno, None, "event",

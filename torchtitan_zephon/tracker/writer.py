@@ -155,14 +155,7 @@ class SequenceTracker:
             return str(e)
         if repair:
             self._rebuild_index()
-        if rec is None:
-            return f"it has no record of step {step}"
-        if rec["chain"] != chain:
-            return (
-                f"its record of step {step} has chain {rec['chain'][:16]}..., "
-                f"the checkpoint has {chain[:16]}..."
-            )
-        return None
+        return head_problem(step, chain, None if rec is None else rec["chain"])
 
     def _rebuild_index(self) -> None:
         """Write the index and events files anew from the log's bytes."""
@@ -281,6 +274,20 @@ class SequenceTracker:
         if self.enabled:
             self._append(line, step=step)
         return rec
+
+
+def head_problem(step: int, chain: str, found: str | None) -> str | None:
+    """Why a log whose effective record of ``step`` has chain ``found`` (None: no record)
+    does not hold a checkpoint's chain head ``(step, chain)``; None when it does. The one
+    wording of the resume check and of ``zephon verify``'s check of checkpoints."""
+    if found is None:
+        return f"it has no record of step {step}"
+    if found != chain:
+        return (
+            f"its record of step {step} has chain {found[:16]}..., "
+            f"the checkpoint has {chain[:16]}..."
+        )
+    return None
 
 
 def _drop_partial_line(path: Path) -> None:
