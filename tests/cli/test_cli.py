@@ -292,3 +292,46 @@ def test_plan_argument_errors(store_path, capsys, flag, value, message):
     code = main(_plan(store_path, flag, value))
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err, err
+
+
+# ----------------------------------------------------------------------------- issue 18
+
+
+def test_prepare_and_inspect_say_which_split_of_a_dataset_dict_was_read(
+    tmp_path, tokenizer_dir, capsys
+):
+    datasets = pytest.importorskip("datasets")
+    datasets.DatasetDict(
+        {
+            name: datasets.Dataset.from_dict({"text": [f"alpha beta {k}" for k in range(n)]})
+            for name, n in (("train", 20), ("validation", 10))
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
+    base = ["prepare", str(tmp_path / "dd"), "--tokenizer", str(tokenizer_dir), "--quiet"]
+    assert main([*base, "--output", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "20 documents" in out
+    assert (
+        "  read split train of the DatasetDict dd (its splits: train, validation; choose with "
+        "--split NAME, or --split all)"
+    ) in out
+    assert main(["inspect", str(tmp_path / "s")]) == 0
+    assert "    dd  [hf, split train] " in capsys.readouterr().out
+    assert main([*base, "--output", str(tmp_path / "all"), "--split", "all"]) == 0
+    assert "30 documents" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "all"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sources"][0]["splits"] == ["train", "validation"]
+    assert main([*base, "--output", str(tmp_path / "x"), "--split", "dev"]) == 2
+    err = capsys.readouterr().err
+    assert "has no split 'dev'. Choose one with --split NAME, or --split all" in err
+    assert "Traceback" not in err and not (tmp_path / "x").exists()
+
+
+def test_prepare_names_its_text_field_option(tmp_path, tokenizer_dir, capsys):
+    (tmp_path / "d.jsonl").write_text('{"body": "alpha"}\n{"body": "beta"}\n')
+    argv = ["prepare", str(tmp_path / "d.jsonl"), "--tokenizer", str(tokenizer_dir), "--quiet",
+            "--output", str(tmp_path / "s")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "d.jsonl:1: unknown text field 'text'; fields present: ['body']. Choose one with " \
+        "--text-field." in err  # fmt: skip

@@ -8,6 +8,7 @@ from __future__ import annotations
 import builtins
 import errno
 import fcntl
+import hashlib
 import io
 import json
 import os
@@ -23,7 +24,8 @@ from torchtitan_zephon.data.cache import RawInputs, store_location
 from torchtitan_zephon.data.mixture import MixtureConfig
 from torchtitan_zephon.data.parts import finished_parts
 from torchtitan_zephon.data.prepare import prepare_store
-from torchtitan_zephon.data.store import StoreError, TokenStore
+from torchtitan_zephon.data.readers import OptionNames, resolve_inputs
+from torchtitan_zephon.data.store import FORMAT_VERSION, StoreError, TokenStore
 
 
 @pytest.fixture
@@ -205,8 +207,8 @@ def test_waiters_wait_for_the_lock_holder_and_say_so(tokenizer_dir, cache_dir, c
     # the entry's name, as the waiter will compute it: ask once in an empty cache copy
     probe = store_location(str(corpus), raw(tokenizer_dir, cache_dir / "probe"))
     cache._located.clear()
-    (lock,) = (cache_dir / "probe").glob("raw-work-*.lock")  # the inputs' lock, by name
-    with open(cache_dir / lock.name, "a+") as held:
+    work = json.loads((probe.parent / f"{probe.name}.json").read_text())["work"]
+    with open(cache_dir / f"{work}.lock", "a+") as held:  # the inputs' lock, by name
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("node-7 pid 42\n")
         held.flush()
@@ -287,3 +289,59 @@ def test_a_cache_folder_that_cannot_be_made_is_a_clear_error(tokenizer_dir, corp
     blocker.write_text("not a folder")
     with pytest.raises(StoreError, match=r"cannot create .*a-file/cache.*ZEPHON_CACHE"):
         store_location(str(corpus), raw(tokenizer_dir, blocker / "cache"))
+
+
+# ----------------------------------------------------------------------------- issue 18
+
+
+def test_the_split_of_a_dataset_dict_is_part_of_the_entry(tmp_path, tokenizer_dir, cache_dir):
+    """Raw inputs holding a DatasetDict: the train split by default, another when asked,
+    each its own entry equal to `zephon prepare --split` of it; a missing split is refused
+    in the caller's spelling, listing the splits, before anything is written."""
+    datasets = pytest.importorskip("datasets")
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": [corpus_text(k, 8) for k in range(30)]}),
+            "validation": datasets.Dataset.from_dict(
+                {"text": [corpus_text(k, 5) for k in range(9)]}
+            ),
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
+    value = str(tmp_path / "dd")
+    located = {}
+    for split in ("", "validation", "all"):
+        cache._located.clear()
+        located[split] = store_location(value, raw(tokenizer_dir, cache_dir, split=split))
+        expected = prepare_store([value], str(tokenizer_dir), str(tmp_path / f"s-{split}"),
+                                 progress=False, split=split)  # fmt: skip
+        assert TokenStore.open(located[split]).fingerprint == expected.fingerprint
+    assert [TokenStore.open(p).num_documents for p in located.values()] == [30, 9, 39]
+    assert len(set(located.values())) == 3
+    record = json.loads((cache_dir / f"{located['validation'].name}.json").read_text())
+    assert record["splits"] == [["dd", ["validation"]]]
+    assert record["sources"][0]["splits"] == ["validation"]
+    cache._located.clear()
+    assert store_location(value, raw(tokenizer_dir, cache_dir, split="train")) == located[""]
+    before = sorted(p.name for p in cache_dir.iterdir())
+    names = OptionNames(text_field="--zephon.text_field", split="--zephon.split")
+    with pytest.raises(StoreError, match=r"splits \['train', 'validation'\]; it has no split "
+                       "'test'. Choose one with --zephon.split NAME, or --zephon.split all"):  # fmt: skip
+        store_location(value, raw(tokenizer_dir, cache_dir, split="test", names=names))
+    assert sorted(p.name for p in cache_dir.iterdir()) == before
+
+
+def test_inputs_without_a_dataset_dict_keep_their_entry(tmp_path, tokenizer_dir, cache_dir, corpus):
+    """The split joins the key only where a DatasetDict is read: the entry of other inputs
+    keeps the name earlier versions gave it (so existing caches still hit)."""
+    location = store_location(str(corpus), raw(tokenizer_dir, cache_dir, split="validation"))
+    sources = resolve_inputs([str(corpus)])
+    tokenizer_sha = hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()
+    key = {  # the key as issue 12 defined it
+        "format": "zephon-raw-inputs/1",
+        "store_version": FORMAT_VERSION,
+        "tokenizer_sha256": tokenizer_sha,
+        "text_field": "text",
+        "files": cache.stat_listing(sources),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    assert location.name == f"raw-{digest[:24]}"

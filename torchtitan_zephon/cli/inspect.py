@@ -56,7 +56,7 @@ def _format_store(info: dict[str, Any]) -> str:
     shown = info["sources"][:20]
     for s in shown:
         lines.append(
-            f"    {s['name']}  [{s['kind']}] {s['size']:,} bytes, {s.get('documents', '?')} docs, "
+            f"    {s['name']}  [{_kind(s)}] {s['size']:,} bytes, {s.get('documents', '?')} docs, "
             f"{s.get('tokens', '?')} tokens, sha256 {s['sha256'][:16]}"
         )
     if len(info["sources"]) > len(shown):
@@ -73,6 +73,14 @@ def _format_store(info: dict[str, Any]) -> str:
         lines.append(f"  check:       FAILED, {len(check['problems'])} problem(s):")
         lines.extend(f"    {problem}" for problem in check["problems"])
     return "\n".join(lines)
+
+
+def _kind(source: dict[str, Any]) -> str:
+    """A source's kind, with the splits read for a DatasetDict: "hf, split train"."""
+    splits = source.get("splits")
+    if not splits:
+        return source["kind"]
+    return f"{source['kind']}, split{'s' if len(splits) > 1 else ''} {', '.join(splits)}"
 
 
 # (kind, detect, describe, format for humans)

@@ -13,15 +13,16 @@ store into a staging folder and renames it into place; every other process
 waits on the lock (saying so every ~30 s) and then finds the entry.
 
 Invariants:
-- The store of raw inputs is ``prepare_store`` of the same value, tokenizer and
-  text field: its fingerprint equals ``zephon prepare``'s, whatever the spelling
-  of the inputs (names are canonical: ``readers.resolve_inputs``).
+- The store of raw inputs is ``prepare_store`` of the same value, tokenizer, text
+  field and split: its fingerprint equals ``zephon prepare``'s, whatever the
+  spelling of the inputs (names are canonical: ``readers.resolve_inputs``).
 - Its entry is keyed by the inputs' canonical names, real paths, sizes and
-  mtimes (``os.stat`` only), the tokenizer.json's sha256, the text field and the
-  store format version: a later run finds it without reading the corpus, and a
-  changed file (size or mtime) makes another entry. On a hit the manifest's
-  sources (names, sizes) are checked against the listing; the entry's
-  ``<entry>.json`` records the inputs and their content hashes.
+  mtimes (``os.stat`` only), the tokenizer.json's sha256, the text field, the
+  splits read of each DatasetDict (only where there is one: other keys are as
+  before) and the store format version: a later run finds it without reading the
+  corpus, and a changed file (size or mtime) makes another entry. On a hit the
+  manifest's sources (names, sizes, splits) are checked against the listing; the
+  entry's ``<entry>.json`` records the inputs and their content hashes.
 - An entry that exists is complete: it appears by one rename, after its build
   succeeded. A build that fails leaves no entry and the lock is released (the
   kernel drops it if the process dies); prepare's finished parts stay in the
@@ -51,7 +52,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.data.readers import GLOB_CHARS, Source, expand_input, resolve_inputs
+from torchtitan_zephon.data.readers import (
+    GLOB_CHARS,
+    PREPARE_OPTIONS,
+    OptionNames,
+    Source,
+    expand_input,
+    resolve_inputs,
+    select_splits,
+)
 from torchtitan_zephon.data.store import (
     CHECKSUMS,
     DOC_OFFSETS,
@@ -220,6 +229,11 @@ class RawInputs:
     """Folder holding the tokenizer.json to tokenize with."""
     text_field: str = "text"
     """The JSON / Parquet field that holds a document's text."""
+    split: str = ""
+    """The split of a Hugging Face DatasetDict to read (empty: train; "all": every split)."""
+    names: OptionNames = PREPARE_OPTIONS
+    """How the caller spells the text field and split options, in messages (the trainer:
+    --zephon.text_field, --zephon.split)."""
     cache_dir: str = ""
     """The cache folder when ``$ZEPHON_CACHE`` is unset (empty: ``~/.cache``)."""
     workers: int = 1
@@ -295,7 +309,8 @@ def raw_store(value: str, raw: RawInputs) -> Path:
     """The cache entry holding ``prepare_store([value], raw.tokenizer, ...)``, built
     on first use (once, under the entry's lock; see the module docstring)."""
     root = cache_root(raw.cache_dir)
-    memo = (value, os.getcwd(), os.path.abspath(raw.tokenizer), raw.text_field, str(root))
+    memo = (value, os.getcwd(), os.path.abspath(raw.tokenizer), raw.text_field, raw.split,
+            str(root))  # fmt: skip
     if memo in _located:
         return _located[memo]
     tokenizer_json = Path(raw.tokenizer) / "tokenizer.json"
@@ -311,7 +326,7 @@ def raw_store(value: str, raw: RawInputs) -> Path:
             "Point it at a folder holding a Hugging Face tokenizer.json, or name a store "
             "prepared with `zephon prepare`."
         )
-    sources = resolve_inputs([value])
+    sources = select_splits(resolve_inputs([value]), raw.split, raw.names)
     if not sources:
         raise StoreError(
             f"the raw inputs {value!r} hold no files (hidden names are skipped); expected "
@@ -327,6 +342,9 @@ def raw_store(value: str, raw: RawInputs) -> Path:
         "text_field": raw.text_field,
         "files": listing,
     }
+    splits = [[s.name, list(s.splits)] for s in sources if s.splits is not None]
+    if splits:  # only where a DatasetDict is read: the keys of other inputs stay as they were
+        key["splits"] = splits
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     out = root / f"raw-{digest[:24]}"
     # The same inputs at any sizes and mtimes: one lock and staging folder, so a build
@@ -340,8 +358,9 @@ def raw_store(value: str, raw: RawInputs) -> Path:
 
             if raw.log is not None:
                 raw.log(
-                    f"preparing the raw inputs {value!r} ({len(sources)} sources) with "
-                    f"{raw.workers} tokenizer process(es) into {out}"
+                    f"preparing the raw inputs {value!r} ({len(sources)} sources"
+                    f"{_splits_note(sources)}) with {raw.workers} tokenizer process(es) into "
+                    f"{out}"
                 )
             start = time.monotonic()
             store = prepare_store(
@@ -351,6 +370,8 @@ def raw_store(value: str, raw: RawInputs) -> Path:
                 workers=raw.workers,
                 text_field=raw.text_field,
                 progress=raw.progress,
+                split=raw.split,
+                names=raw.names,
             )
             if stat_listing(sources) != listing:
                 raise StoreError(
@@ -372,9 +393,16 @@ def raw_store(value: str, raw: RawInputs) -> Path:
         manifest.get("text_field") != raw.text_field
     ):
         raise _stale(out, "its tokenizer or text field differs from its key")
-    _write_record(out, value, key, manifest)
+    _write_record(out, value, {**key, "work": work}, manifest)
     _located[memo] = out
     return out
+
+
+def _splits_note(sources: list[Source]) -> str:
+    """ "; split 'train' of the DatasetDict 'dd'", for the sources that have splits."""
+    read = [f"split {', '.join(s.splits)} of the DatasetDict {s.name!r}"
+            for s in sources if s.splits is not None]  # fmt: skip
+    return "; " + "; ".join(read) if read else ""
 
 
 def _check_cache_outside(value: str, root: Path) -> None:
@@ -436,18 +464,24 @@ def _stale(out: Path, why: str) -> StoreError:
 def _check_entry(
     manifest: dict[str, Any], sources: list[Source], listing: list[list[Any]], out: Path, value: str
 ) -> None:
-    """The manifest's sources (names, sizes) agree with the stat listing."""
+    """The manifest's sources (names, sizes, DatasetDict splits) agree with the stat
+    listing and the splits chosen."""
     sizes: dict[str, int] = {}
     for name, _, _, size, _ in listing:
         sizes[name] = sizes.get(name, 0) + size
-    expected = [[s.name, sizes[s.name]] for s in sources]
-    recorded = [[r.get("name"), r.get("size")] for r in manifest.get("sources", [])]
+    expected = [[s.name, sizes[s.name], None if s.splits is None else list(s.splits)]
+                for s in sources]  # fmt: skip
+    recorded = [
+        [r.get("name"), r.get("size"), r.get("splits")] for r in manifest.get("sources", [])
+    ]
     if recorded != expected:
         first = next(
             (f"{a} vs {b}" for a, b in zip(recorded, expected, strict=False) if a != b),
             f"{len(recorded)} sources vs {len(expected)}",
         )
-        raise _stale(out, f"its sources (name, size) differ from the inputs {value!r}: {first}")
+        raise _stale(
+            out, f"its sources (name, size, splits) differ from the inputs {value!r}: {first}"
+        )
 
 
 def _write_record(out: Path, value: str, key: dict[str, Any], manifest: dict[str, Any]) -> None:
@@ -460,7 +494,7 @@ def _write_record(out: Path, value: str, key: dict[str, Any], manifest: dict[str
         "fingerprint": manifest.get("fingerprint"),
         **key,
         "sources": [
-            {k: r.get(k) for k in ("name", "kind", "size", "sha256")}
+            {k: r[k] for k in ("name", "kind", "size", "sha256", "splits") if k in r}
             for r in manifest.get("sources", [])
         ],
     }

@@ -23,6 +23,7 @@ from torchtitan_zephon.data.cache import RawInputs, store_location
 from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.mixture import MixtureConfig, deviation_warning
 from torchtitan_zephon.data.plan import BatchSchedule
+from torchtitan_zephon.data.readers import OptionNames
 from torchtitan_zephon.data.source import MixtureSource, MixtureStream, Source, StoreSource
 from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
 from torchtitan_zephon.data.store import TokenStore
@@ -40,7 +41,8 @@ def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
 
 def raw_inputs(job_config: Any) -> RawInputs:
     """How this job prepares a store value that names raw inputs: with the tokenizer at
-    model.hf_assets_path and zephon.text_field, into the cache (``$ZEPHON_CACHE``, else
+    model.hf_assets_path, zephon.text_field and zephon.split (messages name these
+    options as the trainer spells them), into the cache (``$ZEPHON_CACHE``, else
     zephon.cache_dir); the process that holds the entry's lock uses one tokenizer process
     per local rank (the others wait for it anyway); progress on global rank 0."""
     zc = job_config.zephon
@@ -48,6 +50,8 @@ def raw_inputs(job_config: Any) -> RawInputs:
     return RawInputs(
         tokenizer=job_config.model.hf_assets_path,
         text_field=getattr(zc, "text_field", "text"),
+        split=getattr(zc, "split", ""),
+        names=OptionNames(text_field="--zephon.text_field", split="--zephon.split"),
         cache_dir=getattr(zc, "cache_dir", ""),
         workers=max(1, min(local, os.cpu_count() or 1)),
         progress=int(os.environ.get("RANK", "0")) == 0,
