@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -179,9 +180,7 @@ def test_a_corrupt_file_is_named_leaves_no_entry_and_its_fix_resumes(
     with pytest.raises(StoreError, match=r"part1.jsonl:21: invalid JSON") as e:
         store_location(str(corpus), raw(tokenizer_dir, cache_dir))
     assert [e for e in entries(cache_dir) if not e.startswith(".")] == []  # no entry
-    (lock,) = cache_dir.glob("*.lock")
-    with open(lock) as fh:  # released
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert list(cache_dir.glob("*.lock")) == []  # released, and removed while free
     (building,) = [p for p in cache_dir.iterdir() if p.name.startswith(".")]
     kept = building / ".store.prepare"
     assert f"kept in {kept}" in str(e.value) and finished_parts(kept) == 1  # part0.jsonl, before it
@@ -345,3 +344,90 @@ def test_inputs_without_a_dataset_dict_keep_their_entry(tmp_path, tokenizer_dir,
     }
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     assert location.name == f"raw-{digest[:24]}"
+
+
+def test_lock_files_are_removed_when_free_and_never_let_two_in(tokenizer_dir, cache_dir, corpus):
+    """A holder removes its lock file before releasing it; a process that waited on the
+    removed file does not take it for the lock: it locks the file now at the path, so it
+    keeps waiting while a newer holder has that one."""
+    said: list[str] = []
+    probe = store_location(str(corpus), raw(tokenizer_dir, cache_dir / "probe"))
+    assert list((cache_dir / "probe").glob("*.lock")) == []  # built, and no lock left
+    work = json.loads((probe.parent / f"{probe.name}.json").read_text())["work"]
+    cache._located.clear()
+    lock = cache_dir / f"{work}.lock"
+    result: list[Path] = []
+    old = open(lock, "a+")  # noqa: SIM115 - the first holder
+    fcntl.flock(old, fcntl.LOCK_EX)
+    old.write("node-1 pid 1\n")
+    old.flush()
+    waiter = threading.Thread(
+        target=lambda: result.append(
+            store_location(str(corpus), raw(tokenizer_dir, cache_dir, log=said.append))
+        )
+    )
+    waiter.start()
+    _wait_until(lambda: said)  # it waits on the first holder's file
+    assert said[0].startswith("waiting for node-1 pid 1 to prepare")
+    lock.unlink()  # the first holder leaves as holders do: remove, then release
+    with open(lock, "a+") as new:  # a second holder took the path meanwhile
+        fcntl.flock(new, fcntl.LOCK_EX)
+        new.write("node-2 pid 2\n")
+        new.flush()
+        fcntl.flock(old, fcntl.LOCK_UN)
+        old.close()
+        _wait_until(lambda: any("node-2 pid 2" in s for s in said))
+        assert waiter.is_alive() and not result  # not in while node-2 holds the lock
+        fcntl.flock(new, fcntl.LOCK_UN)
+    waiter.join(120)
+    assert result == [cache_dir / probe.name]
+    assert list(cache_dir.glob("*.lock")) == []
+
+
+def _wait_until(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_waiters_show_the_holders_progress(tokenizer_dir, cache_dir, corpus, monkeypatch):
+    """While another process prepares, a waiter says how far it has come (units and bytes
+    of input done out of the total, documents), refreshed as it moves."""
+    from torchtitan_zephon.data import prepare as prepare_module
+
+    monkeypatch.setattr(cache, "PROGRESS_REPORT_S", 0.05)
+    monkeypatch.setattr(cache, "PROGRESS_WRITE_S", 0.0)
+    real = prepare_module.iter_documents
+    started = threading.Event()
+
+    def slow(src, text_field, part=None):  # each unit takes a moment: progress to watch
+        started.set()
+        time.sleep(0.4)
+        yield from real(src, text_field, part)
+
+    monkeypatch.setattr(prepare_module, "iter_documents", slow)
+    said: list[str] = []
+    built: list[Path] = []
+    builder = threading.Thread(
+        target=lambda: built.append(store_location(str(corpus), raw(tokenizer_dir, cache_dir)))
+    )
+    builder.start()
+    assert started.wait(60)
+    cache._located.clear()
+    waited = store_location(str(corpus), raw(tokenizer_dir, cache_dir, log=said.append))
+    builder.join(120)
+    assert built == [waited]
+    progress = [s for s in said if "units done" in s]
+    assert len(progress) >= 2, said
+    size = sum(f.stat().st_size for f in corpus.rglob("*") if f.is_file())
+    assert (
+        "of 4 units done, " in progress[0]
+        and f"of {size / (1 << 20):,.1f} MiB of input" in progress[0]
+    )
+    done = [int(s.split("tokenizing, ")[1].split(" of 4")[0]) for s in progress]
+    assert done == sorted(done) and done[-1] > done[0], said
+    assert all(s.startswith(f"waiting for {socket.gethostname()} pid {os.getpid()} to prepare")
+               for s in said)  # fmt: skip
+    assert not (cache_dir / f".{waited.name}.building").exists()
+    assert [p.name for p in cache_dir.iterdir() if p.name.startswith(".")] == []
