@@ -650,7 +650,7 @@ def _cache_kind(p: Path) -> str:
         return "builtin" if name.startswith("builtin-") else "raw"
     if p.is_dir() and name.startswith(".") and ".building" in name:
         return "building"
-    if p.is_file() and name.endswith(".lock"):
+    if p.is_file() and name.startswith(("builtin-", "raw-")) and name.endswith(".lock"):
         return "lock"
     if p.is_file() and name.startswith("raw-") and name.endswith(".json"):
         return "record"

@@ -12,14 +12,17 @@ given and the names and contents of the files: folders are walked sorted by
 name, hidden entries skipped, glob matches sorted the same way, every real file
 and folder visited once (symbolic-link loops end). A source's name is its path
 relative to the deepest folder holding every source, whatever the spelling of
-the inputs (a folder, a glob of its files, a list of them). Every document is valid Unicode text;
-a UTF-8 byte-order mark opening a text, JSONL(.gz) or JSON file is not part of it (the
-documents are those of the same file without it). Input that cannot be read (not text, truncated or corrupt compressed data,
-JSON nested too deeply, a broken Parquet file or dataset folder) is a
-``StoreError`` naming the file, and the line where there is one; where another value
-of an option would fix it (the text field, the split) an ``OptionError``, spelled
-for the command that runs (``zephon prepare``'s ``--text-field``, the trainer's
-``--zephon.text_field``: ``OptionNames``).
+the inputs (a folder, a glob of its files, a list of them). Every document is
+valid Unicode text; a UTF-8 byte-order mark opening a text, JSONL(.gz) or JSON
+file is not part of it (the documents are those of the same file without it).
+Input that cannot be read (not text, truncated or corrupt compressed data, JSON
+nested too deeply, a broken Parquet file or dataset folder) is a ``StoreError``
+naming the file, and the line where there is one; where another value of an
+option would fix it (the text field, the split) an ``OptionError``, spelled for
+the command that runs (``zephon prepare``'s ``--text-field``, the trainer's
+``--zephon.text_field``: ``OptionNames``). A record without the text field in a
+file whose other records have it is named as such, never answered by suggesting
+another field.
 """
 
 from __future__ import annotations
@@ -167,9 +170,8 @@ def select_splits(
             raise OptionError(
                 lambda o, src=src, present=present, which=which: (
                     f"{src.path} is a Hugging Face DatasetDict with the splits "
-                    f"{sorted(present)}; it "
-                    f"has {which}. Choose one with {o} NAME, or {o} {ALL_SPLITS} to read every "
-                    "split."
+                    f"{sorted(present)}; it has {which}. Choose one with {o} NAME, or {o} "
+                    f"{ALL_SPLITS} to read every split."
                 ),
                 "split",
                 names,
