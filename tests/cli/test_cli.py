@@ -368,3 +368,115 @@ def test_plan_of_raw_inputs_prepares_them_as_the_trainer_does(
         )
         in err
     )
+
+
+# ----------------------------------------------------------------------------- issue 18
+
+
+def test_prepare_and_inspect_say_which_split_of_a_dataset_dict_was_read(
+    tmp_path, tokenizer_dir, capsys
+):
+    datasets = pytest.importorskip("datasets")
+    datasets.DatasetDict(
+        {
+            name: datasets.Dataset.from_dict({"text": [f"alpha beta {k}" for k in range(n)]})
+            for name, n in (("train", 20), ("validation", 10))
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
+    base = ["prepare", str(tmp_path / "dd"), "--tokenizer", str(tokenizer_dir), "--quiet"]
+    assert main([*base, "--output", str(tmp_path / "s")]) == 0
+    out = capsys.readouterr().out
+    assert "20 documents" in out
+    assert (
+        "  read split train of the DatasetDict dd (its splits: train, validation; choose with "
+        "--split NAME, or --split all)"
+    ) in out
+    assert main(["inspect", str(tmp_path / "s")]) == 0
+    assert "    dd  [hf, split train] " in capsys.readouterr().out
+    assert main([*base, "--output", str(tmp_path / "all"), "--split", "all"]) == 0
+    assert "30 documents" in capsys.readouterr().out
+    assert main(["inspect", str(tmp_path / "all"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["sources"][0]["splits"] == ["train", "validation"]
+    assert main([*base, "--output", str(tmp_path / "x"), "--split", "dev"]) == 2
+    err = capsys.readouterr().err
+    assert "has no split 'dev'. Choose one with --split NAME, or --split all" in err
+    assert "Traceback" not in err and not (tmp_path / "x").exists()
+
+
+def test_prepare_names_its_text_field_option(tmp_path, tokenizer_dir, capsys):
+    (tmp_path / "d.jsonl").write_text('{"body": "alpha"}\n{"body": "beta"}\n')
+    argv = ["prepare", str(tmp_path / "d.jsonl"), "--tokenizer", str(tokenizer_dir), "--quiet",
+            "--output", str(tmp_path / "s")]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "d.jsonl:1: unknown text field 'text'; fields present: ['body']. Choose one with " \
+        "--text-field." in err  # fmt: skip
+
+
+def test_inspect_lists_what_the_store_cache_holds(tmp_path, tokenizer_dir, store_path, capsys,
+                                                  monkeypatch):  # fmt: skip
+    """`zephon inspect CACHE`: the stores (builtin, raw with their inputs), a build kept
+    after a failure (its finished parts), locks held or free, anything else; sizes; and
+    it changes nothing."""
+    import fcntl
+    import shutil
+
+    from tests.titan.expect import assert_unchanged, tree
+    from torchtitan_zephon.data import cache
+    from torchtitan_zephon.data.cache import RawInputs, store_location
+    from torchtitan_zephon.data.store import StoreError
+
+    monkeypatch.delenv(cache.CACHE_ENV, raising=False)
+    monkeypatch.setattr(cache, "_located", {})
+    root = tmp_path / "cache"
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for k in range(2):
+        (corpus / f"p{k}.jsonl").write_text("".join(
+            json.dumps({"text": f"alpha beta {d}"}) + "\n" for d in range(5)))  # fmt: skip
+    opts = RawInputs(tokenizer=str(tokenizer_dir), cache_dir=str(root))
+    entry = store_location(f"{corpus}/p0.jsonl", opts)
+    (corpus / "p1.jsonl").write_text('{"text": "alpha"}\n{"text": broken\n')
+    with pytest.raises(StoreError):
+        store_location(str(corpus), opts)  # p0 finished, then p1 fails: its build is kept
+    shutil.copytree(store_path, root / "builtin-docs-0123456789abcdef")
+    (root / "raw-work-0ld.lock").write_text("node-9 pid 9\n")  # left by an older zephon
+    (root / "notes.txt").write_text("mine")
+    held = open(root / "raw-work-busy.lock", "a+")  # noqa: SIM115
+    fcntl.flock(held, fcntl.LOCK_EX)
+    held.write("node-3 pid 33\n")
+    held.flush()
+    try:
+        before = tree(root)
+        assert main(["inspect", str(root)]) == 0
+        out = capsys.readouterr().out
+        assert main(["inspect", str(root), "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert_unchanged(before, tree(root))
+    finally:
+        held.close()
+    assert out.startswith(f"store cache: {root} (")
+    store = TokenStore.open(entry)
+    assert f"  stores of raw inputs (1):\n    {entry.name}  " in out
+    assert f"{store.num_tokens:,} tokens, fingerprint {store.fingerprint[:16]}, from " \
+        f"'{corpus}/p0.jsonl' (text field 'text'; 1 source: p0.jsonl)" in out  # fmt: skip
+    assert (
+        "  builtin stores (1):\n    builtin-docs-0123456789abcdef  " in out and "part docs" in out
+    )
+    (building,) = info["building"]
+    assert building["name"].startswith(".raw-work-") and building["parts"] == 1
+    assert f"    {building['name']}  " in out
+    assert "left by a build that failed or was killed (1 finished part of p0.jsonl, " \
+        "p1.jsonl): the next run of " \
+        "the same inputs continues from it; delete it to start over" in out  # fmt: skip
+    assert "    raw-work-busy.lock  " in out and "held by node-3 pid 33" in out
+    assert "    raw-work-0ld.lock  13 bytes, free (left by a killed process or an older " \
+        "zephon): safe to delete" in out  # fmt: skip
+    assert "  other (1):\n    notes.txt  4 bytes" in out
+    assert [i["name"] for i in info["raw"]] == [entry.name]
+    assert info["raw"][0]["inputs"] == f"{corpus}/p0.jsonl"
+    sizes = {p.name: p for p in root.iterdir()}
+    assert info["raw"][0]["size_bytes"] == sum(  # the entry and its record
+        f.stat().st_size for f in sizes[entry.name].rglob("*") if f.is_file()
+    ) + sizes[f"{entry.name}.json"].stat().st_size  # fmt: skip
+    assert info["size_bytes"] == sum(f.stat().st_size for f in root.rglob("*") if f.is_file())

@@ -8,9 +8,11 @@ from __future__ import annotations
 import builtins
 import errno
 import fcntl
+import hashlib
 import io
 import json
 import os
+import socket
 import threading
 import time
 from pathlib import Path
@@ -23,7 +25,8 @@ from torchtitan_zephon.data.cache import RawInputs, store_location
 from torchtitan_zephon.data.mixture import MixtureConfig
 from torchtitan_zephon.data.parts import finished_parts
 from torchtitan_zephon.data.prepare import prepare_store
-from torchtitan_zephon.data.store import StoreError, TokenStore
+from torchtitan_zephon.data.readers import OptionNames, resolve_inputs
+from torchtitan_zephon.data.store import FORMAT_VERSION, StoreError, TokenStore
 
 
 @pytest.fixture
@@ -177,9 +180,7 @@ def test_a_corrupt_file_is_named_leaves_no_entry_and_its_fix_resumes(
     with pytest.raises(StoreError, match=r"part1.jsonl:21: invalid JSON") as e:
         store_location(str(corpus), raw(tokenizer_dir, cache_dir))
     assert [e for e in entries(cache_dir) if not e.startswith(".")] == []  # no entry
-    (lock,) = cache_dir.glob("*.lock")
-    with open(lock) as fh:  # released
-        fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    assert list(cache_dir.glob("*.lock")) == []  # released, and removed while free
     (building,) = [p for p in cache_dir.iterdir() if p.name.startswith(".")]
     kept = building / ".store.prepare"
     assert f"kept in {kept}" in str(e.value) and finished_parts(kept) == 1  # part0.jsonl, before it
@@ -205,8 +206,8 @@ def test_waiters_wait_for_the_lock_holder_and_say_so(tokenizer_dir, cache_dir, c
     # the entry's name, as the waiter will compute it: ask once in an empty cache copy
     probe = store_location(str(corpus), raw(tokenizer_dir, cache_dir / "probe"))
     cache._located.clear()
-    (lock,) = (cache_dir / "probe").glob("raw-work-*.lock")  # the inputs' lock, by name
-    with open(cache_dir / lock.name, "a+") as held:
+    work = json.loads((probe.parent / f"{probe.name}.json").read_text())["work"]
+    with open(cache_dir / f"{work}.lock", "a+") as held:  # the inputs' lock, by name
         fcntl.flock(held, fcntl.LOCK_EX)
         held.write("node-7 pid 42\n")
         held.flush()
@@ -287,3 +288,146 @@ def test_a_cache_folder_that_cannot_be_made_is_a_clear_error(tokenizer_dir, corp
     blocker.write_text("not a folder")
     with pytest.raises(StoreError, match=r"cannot create .*a-file/cache.*ZEPHON_CACHE"):
         store_location(str(corpus), raw(tokenizer_dir, blocker / "cache"))
+
+
+# ----------------------------------------------------------------------------- issue 18
+
+
+def test_the_split_of_a_dataset_dict_is_part_of_the_entry(tmp_path, tokenizer_dir, cache_dir):
+    """Raw inputs holding a DatasetDict: the train split by default, another when asked,
+    each its own entry equal to `zephon prepare --split` of it; a missing split is refused
+    in the caller's spelling, listing the splits, before anything is written."""
+    datasets = pytest.importorskip("datasets")
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_dict({"text": [corpus_text(k, 8) for k in range(30)]}),
+            "validation": datasets.Dataset.from_dict(
+                {"text": [corpus_text(k, 5) for k in range(9)]}
+            ),
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
+    value = str(tmp_path / "dd")
+    located = {}
+    for split in ("", "validation", "all"):
+        cache._located.clear()
+        located[split] = store_location(value, raw(tokenizer_dir, cache_dir, split=split))
+        expected = prepare_store([value], str(tokenizer_dir), str(tmp_path / f"s-{split}"),
+                                 progress=False, split=split)  # fmt: skip
+        assert TokenStore.open(located[split]).fingerprint == expected.fingerprint
+    assert [TokenStore.open(p).num_documents for p in located.values()] == [30, 9, 39]
+    assert len(set(located.values())) == 3
+    record = json.loads((cache_dir / f"{located['validation'].name}.json").read_text())
+    assert record["splits"] == [["dd", ["validation"]]]
+    assert record["sources"][0]["splits"] == ["validation"]
+    cache._located.clear()
+    assert store_location(value, raw(tokenizer_dir, cache_dir, split="train")) == located[""]
+    before = sorted(p.name for p in cache_dir.iterdir())
+    names = OptionNames(text_field="--zephon.text_field", split="--zephon.split")
+    with pytest.raises(StoreError, match=r"splits \['train', 'validation'\]; it has no split "
+                       "'test'. Choose one with --zephon.split NAME, or --zephon.split all"):  # fmt: skip
+        store_location(value, raw(tokenizer_dir, cache_dir, split="test", names=names))
+    assert sorted(p.name for p in cache_dir.iterdir()) == before
+
+
+def test_inputs_without_a_dataset_dict_keep_their_entry(tmp_path, tokenizer_dir, cache_dir, corpus):
+    """The split joins the key only where a DatasetDict is read: the entry of other inputs
+    keeps the name earlier versions gave it (so existing caches still hit)."""
+    location = store_location(str(corpus), raw(tokenizer_dir, cache_dir, split="validation"))
+    sources = resolve_inputs([str(corpus)])
+    tokenizer_sha = hashlib.sha256((tokenizer_dir / "tokenizer.json").read_bytes()).hexdigest()
+    key = {  # the key as issue 12 defined it
+        "format": "zephon-raw-inputs/1",
+        "store_version": FORMAT_VERSION,
+        "tokenizer_sha256": tokenizer_sha,
+        "text_field": "text",
+        "files": cache.stat_listing(sources),
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    assert location.name == f"raw-{digest[:24]}"
+
+
+def test_lock_files_are_removed_when_free_and_never_let_two_in(tokenizer_dir, cache_dir, corpus):
+    """A holder removes its lock file before releasing it; a process that waited on the
+    removed file does not take it for the lock: it locks the file now at the path, so it
+    keeps waiting while a newer holder has that one."""
+    said: list[str] = []
+    probe = store_location(str(corpus), raw(tokenizer_dir, cache_dir / "probe"))
+    assert list((cache_dir / "probe").glob("*.lock")) == []  # built, and no lock left
+    work = json.loads((probe.parent / f"{probe.name}.json").read_text())["work"]
+    cache._located.clear()
+    lock = cache_dir / f"{work}.lock"
+    result: list[Path] = []
+    old = open(lock, "a+")  # noqa: SIM115 - the first holder
+    fcntl.flock(old, fcntl.LOCK_EX)
+    old.write("node-1 pid 1\n")
+    old.flush()
+    waiter = threading.Thread(
+        target=lambda: result.append(
+            store_location(str(corpus), raw(tokenizer_dir, cache_dir, log=said.append))
+        )
+    )
+    waiter.start()
+    _wait_until(lambda: said)  # it waits on the first holder's file
+    assert said[0].startswith("waiting for node-1 pid 1 to prepare")
+    lock.unlink()  # the first holder leaves as holders do: remove, then release
+    with open(lock, "a+") as new:  # a second holder took the path meanwhile
+        fcntl.flock(new, fcntl.LOCK_EX)
+        new.write("node-2 pid 2\n")
+        new.flush()
+        fcntl.flock(old, fcntl.LOCK_UN)
+        old.close()
+        _wait_until(lambda: any("node-2 pid 2" in s for s in said))
+        assert waiter.is_alive() and not result  # not in while node-2 holds the lock
+        fcntl.flock(new, fcntl.LOCK_UN)
+    waiter.join(120)
+    assert result == [cache_dir / probe.name]
+    assert list(cache_dir.glob("*.lock")) == []
+
+
+def _wait_until(condition, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_waiters_show_the_holders_progress(tokenizer_dir, cache_dir, corpus, monkeypatch):
+    """While another process prepares, a waiter says how far it has come (units and bytes
+    of input done out of the total, documents), refreshed as it moves."""
+    from torchtitan_zephon.data import prepare as prepare_module
+
+    monkeypatch.setattr(cache, "PROGRESS_REPORT_S", 0.05)
+    monkeypatch.setattr(cache, "PROGRESS_WRITE_S", 0.0)
+    real = prepare_module.iter_documents
+    started = threading.Event()
+
+    def slow(src, text_field, part=None):  # each unit takes a moment: progress to watch
+        started.set()
+        time.sleep(0.4)
+        yield from real(src, text_field, part)
+
+    monkeypatch.setattr(prepare_module, "iter_documents", slow)
+    said: list[str] = []
+    built: list[Path] = []
+    builder = threading.Thread(
+        target=lambda: built.append(store_location(str(corpus), raw(tokenizer_dir, cache_dir)))
+    )
+    builder.start()
+    assert started.wait(60)
+    cache._located.clear()
+    waited = store_location(str(corpus), raw(tokenizer_dir, cache_dir, log=said.append))
+    builder.join(120)
+    assert built == [waited]
+    progress = [s for s in said if "units done" in s]
+    assert len(progress) >= 2, said
+    size = sum(f.stat().st_size for f in corpus.rglob("*") if f.is_file())
+    assert (
+        "of 4 units done, " in progress[0]
+        and f"of {size / (1 << 20):,.1f} MiB of input" in progress[0]
+    )
+    done = [int(s.split("tokenizing, ")[1].split(" of 4")[0]) for s in progress]
+    assert done == sorted(done) and done[-1] > done[0], said
+    assert all(s.startswith(f"waiting for {socket.gethostname()} pid {os.getpid()} to prepare")
+               for s in said)  # fmt: skip
+    assert not (cache_dir / f".{waited.name}.building").exists()
+    assert [p.name for p in cache_dir.iterdir() if p.name.startswith(".")] == []

@@ -179,8 +179,8 @@ def test_json_file_and_dataset_dict(tmp_path, tokenizer_dir):
         }
     )
     dd.save_to_disk(str(tmp_path / "dd"))
-    b = prepare_store([str(tmp_path / "dd")], str(tokenizer_dir), str(tmp_path / "sb"))
-    assert np.array_equal(a.tokens, b.tokens)  # splits in sorted order: train, validation
+    b = prepare_store([str(tmp_path / "dd")], str(tokenizer_dir), str(tmp_path / "sb"), split="all")
+    assert np.array_equal(a.tokens, b.tokens)  # all splits, in sorted order: train, validation
 
 
 def test_hf_without_datasets_package(tmp_path, tokenizer_dir, monkeypatch):
@@ -564,3 +564,82 @@ def test_a_store_inside_an_input_folder_is_skipped_and_a_store_as_input_refused(
     with pytest.raises(StoreError, match=r"is a token store \(made by zephon prepare\), not raw"):
         prepare_store([str(corpus_dir / "store")], str(tokenizer_dir), str(tmp_path / "x"))
     assert not (tmp_path / "x").exists()
+
+
+# ----------------------------------------------------------------------------- issue 18
+
+
+def test_a_dataset_dict_prepares_its_train_split_unless_asked(tmp_path, tokenizer_dir):
+    """A saved DatasetDict with train and validation splits: the store holds the train
+    rows only (held-out rows never train silently); another split or all of them when
+    asked; the manifest records the splits read."""
+    datasets = pytest.importorskip("datasets")
+    rows = {"train": 200, "validation": 100}
+    datasets.DatasetDict(
+        {
+            name: datasets.Dataset.from_dict({"text": [corpus_text(k, 6) for k in range(n)]})
+            for name, n in rows.items()
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
+
+    def prepare(out: str, **kw) -> TokenStore:
+        return prepare_store([str(tmp_path / "dd")], str(tokenizer_dir), str(tmp_path / out),
+                             progress=False, **kw)  # fmt: skip
+
+    report: dict = {}
+    train = prepare("train", report=report)
+    assert train.num_documents == 200 and train.manifest["sources"][0]["splits"] == ["train"]
+    assert report["splits"] == [
+        {"source": "dd", "read": ["train"], "present": ["train", "validation"]}
+    ]
+    assert prepare("explicit", split="train").fingerprint == train.fingerprint
+    validation = prepare("validation", split="validation")
+    assert validation.num_documents == 100
+    assert validation.manifest["sources"][0]["splits"] == ["validation"]
+    every = prepare("all", split="all")
+    assert every.num_documents == 300
+    assert every.manifest["sources"][0]["splits"] == ["train", "validation"]
+    assert np.array_equal(every.tokens[: train.num_tokens], train.tokens)  # sorted: train first
+    with pytest.raises(StoreError, match=r"DatasetDict with the splits \['train', 'validation'\]; "
+                       "it has no split 'test'. Choose one with --split NAME, or --split all"):  # fmt: skip
+        prepare("out", split="test")
+    _no_leftovers(tmp_path)
+
+
+def test_stores_of_other_inputs_keep_their_manifest(tmp_path):
+    """The split is recorded only where a DatasetDict was read: the store of other inputs
+    has the fingerprint the previous version gave it (pinned), with any split asked."""
+    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+
+    (tmp_path / "c" / "sub").mkdir(parents=True)
+    (tmp_path / "c" / "a.txt").write_text("alpha beta gamma\n")
+    (tmp_path / "c" / "sub" / "b.jsonl").write_text(
+        '{"text": "delta epsilon"}\n{"text": "zeta eta theta"}\n'
+    )
+    for split in ("", "validation"):
+        s = prepare_store([str(tmp_path / "c")], str(TOKENIZER_DIR), str(tmp_path / f"s{split}"),
+                          progress=False, split=split)  # fmt: skip
+        assert s.fingerprint == "e70bb69c19bb2b565f31a26b2ecf3c32862c4a8ee29e0d682efe5eedf40b92b3"
+        assert all("splits" not in src for src in s.manifest["sources"])
+
+
+def test_files_opening_with_a_bom_prepare_the_store_of_the_same_files_without(
+    tmp_path, tokenizer_dir
+):
+    """Tokens and documents equal those of the same files without a byte-order mark (the
+    sources' content hashes, so the fingerprint, differ: they are other bytes)."""
+    lines = "".join(json.dumps({"text": corpus_text(k, 12)}) + "\n" for k in range(40))
+    for folder, bom in (("plain", b""), ("bom", b"\xef\xbb\xbf")):
+        root = tmp_path / folder
+        root.mkdir()
+        (root / "a.txt").write_bytes(bom + corpus_text(99, 30).encode())
+        (root / "b.jsonl").write_bytes(bom + lines.encode())
+        (root / "c.jsonl.gz").write_bytes(gzip.compress(bom + lines.encode()))
+        (root / "d.json").write_bytes(bom + json.dumps([{"text": "alpha beta"}]).encode())
+    plain = prepare_store([str(tmp_path / "plain")], str(tokenizer_dir), str(tmp_path / "p"),
+                          progress=False)  # fmt: skip
+    marked = prepare_store([str(tmp_path / "bom")], str(tokenizer_dir), str(tmp_path / "m"),
+                           progress=False, unit_bytes=500)  # several units of b.jsonl  # fmt: skip
+    assert marked.num_documents == plain.num_documents == 1 + 40 + 40 + 1
+    assert np.array_equal(marked.tokens, plain.tokens)
+    assert np.array_equal(marked.doc_offsets, plain.doc_offsets)

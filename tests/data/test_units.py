@@ -1,5 +1,6 @@
 """Work units: cut by the inputs alone, and their documents concatenate to the source's."""
 
+import codecs
 import json
 from pathlib import Path
 
@@ -109,3 +110,41 @@ def test_whole_units_for_unsplittable_kinds(tmp_path):
     units = plan_units(srcs, 10)
     assert [(u.source, u.part) for u in units] == [(0, None), (1, None), (2, None)]
     assert [u.span for u in units] == [(0, Path(tmp_path / s.name).stat().st_size) for s in srcs]
+
+
+_maybe_field = st.one_of(
+    st.builds(lambda t: json.dumps({"text": t}), st.text(max_size=20)),
+    st.builds(lambda t: json.dumps({"body": t}), st.text(max_size=20)),
+    st.sampled_from(["", "  "]),
+)
+_mixed = st.lists(st.tuples(_maybe_field, _sep), max_size=20).map(
+    lambda pairs: "".join(a + b for a, b in pairs).encode()
+)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=_mixed, unit_bytes=st.integers(1, 48), bom=st.booleans())
+def test_units_read_a_bom_and_a_missing_field_as_the_whole_file_does(
+    tmp_path, data, unit_bytes, bom
+):
+    """Issue 18: a byte-order mark opening the file is skipped by the first unit only (the
+    others cannot see it), so the units' documents are those of the file without it; a
+    record without the text field gets, from the units, exactly the message the whole-file
+    reader gives (another field is suggested only when no record has this one)."""
+    path = tmp_path / "d.jsonl"
+    path.write_bytes((codecs.BOM_UTF8 if bom else b"") + data)
+    src = Source("d.jsonl", path, "jsonl")
+    (tmp_path / "plain").mkdir(exist_ok=True)
+    plain = tmp_path / "plain" / "d.jsonl"
+    plain.write_bytes(data)
+    try:
+        whole = list(read_jsonl(Source("d.jsonl", plain, "jsonl"), "text"))
+    except StoreError as e:
+        with pytest.raises(StoreError) as got:
+            _units_docs(src, unit_bytes)
+        assert str(got.value).replace(str(path), "F") == str(e).replace(str(plain), "F")
+        return
+    assert _units_docs(src, unit_bytes) == whole
+    assert list(read_jsonl(src, "text")) == whole

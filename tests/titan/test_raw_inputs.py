@@ -70,3 +70,55 @@ def test_missing_raw_inputs_are_refused_before_anything_is_written(tmp_path: Pat
     )
     assert_refused(job, "input pattern", "corpus/*.jsonl' matches no file")
     assert not run.exists()
+
+
+def _dataset_dict(path: Path) -> Path:
+    datasets = pytest.importorskip("datasets")
+    datasets.DatasetDict(
+        {
+            name: datasets.Dataset.from_dict({"text": [f"{name} document {k}" for k in range(n)]})
+            for name, n in (("train", 20), ("validation", 10))
+        }
+    ).save_to_disk(str(path))
+    return path
+
+
+def test_a_split_the_dataset_dict_lacks_is_refused_in_the_trainers_spelling(tmp_path: Path):
+    """Issue 18: the trainer reads raw DatasetDict inputs by split (--zephon.split); one
+    it does not have is refused before anything is written, listing the splits there
+    and naming the option as the trainer spells it."""
+    data = _dataset_dict(tmp_path / "dd")
+    run = tmp_path / "run"
+    job = train(run, 2, "--zephon.store", str(data), "--zephon.split", "test",
+                log=tmp_path / "refused.log")  # fmt: skip
+    assert_refused(
+        job,
+        "is a Hugging Face DatasetDict with the splits ['train', 'validation']; it has no "
+        "split 'test'. Choose one with --zephon.split NAME, or --zephon.split all",
+    )
+    assert "--split" not in job.output.replace("--zephon.split", "")
+    assert not run.exists()
+
+
+def test_raw_input_errors_name_the_trainers_options(tmp_path: Path, monkeypatch):
+    """The trainer's raw-input errors name --zephon.text_field / --zephon.split (zephon
+    prepare's say --text-field / --split), and a DatasetDict reads zephon.split."""
+    from tests.titan.test_dataloader import job
+    from torchtitan_zephon.data import cache
+    from torchtitan_zephon.data.cache import store_location
+    from torchtitan_zephon.data.store import StoreError
+    from torchtitan_zephon.titan.dataloader import raw_inputs
+
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(cache, "_located", {})
+    data = write_jsonl(tmp_path / "docs.jsonl", topics=3)
+    config = job(tmp_path, store=str(data), text_field="body")
+    with pytest.raises(StoreError) as e:
+        store_location(str(data), raw_inputs(config))
+    assert "unknown text field 'body'; fields present: ['text', 'topic']" in str(e.value)
+    assert "Choose one with --zephon.text_field." in str(e.value)
+    assert "--text-field" not in str(e.value)
+    dd = _dataset_dict(tmp_path / "dd")
+    for split, documents in (("", 20), ("validation", 10), ("all", 30)):
+        location = store_location(str(dd), raw_inputs(job(tmp_path, store=str(dd), split=split)))
+        assert TokenStore.open(location).num_documents == documents

@@ -2,7 +2,10 @@
 
 Dispatches on the kind of path through ``KINDS``: a list of
 ``(kind, detect(path) -> bool, describe(path) -> dict)``. Other kinds
-(checkpoint folders, run folders) are added by appending to ``KINDS``.
+(checkpoint folders, run folders, the store cache) are added by appending to
+``KINDS``. A store cache (``ZEPHON_CACHE``) lists its stores (builtin, raw inputs
+with what they were prepared from), builds in progress or kept after a failure,
+lock files (held or free) and anything else, each with its size.
 
 A store also takes ``--check`` (hash all its content; list each bad chunk; exit
 1 when anything is wrong, 0 when intact) and ``--upgrade`` (add content
@@ -19,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.cli.inspect_run import RUN_KINDS
+from torchtitan_zephon.data.cache import describe_cache, is_cache
 from torchtitan_zephon.data.store import TokenStore, UncheckedStoreWarning, is_store, upgrade_store
 
 
@@ -56,7 +60,7 @@ def _format_store(info: dict[str, Any]) -> str:
     shown = info["sources"][:20]
     for s in shown:
         lines.append(
-            f"    {s['name']}  [{s['kind']}] {s['size']:,} bytes, {s.get('documents', '?')} docs, "
+            f"    {s['name']}  [{_kind(s)}] {s['size']:,} bytes, {s.get('documents', '?')} docs, "
             f"{s.get('tokens', '?')} tokens, sha256 {s['sha256'][:16]}"
         )
     if len(info["sources"]) > len(shown):
@@ -75,16 +79,92 @@ def _format_store(info: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _kind(source: dict[str, Any]) -> str:
+    """A source's kind, with the splits read for a DatasetDict: "hf, split train"."""
+    splits = source.get("splits")
+    if not splits:
+        return source["kind"]
+    return f"{source['kind']}, split{'s' if len(splits) > 1 else ''} {', '.join(splits)}"
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n:,} bytes"
+
+
+def _format_cache(info: dict[str, Any]) -> str:
+    lines = [f"store cache: {info['path']} ({_size(info['size_bytes'])} in all)"]
+
+    def group(title: str, items: list[dict[str, Any]], line: Callable[[dict], str]) -> None:
+        if items:
+            lines.append(f"  {title} ({len(items)}):")
+            lines.extend(
+                f"    {item['name']}  {_size(item['size_bytes'])}, {line(item)}" for item in items
+            )
+
+    def store(item: dict[str, Any]) -> str:
+        tokens = f"{item['tokens']:,}" if isinstance(item.get("tokens"), int) else "?"
+        return f"{tokens} tokens, fingerprint {(item.get('fingerprint') or '?')[:16]}"
+
+    def raw(item: dict[str, Any]) -> str:
+        sources = item.get("sources", [])
+        shown = ", ".join(
+            f"{s['name']}" + (f" [split {', '.join(s['splits'])}]" if s.get("splits") else "")
+            for s in sources[:5]
+        )
+        more = f", ... {len(sources) - 5} more" if len(sources) > 5 else ""
+        inputs = item.get("inputs")
+        origin = f"from {inputs!r}" if inputs else "inputs not recorded"
+        return (
+            f"{store(item)}, {origin} (text field {item.get('text_field')!r}; "
+            f"{len(sources)} source{'s' if len(sources) != 1 else ''}: {shown}{more})"
+        )
+
+    def building(item: dict[str, Any]) -> str:
+        parts = f"{item['parts']} finished part{'s' if item['parts'] != 1 else ''}"
+        names = item.get("sources") or []
+        if names:
+            more = f", ... {len(names) - 5} more" if len(names) > 5 else ""
+            parts += f" of {', '.join(names[:5])}{more}"
+        if item.get("holder"):
+            return f"being built now by {item['holder']} ({parts})"
+        if not item.get("shared"):
+            return f"a build without file locks, or left by one killed ({parts}); delete it if no job runs"
+        return (
+            f"left by a build that failed or was killed ({parts}): the next run of the same "
+            "inputs continues from it; delete it to start over"
+        )
+
+    def lock(item: dict[str, Any]) -> str:
+        if item.get("holder"):
+            return f"held by {item['holder']}"
+        return "free (left by a killed process or an older zephon): safe to delete"
+
+    group("builtin stores", info["builtin"], lambda i: f"part {i['part']}, {store(i)}")
+    group("stores of raw inputs", info["raw"], raw)
+    group("builds", info["building"], building)
+    group("locks", info["locks"], lock)
+    group("other", info["other"], lambda i: "not made by zephon's cache")
+    if len(lines) == 1:
+        lines.append("  empty")
+    return "\n".join(lines)
+
+
 # (kind, detect, describe, format for humans)
 KINDS: list[tuple[str, Callable[[Path], bool], Callable[[Path], dict], Callable[[dict], str]]] = [
     ("store", is_store, _describe_store, _format_store),
     *RUN_KINDS,  # checkpoint folders, then run folders
+    ("cache", is_cache, describe_cache, _format_cache),
 ]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "inspect", help="describe a store (or checkpoint / run folder)", description=__doc__
+        "inspect",
+        help="describe a store (or checkpoint / run folder, or the store cache)",
+        description=__doc__,
     )
     p.add_argument("path", metavar="PATH")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -125,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
     if not path.exists():
         raise ValueError(
             f"{str(path)!r} does not exist; expected a token store, a checkpoint folder "
-            "(checkpoint/step-N) or a run folder (job.dump_folder)."
+            "(checkpoint/step-N), a run folder (job.dump_folder) or the store cache "
+            "(ZEPHON_CACHE)."
         )
     for kind, detect, describe, fmt in KINDS:
         if detect(path):

@@ -1,5 +1,8 @@
 """``zephon prepare``: tokenize text, JSONL, Parquet or HF datasets into a token store.
 
+Of a Hugging Face DatasetDict folder it reads the ``train`` split unless ``--split``
+names another (or ``all``), and says which split it read.
+
 Under torchrun (or any launcher setting RANK / WORLD_SIZE) the ranks share the
 work (``torchtitan_zephon.prepare_ranks``); rank 0 prints the result and, after a
 failure, the one error every rank agrees on.
@@ -14,6 +17,7 @@ from typing import Any
 
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.data.prepare import PrepareFailed, prepare_store
+from torchtitan_zephon.data.readers import ALL_SPLITS
 from torchtitan_zephon.data.units import UNIT_BYTES
 
 
@@ -28,7 +32,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "--nnodes N --nproc-per-node P -m torchtitan_zephon prepare ...`) the ranks share "
             "the work; the output's parent folder must be on a filesystem they all share. "
             "An interrupted prepare keeps its finished parts beside the output: the same "
-            "command run again continues."
+            "command run again continues. Of a DatasetDict only the train split is read "
+            "unless --split says otherwise."
         ),
     )
     p.add_argument(
@@ -48,6 +53,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="tokenizer processes (per rank)",
     )
     p.add_argument("--text-field", default="text", metavar="NAME", help="JSON/Parquet field")
+    p.add_argument(
+        "--split",
+        default="",
+        metavar="NAME",
+        help="the split of each Hugging Face DatasetDict folder to read (default: train; "
+        f"'{ALL_SPLITS}': every split, in sorted order); other inputs are read whole",
+    )
     p.add_argument(
         "--unit-bytes",
         type=int_in(1),
@@ -78,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             ranks=ranks,
             unit_bytes=args.unit_bytes,
             report=report,
+            split=args.split,
         )
     except PrepareFailed:
         if ranks.rank != 0:  # rank 0 prints the same message
@@ -98,4 +111,23 @@ def run(args: argparse.Namespace) -> int:
         f"{store.manifest['dtype']}, fingerprint {store.fingerprint}"
         f" ({report['world_size']} rank{'s' if report['world_size'] > 1 else ''}{reused})"
     )
+    for line in _split_lines(report["splits"], args.split):
+        print(line)
     return 0
+
+
+def _split_lines(splits: list[dict[str, Any]], asked: str) -> list[str]:
+    """Which splits of each DatasetDict were read (prepare says so: held-out splits must
+    not train by accident)."""
+    lines = []
+    for s in splits:
+        read = ", ".join(s["read"])
+        present = ", ".join(s["present"] or [])
+        lines.append(
+            f"  read split{'s' if len(s['read']) > 1 else ''} {read} of the DatasetDict "
+            f"{s['source']} (its splits: {present}; choose with --split NAME, or --split "
+            f"{ALL_SPLITS})"
+        )
+    if asked and not splits:
+        lines.append(f"  --split {asked}: no input is a Hugging Face DatasetDict; all read whole")
+    return lines

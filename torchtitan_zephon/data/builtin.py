@@ -19,7 +19,9 @@ from __future__ import annotations
 import functools
 import hashlib
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from torchtitan_zephon.data.cache import BUILTIN_PREFIX, build_once, cache_root
 
@@ -75,7 +77,7 @@ def _part_prefix(part: str) -> str:
 def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
     """Path of the builtin store (or of one of its ``PARTS``), building it on first use
     (once per process: the dataloader and the validator both ask, and the key hashes
-    ~5 MB of text)."""
+    ~5 MB of text), with a progress bar when ``progress``."""
     from torchtitan_zephon.data.prepare import prepare_store
 
     docs = corpus_documents(part)
@@ -83,7 +85,7 @@ def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
         f"builtin-{_key(docs)}" if part == "all" else f"builtin-{part}-{_key(docs)}"
     )
 
-    def build(dest: Path) -> None:
+    def build(dest: Path, tell: Callable[[dict[str, Any]], None]) -> None:
         # A fixed folder name: the manifest names sources relative to it.
         corpus = (
             dest.parent
@@ -94,6 +96,9 @@ def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
             p = corpus / name
             p.parent.mkdir(parents=True, exist_ok=True)
             p.write_text(text, encoding="utf-8")
-        prepare_store([str(corpus)], str(TOKENIZER_DIR), str(dest), workers=1, progress=progress)
+        prepare_store(
+            [str(corpus)], str(TOKENIZER_DIR), str(dest), workers=1, progress=progress,
+            on_progress=tell,
+        )  # fmt: skip
 
     return build_once(out, build, what=f"the builtin store ({part})")

@@ -17,7 +17,9 @@ the sources (sha256 records). (4) Rank 0 writes the manifest and renames the
 assembled store to the output; the staging folder is removed.
 
 Invariants: the store's bytes depend only on the inputs' contents, their names
-relative to the given inputs, the tokenizer and ``text_field``; never on the
+relative to the given inputs, the tokenizer, ``text_field`` and ``split`` (which
+splits of a Hugging Face DatasetDict are read: ``readers.select_splits``; the
+manifest records them for such sources only); never on the
 number of ranks or workers, the unit size, chunking, absolute paths, timing or
 how many earlier runs were interrupted. The output path holds either nothing
 or a complete store (renamed into place last). A prepare that fails or is
@@ -62,7 +64,17 @@ from torchtitan_zephon.data.parts import (
     write_part_into_store,
 )
 from torchtitan_zephon.data.ranks import OneProcess, Ranks
-from torchtitan_zephon.data.readers import Source, iter_documents, resolve_inputs, source_record
+from torchtitan_zephon.data.readers import (
+    PREPARE_OPTIONS,
+    OptionError,
+    OptionNames,
+    Source,
+    dataset_dict_splits,
+    iter_documents,
+    resolve_inputs,
+    select_splits,
+    source_record,
+)
 from torchtitan_zephon.data.store import (
     FORMAT,
     FORMAT_VERSION,
@@ -181,6 +193,7 @@ class _Plan:
     sources: list[Source]
     units: list[Unit]
     identity: dict[str, Any]  # what every rank must agree on
+    names: OptionNames  # how the running command spells its options, for messages
 
 
 def prepare_store(
@@ -194,14 +207,22 @@ def prepare_store(
     ranks: Ranks | None = None,
     unit_bytes: int = UNIT_BYTES,
     report: dict[str, Any] | None = None,
+    split: str = "",
+    names: OptionNames = PREPARE_OPTIONS,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> TokenStore:
     """Tokenize ``inputs`` into a new token store at ``output`` and open it.
 
     ``ranks``: the processes sharing the work (default: this one alone); every rank
     calls this with the same arguments and gets the same store. ``unit_bytes``: the
-    target size of a work unit (the store does not depend on it). ``report``, if
-    given, receives a summary: units, parts reused from an earlier run, tokens,
-    documents, seconds. A failed or interrupted prepare keeps its finished parts in
+    target size of a work unit (the store does not depend on it). ``split``: the
+    split of each Hugging Face DatasetDict to read (empty: ``train``; ``all``: every
+    split, sorted). ``names``: how the caller spells ``--text-field`` / ``--split`` in
+    its messages. ``report``, if given, receives a summary: units, parts reused from
+    an earlier run, tokens, documents, seconds, the splits read. ``on_progress``, if
+    given, is called on this rank with its progress (``phase``, ``units`` /
+    ``units_done``, input ``bytes`` / ``bytes_done``, ``documents``), often: it
+    should be cheap. A failed or interrupted prepare keeps its finished parts in
     the staging folder beside the output, and a second run reuses them.
     """
     ranks = ranks or OneProcess()
@@ -213,7 +234,7 @@ def prepare_store(
     local: dict[str, _Plan] = {}
 
     def plan() -> str:
-        local["plan"] = _plan(inputs, tokenizer, out, workers, text_field, unit_bytes)
+        local["plan"] = _plan(inputs, tokenizer, out, workers, text_field, unit_bytes, split, names)
         return fingerprint(local["plan"].identity)
 
     digests = _together(ranks, plan)
@@ -232,7 +253,11 @@ def prepare_store(
     try:
         _together(ranks, lambda: _open_staging(ranks, mine, staging))
         _together(ranks, lambda: _check_shared(ranks, mine, staging))
-        stats = _together(ranks, lambda: _stage(ranks, mine, staging, workers, progress))
+        stats = _together(
+            ranks, lambda: _stage(ranks, mine, staging, workers, progress, on_progress)
+        )
+        if on_progress is not None:
+            on_progress({"phase": "assembling"})
         store = _assemble(ranks, mine, out, staging, [s for st in stats for s in st[0]])
     except KeyboardInterrupt:
         note = _keep_or_remove(ranks, staging)
@@ -255,6 +280,11 @@ def prepare_store(
             documents=store.num_documents,
             world_size=ranks.world_size,
             seconds=time.perf_counter() - t0,
+            splits=[
+                {"source": s.name, "read": list(s.splits), "present": dataset_dict_splits(s.path)}
+                for s in mine.sources
+                if s.splits is not None
+            ],
         )
     return store
 
@@ -307,7 +337,14 @@ def _together(ranks: Ranks, step: Callable[[], Any]) -> list[Any]:
 
 
 def _plan(
-    inputs: list[str], tokenizer: str, out: Path, workers: int, text_field: str, unit_bytes: int
+    inputs: list[str],
+    tokenizer: str,
+    out: Path,
+    workers: int,
+    text_field: str,
+    unit_bytes: int,
+    split: str,
+    names: OptionNames,
 ) -> _Plan:
     """Phase 1 on each rank: check the arguments, identify the tokenizer, resolve the
     inputs and cut them into units."""
@@ -325,21 +362,22 @@ def _plan(
         raise StoreError(f"unit_bytes must be >= 1, got {unit_bytes}.")
     info = load_tokenizer_info(tokenizer)
     dtype_name = dtype_for_vocab(info.vocab_size)
-    sources = resolve_inputs(inputs)
+    sources = select_splits(resolve_inputs(inputs), split, names)
     units = plan_units(sources, unit_bytes)
     identity = {
         "output": str(out.resolve()),
         "tokenizer": info.sha256,
         "text_field": text_field,
+        "split": split,
         "unit_bytes": unit_bytes,
         "sources": input_identity(sources),
     }
-    return _Plan(info, dtype_name, sources, units, identity)
+    return _Plan(info, dtype_name, sources, units, identity, names)
 
 
 def _difference(a: dict[str, Any], b: dict[str, Any], rank: int) -> str:
     """How rank ``rank``'s view of the inputs (``b``) differs from rank 0's (``a``)."""
-    for key in ("output", "tokenizer", "text_field", "unit_bytes"):
+    for key in ("output", "tokenizer", "text_field", "split", "unit_bytes"):
         if a[key] != b[key]:
             return f"rank 0 has {key} {a[key]!r}, rank {rank} has {b[key]!r}"
     sa = {s[0]: s for s in a["sources"]}
@@ -411,10 +449,16 @@ def _check_shared(ranks: Ranks, plan: _Plan, staging: Path) -> None:
 
 
 def _stage(
-    ranks: Ranks, plan: _Plan, staging: Path, workers: int, progress: bool
+    ranks: Ranks,
+    plan: _Plan,
+    staging: Path,
+    workers: int,
+    progress: bool,
+    on_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[list[tuple[int, dict[str, Any]]], int]:
     """Phase 2 on each rank: make (or reuse) the parts of this rank's units; their
-    records by unit index, and how many were reused."""
+    records by unit index, and how many were reused. ``on_progress`` hears of every
+    chunk and unit done."""
     parts = staging / PARTS
     text_field = plan.identity["text_field"]
     dtype = np.dtype("<u2" if plan.dtype_name == "uint16" else "<u4")
@@ -424,6 +468,20 @@ def _stage(
     records: list[tuple[int, dict[str, Any]]] = []
     hashes: dict[int, str] = {}
     identities = {u.index: _unit_identity(plan, u, text_field) for u in mine}
+    sizes = {u.index: u.size for u in mine}
+    state = {"phase": "tokenizing", "units": len(mine), "bytes": sum(sizes.values())}
+    state.update(units_done=0, bytes_done=0, documents=0)
+
+    def told(unit: int | None = None, documents: int = 0) -> None:
+        if on_progress is None:
+            return
+        state["documents"] += documents
+        if unit is not None:
+            state["units_done"] += 1
+            state["bytes_done"] += sizes[unit]
+        on_progress(dict(state))
+
+    told()
 
     def reuse(u: Unit) -> bool:
         """Keep an earlier run's part of ``u`` if intact and its input unchanged."""
@@ -431,13 +489,14 @@ def _stage(
         rec = load_part(parts, part_key(i), i, hashes[u.index], dtype.itemsize)
         if rec is not None:
             records.append((u.index, rec))
+            told(u.index, int(rec["documents"]))
         return rec is not None
 
     made_here: set[int] = set()
     bar = _progress_bar(progress and ranks.rank == 0)
     writer: PartWriter | None = None
     try:
-        chunks = _unit_chunks(mine, plan.sources, text_field, stats, hashes, reuse)
+        chunks = _unit_chunks(mine, plan.sources, text_field, stats, hashes, reuse, plan.names)
         info = plan.info
         for (index, last), flat, lengths in encode_in_order(
             chunks, str(info.path), info.eos_id, workers
@@ -451,6 +510,7 @@ def _stage(
                 made_here.add(index)
                 writer = None
                 bar.set_postfix(parts=f"{len(records)}/{len(mine)}", refresh=False)
+            told(index if last else None, int(lengths.size))
     finally:
         if writer is not None:
             writer.abort()
@@ -482,13 +542,14 @@ def _unit_chunks(
     stats: dict[int, tuple[int, ...]],
     hashes: dict[int, str],
     reuse: Callable[[Unit], bool],
+    names: OptionNames = PREPARE_OPTIONS,
 ) -> Iterator[tuple[tuple[int, bool], list[str]]]:
     """((unit index, last chunk of the unit?), documents) chunks of the units to make, in
     order; each ends with a chunk marked last (maybe empty). Each unit's input is hashed
     (into ``hashes``) just before it is read, so an intact earlier part is reused
     (``reuse``) instead, and the read mostly hits the page cache. The source must be
     unchanged since the start before and after the read; an error carries the unit's
-    index."""
+    index (and names options as ``names`` spells them)."""
     for u in units:
         src = sources[u.source]
         chunk: list[str] = []
@@ -507,6 +568,10 @@ def _unit_chunks(
             _check_unchanged(src, stats[u.source])
         except OSError as e:
             err = _unreadable(src, e)
+            err.unit_index = u.index  # type: ignore[attr-defined]
+            raise err from None
+        except OptionError as e:
+            err = e.spelled(names)
             err.unit_index = u.index  # type: ignore[attr-defined]
             raise err from None
         except StoreError as e:
@@ -545,7 +610,7 @@ def _assemble(
     if num_tokens == 0:
         raise EmptyCorpus(
             f"empty corpus: the inputs hold no documents with text (text field "
-            f"{plan.identity['text_field']!r}). Check the paths and --text-field."
+            f"{plan.identity['text_field']!r}). Check the paths and {plan.names.text_field}."
         )
     itemsize = 2 if plan.dtype_name == "uint16" else 4
     chunks = num_chunks(num_tokens)

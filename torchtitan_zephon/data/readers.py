@@ -4,30 +4,41 @@ Role: expand inputs (files, folders, Hugging Face ``save_to_disk`` folders, glob
 patterns, comma-separated lists of these) into canonically named sources, and read each source's documents through the reader ``READERS`` names
 for its kind: text, JSONL (.jsonl, .jsonl.gz, .ndjson), JSON, Parquet, HF. A new
 input kind is a new entry in ``KINDS`` (how to recognise it) and ``READERS``
-(how to read it).
+(how to read it). ``select_splits`` says which splits of a Hugging Face
+``DatasetDict`` folder are read: ``train`` unless asked (``all``: every split).
 
 Invariants: the order of sources and of documents depends only on the inputs as
 given and the names and contents of the files: folders are walked sorted by
 name, hidden entries skipped, glob matches sorted the same way, every real file
 and folder visited once (symbolic-link loops end). A source's name is its path
 relative to the deepest folder holding every source, whatever the spelling of
-the inputs (a folder, a glob of its files, a list of them). Every document is valid Unicode text.
-Input that cannot be read (not text, truncated or corrupt compressed data,
-JSON nested too deeply, a broken Parquet file or dataset folder) is a
-``StoreError`` naming the file, and the line where there is one.
+the inputs (a folder, a glob of its files, a list of them). Every document is
+valid Unicode text; a UTF-8 byte-order mark opening a text, JSONL(.gz) or JSON
+file is not part of it (the documents are those of the same file without it).
+Input that cannot be read (not text, truncated or corrupt compressed data, JSON
+nested too deeply, a broken Parquet file or dataset folder) is a ``StoreError``
+naming the file, and the line where there is one; where another value of an
+option would fix it (the text field, the split) an ``OptionError``, spelled for
+the command that runs (``zephon prepare``'s ``--text-field``, the trainer's
+``--zephon.text_field``: ``OptionNames``). A record without the text field in a
+file whose other records have it is named as such, never answered by suggesting
+another field.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import hashlib
+import io
+import itertools
 import json
 import os
 import sys
 import zlib
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +50,43 @@ class Source:
     name: str  # relative, stable name recorded in the manifest
     path: Path
     kind: str  # a key of READERS
+    splits: tuple[str, ...] | None = None
+    """The splits read, for a Hugging Face DatasetDict folder (``select_splits``); None
+    for any other source (a single Dataset folder is read whole)."""
+
+
+@dataclass(frozen=True)
+class OptionNames:
+    """How the running command spells the options that choose what is read, for its
+    messages: ``zephon prepare``'s (``PREPARE_OPTIONS``) or the trainer's
+    (``--zephon.text_field``, ``--zephon.split``)."""
+
+    text_field: str = "--text-field"
+    split: str = "--split"
+
+
+PREPARE_OPTIONS = OptionNames()
+
+
+class OptionError(StoreError):
+    """Bad input that another value of an option fixes (``option``: a field of
+    ``OptionNames``); ``spelled`` gives the same message naming the option as another
+    command spells it."""
+
+    def __init__(
+        self, message: Callable[[str], str], option: str, names: OptionNames = PREPARE_OPTIONS
+    ) -> None:
+        self.message, self.option = message, option
+        super().__init__(message(getattr(names, option)))
+
+    def spelled(self, names: OptionNames) -> OptionError:
+        return OptionError(self.message, self.option, names)
+
+
+ALL_SPLITS = "all"
+"""The ``split`` value that reads every split of a DatasetDict (Hugging Face reserves
+the name ``all`` for the same meaning)."""
+DEFAULT_SPLIT = "train"
 
 
 # (name suffixes, kind), tried in order; anything else is read as text.
@@ -53,6 +101,82 @@ def _is_hf_dataset(path: Path) -> bool:
     return path.is_dir() and any(
         (path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")
     )
+
+
+def dataset_dict_splits(path: Path) -> list[str] | None:
+    """The splits a DatasetDict folder holds (its dataset_dict.json); None for a folder
+    that is a single Dataset."""
+    index = path / "dataset_dict.json"
+    if not index.is_file():
+        return None
+    try:
+        splits = json.loads(index.read_text(encoding="utf-8"))["splits"]
+        if not (isinstance(splits, list) and all(isinstance(x, str) for x in splits)):
+            raise ValueError("'splits' is not a list of names")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise StoreError(
+            f"{path}: cannot read this Hugging Face dataset folder (dataset_dict.json: {e}): "
+            "it is incomplete or corrupt. Save it again with `DatasetDict.save_to_disk`."
+        ) from None
+    return splits
+
+
+def _saved_split(path: Path) -> str | None:
+    """The split a single Dataset folder was saved as (its state.json), if it says."""
+    try:
+        split = json.loads((path / "state.json").read_text(encoding="utf-8")).get("_split")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return split if isinstance(split, str) else None
+
+
+def select_splits(
+    sources: list[Source], split: str = "", names: OptionNames = PREPARE_OPTIONS
+) -> list[Source]:
+    """``sources`` with the splits each Hugging Face DatasetDict folder reads: ``split``
+    (empty: ``train``), or every split in sorted order for ``all``. A DatasetDict without
+    that split is an ``OptionError`` listing the splits it has. A single Dataset folder
+    is read whole; an explicit ``split`` other than the one it was saved as (when its
+    state.json records one) is refused. Other sources are unchanged."""
+    out: list[Source] = []
+    for src in sources:
+        present = dataset_dict_splits(src.path) if src.kind == "hf" else None
+        if src.kind != "hf":
+            out.append(src)
+        elif present is None:
+            saved = _saved_split(src.path)
+            if split and split != ALL_SPLITS and saved is not None and saved != split:
+                raise OptionError(
+                    lambda o, src=src, saved=saved: (
+                        f"{src.path} is a single Hugging Face Dataset saved as split {saved!r} "
+                        f"(not a DatasetDict), so {o} {split} cannot select from it. Give the "
+                        f"folder of the {split!r} split, or drop {o} (a single Dataset is read "
+                        "whole)."
+                    ),
+                    "split",
+                    names,
+                )
+            out.append(src)
+        elif split == ALL_SPLITS:
+            out.append(replace(src, splits=tuple(sorted(present))))
+        elif (split or DEFAULT_SPLIT) in present:
+            out.append(replace(src, splits=(split or DEFAULT_SPLIT,)))
+        else:
+            which = (
+                f"no split {split!r}"
+                if split
+                else f"no {DEFAULT_SPLIT!r} split, which is read by default"
+            )
+            raise OptionError(
+                lambda o, src=src, present=present, which=which: (
+                    f"{src.path} is a Hugging Face DatasetDict with the splits "
+                    f"{sorted(present)}; it has {which}. Choose one with {o} NAME, or {o} "
+                    f"{ALL_SPLITS} to read every split."
+                ),
+                "split",
+                names,
+            )
+    return out
 
 
 def _kind_of(path: Path) -> str:
@@ -190,7 +314,8 @@ def _source_files(src: Source) -> list[Path]:
 
 
 def source_record(src: Source) -> dict[str, Any]:
-    """Manifest entry: name, kind, sha256 of the content, size in bytes."""
+    """Manifest entry: name, kind, sha256 of the content, size in bytes; for a
+    DatasetDict, the splits read."""
     h = hashlib.sha256()
     size = 0
     for f in _source_files(src):
@@ -200,19 +325,38 @@ def source_record(src: Source) -> dict[str, Any]:
             for block in iter(lambda: fh.read(1 << 20), b""):
                 h.update(block)
                 size += len(block)
-    return {"name": src.name, "kind": src.kind, "sha256": h.hexdigest(), "size": size}
+    record = {"name": src.name, "kind": src.kind, "sha256": h.hexdigest(), "size": size}
+    if src.splits is not None:  # only DatasetDict sources: other manifests stay as they were
+        record["splits"] = list(src.splits)
+    return record
 
 
-def _field(record: Any, text_field: str, where: str) -> str:
+_LOOK_AHEAD = 1000
+"""Records read past one without the text field, to tell a file that lacks the field
+(another field is meant) from one whose odd record lacks it (an error only)."""
+
+
+def _field(record: Any, text_field: str, where: str, others: Callable[[], bool]) -> str:
+    """The text of one JSON record; ``others()`` (asked only when the field is missing)
+    says whether other records of its file have the field."""
     if not isinstance(record, dict):
         raise StoreError(
             f"{where}: expected a JSON object with field {text_field!r}, found "
             f"{type(record).__name__}."
         )
     if text_field not in record:
-        raise StoreError(
-            f"{where}: unknown text field {text_field!r}; fields present: "
-            f"{sorted(record)}. Choose one with --text-field."
+        fields = sorted(record)
+        if others():
+            raise StoreError(
+                f"{where}: this record has no field {text_field!r} (its fields: {fields}), "
+                f"but other records of the file have it. Fix or drop the records without it."
+            )
+        raise OptionError(
+            lambda o: (
+                f"{where}: unknown text field {text_field!r}; fields present: {fields}. "
+                f"Choose one with {o}."
+            ),
+            "text_field",
         )
     value = record[text_field]
     if not isinstance(value, str):
@@ -220,6 +364,33 @@ def _field(record: Any, text_field: str, where: str) -> str:
             f"{where}: field {text_field!r} should be a string, found {type(value).__name__}."
         )
     return value
+
+
+def _has_field(line: str, text_field: str) -> bool:
+    """Whether a JSON line (maybe blank or invalid) is an object with ``text_field``."""
+    if not line.strip():
+        return False
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(record, dict) and text_field in record
+
+
+def _any_has_field(lines: Iterable[str], text_field: str) -> bool:
+    """Whether one of the next ``_LOOK_AHEAD`` non-blank ``lines`` has ``text_field``."""
+    checked = 0
+    try:
+        for line in lines:
+            if line.strip():
+                if _has_field(line, text_field):
+                    return True
+                checked += 1
+                if checked >= _LOOK_AHEAD:
+                    break
+    except (EOFError, OSError, zlib.error):  # a damaged rest: judge by the lines read
+        pass
+    return False
 
 
 def iter_documents(
@@ -243,9 +414,13 @@ def iter_documents(
         raise StoreError(f"unknown source kind {src.kind!r} for {src.path}.")
     for k, text in enumerate(reader(src, text_field)):
         if not isinstance(text, str):
-            raise StoreError(
-                f"{src.path}: document {k} in field {text_field!r} is a "
-                f"{type(text).__name__}, not text; choose a text column with --text-field."
+            kind = type(text).__name__
+            raise OptionError(
+                lambda o, k=k, kind=kind: (
+                    f"{src.path}: document {k} in field {text_field!r} is a {kind}, not text; "
+                    f"choose a text column with {o}."
+                ),
+                "text_field",
             )
         try:
             text.encode("utf-8")
@@ -284,7 +459,7 @@ def read_text(src: Source, text_field: str) -> Iterator[Any]:
             ".jsonl(.gz), .json, .parquet and Hugging Face datasets; move other files "
             "out of the input folder."
         )
-    text = data.decode("utf-8", errors="replace")
+    text = data.decode("utf-8-sig", errors="replace")  # -sig: a leading BOM is no text
     if text:
         yield text
 
@@ -306,7 +481,8 @@ def read_jsonl(src: Source, text_field: str) -> Iterator[Any]:
     opener = gzip.open if compressed else open
     lineno = 0
     try:
-        with opener(src.path, "rt", encoding="utf-8", errors="replace") as fh:
+        with opener(src.path, "rt", encoding="utf-8-sig", errors="replace") as fh:
+            seen = False  # a record with the text field was read
             for lineno, line in enumerate(fh, 1):
                 if not line.strip():
                     continue
@@ -316,7 +492,16 @@ def read_jsonl(src: Source, text_field: str) -> Iterator[Any]:
                     raise _too_deep(f"{src.path}:{lineno}") from None
                 except ValueError as e:
                     raise StoreError(f"{src.path}:{lineno}: invalid JSON ({e}).") from None
-                text = _field(record, text_field, f"{src.path}:{lineno}")
+                if _plain(record, text_field):
+                    text = record[text_field]
+                else:
+                    text = _field(
+                        record,
+                        text_field,
+                        f"{src.path}:{lineno}",
+                        lambda seen=seen: seen or _any_has_field(fh, text_field),
+                    )
+                seen = True
                 if text:
                     yield text
     except EOFError:
@@ -373,6 +558,8 @@ def read_jsonl_range(src: Source, text_field: str, start: int, stop: int) -> Ite
     with open(src.path, "rb") as fh:
         fh.seek(start)
         data = fh.read(stop - start)
+    if start == 0 and data.startswith(codecs.BOM_UTF8):  # only the first unit can see it
+        data = data[len(codecs.BOM_UTF8) :]
     text = data.decode("utf-8", errors="replace")
     del data
     if "\r" in text:
@@ -384,7 +571,9 @@ def read_jsonl_range(src: Source, text_field: str, start: int, stop: int) -> Ite
             first.append(_lines_before(src.path, start) + 1)
         return f"{src.path}:{first[0] + i}"
 
-    for i, line in enumerate(text.split("\n")):
+    lines = text.split("\n")
+    seen = False  # a record with the text field was read
+    for i, line in enumerate(lines):
         if not line.strip():
             continue
         try:
@@ -396,9 +585,41 @@ def read_jsonl_range(src: Source, text_field: str, start: int, stop: int) -> Ite
         if _plain(record, text_field):
             value = record[text_field]
         else:
-            value = _field(record, text_field, where(i))  # raises, naming the line
+
+            def others(i: int = i, seen: bool = seen) -> bool:
+                """As ``read_jsonl`` judges: a record before it has the field (before the
+                range: the file's first record does; the earliest error is the one
+                reported, so the records before it have the field), or one of the next
+                records does (past the range too)."""
+                ahead = itertools.chain(lines[i + 1 :], _lines_from(src.path, stop))
+                return (
+                    seen
+                    or (start > 0 and _first_record_has_field(src.path, text_field))
+                    or _any_has_field(ahead, text_field)
+                )
+
+            value = _field(record, text_field, where(i), others)  # raises, naming the line
+        seen = True
         if value:
             yield value
+
+
+def _lines_from(path: Path, offset: int) -> Iterator[str]:
+    """The lines of a file from byte ``offset`` (a line start) on, as text mode reads them."""
+    with open(path, "rb") as raw:
+        raw.seek(offset)
+        yield from io.TextIOWrapper(raw, encoding="utf-8", errors="replace")
+
+
+def _first_record_has_field(path: Path, text_field: str) -> bool:
+    """Whether the first non-blank line of a JSON lines file has ``text_field``: when it
+    does, a later record without it is an odd record, not another field's file (and if
+    it does not, the file's first unit reports that)."""
+    with open(path, encoding="utf-8-sig", errors="replace") as fh:
+        for line in fh:
+            if line.strip():
+                return _has_field(line, text_field)
+    return False
 
 
 def _plain(record: Any, text_field: str) -> bool:
@@ -409,15 +630,19 @@ def _plain(record: Any, text_field: str) -> bool:
 def read_json(src: Source, text_field: str) -> Iterator[Any]:
     """A JSON list of objects (or one object); JSON lines with a .json suffix also work."""
     try:
-        data = json.loads(src.path.read_text(encoding="utf-8", errors="replace"))
+        data = json.loads(src.path.read_text(encoding="utf-8-sig", errors="replace"))
     except RecursionError:
         raise _too_deep(str(src.path)) from None
     except ValueError:  # maybe JSON lines with a .json suffix
         yield from read_jsonl(src, text_field)
         return
     records = data if isinstance(data, list) else [data]
+
+    def others() -> bool:
+        return any(isinstance(r, dict) and text_field in r for r in records)
+
     for k, record in enumerate(records):
-        text = _field(record, text_field, f"{src.path} record {k}")
+        text = _field(record, text_field, f"{src.path} record {k}", others)
         if text:
             yield text
 
@@ -460,9 +685,12 @@ def read_parquet_row_groups(
         rows = sum(pf.metadata.row_group(g).num_rows for g in range(first))
         names = pf.schema_arrow.names
         if text_field not in names:
-            raise StoreError(
-                f"{src.path}: unknown text field {text_field!r}; columns present: {names}. "
-                "Choose one with --text-field."
+            raise OptionError(
+                lambda o: (
+                    f"{src.path}: unknown text field {text_field!r}; columns present: {names}. "
+                    f"Choose one with {o}."
+                ),
+                "text_field",
             )
         groups = None if stop is None else list(range(first, stop))
         for batch in pf.iter_batches(columns=[text_field], batch_size=4096, row_groups=groups):
@@ -478,7 +706,8 @@ def read_parquet_row_groups(
 
 
 def read_hf(src: Source, text_field: str) -> Iterator[Any]:
-    """A ``save_to_disk`` Dataset, or a DatasetDict's splits in sorted order."""
+    """A ``save_to_disk`` Dataset, or the splits of a DatasetDict that ``src.splits``
+    names in that order (a source not given them by ``select_splits``: the default)."""
     try:
         import datasets
     except ImportError:
@@ -490,12 +719,19 @@ def read_hf(src: Source, text_field: str) -> Iterator[Any]:
 
     try:
         ds = datasets.load_from_disk(str(src.path))
-        parts = [ds[k] for k in sorted(ds)] if isinstance(ds, datasets.DatasetDict) else [ds]
+        if isinstance(ds, datasets.DatasetDict):
+            splits = src.splits if src.splits is not None else select_splits([src])[0].splits
+            parts = [ds[k] for k in splits or ()]
+        else:
+            parts = [ds]
         for part in parts:
             if text_field not in part.column_names:
-                raise StoreError(
-                    f"{src.path}: unknown text field {text_field!r}; columns present: "
-                    f"{part.column_names}. Choose one with --text-field."
+                raise OptionError(
+                    lambda o, columns=part.column_names: (
+                        f"{src.path}: unknown text field {text_field!r}; columns present: "
+                        f"{columns}. Choose one with {o}."
+                    ),
+                    "text_field",
                 )
             for batch in part.select_columns([text_field]).iter(batch_size=1024):
                 for text in batch[text_field]:
@@ -503,7 +739,7 @@ def read_hf(src: Source, text_field: str) -> Iterator[Any]:
                         yield text
     except StoreError:
         raise
-    except (pa.ArrowException, OSError, ValueError) as e:  # ValueError: its JSON files
+    except (pa.ArrowException, OSError, ValueError, KeyError) as e:  # ValueError: its JSON
         raise StoreError(
             f"{src.path}: cannot read this Hugging Face dataset folder ({e}): it is "
             "incomplete or corrupt. Save it again with `Dataset.save_to_disk`."

@@ -45,13 +45,17 @@ class Unit:
     size: int  # bytes of input: the work, for assigning units to ranks
 
     def describe(self, src: Source) -> dict[str, Any]:
-        """What the unit is, in a part record: source name and kind, part, span."""
-        return {
+        """What the unit is, in a part record: source name and kind, part, span (and the
+        splits read, for a DatasetDict)."""
+        described: dict[str, Any] = {
             "source": src.name,
             "kind": src.kind,
             "part": None if self.part is None else list(self.part),
             "span": list(self.span),
         }
+        if src.splits is not None:
+            described["splits"] = list(src.splits)
+        return described
 
 
 def _files(src: Source) -> list[Path]:

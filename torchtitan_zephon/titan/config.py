@@ -34,6 +34,14 @@ class Zephon:
     zephon.store (or a mixture source) names raw inputs. It is part of the
     prepared store, so of its fingerprint."""
 
+    split: str = ""
+    """Where zephon.store (or a mixture source) names raw inputs: the split of each
+    Hugging Face DatasetDict folder (save_to_disk) to read. Empty: "train" (a
+    DatasetDict without it is refused, listing its splits); "all": every split, in
+    sorted order. A single Dataset folder is read whole (an explicit split other than
+    the one it was saved as is refused); other inputs are not affected. The splits
+    read are part of the prepared store (its manifest), so of its fingerprint."""
+
     cache_dir: str = ""
     """Folder of the store cache (raw inputs prepared on first use, the builtin
     store) when the environment variable ZEPHON_CACHE is unset. Empty:

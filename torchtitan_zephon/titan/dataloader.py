@@ -29,6 +29,7 @@ from torchtitan_zephon.data.plan import (
     no_sample_text,
     store_fix,
 )
+from torchtitan_zephon.data.readers import OptionNames
 from torchtitan_zephon.data.source import MixtureSource, MixtureStream, Source, StoreSource
 from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
 from torchtitan_zephon.data.store import TokenStore
@@ -46,7 +47,8 @@ def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
 
 def raw_inputs(job_config: Any) -> RawInputs:
     """How this job prepares a store value that names raw inputs: with the tokenizer at
-    model.hf_assets_path and zephon.text_field, into the cache (``$ZEPHON_CACHE``, else
+    model.hf_assets_path, zephon.text_field and zephon.split (messages name these
+    options as the trainer spells them), into the cache (``$ZEPHON_CACHE``, else
     zephon.cache_dir); the process that holds the entry's lock uses one tokenizer process
     per local rank (the others wait for it anyway); progress on global rank 0."""
     zc = job_config.zephon
@@ -54,6 +56,8 @@ def raw_inputs(job_config: Any) -> RawInputs:
     return RawInputs(
         tokenizer=job_config.model.hf_assets_path,
         text_field=getattr(zc, "text_field", "text"),
+        split=getattr(zc, "split", ""),
+        names=OptionNames(text_field="--zephon.text_field", split="--zephon.split"),
         cache_dir=getattr(zc, "cache_dir", ""),
         workers=max(1, min(local, os.cpu_count() or 1)),
         progress=int(os.environ.get("RANK", "0")) == 0,
