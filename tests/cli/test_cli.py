@@ -480,3 +480,37 @@ def test_inspect_lists_what_the_store_cache_holds(tmp_path, tokenizer_dir, store
         f.stat().st_size for f in sizes[entry.name].rglob("*") if f.is_file()
     ) + sizes[f"{entry.name}.json"].stat().st_size  # fmt: skip
     assert info["size_bytes"] == sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+
+
+def test_plan_reads_the_split_of_a_dataset_dict_as_the_trainer_does(
+    tmp_path, tokenizer_dir, monkeypatch, capsys
+):
+    """--split is the trainer's zephon.split: `plan` of raw inputs names the same cache
+    entry, so its ids are those of `prepare --split` of the same folder."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    datasets.DatasetDict(
+        {
+            name: datasets.Dataset.from_dict(
+                {"text": [f"{name} alpha beta {k}" * 9 for k in range(n)]}
+            )
+            for name, n in (("train", 40), ("validation", 30))
+        }
+    ).save_to_disk(str(tmp_path / "dd"))
+    query = ["--seq-len", "16", "--global-batch-size", "4", "--seed", "1", "--steps", "1:3",
+             "--json"]  # fmt: skip
+    for split in ("validation", "all"):
+        store = tmp_path / f"store-{split}"
+        assert main(["prepare", str(tmp_path / "dd"), "--tokenizer", str(tokenizer_dir),
+                     "--output", str(store), "--split", split, "--quiet"]) == 0  # fmt: skip
+        capsys.readouterr()
+        assert main(["plan", "--store", str(store), *query]) == 0
+        expected = capsys.readouterr().out
+        raw = ["plan", "--store", str(tmp_path / "dd"), "--tokenizer", str(tokenizer_dir),
+               "--split", split, *query]  # fmt: skip
+        assert main(raw) == 0
+        assert capsys.readouterr().out == expected
+    assert main(["plan", "--store", str(tmp_path / "dd"), "--tokenizer", str(tokenizer_dir),
+                 "--split", "dev", *query]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "has no split 'dev'" in err and "--split" in err and "Traceback" not in err

@@ -94,6 +94,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="JSON / Parquet field of the text (the trainer's zephon.text_field; default: text)",
     )
     raw.add_argument(
+        "--split",
+        default="",
+        metavar="NAME",
+        help="the split of a Hugging Face DatasetDict to read (the trainer's zephon.split; "
+        "default: train; 'all': every split)",
+    )
+    raw.add_argument(
         "--cache-dir",
         default="",
         metavar="DIR",
@@ -199,6 +206,7 @@ def _raw_inputs(args: argparse.Namespace) -> RawInputs | None:
     return RawInputs(
         tokenizer=args.tokenizer,
         text_field=args.text_field,
+        split=args.split,
         cache_dir=args.cache_dir,
         workers=args.workers,
         progress=sys.stderr.isatty(),
