@@ -80,7 +80,8 @@ class StartPlan:
 def titan_load_step(folder: Path) -> int:
     """The step TorchTitan's ``CheckpointManager._find_load_step`` picks in ``folder``
     (any entry whose name *contains* ``step-N`` and that holds a DCP ``.metadata`` or a
-    safetensors index), or -1."""
+    safetensors index), or -1. TorchTitan has no public API for it: this is the one
+    copy of the rule, and tests/titan/test_load_step.py pins it to TorchTitan's."""
     if not folder.is_dir():
         return -1
     steps = []
