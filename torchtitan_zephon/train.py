@@ -193,8 +193,8 @@ def main() -> None:
     from torchtitan.train import main as titan_main
 
     from torchtitan_zephon.data.state import DataStateMismatch
-    from torchtitan_zephon.data.store import StoreError
     from torchtitan_zephon.ownership import FolderInUse
+    from torchtitan_zephon.store.format import StoreError
     from torchtitan_zephon.titan.preflight import StartRefused
     from torchtitan_zephon.titan.spec import register
     from torchtitan_zephon.titan.trainer import JobStopped, SettingRefused, ZephonTrainer

@@ -9,7 +9,8 @@ import pytest
 
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-from torchtitan_zephon.data.store import TokenStore, UncheckedStoreWarning
+from torchtitan_zephon.store.format import UncheckedStoreWarning
+from torchtitan_zephon.store.reader import TokenStore
 
 from .conftest import copy_store, edit_token, make_v1
 
@@ -424,7 +425,7 @@ def test_inspect_lists_what_the_store_cache_holds(tmp_path, tokenizer_dir, store
     from tests.titan.expect import assert_unchanged, tree
     from torchtitan_zephon.data import cache
     from torchtitan_zephon.data.cache import RawInputs, store_location
-    from torchtitan_zephon.data.store import StoreError
+    from torchtitan_zephon.store.format import StoreError
 
     monkeypatch.delenv(cache.CACHE_ENV, raising=False)
     monkeypatch.setattr(cache, "_located", {})

@@ -14,7 +14,7 @@ from torchtitan_zephon.data.mixture import MixtureConfig
 from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.source import MixtureSource
 from torchtitan_zephon.data.state import RECORD_KEY, DataState
-from torchtitan_zephon.data.store import slice_store
+from torchtitan_zephon.store.writer import slice_store
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,8 @@ def _write_manifest(store: Path, manifest: dict) -> None:
 def copy_store(src: Path, dst: Path, *, chunk_tokens: int | None = None) -> Path:
     """Copy a store; with ``chunk_tokens``, re-cut its checksums into chunks of that size
     (as if prepare had used it), so small test stores have many chunks."""
-    from torchtitan_zephon.data.store import manifest_fingerprint, write_checksums
+    from torchtitan_zephon.store.format import manifest_fingerprint
+    from torchtitan_zephon.store.writer import write_checksums
 
     shutil.copytree(src, dst)
     if chunk_tokens is not None:
@@ -79,7 +80,7 @@ def edit_token(store: Path, index: int, value: int | None = None) -> int:
 
 def make_v1(store: Path) -> str:
     """Rewrite a store as store format version 1 wrote it (no checksums); its fingerprint."""
-    from torchtitan_zephon.data.store import manifest_fingerprint
+    from torchtitan_zephon.store.format import manifest_fingerprint
 
     m = _manifest(store)
     del m["content"]
@@ -121,6 +122,6 @@ def store_path(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, co
 
 @pytest.fixture(scope="session")
 def store(store_path: Path):
-    from torchtitan_zephon.data.store import TokenStore
+    from torchtitan_zephon.store.reader import TokenStore
 
     return TokenStore.open(store_path)

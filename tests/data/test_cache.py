@@ -26,7 +26,8 @@ from torchtitan_zephon.data.mixture import MixtureConfig
 from torchtitan_zephon.data.parts import finished_parts
 from torchtitan_zephon.data.prepare import prepare_store
 from torchtitan_zephon.data.readers import OptionNames, resolve_inputs
-from torchtitan_zephon.data.store import FORMAT_VERSION, StoreError, TokenStore
+from torchtitan_zephon.store.format import FORMAT_VERSION, StoreError
+from torchtitan_zephon.store.reader import TokenStore
 
 
 @pytest.fixture

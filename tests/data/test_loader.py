@@ -9,10 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.data.digest import fingerprint
 from torchtitan_zephon.data.loader import MAX_WINDOW, DataStateMismatch, ZephonLoader
 from torchtitan_zephon.data.plan import BatchSchedule
-from torchtitan_zephon.data.store import StoreError, TokenStore, UncheckedStoreWarning
+from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning, fingerprint
+from torchtitan_zephon.store.reader import TokenStore
 
 from .conftest import copy_store, edit_token, make_v1
 

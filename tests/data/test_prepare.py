@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from torchtitan_zephon.data.prepare import dtype_for_vocab, prepare_store
-from torchtitan_zephon.data.store import StoreError, TokenStore
+from torchtitan_zephon.store.format import StoreError
+from torchtitan_zephon.store.reader import TokenStore
 
 from .conftest import EOS, build_tokenizer, corpus_text
 

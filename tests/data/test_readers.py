@@ -23,7 +23,7 @@ from torchtitan_zephon.data.readers import (
     resolve_inputs,
     select_splits,
 )
-from torchtitan_zephon.data.store import StoreError
+from torchtitan_zephon.store.format import StoreError
 
 # Names that sort differently as strings and level by level ("a-b/x" < "a/x" as
 # strings), hidden names (skipped by walks and by "*"), and a glob character.

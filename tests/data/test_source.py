@@ -23,7 +23,9 @@ from torchtitan_zephon.data.source import (
     split_keys,
 )
 from torchtitan_zephon.data.state import DataConfig, DataState, check_resume
-from torchtitan_zephon.data.store import StoreError, TokenStore, slice_store
+from torchtitan_zephon.store.format import StoreError
+from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.writer import slice_store
 
 from .conftest import copy_store, edit_token
 
@@ -249,7 +251,8 @@ def test_a_changed_source_or_past_weight_is_refused_and_future_entries_continue(
     changed["web"] = copy_store(slices["web"].path, tmp_path / "web")
     edit_token(changed["web"], 5)  # content differs; re-checksummed as a new store
     from tests.data.conftest import _manifest, _write_manifest
-    from torchtitan_zephon.data.store import manifest_fingerprint, write_checksums
+    from torchtitan_zephon.store.format import manifest_fingerprint
+    from torchtitan_zephon.store.writer import write_checksums
 
     m = _manifest(changed["web"])
     m["content"] = write_checksums(changed["web"], m)

@@ -9,7 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.data.digest import fingerprint
 from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.state import (
     DataConfig,
@@ -18,6 +17,7 @@ from torchtitan_zephon.data.state import (
     check_resume,
     schedule_appended,
 )
+from torchtitan_zephon.store.format import fingerprint
 
 
 def config(**kw) -> DataConfig:

@@ -13,15 +13,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.data.store import (
-    StoreError,
-    StoreGroup,
-    TokenStore,
-    UncheckedStoreWarning,
-    manifest_fingerprint,
-    upgrade_store,
-    write_checksums,
-)
+from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning, manifest_fingerprint
+from torchtitan_zephon.store.group import StoreGroup
+from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.upgrade import upgrade_store
+from torchtitan_zephon.store.writer import write_checksums
 
 from .conftest import copy_store, edit_token, make_v1
 
@@ -417,7 +413,7 @@ def test_property_a_store_group_reads_what_each_store_reads(data, seq_len):
 
 def test_a_slice_is_a_store_of_its_own(store, tmp_path):
     """The whole documents within a token range, as a checked store of their own."""
-    from torchtitan_zephon.data.store import slice_store
+    from torchtitan_zephon.store.writer import slice_store
 
     a = slice_store(store, 100, 900, tmp_path / "a")
     (part,) = a.manifest["sources"]

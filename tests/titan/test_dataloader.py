@@ -12,7 +12,7 @@ import pytest
 
 from torchtitan_zephon.data.loader import DataStateMismatch
 from torchtitan_zephon.data.state import DataConfig, DataState
-from torchtitan_zephon.data.store import StoreError, UncheckedStoreWarning
+from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning
 from torchtitan_zephon.titan.dataloader import batch_schedule, build_zephon_dataloader
 from torchtitan_zephon.tracker import sample_digests
 

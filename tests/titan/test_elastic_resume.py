@@ -171,7 +171,7 @@ def test_resume_onto_edited_store_content_fails_at_the_step_reading_it(
     from tests.data.conftest import copy_store, edit_token
     from torchtitan_zephon.data.builtin import builtin_store_path
     from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-    from torchtitan_zephon.data.store import TokenStore
+    from torchtitan_zephon.store.reader import TokenStore
 
     store = copy_store(builtin_store_path(), e2e_root / "edited_store")
     num_samples = TokenStore.open(store).num_samples(64) - 16  # tiny.toml: seq_len, heldout

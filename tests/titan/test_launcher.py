@@ -163,7 +163,8 @@ def test_store_changed_mid_run_stops_with_one_line_even_from_a_filtered_rank(tmp
     from tests.data.conftest import copy_store, edit_token
     from torchtitan_zephon.data.builtin import builtin_store_path
     from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-    from torchtitan_zephon.data.store import CHUNK_TOKENS, TokenStore
+    from torchtitan_zephon.store.format import CHUNK_TOKENS
+    from torchtitan_zephon.store.reader import TokenStore
 
     store = copy_store(builtin_store_path(), tmp_path / "store")
     seq = 64  # tiny.toml: seq_len 64, gbs 8, heldout 16; 2 ranks

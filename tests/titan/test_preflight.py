@@ -286,7 +286,8 @@ def lines_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def small_store(lines_store: Path, folder: Path, samples: int, seq_len: int = 64) -> Path:
     """A store of exactly ``samples`` samples of ``seq_len`` (whole short documents)."""
-    from torchtitan_zephon.data.store import TokenStore, slice_store
+    from torchtitan_zephon.store.reader import TokenStore
+    from torchtitan_zephon.store.writer import slice_store
 
     store = slice_store(
         TokenStore.open(lines_store), 0, samples * seq_len + 1 + seq_len // 2, folder
@@ -296,7 +297,7 @@ def small_store(lines_store: Path, folder: Path, samples: int, seq_len: int = 64
 
 
 def open_store(path: Path | str):  # noqa: ANN201 - a TokenStore
-    from torchtitan_zephon.data.store import TokenStore
+    from torchtitan_zephon.store.reader import TokenStore
 
     return TokenStore.open(path)
 

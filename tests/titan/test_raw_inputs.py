@@ -13,7 +13,7 @@ from tests.titan.expect import assert_losses, assert_refused, assert_same_data
 from tests.titan.launch import copy_run_until, train
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.data.builtin import TOKENIZER_DIR
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.store.reader import TokenStore
 
 
 def write_jsonl(path: Path, topics: int = 80) -> Path:
@@ -106,7 +106,7 @@ def test_raw_input_errors_name_the_trainers_options(tmp_path: Path, monkeypatch)
     from tests.titan.test_dataloader import job
     from torchtitan_zephon.data import cache
     from torchtitan_zephon.data.cache import store_location
-    from torchtitan_zephon.data.store import StoreError
+    from torchtitan_zephon.store.format import StoreError
     from torchtitan_zephon.titan.dataloader import raw_inputs
 
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))

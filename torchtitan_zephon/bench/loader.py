@@ -42,7 +42,7 @@ from torchtitan_zephon.bench.measure import paired_latency, rate, ratio, round_r
 from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
 from torchtitan_zephon.data.state import DataState
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.store.reader import TokenStore
 
 DATASET_NAME = "zephon_bench_corpus"
 RESTORE_STEPS = (10, 1_000_000)

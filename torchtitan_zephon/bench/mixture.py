@@ -47,7 +47,8 @@ from torchtitan_zephon.data.mixture import MixtureSpec, SpecSource, parse_schedu
 from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.source import MixtureSource, mixture_progress
 from torchtitan_zephon.data.state import DataState
-from torchtitan_zephon.data.store import TokenStore, slice_store, write_derived_store
+from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.writer import slice_store, write_derived_store
 
 SOURCE_COUNTS = (1, 10, 100)
 PLAN_STEPS = (10, 10**9)

@@ -43,8 +43,8 @@ from torchtitan_zephon.data.prepare import (
     prepare_store,
 )
 from torchtitan_zephon.data.readers import Source, iter_documents
-from torchtitan_zephon.data.store import CHECKSUMS, DOC_OFFSETS, MANIFEST, TOKENS
 from torchtitan_zephon.data.units import plan_units
+from torchtitan_zephon.store.format import CHECKSUMS, DOC_OFFSETS, MANIFEST, TOKENS
 
 RANKS = (1, 2)
 WORKERS = (1, 2)

@@ -36,7 +36,7 @@ CHILD = r"""
 import json, sys, time
 from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.plan import BatchSchedule
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.store.reader import TokenStore
 t_import = time.time()
 store_path, seq_len, batch, record = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 store = TokenStore.open(store_path)

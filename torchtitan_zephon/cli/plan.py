@@ -35,7 +35,8 @@ from torchtitan_zephon.data.plan import (
     no_sample_text,
     store_fix,
 )
-from torchtitan_zephon.data.store import StoreError, TokenStore
+from torchtitan_zephon.store.format import StoreError
+from torchtitan_zephon.store.reader import TokenStore
 
 BLOCK = 1 << 20  # ids computed and written at a time
 MAX_IDS_PER_STEP = 10**9  # about 10 GB of output for one step

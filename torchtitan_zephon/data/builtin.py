@@ -53,7 +53,7 @@ def corpus_documents(part: str = "all") -> list[tuple[str, str]]:
 
 
 def _key(docs: list[tuple[str, str]]) -> str:
-    from torchtitan_zephon.data.store import FORMAT_VERSION
+    from torchtitan_zephon.store.format import FORMAT_VERSION
 
     # "canonical-names": sources are named relative to their deepest common folder
     # (readers.resolve_inputs) since the builtin entries of this key were built.

@@ -68,7 +68,7 @@ from torchtitan_zephon.data.readers import (
     resolve_inputs,
     select_splits,
 )
-from torchtitan_zephon.data.store import (
+from torchtitan_zephon.store.format import (
     CHECKSUMS,
     DOC_OFFSETS,
     FORMAT_VERSION,

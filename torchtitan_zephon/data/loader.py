@@ -52,7 +52,8 @@ from torchtitan_zephon.data.state import (
     ResumeDecision,
     check_resume,
 )
-from torchtitan_zephon.data.store import StoreError, TokenStore
+from torchtitan_zephon.store.format import StoreError
+from torchtitan_zephon.store.reader import TokenStore
 
 __all__ = ["DataStateMismatch", "MicroBatch", "ZephonLoader"]
 

@@ -388,7 +388,8 @@ class MixtureConfig:
         with a progress bar when ``progress``; raw inputs are prepared as ``raw``, a
         ``cache.RawInputs``, says, or refused when it is None); a missing or broken store
         names its source."""
-        from torchtitan_zephon.data.store import StoreError, TokenStore
+        from torchtitan_zephon.store.format import StoreError
+        from torchtitan_zephon.store.reader import TokenStore
 
         stores = {}
         for s in self.sources:

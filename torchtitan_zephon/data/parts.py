@@ -31,8 +31,14 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from torchtitan_zephon.data.digest import canonical_json
-from torchtitan_zephon.data.store import CHECKSUMS, DOC_OFFSETS, TOKENS, StoreError, pwrite_all
+from torchtitan_zephon.store.format import (
+    CHECKSUMS,
+    DOC_OFFSETS,
+    TOKENS,
+    StoreError,
+    canonical_json,
+)
+from torchtitan_zephon.store.writer import pwrite_all
 
 PARTS = "parts"
 ASSEMBLY = "store"

@@ -48,7 +48,6 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon.data.digest import fingerprint
 from torchtitan_zephon.data.encode import encode_in_order, max_workers
 from torchtitan_zephon.data.parts import (
     ASSEMBLY,
@@ -75,17 +74,6 @@ from torchtitan_zephon.data.readers import (
     select_splits,
     source_record,
 )
-from torchtitan_zephon.data.store import (
-    FORMAT,
-    FORMAT_VERSION,
-    MANIFEST,
-    StoreError,
-    TokenStore,
-    content_section,
-    manifest_fingerprint,
-    num_chunks,
-    write_chunk_checksums,
-)
 from torchtitan_zephon.data.units import (
     UNIT_BYTES,
     Unit,
@@ -94,6 +82,18 @@ from torchtitan_zephon.data.units import (
     source_stat,
     unit_input_hash,
 )
+from torchtitan_zephon.store.format import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    StoreError,
+    content_section,
+    fingerprint,
+    manifest_fingerprint,
+    num_chunks,
+)
+from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.writer import write_chunk_checksums
 
 EOS_FALLBACKS = ("<|end_of_text|>", "</s>", "<|endoftext|>", "<eos>")
 _CHUNK_CHARS = 1 << 20

@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.data.store import StoreError, is_store
+from torchtitan_zephon.store.format import StoreError, is_store
 
 
 @dataclass(frozen=True)

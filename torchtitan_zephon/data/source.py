@@ -47,7 +47,6 @@ from typing import Any, Protocol
 import numpy as np
 
 from torchtitan_zephon.data.cache import store_location
-from torchtitan_zephon.data.digest import fingerprint
 from torchtitan_zephon.data.mixture import (
     MixtureConfig,
     MixtureError,
@@ -64,7 +63,9 @@ from torchtitan_zephon.data.plan import (
     store_fix,
 )
 from torchtitan_zephon.data.state import MIXTURE_FIELD, DataConfig, DataState
-from torchtitan_zephon.data.store import StoreError, StoreGroup, TokenStore
+from torchtitan_zephon.store.format import StoreError, fingerprint
+from torchtitan_zephon.store.group import StoreGroup
+from torchtitan_zephon.store.reader import TokenStore
 
 SOURCE_SHIFT = 40
 """Bits of a sample key that hold the sample id: 2^40 (~10^12) samples per source."""

@@ -50,8 +50,8 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from torchtitan_zephon.data.digest import fingerprint
 from torchtitan_zephon.data.plan import BatchSchedule
+from torchtitan_zephon.store.format import fingerprint
 
 STATE_FORMAT = 2
 """2: the config carries ``order_format``. 1: the first release (still read)."""

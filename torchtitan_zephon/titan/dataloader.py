@@ -32,7 +32,7 @@ from torchtitan_zephon.data.plan import (
 from torchtitan_zephon.data.readers import OptionNames
 from torchtitan_zephon.data.source import MixtureSource, MixtureStream, Source, StoreSource
 from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests
 
