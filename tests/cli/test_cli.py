@@ -423,8 +423,8 @@ def test_inspect_lists_what_the_store_cache_holds(tmp_path, tokenizer_dir, store
     import shutil
 
     from tests.titan.expect import assert_unchanged, tree
-    from torchtitan_zephon.data import cache
-    from torchtitan_zephon.data.cache import RawInputs, store_location
+    from torchtitan_zephon.ingest import cache
+    from torchtitan_zephon.ingest.cache import RawInputs, store_location
     from torchtitan_zephon.store.format import StoreError
 
     monkeypatch.delenv(cache.CACHE_ENV, raising=False)

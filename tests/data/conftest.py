@@ -113,7 +113,7 @@ def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def store_path(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, corpus_dir: Path):
-    from torchtitan_zephon.data.prepare import prepare_store
+    from torchtitan_zephon.ingest.prepare import prepare_store
 
     out = tmp_path_factory.mktemp("stores") / "store"
     prepare_store([str(corpus_dir)], str(tokenizer_dir), str(out), progress=False)

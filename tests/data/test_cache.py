@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from tests.data.conftest import corpus_text
-from torchtitan_zephon.data import cache
-from torchtitan_zephon.data.cache import RawInputs, store_location
 from torchtitan_zephon.data.mixture import MixtureConfig
-from torchtitan_zephon.data.parts import finished_parts
-from torchtitan_zephon.data.prepare import prepare_store
-from torchtitan_zephon.data.readers import OptionNames, resolve_inputs
+from torchtitan_zephon.ingest import cache
+from torchtitan_zephon.ingest.cache import RawInputs, store_location
+from torchtitan_zephon.ingest.inputs import OptionNames, resolve_inputs
+from torchtitan_zephon.ingest.parts import finished_parts
+from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.store.format import FORMAT_VERSION, StoreError
 from torchtitan_zephon.store.reader import TokenStore
 
@@ -103,7 +103,7 @@ def test_a_hit_reads_no_input_file(tokenizer_dir, cache_dir, corpus, monkeypatch
 
         return open_
 
-    monkeypatch.setattr("torchtitan_zephon.data.prepare.prepare_store", no_prepare)
+    monkeypatch.setattr("torchtitan_zephon.ingest.prepare.prepare_store", no_prepare)
     monkeypatch.setattr(builtins, "open", guarded(real_open))
     monkeypatch.setattr(io, "open", guarded(real_io_open))
     with pytest.raises(AssertionError, match="read"):  # the guard works
@@ -395,7 +395,7 @@ def _wait_until(condition, timeout: float = 60.0) -> None:
 def test_waiters_show_the_holders_progress(tokenizer_dir, cache_dir, corpus, monkeypatch):
     """While another process prepares, a waiter says how far it has come (units and bytes
     of input done out of the total, documents), refreshed as it moves."""
-    from torchtitan_zephon.data import prepare as prepare_module
+    from torchtitan_zephon.ingest import prepare as prepare_module
 
     monkeypatch.setattr(cache, "PROGRESS_REPORT_S", 0.05)
     monkeypatch.setattr(cache, "PROGRESS_WRITE_S", 0.0)

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torchtitan_zephon.data.prepare import dtype_for_vocab, prepare_store
+from torchtitan_zephon.ingest.prepare import dtype_for_vocab, prepare_store
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 
@@ -476,7 +476,7 @@ def test_ctrl_c_stops_prepare_promptly_and_cleans_up(tmp_path, tokenizer_dir, bi
 
 def test_worker_count_is_bounded(tmp_path, tokenizer_dir, corpus_dir):
     """Nothing is started for a worker count no machine could run (10**10 processes)."""
-    from torchtitan_zephon.data.encode import max_workers
+    from torchtitan_zephon.ingest.encode import max_workers
 
     for workers in (0, -3, max_workers() + 1, 10**10):
         with pytest.raises(
@@ -610,7 +610,7 @@ def test_a_dataset_dict_prepares_its_train_split_unless_asked(tmp_path, tokenize
 def test_stores_of_other_inputs_keep_their_manifest(tmp_path):
     """The split is recorded only where a DatasetDict was read: the store of other inputs
     has the fingerprint the previous version gave it (pinned), with any split asked."""
-    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
 
     (tmp_path / "c" / "sub").mkdir(parents=True)
     (tmp_path / "c" / "a.txt").write_text("alpha beta gamma\n")

@@ -1,4 +1,4 @@
-"""Input expansion and canonical source names (``readers.resolve_inputs``): a folder, a
+"""Input expansion and canonical source names (``inputs.resolve_inputs``): a folder, a
 glob of its files, a comma list and an explicit list of the same files name the same
 sources, so they prepare the same store."""
 
@@ -14,8 +14,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.data.prepare import prepare_store
-from torchtitan_zephon.data.readers import (
+from torchtitan_zephon.ingest.inputs import (
     OptionError,
     OptionNames,
     Source,
@@ -23,6 +22,7 @@ from torchtitan_zephon.data.readers import (
     resolve_inputs,
     select_splits,
 )
+from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.store.format import StoreError
 
 # Names that sort differently as strings and level by level ("a-b/x" < "a/x" as

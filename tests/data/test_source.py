@@ -325,7 +325,7 @@ def test_ids_at_far_slots_with_huge_epochs():
 def test_sources_of_another_tokenizer_are_refused(slices, corpus_dir, tmp_path):
     """A store prepared with another tokenizer cannot join the mixture: named at open."""
     from torchtitan_zephon.data.mixture import MixtureError
-    from torchtitan_zephon.data.prepare import prepare_store
+    from torchtitan_zephon.ingest.prepare import prepare_store
 
     from .conftest import build_tokenizer
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.data.readers import Source, iter_documents, read_jsonl
-from torchtitan_zephon.data.units import jsonl_boundaries, plan_units, unit_input_hash
+from torchtitan_zephon.ingest.inputs import Source, iter_documents, read_jsonl
+from torchtitan_zephon.ingest.units import jsonl_boundaries, plan_units, unit_input_hash
 from torchtitan_zephon.store.format import StoreError
 
 from .conftest import corpus_text

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torchtitan_zephon.data.builtin import TOKENIZER_DIR, builtin_store_path, corpus_documents
+from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR, builtin_store_path, corpus_documents
 from torchtitan_zephon.store.reader import TokenStore
 
 __all__ = ["TOKENIZER_DIR", "builtin_store", "write_jsonl"]

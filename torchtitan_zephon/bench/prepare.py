@@ -35,15 +35,15 @@ from typing import Any
 
 from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, write_jsonl
 from torchtitan_zephon.bench.measure import ratio
-from torchtitan_zephon.data.prepare import (
+from torchtitan_zephon.ingest.inputs import Source, iter_documents
+from torchtitan_zephon.ingest.prepare import (
     _CHUNK_CHARS,
     _CHUNK_DOCS,
     assign_units,
     load_tokenizer_info,
     prepare_store,
 )
-from torchtitan_zephon.data.readers import Source, iter_documents
-from torchtitan_zephon.data.units import plan_units
+from torchtitan_zephon.ingest.units import plan_units
 from torchtitan_zephon.store.format import CHECKSUMS, DOC_OFFSETS, MANIFEST, TOKENS
 
 RANKS = (1, 2)
@@ -97,7 +97,7 @@ def _rank_chunks(jsonl: Path, unit_bytes: int, nproc: int) -> list[list[list[str
 
 
 def _encode_share(tokenizer_json: str, eos_id: int, chunks: list[list[str]], start, out) -> None:
-    from torchtitan_zephon.data import encode
+    from torchtitan_zephon.ingest import encode
 
     encode._init_worker(tokenizer_json, eos_id, limit_threads=True)
     encode._encode_chunk(["warm up"])

@@ -26,7 +26,6 @@ import json
 import sys
 
 from torchtitan_zephon.cli.args import int_in
-from torchtitan_zephon.data.cache import RawInputs, names_store, store_location
 from torchtitan_zephon.data.plan import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
@@ -35,6 +34,7 @@ from torchtitan_zephon.data.plan import (
     no_sample_text,
     store_fix,
 )
+from torchtitan_zephon.ingest.cache import RawInputs, names_store, store_location
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 

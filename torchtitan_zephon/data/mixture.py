@@ -76,7 +76,6 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon.data.cache import rebase, store_location
 from torchtitan_zephon.data.permutation import map_many
 from torchtitan_zephon.data.plan import (
     BatchSchedule,
@@ -87,6 +86,7 @@ from torchtitan_zephon.data.plan import (
     store_fix,
 )
 from torchtitan_zephon.data.state import config_text
+from torchtitan_zephon.ingest.cache import rebase, store_location
 
 MAX_PATTERN = 10**6
 """Largest common denominator of one schedule entry's normalized weights: the

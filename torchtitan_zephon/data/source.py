@@ -46,7 +46,6 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from torchtitan_zephon.data.cache import store_location
 from torchtitan_zephon.data.mixture import (
     MixtureConfig,
     MixtureError,
@@ -63,6 +62,7 @@ from torchtitan_zephon.data.plan import (
     store_fix,
 )
 from torchtitan_zephon.data.state import MIXTURE_FIELD, DataConfig, DataState
+from torchtitan_zephon.ingest.cache import store_location
 from torchtitan_zephon.store.format import StoreError, fingerprint
 from torchtitan_zephon.store.group import StoreGroup
 from torchtitan_zephon.store.reader import TokenStore

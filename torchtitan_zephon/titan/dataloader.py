@@ -19,7 +19,6 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.data.cache import RawInputs, store_location
 from torchtitan_zephon.data.loader import ZephonLoader
 from torchtitan_zephon.data.mixture import MixtureConfig, deviation_warning
 from torchtitan_zephon.data.plan import (
@@ -29,9 +28,10 @@ from torchtitan_zephon.data.plan import (
     no_sample_text,
     store_fix,
 )
-from torchtitan_zephon.data.readers import OptionNames
 from torchtitan_zephon.data.source import MixtureSource, MixtureStream, Source, StoreSource
 from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
+from torchtitan_zephon.ingest.cache import RawInputs, store_location
+from torchtitan_zephon.ingest.inputs import OptionNames
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests
@@ -71,7 +71,7 @@ def resolve_store(job_config: Any) -> TokenStore:
     first use: ``data.cache.store_location``), or the builtin store when it is empty."""
     path = job_config.zephon.store
     if not path:
-        from torchtitan_zephon.data.builtin import TOKENIZER_DIR, builtin_store_path
+        from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR, builtin_store_path
 
         path = str(builtin_store_path(progress=int(os.environ.get("RANK", "0")) == 0))
         assets = os.path.abspath(job_config.model.hf_assets_path)

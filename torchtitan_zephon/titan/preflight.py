@@ -317,7 +317,7 @@ def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
     """Why TorchTitan could not load the tokenizer at model.hf_assets_path ``path``, with
     the tokenizer the data was prepared with (the sha256 of its tokenizer.json, as the
     store records it) and where the builtin tokenizer is (and whether it is that one)."""
-    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
 
     if not os.path.exists(path):
         found = "does not exist"

@@ -1,7 +1,7 @@
 """Build a token store from raw text (``zephon prepare``), in one process or many.
 
 Role: identify the tokenizer (a Hugging Face ``tokenizer.json`` and its EOS),
-cut the inputs (``readers.py``) into work units (``units.py``), tokenize each
+cut the inputs (``inputs.py``) into work units (``units.py``), tokenize each
 unit into a part in a staging folder beside the output (``parts.py``; each rank
 of a group, ``ranks.py``, its share of the units, with ``encode.py``'s worker
 processes), then assemble the parts into a token store (``store.py``): every
@@ -18,7 +18,7 @@ assembled store to the output; the staging folder is removed.
 
 Invariants: the store's bytes depend only on the inputs' contents, their names
 relative to the given inputs, the tokenizer, ``text_field`` and ``split`` (which
-splits of a Hugging Face DatasetDict are read: ``readers.select_splits``; the
+splits of a Hugging Face DatasetDict are read: ``inputs.select_splits``; the
 manifest records them for such sources only); never on the
 number of ranks or workers, the unit size, chunking, absolute paths, timing or
 how many earlier runs were interrupted. The output path holds either nothing
@@ -48,8 +48,19 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon.data.encode import encode_in_order, max_workers
-from torchtitan_zephon.data.parts import (
+from torchtitan_zephon.ingest.encode import encode_in_order, max_workers
+from torchtitan_zephon.ingest.inputs import (
+    PREPARE_OPTIONS,
+    OptionError,
+    OptionNames,
+    Source,
+    dataset_dict_splits,
+    iter_documents,
+    resolve_inputs,
+    select_splits,
+    source_record,
+)
+from torchtitan_zephon.ingest.parts import (
     ASSEMBLY,
     PARTS,
     RANKS_FILE,
@@ -62,19 +73,8 @@ from torchtitan_zephon.data.parts import (
     staging_folder,
     write_part_into_store,
 )
-from torchtitan_zephon.data.ranks import OneProcess, Ranks
-from torchtitan_zephon.data.readers import (
-    PREPARE_OPTIONS,
-    OptionError,
-    OptionNames,
-    Source,
-    dataset_dict_splits,
-    iter_documents,
-    resolve_inputs,
-    select_splits,
-    source_record,
-)
-from torchtitan_zephon.data.units import (
+from torchtitan_zephon.ingest.ranks import OneProcess, Ranks
+from torchtitan_zephon.ingest.units import (
     UNIT_BYTES,
     Unit,
     input_identity,

@@ -2,8 +2,8 @@
 
 Role: ``Ranks`` is what ``prepare_store`` asks of a group of processes: its
 ``rank`` and ``world_size``, a ``barrier`` and ``all_gather_object``. ``OneProcess``
-is the group of one; a torch.distributed (gloo) group lives outside ``data/``
-(``torchtitan_zephon/prepare_ranks.py``), so the engine stays free of it.
+is the group of one; a torch.distributed (gloo) group lives outside ``ingest/``
+(``torchtitan_zephon/cli/prepare_ranks.py``), so the engine stays free of it.
 
 Invariant: ``all_gather_object`` returns every rank's object in rank order, the
 same list on every rank; with ``OneProcess`` that is ``[obj]``.

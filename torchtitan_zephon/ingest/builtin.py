@@ -23,7 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.data.cache import BUILTIN_PREFIX, build_once, cache_root
+from torchtitan_zephon.ingest.cache import build_once, cache_root
+from torchtitan_zephon.store.format import BUILTIN_PREFIX
 
 __all__ = ["PARTS", "TOKENIZER_DIR", "builtin_store_path", "cache_root", "corpus_documents"]
 
@@ -56,7 +57,7 @@ def _key(docs: list[tuple[str, str]]) -> str:
     from torchtitan_zephon.store.format import FORMAT_VERSION
 
     # "canonical-names": sources are named relative to their deepest common folder
-    # (readers.resolve_inputs) since the builtin entries of this key were built.
+    # (inputs.resolve_inputs) since the builtin entries of this key were built.
     h = hashlib.sha256(f"store-format-{FORMAT_VERSION}\0canonical-names\0".encode())
     h.update((TOKENIZER_DIR / "tokenizer.json").read_bytes())
     for name, text in docs:
@@ -78,7 +79,7 @@ def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
     """Path of the builtin store (or of one of its ``PARTS``), building it on first use
     (once per process: the dataloader and the validator both ask, and the key hashes
     ~5 MB of text), with a progress bar when ``progress``."""
-    from torchtitan_zephon.data.prepare import prepare_store
+    from torchtitan_zephon.ingest.prepare import prepare_store
 
     docs = corpus_documents(part)
     out = cache_root() / (

@@ -1,6 +1,6 @@
 """The ranks of a prepare launched by torchrun (or any launcher setting RANK / WORLD_SIZE).
 
-Role: ``ranks_from_env`` gives ``data.prepare.prepare_store`` its group of
+Role: ``ranks_from_env`` gives ``ingest.prepare.prepare_store`` its group of
 processes: ``OneProcess`` without a launcher (or with a world of one), else a
 torch.distributed gloo group (``GlooRanks``) over the launcher's rendezvous
 (MASTER_ADDR / MASTER_PORT, set by torchrun). gloo runs on CPUs only: a prepare
@@ -19,7 +19,7 @@ import datetime
 import os
 from typing import Any
 
-from torchtitan_zephon.data.ranks import OneProcess, Ranks
+from torchtitan_zephon.ingest.ranks import OneProcess, Ranks
 
 TIMEOUT = datetime.timedelta(hours=24)
 

@@ -1,6 +1,6 @@
 """Work units of a prepare: the pieces of the inputs that processes tokenize apart.
 
-Role: cut the sources (``readers.py``) into units, in input order, by the inputs
+Role: cut the sources (``inputs.py``) into units, in input order, by the inputs
 alone: a plain JSON lines file into byte ranges of about ``UNIT_BYTES`` at line
 starts (boundary ``k`` is the first line start at or after ``k * unit_bytes``,
 found by reading a little near it), a Parquet file into runs of row groups of
@@ -12,7 +12,7 @@ unit reads, which tells whether a finished part still matches its input.
 
 Invariant: the units never depend on the number of processes, and the documents
 of a source's units, concatenated in unit order, are exactly the source's
-documents (``readers.iter_documents`` with and without ``part``).
+documents (``inputs.iter_documents`` with and without ``part``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import xxhash
 
-from torchtitan_zephon.data.readers import Source, is_line_start, parquet_row_groups
+from torchtitan_zephon.ingest.inputs import Source, is_line_start, parquet_row_groups
 
 UNIT_BYTES = 64 << 20
 """Target input bytes per unit: enough work (seconds of tokenizing) to amortise a part's

@@ -5,7 +5,7 @@ Role: the one place that turns a store value (the trainer's ``zephon.store``, a
 mixture's ``[[source]] store``) into a token store folder (``store_location``):
 ``builtin:PART`` is a builtin store (``builtin.py``); a folder holding a store
 (or a file in one) is that store; anything else names raw inputs (a file, a
-folder of them, a glob pattern, a comma-separated list: ``readers.expand_input``)
+folder of them, a glob pattern, a comma-separated list: ``inputs.expand_input``)
 which ``raw_store`` prepares into the cache. It also owns the cache folder
 (``cache_root``) and the one way an entry is made (``build_once``): under an
 exclusive ``fcntl.flock`` on ``<entry>.lock`` beside it, the holder builds the
@@ -17,7 +17,7 @@ the entry. ``describe_cache`` says what a cache folder holds (``zephon inspect``
 Invariants:
 - The store of raw inputs is ``prepare_store`` of the same value, tokenizer, text
   field and split: its fingerprint equals ``zephon prepare``'s, whatever the
-  spelling of the inputs (names are canonical: ``readers.resolve_inputs``).
+  spelling of the inputs (names are canonical: ``inputs.resolve_inputs``).
 - Its entry is keyed by the inputs' canonical names, real paths, sizes and
   mtimes (``os.stat`` only), the tokenizer.json's sha256, the text field, the
   splits read of each DatasetDict (only where there is one: other keys are as
@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.data.readers import (
+from torchtitan_zephon.ingest.inputs import (
     GLOB_CHARS,
     PREPARE_OPTIONS,
     OptionNames,
@@ -69,6 +69,7 @@ from torchtitan_zephon.data.readers import (
     select_splits,
 )
 from torchtitan_zephon.store.format import (
+    BUILTIN_PREFIX,
     CHECKSUMS,
     DOC_OFFSETS,
     FORMAT_VERSION,
@@ -86,7 +87,6 @@ STORE_FILES = (
     CHECKSUMS,
 )  # an entry is complete when its manifest exists
 """Any of these in a folder makes it a (maybe broken) store, never raw inputs."""
-BUILTIN_PREFIX = "builtin:"
 RAW_KEY_FORMAT = "zephon-raw-inputs/1"
 WAIT_REPORT_S = 30.0
 """How often a process waiting for another's build says so."""
@@ -390,7 +390,7 @@ def store_location(value: str, raw: RawInputs | None = None, *, progress: bool =
     builtin part (with a progress bar when ``progress``) or raw inputs (as ``raw``
     says; None: raw inputs are refused)."""
     if value.startswith(BUILTIN_PREFIX):
-        from torchtitan_zephon.data.builtin import builtin_store_path
+        from torchtitan_zephon.ingest.builtin import builtin_store_path
 
         return builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :])
     if names_store(value):
@@ -478,7 +478,7 @@ def raw_store(value: str, raw: RawInputs) -> Path:
     if not (out / MANIFEST).is_file():
 
         def build(dest: Path, tell: Callable[[dict[str, Any]], None]) -> None:
-            from torchtitan_zephon.data.prepare import prepare_store
+            from torchtitan_zephon.ingest.prepare import prepare_store
 
             if raw.log is not None:
                 raw.log(
@@ -696,7 +696,7 @@ def describe_cache(root: Path) -> dict[str, Any]:
     raw inputs with what they were prepared from), builds in progress or kept after a
     failure (with their finished parts), lock files (held or free), anything else;
     every item with its size in bytes. Reads only (a lock is probed, never held)."""
-    from torchtitan_zephon.data.parts import finished_parts, staging_folder
+    from torchtitan_zephon.ingest.parts import finished_parts, staging_folder
 
     items: dict[str, list[dict[str, Any]]] = {
         "builtin": [], "raw": [], "building": [], "locks": [], "other": []
@@ -750,7 +750,7 @@ def describe_cache(root: Path) -> dict[str, Any]:
 
 def _building_sources(staging: Path) -> list[str]:
     """The names of the sources a build prepares (its prepare's identity file), if known."""
-    from torchtitan_zephon.data.parts import RANKS_FILE
+    from torchtitan_zephon.ingest.parts import RANKS_FILE
 
     try:
         identity = json.loads((staging / RANKS_FILE).read_text())
