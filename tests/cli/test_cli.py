@@ -8,7 +8,8 @@ import warnings
 import pytest
 
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import UncheckedStoreWarning
 from torchtitan_zephon.store.reader import TokenStore
 

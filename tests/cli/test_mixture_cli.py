@@ -10,10 +10,10 @@ import pytest
 
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.mixture import MixtureConfig
-from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.source import MixtureSource
-from torchtitan_zephon.data.state import RECORD_KEY, DataState
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.order.state import RECORD_KEY, DataState
 from torchtitan_zephon.store.writer import slice_store
 
 

@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 
 from tests.data.conftest import corpus_text
-from torchtitan_zephon.data.mixture import MixtureConfig
+from torchtitan_zephon.data.source import open_mixture_stores
 from torchtitan_zephon.ingest import cache
 from torchtitan_zephon.ingest.cache import RawInputs, store_location
 from torchtitan_zephon.ingest.inputs import OptionNames, resolve_inputs
 from torchtitan_zephon.ingest.parts import finished_parts
 from torchtitan_zephon.ingest.prepare import prepare_store
+from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.store.format import FORMAT_VERSION, StoreError
 from torchtitan_zephon.store.reader import TokenStore
 
@@ -260,7 +261,7 @@ def test_mixture_sources_name_raw_inputs_relative_to_the_file(
     )
     config = MixtureConfig.load(tmp_path / "mix.toml")
     assert config.sources[0].store == f"{tmp_path}/corpus/part0.jsonl,{tmp_path}/corpus/part1.jsonl"
-    stores = config.open_stores(raw=raw(tokenizer_dir, cache_dir))
+    stores = open_mixture_stores(config, raw=raw(tokenizer_dir, cache_dir))
     expected = prepare_store(
         [f"{corpus}/part0.jsonl", f"{corpus}/part1.jsonl"],
         str(tokenizer_dir),
@@ -270,7 +271,7 @@ def test_mixture_sources_name_raw_inputs_relative_to_the_file(
     assert stores["jsonl"].fingerprint == expected.fingerprint
     assert stores["notes"].num_documents == 1
     with pytest.raises(Exception, match="mixture source 'jsonl': .* names raw inputs"):
-        config.open_stores()
+        open_mixture_stores(config)
 
 
 def test_a_cache_folder_inside_the_inputs_is_refused(tokenizer_dir, corpus, monkeypatch):

@@ -13,19 +13,17 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.data.mixture import (
-    MAX_PATTERN,
-    MixtureConfig,
-    MixtureError,
-    MixturePlan,
+from torchtitan_zephon.data.source import open_mixture_stores
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.mixture.config import MAX_PATTERN, MixtureConfig, MixtureError
+from torchtitan_zephon.order.mixture.plan import MixturePlan, deviation_warning, source_seed
+from torchtitan_zephon.order.mixture.spec import (
     MixtureSpec,
-    deviation_warning,
     past_change,
     past_changes,
     resolve_mixture,
-    source_seed,
 )
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
+from torchtitan_zephon.order.stream import DataPlan
 
 NAMES = ["web", "code", "math", "wiki", "books", "a", "zz", "q7"]
 WEIGHTS = [0, 0, 1, 2, 3, 7, Decimal("0.001"), Decimal("0.1"), Decimal("0.25"), Decimal("0.7")]
@@ -739,7 +737,7 @@ def test_missing_file_and_missing_store(tmp_path):
     (tmp_path / "m.toml").write_text(TWO + "[[schedule]]\nfrom_step=1\nweights={web=1, code=1}")
     cfg = MixtureConfig.load(tmp_path / "m.toml")
     with pytest.raises(MixtureError, match="mixture source 'web': token store .* does not exist"):
-        cfg.open_stores()
+        open_mixture_stores(cfg)
 
 
 def _fake(store, **changes):
@@ -757,7 +755,7 @@ def test_resolve_checks_stores_and_gives_the_canonical_spec(store, store_path):
         f'[[source]]\nname = "code"\nstore = "{store_path}"\nheldout_samples = 5\n'
         "[[schedule]]\nfrom_step = 1\nweights = { web = 0.75, code = 0.25 }\n"
     )
-    stores = cfg.open_stores()
+    stores = open_mixture_stores(cfg)
     total = store.num_samples(16)
     spec = resolve_mixture(cfg, stores, 16, default_heldout=2)
     assert [(s.num_samples, s.heldout_samples) for s in spec.sources] == [
@@ -860,7 +858,7 @@ def test_a_source_shorter_than_one_sample_says_tokens_and_seq_len(store, store_p
     )
     seq_len = store.num_tokens  # one token short of a sample
     with pytest.raises(MixtureError) as e:
-        resolve_mixture(cfg, cfg.open_stores(), seq_len, default_heldout=2)
+        resolve_mixture(cfg, open_mixture_stores(cfg), seq_len, default_heldout=2)
     assert str(e.value) == (
         f"mixture source 'web': its store {str(store_path)!r} has {store.num_tokens} tokens, "
         f"but a sample of seq_len {seq_len} needs seq_len + 1 = {seq_len + 1} tokens (its "

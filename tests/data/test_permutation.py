@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.data.permutation import Permutation
+from torchtitan_zephon.order.permutation import Permutation
 
 SPECIAL_N = [1, 2, 3, 4, 5, 7, 8, 13, 16, 17, 31, 32, 33, 97, 127, 128, 129, 1000, 1024, 4099]
 
@@ -97,7 +97,7 @@ def test_scalar_and_vector_paths_agree(n, seed, epoch):
 def test_map_many_equals_each_permutation(perms, data):
     """Several permutations evaluated together (a mixture's sources) give exactly each
     one's own values, in the small-batch and the vectorized path."""
-    from torchtitan_zephon.data.permutation import map_many
+    from torchtitan_zephon.order.permutation import map_many
 
     objs = [Permutation(n, seed, epoch) for n, seed, epoch in perms]
     size = data.draw(st.sampled_from([0, 1, 7, 48, 49, 300]))

@@ -7,15 +7,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.data.plan import (
+from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
-    DataPlan,
     check_batch_layout,
     check_store_size,
     no_sample_text,
     store_fix,
 )
+from torchtitan_zephon.order.stream import DataPlan
 
 
 def _divisors(n):

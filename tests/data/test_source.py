@@ -9,20 +9,12 @@ from hypothesis import strategies as st
 
 from tests.data.test_mixture import batch_schedules, mixtures
 from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.mixture import MixtureConfig, MixturePlan
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-from torchtitan_zephon.data.source import (
-    ID_MASK,
-    MixtureSource,
-    MixtureStream,
-    StoreSource,
-    anchored_schedule,
-    make_keys,
-    mixture_progress,
-    plan_of,
-    split_keys,
-)
-from torchtitan_zephon.data.state import DataConfig, DataState, check_resume
+from torchtitan_zephon.data.source import MixtureSource, StoreSource, mixture_progress, plan_of
+from torchtitan_zephon.order.layout import BatchSchedule, anchored_schedule
+from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream
+from torchtitan_zephon.order.state import DataConfig, DataState, check_resume
+from torchtitan_zephon.order.stream import ID_MASK, DataPlan, make_keys, split_keys
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.writer import slice_store
@@ -306,7 +298,7 @@ def test_a_mixture_opened_again_is_shared_until_a_store_changes(slices, tmp_path
 
 def test_ids_at_far_slots_with_huge_epochs():
     """(source, epoch) pairs too large to pack in one int64 take the slower path alike."""
-    from torchtitan_zephon.data.mixture import MixtureSpec
+    from torchtitan_zephon.order.mixture.spec import MixtureSpec
 
     spec = MixtureSpec.build({"a": 1, "b": 3}, [(1, {"a": 1, "b": 1})])
     plan = MixturePlan(spec, 7, BatchSchedule([(1, 4)]))
@@ -324,8 +316,8 @@ def test_ids_at_far_slots_with_huge_epochs():
 
 def test_sources_of_another_tokenizer_are_refused(slices, corpus_dir, tmp_path):
     """A store prepared with another tokenizer cannot join the mixture: named at open."""
-    from torchtitan_zephon.data.mixture import MixtureError
     from torchtitan_zephon.ingest.prepare import prepare_store
+    from torchtitan_zephon.order.mixture.config import MixtureError
 
     from .conftest import build_tokenizer
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.data.plan import BatchSchedule
-from torchtitan_zephon.data.state import (
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.state import (
     DataConfig,
     DataState,
     DataStateMismatch,
@@ -165,8 +165,8 @@ def test_order_key_ignores_the_schedule_only():
 
 def mixture_config(entries, sizes=None, *, step=None, **kw) -> DataConfig:
     """A mixture's data config (as MixtureSource.data_config makes it)."""
-    from torchtitan_zephon.data.mixture import MixtureSpec
     from torchtitan_zephon.data.source import mixture_store_fingerprint
+    from torchtitan_zephon.order.mixture.spec import MixtureSpec
 
     spec = MixtureSpec.build(sizes or {"code": 50, "web": 70}, entries)
     fields = dict(
@@ -209,7 +209,7 @@ def test_a_mixture_resumes_freely_exactly_when_its_trained_steps_keep_their_weig
 ):
     """Entries that differ only for steps >= next_step are a continuation ("extended");
     any difference for a trained step is the field "mixture", refused unless allowed."""
-    from torchtitan_zephon.data.mixture import MixtureSpec, past_change
+    from torchtitan_zephon.order.mixture.spec import MixtureSpec, past_change
 
     a, b = mixture_config(old), mixture_config(new)
     state = DataState(a, next_step, a.batch_schedule().first_position(next_step))
@@ -262,7 +262,8 @@ def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_trained_step():
     """Mixture records of format 1 (before corrected steps) continue exactly when
     the current rule corrects no trained step of their schedule (a note says so);
     otherwise the change is named with the first corrected step and needs the opt-in."""
-    from torchtitan_zephon.data.mixture import MixturePlan, MixtureSpec
+    from torchtitan_zephon.order.mixture.plan import MixturePlan
+    from torchtitan_zephon.order.mixture.spec import MixtureSpec
 
     def old(cfg: DataConfig) -> DataConfig:
         rule1 = {**cfg.mixture, "format": "zephon-mixture/1"}
@@ -436,7 +437,7 @@ def test_config_text_writes_values_as_toml_and_json_do():
     from decimal import Decimal
     from fractions import Fraction
 
-    from torchtitan_zephon.data.state import config_text
+    from torchtitan_zephon.order.state import config_text
 
     for value, text in [
         (Decimal("1.5"), "1.5"), (Decimal("NaN"), "nan"), (Decimal("-Infinity"), "-inf"),

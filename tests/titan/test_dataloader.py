@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from torchtitan_zephon.data.loader import DataStateMismatch
-from torchtitan_zephon.data.state import DataConfig, DataState
+from torchtitan_zephon.order.state import DataConfig, DataState
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning
 from torchtitan_zephon.titan.dataloader import batch_schedule, build_zephon_dataloader
 from torchtitan_zephon.tracker import sample_digests
@@ -51,7 +51,7 @@ def test_dp_degree_that_cannot_split_the_batch_lists_working_degrees(tmp_path):
 
 
 def test_schedule_entries_are_all_checked():
-    from torchtitan_zephon.data.plan import BatchSchedule
+    from torchtitan_zephon.order.layout import BatchSchedule
 
     BatchSchedule.parse("1:8,10:16").check_layout(4, 2)
     with pytest.raises(ValueError):

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.titan.test_dataloader import deliver, job
-from torchtitan_zephon.data.mixture import MixtureError
-from torchtitan_zephon.data.source import MixtureSource, split_keys
+from torchtitan_zephon.data.source import MixtureSource
+from torchtitan_zephon.order.mixture.config import MixtureError
+from torchtitan_zephon.order.stream import split_keys
 from torchtitan_zephon.titan import platform
 from torchtitan_zephon.titan.dataloader import build_zephon_dataloader, resolve_source
 from torchtitan_zephon.titan.validate import ZephonValidator

@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 
 from tests.titan.expect import assert_unchanged, tree
 from torchtitan_zephon import runs
-from torchtitan_zephon.data.plan import BatchSchedule
-from torchtitan_zephon.data.state import DataConfig, DataState, DataStateMismatch
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.state import DataConfig, DataState, DataStateMismatch
 from torchtitan_zephon.titan import preflight
 from torchtitan_zephon.titan.preflight import StartRefused, choose_checkpoint, plan_start
 from torchtitan_zephon.tracker import SequenceTracker, log_path
@@ -544,8 +544,8 @@ def test_a_mixture_tokenizer_mismatch_names_the_source_without_the_jobs_tokenize
 ):
     """Two sources, two tokenizers, no majority: model.hf_assets_path decides which source
     is the odd one out (here the second in name order, not simply 'the other one')."""
-    from torchtitan_zephon.data.mixture import MixtureError
     from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.order.mixture.config import MixtureError
     from torchtitan_zephon.titan.dataloader import resolve_source
 
     own, store = own_store

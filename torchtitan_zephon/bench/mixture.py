@@ -43,10 +43,11 @@ import numpy as np
 from torchtitan_zephon.bench.corpus import builtin_store
 from torchtitan_zephon.bench.measure import paired_latency, ratio, round_rate
 from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.mixture import MixtureSpec, SpecSource, parse_schedule
-from torchtitan_zephon.data.plan import BatchSchedule
 from torchtitan_zephon.data.source import MixtureSource, mixture_progress
-from torchtitan_zephon.data.state import DataState
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.mixture.config import parse_schedule
+from torchtitan_zephon.order.mixture.spec import MixtureSpec, SpecSource
+from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.writer import slice_store, write_derived_store
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon import ownership, runs
-from torchtitan_zephon.data.state import DataState
+from torchtitan_zephon.order.state import DataState
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 

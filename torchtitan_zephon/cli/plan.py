@@ -26,15 +26,15 @@ import json
 import sys
 
 from torchtitan_zephon.cli.args import int_in
-from torchtitan_zephon.data.plan import (
+from torchtitan_zephon.ingest.cache import RawInputs, names_store, store_location
+from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
-    DataPlan,
     check_store_size,
     no_sample_text,
     store_fix,
 )
-from torchtitan_zephon.ingest.cache import RawInputs, names_store, store_location
+from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 
@@ -247,8 +247,9 @@ def run_mixture(
     args: argparse.Namespace, schedule: BatchSchedule, raw: RawInputs | None = None
 ) -> int:
     """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
-    from torchtitan_zephon.data.mixture import MixtureConfig, MixtureError, deviation_warning
-    from torchtitan_zephon.data.source import MixtureSource, MixtureStream
+    from torchtitan_zephon.data.source import MixtureSource
+    from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
+    from torchtitan_zephon.order.mixture.plan import MixtureStream, deviation_warning
 
     config = MixtureConfig.load(args.mixture)
     for s in config.sources:

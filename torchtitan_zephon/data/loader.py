@@ -44,14 +44,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_zephon.data.plan import BatchSchedule, check_batch_layout
 from torchtitan_zephon.data.source import Source, StoreSource
-from torchtitan_zephon.data.state import (
-    DataState,
-    DataStateMismatch,
-    ResumeDecision,
-    check_resume,
-)
+from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
+from torchtitan_zephon.order.state import DataState, DataStateMismatch, ResumeDecision, check_resume
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 

@@ -46,59 +46,21 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from torchtitan_zephon.data.mixture import (
-    MixtureConfig,
-    MixtureError,
-    MixturePlan,
-    MixtureSpec,
-    fraction_text,
-    resolve_mixture,
-)
-from torchtitan_zephon.data.plan import (
+from torchtitan_zephon.ingest.cache import store_location
+from torchtitan_zephon.order.layout import (
     BatchSchedule,
-    DataPlan,
-    check_batch_layout,
+    anchored_schedule,
     no_sample_text,
     store_fix,
 )
-from torchtitan_zephon.data.state import MIXTURE_FIELD, DataConfig, DataState
-from torchtitan_zephon.ingest.cache import store_location
+from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError, fraction_text
+from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream
+from torchtitan_zephon.order.mixture.spec import MixtureSpec, resolve_mixture
+from torchtitan_zephon.order.state import MIXTURE_FIELD, DataConfig, DataState
+from torchtitan_zephon.order.stream import ID_MASK, DataPlan, StreamPlan, split_keys
 from torchtitan_zephon.store.format import StoreError, fingerprint
 from torchtitan_zephon.store.group import StoreGroup
 from torchtitan_zephon.store.reader import TokenStore
-
-SOURCE_SHIFT = 40
-"""Bits of a sample key that hold the sample id: 2^40 (~10^12) samples per source."""
-ID_MASK = (1 << SOURCE_SHIFT) - 1
-_SHIFT, _MASK = np.int64(SOURCE_SHIFT), np.int64(ID_MASK)  # as numpy scalars: no conversion
-
-
-def make_keys(sources: np.ndarray, ids: np.ndarray) -> np.ndarray:
-    """Sample keys (int64) of (source index, sample id) pairs."""
-    return (np.asarray(sources, dtype=np.int64) << SOURCE_SHIFT) | np.asarray(ids, dtype=np.int64)
-
-
-def split_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(source index, sample id) arrays (int64) of sample keys."""
-    k = np.asarray(keys, dtype=np.int64)
-    return k >> _SHIFT, k & _MASK
-
-
-class StreamPlan(Protocol):
-    """Sample keys of every step, rank slice and micro-batch (``DataPlan``'s interface)."""
-
-    schedule: BatchSchedule
-    anchor_step: int
-    anchor_position: int
-
-    def step_positions(self, step: int) -> tuple[int, int]: ...
-    def ids_for_positions(self, first: int, count: int) -> np.ndarray: ...
-    def global_ids(self, step: int) -> np.ndarray: ...
-    def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]: ...
-    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray: ...
-    def microbatch_ids(
-        self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
-    ) -> list[np.ndarray]: ...
 
 
 @dataclass(frozen=True)
@@ -241,113 +203,21 @@ class StoreSource:
 # ---------------------------------------------------------------- a mixture
 
 
-def anchored_schedule(
-    schedule: BatchSchedule, anchor_step: int, anchor_position: int
-) -> BatchSchedule:
-    """A schedule equal to ``schedule`` from ``anchor_step`` on, whose step ``anchor_step``
-    starts at ``anchor_position`` (the steps before it of (nearly) equal size): the slot
-    arithmetic of ``DataPlan``'s anchor for a plan that needs a whole schedule."""
-    a, p = int(anchor_step), int(anchor_position)
-    if (a, p) == (1, 0):
-        return schedule
-    if a < 1 or p < a - 1 or (a == 1 and p != 0):
-        raise ValueError(
-            f"position anchor (step {a}, position {p}) is impossible: steps 1..{a - 1} hold "
-            "at least one position each. The data state is corrupt."
-        )
-    q, r = divmod(p, a - 1)
-    entries = [(1, q + 1), (r + 1, q)] if r else [(1, q)]
-    entries.append((a, schedule.gbs(a)))
-    entries += [(s, g) for s, g in schedule.entries if s > a]
-    return BatchSchedule(entries)
-
-
-class MixtureStream:
-    """A ``MixturePlan`` as a stream of sample keys, with ``DataPlan``'s interface."""
-
-    def __init__(
-        self, mixture: MixturePlan, schedule: BatchSchedule, anchor: tuple[int, int] = (1, 0)
-    ) -> None:
-        self.mixture = mixture
-        self.schedule = schedule
-        self.anchor_step, self.anchor_position = int(anchor[0]), int(anchor[1])
-        self.names = mixture.names
-
-    def _check_step(self, step: int) -> None:
-        if step < self.anchor_step:
-            raise ValueError(
-                f"step {step} lies before the resume anchor (step {self.anchor_step} at "
-                f"position {self.anchor_position}); its positions are not defined under the "
-                "current schedule."
-            )
-
-    def step_positions(self, step: int) -> tuple[int, int]:
-        self._check_step(step)
-        return self.mixture.step_slots(step)
-
-    def ids_for_positions(self, first: int, count: int) -> np.ndarray:
-        return make_keys(*self.mixture.ids_for_slots(first, count))
-
-    def global_ids(self, step: int) -> np.ndarray:
-        return make_keys(*self.mixture.ids_for_slots(*self.step_positions(step), step=step))
-
-    def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
-        self._check_step(step)
-        return self.mixture.rank_slots(step, dp_rank, dp_degree)
-
-    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray:
-        first, count = self.rank_positions(step, dp_rank, dp_degree)
-        return make_keys(*self.mixture.ids_for_slots(first, count, step=step))
-
-    def rank_stream_ids(
-        self, step: int, skip: int, count: int, dp_rank: int, dp_degree: int
-    ) -> np.ndarray:
-        """Keys ``[skip, skip + count)`` of DP rank ``dp_rank``'s stream from ``step`` on
-        (its slices of steps ``step, step + 1, ...`` concatenated), looked up together:
-        one permutation call per source and epoch for the whole window. Within one
-        batch-schedule entry a rank's slice moves by the global batch each step (and
-        with one rank the slices are contiguous: one range)."""
-        if skip < 0 or count < 0:
-            raise ValueError(f"skip and count must be >= 0, got skip={skip}, count={count}.")
-        ranges: list[tuple[int, int]] = []
-        need, s = skip + count, step
-        while need > 0:
-            first, per_rank = self.rank_positions(s, dp_rank, dp_degree)
-            gbs = self.schedule.gbs(s)
-            steps = -(-need // per_rank)
-            end = next((e for e, _ in self.schedule.entries if e > s), None)
-            if end is not None:
-                steps = min(steps, end - s)
-            if per_rank == gbs:
-                ranges.append((first, steps * gbs))
-            else:
-                ranges += [(first + k * gbs, per_rank) for k in range(steps)]
-            need -= steps * per_rank
-            s += steps
-        window: list[tuple[int, int]] = []
-        for first, n in ranges:  # cut [skip, skip + count) out of the ranges
-            if skip >= n:
-                skip -= n
-                continue
-            take = min(n - skip, count)
-            if take > 0:
-                window.append((first + skip, take))
-            count -= take
-            skip = 0
-        return make_keys(*self.mixture.ids_for_ranges(window))
-
-    def microbatch_ids(
-        self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
-    ) -> list[np.ndarray]:
-        check_batch_layout(self.schedule.gbs(step), dp_degree, local_batch_size)
-        keys = self.rank_ids(step, dp_rank, dp_degree)
-        b = local_batch_size
-        return [keys[k : k + b] for k in range(0, len(keys), b)]
-
-    def decode(self, keys: np.ndarray) -> tuple[list[str], np.ndarray]:
-        """(source name, per-source sample id) of each key."""
-        sources, ids = split_keys(keys)
-        return [self.names[i] for i in sources.tolist()], ids
+def open_mixture_stores(
+    config: MixtureConfig, *, progress: bool = False, raw: Any = None
+) -> dict[str, TokenStore]:
+    """Open every source's TokenStore (``builtin:PART`` values are built on first use,
+    with a progress bar when ``progress``; raw inputs are prepared as ``raw``, a
+    ``cache.RawInputs``, says, or refused when it is None); a missing or broken store
+    names its source."""
+    stores = {}
+    for s in config.sources:
+        try:
+            location = store_location(s.store, raw, progress=progress)
+            stores[s.name] = TokenStore.open(location)
+        except (StoreError, ValueError) as e:
+            raise MixtureError(f"mixture source {s.name!r}: {e}") from None
+    return stores
 
 
 def mixture_store_fingerprint(spec: MixtureSpec) -> str:
@@ -429,7 +299,7 @@ class MixtureSource:
         kept = _OPENED.get(key)
         if kept is not None and kept[0] == _store_files(config, progress, raw):
             return kept[1]
-        stores = config.open_stores(progress=progress, raw=raw)
+        stores = open_mixture_stores(config, progress=progress, raw=raw)
         spec = resolve_mixture(
             config, stores, seq_len, default_heldout=default_heldout, tokenizer=_job_tokenizer(raw)
         )

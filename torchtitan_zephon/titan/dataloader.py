@@ -20,18 +20,19 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.mixture import MixtureConfig, deviation_warning
-from torchtitan_zephon.data.plan import (
+from torchtitan_zephon.data.source import MixtureSource, Source, StoreSource
+from torchtitan_zephon.ingest.cache import RawInputs, store_location
+from torchtitan_zephon.ingest.inputs import OptionNames
+from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
     check_store_size,
     no_sample_text,
     store_fix,
 )
-from torchtitan_zephon.data.source import MixtureSource, MixtureStream, Source, StoreSource
-from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
-from torchtitan_zephon.ingest.cache import RawInputs, store_location
-from torchtitan_zephon.ingest.inputs import OptionNames
+from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.order.mixture.plan import MixtureStream, deviation_warning
+from torchtitan_zephon.order.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests

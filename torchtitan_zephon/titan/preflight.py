@@ -44,7 +44,7 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon import runs
-from torchtitan_zephon.data.state import DataState, DataStateMismatch, check_resume
+from torchtitan_zephon.order.state import DataState, DataStateMismatch, check_resume
 from torchtitan_zephon.titan.dataloader import (
     build_zephon_dataloader,
     check_tokenizer,

@@ -1,21 +1,18 @@
-"""The data plan: which sample ids every step, rank and micro-batch gets.
+"""The batch layout: steps over positions, and a step's cut into rank slices and micro-batches.
 
-Role: pure index math from (number of samples, seed, global batch schedule) to
-the ordered sample ids of each global step, and from there to DP-rank slices
-and gradient-accumulation micro-batches.
+Role: pure index math shared by every stream (one store, a mixture): the global
+batch schedule (``BatchSchedule``: step -> its positions ``[first_position(s),
++ gbs(s))``), the anchor of a schedule accepted at resume (``anchored_schedule``),
+a DP rank's contiguous slice of a step (``rank_slice``), the layout check
+(``check_batch_layout``: global batch = DP degree x local batch x accumulation)
+and what a single store must hold for a schedule (``check_store_size``).
 
 Invariants:
-- The global stream is positions p = 0, 1, 2, ...; position p is sample
-  ``sample_offset + Permutation(num_samples, seed, p // num_samples)[p % num_samples]``,
-  so every sample appears exactly once per epoch and epochs are reshuffled.
 - Step s (1-based) covers positions [first_position(s), first_position(s) + gbs(s)):
   schedule changes never skip or repeat a position.
-- For any DP degree D dividing gbs(s), the concatenation of the D rank slices in
-  rank order is the step's global batch, and the concatenation of a rank's
-  micro-batches is its slice. Nothing here depends on D, the rank or the
-  micro-batch size except the cut points.
-- A window of a rank's stream (``rank_stream_ids``: many steps, across epochs, in
-  a few numpy calls) equals the per-step slices ``rank_ids`` concatenated.
+- For any DP degree D dividing gbs(s), the D rank slices in rank order
+  concatenate to the step; micro-batches of a slice concatenate to the slice.
+  Nothing depends on D, the rank or the micro-batch size except the cut points.
 - What a single store must hold (``check_store_size``) is a function of its
   training samples and the batch schedule only: the same verdict under every
   DP degree and local batch size, so a resume at another topology decides alike.
@@ -24,10 +21,6 @@ Invariants:
 from __future__ import annotations
 
 import math
-
-import numpy as np
-
-from torchtitan_zephon.data.permutation import Permutation
 
 
 def _divisors(n: int) -> list[int]:
@@ -231,139 +224,22 @@ class BatchSchedule:
         return total
 
 
-class DataPlan:
-    """Sample ids of every global step, rank slice and micro-batch.
-
-    ``anchor_step`` / ``anchor_position`` pin step ``anchor_step`` to start at
-    ``anchor_position``; the default (1, 0) is the plain schedule. A resume that
-    explicitly accepts a schedule change uses the anchor to continue from the
-    recorded consumed position exactly.
-    """
-
-    def __init__(
-        self,
-        num_samples: int,
-        seed: int,
-        schedule: BatchSchedule,
-        sample_offset: int = 0,
-        *,
-        anchor_step: int = 1,
-        anchor_position: int = 0,
-    ) -> None:
-        if num_samples < 1:
-            raise ValueError(
-                f"a data plan needs at least 1 sample, got num_samples={num_samples}; "
-                "use a larger store or a shorter seq_len."
-            )
-        if sample_offset < 0:
-            raise ValueError(f"sample_offset must be >= 0, got {sample_offset}.")
-        self.num_samples = int(num_samples)
-        self.seed = int(seed)
-        self.schedule = schedule
-        self.sample_offset = int(sample_offset)
-        self.anchor_step = int(anchor_step)
-        self.anchor_position = int(anchor_position)
-        self._permutation: Permutation | None = None
-
-    def permutation(self, epoch: int) -> Permutation:
-        """The epoch's permutation; the latest one is kept (consecutive steps share it)."""
-        cached = self._permutation  # one reference read: safe across loader threads
-        if cached is None or cached.epoch != epoch:
-            cached = Permutation(self.num_samples, self.seed, epoch)
-            self._permutation = cached
-        return cached
-
-    def ids_for_positions(self, first: int, count: int) -> np.ndarray:
-        """Sample ids (int64) of positions [first, first + count); may span epochs."""
-        if first < 0 or count < 0:
-            raise ValueError(f"positions must be >= 0, got first={first}, count={count}.")
-        out = np.empty(count, dtype=np.int64)
-        n = self.num_samples
-        p, done = first, 0
-        while done < count:
-            epoch, offset = divmod(p, n)
-            take = min(n - offset, count - done)
-            within = np.arange(offset, offset + take, dtype=np.uint64)
-            out[done : done + take] = self.permutation(epoch).map(within)
-            p += take
-            done += take
-        return out + self.sample_offset
-
-    def ids_at(self, positions: np.ndarray) -> np.ndarray:
-        """Sample ids (int64) of the stream positions ``positions`` (any shape, order and
-        epochs): one permutation call per epoch touched."""
-        p = np.asarray(positions, dtype=np.int64)
-        if p.size and p.min() < 0:
-            raise ValueError(f"positions must be >= 0, found {p.min()}.")
-        epochs, within = np.divmod(p, self.num_samples)
-        if not p.size or epochs.min() == epochs.max():
-            ids = self.permutation(int(epochs.flat[0]) if p.size else 0).map(within)
-        else:
-            ids = np.empty(p.shape, dtype=np.int64)
-            for epoch in np.unique(epochs).tolist():  # ascending: each permutation built once
-                sel = epochs == epoch
-                ids[sel] = self.permutation(epoch).map(within[sel])
-        return ids + self.sample_offset
-
-    def step_positions(self, step: int) -> tuple[int, int]:
-        """(first position, count) of global step ``step``."""
-        if step < self.anchor_step:
-            raise ValueError(
-                f"step {step} lies before the resume anchor (step {self.anchor_step} at "
-                f"position {self.anchor_position}); its positions are not defined under the "
-                "current schedule."
-            )
-        sched = self.schedule
-        first = (
-            self.anchor_position
-            + sched.first_position(step)
-            - sched.first_position(self.anchor_step)
+def anchored_schedule(
+    schedule: BatchSchedule, anchor_step: int, anchor_position: int
+) -> BatchSchedule:
+    """A schedule equal to ``schedule`` from ``anchor_step`` on, whose step ``anchor_step``
+    starts at ``anchor_position`` (the steps before it of (nearly) equal size): the slot
+    arithmetic of ``DataPlan``'s anchor for a plan that needs a whole schedule."""
+    a, p = int(anchor_step), int(anchor_position)
+    if (a, p) == (1, 0):
+        return schedule
+    if a < 1 or p < a - 1 or (a == 1 and p != 0):
+        raise ValueError(
+            f"position anchor (step {a}, position {p}) is impossible: steps 1..{a - 1} hold "
+            "at least one position each. The data state is corrupt."
         )
-        return first, sched.gbs(step)
-
-    def global_ids(self, step: int) -> np.ndarray:
-        """Ordered sample ids of the whole global batch of ``step``."""
-        return self.ids_for_positions(*self.step_positions(step))
-
-    def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
-        """(first position, count) of DP rank ``dp_rank``'s contiguous slice of ``step``."""
-        return rank_slice(*self.step_positions(step), step, dp_rank, dp_degree)
-
-    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray:
-        """Slice [r*G/D, (r+1)*G/D) of the step's global batch."""
-        return self.ids_for_positions(*self.rank_positions(step, dp_rank, dp_degree))
-
-    def rank_stream_ids(
-        self, step: int, skip: int, count: int, dp_rank: int, dp_degree: int
-    ) -> np.ndarray:
-        """Ids ``[skip, skip + count)`` of DP rank ``dp_rank``'s stream from ``step`` on.
-
-        The rank's stream is ``rank_ids(s, dp_rank, dp_degree)`` for s = step, step + 1,
-        ... concatenated; this computes a window of it (several steps, possibly across
-        epochs) in a few numpy calls instead of one lookup per step, with equal values.
-        """
-        if skip < 0 or count < 0:
-            raise ValueError(f"skip and count must be >= 0, got skip={skip}, count={count}.")
-        rows: list[np.ndarray] = []  # positions, one row per step, a few steps per entry
-        need, s = skip + count, step
-        while need > 0:
-            first, per_rank = self.rank_positions(s, dp_rank, dp_degree)
-            # Within one schedule entry a rank's slice moves by gbs(s) positions per step.
-            steps = -(-need // per_rank)
-            end = self.schedule.segment_end(s)
-            if end is not None:
-                steps = min(steps, end - s)
-            starts = first + self.schedule.gbs(s) * np.arange(steps, dtype=np.int64)
-            rows.append((starts[:, None] + np.arange(per_rank, dtype=np.int64)).ravel())
-            need -= steps * per_rank
-            s += steps
-        positions = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
-        return self.ids_at(positions[skip : skip + count])
-
-    def microbatch_ids(
-        self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
-    ) -> list[np.ndarray]:
-        """The rank slice cut, in order, into micro-batches of ``local_batch_size``."""
-        check_batch_layout(self.schedule.gbs(step), dp_degree, local_batch_size)
-        ids = self.rank_ids(step, dp_rank, dp_degree)
-        return [ids[k : k + local_batch_size] for k in range(0, len(ids), local_batch_size)]
+    q, r = divmod(p, a - 1)
+    entries = [(1, q + 1), (r + 1, q)] if r else [(1, q)]
+    entries.append((a, schedule.gbs(a)))
+    entries += [(s, g) for s, g in schedule.entries if s > a]
+    return BatchSchedule(entries)

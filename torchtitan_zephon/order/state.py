@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from torchtitan_zephon.data.plan import BatchSchedule
+from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.store.format import fingerprint
 
 STATE_FORMAT = 2
@@ -542,7 +542,8 @@ def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> s
     """None when ``current``'s mixture draws the same samples as ``saved``'s for steps
     before ``next_step`` and has the same sources (only entries governing untrained
     steps differ); otherwise what changed, in a sentence."""
-    from torchtitan_zephon.data.mixture import MixtureError, MixtureSpec, past_changes
+    from torchtitan_zephon.order.mixture.config import MixtureError
+    from torchtitan_zephon.order.mixture.spec import MixtureSpec, past_changes
 
     a, b = saved.mixture, current.mixture
     if a is None or b is None:
@@ -656,7 +657,8 @@ def _first_correction(config: DataConfig) -> int | None:
 def _first_correction_of(
     mixture: str, seed: int, schedule: tuple[tuple[int, int], ...]
 ) -> int | None:
-    from torchtitan_zephon.data.mixture import SPEC_FORMAT, MixturePlan, MixtureSpec
+    from torchtitan_zephon.order.mixture.plan import MixturePlan
+    from torchtitan_zephon.order.mixture.spec import SPEC_FORMAT, MixtureSpec
 
     spec = MixtureSpec.from_json({**json.loads(mixture), "format": SPEC_FORMAT})
     return MixturePlan(spec, seed, BatchSchedule(list(schedule))).first_correction
