@@ -68,7 +68,7 @@ def _absolute(option: str, value: str, base: Path) -> str:
     if not value or os.path.isabs(value):
         return value
     if option == "zephon.store":  # raw inputs: each relative item of a comma list
-        from torchtitan_zephon.ingest.cache import rebase
+        from torchtitan_zephon.order.mixture.config import rebase
 
         return rebase(value, base)
     return str(base / value)

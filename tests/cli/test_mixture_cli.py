@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.source import MixtureSource
+from torchtitan_zephon.job import MixtureSource
+from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.state import RECORD_KEY, DataState

@@ -1,4 +1,4 @@
-"""Store values and the store cache (``data.cache``): raw inputs are prepared once into
+"""Store values and the store cache (``ingest.cache``): raw inputs are prepared once into
 a stat-keyed entry whose store equals ``zephon prepare``'s, found again without reading
 the corpus, rebuilt when a file changes, refused clearly when bad; the lock serializes
 builders and a failed build leaves no entry (only the parts prepare finished, for the next run)."""
@@ -20,12 +20,12 @@ from pathlib import Path
 import pytest
 
 from tests.data.conftest import corpus_text
-from torchtitan_zephon.data.source import open_mixture_stores
 from torchtitan_zephon.ingest import cache
-from torchtitan_zephon.ingest.cache import RawInputs, store_location
+from torchtitan_zephon.ingest.cache import RawInputs
 from torchtitan_zephon.ingest.inputs import OptionNames, resolve_inputs
 from torchtitan_zephon.ingest.parts import finished_parts
 from torchtitan_zephon.ingest.prepare import prepare_store
+from torchtitan_zephon.job import open_mixture_stores, store_location
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.store.format import FORMAT_VERSION, StoreError
 from torchtitan_zephon.store.reader import TokenStore

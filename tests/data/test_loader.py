@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.data.loader import MAX_WINDOW, DataStateMismatch, ZephonLoader
+from torchtitan_zephon.loader import MAX_WINDOW, DataStateMismatch, ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning, fingerprint
 from torchtitan_zephon.store.reader import TokenStore

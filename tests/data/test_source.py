@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.data.test_mixture import batch_schedules, mixtures
-from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.source import MixtureSource, StoreSource, mixture_progress, plan_of
+from torchtitan_zephon.job import MixtureSource, StoreSource, mixture_progress, plan_of
+from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule, anchored_schedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream

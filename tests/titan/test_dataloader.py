@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from torchtitan_zephon.data.loader import DataStateMismatch
+from torchtitan_zephon.loader import DataStateMismatch
 from torchtitan_zephon.order.state import DataConfig, DataState
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning
 from torchtitan_zephon.titan.dataloader import batch_schedule, build_zephon_dataloader

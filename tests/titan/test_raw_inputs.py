@@ -105,7 +105,7 @@ def test_raw_input_errors_name_the_trainers_options(tmp_path: Path, monkeypatch)
     prepare's say --text-field / --split), and a DatasetDict reads zephon.split."""
     from tests.titan.test_dataloader import job
     from torchtitan_zephon.ingest import cache
-    from torchtitan_zephon.ingest.cache import store_location
+    from torchtitan_zephon.job import store_location
     from torchtitan_zephon.store.format import StoreError
     from torchtitan_zephon.titan.dataloader import raw_inputs
 

@@ -1,7 +1,7 @@
 """The benchmark corpus: the builtin store's source documents, as files other
 loaders can read.
 
-Invariant: the JSONL file holds exactly ``data.builtin.corpus_documents()``
+Invariant: the JSONL file holds exactly ``ingest.builtin.corpus_documents()``
 in order, one ``{"text": ...}`` per line, so the stock TorchTitan loader, the
 prepare benchmark and the builtin Zephon store all see the same text.
 """

@@ -1,6 +1,6 @@
 """``zephon bench mixture``: the cost of drawing from many stores instead of one.
 
-Sources are slices of the builtin store (``store.slice_store``: its whole
+Sources are slices of the builtin store (``store.writer.slice_store``: its whole
 documents within ``source_tokens`` tokens, no tokenizing), spread over it and
 overlapping when they do not fit side by side; the mixtures of 1 and 10 take
 the first of the 100; every mixture draws with equal weights. It measures, side by side in one
@@ -42,8 +42,8 @@ import numpy as np
 
 from torchtitan_zephon.bench.corpus import builtin_store
 from torchtitan_zephon.bench.measure import paired_latency, ratio, round_rate
-from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.source import MixtureSource, mixture_progress
+from torchtitan_zephon.job import MixtureSource, mixture_progress
+from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import parse_schedule
 from torchtitan_zephon.order.mixture.spec import MixtureSpec, SpecSource

@@ -5,7 +5,7 @@ Text that ships with every CPython: the documentation topics of ``pydoc_data``
 with the BPE tokenizer shipped in ``torchtitan_zephon/assets/tokenizer``.
 Besides the whole store, each half is a store of its own (``PARTS``: "docs",
 "stdlib"), named ``builtin:docs`` / ``builtin:stdlib`` where a store path is
-expected in a mixture file (``cache.store_location``), so a two-source mixture needs
+expected in a mixture file (``job.store_location``), so a two-source mixture needs
 no data either.
 
 Invariant: a store is a pure function of (this Python's text files, the shipped

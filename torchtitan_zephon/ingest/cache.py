@@ -1,12 +1,12 @@
 """Store values and the store cache: what a store value names, and token stores
 built on first use, once, into a shared folder.
 
-Role: the one place that turns a store value (the trainer's ``zephon.store``, a
-mixture's ``[[source]] store``) into a token store folder (``store_location``):
-``builtin:PART`` is a builtin store (``builtin.py``); a folder holding a store
-(or a file in one) is that store; anything else names raw inputs (a file, a
-folder of them, a glob pattern, a comma-separated list: ``inputs.expand_input``)
-which ``raw_store`` prepares into the cache. It also owns the cache folder
+Role: what a store value (the trainer's ``zephon.store``, a mixture's
+``[[source]] store``) names (``names_store``; ``job.store_location`` turns it
+into a token store folder): ``builtin:PART`` is a builtin store (``builtin.py``);
+a folder holding a store (or a file in one) is that store; anything else names
+raw inputs (a file, a folder of them, a glob pattern, a comma-separated list:
+``inputs.expand_input``) which ``raw_store`` prepares into the cache. It also owns the cache folder
 (``cache_root``) and the one way an entry is made (``build_once``): under an
 exclusive ``fcntl.flock`` on ``<entry>.lock`` beside it, the holder builds the
 store into a staging folder and renames it into place, writing its progress
@@ -383,45 +383,6 @@ def names_store(value: str) -> bool:
     if os.path.lexists(value):
         return p.name in STORE_FILES and is_store(p.parent)
     return "," not in value and not GLOB_CHARS & set(value)
-
-
-def store_location(value: str, raw: RawInputs | None = None, *, progress: bool = False) -> Path:
-    """The token store folder a store value names, built on first use where it is a
-    builtin part (with a progress bar when ``progress``) or raw inputs (as ``raw``
-    says; None: raw inputs are refused)."""
-    if value.startswith(BUILTIN_PREFIX):
-        from torchtitan_zephon.ingest.builtin import builtin_store_path
-
-        return builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :])
-    if names_store(value):
-        if not os.path.lexists(value):
-            raise StoreError(
-                f"token store {value!r} does not exist; expected a folder made by `zephon "
-                "prepare INPUT... --tokenizer DIR --output STORE`, or raw inputs to prepare "
-                "on first use: a text/JSONL/Parquet file, a folder of them, a glob pattern "
-                "or a comma-separated list."
-            )
-        return Path(value)
-    if raw is None:
-        raise StoreError(
-            f"{value!r} names raw inputs, not a token store, and no tokenizer was given to "
-            f"prepare them. Prepare them first (`zephon prepare {value} --tokenizer DIR "
-            "--output STORE`) and name the store, or train on them directly: the trainer "
-            "prepares raw inputs with the tokenizer at model.hf_assets_path."
-        )
-    return raw_store(value, raw)
-
-
-def rebase(value: str, base: Path) -> str:
-    """``value`` with its relative paths (or each relative item of a comma list) taken
-    relative to ``base`` (a mixture file's folder); builtin parts stay."""
-    if value.startswith(BUILTIN_PREFIX) or os.path.isabs(value):
-        return value
-    if os.path.lexists(base / value) or "," not in value:
-        return str(base / value)
-    return ",".join(
-        p if os.path.isabs(p.strip()) else str(base / p.strip()) for p in value.split(",")
-    )
 
 
 _located: dict[tuple[str, ...], Path] = {}

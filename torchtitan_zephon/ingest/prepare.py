@@ -4,7 +4,7 @@ Role: identify the tokenizer (a Hugging Face ``tokenizer.json`` and its EOS),
 cut the inputs (``inputs.py``) into work units (``units.py``), tokenize each
 unit into a part in a staging folder beside the output (``parts.py``; each rank
 of a group, ``ranks.py``, its share of the units, with ``encode.py``'s worker
-processes), then assemble the parts into a token store (``store.py``): every
+processes), then assemble the parts into a token store (``store/``): every
 document's tokens followed by one EOS token, in input order.
 
 Phases, the same code for one process or many (``Ranks``): (1) every rank

@@ -437,7 +437,7 @@ def check_resume(
     """Decide whether ``saved`` may continue under ``current``.
 
     A batch schedule that only gained entries for untrained steps, and a mixture
-    whose weight schedule differs only for untrained steps (``mixture.past_change``)
+    whose weight schedule differs only for untrained steps (``mixture.spec.past_change``)
     with the same sources, are continuations (no opt-in). Any other differing
     field must be allowed; otherwise
     DataStateMismatch names every refused field (saved -> current) with the

@@ -2,7 +2,7 @@
 one world-size-independent record.
 
 Invariant: ``state_dict()`` returns the same record on every rank of every
-topology: ``{"zephon": <JSON text>}``, the ``data.state.DataState`` (data config,
+topology: ``{"zephon": <JSON text>}``, the ``order.state.DataState`` (data config,
 next step, consumed positions, anchor) with the sequence tracker's chain head. It replaces TorchTitan's per-DP-rank pickles, so DCP saves
 it once and any world size can load it.
 """
@@ -19,10 +19,10 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.source import MixtureSource, Source, StoreSource
-from torchtitan_zephon.ingest.cache import RawInputs, store_location
+from torchtitan_zephon.ingest.cache import RawInputs
 from torchtitan_zephon.ingest.inputs import OptionNames
+from torchtitan_zephon.job import MixtureSource, Source, StoreSource, store_location
+from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
@@ -69,7 +69,7 @@ def raw_inputs(job_config: Any) -> RawInputs:
 
 def resolve_store(job_config: Any) -> TokenStore:
     """Open ``zephon.store`` (a store folder, or raw inputs prepared into the cache on
-    first use: ``data.cache.store_location``), or the builtin store when it is empty."""
+    first use: ``job.store_location``), or the builtin store when it is empty."""
     path = job_config.zephon.store
     if not path:
         from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR, builtin_store_path

@@ -1,6 +1,6 @@
 """The Zephon loader: one DP rank's micro-batches, with world-size-free state.
 
-Role: turn a source's plan (``data.source``: one TokenStore, or a mixture of
+Role: turn a source's plan (``job``: one TokenStore, or a mixture of
 several) into an infinite iterator of
 ``({"input": LongTensor[b, seq_len]}, labels LongTensor[b, seq_len])`` for one
 DP rank, prefetched in the background, and save/restore its position as one
@@ -21,7 +21,7 @@ Invariants:
   Loading it under any DP layout that divides the global batch size continues
   the global stream exactly where it stopped; restoring is O(1).
 - Every batch holds tokens the store checked against its content checksums
-  (see ``store.py``) and, given ``vocab_size``, only ids below it.
+  (see ``store/reader.py``) and, given ``vocab_size``, only ids below it.
 
 Mechanics: the loader plans ahead: sample ids for the next micro-batches come
 from one vectorized plan call (``DataPlan.rank_stream_ids``) per few hundred
@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_zephon.data.source import Source, StoreSource
+from torchtitan_zephon.job import Source, StoreSource
 from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
 from torchtitan_zephon.order.state import DataState, DataStateMismatch, ResumeDecision, check_resume
 from torchtitan_zephon.store.format import StoreError
@@ -322,7 +322,7 @@ class ZephonLoader:
     ) -> ResumeDecision:
         """Continue at the saved ``next_step``; refuse config changes not in ``allow_changes``.
 
-        The rule is ``data.state.check_resume``: ``allow_changes`` names data config
+        The rule is ``order.state.check_resume``: ``allow_changes`` names data config
         fields whose change is accepted (``seed``, ``seq_len``, ``schedule``,
         ``sample_offset``, ``num_samples``, ``store_fingerprint``, ``tokenizer_hash``,
         any extra_config key), the aliases ``store`` (store_fingerprint +

@@ -46,7 +46,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from torchtitan_zephon.ingest.cache import store_location
+from torchtitan_zephon.ingest.builtin import builtin_store_path
+from torchtitan_zephon.ingest.cache import RawInputs, names_store, raw_store
 from torchtitan_zephon.order.layout import (
     BatchSchedule,
     anchored_schedule,
@@ -58,7 +59,7 @@ from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream
 from torchtitan_zephon.order.mixture.spec import MixtureSpec, resolve_mixture
 from torchtitan_zephon.order.state import MIXTURE_FIELD, DataConfig, DataState
 from torchtitan_zephon.order.stream import ID_MASK, DataPlan, StreamPlan, split_keys
-from torchtitan_zephon.store.format import StoreError, fingerprint
+from torchtitan_zephon.store.format import BUILTIN_PREFIX, StoreError, fingerprint
 from torchtitan_zephon.store.group import StoreGroup
 from torchtitan_zephon.store.reader import TokenStore
 
@@ -91,6 +92,31 @@ class Source(Protocol):
     def id_limit(self, vocab_size: int | None) -> int | None: ...
     def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str: ...
     def heldout(self) -> list[Heldout]: ...
+
+
+def store_location(value: str, raw: RawInputs | None = None, *, progress: bool = False) -> Path:
+    """The token store folder a store value names, built on first use where it is a
+    builtin part (with a progress bar when ``progress``) or raw inputs (as ``raw``
+    says; None: raw inputs are refused)."""
+    if value.startswith(BUILTIN_PREFIX):
+        return builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :])
+    if names_store(value):
+        if not os.path.lexists(value):
+            raise StoreError(
+                f"token store {value!r} does not exist; expected a folder made by `zephon "
+                "prepare INPUT... --tokenizer DIR --output STORE`, or raw inputs to prepare "
+                "on first use: a text/JSONL/Parquet file, a folder of them, a glob pattern "
+                "or a comma-separated list."
+            )
+        return Path(value)
+    if raw is None:
+        raise StoreError(
+            f"{value!r} names raw inputs, not a token store, and no tokenizer was given to "
+            f"prepare them. Prepare them first (`zephon prepare {value} --tokenizer DIR "
+            "--output STORE`) and name the store, or train on them directly: the trainer "
+            "prepares raw inputs with the tokenizer at model.hf_assets_path."
+        )
+    return raw_store(value, raw)
 
 
 # ---------------------------------------------------------------- one store
