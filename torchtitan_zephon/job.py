@@ -1,32 +1,36 @@
-"""Data sources: what a loader reads, behind one interface.
+"""The job's data: what a loader reads, behind one interface.
 
-Role: a *source* pairs a plan (which sample each slot of the global stream
-holds) with the tokens of those samples. ``StoreSource`` is one token store (its
-plan is a ``DataPlan``); ``MixtureSource`` is several stores drawn in exact
-proportions by a ``MixturePlan`` (seen through ``MixtureStream``). Everything
-downstream (the loader, the sequence tracker's ids digests, the data state)
-sees only **sample keys**: int64 values naming (source index, sample id) as
-``source << SOURCE_SHIFT | id``. For one store the key is the sample id, so
-runs and logs of one store are unchanged; for a mixture the keys bind the
-sources, in name order (the order of the ``[[source]]`` blocks does not count).
-A new kind of source (a remote store, raw inputs prepared on the fly) plugs in
-by providing the same few methods; plans and state stay as they are.
+Role: the layer above the engine (``order``, ``ingest``, ``store``) that opens a
+job's stores and pairs a plan (which sample each position of the global stream
+holds) with the tokens of those samples. ``store_location`` turns a store value
+(a store folder, ``builtin:PART``, raw inputs prepared into the cache) into a
+store folder; ``StoreData`` is one token store (its plan is a ``DataPlan``);
+``MixtureData`` is several stores drawn in exact proportions by a
+``MixturePlan`` (seen through ``MixtureStream``), opened by
+``open_mixture_stores``. Everything downstream (the loader, the sequence
+tracker's ids digests, the data state) sees only **sample keys**: int64 values
+naming (source index, sample id) as ``source << SOURCE_SHIFT | id``
+(``order.stream``). For one store the key is the sample id, so runs and logs of
+one store are unchanged; for a mixture the keys bind the sources, in name order
+(the order of the ``[[source]]`` blocks does not count). A new kind of job data
+(a remote store, raw inputs prepared on the fly) plugs in by providing the same
+few methods; plans and state stay as they are.
 
-The interface (``Source``): ``data_config`` (the ``DataConfig`` it governs),
+The interface (``JobData``): ``data_config`` (the ``DataConfig`` it governs),
 ``plan(config, anchor)`` (a ``StreamPlan``: keys per step, rank slice and
 window of a rank's stream), ``windows(keys, seq_len)`` (the tokens, checked by
 their store), ``id_limit`` / ``out_of_vocab`` (the vocabulary guard) and
 ``heldout`` (each source's held-out samples, for validation).
 
 Invariants:
-- ``source.plan(config, anchor)`` depends only on the data config, the anchor
+- ``data.plan(config, anchor)`` depends only on the data config, the anchor
   and (for a mixture) the spec it was resolved to: every rank builds the same
   plan. Its keys of step ``s`` are ``plan.global_ids(s)``; the rank slices
   concatenate to them for every DP degree dividing the step's batch.
 - Row k of ``windows(keys, seq_len)`` is the window of the sample ``keys[k]``
   names, read from that sample's store.
 - ``plan_of(config, anchor)`` rebuilds the plan of a saved data state without
-  opening any store (``zephon inspect``): the same keys as the source's plan.
+  opening any store (``zephon inspect``): the same keys as the job data's plan.
 - An accepted change of the batch schedule (a position anchor other than
   (1, 0)) keeps the slot count exact; a mixture then assigns the slots from the
   anchor on as if the steps before it had been of equal size (an opted-in
@@ -74,7 +78,7 @@ class Heldout:
     count: int
 
 
-class Source(Protocol):
+class JobData(Protocol):
     """What a loader reads: a plan of sample keys and the tokens of a key."""
 
     path: str
@@ -153,7 +157,7 @@ def store_out_of_vocab(
     )
 
 
-class StoreSource:
+class StoreData:
     """One token store: samples ``[sample_offset, sample_offset + num_samples)`` are
     trained on (the rest, at the end, is held out); the keys are the sample ids."""
 
@@ -263,7 +267,7 @@ def sorted_by_name(config: MixtureConfig) -> MixtureConfig:
     return MixtureConfig(tuple(sorted(config.sources, key=lambda s: s.name)), config.schedule)
 
 
-class MixtureSource:
+class MixtureData:
     """Several token stores drawn by a mixture plan; key ``i << 40 | id`` is sample ``id``
     of the ``i``-th source in name order."""
 
@@ -307,7 +311,7 @@ class MixtureSource:
         path: str = "mixture",
         progress: bool = False,
         raw: Any = None,
-    ) -> MixtureSource:
+    ) -> MixtureData:
         """Open the stores of a parsed mixture file and check them against each other
         (one tokenizer, enough samples); MixtureError names the source at fault. Sources
         that name raw inputs are prepared as ``raw`` (a ``cache.RawInputs``) says.
@@ -397,7 +401,7 @@ class MixtureSource:
         ]
 
 
-_OPENED: dict[str, tuple[tuple | None, MixtureSource]] = {}  # see MixtureSource.open
+_OPENED: dict[str, tuple[tuple | None, MixtureData]] = {}  # see MixtureData.open
 
 
 def _job_tokenizer(raw: Any) -> tuple[str, str] | None:

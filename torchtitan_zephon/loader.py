@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_zephon.job import Source, StoreSource
+from torchtitan_zephon.job import JobData, StoreData
 from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
 from torchtitan_zephon.order.state import DataState, DataStateMismatch, ResumeDecision, check_resume
 from torchtitan_zephon.store.format import StoreError
@@ -72,7 +72,7 @@ class ZephonLoader:
 
     def __init__(
         self,
-        source: TokenStore | Source,
+        source: TokenStore | JobData,
         *,
         seq_len: int,
         seed: int,
@@ -89,7 +89,7 @@ class ZephonLoader:
         vocab_size: int | None = None,
     ) -> None:
         if isinstance(source, TokenStore):  # the one-store case
-            source = StoreSource(
+            source = StoreData(
                 source, seq_len, sample_offset=sample_offset, num_samples=num_samples
             )
         elif source.seq_len != seq_len:
@@ -342,6 +342,6 @@ class ZephonLoader:
 
 
 def _out_of_vocab(
-    source: Source, keys: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
+    source: JobData, keys: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
 ) -> str:
     return source.out_of_vocab(keys, tokens, limit)

@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchtitan_zephon.ingest.inputs import (
+    InputFile,
     OptionError,
     OptionNames,
-    Source,
     iter_documents,
     resolve_inputs,
     select_splits,
@@ -148,7 +148,7 @@ def test_bad_inputs_name_what_is_missing(tmp_path, value, message):
 
 
 def _read(path: Path, kind: str, text_field: str = "text") -> list[str]:
-    return list(iter_documents(Source(path.name, path, kind), text_field))
+    return list(iter_documents(InputFile(path.name, path, kind), text_field))
 
 
 @pytest.mark.parametrize("name, kind", [("d.txt", "text"), ("d.jsonl", "jsonl"),
@@ -189,7 +189,7 @@ def test_a_record_without_the_text_field_among_records_with_it_is_named_not_rena
     path = _jsonl(tmp_path / "d.jsonl", records)
     for part in (None, (0, path.stat().st_size)):  # the whole-file and the range reader
         with pytest.raises(StoreError) as e:
-            list(iter_documents(Source("d.jsonl", path, "jsonl"), "text", part))
+            list(iter_documents(InputFile("d.jsonl", path, "jsonl"), "text", part))
         message = str(e.value)
         assert f"d.jsonl:{odd + 1}: this record has no field 'text'" in message
         assert "its fields: ['body', 'id']" in message
@@ -279,6 +279,6 @@ def test_a_single_dataset_is_read_whole_and_refuses_a_split_it_was_not_saved_as(
     datasets.Dataset.from_dict({"text": ["x"]}).save_to_disk(str(tmp_path / "plain"))
     (unnamed,) = select_splits(resolve_inputs([str(tmp_path / "plain")]), "validation")
     assert list(iter_documents(unnamed, "text")) == ["x"]  # saved without a split name
-    (jsonl,) = select_splits([Source("a", _jsonl(tmp_path / "a.jsonl", [{"text": "y"}]),
+    (jsonl,) = select_splits([InputFile("a", _jsonl(tmp_path / "a.jsonl", [{"text": "y"}]),
                                      "jsonl")], "validation")  # fmt: skip
     assert jsonl.splits is None  # other inputs are not affected

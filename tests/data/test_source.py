@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.data.test_mixture import batch_schedules, mixtures
-from torchtitan_zephon.job import MixtureSource, StoreSource, mixture_progress, plan_of
+from torchtitan_zephon.job import MixtureData, StoreData, mixture_progress, plan_of
 from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule, anchored_schedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
@@ -46,9 +46,9 @@ W1 = "{ web = 0.5, code = 0.3, math = 0.2 }"
 LATER = "[[schedule]]\nfrom_step = 4\nweights = { web = 0.1, code = 0.0, math = 0.9 }\n"
 
 
-def mixture(slices, text: str | None = None, heldout: int = 3) -> MixtureSource:
+def mixture(slices, text: str | None = None, heldout: int = 3) -> MixtureData:
     cfg = MixtureConfig.loads(text or mixture_text(slices, W1, LATER))
-    return MixtureSource.open(cfg, SEQ, default_heldout=heldout)
+    return MixtureData.open(cfg, SEQ, default_heldout=heldout)
 
 
 def loader(source, d, r, b, schedule="1:12,6:24", **kw) -> ZephonLoader:
@@ -129,7 +129,7 @@ def test_a_rank_stream_window_is_its_slices_concatenated(spec, batch, data):
 
 def test_one_store_is_the_store_source_with_sample_ids_as_keys(store):
     a = loader(store, 1, 0, 4, num_samples=100)
-    b = loader(StoreSource(store, SEQ, num_samples=100), 1, 0, 4)
+    b = loader(StoreData(store, SEQ, num_samples=100), 1, 0, 4)
     assert a.config == b.config and a.config.mixture is None
     old = DataConfig.make(  # what the loader built before sources: old checkpoints resume
         seq_len=SEQ, seed=5, schedule=a.plan.schedule, sample_offset=0, num_samples=100,
@@ -141,7 +141,7 @@ def test_one_store_is_the_store_source_with_sample_ids_as_keys(store):
     for x, y in zip(take_steps(a, 3), take_steps(b, 3), strict=True):
         assert np.array_equal(x, y)
     assert a.state_dict() == b.state_dict()
-    (held,) = StoreSource(store, SEQ, num_samples=100).heldout()
+    (held,) = StoreData(store, SEQ, num_samples=100).heldout()
     assert (held.name, held.first, held.count) == (None, 100, store.num_samples(SEQ) - 100)
 
 
@@ -293,7 +293,7 @@ def test_a_mixture_opened_again_is_shared_until_a_store_changes(slices, tmp_path
         again.windows(keys, SEQ)
     assert mixture(stores, text) is again
     assert mixture(stores, text, heldout=4) is not again  # another job's source
-    assert MixtureSource.open(MixtureConfig.loads(text), SEQ + 1, default_heldout=3) is not again
+    assert MixtureData.open(MixtureConfig.loads(text), SEQ + 1, default_heldout=3) is not again
 
 
 def test_ids_at_far_slots_with_huge_epochs():

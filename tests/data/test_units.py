@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.ingest.inputs import Source, iter_documents, read_jsonl
+from torchtitan_zephon.ingest.inputs import InputFile, iter_documents, read_jsonl
 from torchtitan_zephon.ingest.units import jsonl_boundaries, plan_units, unit_input_hash
 from torchtitan_zephon.store.format import StoreError
 
@@ -25,7 +25,7 @@ _jsonl = st.lists(st.tuples(_line, _sep), max_size=30).map(
 )
 
 
-def _units_docs(src: Source, unit_bytes: int) -> list[str]:
+def _units_docs(src: InputFile, unit_bytes: int) -> list[str]:
     units = plan_units([src], unit_bytes)
     assert [u.index for u in units] == list(range(len(units)))
     spans = [u.span for u in units]
@@ -45,7 +45,7 @@ def test_units_concatenate_to_the_whole_file(tmp_path, data, unit_bytes, tail):
     the whole-file reader gives them; or both refuse the file, naming the same line."""
     path = tmp_path / "d.jsonl"
     path.write_bytes(data + tail)
-    src = Source("d.jsonl", path, "jsonl")
+    src = InputFile("d.jsonl", path, "jsonl")
     try:
         whole = list(read_jsonl(src, "text"))
     except StoreError as e:
@@ -78,7 +78,7 @@ def test_parquet_runs_of_row_groups(tmp_path):
     texts = [corpus_text(k, 40) for k in range(300)]
     path = tmp_path / "d.parquet"
     pq.write_table(pa.table({"text": texts}), path, row_group_size=20)  # 15 row groups
-    src = Source("d.parquet", path, "parquet")
+    src = InputFile("d.parquet", path, "parquet")
     for unit_bytes in (1, 3000, 1 << 30):
         units = plan_units([src], unit_bytes)
         assert units[0].part[0] == 0 and units[-1].part[1] == 15
@@ -90,7 +90,7 @@ def test_parquet_runs_of_row_groups(tmp_path):
 def test_unit_input_hash_follows_its_bytes_only(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(b"".join(json.dumps({"text": f"doc {k}"}).encode() + b"\n" for k in range(50)))
-    src = Source("d.jsonl", path, "jsonl")
+    src = InputFile("d.jsonl", path, "jsonl")
     before = [unit_input_hash(src, u) for u in plan_units([src], 100)]
     data = bytearray(path.read_bytes())
     data[-5] = ord("9") if data[-5] != ord("9") else ord("8")  # a digit in the last line
@@ -105,7 +105,7 @@ def test_whole_units_for_unsplittable_kinds(tmp_path):
     (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(b'{"text": "a"}\n' * 1000))
     (tmp_path / "b.txt").write_text("alpha " * 1000)
     (tmp_path / "c.json").write_text(json.dumps([{"text": "a"}] * 1000))
-    srcs = [Source(p, tmp_path / p, k) for p, k in
+    srcs = [InputFile(p, tmp_path / p, k) for p, k in
             [("a.jsonl.gz", "jsonl"), ("b.txt", "text"), ("c.json", "json")]]  # fmt: skip
     units = plan_units(srcs, 10)
     assert [(u.source, u.part) for u in units] == [(0, None), (1, None), (2, None)]
@@ -135,12 +135,12 @@ def test_units_read_a_bom_and_a_missing_field_as_the_whole_file_does(
     reader gives (another field is suggested only when no record has this one)."""
     path = tmp_path / "d.jsonl"
     path.write_bytes((codecs.BOM_UTF8 if bom else b"") + data)
-    src = Source("d.jsonl", path, "jsonl")
+    src = InputFile("d.jsonl", path, "jsonl")
     (tmp_path / "plain").mkdir(exist_ok=True)
     plain = tmp_path / "plain" / "d.jsonl"
     plain.write_bytes(data)
     try:
-        whole = list(read_jsonl(Source("d.jsonl", plain, "jsonl"), "text"))
+        whole = list(read_jsonl(InputFile("d.jsonl", plain, "jsonl"), "text"))
     except StoreError as e:
         with pytest.raises(StoreError) as got:
             _units_docs(src, unit_bytes)

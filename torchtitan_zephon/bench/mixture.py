@@ -42,11 +42,11 @@ import numpy as np
 
 from torchtitan_zephon.bench.corpus import builtin_store
 from torchtitan_zephon.bench.measure import paired_latency, ratio, round_rate
-from torchtitan_zephon.job import MixtureSource, mixture_progress
+from torchtitan_zephon.job import MixtureData, mixture_progress
 from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import parse_schedule
-from torchtitan_zephon.order.mixture.spec import MixtureSpec, SpecSource
+from torchtitan_zephon.order.mixture.spec import MixtureSpec, ResolvedSource
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.writer import slice_store, write_derived_store
@@ -107,7 +107,7 @@ def joined_store(stores: list[TokenStore], output: Path) -> TokenStore:
     return TokenStore.open(output)
 
 
-def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1) -> MixtureSource:
+def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1) -> MixtureData:
     """Equal weights in the first entry; later entries (every 10 steps) favour one
     source after another (weights 1..k rotated), so each entry has its own pattern."""
     names = sorted(stores)
@@ -121,11 +121,13 @@ def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1
     ]
     schedule = parse_schedule(raw, names, "bench mixture")
     spec = MixtureSpec(
-        tuple(SpecSource(n, stores[n].fingerprint, stores[n].num_samples(seq_len)) for n in names),
+        tuple(
+            ResolvedSource(n, stores[n].fingerprint, stores[n].num_samples(seq_len)) for n in names
+        ),
         schedule,
         stores[names[0]].tokenizer_hash,
     )
-    return MixtureSource(spec, stores, seq_len, path=f"bench mixture of {k}")
+    return MixtureData(spec, stores, seq_len, path=f"bench mixture of {k}")
 
 
 def _loader(source: Any, seq_len: int, batch: int, gbs: int | None = None) -> ZephonLoader:
@@ -169,7 +171,7 @@ def state_at(loader: ZephonLoader, step: int) -> DataState:
     return DataState(now.config, step, loader.plan.step_positions(step)[0], now.position_anchor)
 
 
-def _restore_first_batch(source: MixtureSource, o: dict, gbs: int, state: DataState) -> None:
+def _restore_first_batch(source: MixtureData, o: dict, gbs: int, state: DataState) -> None:
     loader = _loader(source, o["seq_len"], o["batch"], gbs)
     try:
         loader.load_state_dict(state)

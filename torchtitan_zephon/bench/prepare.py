@@ -35,7 +35,7 @@ from typing import Any
 
 from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, write_jsonl
 from torchtitan_zephon.bench.measure import ratio
-from torchtitan_zephon.ingest.inputs import Source, iter_documents
+from torchtitan_zephon.ingest.inputs import InputFile, iter_documents
 from torchtitan_zephon.ingest.prepare import (
     _CHUNK_CHARS,
     _CHUNK_DOCS,
@@ -78,7 +78,7 @@ def _torchrun_prepare(jsonl: Path, out: Path, nproc: int, unit_bytes: int) -> di
 def _rank_chunks(jsonl: Path, unit_bytes: int, nproc: int) -> list[list[list[str]]]:
     """For each of ``nproc`` ranks, the document chunks prepare would encode on it: its
     units (``assign_units``), in order, each cut into chunks as prepare cuts them."""
-    src = Source(jsonl.name, jsonl, "jsonl")
+    src = InputFile(jsonl.name, jsonl, "jsonl")
     units = plan_units([src], unit_bytes)
     owner = assign_units(units, nproc)
     shares: list[list[list[str]]] = [[] for _ in range(nproc)]

@@ -248,7 +248,7 @@ def run_mixture(
     args: argparse.Namespace, schedule: BatchSchedule, raw: RawInputs | None = None
 ) -> int:
     """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
-    from torchtitan_zephon.job import MixtureSource
+    from torchtitan_zephon.job import MixtureData
     from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
     from torchtitan_zephon.order.mixture.plan import MixtureStream, deviation_warning
 
@@ -258,7 +258,7 @@ def run_mixture(
             raise MixtureError(
                 f"mixture source {s.name!r} names raw inputs ({s.store}): {RAW_HINT}."
             )
-    source = MixtureSource.open(
+    source = MixtureData.open(
         config,
         args.seq_len,
         default_heldout=args.heldout_samples,

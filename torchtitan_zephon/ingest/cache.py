@@ -62,8 +62,8 @@ from typing import Any
 from torchtitan_zephon.ingest.inputs import (
     GLOB_CHARS,
     PREPARE_OPTIONS,
+    InputFile,
     OptionNames,
-    Source,
     expand_input,
     resolve_inputs,
     select_splits,
@@ -484,7 +484,7 @@ def raw_store(value: str, raw: RawInputs) -> Path:
     return out
 
 
-def _splits_note(sources: list[Source]) -> str:
+def _splits_note(sources: list[InputFile]) -> str:
     """ "; split 'train' of the DatasetDict 'dd'", for the sources that have splits."""
     read = [f"split {', '.join(s.splits)} of the DatasetDict {s.name!r}"
             for s in sources if s.splits is not None]  # fmt: skip
@@ -512,7 +512,7 @@ def _check_cache_outside(value: str, root: Path) -> None:
             )
 
 
-def stat_listing(sources: list[Source]) -> list[list[Any]]:
+def stat_listing(sources: list[InputFile]) -> list[list[Any]]:
     """[name, file within the source, real path, size, mtime_ns] of every file the
     sources read (a dataset folder: each of its files), from ``os.stat`` only."""
     out: list[list[Any]] = []
@@ -548,7 +548,11 @@ def _stale(out: Path, why: str) -> StoreError:
 
 
 def _check_entry(
-    manifest: dict[str, Any], sources: list[Source], listing: list[list[Any]], out: Path, value: str
+    manifest: dict[str, Any],
+    sources: list[InputFile],
+    listing: list[list[Any]],
+    out: Path,
+    value: str,
 ) -> None:
     """The manifest's sources (names, sizes, DatasetDict splits) agree with the stat
     listing and the splits chosen."""

@@ -46,7 +46,9 @@ from torchtitan_zephon.store.format import StoreError, is_store
 
 
 @dataclass(frozen=True)
-class Source:
+class InputFile:
+    """One input file (or Hugging Face dataset folder) of a prepare, as resolved."""
+
     name: str  # relative, stable name recorded in the manifest
     path: Path
     kind: str  # a key of READERS
@@ -131,14 +133,14 @@ def _saved_split(path: Path) -> str | None:
 
 
 def select_splits(
-    sources: list[Source], split: str = "", names: OptionNames = PREPARE_OPTIONS
-) -> list[Source]:
+    sources: list[InputFile], split: str = "", names: OptionNames = PREPARE_OPTIONS
+) -> list[InputFile]:
     """``sources`` with the splits each Hugging Face DatasetDict folder reads: ``split``
     (empty: ``train``), or every split in sorted order for ``all``. A DatasetDict without
     that split is an ``OptionError`` listing the splits it has. A single Dataset folder
     is read whole; an explicit ``split`` other than the one it was saved as (when its
     state.json records one) is refused. Other sources are unchanged."""
-    out: list[Source] = []
+    out: list[InputFile] = []
     for src in sources:
         present = dataset_dict_splits(src.path) if src.kind == "hf" else None
         if src.kind != "hf":
@@ -227,7 +229,7 @@ def expand_input(raw: str) -> list[str]:
     return out
 
 
-def resolve_inputs(inputs: list[str]) -> list[Source]:
+def resolve_inputs(inputs: list[str]) -> list[InputFile]:
     """Expand inputs into sources, in the given order; folders walked sorted, hidden skipped.
 
     Every input is expanded (``expand_input``: a path, a glob pattern or a
@@ -278,7 +280,7 @@ def resolve_inputs(inputs: list[str]) -> list[Source]:
     if not entries:
         return []
     root = os.path.commonpath([os.path.dirname(a) for a, _, _ in entries])
-    return [Source(Path(os.path.relpath(a, root)).as_posix(), p, k) for a, p, k in entries]
+    return [InputFile(Path(os.path.relpath(a, root)).as_posix(), p, k) for a, p, k in entries]
 
 
 def _walk(folder: Path, at: str, seen: set[Path]) -> Iterator[tuple[str, Path, str]]:
@@ -307,13 +309,13 @@ def _walk(folder: Path, at: str, seen: set[Path]) -> Iterator[tuple[str, Path, s
             yield name, entry, _kind_of(entry)
 
 
-def _source_files(src: Source) -> list[Path]:
+def _source_files(src: InputFile) -> list[Path]:
     if src.path.is_dir():
         return sorted((p for p in src.path.rglob("*") if p.is_file()), key=lambda p: p.as_posix())
     return [src.path]
 
 
-def source_record(src: Source) -> dict[str, Any]:
+def source_record(src: InputFile) -> dict[str, Any]:
     """Manifest entry: name, kind, sha256 of the content, size in bytes; for a
     DatasetDict, the splits read."""
     h = hashlib.sha256()
@@ -394,7 +396,7 @@ def _any_has_field(lines: Iterable[str], text_field: str) -> bool:
 
 
 def iter_documents(
-    src: Source, text_field: str, part: tuple[int, int] | None = None
+    src: InputFile, text_field: str, part: tuple[int, int] | None = None
 ) -> Iterator[str]:
     """The documents of one source (or of one ``part`` of it), in file order, as valid
     Unicode text.
@@ -443,7 +445,7 @@ _COMPRESSED = [
 ]
 
 
-def read_text(src: Source, text_field: str) -> Iterator[Any]:
+def read_text(src: InputFile, text_field: str) -> Iterator[Any]:
     """The whole file is one document (undecodable bytes become U+FFFD)."""
     data = src.path.read_bytes()
     for magic, kind, tool in _COMPRESSED:
@@ -472,7 +474,7 @@ def _too_deep(where: str) -> StoreError:
     )
 
 
-def read_jsonl(src: Source, text_field: str) -> Iterator[Any]:
+def read_jsonl(src: InputFile, text_field: str) -> Iterator[Any]:
     """One JSON object per line, its ``text_field`` a document; blank lines skipped.
 
     A truncated or corrupt ``.gz`` stream is an error naming the last line read.
@@ -548,7 +550,7 @@ def _lines_before(path: Path, offset: int) -> int:
     return count
 
 
-def read_jsonl_range(src: Source, text_field: str, start: int, stop: int) -> Iterator[Any]:
+def read_jsonl_range(src: InputFile, text_field: str, start: int, stop: int) -> Iterator[Any]:
     """``read_jsonl`` of the lines in bytes ``[start, stop)`` of a plain (not compressed)
     JSON lines file; ``start`` and ``stop`` are line starts (or 0 and the file's size).
 
@@ -627,7 +629,7 @@ def _plain(record: Any, text_field: str) -> bool:
     return type(record) is dict and type(record.get(text_field)) is str
 
 
-def read_json(src: Source, text_field: str) -> Iterator[Any]:
+def read_json(src: InputFile, text_field: str) -> Iterator[Any]:
     """A JSON list of objects (or one object); JSON lines with a .json suffix also work."""
     try:
         data = json.loads(src.path.read_text(encoding="utf-8-sig", errors="replace"))
@@ -647,7 +649,7 @@ def read_json(src: Source, text_field: str) -> Iterator[Any]:
             yield text
 
 
-def read_parquet(src: Source, text_field: str) -> Iterator[Any]:
+def read_parquet(src: InputFile, text_field: str) -> Iterator[Any]:
     """The ``text_field`` column, row by row."""
     return read_parquet_row_groups(src, text_field, 0, None)
 
@@ -672,7 +674,7 @@ def parquet_row_groups(path: Path) -> list[tuple[int, int, int]]:
 
 
 def read_parquet_row_groups(
-    src: Source, text_field: str, first: int, stop: int | None
+    src: InputFile, text_field: str, first: int, stop: int | None
 ) -> Iterator[Any]:
     """The ``text_field`` column of row groups ``[first, stop)`` (``stop`` None: to the
     end), row by row; a corrupt file is an error naming it and the last row read."""
@@ -705,7 +707,7 @@ def read_parquet_row_groups(
         ) from None
 
 
-def read_hf(src: Source, text_field: str) -> Iterator[Any]:
+def read_hf(src: InputFile, text_field: str) -> Iterator[Any]:
     """A ``save_to_disk`` Dataset, or the splits of a DatasetDict that ``src.splits``
     names in that order (a source not given them by ``select_splits``: the default)."""
     try:
@@ -746,7 +748,7 @@ def read_hf(src: Source, text_field: str) -> Iterator[Any]:
         ) from None
 
 
-READERS: dict[str, Callable[[Source, str], Iterator[Any]]] = {
+READERS: dict[str, Callable[[InputFile, str], Iterator[Any]]] = {
     "text": read_text,
     "jsonl": read_jsonl,
     "json": read_json,
@@ -755,7 +757,7 @@ READERS: dict[str, Callable[[Source, str], Iterator[Any]]] = {
 }
 
 # Readers of one part of a source (see ``iter_documents``): (src, text_field, start, stop).
-RANGE_READERS: dict[str, Callable[[Source, str, int, int], Iterator[Any]]] = {
+RANGE_READERS: dict[str, Callable[[InputFile, str, int, int], Iterator[Any]]] = {
     "jsonl": read_jsonl_range,
     "parquet": read_parquet_row_groups,
 }

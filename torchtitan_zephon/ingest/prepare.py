@@ -51,9 +51,9 @@ import numpy as np
 from torchtitan_zephon.ingest.encode import encode_in_order, max_workers
 from torchtitan_zephon.ingest.inputs import (
     PREPARE_OPTIONS,
+    InputFile,
     OptionError,
     OptionNames,
-    Source,
     dataset_dict_splits,
     iter_documents,
     resolve_inputs,
@@ -190,7 +190,7 @@ class PrepareInterrupted(KeyboardInterrupt):
 class _Plan:
     info: TokenizerInfo
     dtype_name: str
-    sources: list[Source]
+    sources: list[InputFile]
     units: list[Unit]
     identity: dict[str, Any]  # what every rank must agree on
     names: OptionNames  # how the running command spells its options, for messages
@@ -518,11 +518,11 @@ def _stage(
     return records, len(records) - len(made_here)
 
 
-def _unreadable(src: Source, e: OSError) -> StoreError:
+def _unreadable(src: InputFile, e: OSError) -> StoreError:
     return StoreError(f"{src.path}: cannot read this input ({e.strerror or e}). Check the file.")
 
 
-def _check_unchanged(src: Source, stat: tuple[int, ...]) -> None:
+def _check_unchanged(src: InputFile, stat: tuple[int, ...]) -> None:
     try:
         now = source_stat(src)
     except OSError as e:
@@ -537,7 +537,7 @@ def _check_unchanged(src: Source, stat: tuple[int, ...]) -> None:
 
 def _unit_chunks(
     units: list[Unit],
-    sources: list[Source],
+    sources: list[InputFile],
     text_field: str,
     stats: dict[int, tuple[int, ...]],
     hashes: dict[int, str],

@@ -23,7 +23,7 @@ from typing import Any
 
 import xxhash
 
-from torchtitan_zephon.ingest.inputs import Source, is_line_start, parquet_row_groups
+from torchtitan_zephon.ingest.inputs import InputFile, is_line_start, parquet_row_groups
 
 UNIT_BYTES = 64 << 20
 """Target input bytes per unit: enough work (seconds of tokenizing) to amortise a part's
@@ -44,7 +44,7 @@ class Unit:
     span: tuple[int, int]
     size: int  # bytes of input: the work, for assigning units to ranks
 
-    def describe(self, src: Source) -> dict[str, Any]:
+    def describe(self, src: InputFile) -> dict[str, Any]:
         """What the unit is, in a part record: source name and kind, part, span (and the
         splits read, for a DatasetDict)."""
         described: dict[str, Any] = {
@@ -58,13 +58,13 @@ class Unit:
         return described
 
 
-def _files(src: Source) -> list[Path]:
+def _files(src: InputFile) -> list[Path]:
     if src.path.is_dir():
         return sorted((p for p in src.path.rglob("*") if p.is_file()), key=lambda p: p.as_posix())
     return [src.path]
 
 
-def source_stat(src: Source) -> tuple[int, int]:
+def source_stat(src: InputFile) -> tuple[int, int]:
     """(size in bytes, latest modification time in ns) of a source's file(s)."""
     size = mtime = 0
     for f in _files(src):
@@ -112,7 +112,7 @@ def _line_start_at_or_after(fh: Any, p: int, size: int) -> int:
     return size
 
 
-def plan_units(sources: list[Source], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
+def plan_units(sources: list[InputFile], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """The units of ``sources``, in input order (see the module docstring)."""
     if unit_bytes < 1:
         raise ValueError(f"unit_bytes must be >= 1, got {unit_bytes}.")
@@ -159,7 +159,7 @@ def _row_group_runs(
     return [(a, b, (starts[i], starts[i + 1])) for i, (a, b) in enumerate(runs)]
 
 
-def unit_input_hash(src: Source, unit: Unit) -> str:
+def unit_input_hash(src: InputFile, unit: Unit) -> str:
     """xxh3-128 of the input bytes ``unit`` reads: its span of the file (for a Parquet run
     also the file's footer, which describes every row group), or every file of a folder
     source with its relative name."""
@@ -194,6 +194,6 @@ def _hash_span(h: Any, path: Path, start: int, stop: int | None) -> None:
                 left -= len(block)
 
 
-def input_identity(sources: list[Source]) -> list[list[Any]]:
+def input_identity(sources: list[InputFile]) -> list[list[Any]]:
     """[name, kind, size, mtime_ns] of each source: what every rank must see alike."""
     return [[src.name, src.kind, *source_stat(src)] for src in sources]

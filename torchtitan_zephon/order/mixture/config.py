@@ -168,7 +168,7 @@ def parse_schedule(
 
 
 @dataclass(frozen=True)
-class MixtureSource:
+class SourceEntry:
     """A ``[[source]]`` of a mixture file. ``None`` fields take the job's defaults."""
 
     name: str
@@ -177,13 +177,13 @@ class MixtureSource:
     max_epochs: int | None = None
 
 
-def _parse_sources(raw: Any, origin: str, base_dir: Path | None) -> tuple[MixtureSource, ...]:
+def _parse_sources(raw: Any, origin: str, base_dir: Path | None) -> tuple[SourceEntry, ...]:
     if not isinstance(raw, list) or not raw:
         raise MixtureError(
             f"{origin}: needs at least one [[source]] with name and store, "
             'e.g. [[source]] name = "web" store = "/data/web".'
         )
-    out: list[MixtureSource] = []
+    out: list[SourceEntry] = []
     for k, src in enumerate(raw, 1):
         where = f"{origin}: source {k}"
         if not isinstance(src, Mapping):
@@ -216,7 +216,7 @@ def _parse_sources(raw: Any, origin: str, base_dir: Path | None) -> tuple[Mixtur
         max_epochs = src.get("max_epochs")
         if max_epochs is not None:
             max_epochs = _plain_int(max_epochs, f"{where}: max_epochs", 1)
-        out.append(MixtureSource(name, store, held, max_epochs))
+        out.append(SourceEntry(name, store, held, max_epochs))
     return tuple(out)
 
 
@@ -224,7 +224,7 @@ def _parse_sources(raw: Any, origin: str, base_dir: Path | None) -> tuple[Mixtur
 class MixtureConfig:
     """A parsed mixture file: sources (with store paths) and the weight schedule."""
 
-    sources: tuple[MixtureSource, ...]
+    sources: tuple[SourceEntry, ...]
     schedule: tuple[WeightEntry, ...]
 
     @property

@@ -39,7 +39,7 @@ corrects none (``MixturePlan.first_correction`` is None) both draw the same."""
 
 
 @dataclass(frozen=True)
-class SpecSource:
+class ResolvedSource:
     """A source as the plan sees it: its content fingerprint and training samples."""
 
     name: str
@@ -58,7 +58,7 @@ class MixtureSpec:
     changing its samples): the data-config fingerprint hashes it.
     """
 
-    sources: tuple[SpecSource, ...]
+    sources: tuple[ResolvedSource, ...]
     schedule: tuple[WeightEntry, ...]
     tokenizer_hash: str = ""
 
@@ -109,7 +109,7 @@ class MixtureSpec:
         me = max_epochs or {}
         return cls(
             tuple(
-                SpecSource(n, f"unfingerprinted:{n}", int(k), 0, me.get(n))
+                ResolvedSource(n, f"unfingerprinted:{n}", int(k), 0, me.get(n))
                 for n, k in sizes.items()
             ),
             entries,
@@ -150,7 +150,7 @@ class MixtureSpec:
             )
         try:
             sources = tuple(
-                SpecSource(
+                ResolvedSource(
                     str(s["name"]),
                     str(s["store_fingerprint"]),
                     int(s["num_samples"]),
@@ -217,7 +217,7 @@ def resolve_mixture(
                 f"store holds {total} samples of seq_len {seq_len}. Lower heldout_samples or "
                 "seq_len, or use a larger store."
             )
-        out.append(SpecSource(s.name, st.fingerprint, total - held, held, s.max_epochs))
+        out.append(ResolvedSource(s.name, st.fingerprint, total - held, held, s.max_epochs))
     return MixtureSpec(tuple(out), config.schedule, str(ref.tokenizer_hash))
 
 
