@@ -167,7 +167,7 @@ def test_plan_takes_raw_input_sources_with_the_trainers_tokenizer_options(
     """A [[source]] naming raw inputs (a JSONL file whose text is in another field) is
     prepared into the cache as the trainer prepares it: the same ids as a mixture of the
     store `zephon prepare` makes of it. Without --tokenizer: what to pass, naming it."""
-    from tests.data.conftest import corpus_text
+    from tests.conftest import corpus_text
 
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
     slice_store(store, 0, 2500, tmp_path / "web")

@@ -159,7 +159,7 @@ def test_store_vocabulary_larger_than_the_model_is_refused(tmp_path):
 def test_resume_onto_edited_store_content_fails_before_the_step_reading_it(tmp_path):
     """Tokens edited in place keep the fingerprint, so the resume is accepted; the first
     micro-batch that reads the edited chunk is refused, naming it."""
-    from tests.data.conftest import copy_store, edit_token
+    from tests.conftest import copy_store, edit_token
     from torchtitan_zephon.ingest.builtin import builtin_store_path
 
     path = copy_store(builtin_store_path(), tmp_path / "store")
@@ -180,7 +180,7 @@ def test_resume_onto_edited_store_content_fails_before_the_step_reading_it(tmp_p
 
 
 def test_out_of_vocabulary_id_in_a_store_without_checksums_is_a_clear_error(tmp_path):
-    from tests.data.conftest import copy_store, edit_token, make_v1
+    from tests.conftest import copy_store, edit_token, make_v1
     from torchtitan_zephon.ingest.builtin import builtin_store_path
     from torchtitan_zephon.titan.spec import register
 

@@ -168,7 +168,7 @@ def test_resume_onto_edited_store_content_fails_at_the_step_reading_it(
     """One token edited in place (same size, same fingerprint): the resume is accepted,
     and the job stops at step 5, whose first micro-batch reads the edited chunk, naming
     it; no step after 4 is logged or checkpointed."""
-    from tests.data.conftest import copy_store, edit_token
+    from tests.conftest import copy_store, edit_token
     from torchtitan_zephon.ingest.builtin import builtin_store_path
     from torchtitan_zephon.order.layout import BatchSchedule
     from torchtitan_zephon.order.stream import DataPlan

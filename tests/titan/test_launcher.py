@@ -160,7 +160,7 @@ def test_run_train_relative_paths_from_another_folder(tmp_path: Path):
 def test_store_changed_mid_run_stops_with_one_line_even_from_a_filtered_rank(tmp_path: Path):
     """A token edited in ``tokens.bin`` read only by rank 1, whose output run_train.sh
     filters out (LOG_RANK=0): rank 1 stops with one message, which is the last line."""
-    from tests.data.conftest import copy_store, edit_token
+    from tests.conftest import copy_store, edit_token
     from torchtitan_zephon.ingest.builtin import builtin_store_path
     from torchtitan_zephon.order.layout import BatchSchedule
     from torchtitan_zephon.order.stream import DataPlan

@@ -398,7 +398,7 @@ def test_builtin_and_raw_stores_get_the_same_size_checks(lines_store, tmp_path, 
 @pytest.fixture(scope="module")
 def own_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(tokenizer folder, store) of a small word-level tokenizer that is not the builtin."""
-    from tests.data.conftest import build_tokenizer, corpus_text
+    from tests.conftest import build_tokenizer, corpus_text
     from torchtitan_zephon.ingest.prepare import prepare_store
 
     root = tmp_path_factory.mktemp("own")

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.data.test_mixture import batch_schedules, mixtures
+from tests.conftest import copy_store, edit_token
+from tests.order.test_mixture import batch_schedules, mixtures
 from torchtitan_zephon.job import MixtureData, StoreData, mixture_progress, plan_of
 from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule, anchored_schedule
@@ -18,8 +19,6 @@ from torchtitan_zephon.order.stream import ID_MASK, DataPlan, make_keys, split_k
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.writer import slice_store
-
-from .conftest import copy_store, edit_token
 
 SEQ = 8
 CUTS = {"code": (0, 1800), "web": (1800, 3600), "math": (3600, None)}
@@ -242,7 +241,7 @@ def test_a_changed_source_or_past_weight_is_refused_and_future_entries_continue(
     changed = dict(slices)
     changed["web"] = copy_store(slices["web"].path, tmp_path / "web")
     edit_token(changed["web"], 5)  # content differs; re-checksummed as a new store
-    from tests.data.conftest import _manifest, _write_manifest
+    from tests.conftest import _manifest, _write_manifest
     from torchtitan_zephon.store.format import manifest_fingerprint
     from torchtitan_zephon.store.writer import write_checksums
 
@@ -316,10 +315,9 @@ def test_ids_at_far_slots_with_huge_epochs():
 
 def test_sources_of_another_tokenizer_are_refused(slices, corpus_dir, tmp_path):
     """A store prepared with another tokenizer cannot join the mixture: named at open."""
+    from tests.conftest import build_tokenizer
     from torchtitan_zephon.ingest.prepare import prepare_store
     from torchtitan_zephon.order.mixture.config import MixtureError
-
-    from .conftest import build_tokenizer
 
     other_tok = build_tokenizer(tmp_path / "tok", extra_vocab=5)
     prepare_store([str(corpus_dir)], str(other_tok), str(tmp_path / "other"), progress=False)

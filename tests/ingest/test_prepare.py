@@ -12,11 +12,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.conftest import EOS, build_tokenizer, corpus_text
 from torchtitan_zephon.ingest.prepare import dtype_for_vocab, prepare_store
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
-
-from .conftest import EOS, build_tokenizer, corpus_text
 
 
 def _files(path: Path) -> dict[str, bytes]:

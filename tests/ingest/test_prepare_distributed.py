@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import corpus_text
 from tests.titan.launch import kill_node
 from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, write_jsonl
 from torchtitan_zephon.ingest import prepare as prepare_module
 from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.store.format import StoreError
-
-from .conftest import corpus_text
 
 
 def _files(path: Path) -> dict[str, bytes]:

@@ -1,4 +1,4 @@
-"""Fixtures for the data engine tests: a tiny deterministic tokenizer and store."""
+"""Fixtures shared by the tests: a tiny deterministic tokenizer, corpus and store."""
 
 from __future__ import annotations
 

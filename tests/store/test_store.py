@@ -13,13 +13,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import copy_store, edit_token, make_v1
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning, manifest_fingerprint
 from torchtitan_zephon.store.group import StoreGroup
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.upgrade import upgrade_store
 from torchtitan_zephon.store.writer import write_checksums
-
-from .conftest import copy_store, edit_token, make_v1
 
 
 def test_store_basics(store):

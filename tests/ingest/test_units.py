@@ -8,11 +8,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import corpus_text
 from torchtitan_zephon.ingest.inputs import InputFile, iter_documents, read_jsonl
 from torchtitan_zephon.ingest.units import jsonl_boundaries, plan_units, unit_input_hash
 from torchtitan_zephon.store.format import StoreError
-
-from .conftest import corpus_text
 
 _line = st.one_of(
     st.builds(lambda t: json.dumps({"text": t}), st.text(max_size=40)),

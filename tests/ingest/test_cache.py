@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.data.conftest import corpus_text
+from tests.conftest import corpus_text
 from torchtitan_zephon.ingest import cache
 from torchtitan_zephon.ingest.cache import RawInputs
 from torchtitan_zephon.ingest.inputs import OptionNames, resolve_inputs

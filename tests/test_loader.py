@@ -9,12 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.conftest import copy_store, edit_token, make_v1
 from torchtitan_zephon.loader import MAX_WINDOW, DataStateMismatch, ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning, fingerprint
 from torchtitan_zephon.store.reader import TokenStore
-
-from .conftest import copy_store, edit_token, make_v1
 
 SEQ = 8
 SCHEDULE = "1:12,5:24,9:12"
