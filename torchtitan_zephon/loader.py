@@ -1,6 +1,6 @@
 """The Zephon loader: one DP rank's micro-batches, with world-size-free state.
 
-Role: turn a source's plan (``job``: one TokenStore, or a mixture of
+Role: turn the job data's plan (``job``: one TokenStore, or a mixture of
 several) into an infinite iterator of
 ``({"input": LongTensor[b, seq_len]}, labels LongTensor[b, seq_len])`` for one
 DP rank, prefetched in the background, and save/restore its position as one
