@@ -5,7 +5,9 @@ dtype, each checked like the store's own read.
 
 Invariant: row k of ``windows(sources, ids, seq_len)`` equals
 ``stores[sources[k]].windows([ids[k]], seq_len)[0]``, and the group reads only rows
-wholly inside one store's map (every pair is bounds-checked before the gather).
+wholly inside one store's map (every pair is bounds-checked before the gather). It
+uses only ``TokenStore``'s public interface (``tokens``, ``checked_flags``,
+``check_chunk``), so a change inside the reader cannot break the group unseen.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ class StoreGroup:
             )
         self.stores = list(stores)
         self.dtype = self.stores[0].dtype
-        arrays = [st._token_array for st in self.stores]
+        arrays = [st.tokens.view(np.ndarray) for st in self.stores]
         addresses = [int(a.__array_interface__["data"][0]) for a in arrays]
         low, item = min(addresses), self.dtype.itemsize
         if any((a - low) % item for a in addresses):  # maps are page-aligned: never
@@ -69,7 +71,7 @@ class StoreGroup:
         self._limits: dict[int, np.ndarray] = {}
         # One flag per chunk of a checked store; a store that is not checked (no checksums,
         # or verify=False) has one flag, always set, and a chunk longer than any store.
-        flags = [st._checked_np if st.verifies else np.ones(1, dtype=np.bool_) for st in stores]
+        flags = [st.checked_flags() if st.verifies else np.ones(1, dtype=np.bool_) for st in stores]
         self._flag_starts = np.cumsum([0] + [f.size for f in flags]).tolist()
         self._flag_base = np.array(self._flag_starts[:-1], dtype=np.int64)
         self._chunk_tokens = np.array(
@@ -140,8 +142,7 @@ class StoreGroup:
         for flag in np.unique(missing).tolist():
             i = bisect.bisect_right(starts_of, flag) - 1
             st, c = self.stores[i], flag - starts_of[i]
-            if not st._checked[c]:  # a read through the store itself may have checked it
-                st._verify_chunk(c)  # StoreError naming the store and the chunk
+            st.check_chunk(c)  # StoreError naming the store and the chunk if it differs
             with self._lock:
                 if not self._flags[flag]:
                     self._flags[flag] = True

@@ -302,6 +302,18 @@ class TokenStore:
             )
         self._mark_checked(chunk)
 
+    def check_chunk(self, chunk: int) -> None:
+        """Hash chunk ``chunk`` unless this store checked it already (StoreError naming the
+        store and the chunk when it differs): what a reader across stores
+        (``group.StoreGroup``) asks before serving rows from it."""
+        if not self._checked[chunk]:
+            self._verify_chunk(chunk)
+
+    def checked_flags(self) -> np.ndarray:
+        """One bool per chunk, True where this store checked it (a copy: flags only go
+        from unchecked to checked, so a copy is at worst conservative)."""
+        return self._checked_np.copy()
+
     def _mark_checked(self, chunk: int) -> None:
         with self._verify_lock:
             if not self._checked[chunk]:
@@ -350,10 +362,10 @@ class TokenStore:
                 f"the largest token id is {report.max_token_id}, the manifest records "
                 f"max_token_id {self.max_token_id}"
             )
-        report.problems.extend(self._structure_problems(report.max_token_id))
+        report.problems.extend(self.structure_problems(report.max_token_id))
         return report
 
-    def _structure_problems(self, max_token_id: int) -> list[str]:
+    def structure_problems(self, max_token_id: int) -> list[str]:
         """What prepare guarantees about any store: ids within the tokenizer's vocabulary,
         document offsets increasing from 0, and EOS ending every document."""
         problems = []

@@ -40,7 +40,7 @@ def upgrade_store(path: str | os.PathLike) -> tuple[TokenStore, bool]:
     if store.checksums is not None:
         return store, False
     content = write_checksums(store.path, store.manifest)
-    problems = store._structure_problems(content["max_token_id"])
+    problems = store.structure_problems(content["max_token_id"])
     if problems:
         (store.path / CHECKSUMS).unlink(missing_ok=True)
         raise StoreError(
