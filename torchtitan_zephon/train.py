@@ -68,7 +68,7 @@ def _absolute(option: str, value: str, base: Path) -> str:
     if not value or os.path.isabs(value):
         return value
     if option == "zephon.store":  # raw inputs: each relative item of a comma list
-        from torchtitan_zephon.data.cache import rebase
+        from torchtitan_zephon.order.mixture.config import rebase
 
         return rebase(value, base)
     return str(base / value)
@@ -192,9 +192,9 @@ def main() -> None:
     platform.apply()
     from torchtitan.train import main as titan_main
 
-    from torchtitan_zephon.data.state import DataStateMismatch
-    from torchtitan_zephon.data.store import StoreError
+    from torchtitan_zephon.order.state import DataStateMismatch
     from torchtitan_zephon.ownership import FolderInUse
+    from torchtitan_zephon.store.format import StoreError
     from torchtitan_zephon.titan.preflight import StartRefused
     from torchtitan_zephon.titan.spec import register
     from torchtitan_zephon.titan.trainer import JobStopped, SettingRefused, ZephonTrainer

@@ -1,10 +1,10 @@
-"""CLI test fixtures: reuse the data tests' tokenizer, corpus and store fixtures."""
+"""CLI test fixtures: reuse the shared tokenizer, corpus and store fixtures (tests/conftest.py)."""
 
 import importlib.util
 from pathlib import Path
 
 _spec = importlib.util.spec_from_file_location(
-    "zephon_data_test_fixtures", Path(__file__).parent.parent / "data" / "conftest.py"
+    "zephon_data_test_fixtures", Path(__file__).parent.parent / "conftest.py"
 )
 _fixtures = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_fixtures)

@@ -8,8 +8,10 @@ import warnings
 import pytest
 
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-from torchtitan_zephon.data.store import TokenStore, UncheckedStoreWarning
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.stream import DataPlan
+from torchtitan_zephon.store.format import UncheckedStoreWarning
+from torchtitan_zephon.store.reader import TokenStore
 
 from .conftest import copy_store, edit_token, make_v1
 
@@ -422,9 +424,10 @@ def test_inspect_lists_what_the_store_cache_holds(tmp_path, tokenizer_dir, store
     import shutil
 
     from tests.titan.expect import assert_unchanged, tree
-    from torchtitan_zephon.data import cache
-    from torchtitan_zephon.data.cache import RawInputs, store_location
-    from torchtitan_zephon.data.store import StoreError
+    from torchtitan_zephon.ingest import cache
+    from torchtitan_zephon.ingest.cache import RawInputs
+    from torchtitan_zephon.job import store_location
+    from torchtitan_zephon.store.format import StoreError
 
     monkeypatch.delenv(cache.CACHE_ENV, raising=False)
     monkeypatch.setattr(cache, "_located", {})

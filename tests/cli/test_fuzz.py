@@ -328,7 +328,7 @@ _MANIFEST_KEYS = ["format", "version", "fingerprint", "dtype", "eos_id", "num_to
 def test_inspect_and_plan_random_stores(tmp_path, store_path, changes, dropped, refingerprint, raw):
     """The real store with its manifest edited (fields changed or dropped, the fingerprint
     recomputed or not) or replaced by random bytes: inspect and plan refuse it clearly."""
-    from torchtitan_zephon.data.store import manifest_fingerprint
+    from torchtitan_zephon.store.format import manifest_fingerprint
 
     store = Path(tempfile.mkdtemp(dir=tmp_path)) / "store"
     shutil.copytree(store_path, store)

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.mixture import MixtureConfig
-from torchtitan_zephon.data.plan import BatchSchedule
-from torchtitan_zephon.data.source import MixtureSource
-from torchtitan_zephon.data.state import RECORD_KEY, DataState
-from torchtitan_zephon.data.store import slice_store
+from torchtitan_zephon.job import MixtureData
+from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.order.state import RECORD_KEY, DataState
+from torchtitan_zephon.store.writer import slice_store
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +34,7 @@ def mixture_file(store, tmp_path_factory) -> Path:
 
 
 def plan_of(path: Path, gbs: str = "1:10,4:20"):
-    source = MixtureSource.open(MixtureConfig.load(path), 8, default_heldout=2)
+    source = MixtureData.open(MixtureConfig.load(path), 8, default_heldout=2)
     return source, source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse(gbs)))
 
 
@@ -80,7 +80,7 @@ def test_plan_warns_when_a_step_cannot_stay_within_one_sample(store, tmp_path, c
     assert main([*args, "--global-batch-size", "5", "--steps", "1:6", "--json"]) == 0
     out = capsys.readouterr()
     assert len(out.out.splitlines()) == 6
-    source = MixtureSource.open(MixtureConfig.load(tmp_path / "mix.toml"), 8)
+    source = MixtureData.open(MixtureConfig.load(tmp_path / "mix.toml"), 8)
     plan = source.plan(source.data_config(seed=0, schedule=BatchSchedule.parse("5")))
     worst, who, step = plan.mixture.deviation_report()
     assert worst > 1
@@ -167,7 +167,7 @@ def test_plan_takes_raw_input_sources_with_the_trainers_tokenizer_options(
     """A [[source]] naming raw inputs (a JSONL file whose text is in another field) is
     prepared into the cache as the trainer prepares it: the same ids as a mixture of the
     store `zephon prepare` makes of it. Without --tokenizer: what to pass, naming it."""
-    from tests.data.conftest import corpus_text
+    from tests.conftest import corpus_text
 
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
     slice_store(store, 0, 2500, tmp_path / "web")

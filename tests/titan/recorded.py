@@ -131,8 +131,8 @@ def plan_outputs(store: Path, mixture: Path) -> dict[str, list]:
 def prepare_store(raw: Path, output: Path) -> str:
     """``zephon prepare`` of the raw corpus with the builtin tokenizer; its fingerprint."""
     from torchtitan_zephon.cli.main import main
-    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
-    from torchtitan_zephon.data.store import TokenStore
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.store.reader import TokenStore
 
     argv = ["prepare", str(raw), "--tokenizer", str(TOKENIZER_DIR), "--output", str(output)]
     assert main([*argv, "--quiet", "--workers", "1"]) == 0

@@ -10,9 +10,9 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from torchtitan_zephon.data.loader import DataStateMismatch
-from torchtitan_zephon.data.state import DataConfig, DataState
-from torchtitan_zephon.data.store import StoreError, UncheckedStoreWarning
+from torchtitan_zephon.loader import DataStateMismatch
+from torchtitan_zephon.order.state import DataConfig, DataState
+from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning
 from torchtitan_zephon.titan.dataloader import batch_schedule, build_zephon_dataloader
 from torchtitan_zephon.tracker import sample_digests
 
@@ -51,7 +51,7 @@ def test_dp_degree_that_cannot_split_the_batch_lists_working_degrees(tmp_path):
 
 
 def test_schedule_entries_are_all_checked():
-    from torchtitan_zephon.data.plan import BatchSchedule
+    from torchtitan_zephon.order.layout import BatchSchedule
 
     BatchSchedule.parse("1:8,10:16").check_layout(4, 2)
     with pytest.raises(ValueError):
@@ -159,8 +159,8 @@ def test_store_vocabulary_larger_than_the_model_is_refused(tmp_path):
 def test_resume_onto_edited_store_content_fails_before_the_step_reading_it(tmp_path):
     """Tokens edited in place keep the fingerprint, so the resume is accepted; the first
     micro-batch that reads the edited chunk is refused, naming it."""
-    from tests.data.conftest import copy_store, edit_token
-    from torchtitan_zephon.data.builtin import builtin_store_path
+    from tests.conftest import copy_store, edit_token
+    from torchtitan_zephon.ingest.builtin import builtin_store_path
 
     path = copy_store(builtin_store_path(), tmp_path / "store")
     cfg = job(tmp_path / "run", store=str(path))
@@ -180,8 +180,8 @@ def test_resume_onto_edited_store_content_fails_before_the_step_reading_it(tmp_p
 
 
 def test_out_of_vocabulary_id_in_a_store_without_checksums_is_a_clear_error(tmp_path):
-    from tests.data.conftest import copy_store, edit_token, make_v1
-    from torchtitan_zephon.data.builtin import builtin_store_path
+    from tests.conftest import copy_store, edit_token, make_v1
+    from torchtitan_zephon.ingest.builtin import builtin_store_path
     from torchtitan_zephon.titan.spec import register
 
     register()
@@ -210,9 +210,9 @@ def _pydoc_jsonl(path: Path, topics: int = 60) -> Path:
 def test_raw_store_value_has_the_data_config_of_its_prepared_store(tmp_path, monkeypatch):
     """zephon.store = a raw JSONL file gives the data config of `zephon prepare` of it:
     the store fingerprint, never the path, identifies the data."""
-    from torchtitan_zephon.data import cache
-    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
-    from torchtitan_zephon.data.prepare import prepare_store
+    from torchtitan_zephon.ingest import cache
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.ingest.prepare import prepare_store
     from torchtitan_zephon.titan.dataloader import open_job_data
 
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))

@@ -68,8 +68,8 @@ def other_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A store with other contents, tokenized with the same shipped tokenizer."""
     import pydoc_data.topics
 
-    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
-    from torchtitan_zephon.data.prepare import prepare_store
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.ingest.prepare import prepare_store
 
     root = tmp_path_factory.mktemp("other_store")
     src = root / "text"
@@ -168,10 +168,11 @@ def test_resume_onto_edited_store_content_fails_at_the_step_reading_it(
     """One token edited in place (same size, same fingerprint): the resume is accepted,
     and the job stops at step 5, whose first micro-batch reads the edited chunk, naming
     it; no step after 4 is logged or checkpointed."""
-    from tests.data.conftest import copy_store, edit_token
-    from torchtitan_zephon.data.builtin import builtin_store_path
-    from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-    from torchtitan_zephon.data.store import TokenStore
+    from tests.conftest import copy_store, edit_token
+    from torchtitan_zephon.ingest.builtin import builtin_store_path
+    from torchtitan_zephon.order.layout import BatchSchedule
+    from torchtitan_zephon.order.stream import DataPlan
+    from torchtitan_zephon.store.reader import TokenStore
 
     store = copy_store(builtin_store_path(), e2e_root / "edited_store")
     num_samples = TokenStore.open(store).num_samples(64) - 16  # tiny.toml: seq_len, heldout

@@ -160,10 +160,12 @@ def test_run_train_relative_paths_from_another_folder(tmp_path: Path):
 def test_store_changed_mid_run_stops_with_one_line_even_from_a_filtered_rank(tmp_path: Path):
     """A token edited in ``tokens.bin`` read only by rank 1, whose output run_train.sh
     filters out (LOG_RANK=0): rank 1 stops with one message, which is the last line."""
-    from tests.data.conftest import copy_store, edit_token
-    from torchtitan_zephon.data.builtin import builtin_store_path
-    from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-    from torchtitan_zephon.data.store import CHUNK_TOKENS, TokenStore
+    from tests.conftest import copy_store, edit_token
+    from torchtitan_zephon.ingest.builtin import builtin_store_path
+    from torchtitan_zephon.order.layout import BatchSchedule
+    from torchtitan_zephon.order.stream import DataPlan
+    from torchtitan_zephon.store.format import CHUNK_TOKENS
+    from torchtitan_zephon.store.reader import TokenStore
 
     store = copy_store(builtin_store_path(), tmp_path / "store")
     seq = 64  # tiny.toml: seq_len 64, gbs 8, heldout 16; 2 ranks

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 from tests.titan.test_dataloader import deliver, job
-from torchtitan_zephon.data.mixture import MixtureError
-from torchtitan_zephon.data.source import MixtureSource, split_keys
+from torchtitan_zephon.job import MixtureData
+from torchtitan_zephon.order.mixture.config import MixtureError
+from torchtitan_zephon.order.stream import split_keys
 from torchtitan_zephon.titan import platform
 from torchtitan_zephon.titan.dataloader import build_zephon_dataloader, resolve_source
 from torchtitan_zephon.titan.validate import ZephonValidator
@@ -50,7 +51,7 @@ def mixture_job(tmp: Path, docs: str = "", **zephon) -> SimpleNamespace:
 
 def test_the_job_reads_the_mixture_and_its_weights(tmp_path):
     dl = build_zephon_dataloader(2, 1, None, mixture_job(tmp_path, heldout_samples=12))
-    assert isinstance(dl.loader.source, MixtureSource)
+    assert isinstance(dl.loader.source, MixtureData)
     assert dl.loader.config.mixture["schedule"][1]["weights"] == {"docs": "0/1", "stdlib": "1/1"}
     deliver(dl, 3 * 3)  # steps 1..3: 3 micro-batches of 2 per rank per step
     plan = dl.plan

@@ -15,8 +15,8 @@ import torch.distributed.checkpoint as dcp
 
 from tests.titan.expect import assert_unchanged, tree
 from torchtitan_zephon import runs
-from torchtitan_zephon.data.plan import BatchSchedule
-from torchtitan_zephon.data.state import DataConfig, DataState, DataStateMismatch
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.state import DataConfig, DataState, DataStateMismatch
 from torchtitan_zephon.titan import preflight
 from torchtitan_zephon.titan.preflight import StartRefused, choose_checkpoint, plan_start
 from torchtitan_zephon.tracker import SequenceTracker, log_path
@@ -271,8 +271,8 @@ def lines_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     import json
     import pydoc_data.topics
 
-    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
-    from torchtitan_zephon.data.prepare import prepare_store
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.ingest.prepare import prepare_store
 
     root = tmp_path_factory.mktemp("lines")
     with open(root / "lines.jsonl", "w") as f:
@@ -286,7 +286,8 @@ def lines_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def small_store(lines_store: Path, folder: Path, samples: int, seq_len: int = 64) -> Path:
     """A store of exactly ``samples`` samples of ``seq_len`` (whole short documents)."""
-    from torchtitan_zephon.data.store import TokenStore, slice_store
+    from torchtitan_zephon.store.reader import TokenStore
+    from torchtitan_zephon.store.writer import slice_store
 
     store = slice_store(
         TokenStore.open(lines_store), 0, samples * seq_len + 1 + seq_len // 2, folder
@@ -296,7 +297,7 @@ def small_store(lines_store: Path, folder: Path, samples: int, seq_len: int = 64
 
 
 def open_store(path: Path | str):  # noqa: ANN201 - a TokenStore
-    from torchtitan_zephon.data.store import TokenStore
+    from torchtitan_zephon.store.reader import TokenStore
 
     return TokenStore.open(path)
 
@@ -365,7 +366,7 @@ def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_s
 
 def test_builtin_and_raw_stores_get_the_same_size_checks(lines_store, tmp_path, monkeypatch):
     """The builtin store and raw inputs reach the same check, named as the user named them."""
-    from torchtitan_zephon.data.builtin import builtin_store_path
+    from torchtitan_zephon.ingest.builtin import builtin_store_path
     from torchtitan_zephon.titan.dataloader import resolve_source
 
     builtin = open_store(builtin_store_path())
@@ -397,8 +398,8 @@ def test_builtin_and_raw_stores_get_the_same_size_checks(lines_store, tmp_path, 
 @pytest.fixture(scope="module")
 def own_store(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """(tokenizer folder, store) of a small word-level tokenizer that is not the builtin."""
-    from tests.data.conftest import build_tokenizer, corpus_text
-    from torchtitan_zephon.data.prepare import prepare_store
+    from tests.conftest import build_tokenizer, corpus_text
+    from torchtitan_zephon.ingest.prepare import prepare_store
 
     root = tmp_path_factory.mktemp("own")
     (root / "corpus").mkdir()
@@ -416,7 +417,7 @@ def test_a_missing_or_unloadable_tokenizer_is_refused_naming_the_store_tokenizer
     model.hf_assets_path, the sha256 the store records and where the builtin tokenizer is."""
     import hashlib
 
-    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
     from torchtitan_zephon.titan.spec import register
 
     register()
@@ -489,7 +490,7 @@ def test_the_trainer_refuses_a_missing_tokenizer_folder_naming_the_store_tokeniz
 
     from tests.titan.expect import assert_refused
     from tests.titan.launch import train
-    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
 
     sha = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
     run, missing = tmp_path / "run", tmp_path / "tokenizer"
@@ -543,8 +544,8 @@ def test_a_mixture_tokenizer_mismatch_names_the_source_without_the_jobs_tokenize
 ):
     """Two sources, two tokenizers, no majority: model.hf_assets_path decides which source
     is the odd one out (here the second in name order, not simply 'the other one')."""
-    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
-    from torchtitan_zephon.data.mixture import MixtureError
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.order.mixture.config import MixtureError
     from torchtitan_zephon.titan.dataloader import resolve_source
 
     own, store = own_store

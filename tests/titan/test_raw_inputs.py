@@ -12,8 +12,8 @@ import pytest
 from tests.titan.expect import assert_losses, assert_refused, assert_same_data
 from tests.titan.launch import copy_run_until, train
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.data.builtin import TOKENIZER_DIR
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
+from torchtitan_zephon.store.reader import TokenStore
 
 
 def write_jsonl(path: Path, topics: int = 80) -> Path:
@@ -104,9 +104,9 @@ def test_raw_input_errors_name_the_trainers_options(tmp_path: Path, monkeypatch)
     """The trainer's raw-input errors name --zephon.text_field / --zephon.split (zephon
     prepare's say --text-field / --split), and a DatasetDict reads zephon.split."""
     from tests.titan.test_dataloader import job
-    from torchtitan_zephon.data import cache
-    from torchtitan_zephon.data.cache import store_location
-    from torchtitan_zephon.data.store import StoreError
+    from torchtitan_zephon.ingest import cache
+    from torchtitan_zephon.job import store_location
+    from torchtitan_zephon.store.format import StoreError
     from torchtitan_zephon.titan.dataloader import raw_inputs
 
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))

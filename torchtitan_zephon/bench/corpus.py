@@ -1,7 +1,7 @@
 """The benchmark corpus: the builtin store's source documents, as files other
 loaders can read.
 
-Invariant: the JSONL file holds exactly ``data.builtin.corpus_documents()``
+Invariant: the JSONL file holds exactly ``ingest.builtin.corpus_documents()``
 in order, one ``{"text": ...}`` per line, so the stock TorchTitan loader, the
 prepare benchmark and the builtin Zephon store all see the same text.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from torchtitan_zephon.data.builtin import TOKENIZER_DIR, builtin_store_path, corpus_documents
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR, builtin_store_path, corpus_documents
+from torchtitan_zephon.store.reader import TokenStore
 
 __all__ = ["TOKENIZER_DIR", "builtin_store", "write_jsonl"]
 

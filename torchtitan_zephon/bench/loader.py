@@ -39,10 +39,11 @@ import torch
 
 from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, builtin_store, write_jsonl
 from torchtitan_zephon.bench.measure import paired_latency, rate, ratio, round_rate
-from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-from torchtitan_zephon.data.state import DataState
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.state import DataState
+from torchtitan_zephon.order.stream import DataPlan
+from torchtitan_zephon.store.reader import TokenStore
 
 DATASET_NAME = "zephon_bench_corpus"
 RESTORE_STEPS = (10, 1_000_000)

@@ -1,6 +1,6 @@
 """``zephon bench mixture``: the cost of drawing from many stores instead of one.
 
-Sources are slices of the builtin store (``store.slice_store``: its whole
+Sources are slices of the builtin store (``store.writer.slice_store``: its whole
 documents within ``source_tokens`` tokens, no tokenizing), spread over it and
 overlapping when they do not fit side by side; the mixtures of 1 and 10 take
 the first of the 100; every mixture draws with equal weights. It measures, side by side in one
@@ -42,12 +42,14 @@ import numpy as np
 
 from torchtitan_zephon.bench.corpus import builtin_store
 from torchtitan_zephon.bench.measure import paired_latency, ratio, round_rate
-from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.mixture import MixtureSpec, SpecSource, parse_schedule
-from torchtitan_zephon.data.plan import BatchSchedule
-from torchtitan_zephon.data.source import MixtureSource, mixture_progress
-from torchtitan_zephon.data.state import DataState
-from torchtitan_zephon.data.store import TokenStore, slice_store, write_derived_store
+from torchtitan_zephon.job import MixtureData, mixture_progress
+from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.mixture.config import parse_schedule
+from torchtitan_zephon.order.mixture.spec import MixtureSpec, ResolvedSource
+from torchtitan_zephon.order.state import DataState
+from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.writer import slice_store, write_derived_store
 
 SOURCE_COUNTS = (1, 10, 100)
 PLAN_STEPS = (10, 10**9)
@@ -105,7 +107,7 @@ def joined_store(stores: list[TokenStore], output: Path) -> TokenStore:
     return TokenStore.open(output)
 
 
-def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1) -> MixtureSource:
+def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1) -> MixtureData:
     """Equal weights in the first entry; later entries (every 10 steps) favour one
     source after another (weights 1..k rotated), so each entry has its own pattern."""
     names = sorted(stores)
@@ -119,11 +121,13 @@ def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1
     ]
     schedule = parse_schedule(raw, names, "bench mixture")
     spec = MixtureSpec(
-        tuple(SpecSource(n, stores[n].fingerprint, stores[n].num_samples(seq_len)) for n in names),
+        tuple(
+            ResolvedSource(n, stores[n].fingerprint, stores[n].num_samples(seq_len)) for n in names
+        ),
         schedule,
         stores[names[0]].tokenizer_hash,
     )
-    return MixtureSource(spec, stores, seq_len, path=f"bench mixture of {k}")
+    return MixtureData(spec, stores, seq_len, path=f"bench mixture of {k}")
 
 
 def _loader(source: Any, seq_len: int, batch: int, gbs: int | None = None) -> ZephonLoader:
@@ -167,7 +171,7 @@ def state_at(loader: ZephonLoader, step: int) -> DataState:
     return DataState(now.config, step, loader.plan.step_positions(step)[0], now.position_anchor)
 
 
-def _restore_first_batch(source: MixtureSource, o: dict, gbs: int, state: DataState) -> None:
+def _restore_first_batch(source: MixtureData, o: dict, gbs: int, state: DataState) -> None:
     loader = _loader(source, o["seq_len"], o["batch"], gbs)
     try:
         loader.load_state_dict(state)

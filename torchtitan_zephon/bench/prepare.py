@@ -35,16 +35,16 @@ from typing import Any
 
 from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, write_jsonl
 from torchtitan_zephon.bench.measure import ratio
-from torchtitan_zephon.data.prepare import (
+from torchtitan_zephon.ingest.inputs import InputFile, iter_documents
+from torchtitan_zephon.ingest.prepare import (
     _CHUNK_CHARS,
     _CHUNK_DOCS,
     assign_units,
     load_tokenizer_info,
     prepare_store,
 )
-from torchtitan_zephon.data.readers import Source, iter_documents
-from torchtitan_zephon.data.store import CHECKSUMS, DOC_OFFSETS, MANIFEST, TOKENS
-from torchtitan_zephon.data.units import plan_units
+from torchtitan_zephon.ingest.units import plan_units
+from torchtitan_zephon.store.format import CHECKSUMS, DOC_OFFSETS, MANIFEST, TOKENS
 
 RANKS = (1, 2)
 WORKERS = (1, 2)
@@ -78,7 +78,7 @@ def _torchrun_prepare(jsonl: Path, out: Path, nproc: int, unit_bytes: int) -> di
 def _rank_chunks(jsonl: Path, unit_bytes: int, nproc: int) -> list[list[list[str]]]:
     """For each of ``nproc`` ranks, the document chunks prepare would encode on it: its
     units (``assign_units``), in order, each cut into chunks as prepare cuts them."""
-    src = Source(jsonl.name, jsonl, "jsonl")
+    src = InputFile(jsonl.name, jsonl, "jsonl")
     units = plan_units([src], unit_bytes)
     owner = assign_units(units, nproc)
     shares: list[list[list[str]]] = [[] for _ in range(nproc)]
@@ -97,7 +97,7 @@ def _rank_chunks(jsonl: Path, unit_bytes: int, nproc: int) -> list[list[list[str
 
 
 def _encode_share(tokenizer_json: str, eos_id: int, chunks: list[list[str]], start, out) -> None:
-    from torchtitan_zephon.data import encode
+    from torchtitan_zephon.ingest import encode
 
     encode._init_worker(tokenizer_json, eos_id, limit_threads=True)
     encode._encode_chunk(["warm up"])

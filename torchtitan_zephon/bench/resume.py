@@ -34,16 +34,16 @@ QUICK = {"repeats": 1, "seq_len": 256, "batch": 2, "max_docs": 20}
 
 CHILD = r"""
 import json, sys, time
-from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.plan import BatchSchedule
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.store.reader import TokenStore
 t_import = time.time()
 store_path, seq_len, batch, record = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 store = TokenStore.open(store_path)
 t_open = time.time()
 loader = ZephonLoader(store, seq_len=seq_len, seed=0, schedule=BatchSchedule([(1, batch)]),
                       dp_rank=0, dp_degree=1, local_batch_size=batch)
-from torchtitan_zephon.data.state import DataState
+from torchtitan_zephon.order.state import DataState
 loader.load_state_dict(DataState.from_json(record))
 t_load = time.time()
 inputs, labels = next(loader)

@@ -23,8 +23,9 @@ import numpy as np
 from torchtitan_zephon.bench import tracker as tracker_bench
 from torchtitan_zephon.bench.corpus import builtin_store
 from torchtitan_zephon.bench.measure import latency, paired_latency, ratio
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-from torchtitan_zephon.data.state import DataConfig
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.state import DataConfig
+from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.tracker import SequenceTracker, ids_digest, sample_digests
 
 DP_DEGREES = (8, 2048, 100_000)

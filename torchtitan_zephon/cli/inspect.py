@@ -22,8 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.cli.inspect_run import RUN_KINDS
-from torchtitan_zephon.data.cache import describe_cache, is_cache
-from torchtitan_zephon.data.store import TokenStore, UncheckedStoreWarning, is_store, upgrade_store
+from torchtitan_zephon.ingest.cache import describe_cache, is_cache
+from torchtitan_zephon.store.format import UncheckedStoreWarning, is_store
+from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.upgrade import upgrade_store
 
 
 def _describe_store(path: Path) -> dict[str, Any]:

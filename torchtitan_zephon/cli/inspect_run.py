@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon import ownership, runs
-from torchtitan_zephon.data.state import DataState
+from torchtitan_zephon.order.state import DataState
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -65,7 +65,7 @@ def _mixture(state: dict[str, Any] | None) -> dict[str, Any] | None:
     """Per source of a mixture's data state: realized vs target samples and epoch."""
     if not state or "error" in state:
         return None
-    from torchtitan_zephon.data.source import mixture_progress
+    from torchtitan_zephon.job import mixture_progress
 
     try:
         return mixture_progress(DataState.from_dict(state))

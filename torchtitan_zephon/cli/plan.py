@@ -12,7 +12,7 @@ ids and ``"sources"`` names the source of each (``sources[i]`` is the source of
 (``MixturePlan.max_deviation``) go to stderr.
 
 A store value (``--store``, a mixture source) is read as the trainer reads it
-(``cache.store_location``): a store folder, ``builtin:PART``, or raw inputs, which
+(``job.store_location``): a store folder, ``builtin:PART``, or raw inputs, which
 ``--tokenizer`` (the trainer's ``model.hf_assets_path``) and ``--text-field``
 prepare into the same cache entry the trainer would use, so the ids are the
 trainer's. A store smaller than a global batch is a warning; one with fewer than
@@ -26,16 +26,18 @@ import json
 import sys
 
 from torchtitan_zephon.cli.args import int_in
-from torchtitan_zephon.data.cache import RawInputs, names_store, store_location
-from torchtitan_zephon.data.plan import (
+from torchtitan_zephon.ingest.cache import RawInputs, names_store
+from torchtitan_zephon.job import store_location
+from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
-    DataPlan,
     check_store_size,
     no_sample_text,
     store_fix,
 )
-from torchtitan_zephon.data.store import StoreError, TokenStore
+from torchtitan_zephon.order.stream import DataPlan
+from torchtitan_zephon.store.format import StoreError
+from torchtitan_zephon.store.reader import TokenStore
 
 BLOCK = 1 << 20  # ids computed and written at a time
 MAX_IDS_PER_STEP = 10**9  # about 10 GB of output for one step
@@ -246,8 +248,9 @@ def run_mixture(
     args: argparse.Namespace, schedule: BatchSchedule, raw: RawInputs | None = None
 ) -> int:
     """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
-    from torchtitan_zephon.data.mixture import MixtureConfig, MixtureError, deviation_warning
-    from torchtitan_zephon.data.source import MixtureSource, MixtureStream
+    from torchtitan_zephon.job import MixtureData
+    from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
+    from torchtitan_zephon.order.mixture.plan import MixtureStream, deviation_warning
 
     config = MixtureConfig.load(args.mixture)
     for s in config.sources:
@@ -255,7 +258,7 @@ def run_mixture(
             raise MixtureError(
                 f"mixture source {s.name!r} names raw inputs ({s.store}): {RAW_HINT}."
             )
-    source = MixtureSource.open(
+    source = MixtureData.open(
         config,
         args.seq_len,
         default_heldout=args.heldout_samples,

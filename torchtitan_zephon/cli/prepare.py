@@ -4,7 +4,7 @@ Of a Hugging Face DatasetDict folder it reads the ``train`` split unless ``--spl
 names another (or ``all``), and says which split it read.
 
 Under torchrun (or any launcher setting RANK / WORLD_SIZE) the ranks share the
-work (``torchtitan_zephon.prepare_ranks``); rank 0 prints the result and, after a
+work (``torchtitan_zephon.cli.prepare_ranks``); rank 0 prints the result and, after a
 failure, the one error every rank agrees on.
 """
 
@@ -16,9 +16,9 @@ import os
 from typing import Any
 
 from torchtitan_zephon.cli.args import int_in
-from torchtitan_zephon.data.prepare import PrepareFailed, prepare_store
-from torchtitan_zephon.data.readers import ALL_SPLITS
-from torchtitan_zephon.data.units import UNIT_BYTES
+from torchtitan_zephon.ingest.inputs import ALL_SPLITS
+from torchtitan_zephon.ingest.prepare import PrepareFailed, prepare_store
+from torchtitan_zephon.ingest.units import UNIT_BYTES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -75,7 +75,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
-    from torchtitan_zephon.prepare_ranks import ranks_from_env
+    from torchtitan_zephon.cli.prepare_ranks import ranks_from_env
 
     ranks = ranks_from_env()
     report: dict[str, Any] = {}

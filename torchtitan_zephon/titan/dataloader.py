@@ -2,7 +2,7 @@
 one world-size-independent record.
 
 Invariant: ``state_dict()`` returns the same record on every rank of every
-topology: ``{"zephon": <JSON text>}``, the ``data.state.DataState`` (data config,
+topology: ``{"zephon": <JSON text>}``, the ``order.state.DataState`` (data config,
 next step, consumed positions, anchor) with the sequence tracker's chain head. It replaces TorchTitan's per-DP-rank pickles, so DCP saves
 it once and any world size can load it.
 """
@@ -19,20 +19,21 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.data.cache import RawInputs, store_location
-from torchtitan_zephon.data.loader import ZephonLoader
-from torchtitan_zephon.data.mixture import MixtureConfig, deviation_warning
-from torchtitan_zephon.data.plan import (
+from torchtitan_zephon.ingest.cache import RawInputs
+from torchtitan_zephon.ingest.inputs import OptionNames
+from torchtitan_zephon.job import JobData, MixtureData, StoreData, store_location
+from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
     check_store_size,
     no_sample_text,
     store_fix,
 )
-from torchtitan_zephon.data.readers import OptionNames
-from torchtitan_zephon.data.source import MixtureSource, MixtureStream, Source, StoreSource
-from torchtitan_zephon.data.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.order.mixture.plan import MixtureStream, deviation_warning
+from torchtitan_zephon.order.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
+from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests
 
@@ -68,10 +69,10 @@ def raw_inputs(job_config: Any) -> RawInputs:
 
 def resolve_store(job_config: Any) -> TokenStore:
     """Open ``zephon.store`` (a store folder, or raw inputs prepared into the cache on
-    first use: ``data.cache.store_location``), or the builtin store when it is empty."""
+    first use: ``job.store_location``), or the builtin store when it is empty."""
     path = job_config.zephon.store
     if not path:
-        from torchtitan_zephon.data.builtin import TOKENIZER_DIR, builtin_store_path
+        from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR, builtin_store_path
 
         path = str(builtin_store_path(progress=int(os.environ.get("RANK", "0")) == 0))
         assets = os.path.abspath(job_config.model.hf_assets_path)
@@ -86,7 +87,7 @@ def resolve_store(job_config: Any) -> TokenStore:
     return TokenStore.open(store_location(path, raw_inputs(job_config)))
 
 
-def resolve_source(job_config: Any, tokenizer: Any = None) -> Source:
+def resolve_source(job_config: Any, tokenizer: Any = None) -> JobData:
     """The data a job reads: ``zephon.mixture``, else ``zephon.store`` (or the builtin
     store), opened and checked: the stores' vocabulary against the model and the
     tokenizer, the held-out samples against the store sizes, a mixture's sources
@@ -101,7 +102,7 @@ def resolve_source(job_config: Any, tokenizer: Any = None) -> Source:
                 "reads either one store or a mixture. Drop zephon.store, or name the store as "
                 "a [[source]] of the mixture file."
             )
-        source: Source = MixtureSource.open(
+        source: JobData = MixtureData.open(
             MixtureConfig.load(mixture),
             seq_len,
             default_heldout=zc.heldout_samples,
@@ -136,7 +137,7 @@ def resolve_source(job_config: Any, tokenizer: Any = None) -> Source:
 
 def store_source(
     store: TokenStore, seq_len: int, heldout: int, schedule: BatchSchedule, *, what: str
-) -> StoreSource:
+) -> StoreData:
     """The job's one store (``what`` names it), its last ``heldout`` samples held out:
     refused when it holds fewer than ``MIN_STORE_SAMPLES`` training samples (or none of
     seq_len), with a warning in ``source.warnings`` when they are fewer than a global
@@ -154,18 +155,18 @@ def store_source(
         )
     training = f"{what} (seq_len {seq_len}{f', {heldout} held out' if heldout else ''})"
     warning = check_store_size(training, total - heldout, schedule, fix)
-    source = StoreSource(store, seq_len, num_samples=total - heldout)
+    source = StoreData(store, seq_len, num_samples=total - heldout)
     if warning:
         source.warnings.append(warning)
     return source
 
 
-def check_tokenizer(source: Source, tokenizer: Any) -> None:
+def check_tokenizer(source: JobData, tokenizer: Any) -> None:
     """Refuse a source whose token ids the job's tokenizer (when given) cannot hold."""
     if tokenizer is not None and source.vocab_size > tokenizer.get_vocab_size():
         what = (
             f"the mixture {source.path} (sources {', '.join(source.names)})"
-            if isinstance(source, MixtureSource)
+            if isinstance(source, MixtureData)
             else f"the store {source.path}"
         )
         raise ValueError(
@@ -383,7 +384,7 @@ def _model_vocab_size(job_config: Any) -> int | None:
     return getattr(args, "vocab_size", None)
 
 
-def open_job_data(job_config: Any, tokenizer: Any = None) -> tuple[Source, DataConfig]:
+def open_job_data(job_config: Any, tokenizer: Any = None) -> tuple[JobData, DataConfig]:
     """The data source a job reads and its data config, without building a loader.
 
     Every check that needs only the job config and the stores runs here

@@ -7,7 +7,7 @@ with a DCP ``.metadata`` under ``job.dump_folder/checkpoint.folder``), pass over
 checkpoints whose files are incomplete or corrupt, and run every check that can
 refuse the start:
 
-* the data config against the checkpoint's data state (``data.state.check_resume``),
+* the data config against the checkpoint's data state (``order.state.check_resume``),
 * the sequence log against the checkpoint's chain head (global rank 0),
 * a checkpoint that cannot be resumed (model-only, no Zephon data state, data
   state excluded from loading),
@@ -18,7 +18,7 @@ refuse the start:
   from ``model.hf_assets_path`` is refused naming the path and the tokenizer the
   store was prepared with), its size, and the global batch layout;
   where ``zephon.store`` (or a mixture source) names raw inputs they are prepared
-  here, into the cache (``data.cache``), before TorchTitan initializes the process
+  here, into the cache (``ingest.cache``), before TorchTitan initializes the process
   group: no collective waits on the tokenization, and a missing input or
   tokenizer.json is refused before anything is written.
 
@@ -44,7 +44,7 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon import runs
-from torchtitan_zephon.data.state import DataState, DataStateMismatch, check_resume
+from torchtitan_zephon.order.state import DataState, DataStateMismatch, check_resume
 from torchtitan_zephon.titan.dataloader import (
     build_zephon_dataloader,
     check_tokenizer,
@@ -318,7 +318,7 @@ def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
     """Why TorchTitan could not load the tokenizer at model.hf_assets_path ``path``, with
     the tokenizer the data was prepared with (the sha256 of its tokenizer.json, as the
     store records it) and where the builtin tokenizer is (and whether it is that one)."""
-    from torchtitan_zephon.data.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
 
     if not os.path.exists(path):
         found = "does not exist"

@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from torchtitan_zephon.data.store import StoreError
 from torchtitan_zephon.ownership import RunFolderLock, torchrun_agent
+from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.titan import platform, preflight
 from torchtitan_zephon.titan.checks import check_job_config
 from torchtitan_zephon.titan.dataloader import ZephonDataLoader

@@ -39,8 +39,9 @@ from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.data.plan import BatchSchedule, DataPlan
-from torchtitan_zephon.data.store import TokenStore
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.stream import DataPlan
+from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.titan.dataloader import batch_schedule, resolve_source
 
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon.data.digest import fingerprint
+from torchtitan_zephon.store.format import fingerprint
 from torchtitan_zephon.tracker.blocks import RecordRun, check_block
 from torchtitan_zephon.tracker.records import (
     LOG_NAME,

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon.data.digest import canonical_json
+from torchtitan_zephon.store.format import canonical_json
 
 LOG_NAME = "sequence_log.jsonl"
 TRACKER_FORMAT = 2

@@ -1,0 +1,127 @@
+"""Fixtures shared by the tests: a tiny deterministic tokenizer, corpus and store."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+WORDS = (
+    "the quick brown fox jumps over lazy dog a an and or but if then else "
+    "data store token sample step rank batch epoch seed plan loader zephon titan "
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu xi "
+    "omicron pi rho sigma tau upsilon phi chi psi omega one two three four five"
+).split()
+EOS = "<|end_of_text|>"
+
+
+def build_tokenizer(folder: Path, *, extra_vocab: int = 0, eos_in_config: bool = True) -> Path:
+    """Save a WordLevel tokenizer (whitespace split, <unk>, EOS) into ``folder``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, EOS: 1}
+    for w in WORDS:
+        vocab.setdefault(w, len(vocab))
+    for k in range(extra_vocab):
+        vocab[f"w{k}"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([EOS])
+    folder.mkdir(parents=True, exist_ok=True)
+    tok.save(str(folder / "tokenizer.json"))
+    if eos_in_config:
+        (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": EOS}))
+    return folder
+
+
+def corpus_text(k: int, length: int) -> str:
+    """Deterministic pseudo-text, document ``k``."""
+    return " ".join(WORDS[(k * 7 + i * i + i) % len(WORDS)] for i in range(length))
+
+
+def _manifest(store: Path) -> dict:
+    return json.loads((store / "manifest.json").read_text())
+
+
+def _write_manifest(store: Path, manifest: dict) -> None:
+    (store / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def copy_store(src: Path, dst: Path, *, chunk_tokens: int | None = None) -> Path:
+    """Copy a store; with ``chunk_tokens``, re-cut its checksums into chunks of that size
+    (as if prepare had used it), so small test stores have many chunks."""
+    from torchtitan_zephon.store.format import manifest_fingerprint
+    from torchtitan_zephon.store.writer import write_checksums
+
+    shutil.copytree(src, dst)
+    if chunk_tokens is not None:
+        m = _manifest(dst)
+        m["content"] = write_checksums(dst, m, chunk_tokens=chunk_tokens)
+        m["fingerprint"] = manifest_fingerprint(m)
+        _write_manifest(dst, m)
+    return dst
+
+
+def edit_token(store: Path, index: int, value: int | None = None) -> int:
+    """Overwrite token ``index`` of tokens.bin in place (the file keeps its size); return the
+    new value (default: the next id within the vocabulary, so always a change)."""
+    m = _manifest(store)
+    itemsize = 2 if m["dtype"] == "uint16" else 4
+    with open(store / "tokens.bin", "r+b") as f:
+        f.seek(index * itemsize)
+        old = int.from_bytes(f.read(itemsize), "little")
+        new = (old + 1) % m["tokenizer"]["vocab_size"] if value is None else value
+        f.seek(index * itemsize)
+        f.write(new.to_bytes(itemsize, "little"))
+    return new
+
+
+def make_v1(store: Path) -> str:
+    """Rewrite a store as store format version 1 wrote it (no checksums); its fingerprint."""
+    from torchtitan_zephon.store.format import manifest_fingerprint
+
+    m = _manifest(store)
+    del m["content"]
+    m["version"] = 1
+    m["fingerprint"] = manifest_fingerprint(m)
+    _write_manifest(store, m)
+    (store / "checksums.bin").unlink()
+    return m["fingerprint"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+@pytest.fixture(scope="session")
+def corpus_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder of 40 text files and one JSONL file (~6k tokens)."""
+    root = tmp_path_factory.mktemp("corpus") / "corpus"
+    (root / "sub").mkdir(parents=True)
+    for k in range(40):
+        (root / ("sub" if k % 3 else ".") / f"doc{k:02d}.txt").write_text(
+            corpus_text(k, 50 + 7 * k % 90)
+        )
+    with open(root / "extra.jsonl", "w") as f:
+        for k in range(40, 80):
+            f.write(json.dumps({"text": corpus_text(k, 30 + k % 17), "id": k}) + "\n")
+    return root
+
+
+@pytest.fixture(scope="session")
+def store_path(tmp_path_factory: pytest.TempPathFactory, tokenizer_dir: Path, corpus_dir: Path):
+    from torchtitan_zephon.ingest.prepare import prepare_store
+
+    out = tmp_path_factory.mktemp("stores") / "store"
+    prepare_store([str(corpus_dir)], str(tokenizer_dir), str(out), progress=False)
+    return out
+
+
+@pytest.fixture(scope="session")
+def store(store_path: Path):
+    from torchtitan_zephon.store.reader import TokenStore
+
+    return TokenStore.open(store_path)

@@ -1,0 +1,14 @@
+"""Raw inputs -> token store: inputs, units, encode, parts, prepare, ranks, cache, builtin.
+
+Role: read input files (``inputs``: text, JSONL, JSON, Parquet, Hugging Face
+datasets), cut them into work units (``units``), tokenize them in order
+(``encode``), write and assemble the parts of a store (``parts``, ``prepare``,
+over a group of processes: ``ranks``), and build stores on first use into a
+shared cache (``cache``; the builtin corpus: ``builtin``).
+
+Invariant: a store's bytes depend only on its inputs, tokenizer, text field and
+split, never on the number of workers or ranks. Imports only ``store`` besides
+itself: no ``order``, ``job``, torch.distributed or torchtitan (the gloo rank group
+lives in ``cli/prepare_ranks.py``). Import the modules directly: this package
+re-exports nothing, so prepare's worker processes stay light.
+"""

@@ -1,0 +1,744 @@
+"""Store values and the store cache: what a store value names, and token stores
+built on first use, once, into a shared folder.
+
+Role: what a store value (the trainer's ``zephon.store``, a mixture's
+``[[source]] store``) names (``names_store``; ``job.store_location`` turns it
+into a token store folder): ``builtin:PART`` is a builtin store (``builtin.py``);
+a folder holding a store (or a file in one) is that store; anything else names
+raw inputs (a file, a folder of them, a glob pattern, a comma-separated list:
+``inputs.expand_input``) which ``raw_store`` prepares into the cache. It also owns the cache folder
+(``cache_root``) and the one way an entry is made (``build_once``): under an
+exclusive ``fcntl.flock`` on ``<entry>.lock`` beside it, the holder builds the
+store into a staging folder and renames it into place, writing its progress
+there (``BuildProgress``); every other process waits on the lock, saying how far
+the holder has come (refreshed every few seconds while it moves), and then finds
+the entry. ``describe_cache`` says what a cache folder holds (``zephon inspect``).
+
+Invariants:
+- The store of raw inputs is ``prepare_store`` of the same value, tokenizer, text
+  field and split: its fingerprint equals ``zephon prepare``'s, whatever the
+  spelling of the inputs (names are canonical: ``inputs.resolve_inputs``).
+- Its entry is keyed by the inputs' canonical names, real paths, sizes and
+  mtimes (``os.stat`` only), the tokenizer.json's sha256, the text field, the
+  splits read of each DatasetDict (only where there is one: other keys are as
+  before) and the store format version: a later run finds it without reading the
+  corpus, and a changed file (size or mtime) makes another entry. On a hit the
+  manifest's sources (names, sizes, splits) are checked against the listing; the
+  entry's ``<entry>.json`` records the inputs and their content hashes.
+- An entry that exists is complete: it appears by one rename, after its build
+  succeeded. A build that fails leaves no entry and the lock is released (the
+  kernel drops it if the process dies); prepare's finished parts stay in the
+  staging folder ``.<entry>.building`` (its message names them), so the next
+  holder continues where it stopped; with nothing finished the folder goes.
+- A lock file exists only while a process uses it (or, after a holder was killed,
+  until the next one): the holder removes it before releasing it, and a process
+  that then holds the removed file starts over on the path (lock, then compare
+  the inode), so two processes never both hold the lock.
+- Under the lock one process builds an entry: once per machine with the cache on
+  local disk, once per cluster on a shared filesystem whose ``flock`` works
+  across machines. Where ``flock`` is unavailable (the filesystem refuses it)
+  every process builds into a staging folder of its own and the first rename
+  wins; entries are deterministic, so the result is the same, only the work is
+  repeated.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import math
+import os
+import shutil
+import socket
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from torchtitan_zephon.ingest.inputs import (
+    GLOB_CHARS,
+    PREPARE_OPTIONS,
+    InputFile,
+    OptionNames,
+    expand_input,
+    resolve_inputs,
+    select_splits,
+)
+from torchtitan_zephon.store.format import (
+    BUILTIN_PREFIX,
+    CHECKSUMS,
+    DOC_OFFSETS,
+    FORMAT_VERSION,
+    MANIFEST,
+    TOKENS,
+    StoreError,
+    is_store,
+)
+
+CACHE_ENV = "ZEPHON_CACHE"
+STORE_FILES = (
+    MANIFEST,
+    TOKENS,
+    DOC_OFFSETS,
+    CHECKSUMS,
+)  # an entry is complete when its manifest exists
+"""Any of these in a folder makes it a (maybe broken) store, never raw inputs."""
+RAW_KEY_FORMAT = "zephon-raw-inputs/1"
+WAIT_REPORT_S = 30.0
+"""How often a process waiting for another's build says so."""
+
+Log = Callable[[str], None]
+
+
+def cache_root(configured: str = "") -> Path:
+    """``$ZEPHON_CACHE``, else ``configured`` (the trainer's ``zephon.cache_dir``), else
+    ``~/.cache/torchtitan_zephon``."""
+    env = os.environ.get(CACHE_ENV)
+    if env:
+        return Path(env)
+    if configured:
+        return Path(configured)
+    return Path.home() / ".cache" / "torchtitan_zephon"
+
+
+def _holder() -> str:
+    return f"{socket.gethostname()} pid {os.getpid()}"
+
+
+# flock refused by the filesystem (not "held by another process").
+_NO_FLOCK = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL, errno.EBADF}
+
+
+def _wait_for_lock(fh, what: str, log: Log | None, progress: Path) -> bool:  # noqa: ANN001
+    """Take the exclusive lock on the open file ``fh``, reporting the holder and its
+    progress (``progress``, the holder's ``BuildProgress`` file) while waiting: at once,
+    then every ``PROGRESS_REPORT_S`` while the progress moves, at least every
+    ``WAIT_REPORT_S``. False: the filesystem refuses flock."""
+    start = time.monotonic()
+    reported: float | None = None
+    said = ""
+    delay = 0.05
+    while True:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            pass
+        except OSError as e:
+            if e.errno in _NO_FLOCK:
+                return False
+            raise
+        if log is not None:
+            now = time.monotonic()
+            fh.seek(0)
+            holder = fh.read().strip() or "another process"
+            doing = _progress_of(progress, holder)
+            due = reported is None or now - reported >= WAIT_REPORT_S
+            if due or (doing != said and now - reported >= PROGRESS_REPORT_S):
+                log(
+                    f"waiting for {holder} to prepare {what}{': ' + doing if doing else ''} "
+                    f"({now - start:.0f} s so far; its lock: {fh.name})"
+                )
+                reported, said = now, doing
+        time.sleep(delay)
+        delay = min(PROGRESS_REPORT_S / 5, 1.0, delay * 2)
+
+
+PROGRESS_FILE = "progress.json"
+"""In a build's staging folder: what its holder has done so far (``BuildProgress``)."""
+PROGRESS_WRITE_S = 1.0
+"""How often at most the holder rewrites its progress file (and at each new phase)."""
+PROGRESS_REPORT_S = 5.0
+"""How often a waiting process says how far the holder has come, while it moves."""
+
+
+class BuildProgress:
+    """The progress of the build that holds an entry's lock, for the processes waiting on
+    it: ``progress.json`` in the build's staging folder, replaced atomically (at most
+    every ``PROGRESS_WRITE_S``, and at each new phase), naming its holder so a file left
+    by an earlier, killed holder is never taken for the current one's."""
+
+    def __init__(self, staging: Path) -> None:
+        self.path = staging / PROGRESS_FILE
+        self._tmp = staging / f".{PROGRESS_FILE}.{os.getpid()}"
+        self._phase: Any = None
+        self._written = -math.inf
+
+    def __call__(self, state: dict[str, Any]) -> None:
+        now = time.monotonic()
+        if state.get("phase") == self._phase and now - self._written < PROGRESS_WRITE_S:
+            return
+        self._phase, self._written = state.get("phase"), now
+        try:
+            self._tmp.write_text(json.dumps({**state, "holder": _holder()}))
+            os.replace(self._tmp, self.path)
+        except OSError:  # progress is a courtesy: it never fails a build
+            pass
+
+    def remove(self) -> None:
+        """Remove the progress file (and any half-written one, a killed holder's too)."""
+        for p in (self.path, *self.path.parent.glob(f".{PROGRESS_FILE}.*")):
+            try:
+                p.unlink(missing_ok=True)
+            except OSError:
+                pass
+
+
+def _progress_of(path: Path, holder: str) -> str:
+    """What the build of ``holder`` says it has done (``BuildProgress``), or ""."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return ""
+    if not isinstance(state, dict) or state.get("holder") != holder:
+        return ""
+    return describe_progress(state)
+
+
+def describe_progress(state: dict[str, Any]) -> str:
+    """One line for a prepare's progress (``prepare_store``'s ``on_progress`` states)."""
+    phase = state.get("phase")
+    if phase == "assembling":
+        return "assembling the store (copying its parts, hashing the inputs)"
+    if phase != "tokenizing":
+        return "starting (reading the inputs' listing)"
+    try:
+        done, total = int(state["bytes_done"]), int(state["bytes"])
+        units = f"{int(state['units_done'])} of {int(state['units'])} units"
+        documents = int(state["documents"])
+    except (KeyError, TypeError, ValueError):
+        return "tokenizing"
+    percent = 100 * done / total if total else 100.0
+    return (
+        f"tokenizing, {units} done, {_mib(done)} of {_mib(total)} of input ({percent:.0f}%), "
+        f"{documents:,} documents"
+    )
+
+
+def _mib(n: int) -> str:
+    return f"{n / (1 << 20):,.1f} MiB"
+
+
+def _lock_is(fh, path: Path) -> bool:  # noqa: ANN001 - a file object
+    """Whether the open lock file ``fh`` is still the file at ``path``: a holder removes
+    its lock file before releasing it, so a process that waited on the old file must
+    lock the one at the path now (or find the entry)."""
+    try:
+        return os.stat(path).st_ino == os.fstat(fh.fileno()).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def build_once(
+    out: Path,
+    build: Callable[[Path, Callable[[dict[str, Any]], None]], None],
+    *,
+    what: str = "a store",
+    log: Log | None = None,
+    work: str = "",
+) -> Path:
+    """The entry ``out`` (a store folder in the cache), built by ``build(dest, progress)``
+    on first use.
+
+    ``work`` names the lock and the staging folder (default: the entry's name): entries
+    that are versions of the same inputs share them, so a build after a failed one of
+    an earlier version finds its finished work.
+
+    ``build`` must create a complete store at ``dest`` (a path that does not exist
+    yet) or raise, telling ``progress`` how far it has come (``prepare_store``'s
+    ``on_progress`` states); the store is then renamed to ``out``. ``what`` and ``log``
+    name the work in the messages of processes that wait for it.
+
+    The lock file ``<work>.lock`` exists only while someone uses it: its holder removes
+    it before releasing it, and a process that then gets the lock on the removed file
+    sees that (``_lock_is``) and starts over on the file at the path, so there is never
+    more than one lock to hold.
+    """
+    if (out / MANIFEST).is_file():
+        return out
+    root = out.parent
+    work = work or out.name
+    lock_path = root / f"{work}.lock"
+    locked_staging = root / f".{work}.building"
+    while True:
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            fh = open(lock_path, "a+")  # noqa: SIM115 - closed by the with below
+        except OSError as e:
+            raise StoreError(
+                f"cannot create the cache folder {root} or write in it ({e.strerror}: "
+                f"{e.filename}); set {CACHE_ENV} (the trainer: zephon.cache_dir) to a folder "
+                "this process can write."
+            ) from None
+        with fh:
+            locked = _wait_for_lock(fh, what, log, locked_staging / PROGRESS_FILE)
+            current = locked and _lock_is(fh, lock_path)
+            try:
+                if locked and not current:
+                    continue  # its holder removed this file: lock the file at the path now
+                if (out / MANIFEST).is_file():  # another process built it meanwhile
+                    return out
+                if locked:
+                    fh.seek(0)
+                    fh.truncate()
+                    fh.write(_holder() + "\n")
+                    fh.flush()
+                    # Only the holder writes here: a build killed or failed midway leaves
+                    # its work for the next holder (prepare reuses its finished parts).
+                    staging = locked_staging
+                else:
+                    if log is not None:
+                        log(
+                            f"the filesystem of {root} refuses file locks (flock): this "
+                            f"process prepares {what} on its own; the first to finish wins. "
+                            "Put the cache on local disk (ZEPHON_CACHE) or prepare ahead "
+                            "with `zephon prepare` to do the work once."
+                        )
+                    staging = root / f".{work}.building-{uuid.uuid4().hex}"
+                _build_into(staging, out, build, keep_on_failure=locked)
+                return out
+            finally:
+                if current or not locked:  # ours to remove (without flock: nobody's)
+                    try:
+                        lock_path.unlink(missing_ok=True)
+                    except OSError:
+                        pass
+                if locked:
+                    fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def _build_into(
+    staging: Path,
+    out: Path,
+    build: Callable[[Path, Callable[[dict[str, Any]], None]], None],
+    *,
+    keep_on_failure: bool,
+) -> None:
+    """Build into ``staging``/store and rename it to ``out``. After a failure the staging
+    folder stays for the next holder when ``keep_on_failure`` and the build left work
+    in it (prepare's finished parts), else it is removed."""
+    dest = staging / "store"
+    if dest.exists():  # complete but never moved: a holder died between the two renames
+        shutil.rmtree(dest)
+    staging.mkdir(parents=True, exist_ok=True)
+    progress = BuildProgress(staging)
+    progress({"phase": "starting"})
+    try:
+        build(dest, progress)
+        try:
+            os.rename(dest, out)
+        except OSError:
+            if not (out / MANIFEST).is_file():  # not a lost race with another builder
+                raise
+    except BaseException:
+        progress.remove()
+        if not (keep_on_failure and staging.is_dir() and any(staging.iterdir())):
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    shutil.rmtree(staging, ignore_errors=True)
+
+
+# ------------------------------------------------------------------ store values
+
+
+@dataclass(frozen=True)
+class RawInputs:
+    """How a store value that names raw inputs is prepared."""
+
+    tokenizer: str
+    """Folder holding the tokenizer.json to tokenize with."""
+    text_field: str = "text"
+    """The JSON / Parquet field that holds a document's text."""
+    split: str = ""
+    """The split of a Hugging Face DatasetDict to read (empty: train; "all": every split)."""
+    names: OptionNames = PREPARE_OPTIONS
+    """How the caller spells the text field and split options, in messages (the trainer:
+    --zephon.text_field, --zephon.split)."""
+    cache_dir: str = ""
+    """The cache folder when ``$ZEPHON_CACHE`` is unset (empty: ``~/.cache``)."""
+    workers: int = 1
+    """Tokenizer processes of the process that prepares."""
+    progress: bool = False
+    """Show prepare's progress bar (in the process that prepares)."""
+    log: Log | None = None
+    """Where to say that this process prepares, or waits for another."""
+    tokenizer_origin: str = "the tokenizer folder"
+    """What set ``tokenizer``, for messages (the trainer: model.hf_assets_path)."""
+
+
+def names_store(value: str) -> bool:
+    """True when ``value`` names a token store (a builtin part, a folder holding a
+    store, or a file in one) rather than raw inputs. A path that does not exist and
+    is neither a pattern nor a list counts as a store (it is reported as a missing
+    store)."""
+    if value.startswith(BUILTIN_PREFIX):
+        return True
+    p = Path(value)
+    if p.is_dir():
+        return is_store(p) or any((p / f).exists() for f in STORE_FILES)
+    if os.path.lexists(value):
+        return p.name in STORE_FILES and is_store(p.parent)
+    return "," not in value and not GLOB_CHARS & set(value)
+
+
+_located: dict[tuple[str, ...], Path] = {}
+"""Raw store values already located by this process (the preflight, the dataloader
+and the validator all ask): value, cwd, tokenizer, text field, cache root -> entry."""
+
+
+def raw_store(value: str, raw: RawInputs) -> Path:
+    """The cache entry holding ``prepare_store([value], raw.tokenizer, ...)``, built
+    on first use (once, under the entry's lock; see the module docstring)."""
+    root = cache_root(raw.cache_dir)
+    memo = (value, os.getcwd(), os.path.abspath(raw.tokenizer), raw.text_field, raw.split,
+            str(root))  # fmt: skip
+    if memo in _located:
+        return _located[memo]
+    tokenizer_json = Path(raw.tokenizer) / "tokenizer.json"
+    if not tokenizer_json.is_file():
+        found = (
+            f"it holds {sorted(p.name for p in Path(raw.tokenizer).iterdir())[:8]}"
+            if Path(raw.tokenizer).is_dir()
+            else "it does not exist"
+        )
+        raise StoreError(
+            f"the store value {value!r} names raw inputs, which are tokenized with the "
+            f"tokenizer.json in {raw.tokenizer_origin} = {raw.tokenizer!r}, but {found}. "
+            "Point it at a folder holding a Hugging Face tokenizer.json, or name a store "
+            "prepared with `zephon prepare`."
+        )
+    sources = select_splits(resolve_inputs([value]), raw.split, raw.names)
+    if not sources:
+        raise StoreError(
+            f"the raw inputs {value!r} hold no files (hidden names are skipped); expected "
+            "text/JSONL/Parquet files or Hugging Face dataset folders."
+        )
+    _check_cache_outside(value, root)
+    tokenizer_sha = hashlib.sha256(tokenizer_json.read_bytes()).hexdigest()
+    listing = stat_listing(sources)
+    key = {
+        "format": RAW_KEY_FORMAT,
+        "store_version": FORMAT_VERSION,
+        "tokenizer_sha256": tokenizer_sha,
+        "text_field": raw.text_field,
+        "files": listing,
+    }
+    splits = [[s.name, list(s.splits)] for s in sources if s.splits is not None]
+    if splits:  # only where a DatasetDict is read: the keys of other inputs stay as they were
+        key["splits"] = splits
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+    out = root / f"raw-{digest[:24]}"
+    # The same inputs at any sizes and mtimes: one lock and staging folder, so a build
+    # after a failure (a corrupt file, since fixed) reuses the parts already finished.
+    key["files"] = [row[:3] for row in listing]
+    work = "raw-work-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    if not (out / MANIFEST).is_file():
+
+        def build(dest: Path, tell: Callable[[dict[str, Any]], None]) -> None:
+            from torchtitan_zephon.ingest.prepare import prepare_store
+
+            if raw.log is not None:
+                raw.log(
+                    f"preparing the raw inputs {value!r} ({len(sources)} sources"
+                    f"{_splits_note(sources)}) with {raw.workers} tokenizer process(es) into "
+                    f"{out}"
+                )
+            start = time.monotonic()
+            store = prepare_store(
+                [value],
+                raw.tokenizer,
+                str(dest),
+                workers=raw.workers,
+                text_field=raw.text_field,
+                progress=raw.progress,
+                split=raw.split,
+                names=raw.names,
+                on_progress=tell,
+            )
+            if stat_listing(sources) != listing:
+                raise StoreError(
+                    f"the raw inputs {value!r} changed while they were being prepared (a "
+                    "file's size or modification time); nothing was cached. Run again once "
+                    "they stay put."
+                )
+            _check_entry(store.manifest, sources, listing, dest, value)
+            if raw.log is not None:
+                raw.log(
+                    f"prepared {value!r} in {time.monotonic() - start:.1f} s: "
+                    f"{store.num_tokens} tokens, fingerprint {store.fingerprint[:16]}..."
+                )
+
+        build_once(out, build, what=f"the raw inputs {value!r}", log=raw.log, work=work)
+    manifest = _read_manifest(out)
+    _check_entry(manifest, sources, listing, out, value)
+    if manifest.get("tokenizer", {}).get("sha256") != tokenizer_sha or (
+        manifest.get("text_field") != raw.text_field
+    ):
+        raise _stale(out, "its tokenizer or text field differs from its key")
+    _write_record(out, value, {**key, "work": work}, manifest)
+    _located[memo] = out
+    return out
+
+
+def _splits_note(sources: list[InputFile]) -> str:
+    """ "; split 'train' of the DatasetDict 'dd'", for the sources that have splits."""
+    read = [f"split {', '.join(s.splits)} of the DatasetDict {s.name!r}"
+            for s in sources if s.splits is not None]  # fmt: skip
+    return "; " + "; ".join(read) if read else ""
+
+
+def _check_cache_outside(value: str, root: Path) -> None:
+    """Refuse a cache folder inside an input folder (where a walk would see it): the
+    cache's own files would become inputs of the next run, which never matches."""
+    cache = root.resolve()
+    for given in expand_input(value):
+        folder = Path(given).resolve()
+        if not folder.is_dir():
+            continue
+        try:
+            inner = cache.relative_to(folder)
+        except ValueError:
+            continue
+        if not any(part.startswith(".") for part in inner.parts):
+            raise StoreError(
+                f"the cache folder {root} is inside the input folder {given!r} of {value!r}: "
+                "its entries and locks would be read as inputs. Set "
+                f"{CACHE_ENV} (the trainer: zephon.cache_dir) to a folder outside the "
+                "inputs, or to a hidden one (a name starting with a dot) within them."
+            )
+
+
+def stat_listing(sources: list[InputFile]) -> list[list[Any]]:
+    """[name, file within the source, real path, size, mtime_ns] of every file the
+    sources read (a dataset folder: each of its files), from ``os.stat`` only."""
+    out: list[list[Any]] = []
+    for src in sources:
+        files = (
+            sorted((p for p in src.path.rglob("*") if p.is_file()), key=lambda p: p.as_posix())
+            if src.path.is_dir()
+            else [src.path]
+        )
+        for f in files:
+            st = f.stat()
+            inner = f.relative_to(src.path).as_posix() if src.path.is_dir() else ""
+            out.append([src.name, inner, os.path.realpath(f), st.st_size, st.st_mtime_ns])
+    return out
+
+
+def _read_manifest(out: Path) -> dict[str, Any]:
+    try:
+        manifest = json.loads((out / MANIFEST).read_text())
+    except (OSError, ValueError) as e:
+        raise _stale(out, f"its manifest cannot be read ({e})") from None
+    if not isinstance(manifest, dict):
+        raise _stale(out, "its manifest is not a JSON object")
+    return manifest
+
+
+def _stale(out: Path, why: str) -> StoreError:
+    return StoreError(
+        f"the cache entry {out} does not hold what its key promises: {why}. It was edited, "
+        f"or the cache is corrupt. Delete {out} (and {out.name}.json beside it); the next "
+        "run prepares it again."
+    )
+
+
+def _check_entry(
+    manifest: dict[str, Any],
+    sources: list[InputFile],
+    listing: list[list[Any]],
+    out: Path,
+    value: str,
+) -> None:
+    """The manifest's sources (names, sizes, DatasetDict splits) agree with the stat
+    listing and the splits chosen."""
+    sizes: dict[str, int] = {}
+    for name, _, _, size, _ in listing:
+        sizes[name] = sizes.get(name, 0) + size
+    expected = [[s.name, sizes[s.name], None if s.splits is None else list(s.splits)]
+                for s in sources]  # fmt: skip
+    recorded = [
+        [r.get("name"), r.get("size"), r.get("splits")] for r in manifest.get("sources", [])
+    ]
+    if recorded != expected:
+        first = next(
+            (f"{a} vs {b}" for a, b in zip(recorded, expected, strict=False) if a != b),
+            f"{len(recorded)} sources vs {len(expected)}",
+        )
+        raise _stale(
+            out, f"its sources (name, size, splits) differ from the inputs {value!r}: {first}"
+        )
+
+
+def _write_record(out: Path, value: str, key: dict[str, Any], manifest: dict[str, Any]) -> None:
+    """``<entry>.json`` beside the entry: what it was prepared from (once)."""
+    path = out.parent / f"{out.name}.json"
+    if path.exists():
+        return
+    record = {
+        "inputs": value,
+        "fingerprint": manifest.get("fingerprint"),
+        **key,
+        "sources": [
+            {k: r[k] for k in ("name", "kind", "size", "sha256", "splits") if k in r}
+            for r in manifest.get("sources", [])
+        ],
+    }
+    tmp = out.parent / f".{out.name}.json.{uuid.uuid4().hex}"
+    tmp.write_text(json.dumps(record, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------ what a cache holds
+
+
+def is_cache(path: Path) -> bool:
+    """Whether ``path`` is a store cache folder: the configured one (``cache_root()``),
+    or a folder holding entries, builds or locks named as this module names them."""
+    if not path.is_dir():
+        return False
+    try:
+        if path.resolve() == cache_root().resolve():
+            return True
+        return any(_cache_kind(p) not in ("other", "record") for p in path.iterdir())
+    except OSError:
+        return False
+
+
+def _cache_kind(p: Path) -> str:
+    name = p.name
+    if p.is_dir() and name.startswith(("builtin-", "raw-")) and is_store(p):
+        return "builtin" if name.startswith("builtin-") else "raw"
+    if p.is_dir() and name.startswith(".") and ".building" in name:
+        return "building"
+    if p.is_file() and name.startswith(("builtin-", "raw-")) and name.endswith(".lock"):
+        return "lock"
+    if p.is_file() and name.startswith("raw-") and name.endswith(".json"):
+        return "record"
+    return "other"
+
+
+def _size(path: Path) -> int:
+    """Bytes of the files under ``path`` (or of the file)."""
+    try:
+        if not path.is_dir():
+            return path.lstat().st_size
+        total = 0
+        for folder, _, files in os.walk(path):
+            for f in files:
+                try:
+                    total += os.lstat(os.path.join(folder, f)).st_size
+                except OSError:
+                    pass
+        return total
+    except OSError:
+        return 0
+
+
+def _holder_of(lock: Path) -> str | None:
+    """Who holds the lock file ``lock`` (its holder line), or None when it is free. A
+    shared lock taken and dropped at once tells (a builder waiting on it retries)."""
+    try:
+        with open(lock) as fh:
+            try:
+                fcntl.flock(fh, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except BlockingIOError:
+                return fh.read().strip() or "another process"
+            except OSError:  # no locks on this filesystem: nobody can hold it
+                return None
+            fcntl.flock(fh, fcntl.LOCK_UN)
+            return None
+    except OSError:
+        return None
+
+
+def describe_cache(root: Path) -> dict[str, Any]:
+    """What the cache folder ``root`` holds, for ``zephon inspect``: its stores (builtin,
+    raw inputs with what they were prepared from), builds in progress or kept after a
+    failure (with their finished parts), lock files (held or free), anything else;
+    every item with its size in bytes. Reads only (a lock is probed, never held)."""
+    from torchtitan_zephon.ingest.parts import finished_parts, staging_folder
+
+    items: dict[str, list[dict[str, Any]]] = {
+        "builtin": [], "raw": [], "building": [], "locks": [], "other": []
+    }  # fmt: skip
+    children = sorted(root.iterdir(), key=lambda p: p.name)
+    names = {p.name for p in children}
+    for p in children:
+        kind = _cache_kind(p)
+        item: dict[str, Any] = {"name": p.name, "size_bytes": _size(p)}
+        if kind in ("builtin", "raw"):
+            try:
+                manifest = _read_manifest(p)
+            except StoreError:
+                manifest = {}
+            item.update(
+                fingerprint=manifest.get("fingerprint"),
+                tokens=manifest.get("num_tokens"),
+                documents=manifest.get("num_documents"),
+            )
+            if kind == "builtin":
+                part = p.name[len("builtin-") :].rpartition("-")[0]
+                item["part"] = part or "all"
+            else:
+                item.update(_raw_origin(p, manifest))
+                item["size_bytes"] += _size(root / f"{p.name}.json")  # its record, if any
+        elif kind == "record":
+            if p.name[: -len(".json")] in names:
+                continue  # shown with its entry
+            kind = "other"
+        elif kind == "building":
+            work = p.name[1:].split(".building")[0]
+            lock = root / f"{work}.lock"
+            holder = _holder_of(lock) if lock.is_file() and p.name.endswith(".building") else None
+            item.update(
+                work=work,
+                parts=finished_parts(staging_folder(p / "store")),
+                holder=holder,
+                shared=p.name.endswith(".building"),
+                sources=_building_sources(staging_folder(p / "store")),
+            )
+        elif kind == "lock":
+            item["holder"] = _holder_of(p)
+        items["locks" if kind == "lock" else kind].append(item)
+    return {
+        "kind": "cache",
+        "path": str(root),
+        "size_bytes": sum(i["size_bytes"] for group in items.values() for i in group),
+        **items,
+    }
+
+
+def _building_sources(staging: Path) -> list[str]:
+    """The names of the sources a build prepares (its prepare's identity file), if known."""
+    from torchtitan_zephon.ingest.parts import RANKS_FILE
+
+    try:
+        identity = json.loads((staging / RANKS_FILE).read_text())
+        return [str(row[0]) for row in identity["sources"]]
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        return []
+
+
+def _raw_origin(entry: Path, manifest: dict[str, Any]) -> dict[str, Any]:
+    """What a raw entry was prepared from: its record beside it, else its manifest."""
+    try:
+        record = json.loads((entry.parent / f"{entry.name}.json").read_text())
+    except (OSError, ValueError):
+        record = {}
+    if not isinstance(record, dict):
+        record = {}
+    sources = record.get("sources") or manifest.get("sources") or []
+    return {
+        "inputs": record.get("inputs"),
+        "text_field": record.get("text_field", manifest.get("text_field")),
+        "sources": [
+            {k: s.get(k) for k in ("name", "kind", "size", "splits") if k in s}
+            for s in sources
+            if isinstance(s, dict)
+        ],
+    }

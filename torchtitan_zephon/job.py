@@ -1,0 +1,508 @@
+"""The job's data: what a loader reads, behind one interface.
+
+Role: the layer above the engine (``order``, ``ingest``, ``store``) that opens a
+job's stores and pairs a plan (which sample each position of the global stream
+holds) with the tokens of those samples. ``store_location`` turns a store value
+(a store folder, ``builtin:PART``, raw inputs prepared into the cache) into a
+store folder; ``StoreData`` is one token store (its plan is a ``DataPlan``);
+``MixtureData`` is several stores drawn in exact proportions by a
+``MixturePlan`` (seen through ``MixtureStream``), opened by
+``open_mixture_stores``. Everything downstream (the loader, the sequence
+tracker's ids digests, the data state) sees only **sample keys**: int64 values
+naming (source index, sample id) as ``source << SOURCE_SHIFT | id``
+(``order.stream``). For one store the key is the sample id, so runs and logs of
+one store are unchanged; for a mixture the keys bind the sources, in name order
+(the order of the ``[[source]]`` blocks does not count). A new kind of job data
+(a remote store, raw inputs prepared on the fly) plugs in by providing the same
+few methods; plans and state stay as they are.
+
+The interface (``JobData``): ``data_config`` (the ``DataConfig`` it governs),
+``plan(config, anchor)`` (a ``StreamPlan``: keys per step, rank slice and
+window of a rank's stream), ``windows(keys, seq_len)`` (the tokens, checked by
+their store), ``id_limit`` / ``out_of_vocab`` (the vocabulary guard) and
+``heldout`` (each source's held-out samples, for validation).
+
+Invariants:
+- ``data.plan(config, anchor)`` depends only on the data config, the anchor
+  and (for a mixture) the spec it was resolved to: every rank builds the same
+  plan. Its keys of step ``s`` are ``plan.global_ids(s)``; the rank slices
+  concatenate to them for every DP degree dividing the step's batch.
+- Row k of ``windows(keys, seq_len)`` is the window of the sample ``keys[k]``
+  names, read from that sample's store.
+- ``plan_of(config, anchor)`` rebuilds the plan of a saved data state without
+  opening any store (``zephon inspect``): the same keys as the job data's plan.
+- An accepted change of the batch schedule (a position anchor other than
+  (1, 0)) keeps the slot count exact; a mixture then assigns the slots from the
+  anchor on as if the steps before it had been of equal size (an opted-in
+  change: each source's next sample follows that plan).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+
+from torchtitan_zephon.ingest.builtin import builtin_store_path
+from torchtitan_zephon.ingest.cache import RawInputs, names_store, raw_store
+from torchtitan_zephon.order.layout import (
+    BatchSchedule,
+    anchored_schedule,
+    no_sample_text,
+    store_fix,
+)
+from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError, fraction_text
+from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream
+from torchtitan_zephon.order.mixture.spec import MixtureSpec, resolve_mixture
+from torchtitan_zephon.order.state import MIXTURE_FIELD, DataConfig, DataState
+from torchtitan_zephon.order.stream import ID_MASK, DataPlan, StreamPlan, split_keys
+from torchtitan_zephon.store.format import BUILTIN_PREFIX, StoreError, fingerprint
+from torchtitan_zephon.store.group import StoreGroup
+from torchtitan_zephon.store.reader import TokenStore
+
+
+@dataclass(frozen=True)
+class Heldout:
+    """One source's held-out samples: ``[first, first + count)`` of ``store``."""
+
+    name: str | None  # None: the job's only store
+    store: TokenStore
+    first: int
+    count: int
+
+
+class JobData(Protocol):
+    """What a loader reads: a plan of sample keys and the tokens of a key."""
+
+    path: str
+    seq_len: int
+    vocab_size: int
+    tokenizer_hash: str
+    fingerprint: str
+    warnings: list[str]
+
+    def data_config(
+        self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
+    ) -> DataConfig: ...
+    def plan(self, config: DataConfig, anchor: tuple[int, int] = (1, 0)) -> StreamPlan: ...
+    def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray: ...
+    def id_limit(self, vocab_size: int | None) -> int | None: ...
+    def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str: ...
+    def heldout(self) -> list[Heldout]: ...
+
+
+def store_location(value: str, raw: RawInputs | None = None, *, progress: bool = False) -> Path:
+    """The token store folder a store value names, built on first use where it is a
+    builtin part (with a progress bar when ``progress``) or raw inputs (as ``raw``
+    says; None: raw inputs are refused)."""
+    if value.startswith(BUILTIN_PREFIX):
+        return builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :])
+    if names_store(value):
+        if not os.path.lexists(value):
+            raise StoreError(
+                f"token store {value!r} does not exist; expected a folder made by `zephon "
+                "prepare INPUT... --tokenizer DIR --output STORE`, or raw inputs to prepare "
+                "on first use: a text/JSONL/Parquet file, a folder of them, a glob pattern "
+                "or a comma-separated list."
+            )
+        return Path(value)
+    if raw is None:
+        raise StoreError(
+            f"{value!r} names raw inputs, not a token store, and no tokenizer was given to "
+            f"prepare them. Prepare them first (`zephon prepare {value} --tokenizer DIR "
+            "--output STORE`) and name the store, or train on them directly: the trainer "
+            "prepares raw inputs with the tokenizer at model.hf_assets_path."
+        )
+    return raw_store(value, raw)
+
+
+# ---------------------------------------------------------------- one store
+
+
+def store_id_limit(store: TokenStore, vocab_size: int | None) -> int | None:
+    """Refuse a store whose recorded ids exceed ``vocab_size``; the limit left to check per
+    batch (only for stores that record no max_token_id)."""
+    if vocab_size is None:
+        return None
+    if store.max_token_id is None:
+        return int(vocab_size)
+    if store.max_token_id >= vocab_size:
+        raise StoreError(
+            f"the store {str(store.path)!r} holds token ids up to {store.max_token_id}, but the "
+            f"model embeds only {vocab_size} ids (0..{vocab_size - 1}): use a model whose "
+            f"vocab_size is at least {store.max_token_id + 1}, or a store prepared with the "
+            "model's tokenizer."
+        )
+    return None
+
+
+def store_out_of_vocab(
+    store: TokenStore, ids: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
+) -> str:
+    row, col = np.unravel_index(int(np.argmax(tokens)), tokens.shape)
+    sample = int(np.asarray(ids).ravel()[row])
+    return (
+        f"the store {str(store.path)!r} holds token id {int(tokens[row, col])} at token "
+        f"{sample * seq_len + int(col)} (sample {sample}), outside the model's vocabulary of "
+        f"{limit} ids. The store has no content checksums (format {store.version}), so this may "
+        f"be a changed file: check it with `zephon inspect {store.path} --check`, or rebuild it "
+        "with `zephon prepare`."
+    )
+
+
+class StoreData:
+    """One token store: samples ``[sample_offset, sample_offset + num_samples)`` are
+    trained on (the rest, at the end, is held out); the keys are the sample ids."""
+
+    def __init__(
+        self,
+        store: TokenStore,
+        seq_len: int,
+        *,
+        sample_offset: int = 0,
+        num_samples: int | None = None,
+    ) -> None:
+        available = store.num_samples(seq_len)
+        if available == 0:
+            what = f"the store {str(store.path)!r}"
+            raise ValueError(
+                f"{no_sample_text(what, store.num_tokens, seq_len)}. "
+                + store_fix(store.num_tokens, sample_offset + (num_samples or 1), "seq_len")
+            )
+        if num_samples is None:
+            num_samples = available - sample_offset
+        if sample_offset < 0 or num_samples < 1 or sample_offset + num_samples > available:
+            raise ValueError(
+                f"samples [{sample_offset}, {sample_offset + num_samples}) do not fit the store "
+                f"{str(store.path)!r}, which holds {available} samples of seq_len {seq_len} "
+                f"({store.num_tokens} tokens). Use a smaller seq_len, sample_offset or "
+                "num_samples, or a larger store."
+            )
+        self.store = store
+        self.seq_len = int(seq_len)
+        self.sample_offset = int(sample_offset)
+        self.num_samples = int(num_samples)
+        self.path = str(store.path)
+        self.version = store.version
+        self.vocab_size = store.vocab_size
+        self.tokenizer_hash = store.tokenizer_hash
+        self.fingerprint = store.fingerprint
+        self.warnings: list[str] = []
+
+    def __repr__(self) -> str:
+        return f"StoreSource({self.store!r}, seq_len={self.seq_len})"
+
+    def data_config(
+        self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
+    ) -> DataConfig:
+        return DataConfig.make(
+            seq_len=self.seq_len,
+            seed=seed,
+            schedule=schedule,
+            sample_offset=self.sample_offset,
+            num_samples=self.num_samples,
+            store_fingerprint=self.store.fingerprint,
+            tokenizer_hash=self.store.tokenizer_hash,
+            extra=extra,
+        )
+
+    def plan(self, config: DataConfig, anchor: tuple[int, int] = (1, 0)) -> DataPlan:
+        return plan_of(config, anchor)
+
+    def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
+        return self.store.windows(keys, seq_len)
+
+    def id_limit(self, vocab_size: int | None) -> int | None:
+        return store_id_limit(self.store, vocab_size)
+
+    def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str:
+        return store_out_of_vocab(self.store, keys, tokens, self.seq_len, limit)
+
+    def heldout(self) -> list[Heldout]:
+        first = self.sample_offset + self.num_samples
+        return [Heldout(None, self.store, first, self.store.num_samples(self.seq_len) - first)]
+
+
+# ---------------------------------------------------------------- a mixture
+
+
+def open_mixture_stores(
+    config: MixtureConfig, *, progress: bool = False, raw: Any = None
+) -> dict[str, TokenStore]:
+    """Open every source's TokenStore (``builtin:PART`` values are built on first use,
+    with a progress bar when ``progress``; raw inputs are prepared as ``raw``, a
+    ``cache.RawInputs``, says, or refused when it is None); a missing or broken store
+    names its source."""
+    stores = {}
+    for s in config.sources:
+        try:
+            location = store_location(s.store, raw, progress=progress)
+            stores[s.name] = TokenStore.open(location)
+        except (StoreError, ValueError) as e:
+            raise MixtureError(f"mixture source {s.name!r}: {e}") from None
+    return stores
+
+
+def mixture_store_fingerprint(spec: MixtureSpec) -> str:
+    """The ``store_fingerprint`` of a mixture's data config: a hash of its sources'
+    store fingerprints (by name)."""
+    return fingerprint(
+        {
+            "format": "zephon-mixture-stores/1",
+            "sources": {s.name: s.store_fingerprint for s in spec.sources},
+        }
+    )
+
+
+def sorted_by_name(config: MixtureConfig) -> MixtureConfig:
+    """The mixture with its sources in name order: source indices (and so sample keys)
+    do not depend on the order of the ``[[source]]`` blocks."""
+    return MixtureConfig(tuple(sorted(config.sources, key=lambda s: s.name)), config.schedule)
+
+
+class MixtureData:
+    """Several token stores drawn by a mixture plan; key ``i << 40 | id`` is sample ``id``
+    of the ``i``-th source in name order."""
+
+    def __init__(
+        self,
+        spec: MixtureSpec,
+        stores: Mapping[str, TokenStore],
+        seq_len: int,
+        *,
+        path: str = "mixture",
+    ) -> None:
+        names = spec.names
+        if names != sorted(names):
+            raise MixtureError(f"a MixtureSource needs its sources in name order, found {names}.")
+        for s in spec.sources:
+            if s.num_samples + s.heldout_samples > ID_MASK:
+                raise MixtureError(
+                    f"mixture source {s.name!r} holds {s.num_samples + s.heldout_samples} "
+                    f"samples; a source may hold at most {ID_MASK} (split it into two sources)."
+                )
+        self.spec = spec
+        self.names = names
+        self.stores = [stores[n] for n in names]
+        self.seq_len = int(seq_len)
+        self.path = str(path)
+        ref = self.stores[0]
+        self.vocab_size = ref.vocab_size
+        self.tokenizer_hash = ref.tokenizer_hash
+        self.fingerprint = mixture_store_fingerprint(spec)
+        self.warnings: list[str] = []
+        self.group = StoreGroup(self.stores)
+        self._plans: dict[tuple[str, tuple[int, int]], MixtureStream] = {}
+
+    @classmethod
+    def open(
+        cls,
+        config: MixtureConfig,
+        seq_len: int,
+        *,
+        default_heldout: int = 0,
+        path: str = "mixture",
+        progress: bool = False,
+        raw: Any = None,
+    ) -> MixtureData:
+        """Open the stores of a parsed mixture file and check them against each other
+        (one tokenizer, enough samples); MixtureError names the source at fault. Sources
+        that name raw inputs are prepared as ``raw`` (a ``cache.RawInputs``) says.
+
+        One opened mixture per (mixture, seq_len, default_heldout, path) is kept per
+        process (the last two): a trainer rank resolves its source for the preflight,
+        the loader and the validator, and they share its stores (each chunk hashed
+        once), its resolved spec and its plans. It is reused only while every file of
+        every store is the one it opened (inode, size and modification time); a store
+        rebuilt or edited in between is opened and checked afresh."""
+        config = sorted_by_name(config)
+        key = json.dumps(
+            [config.to_json(), int(seq_len), int(default_heldout), str(path)], sort_keys=True
+        )
+        kept = _OPENED.get(key)
+        if kept is not None and kept[0] == _store_files(config, progress, raw):
+            return kept[1]
+        stores = open_mixture_stores(config, progress=progress, raw=raw)
+        spec = resolve_mixture(
+            config, stores, seq_len, default_heldout=default_heldout, tokenizer=_job_tokenizer(raw)
+        )
+        source = cls(spec, stores, seq_len, path=path)
+        _OPENED.pop(key, None)
+        _OPENED[key] = (_store_files(config, progress, raw), source)
+        while len(_OPENED) > 2:
+            del _OPENED[next(iter(_OPENED))]
+        return source
+
+    def __repr__(self) -> str:
+        return f"MixtureSource({self.path!r}, sources={self.names}, seq_len={self.seq_len})"
+
+    def data_config(
+        self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
+    ) -> DataConfig:
+        return DataConfig.make(
+            seq_len=self.seq_len,
+            seed=seed,
+            schedule=schedule,
+            sample_offset=0,
+            num_samples=sum(int(s.num_samples) for s in self.spec.sources),
+            store_fingerprint=self.fingerprint,
+            tokenizer_hash=self.tokenizer_hash,
+            extra={**(extra or {}), MIXTURE_FIELD: self.spec.to_json()},
+        )
+
+    def plan(self, config: DataConfig, anchor: tuple[int, int] = (1, 0)) -> MixtureStream:
+        """The plan of ``config`` (made by ``data_config``), built once per (config,
+        anchor); the first call also collects the plan's warnings (a source smaller than
+        its share of a global batch)."""
+        if not self.spec.is_written_as(config.mixture):
+            raise MixtureError(
+                "the data config's mixture is not this source's mixture; build the config "
+                "with MixtureSource.data_config."
+            )
+        key = (config.fingerprint, (int(anchor[0]), int(anchor[1])))
+        stream = self._plans.get(key)
+        if stream is None:  # plans are immutable: loaders of one job share them
+            stream = self._plans[key] = plan_of(config, anchor, spec=self.spec)
+            while len(self._plans) > 4:
+                del self._plans[next(iter(self._plans))]
+        if not self.warnings:
+            self.warnings = list(stream.mixture.warnings)
+        return stream
+
+    def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
+        sources, ids = split_keys(np.asarray(keys, dtype=np.int64).ravel())
+        if len(self.stores) == 1 and not np.count_nonzero(sources):
+            return self.stores[0].windows(ids, seq_len)  # one source: the store's own read
+        return self.group.windows(sources, ids, seq_len)
+
+    def id_limit(self, vocab_size: int | None) -> int | None:
+        limits = [store_id_limit(st, vocab_size) for st in self.stores]
+        return None if all(x is None for x in limits) else int(vocab_size)
+
+    def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str:
+        row = int(np.unravel_index(int(np.argmax(tokens)), tokens.shape)[0])
+        sources, ids = split_keys(np.asarray(keys).ravel()[row : row + 1])
+        i = int(sources[0])
+        return f"mixture source {self.names[i]!r}: " + store_out_of_vocab(
+            self.stores[i], ids, tokens[row : row + 1], self.seq_len, limit
+        )
+
+    def heldout(self) -> list[Heldout]:
+        return [
+            Heldout(s.name, st, int(s.num_samples), int(s.heldout_samples))
+            for s, st in zip(self.spec.sources, self.stores, strict=True)
+        ]
+
+
+_OPENED: dict[str, tuple[tuple | None, MixtureData]] = {}  # see MixtureData.open
+
+
+def _job_tokenizer(raw: Any) -> tuple[str, str] | None:
+    """(sha256 of the job's tokenizer.json, the setting that names it) from a
+    ``cache.RawInputs``; None without one: what tells which of disagreeing sources has
+    the right tokenizer."""
+    path = Path(raw.tokenizer) / "tokenizer.json" if raw is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        sha = hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError:
+        return None
+    return sha, f"{raw.tokenizer_origin} ({raw.tokenizer})"
+
+
+def _store_files(config: MixtureConfig, progress: bool, raw: Any = None) -> tuple | None:
+    """(inode, size, mtime) of every file of every store of ``config``; None if any
+    cannot be read (then nothing is reused: opening names the problem)."""
+    out = []
+    try:
+        for s in config.sources:
+            root = Path(store_location(s.store, raw, progress=progress))
+            for entry in sorted(os.scandir(root), key=lambda e: e.name):
+                st = entry.stat()
+                out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
+    except (OSError, ValueError):
+        return None
+    return tuple(out)
+
+
+# ---------------------------------------------------------------- from a data config
+
+
+def plan_of(
+    config: DataConfig, anchor: tuple[int, int] = (1, 0), *, spec: MixtureSpec | None = None
+) -> DataPlan | MixtureStream:
+    """The plan a data config governs, counted from ``anchor`` (no store opened).
+
+    ``spec`` (a mixture's resolved spec, equal to the config's) keeps guards the
+    config does not record (``max_epochs``)."""
+    schedule = config.batch_schedule()
+    if config.mixture is None:
+        return DataPlan(
+            config.num_samples,
+            config.seed,
+            schedule,
+            config.sample_offset,
+            anchor_step=anchor[0],
+            anchor_position=anchor[1],
+        )
+    if spec is None:
+        spec = MixtureSpec.from_json(config.mixture)
+    mixture = MixturePlan(spec, config.seed, anchored_schedule(schedule, *anchor))
+    return MixtureStream(mixture, schedule, anchor)
+
+
+def weights_at(config: DataConfig, step: int) -> dict[str, str] | None:
+    """A mixture's normalized weights in effect at ``step`` (exact fractions as text)."""
+    if config.mixture is None:
+        return None
+    weights = None
+    for entry in config.mixture["schedule"]:
+        if int(entry["from_step"]) <= step:
+            weights = dict(entry["weights"])
+    return weights
+
+
+def mixture_progress(state: DataState) -> dict[str, Any] | None:
+    """Per source of a mixture's data state: samples drawn by the steps before
+    ``next_step`` against the exact target, and the epoch the next sample is in.
+    None for one store. O(1) in the step (the plan is not replayed)."""
+    config = state.config
+    if config.mixture is None:
+        return None
+    stream = plan_of(config, state.position_anchor)
+    assert isinstance(stream, MixtureStream)
+    plan, step = stream.mixture, state.next_step
+    counts = plan.counts_before(step)
+    targets: Sequence[Fraction] = plan.targets_before(step)
+    epochs = plan.epochs(step)
+    worst, who = plan.max_deviation()
+    weights = weights_at(config, step) or {}
+    sources = []
+    for i, s in enumerate(plan.spec.sources):
+        sources.append(
+            {
+                "name": s.name,
+                "samples": int(counts[i]),
+                "target": fraction_text(targets[i]),
+                "deviation": float(int(counts[i]) - targets[i]),
+                "epoch": int(epochs[i]),
+                "num_samples": int(s.num_samples),
+                "heldout_samples": int(s.heldout_samples),
+                "weight": weights.get(s.name, "0/1"),
+            }
+        )
+    return {
+        "next_step": step,
+        "sources": sources,
+        "max_deviation": float(worst),
+        "max_deviation_exact": fraction_text(worst),
+        "max_deviation_source": who,
+    }

@@ -1,0 +1,347 @@
+"""The Zephon loader: one DP rank's micro-batches, with world-size-free state.
+
+Role: turn the job data's plan (``job``: one TokenStore, or a mixture of
+several) into an infinite iterator of
+``({"input": LongTensor[b, seq_len]}, labels LongTensor[b, seq_len])`` for one
+DP rank, prefetched in the background, and save/restore its position as one
+small record that is the same on every rank. The plan yields sample keys
+(sample ids for one store); ``source.windows`` gathers their tokens.
+
+Invariants:
+- For steps s = next_step, next_step + 1, ... the loader yields exactly the
+  rank's micro-batches of ``plan.microbatch_ids(s, ...)`` in order, whatever
+  ``num_workers`` and ``prefetch`` are.
+- A failure (a changed store chunk, an id beyond the vocabulary, an interrupt)
+  is raised at the first micro-batch it concerns; every micro-batch before it
+  is delivered, and the next call retries that same micro-batch: none is ever
+  skipped or delivered twice.
+- ``state_dict()`` depends only on the data config and on how many whole steps
+  have been *delivered* to the caller: never on dp_rank, dp_degree,
+  local_batch_size, num_workers or on batches prefetched but not yet returned.
+  Loading it under any DP layout that divides the global batch size continues
+  the global stream exactly where it stopped; restoring is O(1).
+- Every batch holds tokens the store checked against its content checksums
+  (see ``store/reader.py``) and, given ``vocab_size``, only ids below it.
+
+Mechanics: the loader plans ahead: sample ids for the next micro-batches come
+from one vectorized plan call (``DataPlan.rank_stream_ids``) per few hundred
+micro-batches. With ``prefetch`` or ``num_workers``, ``max(1, num_workers)``
+background threads each prepare a *window* of consecutive micro-batches
+(``window``: about 64K tokens, at least ``prefetch`` micro-batches) with one
+gather and one int64 conversion; its micro-batches are views of two buffers.
+Plans and windows grow from one micro-batch after a start or a reset, so the
+first batch waits for one micro-batch's work.
+Without either, each micro-batch is prepared on demand in the caller's thread.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from torchtitan_zephon.job import JobData, StoreData
+from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
+from torchtitan_zephon.order.state import DataState, DataStateMismatch, ResumeDecision, check_resume
+from torchtitan_zephon.store.format import StoreError
+from torchtitan_zephon.store.reader import TokenStore
+
+__all__ = ["DataStateMismatch", "MicroBatch", "ZephonLoader"]
+
+MicroBatch = tuple[dict[str, torch.Tensor], torch.Tensor]
+# A micro-batch slot of the rank's stream: (step, index within the step, last of the step).
+Slot = tuple[int, int, bool]
+# What a window job returns: its micro-batches in order, then the failure that stopped it.
+Window = tuple[list[tuple[Slot, MicroBatch]], Exception | None]
+
+# Tokens a prefetch window aims at (512 KiB of int64 inputs, as much of labels): enough
+# micro-batches that a thread hand-off per window costs little per micro-batch, few
+# enough that the window's buffers stay in cache; at most MAX_WINDOW micro-batches.
+WINDOW_TOKENS = 1 << 16
+MAX_WINDOW = 64
+# Sample ids planned at once, at most: one plan call per this many ids.
+PLAN_IDS = 1 << 12
+
+
+class ZephonLoader:
+    """Infinite, deterministic micro-batch stream for one DP rank."""
+
+    def __init__(
+        self,
+        source: TokenStore | JobData,
+        *,
+        seq_len: int,
+        seed: int,
+        schedule: BatchSchedule,
+        dp_rank: int,
+        dp_degree: int,
+        local_batch_size: int,
+        sample_offset: int = 0,
+        num_samples: int | None = None,
+        num_workers: int = 0,
+        prefetch: int = 2,
+        pin_memory: bool = False,
+        extra_config: dict | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        if isinstance(source, TokenStore):  # the one-store case
+            source = StoreData(
+                source, seq_len, sample_offset=sample_offset, num_samples=num_samples
+            )
+        elif source.seq_len != seq_len:
+            raise ValueError(
+                f"the source {source.path!r} was resolved for seq_len {source.seq_len}, "
+                f"the loader was asked for seq_len {seq_len}."
+            )
+        # Token ids must index the model's embedding: exact and free from the manifest's
+        # max_token_id; a store without one (format 1) has each batch checked instead.
+        self._id_limit = source.id_limit(vocab_size)
+        if not 0 <= dp_rank < dp_degree:
+            raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
+        schedule.check_layout(dp_degree, local_batch_size)
+        if num_workers < 0 or prefetch < 0:
+            raise ValueError(
+                f"num_workers and prefetch must be >= 0, got {num_workers} and {prefetch}."
+            )
+        self.config = source.data_config(seed=seed, schedule=schedule, extra=extra_config)
+        self.source = source
+        self.store = source  # what ``windows`` gathers from (the source: one store or several)
+        self.seq_len = int(seq_len)
+        self.dp_rank = int(dp_rank)
+        self.dp_degree = int(dp_degree)
+        self.local_batch_size = int(local_batch_size)
+        self.num_workers = int(num_workers)
+        self.prefetch = int(prefetch)
+        self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
+        self.plan = source.plan(self.config)
+        self._threaded = self.prefetch > 0 or self.num_workers > 0
+        tokens = self.local_batch_size * self.seq_len
+        self.window = (
+            max(self.prefetch, min(MAX_WINDOW, max(1, WINDOW_TOKENS // tokens)))
+            if self._threaded
+            else 1
+        )  # micro-batches per window job
+        # Micro-batches planned in one call, at most (a multiple of the window, about
+        # PLAN_IDS ids). From the start and after a reset, plans and windows start at one
+        # micro-batch and double up to these sizes, so a first batch costs no more than one.
+        self.plan_window = max(
+            self.window, PLAN_IDS // self.local_batch_size // self.window * self.window
+        )
+        self._next_step = 1
+        self._delivered = (1, 0)  # next (step, micro-batch index) to hand to the caller
+        self._cursor = (1, 0)  # next (step, micro-batch index) to plan
+        self._planned: list[Slot] = []  # planned slots, with their ids, not yet handed out
+        self._planned_ids = np.empty((0, self.local_batch_size), dtype=np.int64)
+        self._planned_at = 0
+        self._plan_size = self._window_size = 1
+        self._ready: deque[tuple[Slot, MicroBatch]] = deque()  # produced, not yet delivered
+        self._failure: Exception | None = None  # raised once self._ready is delivered
+        self._pending: deque[Future[Window]] = deque()
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ batches
+
+    @property
+    def next_step(self) -> int:
+        """First step not yet completely delivered to the caller."""
+        return self._next_step
+
+    def grad_accumulation_steps(self, step: int) -> int:
+        return check_batch_layout(
+            self.plan.schedule.gbs(step), self.dp_degree, self.local_batch_size
+        )
+
+    def batch(self, ids: np.ndarray) -> MicroBatch:
+        """The micro-batch of samples ``ids``: int64 inputs and labels [len(ids), seq_len]
+        (pure: does not move the loader; raises StoreError on content the checks refuse)."""
+        inputs, labels = self._tensors(ids)
+        return {"input": inputs}, labels
+
+    def _tensors(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = self.store.windows(ids, self.seq_len)  # the store checks the chunks it reads
+        if self._id_limit is not None and tokens.size and int(tokens.max()) >= self._id_limit:
+            raise StoreError(_out_of_vocab(self.store, ids, tokens, self.seq_len, self._id_limit))
+        # One pass each, straight from the store dtype into contiguous int64 buffers.
+        inputs = torch.from_numpy(tokens[:, :-1].astype(np.int64, order="C"))
+        labels = torch.from_numpy(tokens[:, 1:].astype(np.int64, order="C"))
+        if self.pin_memory:
+            inputs, labels = inputs.pin_memory(), labels.pin_memory()
+        return inputs, labels
+
+    def step_microbatches(self, step: int) -> list[MicroBatch]:
+        """This rank's micro-batches of ``step`` (pure: does not move the loader)."""
+        b = self.local_batch_size
+        ids = self.plan.rank_ids(step, self.dp_rank, self.dp_degree)
+        return [self.batch(ids[k : k + b]) for k in range(0, len(ids), b)]
+
+    def _plan_ahead(self) -> None:
+        """Plan the next ``self._plan_size`` micro-batches from the cursor in one call."""
+        count, (step, index) = self._plan_size, self._cursor
+        slots: list[Slot] = []
+        while len(slots) < count:
+            per_step = self.grad_accumulation_steps(step)
+            stop = min(per_step, index + count - len(slots))
+            slots += [(step, k, k + 1 == per_step) for k in range(index, stop)]
+            step, index = (step + 1, 0) if stop == per_step else (step, stop)
+        b = self.local_batch_size
+        first_step, first_index, _ = slots[0]
+        ids = self.plan.rank_stream_ids(
+            first_step, first_index * b, count * b, self.dp_rank, self.dp_degree
+        )
+        self._planned, self._planned_ids, self._planned_at = slots, ids.reshape(count, b), 0
+        self._cursor = (step, index)
+        self._plan_size = min(2 * count, self.plan_window)
+
+    def _advance(self) -> tuple[list[Slot], np.ndarray]:
+        """The next window: its slots and their ids [slots, local_batch_size]."""
+        if self._planned_at == len(self._planned):
+            self._plan_ahead()
+        k = self._planned_at
+        self._planned_at = stop = min(k + self._window_size, len(self._planned))
+        self._window_size = min(2 * self._window_size, self.window)
+        return self._planned[k:stop], self._planned_ids[k:stop]
+
+    def _make(self, slots: list[Slot], ids: np.ndarray) -> list[tuple[Slot, MicroBatch]]:
+        """The micro-batches of ``slots`` with ``ids`` [len(slots), local_batch_size],
+        made together: one gather, views of one pair of int64 buffers."""
+        inputs, labels = self._tensors(ids.ravel())
+        if len(slots) == 1:
+            return [(slots[0], ({"input": inputs}, labels))]
+        b = self.local_batch_size
+        return [
+            (slot, ({"input": inputs[k * b : (k + 1) * b]}, labels[k * b : (k + 1) * b]))
+            for k, slot in enumerate(slots)
+        ]
+
+    def _produce(self, slots: list[Slot], ids: np.ndarray) -> Window:
+        """``_make``; if that fails, the micro-batches one by one up to the first that
+        fails, so every micro-batch before a failure is still delivered."""
+        try:
+            return self._make(slots, ids), None
+        except Exception as e:
+            if len(slots) == 1:
+                return [], e
+        done: list[tuple[Slot, MicroBatch]] = []
+        for k, slot in enumerate(slots):
+            try:
+                done += self._make([slot], ids[k : k + 1])
+            except Exception as e:
+                return done, e
+        return done, None
+
+    def _fill(self) -> None:
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(
+                max_workers=max(1, self.num_workers), thread_name_prefix="zephon-loader"
+            )
+        while len(self._pending) < max(1, self.num_workers):
+            self._pending.append(self._executor.submit(self._produce, *self._advance()))
+
+    def _take_window(self) -> None:
+        """Move the next window's micro-batches into ``self._ready``, or raise its failure."""
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
+        if self._threaded:
+            if not self._pending:
+                self._fill()
+            done, failure = self._pending.popleft().result()
+            if failure is None:
+                self._fill()
+        else:
+            done, failure = self._produce(*self._advance())
+        if not done:
+            raise failure
+        self._ready.extend(done)
+        self._failure = failure
+
+    def __iter__(self) -> ZephonLoader:
+        return self
+
+    def __next__(self) -> MicroBatch:
+        if not self._ready:
+            try:
+                self._take_window()
+            except BaseException:
+                self._reset()  # rewind to the first undelivered micro-batch: never skip one
+                raise
+        (step, index, last), batch = self._ready.popleft()
+        if last:  # the step's final micro-batch is handed over by this return
+            self._next_step = step + 1
+            self._delivered = (step + 1, 0)
+        else:
+            self._delivered = (step, index + 1)
+        return batch
+
+    def _reset(self) -> None:
+        """Drop everything produced but not delivered; production resumes at the first
+        undelivered micro-batch."""
+        for fut in self._pending:
+            fut.cancel()
+        for fut in self._pending:  # let running jobs finish before the plan changes
+            if not fut.cancelled():
+                fut.exception()
+        self._pending.clear()
+        self._ready.clear()
+        self._failure = None
+        self._cursor = self._delivered
+        self._planned, self._planned_at = [], 0
+        self._plan_size = self._window_size = 1
+
+    def close(self) -> None:
+        """Stop background threads and drop prefetched batches."""
+        self._reset()
+        if self._executor is not None:
+            self._executor.shutdown(wait=True, cancel_futures=True)
+            self._executor = None
+
+    def __enter__(self) -> ZephonLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ state
+
+    def data_state(self) -> DataState:
+        """World-size-independent record of the data position (same on every rank)."""
+        first, _ = self.plan.step_positions(self._next_step)
+        anchor = (self.plan.anchor_step, self.plan.anchor_position)
+        return DataState(self.config, self._next_step, first, anchor)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``data_state()`` as a JSON-able dict."""
+        return self.data_state().to_dict()
+
+    def load_state_dict(
+        self, state: dict[str, Any] | DataState, *, allow_changes: Iterable[str] = ()
+    ) -> ResumeDecision:
+        """Continue at the saved ``next_step``; refuse config changes not in ``allow_changes``.
+
+        The rule is ``order.state.check_resume``: ``allow_changes`` names data config
+        fields whose change is accepted (``seed``, ``seq_len``, ``schedule``,
+        ``sample_offset``, ``num_samples``, ``store_fingerprint``, ``tokenizer_hash``,
+        any extra_config key), the aliases ``store`` (store_fingerprint +
+        num_samples), ``tokenizer`` and ``mixture`` (a mixture's sources or the
+        weights of trained steps), or ``all``. A batch or weight schedule that
+        changed only for untrained steps needs no opt-in.
+        """
+        saved = state if isinstance(state, DataState) else DataState.from_dict(state)
+        decision = check_resume(saved, self.config, allow_changes)
+        if decision.config is not None:  # the same samples, bound to the saved rule
+            self.config = decision.config
+        self._reset()
+        self.plan = self.source.plan(self.config, decision.anchor)
+        self._next_step = saved.next_step
+        self._cursor = self._delivered = (saved.next_step, 0)
+        return decision
+
+
+def _out_of_vocab(
+    source: JobData, keys: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
+) -> str:
+    return source.out_of_vocab(keys, tokens, limit)

@@ -1,0 +1,29 @@
+"""The order engine: which sample every step, rank and micro-batch trains on.
+
+Role: pure index math from a data config (stores' sizes and fingerprints, seed,
+batch schedule, mixture) to sample keys: ``permutation`` (a keyed bijection per
+epoch), ``layout`` (steps over positions, rank slices, micro-batches), ``stream``
+(one store's stream, sample keys), ``mixture/`` (config, spec, rule, plan) and
+``state`` (the data config, the data state, the resume rule).
+
+Invariant: pure and deterministic: the same config gives the same keys on every
+rank, process and machine. Imports only ``store`` (format helpers) besides
+itself: never ``ingest``, ``job``, torch.distributed or torchtitan, so nothing
+here can read a corpus or tokenize by accident. Import the modules directly:
+this package re-exports nothing.
+
+Glossary (one word per concept, used across the package):
+
+- store: a prepared token corpus on disk (``store.reader.TokenStore``).
+- sample: a fixed window of ``seq_len + 1`` tokens of a store, named by its id.
+- position: an index in the global stream (0, 1, 2, ...; a mixture's "slot").
+- step: one optimizer step (1-based), covering ``gbs(step)`` consecutive positions.
+- slice: one DP rank's contiguous part of a step.
+- micro-batch: ``local_batch_size`` consecutive samples of a slice (one forward).
+- window: consecutive positions of one rank's stream, looked up and read ahead together
+  (``TokenStore.windows`` keeps its name: it reads the tokens of samples).
+- source: one store of a mixture, by name (a ``[[source]]`` of a mixture file).
+- stream: the sample keys of every position, the global sequence a plan defines.
+- schedule: a step-indexed setting: the batch schedule, a mixture's weight schedule.
+- plan: the pure function from a data config to its stream (``DataPlan``, ``MixturePlan``).
+"""

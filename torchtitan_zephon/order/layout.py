@@ -1,0 +1,245 @@
+"""The batch layout: steps over positions, and a step's cut into rank slices and micro-batches.
+
+Role: pure index math shared by every stream (one store, a mixture): the global
+batch schedule (``BatchSchedule``: step -> its positions ``[first_position(s),
++ gbs(s))``), the anchor of a schedule accepted at resume (``anchored_schedule``),
+a DP rank's contiguous slice of a step (``rank_slice``), the layout check
+(``check_batch_layout``: global batch = DP degree x local batch x accumulation)
+and what a single store must hold for a schedule (``check_store_size``).
+
+Invariants:
+- Step s (1-based) covers positions [first_position(s), first_position(s) + gbs(s)):
+  schedule changes never skip or repeat a position.
+- For any DP degree D dividing gbs(s), the D rank slices in rank order
+  concatenate to the step; micro-batches of a slice concatenate to the slice.
+  Nothing depends on D, the rank or the micro-batch size except the cut points.
+- What a single store must hold (``check_store_size``) is a function of its
+  training samples and the batch schedule only: the same verdict under every
+  DP degree and local batch size, so a resume at another topology decides alike.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def _divisors(n: int) -> list[int]:
+    """Divisors of ``n`` for error messages: all of them up to n = 10**12; beyond, those
+    up to 10**6 and their cofactors (a full search of n = 10**30 would never end)."""
+    small = [d for d in range(1, min(math.isqrt(n), 10**6) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def check_batch_layout(global_batch_size: int, dp_degree: int, local_batch_size: int) -> int:
+    """Return the gradient-accumulation steps for this layout, or raise ValueError.
+
+    The layout is valid when ``global_batch_size`` is a multiple of
+    ``dp_degree * local_batch_size``.
+    """
+    g, d, b = int(global_batch_size), int(dp_degree), int(local_batch_size)
+    if g < 1 or d < 1 or b < 1:
+        raise ValueError(
+            "global batch size, DP degree and local batch size must all be >= 1, "
+            f"got global_batch_size={g}, dp_degree={d}, local_batch_size={b}."
+        )
+    if g % (d * b) == 0:
+        return g // (d * b)
+    good_d = [x for x in _divisors(g) if (g // x) % b == 0]
+    msg = (
+        f"global batch size {g} is not divisible by DP degree {d} x local batch size {b} "
+        f"(= {d * b}). "
+    )
+    if good_d:
+        msg += f"DP degrees that work with local batch size {b}: {good_d}. "
+    else:
+        msg += f"No DP degree works with local batch size {b} (it does not divide {g}). "
+    if g % d == 0:
+        msg += f"Local batch sizes that work with DP degree {d}: {_divisors(g // d)}."
+    else:
+        msg += f"DP degree {d} does not divide {g}; DP degrees dividing it: {_divisors(g)}."
+    raise ValueError(msg)
+
+
+MIN_STORE_SAMPLES = 2
+"""Training samples a single store needs. With one, every step trains on that one
+sample, repeated to fill the global batch, whatever the seed, the batch schedule or
+the topology: the order has nothing left to decide. Fewer samples than a global batch
+(but at least two) is a warning: the steps still differ, their samples repeat."""
+
+
+def no_sample_text(what: str, num_tokens: int, seq_len: int) -> str:
+    """Why a store of ``num_tokens`` tokens holds no sample of ``seq_len``."""
+    return (
+        f"{what} has {num_tokens} tokens, but a sample of seq_len {seq_len} needs seq_len + 1 "
+        f"= {seq_len + 1} tokens (its inputs and the label of the last one), so it holds no "
+        "sample"
+    )
+
+
+def store_fix(num_tokens: int, samples: int, seq_len_flag: str, *, first: str = "") -> str:
+    """What to change so that a store of ``num_tokens`` tokens holds ``samples`` samples:
+    ``first`` (e.g. the held-out setting, as the user writes it), a shorter seq_len, a
+    larger store."""
+    options = [first] if first else []
+    longest = (num_tokens - 1) // samples if samples > 0 else 0
+    if longest >= 1:
+        options.append(
+            f"use {seq_len_flag} {longest} or less (the longest that gives {samples} samples)"
+        )
+    options.append("use a larger store")
+    return "To change it: " + ", or ".join(options) + "."
+
+
+def check_store_size(what: str, num_samples: int, schedule: BatchSchedule, fix: str) -> str | None:
+    """Refuse a single store with fewer than ``MIN_STORE_SAMPLES`` training samples
+    (ValueError naming ``what``, the count and the batch, then ``fix``); return the
+    warning for one smaller than a global batch of ``schedule`` (None: no step repeats
+    a sample)."""
+    largest = max(g for _, g in schedule.entries)
+    if num_samples < 1:
+        raise ValueError(f"{what} has no training sample. {fix}")
+    if num_samples < MIN_STORE_SAMPLES:
+        raise ValueError(
+            f"{what} has {num_samples} training sample: every step would train on that "
+            f"one sample alone, repeated to fill the global batch ({schedule.gbs(1)} at step "
+            "1), whatever the seed or the number of ranks. A single store needs at least "
+            f"{MIN_STORE_SAMPLES}. {fix}"
+        )
+    first = next(((s, g) for s, g in schedule.entries if g > num_samples), None)
+    if first is None:
+        return None
+    step, gbs = first
+    larger = f", and up to {largest} later" if largest > gbs else ""
+    return (
+        f"{what} has {num_samples} training samples, fewer than the global batch of {gbs} "
+        f"from step {step} on (batch schedule entry {step}:{gbs}{larger}): every such step "
+        "repeats samples within itself. Use a larger store or a smaller global batch."
+    )
+
+
+def rank_slice(first: int, gbs: int, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+    """(first, count) of DP rank ``dp_rank``'s contiguous slice of a step that covers
+    ``[first, first + gbs)``: the rank slices concatenate, in rank order, to the step."""
+    if dp_degree < 1 or gbs % dp_degree != 0:
+        raise ValueError(
+            f"DP degree {dp_degree} does not divide the global batch size {gbs} of step "
+            f"{step}; DP degrees that divide it: {_divisors(gbs)}."
+        )
+    if not 0 <= dp_rank < dp_degree:
+        raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
+    per_rank = gbs // dp_degree
+    return first + dp_rank * per_rank, per_rank
+
+
+class BatchSchedule:
+    """Global batch size per step: piecewise constant, starting at step 1."""
+
+    def __init__(self, entries: list[tuple[int, int]]) -> None:
+        entries = [(int(s), int(g)) for s, g in entries]
+        if not entries:
+            raise ValueError("a batch schedule needs at least one (start_step, gbs) entry.")
+        if entries[0][0] != 1:
+            raise ValueError(
+                f"a batch schedule must start at step 1 (steps are 1-based), "
+                f"found first entry {entries[0][0]}:{entries[0][1]}."
+            )
+        for (s0, _), (s1, _) in zip(entries, entries[1:], strict=False):
+            if s1 <= s0:
+                raise ValueError(
+                    f"batch schedule steps must be strictly increasing, found {s0} then {s1}."
+                )
+        for s, g in entries:
+            if g < 1:
+                raise ValueError(f"global batch size must be >= 1, found {g} at step {s}.")
+        self.entries: list[tuple[int, int]] = entries
+
+    @classmethod
+    def parse(cls, text: str | int) -> BatchSchedule:
+        """Parse ``"64"`` (constant) or ``"1:64,1000:128"`` (from step 1, then from 1000)."""
+        text = str(text).strip()
+        try:
+            if ":" not in text:
+                return cls([(1, int(text))])
+            entries = []
+            for part in text.split(","):
+                step, gbs = part.split(":")
+                entries.append((int(step), int(gbs)))
+        except ValueError as e:
+            raise ValueError(
+                f"cannot parse global batch schedule {text!r}: expected an integer like '64' "
+                f"or 'STEP:GBS,...' starting at step 1 like '1:64,1000:128' ({e})."
+            ) from None
+        return cls(entries)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BatchSchedule) and self.entries == other.entries
+
+    def __repr__(self) -> str:
+        return f"BatchSchedule({self.entries})"
+
+    def __str__(self) -> str:
+        return ",".join(f"{s}:{g}" for s, g in self.entries)
+
+    def to_list(self) -> list[list[int]]:
+        return [[s, g] for s, g in self.entries]
+
+    def check_layout(self, dp_degree: int, local_batch_size: int) -> None:
+        """Every global batch size of the schedule must split into DP ranks x micro-batches."""
+        for start, gbs in self.entries:
+            try:
+                check_batch_layout(gbs, dp_degree, local_batch_size)
+            except ValueError as e:
+                raise ValueError(f"batch schedule entry {start}:{gbs}: {e}") from None
+
+    def gbs(self, step: int) -> int:
+        """Global batch size of ``step`` (>= 1)."""
+        if step < 1:
+            raise ValueError(f"steps are 1-based, got step {step}.")
+        size = self.entries[0][1]
+        for s, g in self.entries:
+            if s > step:
+                break
+            size = g
+        return size
+
+    def segment_end(self, step: int) -> int | None:
+        """First step after ``step`` that starts a new schedule entry (None: none does);
+        steps ``step .. segment_end - 1`` all have ``gbs(step)``."""
+        for s, _ in self.entries:
+            if s > step:
+                return s
+        return None
+
+    def first_position(self, step: int) -> int:
+        """Number of positions consumed by steps 1 .. step-1."""
+        if step < 1:
+            raise ValueError(f"steps are 1-based, got step {step}.")
+        total = 0
+        for k, (s, g) in enumerate(self.entries):
+            end = self.entries[k + 1][0] if k + 1 < len(self.entries) else None
+            if s >= step:
+                break
+            last = step if end is None else min(end, step)
+            total += (last - s) * g
+        return total
+
+
+def anchored_schedule(
+    schedule: BatchSchedule, anchor_step: int, anchor_position: int
+) -> BatchSchedule:
+    """A schedule equal to ``schedule`` from ``anchor_step`` on, whose step ``anchor_step``
+    starts at ``anchor_position`` (the steps before it of (nearly) equal size): the slot
+    arithmetic of ``DataPlan``'s anchor for a plan that needs a whole schedule."""
+    a, p = int(anchor_step), int(anchor_position)
+    if (a, p) == (1, 0):
+        return schedule
+    if a < 1 or p < a - 1 or (a == 1 and p != 0):
+        raise ValueError(
+            f"position anchor (step {a}, position {p}) is impossible: steps 1..{a - 1} hold "
+            "at least one position each. The data state is corrupt."
+        )
+    q, r = divmod(p, a - 1)
+    entries = [(1, q + 1), (r + 1, q)] if r else [(1, q)]
+    entries.append((a, schedule.gbs(a)))
+    entries += [(s, g) for s, g in schedule.entries if s > a]
+    return BatchSchedule(entries)

@@ -1,0 +1,192 @@
+"""The token store's format: file names, manifest, fingerprints and checksums.
+
+Role: what a store is on disk, in one place, for the reader, the writers
+(``zephon prepare``, ``upgrade``, test slices) and everything that names a store
+(``is_store``, the cache). Also the one definition of "the bytes of a JSON value"
+(``canonical_json``) for everything that fingerprints one (store manifests, data
+configs, sequence-log records), so two modules can never disagree about a
+fingerprint because they serialised a dict differently.
+
+Invariants:
+- ``canonical_json(x) == canonical_json(y)`` exactly when ``x`` and ``y`` are
+  equal JSON values (keys sorted, no whitespace, ASCII only), and
+  ``fingerprint`` is the hex sha256 of those bytes.
+- ``manifest_fingerprint`` hashes the whole manifest but its ``fingerprint``
+  field; for a version-2 store that includes the content section, so two such
+  stores with the same fingerprint serve the same samples.
+- Chunk ``c`` of a store's tokens is ``tokens[c * chunk_tokens : (c + 1) *
+  chunk_tokens]`` (the last may be short); its checksum is the xxh3-64 of its
+  little-endian bytes (``content_checksums``), and checksums.bin holds them in
+  chunk order.
+
+Layout on disk::
+
+    <store>/manifest.json    format, tokenizer, dtype, counts, sources, content, fingerprint
+    <store>/tokens.bin       num_tokens tokens, little-endian uint16 or uint32
+    <store>/doc_offsets.bin  num_documents int64 start offsets, one per document
+    <store>/checksums.bin    one little-endian uint64 xxh3-64 per chunk of tokens.bin
+    <store>/content.json     only in a version-1 store upgraded in place: its content section
+
+The content section: ``algorithm`` ("xxh3_64"), ``chunk_tokens``,
+``checksums_xxh3_128`` (of checksums.bin), ``doc_offsets_xxh3_128`` (checked by
+``check`` only: training does not read document offsets) and ``max_token_id``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+FORMAT = "zephon-token-store"
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
+MANIFEST = "manifest.json"
+TOKENS = "tokens.bin"
+DOC_OFFSETS = "doc_offsets.bin"
+CHECKSUMS = "checksums.bin"
+CONTENT = "content.json"
+CHUNK_TOKENS = 1 << 16
+CHECKSUM_ALGORITHM = "xxh3_64"
+BUILTIN_PREFIX = "builtin:"
+"""A store value starting with this names a part of the builtin corpus (``ingest.builtin``),
+not a path."""
+
+DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
+REPREPARE = "Re-run `zephon prepare` to rebuild the store."
+
+
+class StoreError(ValueError):
+    """A token store (or the input to build one) is missing, incomplete or invalid."""
+
+
+class UncheckedStoreWarning(UserWarning):
+    """A store without content checksums (format version 1) was opened: its reads are unchecked."""
+
+
+def canonical_json(value: Any) -> bytes:
+    """Sorted keys, no whitespace, ASCII only: the same value always gives the same bytes."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True).encode()
+
+
+def fingerprint(value: Any) -> str:
+    """Hex sha256 of ``canonical_json(value)``."""
+    return hashlib.sha256(canonical_json(value)).hexdigest()
+
+
+def manifest_fingerprint(manifest: dict[str, Any]) -> str:
+    """Hex sha256 of the canonical JSON of ``manifest`` without its ``fingerprint`` field."""
+    body = {k: v for k, v in manifest.items() if k != "fingerprint"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
+def is_store(path: str | os.PathLike) -> bool:
+    """True when ``path`` is a folder holding a token store manifest."""
+    p = Path(path)
+    if not (p / MANIFEST).is_file():
+        return False
+    try:
+        return json.loads((p / MANIFEST).read_text()).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError, RecursionError):  # Recursion: deep JSON
+        return False
+
+
+def map_file(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    """Memory-map ``count`` values of ``dtype`` from ``path`` read-only, checking its size."""
+    if not path.is_file():
+        raise StoreError(f"store file {str(path)!r} is missing. {REPREPARE}")
+    expected = count * dtype.itemsize
+    actual = path.stat().st_size
+    if actual != expected:
+        state = "empty" if actual == 0 else ("truncated" if actual < expected else "too long")
+        raise StoreError(
+            f"store file {str(path)!r} is {state}: expected {expected} bytes "
+            f"({count} x {dtype.name}), found {actual}. {REPREPARE}"
+        )
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+# ----------------------------------------------------------------------------- checksums
+
+
+def content_checksums(
+    tokens: np.ndarray, chunk_tokens: int = CHUNK_TOKENS
+) -> tuple[np.ndarray, np.ndarray]:
+    """(xxh3-64 of each chunk's little-endian bytes as uint64, max token id of each chunk).
+
+    Chunk ``c`` is ``tokens[c * chunk_tokens : (c + 1) * chunk_tokens]``; the last may be short.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
+    tokens = np.ascontiguousarray(tokens)
+    n = -(-tokens.size // chunk_tokens)
+    sums = np.empty(n, dtype="<u8")
+    maxima = np.empty(n, dtype=np.int64)
+    for c in range(n):
+        chunk = tokens[c * chunk_tokens : (c + 1) * chunk_tokens]
+        sums[c] = xxhash.xxh3_64_intdigest(chunk)
+        maxima[c] = int(chunk.max())
+    return sums, maxima
+
+
+def file_xxh3_128(path: Path) -> str:
+    """Hex xxh3-128 of the whole file at ``path`` (the content section's file hashes)."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def num_chunks(num_tokens: int, chunk_tokens: int = CHUNK_TOKENS) -> int:
+    """How many checksum chunks cover ``num_tokens`` tokens (the last may be short)."""
+    return -(-num_tokens // chunk_tokens)
+
+
+def content_section(
+    store_dir: str | os.PathLike, max_token_id: int, chunk_tokens: int = CHUNK_TOKENS
+) -> dict[str, Any]:
+    """The manifest's ``content`` section of the store files in ``store_dir``, whose
+    ``checksums.bin`` is complete and whose largest token id is ``max_token_id``."""
+    root = Path(store_dir)
+    return {
+        "algorithm": CHECKSUM_ALGORITHM,
+        "chunk_tokens": int(chunk_tokens),
+        "checksums_xxh3_128": file_xxh3_128(root / CHECKSUMS),
+        "doc_offsets_xxh3_128": file_xxh3_128(root / DOC_OFFSETS),
+        "max_token_id": int(max_token_id),
+    }
+
+
+@dataclass
+class ContentReport:
+    """Result of ``TokenStore.check``: each finding, and the chunks whose checksum differs."""
+
+    chunks: int
+    chunk_tokens: int | None
+    max_token_id: int | None  # the largest id actually found
+    bad_chunks: list[dict[str, int]] = field(default_factory=list)  # index, start, stop
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "ok": self.ok,
+            "chunks": self.chunks,
+            "chunk_tokens": self.chunk_tokens,
+            "max_token_id": self.max_token_id,
+            "bad_chunks": self.bad_chunks,
+            "problems": self.problems,
+        }

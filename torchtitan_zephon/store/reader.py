@@ -1,0 +1,491 @@
+"""The token store reader: a prepared corpus, memory-mapped read-only.
+
+Role: give O(1) access to training samples. Sample ``i`` for a given
+``seq_len`` is the window ``tokens[i*seq_len : i*seq_len + seq_len + 1]``
+(inputs = window[:-1], labels = window[1:]). The files and the manifest are
+``format``'s.
+
+Invariants:
+- A store that opens is complete and its manifest unmodified: every file has
+  the size its manifest promises, the manifest hashes to its recorded
+  ``fingerprint`` and checksums.bin hashes to the value the manifest records.
+  Opening reads no tokens.
+- Every token that ``window``/``windows`` return was checked against the
+  content checksums first: tokens.bin is cut into chunks of ``chunk_tokens``
+  tokens, each with an xxh3-64 checksum in checksums.bin; a TokenStore hashes a
+  chunk the first time it reads from it (once per object, thread-safe) and a
+  mismatch is a StoreError naming the store, the file and the chunk, so no
+  sample is served from changed content. ``tokens`` itself is the raw map.
+- ``max_token_id`` (recorded by prepare) bounds every id the checked reads can
+  return, so a vocabulary check against it is exact.
+
+Chunks of 65,536 tokens suit random sample access: hashing one takes ~10-20
+microseconds, so the first read of a chunk (128-256 KB) costs little and
+an epoch hashes the store once; checksums.bin (8 bytes per chunk,
+120 MB for 10^12 tokens) is hashed whole at open. Once every chunk is checked a
+read costs nothing more; before that, a read wholly below the lowest unchecked
+chunk or above the highest (say, all but held-out samples at the end) costs one
+comparison, any other looks up each sample's chunks.
+
+Version-1 stores (written before checksums) still open, with an
+``UncheckedStoreWarning``, and their reads are not checked. ``upgrade.upgrade_store``
+(``zephon inspect STORE --upgrade``) adds checksums.bin and content.json (the
+content section) beside the unchanged manifest, so the fingerprint, and every
+checkpoint and sequence log that names it, stays valid (older zephon versions
+still open the store); the checksums then vouch for the content as it was at
+the upgrade. ``TokenStore.check`` (``zephon inspect STORE --check``) hashes
+everything and reports each bad chunk. The checksums catch corruption and
+edits, not a forger who also rewrites checksums.bin and the manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+from numpy.lib.stride_tricks import as_strided
+
+from torchtitan_zephon.store.format import (
+    CHECKSUM_ALGORITHM,
+    CHECKSUMS,
+    CHUNK_TOKENS,
+    CONTENT,
+    DOC_OFFSETS,
+    DTYPES,
+    FORMAT,
+    MANIFEST,
+    READABLE_VERSIONS,
+    REPREPARE,
+    TOKENS,
+    ContentReport,
+    StoreError,
+    UncheckedStoreWarning,
+    content_checksums,
+    file_xxh3_128,
+    manifest_fingerprint,
+    map_file,
+)
+
+
+class TokenStore:
+    """A validated, memory-mapped token store. Build one with ``TokenStore.open``."""
+
+    def __init__(
+        self,
+        path: Path,
+        manifest: dict[str, Any],
+        tokens: np.ndarray,
+        doc_offsets: np.ndarray,
+        content: dict[str, Any] | None = None,
+        checksums: np.ndarray | None = None,
+        *,
+        verify: bool = True,
+    ) -> None:
+        self.path = path
+        self.manifest = manifest
+        self.fingerprint: str = manifest["fingerprint"]
+        self.version: int = int(manifest["version"])
+        self.tokens = tokens
+        self.doc_offsets = doc_offsets
+        self.num_tokens: int = int(manifest["num_tokens"])
+        self.num_documents: int = int(manifest["num_documents"])
+        self.eos_id: int = int(manifest["eos_id"])
+        self.vocab_size: int = int(manifest["tokenizer"]["vocab_size"])
+        self.tokenizer_hash: str = manifest["tokenizer"]["sha256"]
+        self.dtype = tokens.dtype
+        self.content = content  # the content section (manifest, or content.json for version 1)
+        self.checksums = checksums
+        # Plain ndarray views of the same maps: slicing them is cheaper than slicing a memmap.
+        self._token_array = tokens.view(np.ndarray)
+        self._sums = None if checksums is None else checksums.view(np.ndarray)
+        self.chunk_tokens: int | None = int(content["chunk_tokens"]) if content else None
+        self.max_token_id: int | None = int(content["max_token_id"]) if content else None
+        self.num_chunks = 0 if checksums is None else int(checksums.size)
+        self.verifies = bool(verify) and checksums is not None
+        # One flag per chunk: checked by this object. Flags only go 0 -> 1, under the lock.
+        # A bytearray (fast to test from Python) with a numpy view of the same memory.
+        self._checked = bytearray(self.num_chunks)
+        self._checked_np = np.frombuffer(self._checked, dtype=np.bool_)
+        self._unverified = self.num_chunks if self.verifies else 0
+        # Every chunk below the lowest unchecked one and above the highest is checked: a
+        # read within those ranges needs no per-sample lookup. Both only move inwards,
+        # under the lock, so a stale read of either is merely conservative.
+        self._lowest_unchecked = 0 if self._unverified else self.num_chunks
+        self._highest_unchecked = self.num_chunks - 1 if self._unverified else -1
+        self._verify_lock = threading.Lock()
+        self._views: dict[int, np.ndarray] = {}
+
+    def __repr__(self) -> str:
+        return (
+            f"TokenStore({str(self.path)!r}, tokens={self.num_tokens}, "
+            f"documents={self.num_documents}, fingerprint={self.fingerprint[:12]})"
+        )
+
+    @classmethod
+    def open(cls, path: str | os.PathLike, *, verify: bool = True) -> TokenStore:
+        """Open and validate the store at ``path``; raise StoreError if it is not usable.
+
+        Cheap: reads the manifest and checksums.bin, maps the rest. With ``verify``
+        (the default) every read checks the chunks it touches (see the module
+        docstring); ``verify=False`` serves unchecked tokens (benchmarks only).
+        """
+        root = Path(path)
+        if not root.exists():
+            raise StoreError(
+                f"token store {str(root)!r} does not exist. Expected a folder made by "
+                "`zephon prepare INPUT... --tokenizer DIR --output STORE`."
+            )
+        if not root.is_dir():
+            raise StoreError(
+                f"token store {str(root)!r} is a file, expected a folder made by `zephon prepare`."
+            )
+        mpath = root / MANIFEST
+        if not mpath.is_file():
+            raise StoreError(
+                f"token store {str(root)!r} has no {MANIFEST}; it is not a store or its "
+                f"preparation did not finish. {REPREPARE}"
+            )
+        try:
+            manifest = json.loads(mpath.read_text())
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: deep JSON
+            raise StoreError(f"cannot read {str(mpath)!r}: {e}. {REPREPARE}") from None
+        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+            raise StoreError(
+                f"{str(mpath)!r} is not a token store manifest (expected format {FORMAT!r})."
+            )
+        version = manifest.get("version")
+        if version not in READABLE_VERSIONS:
+            raise StoreError(
+                f"{str(mpath)!r} has store format version {version!r}, this "
+                f"version of zephon reads versions {list(READABLE_VERSIONS)}. {REPREPARE}"
+            )
+        try:
+            expected = manifest["fingerprint"]
+            if not isinstance(expected, str):
+                raise TypeError(f"fingerprint is a {type(expected).__name__}, not text")
+            dtype = DTYPES[manifest["dtype"]]
+            num_tokens = int(manifest["num_tokens"])
+            num_docs = int(manifest["num_documents"])
+            if num_docs < 0:
+                raise ValueError(f"num_documents is {num_docs}")
+            int(manifest["tokenizer"]["vocab_size"]), manifest["tokenizer"]["sha256"]
+            int(manifest["eos_id"])
+            if version >= 2:
+                manifest["content"]
+            _check_sources(manifest.get("sources", []))
+        except (KeyError, TypeError, ValueError, OverflowError) as e:  # Overflow: 1e400
+            raise StoreError(
+                f"{str(mpath)!r} is missing or has an invalid field ({e}). {REPREPARE}"
+            ) from None
+        actual = manifest_fingerprint(manifest)
+        if actual != expected:
+            raise StoreError(
+                f"{str(mpath)!r} was modified after preparation: recorded fingerprint "
+                f"{expected[:16]}..., contents hash to {actual[:16]}.... {REPREPARE}"
+            )
+        if num_tokens < 1:
+            raise StoreError(f"token store {str(root)!r} holds no tokens. {REPREPARE}")
+        tokens = map_file(root / TOKENS, dtype, num_tokens)
+        doc_offsets = map_file(root / DOC_OFFSETS, np.dtype("<i8"), num_docs)
+        if version >= 2:
+            content, where = manifest["content"], mpath
+        else:
+            content, where = _read_content(root), root / CONTENT
+        checksums = None
+        if content is None:
+            warnings.warn(
+                f"token store {str(root)!r} has no content checksums (store format version 1): "
+                "changed or corrupt tokens cannot be detected when it is read. Add them in "
+                f"place, keeping its fingerprint, with `zephon inspect {root} --upgrade`.",
+                UncheckedStoreWarning,
+                stacklevel=2,
+            )
+        else:
+            checksums = _map_checksums(root, content, where, num_tokens)
+        return cls(root, manifest, tokens, doc_offsets, content, checksums, verify=verify)
+
+    def num_samples(self, seq_len: int) -> int:
+        """Number of whole samples of ``seq_len`` (+1 label token) in the store."""
+        if seq_len < 1:
+            raise ValueError(f"seq_len must be >= 1, got {seq_len}.")
+        return (self.num_tokens - 1) // seq_len
+
+    def window(self, i: int, seq_len: int) -> np.ndarray:
+        """Tokens of sample ``i``: ``seq_len + 1`` values in the store dtype (checked)."""
+        n = self.num_samples(seq_len)
+        if not 0 <= i < n:
+            raise IndexError(f"sample {i} outside [0, {n}) for seq_len {seq_len}.")
+        start = int(i) * seq_len
+        if self._unverified:
+            self._check_samples(np.array([i], dtype=np.int64), seq_len)
+        return np.array(self.tokens[start : start + seq_len + 1])
+
+    def windows(self, ids: np.ndarray, seq_len: int) -> np.ndarray:
+        """Gather samples ``ids``: array [len(ids), seq_len + 1] in the store dtype (checked)."""
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        n = self.num_samples(seq_len)
+        if ids.size:
+            if ids.size <= 64:  # a micro-batch: plain Python beats numpy's per-call overhead
+                listed = ids.tolist()
+                lo, hi = min(listed), max(listed)
+            else:
+                lo, hi = int(ids.min()), int(ids.max())
+            if lo < 0 or hi >= n:
+                raise IndexError(
+                    f"sample ids must lie in [0, {n}) for seq_len {seq_len}, "
+                    f"found values in [{lo}, {hi}]."
+                )
+            # _unverified is 0 once every chunk was checked (or checks are off)
+            if self._unverified and not self._checked_span(lo * seq_len, hi * seq_len + seq_len):
+                self._check_samples(ids, seq_len)
+        return self._sample_view(seq_len, n)[ids]
+
+    # ------------------------------------------------------------------ content checks
+
+    @property
+    def unchecked_chunks(self) -> int:
+        """Chunks this object would still hash before serving from them (0: checks off)."""
+        return self._unverified
+
+    def _checked_span(self, first: int, last: int) -> bool:
+        """True when tokens [first, last] lie wholly below the lowest unchecked chunk or
+        above the highest (a sufficient test: False says nothing)."""
+        c = self.chunk_tokens
+        return last // c < self._lowest_unchecked or first // c > self._highest_unchecked
+
+    def _check_samples(self, ids: np.ndarray, seq_len: int) -> None:
+        """Check every chunk that the windows of samples ``ids`` touch, unless this object
+        checked it before."""
+        c = self.chunk_tokens
+        if seq_len <= c and ids.size <= 64:
+            # A window touches at most two chunks. For a micro-batch, plain Python on the
+            # bytearray is several times faster than numpy's per-call overhead.
+            flags = self._checked
+            missing = []
+            for i in ids.tolist():
+                start = i * seq_len
+                first, last = start // c, (start + seq_len) // c
+                if not (flags[first] and flags[last]):
+                    missing += (first, last)
+            if not missing:
+                return
+        else:
+            lo = ids * seq_len // c
+            hi = (ids * seq_len + seq_len) // c
+            width = seq_len // c + 2  # chunks one window can touch, at most
+            grid = lo[:, None] + np.arange(width)[None, :]
+            need = grid[grid <= hi[:, None]]
+            missing = need[~self._checked_np[need]].tolist()
+        for chunk in sorted(set(missing)):
+            if not self._checked[chunk]:  # another thread may have checked it meanwhile
+                self._verify_chunk(chunk)
+
+    def _chunk_range(self, chunk: int) -> tuple[int, int]:
+        start = chunk * self.chunk_tokens
+        return start, min(start + self.chunk_tokens, self.num_tokens)
+
+    def _verify_chunk(self, chunk: int) -> None:
+        start, stop = self._chunk_range(chunk)
+        found = xxhash.xxh3_64_intdigest(self._token_array[start:stop])
+        if found != int(self._sums[chunk]):
+            raise StoreError(
+                f"token store {str(self.path)!r}: chunk {chunk} of {TOKENS} (tokens "
+                f"[{start}, {stop})) does not match its checksum in {CHECKSUMS}; the file was "
+                "changed or corrupted after preparation. Run `zephon inspect "
+                f"{self.path} --check` to list every bad chunk. {REPREPARE}"
+            )
+        self._mark_checked(chunk)
+
+    def check_chunk(self, chunk: int) -> None:
+        """Hash chunk ``chunk`` unless this store checked it already (StoreError naming the
+        store and the chunk when it differs): what a reader across stores
+        (``group.StoreGroup``) asks before serving rows from it."""
+        if not self._checked[chunk]:
+            self._verify_chunk(chunk)
+
+    def checked_flags(self) -> np.ndarray:
+        """One bool per chunk, True where this store checked it (a copy: flags only go
+        from unchecked to checked, so a copy is at worst conservative)."""
+        return self._checked_np.copy()
+
+    def _mark_checked(self, chunk: int) -> None:
+        with self._verify_lock:
+            if not self._checked[chunk]:
+                self._checked[chunk] = 1
+                self._unverified -= 1
+                flags, lo, hi = self._checked, self._lowest_unchecked, self._highest_unchecked
+                while lo < self.num_chunks and flags[lo]:
+                    lo += 1
+                while hi >= 0 and flags[hi]:
+                    hi -= 1
+                self._lowest_unchecked, self._highest_unchecked = lo, hi
+
+    def check(self) -> ContentReport:
+        """Hash and check everything (``zephon inspect STORE --check``); never raises on
+        bad content, reports it. Chunks found intact count as checked for later reads."""
+        report = ContentReport(self.num_chunks, self.chunk_tokens, None)
+        content = self.content
+        if content is None:
+            report.problems.append(
+                f"no content checksums (store format version {self.version}): the tokens "
+                "cannot be verified. Add checksums with `zephon inspect "
+                f"{self.path} --upgrade` (keeps the fingerprint)."
+            )
+            maxima = content_checksums(self.tokens, CHUNK_TOKENS)[1]
+        else:
+            sums, maxima = content_checksums(self.tokens, self.chunk_tokens)
+            for chunk in np.flatnonzero(sums != np.asarray(self.checksums)).tolist():
+                start, stop = self._chunk_range(chunk)
+                report.bad_chunks.append({"index": chunk, "start": start, "stop": stop})
+                report.problems.append(
+                    f"chunk {chunk} (tokens [{start}, {stop})) of {TOKENS} does not match its "
+                    f"checksum; its largest token id is {int(maxima[chunk])}"
+                )
+            if self.verifies:
+                for chunk in np.flatnonzero(sums == np.asarray(self.checksums)).tolist():
+                    self._mark_checked(chunk)
+            found = file_xxh3_128(self.path / DOC_OFFSETS)
+            if found != content["doc_offsets_xxh3_128"]:
+                report.problems.append(
+                    f"{DOC_OFFSETS} does not match its recorded checksum (document "
+                    "boundaries were changed after preparation)"
+                )
+        report.max_token_id = int(maxima.max())
+        if content is not None and report.max_token_id != self.max_token_id:
+            report.problems.append(
+                f"the largest token id is {report.max_token_id}, the manifest records "
+                f"max_token_id {self.max_token_id}"
+            )
+        report.problems.extend(self.structure_problems(report.max_token_id))
+        return report
+
+    def structure_problems(self, max_token_id: int) -> list[str]:
+        """What prepare guarantees about any store: ids within the tokenizer's vocabulary,
+        document offsets increasing from 0, and EOS ending every document."""
+        problems = []
+        if max_token_id >= self.vocab_size:
+            problems.append(
+                f"token id {max_token_id} is outside the tokenizer's vocabulary of "
+                f"{self.vocab_size} ids"
+            )
+        offs = np.asarray(self.doc_offsets)
+        if offs.size and (offs[0] != 0 or (np.diff(offs) < 1).any() or offs[-1] >= self.num_tokens):
+            problems.append(
+                f"{DOC_OFFSETS} is not an increasing list of offsets from 0 below {self.num_tokens}"
+            )
+        else:
+            ends = np.append(offs[1:], self.num_tokens) - 1
+            missing = int(np.count_nonzero(self.tokens[ends] != self.eos_id))
+            if missing:
+                problems.append(
+                    f"{missing} of {offs.size} documents do not end with the EOS id {self.eos_id}"
+                )
+        return problems
+
+    def _sample_view(self, seq_len: int, n: int) -> np.ndarray:
+        """Read-only [n, seq_len + 1] view of overlapping windows (no copy).
+
+        Indexing its first axis with an id array gathers whole rows in C, which
+        is the fastest gather numpy offers (~1 G tokens/s on one core).
+        """
+        view = self._views.get(seq_len)
+        if view is None:
+            item = self.tokens.dtype.itemsize
+            view = as_strided(
+                self.tokens, shape=(n, seq_len + 1), strides=(seq_len * item, item), writeable=False
+            )
+            self._views[seq_len] = view
+        return view
+
+    def document_ids(self, start: int, stop: int) -> np.ndarray:
+        """Index of the document each token in [start, stop) belongs to (for doc masks)."""
+        return np.searchsorted(self.doc_offsets, np.arange(start, stop), side="right") - 1
+
+    def describe(self) -> dict[str, Any]:
+        """Summary for ``zephon inspect``."""
+        m = self.manifest
+        return {
+            "kind": "store",
+            "path": str(self.path),
+            "fingerprint": self.fingerprint,
+            "format_version": self.version,
+            "num_tokens": self.num_tokens,
+            "num_documents": self.num_documents,
+            "dtype": m["dtype"],
+            "eos_id": self.eos_id,
+            "vocab_size": self.vocab_size,
+            "max_token_id": self.max_token_id,
+            "chunk_tokens": self.chunk_tokens,
+            "num_chunks": self.num_chunks,
+            "tokenizer_sha256": self.tokenizer_hash,
+            "text_field": m.get("text_field"),
+            "size_bytes": self.num_tokens * self.tokens.dtype.itemsize
+            + self.num_documents * 8
+            + self.num_chunks * 8,
+            "sources": m.get("sources", []),
+        }
+
+
+def _map_checksums(root: Path, content: dict[str, Any], where: Path, num_tokens: int) -> np.ndarray:
+    """Map checksums.bin after checking the content section (from ``where``) and the file's
+    own hash against it."""
+    try:
+        chunk_tokens = int(content["chunk_tokens"])
+        int(content["max_token_id"])
+        recorded = str(content["checksums_xxh3_128"])
+        str(content["doc_offsets_xxh3_128"])
+        if content["algorithm"] != CHECKSUM_ALGORITHM or chunk_tokens < 1:
+            raise ValueError(
+                f"algorithm {content['algorithm']!r}, chunk_tokens {chunk_tokens}; expected "
+                f"{CHECKSUM_ALGORITHM!r} and >= 1"
+            )
+    except (KeyError, TypeError, ValueError) as e:
+        raise StoreError(
+            f"{str(where)!r}: the content section is missing or has an invalid field ({e}). "
+            f"{REPREPARE}"
+        ) from None
+    checksums = map_file(root / CHECKSUMS, np.dtype("<u8"), -(-num_tokens // chunk_tokens))
+    found = xxhash.xxh3_128_hexdigest(checksums)
+    if found != recorded:
+        raise StoreError(
+            f"store file {str(root / CHECKSUMS)!r} was modified after preparation: "
+            f"{where.name} records xxh3-128 {recorded[:16]}..., the file hashes to "
+            f"{found[:16]}.... {REPREPARE}"
+        )
+    return checksums
+
+
+def _read_content(root: Path) -> dict[str, Any] | None:
+    """The content section a version-1 store gained by ``upgrade_store``, if any."""
+    path = root / CONTENT
+    if not path.exists():
+        return None
+    try:
+        content = json.loads(path.read_text())
+        if not isinstance(content, dict):
+            raise ValueError(f"expected a JSON object, found {type(content).__name__}")
+    except (OSError, ValueError) as e:
+        raise StoreError(
+            f"cannot read {str(path)!r}: {e}. Delete it and run `zephon inspect {root} "
+            "--upgrade` again."
+        ) from None
+    return content
+
+
+def _check_sources(sources: Any) -> None:
+    """Source records as prepare writes them (inspect prints these fields)."""
+    if not isinstance(sources, list) or not all(
+        isinstance(s, dict)
+        and isinstance(s.get("name"), str)
+        and isinstance(s.get("sha256"), str)
+        and isinstance(s.get("size"), int)
+        and "kind" in s
+        for s in sources
+    ):
+        raise TypeError("sources is not a list of {name, kind, sha256, size} records")

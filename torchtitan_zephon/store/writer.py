@@ -1,0 +1,160 @@
+"""Writing store files: checksums, and stores derived from another's tokens.
+
+Role: the writes a store's files need beyond prepare's token and offset files:
+checksums.bin and the content section (whole, or a range of chunks per process),
+a store built from tokens already prepared (``write_derived_store``) and a slice
+of a store's whole documents for tests and benchmarks (``slice_store``).
+
+Invariant: checksums depend only on the bytes of tokens.bin and doc_offsets.bin
+(and ``chunk_tokens``): ``write_checksums`` and disjoint ``write_chunk_checksums``
+ranges completed by ``format.content_section`` write the same bytes; every store
+written here opens with ``reader.TokenStore.open``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchtitan_zephon.store.format import (
+    CHECKSUMS,
+    CHUNK_TOKENS,
+    DOC_OFFSETS,
+    DTYPES,
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    TOKENS,
+    StoreError,
+    content_checksums,
+    content_section,
+    manifest_fingerprint,
+    map_file,
+)
+from torchtitan_zephon.store.reader import TokenStore
+
+
+def write_checksums(
+    store_dir: str | os.PathLike, manifest: dict[str, Any], *, chunk_tokens: int = CHUNK_TOKENS
+) -> dict[str, Any]:
+    """Hash the token content of the store files in ``store_dir`` (as ``manifest`` describes
+    them), write ``checksums.bin`` and return the manifest's ``content`` section.
+
+    Depends only on the bytes of tokens.bin and doc_offsets.bin (and ``chunk_tokens``).
+    """
+    root = Path(store_dir)
+    tokens = map_file(root / TOKENS, DTYPES[manifest["dtype"]], int(manifest["num_tokens"]))
+    sums, maxima = content_checksums(tokens, chunk_tokens)
+    tmp = root / f".{CHECKSUMS}.tmp"
+    tmp.write_bytes(sums.tobytes())
+    os.replace(tmp, root / CHECKSUMS)
+    return content_section(root, int(maxima.max()) if maxima.size else -1, chunk_tokens)
+
+
+def write_chunk_checksums(
+    store_dir: str | os.PathLike,
+    manifest: dict[str, Any],
+    first: int,
+    stop: int,
+    *,
+    chunk_tokens: int = CHUNK_TOKENS,
+) -> int:
+    """Hash chunks ``[first, stop)`` of tokens.bin and write their checksums at their place
+    in ``checksums.bin``, which already has its final size (``num_chunks`` x 8 bytes);
+    return the largest token id of these chunks (-1 for none).
+
+    Several processes may each write a disjoint range: together they write the same
+    bytes as ``write_checksums``, and ``content_section`` then completes the section.
+    """
+    root = Path(store_dir)
+    tokens = map_file(root / TOKENS, DTYPES[manifest["dtype"]], int(manifest["num_tokens"]))
+    sums, maxima = content_checksums(
+        tokens[first * chunk_tokens : stop * chunk_tokens], chunk_tokens
+    )
+    fd = os.open(root / CHECKSUMS, os.O_WRONLY)
+    try:
+        pwrite_all(fd, sums.tobytes(), first * 8)
+    finally:
+        os.close(fd)
+    return int(maxima.max()) if maxima.size else -1
+
+
+def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:
+    """Write all of ``data`` to ``fd`` at ``offset`` (``os.pwrite`` may write less)."""
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
+
+
+def write_derived_store(
+    folder: Path, like: TokenStore, blob: bytes, doc_offsets: np.ndarray, source: dict[str, Any]
+) -> None:
+    """Write a store into the existing folder ``folder`` from tokens already prepared:
+    ``blob`` (tokens in ``like``'s dtype), its document starts, and the one manifest
+    source record naming where they came from (sha256 and size added here); tokenizer,
+    dtype and EOS are ``like``'s. Checksums and fingerprint are computed fresh."""
+    (folder / TOKENS).write_bytes(blob)
+    (folder / DOC_OFFSETS).write_bytes(np.asarray(doc_offsets).astype("<i8").tobytes())
+    m = like.manifest
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": m["tokenizer"],
+        "dtype": m["dtype"],
+        "eos_id": m["eos_id"],
+        "num_tokens": len(blob) // like.dtype.itemsize,
+        "num_documents": int(np.asarray(doc_offsets).size),
+        "text_field": m.get("text_field", "text"),
+        "sources": [{**source, "sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}],
+    }
+    manifest["content"] = write_checksums(folder, manifest)
+    manifest["fingerprint"] = manifest_fingerprint(manifest)
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def slice_store(source: TokenStore, start: int, stop: int, output: str | os.PathLike) -> TokenStore:
+    """Write the whole documents of ``source`` that lie within tokens ``[start, stop)``
+    as a store of their own (same tokenizer and dtype, fresh checksums) and open it.
+
+    A mixture's sources for tests and benchmarks, built in milliseconds without
+    tokenizing; the manifest names the slice (``sources``), so slices of different
+    ranges or stores have different fingerprints.
+    """
+    start, stop = int(start), int(stop)
+    offsets = np.asarray(source.doc_offsets, dtype=np.int64)
+    ends = np.append(offsets[1:], source.num_tokens)
+    inside = np.nonzero((offsets >= start) & (ends <= stop))[0]
+    if not 0 <= start < stop <= source.num_tokens or not inside.size:
+        raise StoreError(
+            f"slice [{start}, {stop}) holds no whole document of the {source.num_tokens} "
+            f"tokens of {str(source.path)!r}; give a wider range."
+        )
+    out = Path(output)
+    if out.exists():
+        raise StoreError(f"output {str(out)!r} already exists; choose another path.")
+    start, stop = int(offsets[inside[0]]), int(ends[inside[-1]])
+    inside = offsets[inside] - start
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp.mkdir(parents=True)
+    blob = np.asarray(source.tokens[start:stop]).tobytes()
+    write_derived_store(
+        tmp,
+        source,
+        blob,
+        inside,
+        {
+            "name": f"tokens [{start}, {stop}) of store {source.fingerprint[:16]}",
+            "kind": "slice",
+            "slice_of": source.fingerprint,
+            "start": start,
+            "stop": stop,
+        },
+    )
+    os.rename(tmp, out)
+    return TokenStore.open(out)
