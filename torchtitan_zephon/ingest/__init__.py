@@ -1,7 +1,8 @@
-"""Raw inputs -> token store: inputs, units, encode, parts, prepare, ranks, cache, builtin.
+"""Raw inputs -> token store: inputs, readers, units, encode, parts, prepare, cache.
 
-Role: read input files (``inputs``: text, JSONL, JSON, Parquet, Hugging Face
-datasets), cut them into work units (``units``), tokenize them in order
+Role: resolve input files (``inputs``) and read their documents (``readers``,
+``json_readers``: text, JSONL, JSON, Parquet, Hugging Face datasets), cut them
+into work units (``units``), tokenize them in order
 (``encode``), write and assemble the parts of a store (``parts``, ``prepare``,
 over a group of processes: ``ranks``), and build stores on first use into a
 shared cache (``cache``; the builtin corpus: ``builtin``).

@@ -55,7 +55,6 @@ from torchtitan_zephon.ingest.inputs import (
     OptionError,
     OptionNames,
     dataset_dict_splits,
-    iter_documents,
     resolve_inputs,
     select_splits,
     source_record,
@@ -74,6 +73,7 @@ from torchtitan_zephon.ingest.parts import (
     write_part_into_store,
 )
 from torchtitan_zephon.ingest.ranks import OneProcess, Ranks
+from torchtitan_zephon.ingest.readers import iter_documents
 from torchtitan_zephon.ingest.units import (
     UNIT_BYTES,
     Unit,
