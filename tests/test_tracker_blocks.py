@@ -19,12 +19,15 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.cli.verify import _Ranges, check_log, compare_logs
+from torchtitan_zephon.cli.verify import check_log, compare_logs
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.state import DataConfig
 from torchtitan_zephon.tracker import SequenceTracker, TrackerError, reader
 from torchtitan_zephon.tracker.blocks import RecordRun
-from torchtitan_zephon.tracker.reader import ForkedLogReader, LogReader, count_lines, has_event
+from torchtitan_zephon.tracker.compare import _Ranges
+from torchtitan_zephon.tracker.forked import ForkedLogReader
+from torchtitan_zephon.tracker.pieces import count_lines, has_event
+from torchtitan_zephon.tracker.reader import LogReader
 from torchtitan_zephon.tracker.records import RECORD_LINE, record_line
 
 TOPO = {"world_size": 2, "dp_degree": 2, "nnodes": 1}

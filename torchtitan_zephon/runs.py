@@ -23,7 +23,7 @@ from typing import Any
 
 from torchtitan_zephon.order.state import RECORD_KEY, DataState, DataStateMismatch
 from torchtitan_zephon.tracker import LOG_NAME, LogContents, LogReader, TrackerError, read_log
-from torchtitan_zephon.tracker.reader import ForkedLogReader
+from torchtitan_zephon.tracker.forked import ForkedLogReader
 from torchtitan_zephon.tracker.reader import resolve as resolve_log
 
 LOSS_TAG = "loss_metrics/global_avg_loss"

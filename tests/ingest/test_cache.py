@@ -396,7 +396,7 @@ def _wait_until(condition, timeout: float = 60.0) -> None:
 def test_waiters_show_the_holders_progress(tokenizer_dir, cache_dir, corpus, monkeypatch):
     """While another process prepares, a waiter says how far it has come (units and bytes
     of input done out of the total, documents), refreshed as it moves."""
-    from torchtitan_zephon.ingest import prepare as prepare_module
+    from torchtitan_zephon.ingest import stage as prepare_module
 
     monkeypatch.setattr(cache, "PROGRESS_REPORT_S", 0.05)
     monkeypatch.setattr(cache, "PROGRESS_WRITE_S", 0.0)

@@ -18,11 +18,11 @@ from torchtitan_zephon.ingest.inputs import (
     InputFile,
     OptionError,
     OptionNames,
-    iter_documents,
     resolve_inputs,
     select_splits,
 )
 from torchtitan_zephon.ingest.prepare import prepare_store
+from torchtitan_zephon.ingest.readers import iter_documents
 from torchtitan_zephon.store.format import StoreError
 
 # Names that sort differently as strings and level by level ("a-b/x" < "a/x" as

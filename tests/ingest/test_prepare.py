@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import EOS, build_tokenizer, corpus_text
-from torchtitan_zephon.ingest.prepare import dtype_for_vocab, prepare_store
+from torchtitan_zephon.ingest.prepare import prepare_store
+from torchtitan_zephon.ingest.tokenizer import dtype_for_vocab
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 

@@ -9,7 +9,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import corpus_text
-from torchtitan_zephon.ingest.inputs import InputFile, iter_documents, read_jsonl
+from torchtitan_zephon.ingest.inputs import InputFile
+from torchtitan_zephon.ingest.json_readers import read_jsonl
+from torchtitan_zephon.ingest.readers import iter_documents
 from torchtitan_zephon.ingest.units import jsonl_boundaries, plan_units, unit_input_hash
 from torchtitan_zephon.store.format import StoreError
 

@@ -35,14 +35,11 @@ from typing import Any
 
 from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, write_jsonl
 from torchtitan_zephon.bench.measure import ratio
-from torchtitan_zephon.ingest.inputs import InputFile, iter_documents
-from torchtitan_zephon.ingest.prepare import (
-    _CHUNK_CHARS,
-    _CHUNK_DOCS,
-    assign_units,
-    load_tokenizer_info,
-    prepare_store,
-)
+from torchtitan_zephon.ingest.inputs import InputFile
+from torchtitan_zephon.ingest.prepare import prepare_store
+from torchtitan_zephon.ingest.readers import iter_documents
+from torchtitan_zephon.ingest.stage import _CHUNK_CHARS, _CHUNK_DOCS, assign_units
+from torchtitan_zephon.ingest.tokenizer import load_tokenizer_info
 from torchtitan_zephon.ingest.units import plan_units
 from torchtitan_zephon.store.format import CHECKSUMS, DOC_OFFSETS, MANIFEST, TOKENS
 

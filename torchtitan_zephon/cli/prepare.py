@@ -17,7 +17,8 @@ from typing import Any
 
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.ingest.inputs import ALL_SPLITS
-from torchtitan_zephon.ingest.prepare import PrepareFailed, prepare_store
+from torchtitan_zephon.ingest.prepare import prepare_store
+from torchtitan_zephon.ingest.ranks import PrepareFailed
 from torchtitan_zephon.ingest.units import UNIT_BYTES
 
 

@@ -1,9 +1,10 @@
-"""Raw inputs -> token store: inputs, units, encode, parts, prepare, ranks, cache, builtin.
+"""Raw inputs -> token store: inputs, readers, units, encode, parts, prepare, cache.
 
-Role: read input files (``inputs``: text, JSONL, JSON, Parquet, Hugging Face
-datasets), cut them into work units (``units``), tokenize them in order
-(``encode``), write and assemble the parts of a store (``parts``, ``prepare``,
-over a group of processes: ``ranks``), and build stores on first use into a
+Role: resolve input files (``inputs``) and read their documents (``readers``,
+``json_readers``: text, JSONL, JSON, Parquet, Hugging Face datasets), cut them
+into work units (``units``), tokenize them in order (``encode``, ``tokenizer``),
+write and assemble the parts of a store (``prepare`` over ``stage``, ``parts`` and
+``assemble``, in a group of processes: ``ranks``), and build stores on first use into a
 shared cache (``cache``; the builtin corpus: ``builtin``).
 
 Invariant: a store's bytes depend only on its inputs, tokenizer, text field and

@@ -12,7 +12,7 @@ unit reads, which tells whether a finished part still matches its input.
 
 Invariant: the units never depend on the number of processes, and the documents
 of a source's units, concatenated in unit order, are exactly the source's
-documents (``inputs.iter_documents`` with and without ``part``).
+documents (``readers.iter_documents`` with and without ``part``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from typing import Any
 
 import xxhash
 
-from torchtitan_zephon.ingest.inputs import InputFile, is_line_start, parquet_row_groups
+from torchtitan_zephon.ingest.inputs import InputFile
+from torchtitan_zephon.ingest.json_readers import is_line_start
+from torchtitan_zephon.ingest.readers import parquet_row_groups
 
 UNIT_BYTES = 64 << 20
 """Target input bytes per unit: enough work (seconds of tokenizing) to amortise a part's

@@ -9,6 +9,10 @@ lines in the writer's layout is checked at once (``blocks.check_block``: one
 sha256 per line, the rest column-wise) and comes out as a ``RecordRun``; any
 block it does not accept is read line by line, as with ``fast=False``.
 
+Beside it: ``pieces`` (the bytes in pieces of whole lines), ``step_order`` (missing,
+out-of-order and repeated steps), ``links`` (how events link to records), ``forked``
+(the same reading in a child process).
+
 Invariants:
 - Memory is bounded by the number of events, the block size and MAX_GAPS, never
   by the number of steps: ``LogReader.batches()`` yields; only ``read_log``
@@ -21,15 +25,14 @@ Invariants:
   whose chain, step order or resume link is wrong is reported with its line and
   step. A deleted, inserted, reordered or edited record never goes unnoticed.
   A step-order problem says which it is: a step missing (its record never comes),
-  out of order (its record comes further on: ``_Order`` follows the skipped steps),
-  or repeated.
+  out of order (its record comes further on: ``step_order.StepOrder`` follows the
+  skipped steps), or repeated.
 - A truncated last line (a crash mid-write) is tolerated and reported; an
   unparsable line anywhere else is a TrackerError naming the line.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import os
@@ -38,10 +41,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from torchtitan_zephon.store.format import fingerprint
 from torchtitan_zephon.tracker.blocks import RecordRun, check_block
+from torchtitan_zephon.tracker.links import check_event
+from torchtitan_zephon.tracker.pieces import has_event, pieces, regions, split_lines
 from torchtitan_zephon.tracker.records import (
     LOG_NAME,
     RECORD_LINE,
@@ -49,9 +51,9 @@ from torchtitan_zephon.tracker.records import (
     chain_next,
     chain_of_line,
     fields_of_line,
-    genesis,
     log_path,
 )
+from torchtitan_zephon.tracker.step_order import StepOrder
 
 FIELDS = ("step", "first_position", "num_samples", "ids_digest", "tokens_digest", "v", "chain")
 """A record's fields in the order ``LogReader.rows()`` gives them."""
@@ -72,127 +74,6 @@ class LogProblem:
     message: str
 
 
-MAX_GAPS = 1000
-"""Skipped ranges followed in detail; past this the reader no longer tells a missing
-step from an out-of-order one (until the next start event)."""
-
-
-class _Gap:
-    """Steps a forward jump in the log skipped: reported missing (``problem``) until one
-    of them turns up further on; the problem then says the log is out of order."""
-
-    def __init__(self, line: int, step: int, problem: LogProblem | None) -> None:
-        self.line, self.step, self.problem = line, step, problem
-        """The line of the record that jumped ahead, its step, the problem said there."""
-        self.filled = False
-
-
-class _Order:
-    """Which steps of the current history the log has shown so far, in O(gaps) memory:
-    every step in ``floor + 1 .. high`` has had a record except the ``missing`` ranges
-    (sorted, disjoint, each with the gap that skipped it). Tells a deleted record from
-    one that comes later (out of order) or again (repeated). ``high`` None: not
-    followed (before a start event, or past MAX_GAPS)."""
-
-    def __init__(self) -> None:
-        self.high: int | None = None
-        self.floor = 0
-        self.missing: list[list] = []  # [first, last, _Gap]
-
-    def event(self, kind: Any, k: int) -> None:
-        """A start event (the history begins again) or a resume from step ``k``."""
-        if kind == "start":
-            self.high, self.floor, self.missing = k, k, []
-        elif self.high is None:
-            return
-        elif k <= self.high:
-            self.high = k
-            self.missing = [[a, min(b, k), g] for a, b, g in self.missing if a <= k]
-        else:  # a resume from a step the log never reached: the steps up to k unknown
-            self.high = self.floor = k
-
-    def knows(self, step: int) -> bool:
-        """Whether the log so far says if ``step`` had its record."""
-        return self.high is not None and self.floor < step <= self.high
-
-    def _overlapping(self, first: int, last: int) -> tuple[int, int]:
-        """The slice of ``missing`` whose ranges overlap ``first..last`` (O(log gaps))."""
-        lo = bisect.bisect_left(self.missing, first, key=lambda r: r[1])
-        hi = bisect.bisect_right(self.missing, last, lo, key=lambda r: r[0])
-        return lo, hi
-
-    def is_missing(self, step: int) -> bool:
-        lo, hi = self._overlapping(step, step)
-        return lo < hi
-
-    def unseen(self, first: int, last: int) -> list[int]:
-        """The first step of each stretch of ``first..last`` with no record so far
-        (the first two at most: enough to tell none, one and more)."""
-        if self.high is None or first <= self.floor:
-            return [first]
-        lo, hi = self._overlapping(first, last)
-        out = [max(a, first) for a, _, _ in self.missing[lo : min(hi, lo + 2)]]
-        if last > self.high:
-            out.append(max(first, self.high + 1))
-        return out
-
-    def skipped(self, first: int, last: int, gap: _Gap) -> None:
-        """A forward jump left ``first..last`` without records (what lies beyond
-        ``high`` is new)."""
-        if self.high is None:
-            return
-        first = max(first, self.high + 1)
-        if first <= last:
-            if len(self.missing) >= MAX_GAPS:
-                self.high = None  # too disordered to follow
-                return
-            self.missing.append([first, last, gap])
-
-    def saw(self, first: int, last: int, line: int, prev: int | None) -> None:
-        """Records of the consecutive steps ``first..last``, the first at ``line`` after
-        a record of step ``prev``. The first record a gap was missing turns the gap's
-        problem into an out-of-order one."""
-        if self.high is None:
-            return
-        if first <= self.high and self.missing:
-            lo, hi = self._overlapping(first, last)
-            out = []
-            for a, b, g in self.missing[lo:hi]:
-                if not g.filled:
-                    g.filled = True
-                    s = max(a, first)
-                    after = prev if s == first else s - 1
-                    if g.problem is not None:
-                        g.problem.message = (
-                            f"line {g.line}: out of order (step {s} after step {after}): the "
-                            f"record of step {s} belongs before this line's record of step "
-                            f"{g.step} but is at line {line + s - first}"
-                        )
-                if a < first:
-                    out.append([a, first - 1, g])
-                if b > last:
-                    out.append([last + 1, b, g])
-            self.missing[lo:hi] = out
-            if len(self.missing) > MAX_GAPS:  # split past the bound: too disordered to follow
-                self.high, self.missing = None, []
-                return
-        self.high = max(self.high, last)
-
-    def finish(self) -> None:
-        """At the end of the log: an out-of-order gap's steps that never came are named."""
-        left: dict[int, list[list]] = {}
-        for r in self.missing:
-            if r[2].filled and r[2].problem is not None:
-                left.setdefault(id(r[2]), []).append(r)
-        for ranges in left.values():
-            (a, b, g), n = ranges[0], sum(b - a + 1 for a, b, _ in ranges)
-            if len(ranges) == 1:
-                what = f"step {a} is" if a == b else f"steps {a}..{b} are"
-            else:
-                what = f"{n} of its steps, from step {a} on, are"
-            g.problem.message += f"; {what} missing (deleted?)"
-
-
 def resolve(path: str | os.PathLike) -> Path:
     """The log file of a run folder, a zephon/ folder or a log path."""
     path = Path(path)
@@ -204,24 +85,6 @@ def resolve(path: str | os.PathLike) -> Path:
             "written by runs with zephon.audit = 'ids' or 'tokens'"
         )
     return path
-
-
-def count_lines(piece: bytes) -> int:
-    """Newlines in ``piece`` (numpy counts several times faster than bytes.count)."""
-    return int(np.count_nonzero(np.frombuffer(piece, dtype=np.uint8) == 10))
-
-
-def has_event(piece: bytes) -> bool:
-    """``b'"event"' in piece``, found from the few places a ``v`` is (one per record)."""
-    buf = np.frombuffer(piece, dtype=np.uint8)
-    v = np.flatnonzero(buf == ord("v"))
-    v = v[(v >= 2) & (v + 5 <= len(buf))]
-    return bool(
-        (
-            (buf[v - 2] == ord('"')) & (buf[v - 1] == ord("e")) & (buf[v + 1] == ord("e"))
-            & (buf[v + 2] == ord("n")) & (buf[v + 3] == ord("t")) & (buf[v + 4] == ord('"'))
-        ).any()
-    )  # fmt: skip
 
 
 BLOCK_BYTES = 4 << 20
@@ -256,43 +119,15 @@ class LogReader:
         self._scan_events()
 
     # -- pass 1: events --------------------------------------------------
-    def _pieces(self) -> Iterator[tuple[int, int, bytes, int]]:
-        """(line number, byte offset, bytes, newlines) of the log in pieces of whole
-        lines; a last line without its newline comes as a piece of its own."""
-        with open(self.path, "rb") as f:
-            lineno, offset = 1, 0
-            while piece := f.read(BLOCK_BYTES):
-                if not piece.endswith(b"\n"):
-                    piece += f.readline()
-                    cut = piece.rfind(b"\n") + 1
-                    if 0 < cut < len(piece):  # the file's last line, without its newline
-                        head, piece = piece[:cut], piece[cut:]
-                        newlines = count_lines(head)
-                        yield lineno, offset, head, newlines
-                        lineno, offset = lineno + newlines, offset + cut
-                newlines = count_lines(piece)
-                yield lineno, offset, piece, newlines
-                lineno, offset = lineno + newlines, offset + len(piece)
-
-    @staticmethod
-    def _split(lineno: int, offset: int, piece: bytes) -> Iterator[tuple[int, int, bytes]]:
-        """(line number, offset, raw line with its newline) of each line of a piece."""
-        at = 0
-        while at < len(piece):
-            nl = piece.find(b"\n", at) + 1 or len(piece)
-            yield lineno, offset + at, piece[at:nl]
-            lineno += 1
-            at = nl
-
     def _scan_events(self) -> None:
-        for lineno0, offset0, piece, newlines in self._pieces():
+        for lineno0, offset0, piece, newlines in pieces(self.path, BLOCK_BYTES):
             if piece.endswith(b"\n") and not has_event(piece):
                 text = piece.rstrip()  # the last non-blank line is the last one to read
                 if text:
                     self.last_line = lineno0 + newlines - piece.count(b"\n", len(text))
                     self._end = offset0 + piece.index(b"\n", len(text)) + 1
                 continue
-            for lineno, offset, raw in self._split(lineno0, offset0, piece):
+            for lineno, offset, raw in split_lines(lineno0, offset0, piece):
                 if not raw.endswith(b"\n"):  # the last line, written without its newline
                     try:
                         json.loads(raw)
@@ -374,38 +209,6 @@ class LogReader:
         """``records()`` as tuples in ``FIELDS`` order (None for an absent field)."""
         return rows_of_batches(self.batches())
 
-    def _regions(self) -> Iterator[tuple[int, int, bytes, bool]]:
-        """(line number, offset, bytes, is an event line) of the log up to the first
-        pass's end: runs of whole lines between events, and each event line alone."""
-        stops = [*self._event_offsets, self._end]
-        lineno, offset = 1, 0
-        with open(self.path, "rb") as f:
-            for i, stop in enumerate(stops):
-                while offset < stop:  # whole lines: an event starts a line, _end ends one
-                    size = min(BLOCK_BYTES, stop - offset)
-                    f.seek(offset)
-                    piece = f.read(size)
-                    if len(piece) < size:
-                        raise TrackerError(f"{self.path} changed while it was read (it shrank)")
-                    if offset + size < stop:
-                        cut = piece.rfind(b"\n") + 1
-                        if cut == 0:  # a line longer than a block
-                            piece += f.readline(stop - offset - size)
-                            cut = len(piece)
-                        piece = piece[:cut]
-                    elif not piece.endswith(b"\n") and b"\n" in piece:
-                        piece = piece[: piece.rfind(b"\n") + 1]  # the last line comes alone
-                    yield lineno, offset, piece, False
-                    lineno += count_lines(piece)
-                    offset += len(piece)
-                if i < len(self._event_offsets):
-                    f.seek(offset)
-                    raw = f.readline()
-                    lineno = self._event_lines[i]
-                    yield lineno, offset, raw, True
-                    lineno += 1
-                    offset += len(raw)
-
     def batches(self) -> Iterator[RecordRun | list[tuple]]:
         """``rows()`` in batches: a ``blocks.RecordRun`` for a block of lines the fast
         path accepts, else a list of row tuples."""
@@ -417,8 +220,10 @@ class LogReader:
         self._prev_chain: str | None = None
         self._prev_step: int | None = None
         self._n_event = 0
-        self._order = _Order()
-        for lineno0, offset0, piece, is_event in self._regions():
+        self._order = StepOrder()
+        for lineno0, offset0, piece, is_event in regions(
+            self.path, BLOCK_BYTES, self._event_lines, self._event_offsets, self._end
+        ):
             if self.fast and not is_event and isinstance(self._prev_chain, str):
                 runs = check_block(piece, self._prev_step, self._prev_chain)
                 if runs is not None:
@@ -429,7 +234,7 @@ class LogReader:
                             yield out
                     continue
             rows = []
-            for lineno, _, raw in self._split(lineno0, offset0, piece):
+            for lineno, _, raw in split_lines(lineno0, offset0, piece):
                 line = raw.rstrip(b"\r\n")
                 if line.strip():
                     row = self._line(lineno, line)
@@ -458,7 +263,11 @@ class LogReader:
         prev_chain, prev_step = self._prev_chain, self._prev_step
         if n_event < len(self.events) and lineno == self._event_lines[n_event]:
             self._n_event += 1
-            self._prev_step, self._prev_chain = self._event(lineno, self.events[n_event], linked)
+            event = self.events[n_event]
+            self._order.event(event.get("event"), int(event.get("from_step", 0)))
+            self._prev_step, self._prev_chain = check_event(
+                lineno, event, linked, self._problem, self.notes
+            )
             return None
         m = RECORD_LINE.fullmatch(line) if prev_chain is not None else None
         if m is not None:  # the writer's layout: chain checked on the bytes
@@ -496,9 +305,9 @@ class LogReader:
                 lineno, step, "orphan", f"line {lineno}: step {step} before any start event"
             )
         elif step > prev_step + 1:
-            self._jump(lineno, prev_step, step)
+            self._order.jump(lineno, prev_step, step, self._problem)
         elif step <= prev_step:
-            self._back(lineno, prev_step, step)
+            self._order.back(lineno, prev_step, step, self._problem)
         self._order.saw(step, step, lineno, prev_step)
         if (
             prev_chain is not None
@@ -521,93 +330,6 @@ class LogReader:
                     self.unbound.append([step, step])
             return tuple(rec.get(k) for k in FIELDS)
         return None
-
-    def _jump(self, lineno: int, prev: int, step: int) -> None:
-        """The record of ``step`` follows that of ``prev < step - 1``: the steps between
-        are missing, unless all came earlier (the log is out of order)."""
-        unseen = self._order.unseen(prev + 1, step - 1)
-        if not unseen:
-            between = (
-                f"step {prev + 1}" if prev + 1 == step - 1 else f"steps {prev + 1}..{step - 1}"
-            )
-            self._problem(
-                lineno, step, "order",
-                f"line {lineno}: out of order (step {step} after step {prev}): {between} came "
-                "earlier in the log",
-            )  # fmt: skip
-            return
-        gap = unseen[0]  # the first bad step is the first missing one
-        what = f"step {gap} is" if gap == step - 1 else f"steps {gap}..{step - 1} are"
-        problem = self._problem(
-            lineno, gap, "order",
-            f"line {lineno}: {what} missing before the record of step {step} (deleted?)",
-        )  # fmt: skip
-        self._order.skipped(prev + 1, step - 1, _Gap(lineno, step, problem))
-
-    def _back(self, lineno: int, prev: int, step: int) -> None:
-        """The record of ``step`` follows that of ``prev >= step``."""
-        if not self._order.knows(step):
-            message = f"record of step {step} follows step {prev} (repeated or out of order)"
-        elif self._order.is_missing(step):
-            message = f"out of order (step {step} after step {prev})"
-        else:
-            message = (
-                f"record of step {step} follows step {prev}: step {step} is repeated (its "
-                "record came earlier in the log)"
-            )
-        self._problem(lineno, step, "order", f"line {lineno}: {message}")
-
-    def _event(
-        self, lineno: int, e: dict[str, Any], linked: dict[int, str]
-    ) -> tuple[int, str | None]:
-        k, chain = int(e.get("from_step", 0)), e.get("chain")  # from_step checked by the scan
-        self._order.event(e.get("event"), k)
-        if chain is not None and not isinstance(chain, str):
-            self._problem(
-                lineno, None, "event",
-                f"line {lineno}: a {e.get('event')} event whose chain is {chain!r}, not a hex "
-                "string (the event was edited)",
-            )  # fmt: skip
-            linked.clear()
-            return k, None
-        for s in [s for s in linked if s > k]:
-            del linked[s]
-        if e.get("event") == "start":
-            linked.clear()
-            fp = e.get("data_config_fingerprint")
-            if chain is None:  # tracker format 1: the genesis is not recorded
-                self.notes.append(
-                    f"line {lineno}: a start event of tracker format 1 (no data config): the "
-                    "first record after it cannot be linked"
-                )
-                return k, None
-            if fp is None or fingerprint(e.get("data_config")) != fp or genesis(fp) != chain:
-                self._problem(
-                    lineno, None, "event",
-                    f"line {lineno}: the start event's chain is not the genesis of its data "
-                    "config (the event or its data config was edited)",
-                )  # fmt: skip
-        elif e.get("event") == "resume" and k > 0:
-            have = linked.get(k)
-            if e.get("chain_restart") or e.get("log_mismatch_ignored"):
-                why = "audit was off" if e.get("chain_restart") else "ignore_log_mismatch"
-                self.notes.append(
-                    f"line {lineno}: resume from step {k} restarted the chain ({why}): steps "
-                    f"up to {k} and after it are not linked"
-                )
-            elif have is None:
-                self._problem(
-                    lineno, k, "event",
-                    f"line {lineno}: resume from step {k}, but the log has no record of step {k} "
-                    "before it (records deleted?)",
-                )  # fmt: skip
-            elif have != chain:
-                self._problem(
-                    lineno, k, "event",
-                    f"line {lineno}: resume from step {k} names chain {str(chain)[:16]}..., the "
-                    f"log's record of step {k} has {have[:16]}...",
-                )  # fmt: skip
-        return k, chain
 
     def check(self) -> LogReader:
         """Run the integrity check without keeping records."""
@@ -669,103 +391,3 @@ def rows_of_batches(batches: Iterator[RecordRun | list[tuple]]) -> Iterator[tupl
                 yield batch.row(i)
         else:
             yield from batch
-
-
-# ---------------------------------------------------------------- in another process
-
-_BLOCK = 4096
-
-
-def _serve(path: str, conn: Any) -> None:
-    """Child process: stream a log's effective records to ``conn`` in batches
-    (``RecordRun`` columns, or lists of row tuples), then one summary dict (or an
-    error string)."""
-    try:
-        reader = LogReader(path)
-        conn.send(("events", reader.events, reader.truncated_tail))
-        rows: list[tuple] = []
-        for batch in reader.batches():
-            if isinstance(batch, RecordRun):
-                if rows:
-                    conn.send(("batch", rows))
-                    rows = []
-                conn.send(("batch", batch))
-                continue
-            rows += batch
-            if len(rows) >= _BLOCK:
-                conn.send(("batch", rows))
-                rows = []
-        if rows:
-            conn.send(("batch", rows))
-        conn.send(
-            (
-                "done",
-                {
-                    "problems": reader.problems,
-                    "problem_count": reader.problem_count,
-                    "notes": reader.notes,
-                    "unbound": reader.unbound,
-                },
-            )
-        )
-    except (TrackerError, OSError) as e:
-        conn.send(("error", str(e)))
-    except Exception as e:  # noqa: BLE001 - the child reports, the parent raises TrackerError
-        conn.send(
-            ("error", f"{path}: the sequence log could not be read ({type(e).__name__}: {e})")
-        )
-    finally:
-        conn.close()
-
-
-class ForkedLogReader:
-    """A ``LogReader`` whose work runs in a child process (records streamed back in
-    batches through a pipe: memory stays bounded), so two logs are checked on two
-    cores at once. Same attributes as ``LogReader`` once ``batches()`` is exhausted."""
-
-    def __init__(self, path: str | os.PathLike) -> None:
-        import multiprocessing as mp
-
-        self.path = resolve(path)
-        methods = mp.get_all_start_methods()
-        ctx = mp.get_context("fork" if "fork" in methods else "spawn")
-        self._conn, child = ctx.Pipe(duplex=False)
-        self._proc = ctx.Process(target=_serve, args=(str(self.path), child), daemon=True)
-        self._proc.start()
-        child.close()
-        self.problems: list[LogProblem] = []
-        self.problem_count = 0
-        self.notes: list[str] = []
-        self.unbound: list[list[int]] = []
-        kind, *rest = self._recv()
-        self.events, self.truncated_tail = rest
-
-    def _recv(self) -> tuple:
-        try:
-            msg = self._conn.recv()
-        except EOFError:
-            raise TrackerError(f"reading {self.path} failed (the reader process died)") from None
-        if msg[0] == "error":
-            raise TrackerError(msg[1])
-        return msg
-
-    def batches(self) -> Iterator[RecordRun | list[tuple]]:
-        try:
-            while True:
-                kind, payload = self._recv()
-                if kind == "done":
-                    self.__dict__.update(payload)
-                    return
-                yield payload
-        finally:
-            self._conn.close()
-            self._proc.join()
-
-    def rows(self) -> Iterator[tuple]:
-        return rows_of_batches(self.batches())
-
-    def records(self) -> Iterator[dict[str, Any]]:
-        for row in self.rows():
-            yield record_of_row(row)
-
-    event_for = LogReader.event_for
