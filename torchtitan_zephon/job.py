@@ -26,8 +26,8 @@ here, never in the engine's resume rule: ``first_correction(config)`` is what
 
 Ownership: a job opens its data once (``StoreData`` / ``MixtureData.open``) and
 hands that object on; the trainer hands it to the preflight, the loader and the
-validator. Nothing here keeps opened stores or built plans per process: a
-second open is a second object, checked afresh.
+validator. Nothing here keeps opened stores per process: a second open is a
+second object, checked afresh (a ``MixtureData`` keeps only its own last plan).
 
 Invariants:
 - ``data.plan(config, anchor)`` depends only on the data config, the anchor
@@ -305,6 +305,7 @@ class MixtureData:
         self.fingerprint = mixture_store_fingerprint(spec)
         self.warnings: list[str] = []
         self.group = StoreGroup(self.stores)
+        self._plan: tuple[tuple[str, tuple[int, int]], MixtureStream] | None = None
 
     @classmethod
     def open(
@@ -350,13 +351,20 @@ class MixtureData:
     def plan(self, config: DataConfig, anchor: tuple[int, int] = (1, 0)) -> MixtureStream:
         """The plan of ``config`` (made by ``data_config``), counted from ``anchor``; the
         first call also collects the plan's warnings (a source smaller than its share of
-        a global batch)."""
+        a global batch).
+
+        The job's data owns its plan: it keeps the one it built last (plans are
+        immutable), so a loader and its resume at the same anchor, or a loader built
+        again on this data, read that plan instead of building it again."""
         if not self.spec.is_written_as(config.mixture):
             raise MixtureError(
                 "the data config's mixture is not this source's mixture; build the config "
                 "with MixtureSource.data_config."
             )
-        stream = plan_of(config, anchor, spec=self.spec)
+        key = (config.fingerprint, (int(anchor[0]), int(anchor[1])))
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, plan_of(config, anchor, spec=self.spec))
+        stream = self._plan[1]
         if not self.warnings:
             self.warnings = list(stream.mixture.warnings)
         return stream
