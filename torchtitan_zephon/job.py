@@ -20,7 +20,14 @@ The interface (``JobData``): ``data_config`` (the ``DataConfig`` it governs),
 ``plan(config, anchor)`` (a ``StreamPlan``: keys per step, rank slice and
 window of a rank's stream), ``windows(keys, seq_len)`` (the tokens, checked by
 their store), ``id_limit`` / ``out_of_vocab`` (the vocabulary guard) and
-``heldout`` (each source's held-out samples, for validation).
+``heldout`` (each source's held-out samples, for validation). Plans are built
+here, never in the engine's resume rule: ``first_correction(config)`` is what
+``order.state.check_resume`` asks of a mixture saved under another rule.
+
+Ownership: a job opens its data once (``StoreData`` / ``MixtureData.open``) and
+hands that object on; the trainer hands it to the preflight, the loader and the
+validator. Nothing here keeps opened stores per process: a second open is a
+second object, checked afresh (a ``MixtureData`` keeps only its own last plan).
 
 Invariants:
 - ``data.plan(config, anchor)`` depends only on the data config, the anchor
@@ -40,7 +47,6 @@ Invariants:
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -60,7 +66,7 @@ from torchtitan_zephon.order.layout import (
 )
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError, fraction_text
 from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream
-from torchtitan_zephon.order.mixture.spec import MixtureSpec, resolve_mixture
+from torchtitan_zephon.order.mixture.spec import SPEC_FORMAT, MixtureSpec, resolve_mixture
 from torchtitan_zephon.order.state import MIXTURE_FIELD, DataConfig, DataState
 from torchtitan_zephon.order.stream import ID_MASK, DataPlan, StreamPlan, split_keys
 from torchtitan_zephon.store.format import BUILTIN_PREFIX, StoreError, fingerprint
@@ -299,7 +305,7 @@ class MixtureData:
         self.fingerprint = mixture_store_fingerprint(spec)
         self.warnings: list[str] = []
         self.group = StoreGroup(self.stores)
-        self._plans: dict[tuple[str, tuple[int, int]], MixtureStream] = {}
+        self._plan: tuple[tuple[str, tuple[int, int]], MixtureStream] | None = None
 
     @classmethod
     def open(
@@ -316,29 +322,14 @@ class MixtureData:
         (one tokenizer, enough samples); MixtureError names the source at fault. Sources
         that name raw inputs are prepared as ``raw`` (a ``cache.RawInputs``) says.
 
-        One opened mixture per (mixture, seq_len, default_heldout, path) is kept per
-        process (the last two): a trainer rank resolves its source for the preflight,
-        the loader and the validator, and they share its stores (each chunk hashed
-        once), its resolved spec and its plans. It is reused only while every file of
-        every store is the one it opened (inode, size and modification time); a store
-        rebuilt or edited in between is opened and checked afresh."""
+        Every call opens the stores afresh: a job opens its data once and hands the
+        object on (the trainer: to the preflight, the loader and the validator)."""
         config = sorted_by_name(config)
-        key = json.dumps(
-            [config.to_json(), int(seq_len), int(default_heldout), str(path)], sort_keys=True
-        )
-        kept = _OPENED.get(key)
-        if kept is not None and kept[0] == _store_files(config, progress, raw):
-            return kept[1]
         stores = open_mixture_stores(config, progress=progress, raw=raw)
         spec = resolve_mixture(
             config, stores, seq_len, default_heldout=default_heldout, tokenizer=_job_tokenizer(raw)
         )
-        source = cls(spec, stores, seq_len, path=path)
-        _OPENED.pop(key, None)
-        _OPENED[key] = (_store_files(config, progress, raw), source)
-        while len(_OPENED) > 2:
-            del _OPENED[next(iter(_OPENED))]
-        return source
+        return cls(spec, stores, seq_len, path=path)
 
     def __repr__(self) -> str:
         return f"MixtureSource({self.path!r}, sources={self.names}, seq_len={self.seq_len})"
@@ -358,20 +349,22 @@ class MixtureData:
         )
 
     def plan(self, config: DataConfig, anchor: tuple[int, int] = (1, 0)) -> MixtureStream:
-        """The plan of ``config`` (made by ``data_config``), built once per (config,
-        anchor); the first call also collects the plan's warnings (a source smaller than
-        its share of a global batch)."""
+        """The plan of ``config`` (made by ``data_config``), counted from ``anchor``; the
+        first call also collects the plan's warnings (a source smaller than its share of
+        a global batch).
+
+        The job's data owns its plan: it keeps the one it built last (plans are
+        immutable), so a loader and its resume at the same anchor, or a loader built
+        again on this data, read that plan instead of building it again."""
         if not self.spec.is_written_as(config.mixture):
             raise MixtureError(
                 "the data config's mixture is not this source's mixture; build the config "
                 "with MixtureSource.data_config."
             )
         key = (config.fingerprint, (int(anchor[0]), int(anchor[1])))
-        stream = self._plans.get(key)
-        if stream is None:  # plans are immutable: loaders of one job share them
-            stream = self._plans[key] = plan_of(config, anchor, spec=self.spec)
-            while len(self._plans) > 4:
-                del self._plans[next(iter(self._plans))]
+        if self._plan is None or self._plan[0] != key:
+            self._plan = (key, plan_of(config, anchor, spec=self.spec))
+        stream = self._plan[1]
         if not self.warnings:
             self.warnings = list(stream.mixture.warnings)
         return stream
@@ -401,9 +394,6 @@ class MixtureData:
         ]
 
 
-_OPENED: dict[str, tuple[tuple | None, MixtureData]] = {}  # see MixtureData.open
-
-
 def _job_tokenizer(raw: Any) -> tuple[str, str] | None:
     """(sha256 of the job's tokenizer.json, the setting that names it) from a
     ``cache.RawInputs``; None without one: what tells which of disagreeing sources has
@@ -416,21 +406,6 @@ def _job_tokenizer(raw: Any) -> tuple[str, str] | None:
     except OSError:
         return None
     return sha, f"{raw.tokenizer_origin} ({raw.tokenizer})"
-
-
-def _store_files(config: MixtureConfig, progress: bool, raw: Any = None) -> tuple | None:
-    """(inode, size, mtime) of every file of every store of ``config``; None if any
-    cannot be read (then nothing is reused: opening names the problem)."""
-    out = []
-    try:
-        for s in config.sources:
-            root = Path(store_location(s.store, raw, progress=progress))
-            for entry in sorted(os.scandir(root), key=lambda e: e.name):
-                st = entry.stat()
-                out.append((entry.name, st.st_ino, st.st_size, st.st_mtime_ns))
-    except (OSError, ValueError):
-        return None
-    return tuple(out)
 
 
 # ---------------------------------------------------------------- from a data config
@@ -457,6 +432,17 @@ def plan_of(
         spec = MixtureSpec.from_json(config.mixture)
     mixture = MixturePlan(spec, config.seed, anchored_schedule(schedule, *anchor))
     return MixtureStream(mixture, schedule, anchor)
+
+
+def first_correction(config: DataConfig) -> int | None:
+    """The first step the current mixture rule corrects under ``config``'s weights and
+    batch schedule, whatever rule ``config`` records (``MixturePlan.first_correction``);
+    None if none, or for one store. What ``order.state.check_resume`` asks of a mixture
+    saved under another rule (no store opened)."""
+    if config.mixture is None:
+        return None
+    spec = MixtureSpec.from_json({**config.mixture, "format": SPEC_FORMAT})
+    return MixturePlan(spec, config.seed, config.batch_schedule()).first_correction
 
 
 def weights_at(config: DataConfig, step: int) -> dict[str, str] | None:

@@ -44,7 +44,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_zephon.job import JobData, StoreData
+from torchtitan_zephon.job import JobData, StoreData, first_correction
 from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
 from torchtitan_zephon.order.state import DataState, DataStateMismatch, ResumeDecision, check_resume
 from torchtitan_zephon.store.format import StoreError
@@ -331,7 +331,9 @@ class ZephonLoader:
         changed only for untrained steps needs no opt-in.
         """
         saved = state if isinstance(state, DataState) else DataState.from_dict(state)
-        decision = check_resume(saved, self.config, allow_changes)
+        decision = check_resume(
+            saved, self.config, allow_changes, first_correction=first_correction
+        )
         if decision.config is not None:  # the same samples, bound to the saved rule
             self.config = decision.config
         self._reset()

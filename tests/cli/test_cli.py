@@ -430,7 +430,6 @@ def test_inspect_lists_what_the_store_cache_holds(tmp_path, tokenizer_dir, store
     from torchtitan_zephon.store.format import StoreError
 
     monkeypatch.delenv(cache.CACHE_ENV, raising=False)
-    monkeypatch.setattr(cache, "_located", {})
     root = tmp_path / "cache"
     corpus = tmp_path / "corpus"
     corpus.mkdir()

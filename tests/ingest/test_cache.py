@@ -34,7 +34,6 @@ from torchtitan_zephon.store.reader import TokenStore
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch) -> Path:
     monkeypatch.delenv(cache.CACHE_ENV, raising=False)
-    monkeypatch.setattr(cache, "_located", {})  # every test resolves from scratch
     return tmp_path / "cache"
 
 
@@ -73,7 +72,6 @@ def test_raw_inputs_prepare_what_zephon_prepare_makes_however_spelled(
     ]
     located = set()
     for value in spellings:
-        cache._located.clear()
         location = store_location(value, opts)
         assert TokenStore.open(location).fingerprint == reference.fingerprint, value
         located.add(location)
@@ -89,7 +87,6 @@ def test_raw_inputs_prepare_what_zephon_prepare_makes_however_spelled(
 def test_a_hit_reads_no_input_file(tokenizer_dir, cache_dir, corpus, monkeypatch):
     opts = raw(tokenizer_dir, cache_dir)
     first = store_location(str(corpus), opts)
-    cache._located.clear()
 
     def no_prepare(*a, **k):
         raise AssertionError("prepared again")
@@ -123,7 +120,6 @@ def test_a_changed_file_makes_another_entry(tokenizer_dir, cache_dir, corpus, ch
     else:
         with open(f, "a") as fh:
             fh.write(json.dumps({"text": "one more document"}) + "\n")
-    cache._located.clear()
     second = store_location(str(corpus), opts)
     assert second != first and entries(cache_dir) == sorted([first.name, second.name])
     same = TokenStore.open(first).fingerprint == TokenStore.open(second).fingerprint
@@ -187,7 +183,6 @@ def test_a_corrupt_file_is_named_leaves_no_entry_and_its_fix_resumes(
     kept = building / ".store.prepare"
     assert f"kept in {kept}" in str(e.value) and finished_parts(kept) == 1  # part0.jsonl, before it
     (corpus / "part1.jsonl").write_text(good)
-    cache._located.clear()
     path = store_location(str(corpus), raw(tokenizer_dir, cache_dir))
     assert (
         TokenStore.open(path).fingerprint
@@ -207,7 +202,6 @@ def test_waiters_wait_for_the_lock_holder_and_say_so(tokenizer_dir, cache_dir, c
     result: list[Path] = []
     # the entry's name, as the waiter will compute it: ask once in an empty cache copy
     probe = store_location(str(corpus), raw(tokenizer_dir, cache_dir / "probe"))
-    cache._located.clear()
     work = json.loads((probe.parent / f"{probe.name}.json").read_text())["work"]
     with open(cache_dir / f"{work}.lock", "a+") as held:  # the inputs' lock, by name
         fcntl.flock(held, fcntl.LOCK_EX)
@@ -246,7 +240,6 @@ def test_an_edited_entry_is_refused(tokenizer_dir, cache_dir, corpus):
     manifest = json.loads((location / "manifest.json").read_text())
     manifest["sources"][0]["size"] += 1
     (location / "manifest.json").write_text(json.dumps(manifest))
-    cache._located.clear()
     with pytest.raises(StoreError, match=r"cache entry .* does not hold what its key promises"):
         store_location(str(corpus), opts)
 
@@ -276,7 +269,6 @@ def test_mixture_sources_name_raw_inputs_relative_to_the_file(
 
 def test_a_cache_folder_inside_the_inputs_is_refused(tokenizer_dir, corpus, monkeypatch):
     """The cache's own files (locks, entries) must never become inputs of the next run."""
-    monkeypatch.setattr(cache, "_located", {})
     inside = corpus / "cache"
     with pytest.raises(StoreError, match=r"cache folder .*cache.* is inside the input folder"):
         store_location(str(corpus), raw(tokenizer_dir, inside))
@@ -311,7 +303,6 @@ def test_the_split_of_a_dataset_dict_is_part_of_the_entry(tmp_path, tokenizer_di
     value = str(tmp_path / "dd")
     located = {}
     for split in ("", "validation", "all"):
-        cache._located.clear()
         located[split] = store_location(value, raw(tokenizer_dir, cache_dir, split=split))
         expected = prepare_store([value], str(tokenizer_dir), str(tmp_path / f"s-{split}"),
                                  progress=False, split=split)  # fmt: skip
@@ -321,7 +312,6 @@ def test_the_split_of_a_dataset_dict_is_part_of_the_entry(tmp_path, tokenizer_di
     record = json.loads((cache_dir / f"{located['validation'].name}.json").read_text())
     assert record["splits"] == [["dd", ["validation"]]]
     assert record["sources"][0]["splits"] == ["validation"]
-    cache._located.clear()
     assert store_location(value, raw(tokenizer_dir, cache_dir, split="train")) == located[""]
     before = sorted(p.name for p in cache_dir.iterdir())
     names = OptionNames(text_field="--zephon.text_field", split="--zephon.split")
@@ -356,7 +346,6 @@ def test_lock_files_are_removed_when_free_and_never_let_two_in(tokenizer_dir, ca
     probe = store_location(str(corpus), raw(tokenizer_dir, cache_dir / "probe"))
     assert list((cache_dir / "probe").glob("*.lock")) == []  # built, and no lock left
     work = json.loads((probe.parent / f"{probe.name}.json").read_text())["work"]
-    cache._located.clear()
     lock = cache_dir / f"{work}.lock"
     result: list[Path] = []
     old = open(lock, "a+")  # noqa: SIM115 - the first holder
@@ -416,7 +405,6 @@ def test_waiters_show_the_holders_progress(tokenizer_dir, cache_dir, corpus, mon
     )
     builder.start()
     assert started.wait(60)
-    cache._located.clear()
     waited = store_location(str(corpus), raw(tokenizer_dir, cache_dir, log=said.append))
     builder.join(120)
     assert built == [waited]

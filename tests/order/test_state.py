@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchtitan_zephon.job import first_correction
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.state import (
     DataConfig,
@@ -273,7 +274,7 @@ def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_trained_step():
     five = BatchSchedule([(1, 5)])
     calm = [(1, {"a": 1, "b": 1, "c": 1, "d": 1})]
     cfg = mixture_config(calm, sizes, schedule=five)
-    decision = check_resume(DataState(old(cfg), 5, 20), cfg)
+    decision = check_resume(DataState(old(cfg), 5, 20), cfg, first_correction=first_correction)
     assert decision.extended == () and decision.accepted == ()
     assert decision.notes == (
         "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2) but corrects no "
@@ -296,9 +297,17 @@ def test_a_rule_1_mixture_resumes_unless_the_new_rule_corrects_a_trained_step():
             f"corrects step {step}, a trained step"
         )
         with pytest.raises(DataStateMismatch, match=re.escape(message)):
-            check_resume(DataState(old(cfg), step + 1, 11 * step), cfg)
-        assert check_resume(DataState(old(cfg), step + 1, 11 * step), cfg, ["mixture"]).accepted
-        decision = check_resume(trained, cfg)  # the corrected step not trained yet
+            check_resume(
+                DataState(old(cfg), step + 1, 11 * step), cfg, first_correction=first_correction
+            )
+        assert check_resume(
+            DataState(old(cfg), step + 1, 11 * step),
+            cfg,
+            ["mixture"],
+            first_correction=first_correction,
+        ).accepted
+        # the corrected step not trained yet
+        decision = check_resume(trained, cfg, first_correction=first_correction)
         assert decision.config is None  # the new rule plans the steps from there on
         assert decision.accepted == () and decision.notes == (
             "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2); its first "
@@ -319,7 +328,9 @@ def test_a_rule_1_note_under_an_accepted_batch_schedule_change_names_no_trained_
     rule1 = {**saved.mixture, "format": "zephon-mixture/1"}
     old = DataConfig.from_dict({**saved.to_dict(), "mixture": rule1})
     current = mixture_config(entries, dict.fromkeys("abc", 900), schedule=BatchSchedule([(1, 11)]))
-    decision = check_resume(DataState(old, 30, 12 * 29), current, ["schedule"])
+    decision = check_resume(
+        DataState(old, 30, 12 * 29), current, ["schedule"], first_correction=first_correction
+    )
     assert decision.accepted == ("schedule",) and decision.config is None
     assert decision.notes == (
         "the mixture rule changed (zephon-mixture/1 -> zephon-mixture/2); under the new batch "

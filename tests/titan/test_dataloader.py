@@ -210,13 +210,11 @@ def _pydoc_jsonl(path: Path, topics: int = 60) -> Path:
 def test_raw_store_value_has_the_data_config_of_its_prepared_store(tmp_path, monkeypatch):
     """zephon.store = a raw JSONL file gives the data config of `zephon prepare` of it:
     the store fingerprint, never the path, identifies the data."""
-    from torchtitan_zephon.ingest import cache
     from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
     from torchtitan_zephon.ingest.prepare import prepare_store
     from torchtitan_zephon.titan.dataloader import open_job_data
 
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cache, "_located", {})
     data = _pydoc_jsonl(tmp_path / "docs.jsonl")
     prepared = tmp_path / "store"
     prepare_store([str(data)], str(TOKENIZER_DIR), str(prepared), text_field="body")

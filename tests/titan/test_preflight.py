@@ -98,7 +98,7 @@ def run(tmp_path: Path) -> Path:
 @pytest.fixture
 def current_config(monkeypatch: pytest.MonkeyPatch) -> DataConfig:
     """Stand in for the store and train-spec checks (tested end to end elsewhere)."""
-    monkeypatch.setattr(preflight, "_check_job", lambda job_config: CONFIG)
+    monkeypatch.setattr(preflight, "_check_job", lambda job_config: (None, CONFIG))
     return CONFIG
 
 
@@ -220,7 +220,9 @@ def test_resume_checks_the_data_config_and_the_log_without_writing(run: Path, cu
 def test_changed_data_config_is_refused_with_the_trainer_hint(run: Path, monkeypatch):
     import dataclasses
 
-    monkeypatch.setattr(preflight, "_check_job", lambda j: dataclasses.replace(CONFIG, seed=3))
+    monkeypatch.setattr(
+        preflight, "_check_job", lambda j: (None, dataclasses.replace(CONFIG, seed=3))
+    )
     with pytest.raises(DataStateMismatch, match="(?s)seed: 0 -> 3.*--zephon.allow_changes"):
         plan_start(job(run), writer=False)
     j = job(run)
@@ -461,7 +463,7 @@ def test_a_missing_or_unloadable_tokenizer_is_refused_naming_the_store_tokenizer
             "prepared with"
         ) in msg
     cfg.model.hf_assets_path = str(own)  # the right one: the checks pass
-    assert preflight._check_job(cfg).tokenizer_hash == own_sha
+    assert preflight._check_job(cfg)[1].tokenizer_hash == own_sha
     # a mixture of builtin halves: the sources' tokenizer, the builtin one
     mixture = tmp_path / "halves.toml"
     mixture.write_text(

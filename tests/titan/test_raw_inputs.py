@@ -104,13 +104,11 @@ def test_raw_input_errors_name_the_trainers_options(tmp_path: Path, monkeypatch)
     """The trainer's raw-input errors name --zephon.text_field / --zephon.split (zephon
     prepare's say --text-field / --split), and a DatasetDict reads zephon.split."""
     from tests.titan.test_dataloader import job
-    from torchtitan_zephon.ingest import cache
     from torchtitan_zephon.job import store_location
     from torchtitan_zephon.store.format import StoreError
     from torchtitan_zephon.titan.dataloader import raw_inputs
 
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
-    monkeypatch.setattr(cache, "_located", {})
     data = write_jsonl(tmp_path / "docs.jsonl", topics=3)
     config = job(tmp_path, store=str(data), text_field="body")
     with pytest.raises(StoreError) as e:

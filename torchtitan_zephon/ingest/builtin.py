@@ -16,7 +16,6 @@ opens the same bytes.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import sysconfig
 from collections.abc import Callable
@@ -74,11 +73,10 @@ def _part_prefix(part: str) -> str:
     return PARTS[part]
 
 
-@functools.lru_cache(maxsize=8)
 def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
     """Path of the builtin store (or of one of its ``PARTS``), building it on first use
-    (once per process: the dataloader and the validator both ask, and the key hashes
-    ~5 MB of text), with a progress bar when ``progress``."""
+    (``cache.build_once``), with a progress bar when ``progress``. Each call hashes the
+    corpus (~5 MB of text) to find its folder: a job asks once (``job.store_location``)."""
     from torchtitan_zephon.ingest.prepare import prepare_store
 
     docs = corpus_documents(part)

@@ -385,19 +385,10 @@ def names_store(value: str) -> bool:
     return "," not in value and not GLOB_CHARS & set(value)
 
 
-_located: dict[tuple[str, ...], Path] = {}
-"""Raw store values already located by this process (the preflight, the dataloader
-and the validator all ask): value, cwd, tokenizer, text field, cache root -> entry."""
-
-
 def raw_store(value: str, raw: RawInputs) -> Path:
     """The cache entry holding ``prepare_store([value], raw.tokenizer, ...)``, built
     on first use (once, under the entry's lock; see the module docstring)."""
     root = cache_root(raw.cache_dir)
-    memo = (value, os.getcwd(), os.path.abspath(raw.tokenizer), raw.text_field, raw.split,
-            str(root))  # fmt: skip
-    if memo in _located:
-        return _located[memo]
     tokenizer_json = Path(raw.tokenizer) / "tokenizer.json"
     if not tokenizer_json.is_file():
         found = (
@@ -480,7 +471,6 @@ def raw_store(value: str, raw: RawInputs) -> Path:
     ):
         raise _stale(out, "its tokenizer or text field differs from its key")
     _write_record(out, value, {**key, "work": work}, manifest)
-    _located[memo] = out
     return out
 
 

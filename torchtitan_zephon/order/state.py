@@ -8,7 +8,9 @@ Role: the one owner of
 2. the **data state**: the world-size-free record a checkpoint holds (config,
    next step, consumed positions, position anchor, tracker chain head), to and
    from JSON;
-3. the **resume rule** ``check_resume(saved, current, allow)``.
+3. the **resume rule** ``check_resume(saved, current, allow, first_correction=...)``
+   (the first step a mixture rule corrects comes from the job's data, which owns
+   the plans: this module builds none).
 The loader, the TorchTitan adapter, run-folder readers, ``inspect`` and
 ``bench`` ask this module instead of knowing the JSON.
 
@@ -45,7 +47,7 @@ import decimal
 import functools
 import json
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -432,9 +434,18 @@ def schedule_appended(old: BatchSchedule, new: BatchSchedule, next_step: int) ->
 
 
 def check_resume(
-    saved: DataState, current: DataConfig, allow_changes: Iterable[str] | str = ()
+    saved: DataState,
+    current: DataConfig,
+    allow_changes: Iterable[str] | str = (),
+    *,
+    first_correction: Callable[[DataConfig], int | None] | None = None,
 ) -> ResumeDecision:
     """Decide whether ``saved`` may continue under ``current``.
+
+    ``first_correction(config)`` is the first step the current mixture rule corrects
+    under ``config``'s weights and batch schedule (None: none), asked only of a
+    mixture saved under another rule (``job.first_correction``: the job layer owns
+    the plans).
 
     A batch schedule that only gained entries for untrained steps, and a mixture
     whose weight schedule differs only for untrained steps (``mixture.spec.past_change``)
@@ -463,7 +474,7 @@ def check_resume(
     notes: list[str] = []
     keep: DataConfig | None = None
     if MIXTURE_FIELD in differing and MIXTURE_FIELD not in follows:
-        mixture_change = _mixture_change(base, current, saved.next_step)
+        mixture_change = _mixture_change(base, current, saved.next_step, first_correction)
         if mixture_change is None:
             differing.remove(MIXTURE_FIELD)
             a, b = dict(base.mixture or {}), dict(current.mixture or {})
@@ -471,7 +482,7 @@ def check_resume(
             if a != b:
                 extended.append(MIXTURE_FIELD)
             if rule_a != rule_b:
-                step = _first_correction(current)
+                step = _corrected(first_correction, current)
                 if step is None:
                     rule = {**(current.mixture or {}), "format": rule_a}
                     keep = DataConfig.from_dict({**current.to_dict(), MIXTURE_FIELD: rule})
@@ -538,7 +549,12 @@ def check_resume(
     )
 
 
-def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> str | None:
+def _mixture_change(
+    saved: DataConfig,
+    current: DataConfig,
+    next_step: int,
+    first_correction: Callable[[DataConfig], int | None] | None,
+) -> str | None:
     """None when ``current``'s mixture draws the same samples as ``saved``'s for steps
     before ``next_step`` and has the same sources (only entries governing untrained
     steps differ); otherwise what changed, in a sentence."""
@@ -560,7 +576,7 @@ def _mixture_change(saved: DataConfig, current: DataConfig, next_step: int) -> s
     if past:
         return "\n".join(past)
     if a.get("format") != b.get("format"):
-        step = _first_correction(saved)
+        step = _corrected(first_correction, saved)
         if step is not None and step < next_step:
             return (
                 f"the mixture rule changed ({a.get('format')} -> {b.get('format')}): the new "
@@ -645,23 +661,16 @@ def _with_counts_of(saved: DataConfig, current: DataConfig) -> DataConfig:
     )
 
 
-def _first_correction(config: DataConfig) -> int | None:
-    """The first step the current mixture rule corrects under ``config``'s weights and
-    batch schedule (``MixturePlan.first_correction``); None if none. A resume asks it
-    of the saved and the current config, which usually plan the same steps."""
-    rule_free = {k: v for k, v in (config.mixture or {}).items() if k != "format"}
-    return _first_correction_of(json.dumps(rule_free, sort_keys=True), config.seed, config.schedule)
-
-
-@functools.lru_cache(maxsize=4)
-def _first_correction_of(
-    mixture: str, seed: int, schedule: tuple[tuple[int, int], ...]
+def _corrected(
+    first_correction: Callable[[DataConfig], int | None] | None, config: DataConfig
 ) -> int | None:
-    from torchtitan_zephon.order.mixture.plan import MixturePlan
-    from torchtitan_zephon.order.mixture.spec import SPEC_FORMAT, MixtureSpec
-
-    spec = MixtureSpec.from_json({**json.loads(mixture), "format": SPEC_FORMAT})
-    return MixturePlan(spec, seed, BatchSchedule(list(schedule))).first_correction
+    """``first_correction(config)``; a caller judging a mixture rule change must pass it."""
+    if first_correction is None:
+        raise TypeError(
+            "check_resume needs first_correction to judge a mixture saved under another "
+            "rule; pass job.first_correction."
+        )
+    return first_correction(config)
 
 
 def _schedule_hint(saved: DataState, current: DataConfig) -> str:

@@ -390,8 +390,8 @@ def open_job_data(job_config: Any, tokenizer: Any = None) -> tuple[JobData, Data
     Every check that needs only the job config and the stores runs here
     (``resolve_source``: vocabulary against the model and the tokenizer, held-out
     samples, a mixture's sources against each other), so the trainer's preflight
-    refuses a bad job before anything is written, and the dataloader builder
-    (which calls this again) builds exactly this config.
+    refuses a bad job before anything is written. The trainer opens the data here
+    once and hands the object to the dataloader and validator builders (``data=``).
     """
     source = resolve_source(job_config, tokenizer)
     return source, source.data_config(
@@ -404,21 +404,29 @@ def build_zephon_dataloader(
     dp_rank: int,
     tokenizer: Any,
     job_config: Any,
+    *,
+    data: JobData | None = None,
     **_: Any,
 ) -> ZephonDataLoader:
     """``TrainSpec.build_dataloader_fn``: the Zephon loader for this rank's DP coordinates.
 
-    TP/PP/CP peers share ``dp_rank`` and so receive identical batches.
+    ``data``: the job's data as the trainer opened it (``open_job_data``); None opens
+    it here. TP/PP/CP peers share ``dp_rank`` and so receive identical batches.
     """
     zc = job_config.zephon
     # Before the store is opened or built: a bad layout fails in milliseconds.
-    batch_schedule(job_config).check_layout(dp_world_size, job_config.training.local_batch_size)
-    source, config = open_job_data(job_config, tokenizer)
+    schedule = batch_schedule(job_config)
+    schedule.check_layout(dp_world_size, job_config.training.local_batch_size)
+    if data is None:
+        source = resolve_source(job_config, tokenizer)
+    else:
+        source = data
+        check_tokenizer(source, tokenizer)
     loader = ZephonLoader(
         source,
-        seq_len=config.seq_len,
-        seed=config.seed,
-        schedule=config.batch_schedule(),
+        seq_len=job_config.training.seq_len,
+        seed=zc.seed,
+        schedule=schedule,
         dp_rank=dp_rank,
         dp_degree=dp_world_size,
         local_batch_size=job_config.training.local_batch_size,
@@ -427,10 +435,6 @@ def build_zephon_dataloader(
         pin_memory=job_config.training.dataloader.pin_memory,
         vocab_size=_model_vocab_size(job_config),  # exact: refuses ids beyond the embedding
     )
-    if loader.config != config:  # one rule for the preflight and the loader
-        raise RuntimeError(
-            f"the loader built data config {loader.config} but open_job_data made {config}"
-        )
     rank = int(os.environ.get("RANK", "0"))
     if isinstance(loader.plan, MixtureStream):
         _check_mixture(loader.plan, source, job_config)

@@ -22,13 +22,17 @@ refuse the start:
   group: no collective waits on the tokenization, and a missing input or
   tokenizer.json is refused before anything is written.
 
+The job's data is opened here, once per process: ``StartPlan.data`` is the
+object the trainer hands to the dataloader and the validator.
+
 Invariants:
 - ``plan_start`` only reads: a refused start leaves the run folder as it was.
 - The choice of checkpoint is a pure function of the job config and the files,
   so every rank reaches the same one; it is pinned in ``checkpoint.load_step`` so
   that TorchTitan loads exactly the checkpoint that was checked.
-- The dataloader and tracker keep their own checks as a second line; the
-  preflight refuses the same cases with the same messages, earlier.
+- The dataloader and tracker keep their own checks as a second line (on the
+  same job-data object, never a reopened store); the preflight refuses the same
+  cases with the same messages, earlier.
 """
 
 from __future__ import annotations
@@ -44,7 +48,8 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon import runs
-from torchtitan_zephon.order.state import DataState, DataStateMismatch, check_resume
+from torchtitan_zephon.job import JobData, first_correction
+from torchtitan_zephon.order.state import DataConfig, DataState, DataStateMismatch, check_resume
 from torchtitan_zephon.titan.dataloader import (
     build_zephon_dataloader,
     check_tokenizer,
@@ -72,6 +77,9 @@ class StartPlan:
     """Newer checkpoints passed over: incomplete or corrupt."""
     notes: list[str] = field(default_factory=list)
     """What rank 0 tells the user before training."""
+    data: JobData | None = None
+    """The job's data, opened and checked here: the trainer hands this object to the
+    dataloader and the validator, so no store is opened twice."""
 
 
 # ---------------------------------------------------------------- TorchTitan's rule
@@ -284,9 +292,9 @@ def _dp_degree(job_config: Any) -> int | None:
     return dims.dp_replicate * dims.dp_shard
 
 
-def _check_job(job_config: Any) -> Any:
+def _check_job(job_config: Any) -> tuple[JobData, DataConfig]:
     """The job's own settings: a Zephon train spec, the batch layout, the store. Returns
-    the data config."""
+    the job's data (opened once, here) and its data config."""
     from torchtitan.protocols.train_spec import get_train_spec
 
     spec = get_train_spec(job_config.model.name)
@@ -311,7 +319,7 @@ def _check_job(job_config: Any) -> Any:
     dp = _dp_degree(job_config)
     if dp is not None:
         config.batch_schedule().check_layout(dp, job_config.training.local_batch_size)
-    return config
+    return source, config
 
 
 def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
@@ -366,10 +374,11 @@ def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> Star
     """
     zc = job_config.zephon
     try:
-        config = _check_job(job_config)
+        data, config = _check_job(job_config)
     except ValueError as e:  # the store, the model, the batch layout: said clearly
         raise StartRefused(str(e)) from None
     chosen, plan, why_none = choose_checkpoint(job_config)
+    plan.data = data
     for info in plan.skipped:
         what = (
             "incomplete (no .metadata: the job died while writing it)"
@@ -385,7 +394,7 @@ def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> Star
         _check_loadable(chosen, job_config)
         try:
             saved = runs.read_data_state(chosen.path)
-            check_resume(saved, config, zc.allow_changes)
+            check_resume(saved, config, zc.allow_changes, first_correction=first_correction)
         except runs.RunError as e:
             raise StartRefused(str(e)) from None
         except DataStateMismatch as e:

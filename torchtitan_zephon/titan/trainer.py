@@ -4,7 +4,9 @@ schedule, the Global Sequence Tracker, and one job per run folder.
 Invariant: the training loop is TorchTitan's own; this subclass only (1) adjusts
 the job for the CPU, checks the start (``preflight.plan_start``) and takes the
 run folder (``ownership.RunFolderLock``, global rank 0) before TorchTitan builds
-or writes anything, so a refused start changes nothing on disk; (2) sets the
+or writes anything, so a refused start changes nothing on disk; the job's data
+the preflight opened is the one object the dataloader and the validator read
+(``with_job_data``: each store is opened once per process); (2) sets the
 gradient accumulation of each step from the batch schedule; (3) after each
 completed step appends the step's record to the sequence log (global rank 0),
 combining the DP ranks' token digests in rank order at audit level ``tokens``;
@@ -18,6 +20,9 @@ traceback.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import inspect
 import os
 import sys
 from typing import Any
@@ -26,12 +31,32 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
+from torchtitan_zephon.job import JobData
 from torchtitan_zephon.ownership import RunFolderLock, torchrun_agent
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.titan import platform, preflight
 from torchtitan_zephon.titan.checks import check_job_config
-from torchtitan_zephon.titan.dataloader import ZephonDataLoader
+from torchtitan_zephon.titan.dataloader import ZephonDataLoader, build_zephon_dataloader
+from torchtitan_zephon.titan.validate import build_zephon_validator
 from torchtitan_zephon.tracker import TrackerError
+
+
+def with_job_data(spec: Any, data: JobData | None) -> Any:
+    """``spec`` (a TorchTitan ``TrainSpec``) whose Zephon dataloader and validator
+    builders (or wrappers declaring them, ``functools.wraps``) read ``data``, the job's
+    data as the preflight opened it, instead of opening it again. Other builders, and
+    every builder when ``data`` is None, are left as they are."""
+    if data is None:
+        return spec
+    changes = {}
+    for name, ours in (
+        ("build_dataloader_fn", build_zephon_dataloader),
+        ("build_validator_fn", build_zephon_validator),
+    ):
+        fn = getattr(spec, name)
+        if fn is not None and inspect.unwrap(fn) is ours:
+            changes[name] = functools.partial(fn, data=data)
+    return dataclasses.replace(spec, **changes)
 
 
 class SettingRefused(Exception):
@@ -63,7 +88,7 @@ class ZephonTrainer(Trainer):
                 logger.info(f"CPU platform: {change}")
         # Everything that can refuse the start runs before TorchTitan writes anything
         # (its TensorBoard writer is created in Trainer.__init__).
-        self._lock = self._take_run_folder(job_config)
+        self._lock, self._data = self._take_run_folder(job_config)
         super().__init__(job_config)
         if not isinstance(self.dataloader, ZephonDataLoader):
             raise TypeError(
@@ -71,10 +96,20 @@ class ZephonTrainer(Trainer):
                 "use a zephon_* model name (e.g. zephon_llama3)"
             )
 
+    @property
+    def train_spec(self) -> Any:
+        return self._train_spec
+
+    @train_spec.setter
+    def train_spec(self, spec: Any) -> None:
+        # TorchTitan's Trainer.__init__ sets its train spec and builds the dataloader
+        # and the validator through it: this trainer's copy hands them its job data.
+        self._train_spec = with_job_data(spec, getattr(self, "_data", None))
+
     @staticmethod
-    def _take_run_folder(job_config: Any) -> RunFolderLock | None:
+    def _take_run_folder(job_config: Any) -> tuple[RunFolderLock | None, JobData | None]:
         """Check the start on every rank (reads only); global rank 0 then takes the run
-        folder. Returns rank 0's lock (None elsewhere)."""
+        folder. Returns rank 0's lock (None elsewhere) and the job's data."""
         rank = int(os.environ.get("RANK", "0"))
         lock = verdict = None
         if rank == 0:
@@ -84,7 +119,7 @@ class ZephonTrainer(Trainer):
             job_config, writer=rank == 0, same_job=verdict is not None and verdict.same_job
         )
         if lock is None or verdict is None:
-            return None
+            return None, plan.data
         lock.acquire(verdict)
         if verdict.kind == "same_job":
             logger.info(
@@ -99,7 +134,7 @@ class ZephonTrainer(Trainer):
             )
         if plan.notes:
             preflight.log_plan(plan)
-        return lock
+        return lock, plan.data
 
     def init_distributed(self) -> Any:
         """TorchTitan's, then rank 0 records every rank's torchrun agent in the lock: a

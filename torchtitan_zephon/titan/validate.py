@@ -39,6 +39,7 @@ from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
+from torchtitan_zephon.job import JobData
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.reader import TokenStore
@@ -143,6 +144,7 @@ class ZephonValidator(Validator):
         pp_schedule: Any = None,
         pp_has_first_stage: bool | None = None,
         pp_has_last_stage: bool | None = None,
+        data: JobData | None = None,
     ) -> None:
         # Validator.__init__ would build TorchTitan's HF validation loader; the
         # fields it sets besides that one are set here the same way.
@@ -154,7 +156,8 @@ class ZephonValidator(Validator):
         self.pp_has_first_stage, self.pp_has_last_stage = pp_has_first_stage, pp_has_last_stage
 
         vc = job_config.validation
-        source = resolve_source(job_config, tokenizer)
+        # the job's data as the trainer opened it; None: opened here
+        source = resolve_source(job_config, tokenizer) if data is None else data
         gbs = batch_schedule(job_config).gbs(1)
         parts = source.heldout()
         mixture = parts[0].name is not None
@@ -276,4 +279,6 @@ class ZephonValidator(Validator):
 
 
 def build_zephon_validator(**kwargs: Any) -> ZephonValidator:
+    """``TrainSpec.build_validator_fn``: TorchTitan's keyword arguments, plus ``data``
+    (the job's data as the trainer opened it; absent: opened here)."""
     return ZephonValidator(**kwargs)
