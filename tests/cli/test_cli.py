@@ -516,3 +516,16 @@ def test_plan_reads_the_split_of_a_dataset_dict_as_the_trainer_does(
                  "--split", "dev", *query]) == 2  # fmt: skip
     err = capsys.readouterr().err
     assert "has no split 'dev'" in err and "--split" in err and "Traceback" not in err
+
+
+def test_prepare_refuses_a_report_it_could_not_write_before_preparing(
+    tmp_path, corpus_dir, tokenizer_dir, capsys
+):
+    for report in (tmp_path / "absent" / "r.json", tmp_path):
+        out = tmp_path / "store"
+        argv = ["prepare", str(corpus_dir), "--tokenizer", str(tokenizer_dir), "--output",
+                str(out), "--report", str(report), "--quiet"]  # fmt: skip
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"zephon prepare: error: --report {report}: ") and "Errno" not in err
+        assert not out.exists()

@@ -329,9 +329,8 @@ def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_s
     assert str(e.value) == (
         f"the store {short} has {tokens} tokens, but a sample of seq_len 64 needs seq_len + 1 = "
         "65 tokens (its inputs and the label of the last one), so it holds no sample. To "
-        f"change it: lower --zephon.heldout_samples (now 16), or use --training.seq_len "
-        f"{(tokens - 1) // 18} or less (the longest that gives 18 samples), or use a larger "
-        "store."
+        f"change it: use --training.seq_len {(tokens - 1) // 18} or less (the longest that "
+        "gives 18 samples), or use a larger store."
     )
     seventeen = small_store(lines_store, tmp_path / "seventeen", 17)
     tokens = open_store(seventeen).num_tokens
@@ -566,3 +565,22 @@ def test_a_mixture_tokenizer_mismatch_names_the_source_without_the_jobs_tokenize
             f"({tokenizer})). Re-run `zephon prepare` for '{odd}' with the tokenizer of "
             f"'{right}'."
         ) in str(e.value), str(e.value)
+
+
+def test_a_misspelt_allow_changes_is_refused_at_every_start(tmp_path: Path):
+    """A typo in --zephon.allow_changes was accepted on a fresh start and ended the
+    resume it was meant for in a traceback: it is a refusal naming the option and every
+    accepted value, before anything is written."""
+    from torchtitan_zephon.titan.preflight import StartRefused, plan_start
+    from torchtitan_zephon.titan.spec import register
+
+    register()
+    cfg = data_job(tmp_path, allow_changes=["sed"])
+    cfg.job.dump_folder = str(tmp_path / "run")
+    with pytest.raises(StartRefused) as e:
+        plan_start(cfg, writer=True)
+    message = str(e.value)
+    assert message.startswith("--zephon.allow_changes: unknown allow_changes entry 'sed'; "
+                              "expected one of all, "), message  # fmt: skip
+    assert "seed, seq_len" in message and "[" not in message.split("(TOML")[0], message
+    assert not (tmp_path / "run").exists()

@@ -75,9 +75,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def _check_report_path(path: str) -> None:
+    """Refuse a --report file that could not be written, before anything is prepared."""
+    target = os.path.abspath(path)
+    folder = os.path.dirname(target)
+    if os.path.isdir(target):
+        raise ValueError(f"--report {path}: {target} is a folder; expected a file name")
+    if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        raise ValueError(
+            f"--report {path}: cannot write {target} (its folder {folder} does not exist or "
+            "is not writable); nothing was prepared"
+        )
+
+
 def run(args: argparse.Namespace) -> int:
     from torchtitan_zephon.cli.prepare_ranks import ranks_from_env
 
+    if args.report:
+        _check_report_path(args.report)
     ranks = ranks_from_env()
     report: dict[str, Any] = {}
     try:

@@ -399,7 +399,7 @@ def allowed_fields(allow_changes: Iterable[str] | str, config: DataConfig) -> se
         else:
             raise ValueError(
                 f"unknown allow_changes entry {name!r}; expected one of "
-                f"{sorted(fields | set(ALIASES) | {'all'})}."
+                f"{', '.join(sorted(fields | set(ALIASES) | {'all'}))}."
             )
     return allowed
 

@@ -146,7 +146,8 @@ def store_source(
     held = f"lower --zephon.heldout_samples (now {heldout})" if heldout > 0 else ""
     need = MIN_STORE_SAMPLES + max(heldout, 0)
     fix = store_fix(store.num_tokens, need, "--training.seq_len", first=held)
-    if total == 0:
+    if total == 0:  # no sample at all: holding fewer out cannot help
+        fix = store_fix(store.num_tokens, need, "--training.seq_len")
         raise ValueError(f"{no_sample_text(what, store.num_tokens, seq_len)}. {fix}")
     if heldout < 0 or heldout >= total:
         raise ValueError(

@@ -49,7 +49,13 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_zephon import runs
 from torchtitan_zephon.job import JobData, first_correction
-from torchtitan_zephon.order.state import DataConfig, DataState, DataStateMismatch, check_resume
+from torchtitan_zephon.order.state import (
+    DataConfig,
+    DataState,
+    DataStateMismatch,
+    allowed_fields,
+    check_resume,
+)
 from torchtitan_zephon.titan.dataloader import (
     build_zephon_dataloader,
     check_tokenizer,
@@ -307,6 +313,12 @@ def _check_job(job_config: Any) -> tuple[JobData, DataConfig]:
     # The data first: raw inputs are prepared (or refused: a missing tokenizer.json
     # said as such) before TorchTitan builds its tokenizer from the same folder.
     source, config = open_job_data(job_config)
+    try:  # a misspelt opt-in is said at every start, not first at the resume it was for
+        allowed_fields(job_config.zephon.allow_changes, config)
+    except ValueError as e:
+        raise StartRefused(
+            f'--zephon.allow_changes: {e} (TOML: [zephon] allow_changes = ["FIELD", ...])'
+        ) from None
     tokenizer = None
     if spec.build_tokenizer_fn:
         try:
