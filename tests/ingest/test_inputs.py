@@ -282,3 +282,24 @@ def test_a_single_dataset_is_read_whole_and_refuses_a_split_it_was_not_saved_as(
     (jsonl,) = select_splits([InputFile("a", _jsonl(tmp_path / "a.jsonl", [{"text": "y"}]),
                                      "jsonl")], "validation")  # fmt: skip
     assert jsonl.splits is None  # other inputs are not affected
+
+
+def test_a_text_field_of_another_json_kind_is_named_in_json_words(tmp_path):
+    """Issue 18 (no Python-isms): a null, number, array or object where the text should be
+    is said as JSON says it, never as a Python type name (NoneType, int, list, dict)."""
+    from torchtitan_zephon.ingest.readers import iter_documents
+
+    for value, kind in ((None, "null"), (3, "a number"), ([1], "an array"),
+                        ({"a": 1}, "an object"), (True, "a boolean")):  # fmt: skip
+        path = tmp_path / "d.jsonl"
+        path.write_text(json.dumps({"text": value}) + "\n")
+        (src,) = resolve_inputs([str(path)])
+        with pytest.raises(StoreError) as e:
+            list(iter_documents(src, "text"))
+        assert str(e.value).endswith(f"field 'text' should be a string, found {kind}."), e.value
+    path.write_text("7\n")
+    (src,) = resolve_inputs([str(path)])
+    with pytest.raises(
+        StoreError, match="expected a JSON object with field 'text', found a number"
+    ):
+        list(iter_documents(src, "text"))

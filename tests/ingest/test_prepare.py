@@ -208,7 +208,7 @@ def test_dirty_inputs(tmp_path, tokenizer_dir):
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": [1, 2]}), tmp_path / "n.parquet")
-    with pytest.raises(StoreError, match="is a int, not text"):
+    with pytest.raises(StoreError, match="is a number, not text"):
         prepare_store([str(tmp_path / "n.parquet")], str(tokenizer_dir), str(tmp_path / "s2"))
     (tmp_path / "bin").mkdir()
     (tmp_path / "bin" / "tokens.bin").write_bytes(b"\x00\x01\x02abc")

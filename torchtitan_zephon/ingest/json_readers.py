@@ -32,13 +32,30 @@ _LOOK_AHEAD = 1000
 (another field is meant) from one whose odd record lacks it (an error only)."""
 
 
+def json_kind(value: Any) -> str:
+    """What a value is, in JSON's words (``null``, ``a number``, ``an array``, ...), for
+    messages: never a Python type name."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, (list, tuple)):
+        return "an array"
+    if isinstance(value, dict):
+        return "an object"
+    return f"a value of type {type(value).__name__}"  # Parquet / datasets: bytes, dates
+
+
 def _field(record: Any, text_field: str, where: str, others: Callable[[], bool]) -> str:
     """The text of one JSON record; ``others()`` (asked only when the field is missing)
     says whether other records of its file have the field."""
     if not isinstance(record, dict):
         raise StoreError(
-            f"{where}: expected a JSON object with field {text_field!r}, found "
-            f"{type(record).__name__}."
+            f"{where}: expected a JSON object with field {text_field!r}, found {json_kind(record)}."
         )
     if text_field not in record:
         fields = sorted(record)
@@ -57,7 +74,7 @@ def _field(record: Any, text_field: str, where: str, others: Callable[[], bool])
     value = record[text_field]
     if not isinstance(value, str):
         raise StoreError(
-            f"{where}: field {text_field!r} should be a string, found {type(value).__name__}."
+            f"{where}: field {text_field!r} should be a string, found {json_kind(value)}."
         )
     return value
 

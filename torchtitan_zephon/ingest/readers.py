@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.ingest.inputs import InputFile, OptionError, select_splits
-from torchtitan_zephon.ingest.json_readers import read_json, read_jsonl, read_jsonl_range
+from torchtitan_zephon.ingest.json_readers import json_kind, read_json, read_jsonl, read_jsonl_range
 from torchtitan_zephon.store.format import StoreError
 
 
@@ -45,10 +45,10 @@ def iter_documents(
         raise StoreError(f"unknown source kind {src.kind!r} for {src.path}.")
     for k, text in enumerate(reader(src, text_field)):
         if not isinstance(text, str):
-            kind = type(text).__name__
+            kind = json_kind(text)
             raise OptionError(
                 lambda o, k=k, kind=kind: (
-                    f"{src.path}: document {k} in field {text_field!r} is a {kind}, not text; "
+                    f"{src.path}: document {k} in field {text_field!r} is {kind}, not text; "
                     f"choose a text column with {o}."
                 ),
                 "text_field",
