@@ -106,8 +106,8 @@ class StreamPlan:
     ) -> list[np.ndarray]:
         """The rank slice cut, in order, into micro-batches of ``local_batch_size``."""
         cuts = self.layout.microbatch_positions(step, dp_rank, dp_degree, local_batch_size)
-        keys = self.rank_ids(step, dp_rank, dp_degree)
-        first = cuts[0][0] if cuts else 0
+        first = cuts[0][0]  # the rank slice, from its first micro-batch to its last
+        keys = self._keys(first, cuts[-1][0] + cuts[-1][1] - first, step)
         return [keys[p - first : p - first + n] for p, n in cuts]
 
 
