@@ -1,4 +1,4 @@
-"""The mixture plan: (source, sample id) of every step, rank slice and micro-batch.
+"""The mixture plan: (source, sample id) of every slot and step; the mixture's stream.
 
 Role: ``MixturePlan`` walks a ``MixtureSpec``'s weight entries once over the
 batch schedule (``Layout.whole_schedule`` of its layout: every step from 1),
@@ -85,7 +85,8 @@ def deviation_warning(worst: Fraction, who: str, step: int) -> str | None:
 
 
 class MixturePlan:
-    """(source, sample id) of every global step, rank slice and micro-batch of a mixture.
+    """(source, sample id) of every slot and global step of a mixture (its rank slices
+    and micro-batches: ``MixtureStream``, the layout's).
 
     Built once per job from a ``MixtureSpec``, the seed and the global batch
     schedule (a ``Layout``, when anchored); immutable afterwards (safe to share
