@@ -11,7 +11,7 @@ from tests.conftest import copy_store, edit_token
 from tests.order.test_mixture import batch_schedules, mixtures
 from torchtitan_zephon.job import MixtureData, StoreData, mixture_progress, plan_of
 from torchtitan_zephon.loader import ZephonLoader
-from torchtitan_zephon.order.layout import BatchSchedule, anchored_schedule
+from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream
 from torchtitan_zephon.order.state import DataConfig, DataState, check_resume
@@ -90,17 +90,17 @@ def test_keys_name_source_and_id_exactly(pairs):
     anchor=st.integers(1, 40),
     extra=st.integers(0, 500),
 )
-def test_anchored_schedule_continues_at_the_anchor(schedule, anchor, extra):
+def test_the_whole_schedule_continues_at_the_anchor(schedule, anchor, extra):
     """The whole schedule a mixture plan needs for a DataPlan anchor: same positions
     and batch sizes from the anchor on, the anchor at its recorded position."""
     position = anchor - 1 + extra if anchor > 1 else 0
-    eff = anchored_schedule(schedule, anchor, position)
+    eff = Layout(schedule, (anchor, position)).whole_schedule()
     plan = DataPlan(10, 0, schedule, anchor_step=anchor, anchor_position=position)
     for s in range(anchor, anchor + 30):
         assert eff.gbs(s) == schedule.gbs(s)
         assert eff.first_position(s) == plan.step_positions(s)[0]
     with pytest.raises(ValueError, match="impossible"):
-        anchored_schedule(schedule, 5, 3)
+        Layout(schedule, (5, 3)).whole_schedule()
 
 
 @settings(max_examples=40, deadline=None)
@@ -110,7 +110,7 @@ def test_anchored_schedule_continues_at_the_anchor(schedule, anchor, extra):
     data=st.data(),
 )
 def test_a_rank_stream_window_is_its_slices_concatenated(spec, batch, data):
-    plan = MixtureStream(MixturePlan(spec, 3, batch), batch)
+    plan = MixtureStream(MixturePlan(spec, 3, batch))
     step = data.draw(st.integers(1, 30))
     d = data.draw(st.sampled_from([x for x in range(1, 13) if batch.gbs(step) % x == 0]))
     if any(g % d for _, g in batch.entries):

@@ -60,7 +60,7 @@ from torchtitan_zephon.ingest.builtin import builtin_store_path
 from torchtitan_zephon.ingest.cache import RawInputs, names_store, raw_store
 from torchtitan_zephon.order.layout import (
     BatchSchedule,
-    anchored_schedule,
+    Layout,
     no_sample_text,
     store_fix,
 )
@@ -430,8 +430,7 @@ def plan_of(
         )
     if spec is None:
         spec = MixtureSpec.from_json(config.mixture)
-    mixture = MixturePlan(spec, config.seed, anchored_schedule(schedule, *anchor))
-    return MixtureStream(mixture, schedule, anchor)
+    return MixtureStream(MixturePlan(spec, config.seed, Layout(schedule, anchor)))
 
 
 def first_correction(config: DataConfig) -> int | None:

@@ -23,9 +23,9 @@ Invariants:
 - Every batch holds tokens the store checked against its content checksums
   (see ``store/reader.py``) and, given ``vocab_size``, only ids below it.
 
-Mechanics: the loader plans ahead: sample ids for the next micro-batches come
-from one vectorized plan call (``DataPlan.rank_stream_ids``) per few hundred
-micro-batches. With ``prefetch`` or ``num_workers``, ``max(1, num_workers)``
+Mechanics: the loader plans ahead: the next micro-batches (``Layout.microbatch_slots``)
+and their sample ids come from one vectorized plan call (``StreamPlan.rank_stream_ids``,
+the layout's window of the rank's stream) per few hundred micro-batches. With ``prefetch`` or ``num_workers``, ``max(1, num_workers)``
 background threads each prepare a *window* of consecutive micro-batches
 (``window``: about 64K tokens, at least ``prefetch`` micro-batches) with one
 gather and one int64 conversion; its micro-batches are views of two buffers.
@@ -174,26 +174,23 @@ class ZephonLoader:
 
     def step_microbatches(self, step: int) -> list[MicroBatch]:
         """This rank's micro-batches of ``step`` (pure: does not move the loader)."""
-        b = self.local_batch_size
-        ids = self.plan.rank_ids(step, self.dp_rank, self.dp_degree)
-        return [self.batch(ids[k : k + b]) for k in range(0, len(ids), b)]
+        return [
+            self.batch(ids)
+            for ids in self.plan.microbatch_ids(
+                step, self.dp_rank, self.dp_degree, self.local_batch_size
+            )
+        ]
 
     def _plan_ahead(self) -> None:
         """Plan the next ``self._plan_size`` micro-batches from the cursor in one call."""
-        count, (step, index) = self._plan_size, self._cursor
-        slots: list[Slot] = []
-        while len(slots) < count:
-            per_step = self.grad_accumulation_steps(step)
-            stop = min(per_step, index + count - len(slots))
-            slots += [(step, k, k + 1 == per_step) for k in range(index, stop)]
-            step, index = (step + 1, 0) if stop == per_step else (step, stop)
-        b = self.local_batch_size
+        count, b = self._plan_size, self.local_batch_size
+        slots, cursor = self.plan.layout.microbatch_slots(self._cursor, count, self.dp_degree, b)
         first_step, first_index, _ = slots[0]
         ids = self.plan.rank_stream_ids(
             first_step, first_index * b, count * b, self.dp_rank, self.dp_degree
         )
         self._planned, self._planned_ids, self._planned_at = slots, ids.reshape(count, b), 0
-        self._cursor = (step, index)
+        self._cursor = cursor
         self._plan_size = min(2 * count, self.plan_window)
 
     def _advance(self) -> tuple[list[Slot], np.ndarray]:

@@ -16,14 +16,19 @@ from hypothesis import strategies as st
 from torchtitan_zephon.job import open_mixture_stores
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MAX_PATTERN, MixtureConfig, MixtureError
-from torchtitan_zephon.order.mixture.plan import MixturePlan, deviation_warning, source_seed
+from torchtitan_zephon.order.mixture.plan import (
+    MixturePlan,
+    MixtureStream,
+    deviation_warning,
+    source_seed,
+)
 from torchtitan_zephon.order.mixture.spec import (
     MixtureSpec,
     past_change,
     past_changes,
     resolve_mixture,
 )
-from torchtitan_zephon.order.stream import DataPlan
+from torchtitan_zephon.order.stream import DataPlan, split_keys
 
 NAMES = ["web", "code", "math", "wiki", "books", "a", "zz", "q7"]
 WEIGHTS = [0, 0, 1, 2, 3, 7, Decimal("0.001"), Decimal("0.1"), Decimal("0.25"), Decimal("0.7")]
@@ -297,20 +302,21 @@ def test_past_change_names_the_first_difference():
 def test_rank_slices_and_microbatches_concatenate_to_the_global_batch(spec, data):
     gbs = data.draw(st.integers(1, 48))
     plan = MixturePlan(spec, 5, BatchSchedule([(1, gbs)]))
+    stream = MixtureStream(plan)
     divisors = [d for d in range(1, gbs + 1) if gbs % d == 0]
     for step in (1, 2, data.draw(st.integers(3, 10**9))):
         src, ids = plan.global_ids(step)
         for d in divisors:
-            parts = [plan.rank_ids(step, r, d) for r in range(d)]
+            parts = [split_keys(stream.rank_ids(step, r, d)) for r in range(d)]
             assert np.array_equal(np.concatenate([p[0] for p in parts]), src)
             assert np.array_equal(np.concatenate([p[1] for p in parts]), ids)
         d = data.draw(st.sampled_from(divisors))
         b = data.draw(st.sampled_from([x for x in divisors if (gbs // d) % x == 0]))
-        micro = [m for r in range(d) for m in plan.microbatch_ids(step, r, d, b)]
+        micro = [split_keys(m) for r in range(d) for m in stream.microbatch_ids(step, r, d, b)]
         assert all(len(m[1]) == b for m in micro)
         assert np.array_equal(np.concatenate([m[1] for m in micro]), ids)
     with pytest.raises(ValueError, match="DP degrees that divide it"):
-        plan.rank_ids(1, 0, gbs + 1)
+        stream.rank_ids(1, 0, gbs + 1)
 
 
 @settings(max_examples=20, deadline=None)

@@ -1,18 +1,33 @@
-"""The batch layout: steps over positions, and a step's cut into rank slices and micro-batches.
+"""The batch layout: the ONE home of steps over positions, rank slices, micro-batches, windows.
 
-Role: pure index math shared by every stream (one store, a mixture): the global
-batch schedule (``BatchSchedule``: step -> its positions ``[first_position(s),
-+ gbs(s))``), the anchor of a schedule accepted at resume (``anchored_schedule``),
-a DP rank's contiguous slice of a step (``rank_slice``), the layout check
-(``check_batch_layout``: global batch = DP degree x local batch x accumulation)
-and what a single store must hold for a schedule (``check_store_size``).
+Role: pure index math shared by every stream (one store, a mixture; ``order.stream``):
+the global batch schedule (``BatchSchedule``: step -> its positions
+``[first_position(s), + gbs(s))``), the layout check (``check_batch_layout``: global
+batch = DP degree x local batch x accumulation), what a single store must hold for a
+schedule (``check_store_size``), and ``Layout``: a schedule placed on the stream by
+its anchor, which cuts a step into DP rank slices (``rank_slice``) and micro-batches
+and walks one rank's stream as position ranges (``Layout.rank_window``). A stream
+only maps positions to sample keys; every rank, micro-batch and window it serves is
+a ``Layout`` answer composed with that map, so a slicing change is made here once.
+
+The anchor (step a, position p) is the one way a resume that accepted a schedule
+change continues from the recorded position: step s >= a starts at
+``p + first_position(s) - first_position(a)``; steps before a are not defined for
+a stream. A rule that counts every step's end from step 1 (the mixture's) sees them
+as p positions split evenly over steps 1..a-1 (``Layout.whole_schedule``).
 
 Invariants:
-- Step s (1-based) covers positions [first_position(s), first_position(s) + gbs(s)):
-  schedule changes never skip or repeat a position.
+- Step s (1-based, at or after the anchor) covers positions
+  ``[first, first + gbs(s))`` with consecutive steps adjacent: schedule changes
+  never skip or repeat a position.
 - For any DP degree D dividing gbs(s), the D rank slices in rank order
-  concatenate to the step; micro-batches of a slice concatenate to the slice.
-  Nothing depends on D, the rank or the micro-batch size except the cut points.
+  concatenate to the step; the micro-batches of a slice, for any local batch size
+  b dividing it, concatenate to the slice. Nothing depends on D, the rank or b
+  except the cut points.
+- A window of a rank's stream (``Layout.rank_window``: ids ``[skip, skip + count)``
+  of the rank's slices of steps s, s + 1, ... concatenated) is those per-step
+  slices concatenated, cut at skip and count; its ranges are computed in a few
+  numpy calls per schedule entry, O(1) in the step number.
 - What a single store must hold (``check_store_size``) is a function of its
   training samples and the batch schedule only: the same verdict under every
   DP degree and local batch size, so a resume at another topology decides alike.
@@ -21,6 +36,8 @@ Invariants:
 from __future__ import annotations
 
 import math
+
+import numpy as np
 
 
 def _divisors(n: int) -> list[int]:
@@ -224,22 +241,127 @@ class BatchSchedule:
         return total
 
 
-def anchored_schedule(
-    schedule: BatchSchedule, anchor_step: int, anchor_position: int
-) -> BatchSchedule:
-    """A schedule equal to ``schedule`` from ``anchor_step`` on, whose step ``anchor_step``
-    starts at ``anchor_position`` (the steps before it of (nearly) equal size): the slot
-    arithmetic of ``DataPlan``'s anchor for a plan that needs a whole schedule."""
-    a, p = int(anchor_step), int(anchor_position)
-    if (a, p) == (1, 0):
-        return schedule
-    if a < 1 or p < a - 1 or (a == 1 and p != 0):
-        raise ValueError(
-            f"position anchor (step {a}, position {p}) is impossible: steps 1..{a - 1} hold "
-            "at least one position each. The data state is corrupt."
+class Layout:
+    """A batch schedule placed on the stream by its anchor: a step's positions, its DP
+    rank slices and micro-batches, and windows of one rank's stream (module docstring).
+
+    The anchor ``(step, position)`` pins step ``step`` to start at ``position``; the
+    default (1, 0) is the plain schedule.
+    """
+
+    def __init__(self, schedule: BatchSchedule, anchor: tuple[int, int] = (1, 0)) -> None:
+        self.schedule = schedule
+        self.anchor_step, self.anchor_position = int(anchor[0]), int(anchor[1])
+        self._whole: BatchSchedule | None = None
+
+    @property
+    def anchor(self) -> tuple[int, int]:
+        return self.anchor_step, self.anchor_position
+
+    def step_positions(self, step: int) -> tuple[int, int]:
+        """(first position, count) of global step ``step``."""
+        if step < self.anchor_step:
+            raise ValueError(
+                f"step {step} lies before the resume anchor (step {self.anchor_step} at "
+                f"position {self.anchor_position}); its positions are not defined under the "
+                "current schedule."
+            )
+        sched = self.schedule
+        first = (
+            self.anchor_position
+            + sched.first_position(step)
+            - sched.first_position(self.anchor_step)
         )
-    q, r = divmod(p, a - 1)
-    entries = [(1, q + 1), (r + 1, q)] if r else [(1, q)]
-    entries.append((a, schedule.gbs(a)))
-    entries += [(s, g) for s, g in schedule.entries if s > a]
-    return BatchSchedule(entries)
+        return first, sched.gbs(step)
+
+    def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+        """(first position, count) of DP rank ``dp_rank``'s contiguous slice of ``step``."""
+        return rank_slice(*self.step_positions(step), step, dp_rank, dp_degree)
+
+    def microbatch_positions(
+        self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
+    ) -> list[tuple[int, int]]:
+        """(first position, count) of each micro-batch of the rank slice, in order."""
+        check_batch_layout(self.schedule.gbs(step), dp_degree, local_batch_size)
+        first, count = self.rank_positions(step, dp_rank, dp_degree)
+        b = int(local_batch_size)
+        return [(p, b) for p in range(first, first + count, b)]
+
+    def microbatch_slots(
+        self, cursor: tuple[int, int], count: int, dp_degree: int, local_batch_size: int
+    ) -> tuple[list[tuple[int, int, bool]], tuple[int, int]]:
+        """The next ``count`` micro-batches of a rank's stream from ``cursor`` (step,
+        index of the micro-batch within the step), as (step, index, last of the step),
+        and the cursor after them. Micro-batch k of step s is ids ``[k*b, (k+1)*b)``
+        of the rank's slice (``microbatch_positions``)."""
+        step, index = cursor
+        slots: list[tuple[int, int, bool]] = []
+        while len(slots) < count:
+            per_step = check_batch_layout(self.schedule.gbs(step), dp_degree, local_batch_size)
+            stop = min(per_step, index + count - len(slots))
+            slots += [(step, k, k + 1 == per_step) for k in range(index, stop)]
+            step, index = (step + 1, 0) if stop == per_step else (step, stop)
+        return slots, (step, index)
+
+    def rank_window(
+        self, step: int, skip: int, count: int, dp_rank: int, dp_degree: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(starts, counts) int64 of the position ranges holding ids ``[skip, skip +
+        count)`` of DP rank ``dp_rank``'s stream from ``step`` on (its slices of steps
+        ``step, step + 1, ...`` concatenated), in stream order; adjacent slices (one
+        rank of one) come as one range. Within one schedule entry a rank's slice moves
+        by the global batch each step: one numpy call per entry, whatever the steps."""
+        if skip < 0 or count < 0:
+            raise ValueError(f"skip and count must be >= 0, got skip={skip}, count={count}.")
+        starts: list[np.ndarray] = []
+        counts: list[np.ndarray] = []
+        need, s = skip + count, step
+        while need > 0:
+            first, per_rank = self.rank_positions(s, dp_rank, dp_degree)
+            gbs = self.schedule.gbs(s)
+            steps = -(-need // per_rank)
+            end = self.schedule.segment_end(s)
+            if end is not None:
+                steps = min(steps, end - s)
+            if per_rank == gbs:
+                starts.append(np.array([first], dtype=np.int64))
+                counts.append(np.array([steps * gbs], dtype=np.int64))
+            else:
+                starts.append(first + gbs * np.arange(steps, dtype=np.int64))
+                counts.append(np.full(steps, per_rank, dtype=np.int64))
+            need -= steps * per_rank
+            s += steps
+        if not starts:
+            return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
+        first_at, n = np.concatenate(starts), np.concatenate(counts)
+        ends = np.cumsum(n)  # offsets in the rank's stream: range k is [ends[k] - n[k], ends[k])
+        begins = ends - n
+        lo = np.clip(skip - begins, 0, n)
+        hi = np.clip(skip + count - begins, 0, n)
+        keep = hi > lo
+        return first_at[keep] + lo[keep], hi[keep] - lo[keep]
+
+    def whole_schedule(self) -> BatchSchedule:
+        """The batch schedule of every step from 1 that starts step ``anchor_step`` at
+        ``anchor_position``: the schedule's own from the anchor on; before it, the
+        anchor's positions split evenly over steps 1 .. anchor_step - 1 (the first of
+        them one larger). What a rule that counts every step's end from step 1 (a
+        mixture's) is built over; ``step_positions`` leaves those earlier steps out."""
+        if self._whole is None:
+            self._whole = self._whole_schedule()
+        return self._whole
+
+    def _whole_schedule(self) -> BatchSchedule:
+        a, p, schedule = self.anchor_step, self.anchor_position, self.schedule
+        if (a, p) == (1, 0):
+            return schedule
+        if a < 1 or p < a - 1 or (a == 1 and p != 0):
+            raise ValueError(
+                f"position anchor (step {a}, position {p}) is impossible: steps 1..{a - 1} "
+                "hold at least one position each. The data state is corrupt."
+            )
+        q, r = divmod(p, a - 1)
+        entries = [(1, q + 1), (r + 1, q)] if r else [(1, q)]
+        entries.append((a, schedule.gbs(a)))
+        entries += [(s, g) for s, g in schedule.entries if s > a]
+        return BatchSchedule(entries)

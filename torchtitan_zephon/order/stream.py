@@ -1,8 +1,10 @@
 """Streams: the sample keys of every position, step, rank slice and micro-batch.
 
 Role: a *stream* is the global sequence of positions 0, 1, 2, ..., each holding
-one sample; ``StreamPlan`` is what every stream offers (keys per position, step,
-rank slice and micro-batch, and a window of a rank's stream). ``DataPlan`` is the
+one sample. ``StreamPlan`` is what every stream offers (keys per position, step,
+rank slice and micro-batch, and a window of a rank's stream): one implementation,
+a ``order.layout.Layout`` (which positions) composed with the stream's own map from
+positions to keys (``ids_for_positions``, ``_window_keys``). ``DataPlan`` is the
 stream of one store; a mixture's is ``order.mixture.plan.MixtureStream``. Streams
 name samples by **sample keys**: int64 values ``source << SOURCE_SHIFT | id``
 (``make_keys`` / ``split_keys``); for one store the key is the sample id.
@@ -11,20 +13,17 @@ Invariants:
 - Position p of a ``DataPlan`` is sample ``sample_offset + Permutation(num_samples,
   seed, p // num_samples)[p % num_samples]``, so every sample appears exactly once
   per epoch and epochs are reshuffled.
-- Step s covers the positions ``order.layout.BatchSchedule`` gives it (counted from
-  the anchor, if any); the rank slices concatenate to the step for every DP degree
-  dividing its batch, and a rank's micro-batches to its slice.
-- A window of a rank's stream (``rank_stream_ids``: many steps, across epochs, in
-  a few numpy calls) equals the per-step slices ``rank_ids`` concatenated.
+- A stream's keys of a step, rank slice, micro-batch or window are its keys of the
+  positions its ``Layout`` gives them, so the layout's invariants (rank slices
+  concatenate to the step, micro-batches to the slice, a window of a rank's stream
+  equals its per-step slices concatenated) hold for every stream.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
 
-from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout, rank_slice
+from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.permutation import Permutation
 
 SOURCE_SHIFT = 40
@@ -44,25 +43,76 @@ def split_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return k >> _SHIFT, k & _MASK
 
 
-class StreamPlan(Protocol):
-    """Sample keys of every step, rank slice and micro-batch (``DataPlan``'s interface)."""
+class StreamPlan:
+    """Sample keys of every step, rank slice, micro-batch and window of a rank's stream:
+    ``layout``'s positions, mapped to keys by the stream (``ids_for_positions`` for one
+    range, ``_window_keys`` for many, both vectorized)."""
 
-    schedule: BatchSchedule
-    anchor_step: int
-    anchor_position: int
+    layout: Layout
 
-    def step_positions(self, step: int) -> tuple[int, int]: ...
-    def ids_for_positions(self, first: int, count: int) -> np.ndarray: ...
-    def global_ids(self, step: int) -> np.ndarray: ...
-    def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]: ...
-    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray: ...
+    def ids_for_positions(self, first: int, count: int) -> np.ndarray:
+        """Keys (int64) of positions [first, first + count)."""
+        raise NotImplementedError
+
+    def _keys(self, first: int, count: int, step: int) -> np.ndarray:
+        """Keys of positions [first, first + count) of step ``step`` (named in errors)."""
+        return self.ids_for_positions(first, count)
+
+    def _window_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Keys of the position ranges ``[starts[k], starts[k] + counts[k])``, concatenated."""
+        raise NotImplementedError
+
+    @property
+    def schedule(self) -> BatchSchedule:
+        return self.layout.schedule
+
+    @property
+    def anchor_step(self) -> int:
+        return self.layout.anchor_step
+
+    @property
+    def anchor_position(self) -> int:
+        return self.layout.anchor_position
+
+    def step_positions(self, step: int) -> tuple[int, int]:
+        """(first position, count) of global step ``step``."""
+        return self.layout.step_positions(step)
+
+    def global_ids(self, step: int) -> np.ndarray:
+        """Ordered keys of the whole global batch of ``step``."""
+        return self._keys(*self.step_positions(step), step)
+
+    def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
+        """(first position, count) of DP rank ``dp_rank``'s contiguous slice of ``step``."""
+        return self.layout.rank_positions(step, dp_rank, dp_degree)
+
+    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray:
+        """Slice [r*G/D, (r+1)*G/D) of the step's global batch."""
+        return self._keys(*self.rank_positions(step, dp_rank, dp_degree), step)
+
+    def rank_stream_ids(
+        self, step: int, skip: int, count: int, dp_rank: int, dp_degree: int
+    ) -> np.ndarray:
+        """Keys ``[skip, skip + count)`` of DP rank ``dp_rank``'s stream from ``step`` on.
+
+        The rank's stream is ``rank_ids(s, dp_rank, dp_degree)`` for s = step, step + 1,
+        ... concatenated; this computes a window of it (several steps, possibly across
+        epochs) in a few numpy calls instead of one lookup per step, with equal values.
+        """
+        return self._window_keys(*self.layout.rank_window(step, skip, count, dp_rank, dp_degree))
+
     def microbatch_ids(
         self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
-    ) -> list[np.ndarray]: ...
+    ) -> list[np.ndarray]:
+        """The rank slice cut, in order, into micro-batches of ``local_batch_size``."""
+        cuts = self.layout.microbatch_positions(step, dp_rank, dp_degree, local_batch_size)
+        first = cuts[0][0]  # the rank slice, from its first micro-batch to its last
+        keys = self._keys(first, cuts[-1][0] + cuts[-1][1] - first, step)
+        return [keys[p - first : p - first + n] for p, n in cuts]
 
 
-class DataPlan:
-    """Sample ids of every global step, rank slice and micro-batch.
+class DataPlan(StreamPlan):
+    """Sample ids of every global step, rank slice and micro-batch of one store.
 
     ``anchor_step`` / ``anchor_position`` pin step ``anchor_step`` to start at
     ``anchor_position``; the default (1, 0) is the plain schedule. A resume that
@@ -89,10 +139,8 @@ class DataPlan:
             raise ValueError(f"sample_offset must be >= 0, got {sample_offset}.")
         self.num_samples = int(num_samples)
         self.seed = int(seed)
-        self.schedule = schedule
+        self.layout = Layout(schedule, (anchor_step, anchor_position))
         self.sample_offset = int(sample_offset)
-        self.anchor_step = int(anchor_step)
-        self.anchor_position = int(anchor_position)
         self._permutation: Permutation | None = None
 
     def permutation(self, epoch: int) -> Permutation:
@@ -135,65 +183,12 @@ class DataPlan:
                 ids[sel] = self.permutation(epoch).map(within[sel])
         return ids + self.sample_offset
 
-    def step_positions(self, step: int) -> tuple[int, int]:
-        """(first position, count) of global step ``step``."""
-        if step < self.anchor_step:
-            raise ValueError(
-                f"step {step} lies before the resume anchor (step {self.anchor_step} at "
-                f"position {self.anchor_position}); its positions are not defined under the "
-                "current schedule."
+    def _window_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        if len(starts) == 1:
+            positions = starts[0] + np.arange(counts[0], dtype=np.int64)
+        else:  # range k's positions, each at its offset in the window
+            offsets = np.cumsum(counts) - counts
+            positions = np.repeat(starts - offsets, counts) + np.arange(
+                int(counts.sum()), dtype=np.int64
             )
-        sched = self.schedule
-        first = (
-            self.anchor_position
-            + sched.first_position(step)
-            - sched.first_position(self.anchor_step)
-        )
-        return first, sched.gbs(step)
-
-    def global_ids(self, step: int) -> np.ndarray:
-        """Ordered sample ids of the whole global batch of ``step``."""
-        return self.ids_for_positions(*self.step_positions(step))
-
-    def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
-        """(first position, count) of DP rank ``dp_rank``'s contiguous slice of ``step``."""
-        return rank_slice(*self.step_positions(step), step, dp_rank, dp_degree)
-
-    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray:
-        """Slice [r*G/D, (r+1)*G/D) of the step's global batch."""
-        return self.ids_for_positions(*self.rank_positions(step, dp_rank, dp_degree))
-
-    def rank_stream_ids(
-        self, step: int, skip: int, count: int, dp_rank: int, dp_degree: int
-    ) -> np.ndarray:
-        """Ids ``[skip, skip + count)`` of DP rank ``dp_rank``'s stream from ``step`` on.
-
-        The rank's stream is ``rank_ids(s, dp_rank, dp_degree)`` for s = step, step + 1,
-        ... concatenated; this computes a window of it (several steps, possibly across
-        epochs) in a few numpy calls instead of one lookup per step, with equal values.
-        """
-        if skip < 0 or count < 0:
-            raise ValueError(f"skip and count must be >= 0, got skip={skip}, count={count}.")
-        rows: list[np.ndarray] = []  # positions, one row per step, a few steps per entry
-        need, s = skip + count, step
-        while need > 0:
-            first, per_rank = self.rank_positions(s, dp_rank, dp_degree)
-            # Within one schedule entry a rank's slice moves by gbs(s) positions per step.
-            steps = -(-need // per_rank)
-            end = self.schedule.segment_end(s)
-            if end is not None:
-                steps = min(steps, end - s)
-            starts = first + self.schedule.gbs(s) * np.arange(steps, dtype=np.int64)
-            rows.append((starts[:, None] + np.arange(per_rank, dtype=np.int64)).ravel())
-            need -= steps * per_rank
-            s += steps
-        positions = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
-        return self.ids_at(positions[skip : skip + count])
-
-    def microbatch_ids(
-        self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
-    ) -> list[np.ndarray]:
-        """The rank slice cut, in order, into micro-batches of ``local_batch_size``."""
-        check_batch_layout(self.schedule.gbs(step), dp_degree, local_batch_size)
-        ids = self.rank_ids(step, dp_rank, dp_degree)
-        return [ids[k : k + local_batch_size] for k in range(0, len(ids), local_batch_size)]
+        return self.ids_at(positions)

@@ -1,13 +1,15 @@
-"""The mixture plan: (source, sample id) of every step, rank slice and micro-batch.
+"""The mixture plan: (source, sample id) of every slot and step; the mixture's stream.
 
 Role: ``MixturePlan`` walks a ``MixtureSpec``'s weight entries once over the
-batch schedule, building the rule's tables (``rule``), and answers a step's
-sources and sample ids in O(GBS + sources + 512); ``MixtureStream`` shows it as a
-stream of sample keys with ``DataPlan``'s interface (``order.stream``).
+batch schedule (``Layout.whole_schedule`` of its layout: every step from 1),
+building the rule's tables (``rule``), and answers the sources and sample ids of
+any slots (positions) in O(slots + sources + 512); ``MixtureStream`` shows it as
+a ``StreamPlan`` of sample keys (``order.stream``): its steps, rank slices,
+micro-batches and windows are the layout's (``order.layout``), as for one store.
 
 Invariants: see the package docstring (``order.mixture``): pure in the spec, the
 seed and the batch schedule; every source's ids within one of its epochs are a
-permutation of its training samples; rank slices concatenate to the step.
+permutation of its training samples; the layout's invariants hold (``order.layout``).
 """
 
 from __future__ import annotations
@@ -21,11 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon.order.layout import (
-    BatchSchedule,
-    check_batch_layout,
-    rank_slice,
-)
+from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.config import (
     MixtureError,
     WeightEntry,
@@ -44,7 +42,7 @@ from torchtitan_zephon.order.mixture.spec import (
     effective_entries,
 )
 from torchtitan_zephon.order.permutation import map_many
-from torchtitan_zephon.order.stream import DataPlan, make_keys, split_keys
+from torchtitan_zephon.order.stream import DataPlan, StreamPlan, make_keys, split_keys
 
 _MAX_CORRECTIONS = 4096
 """Corrected steps per weight entry before their residuals recur (steps inside
@@ -87,16 +85,20 @@ def deviation_warning(worst: Fraction, who: str, step: int) -> str | None:
 
 
 class MixturePlan:
-    """(source, sample id) of every global step, rank slice and micro-batch of a mixture.
+    """(source, sample id) of every slot and global step of a mixture (its rank slices
+    and micro-batches: ``MixtureStream``, the layout's).
 
     Built once per job from a ``MixtureSpec``, the seed and the global batch
-    schedule; immutable afterwards (safe to share between loader threads).
+    schedule (a ``Layout``, when anchored); immutable afterwards (safe to share
+    between loader threads). ``schedule`` is the layout's whole schedule: every step
+    from 1, as the rule counts their ends.
     """
 
-    def __init__(self, spec: MixtureSpec, seed: int, schedule: BatchSchedule) -> None:
+    def __init__(self, spec: MixtureSpec, seed: int, schedule: BatchSchedule | Layout) -> None:
         self.spec = spec
         self.seed = int(seed)
-        self.schedule = schedule
+        self.layout = schedule if isinstance(schedule, Layout) else Layout(schedule)
+        self.schedule = self.layout.whole_schedule()
         self.names = spec.names
         n = len(self.names)
         self.num_samples = np.array([s.num_samples for s in spec.sources], dtype=np.int64)
@@ -480,105 +482,25 @@ class MixturePlan:
         first, gbs = self.step_slots(step)
         return self.ids_for_slots(first, gbs, step=step)
 
-    def rank_slots(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
-        """(first slot, count) of DP rank ``dp_rank``'s contiguous slice of ``step``."""
-        return rank_slice(*self.step_slots(step), step, dp_rank, dp_degree)
 
-    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> tuple[np.ndarray, np.ndarray]:
-        """Slots [r*G/D, (r+1)*G/D) of the step: (source index, sample id)."""
-        return self.ids_for_slots(*self.rank_slots(step, dp_rank, dp_degree), step=step)
+class MixtureStream(StreamPlan):
+    """A ``MixturePlan`` as a stream of sample keys, over the plan's layout."""
 
-    def microbatch_ids(
-        self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
-    ) -> list[tuple[np.ndarray, np.ndarray]]:
-        """The rank slice cut, in order, into micro-batches of ``local_batch_size``."""
-        check_batch_layout(self.schedule.gbs(step), dp_degree, local_batch_size)
-        src, ids = self.rank_ids(step, dp_rank, dp_degree)
-        b = local_batch_size
-        return [(src[k : k + b], ids[k : k + b]) for k in range(0, len(ids), b)]
-
-
-class MixtureStream:
-    """A ``MixturePlan`` as a stream of sample keys, with ``DataPlan``'s interface."""
-
-    def __init__(
-        self, mixture: MixturePlan, schedule: BatchSchedule, anchor: tuple[int, int] = (1, 0)
-    ) -> None:
+    def __init__(self, mixture: MixturePlan) -> None:
         self.mixture = mixture
-        self.schedule = schedule
-        self.anchor_step, self.anchor_position = int(anchor[0]), int(anchor[1])
+        self.layout = mixture.layout
         self.names = mixture.names
-
-    def _check_step(self, step: int) -> None:
-        if step < self.anchor_step:
-            raise ValueError(
-                f"step {step} lies before the resume anchor (step {self.anchor_step} at "
-                f"position {self.anchor_position}); its positions are not defined under the "
-                "current schedule."
-            )
-
-    def step_positions(self, step: int) -> tuple[int, int]:
-        self._check_step(step)
-        return self.mixture.step_slots(step)
 
     def ids_for_positions(self, first: int, count: int) -> np.ndarray:
         return make_keys(*self.mixture.ids_for_slots(first, count))
 
-    def global_ids(self, step: int) -> np.ndarray:
-        return make_keys(*self.mixture.ids_for_slots(*self.step_positions(step), step=step))
-
-    def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
-        self._check_step(step)
-        return self.mixture.rank_slots(step, dp_rank, dp_degree)
-
-    def rank_ids(self, step: int, dp_rank: int, dp_degree: int) -> np.ndarray:
-        first, count = self.rank_positions(step, dp_rank, dp_degree)
+    def _keys(self, first: int, count: int, step: int) -> np.ndarray:
         return make_keys(*self.mixture.ids_for_slots(first, count, step=step))
 
-    def rank_stream_ids(
-        self, step: int, skip: int, count: int, dp_rank: int, dp_degree: int
-    ) -> np.ndarray:
-        """Keys ``[skip, skip + count)`` of DP rank ``dp_rank``'s stream from ``step`` on
-        (its slices of steps ``step, step + 1, ...`` concatenated), looked up together:
-        one permutation call per source and epoch for the whole window. Within one
-        batch-schedule entry a rank's slice moves by the global batch each step (and
-        with one rank the slices are contiguous: one range)."""
-        if skip < 0 or count < 0:
-            raise ValueError(f"skip and count must be >= 0, got skip={skip}, count={count}.")
-        ranges: list[tuple[int, int]] = []
-        need, s = skip + count, step
-        while need > 0:
-            first, per_rank = self.rank_positions(s, dp_rank, dp_degree)
-            gbs = self.schedule.gbs(s)
-            steps = -(-need // per_rank)
-            end = next((e for e, _ in self.schedule.entries if e > s), None)
-            if end is not None:
-                steps = min(steps, end - s)
-            if per_rank == gbs:
-                ranges.append((first, steps * gbs))
-            else:
-                ranges += [(first + k * gbs, per_rank) for k in range(steps)]
-            need -= steps * per_rank
-            s += steps
-        window: list[tuple[int, int]] = []
-        for first, n in ranges:  # cut [skip, skip + count) out of the ranges
-            if skip >= n:
-                skip -= n
-                continue
-            take = min(n - skip, count)
-            if take > 0:
-                window.append((first + skip, take))
-            count -= take
-            skip = 0
-        return make_keys(*self.mixture.ids_for_ranges(window))
-
-    def microbatch_ids(
-        self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
-    ) -> list[np.ndarray]:
-        check_batch_layout(self.schedule.gbs(step), dp_degree, local_batch_size)
-        keys = self.rank_ids(step, dp_rank, dp_degree)
-        b = local_batch_size
-        return [keys[k : k + b] for k in range(0, len(keys), b)]
+    def _window_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """One permutation call per source and epoch for the whole window."""
+        ranges = list(zip(starts.tolist(), counts.tolist(), strict=True))
+        return make_keys(*self.mixture.ids_for_ranges(ranges))
 
     def decode(self, keys: np.ndarray) -> tuple[list[str], np.ndarray]:
         """(source name, per-source sample id) of each key."""

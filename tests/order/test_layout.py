@@ -1,0 +1,133 @@
+"""The one layout (order/layout.py) under both stream kinds: one store and a mixture.
+
+Hypothesis tries to break the invariants the layout's docstring states: rank slices
+concatenate to the step, micro-batches to the slice, consecutive steps are adjacent,
+and a window of a rank's stream (and the loader's micro-batch walk) equals the per-step
+slices concatenated: any DP degree dividing the batch, any micro-batch size dividing the
+slice, batch-size schedule changes and resume anchors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.order.test_mixture import batch_schedules, mixtures
+from torchtitan_zephon.order.layout import Layout
+from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream
+from torchtitan_zephon.order.stream import DataPlan, StreamPlan
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+@st.composite
+def streams(draw) -> StreamPlan:
+    """A stream of either kind over any batch schedule, from any possible anchor."""
+    schedule = draw(batch_schedules(max_gbs=12))
+    anchor = (1, 0)
+    if draw(st.booleans()):  # a resume that accepted a schedule change
+        step = draw(st.integers(2, 25))
+        anchor = (step, draw(st.integers(step - 1, 12 * step)))
+    seed = draw(st.integers(0, 2**32))
+    if draw(st.booleans()):
+        n, offset = draw(st.integers(1, 60)), draw(st.integers(0, 5))
+        return DataPlan(n, seed, schedule, offset, anchor_step=anchor[0], anchor_position=anchor[1])
+    spec = draw(mixtures(max_sources=4, max_entries=3))
+    return MixtureStream(MixturePlan(spec, seed, Layout(schedule, anchor)))
+
+
+@settings(max_examples=120, deadline=None)
+@given(stream=streams(), data=st.data())
+def test_rank_slices_and_microbatches_concatenate_to_the_step(stream, data):
+    layout = stream.layout
+    step = data.draw(st.integers(layout.anchor_step, layout.anchor_step + 40))
+    first, gbs = stream.step_positions(step)
+    after, _ = stream.step_positions(step + 1)
+    assert after == first + gbs  # consecutive steps are adjacent: nothing skipped or repeated
+    whole = stream.global_ids(step)
+    assert np.array_equal(stream.ids_for_positions(first, gbs), whole)
+    d = data.draw(st.sampled_from(_divisors(gbs)))
+    b = data.draw(st.sampled_from(_divisors(gbs // d)))
+    slices, micro, at = [], [], first
+    for r in range(d):
+        r_first, r_count = stream.rank_positions(step, r, d)
+        assert (r_first, r_count) == (at, gbs // d)  # in rank order, contiguous
+        at += r_count
+        part = stream.rank_ids(step, r, d)
+        batches = stream.microbatch_ids(step, r, d, b)
+        cuts = layout.microbatch_positions(step, r, d, b)
+        assert [len(m) for m in batches] == [n for _, n in cuts] == [b] * (r_count // b)
+        assert [p for p, _ in cuts] == list(range(r_first, r_first + r_count, b))
+        assert np.array_equal(np.concatenate(batches), part)
+        slices.append(part)
+        micro += batches
+    assert np.array_equal(np.concatenate(slices), whole)
+    assert np.array_equal(np.concatenate(micro), whole)
+
+
+@settings(max_examples=120, deadline=None)
+@given(stream=streams(), data=st.data())
+def test_a_window_and_the_microbatch_walk_equal_the_per_step_slices(stream, data):
+    layout = stream.layout
+    d = data.draw(st.sampled_from(_divisors(math.gcd(*(g for _, g in layout.schedule.entries)))))
+    r = data.draw(st.integers(0, d - 1))
+    step = data.draw(st.integers(layout.anchor_step, layout.anchor_step + 30))
+    per_step = [stream.rank_ids(s, r, d) for s in range(step, step + 12)]
+    rank_stream = np.concatenate(per_step)
+    skip = data.draw(st.integers(0, len(rank_stream)))
+    count = data.draw(st.integers(0, len(rank_stream) - skip))
+    window = stream.rank_stream_ids(step, skip, count, r, d)
+    assert window.dtype == np.int64
+    assert np.array_equal(window, rank_stream[skip : skip + count])
+    starts, counts = layout.rank_window(step, skip, count, r, d)
+    assert (counts > 0).all() and int(counts.sum()) == count
+    positions = [p for a, n in zip(starts.tolist(), counts.tolist(), strict=True)
+                 for p in range(a, a + n)]  # fmt: skip
+    slice_positions = [p for s in range(step, step + 12)
+                       for a, n in [stream.rank_positions(s, r, d)] for p in range(a, a + n)]  # fmt: skip
+    assert positions == slice_positions[skip : skip + count]
+    # the loader's walk: micro-batch k of step s is ids [k*b, (k+1)*b) of the rank's slice
+    b = data.draw(st.sampled_from(_divisors(min(g for _, g in layout.schedule.entries) // d)))
+    b = b if all((g // d) % b == 0 for _, g in layout.schedule.entries) else 1
+    index = data.draw(st.integers(0, layout.schedule.gbs(step) // d // b - 1))
+    n = data.draw(st.integers(1, 30))
+    slots, cursor = layout.microbatch_slots((step, index), n, d, b)
+    assert len(slots) == n and slots[0][:2] == (step, index)
+    ids = stream.rank_stream_ids(step, index * b, n * b, r, d).reshape(n, b)
+    for (s, k, last), row in zip(slots, ids, strict=True):
+        batches = stream.microbatch_ids(s, r, d, b)
+        assert np.array_equal(row, batches[k]) and last == (k + 1 == len(batches))
+    s, k, last = slots[-1]
+    assert cursor == ((s + 1, 0) if last else (s, k + 1))
+
+
+@pytest.mark.parametrize("kind", ["store", "mixture"])
+def test_both_streams_refuse_a_step_before_the_anchor_alike(kind):
+    from torchtitan_zephon.order.layout import BatchSchedule
+    from torchtitan_zephon.order.mixture.spec import MixtureSpec
+
+    schedule = BatchSchedule.parse("1:8,6:4")
+    if kind == "store":
+        stream: StreamPlan = DataPlan(50, 1, schedule, anchor_step=5, anchor_position=33)
+    else:
+        spec = MixtureSpec.build({"a": 20, "b": 30}, [(1, {"a": 1, "b": 2})])
+        stream = MixtureStream(MixturePlan(spec, 1, Layout(schedule, (5, 33))))
+    assert stream.step_positions(5) == (33, 8) and stream.step_positions(6) == (41, 4)
+    assert stream.rank_positions(6, 1, 2) == (43, 2)
+    for call in (
+        lambda: stream.step_positions(4),
+        lambda: stream.rank_ids(4, 0, 1),
+        lambda: stream.rank_stream_ids(4, 0, 1, 0, 1),
+    ):
+        with pytest.raises(ValueError) as e:
+            call()
+        assert str(e.value) == (
+            "step 4 lies before the resume anchor (step 5 at position 33); its positions "
+            "are not defined under the current schedule."
+        )
