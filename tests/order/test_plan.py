@@ -222,3 +222,21 @@ def test_what_a_too_short_store_needs_is_said_in_tokens_and_seq_len():
                 assert store_fix(tokens, samples, "--seq-len") == (
                     "To change it: use a larger store."
                 )
+
+
+@pytest.mark.parametrize(
+    "text, part, what",
+    [("1:x", "1:x", "STEP:GBS with two whole numbers"), ("1:2:3", "1:2:3", "STEP:GBS with two whole numbers"),
+     ("1:8,,5:4", "", "STEP:GBS with two whole numbers"), ("4x", "4x", "a whole number")],
+)  # fmt: skip
+def test_a_bad_batch_schedule_names_the_bad_part_in_plain_words(text, part, what):
+    """Issue 18 (no Python-isms): not 'invalid literal for int() with base 10' or 'too
+    many values to unpack'."""
+    with pytest.raises(ValueError) as e:
+        BatchSchedule.parse(text)
+    assert str(e.value) == (
+        f"cannot parse global batch schedule {text!r}: {part!r} is not {what}; expected an "
+        "integer like '64' or 'STEP:GBS,...' starting at step 1 like '1:64,1000:128'."
+    )
+    with pytest.raises(ValueError, match=r"^global batch size must be >= 1, found -3 at step 1\.$"):
+        BatchSchedule.parse("-3")

@@ -174,18 +174,22 @@ class BatchSchedule:
     def parse(cls, text: str | int) -> BatchSchedule:
         """Parse ``"64"`` (constant) or ``"1:64,1000:128"`` (from step 1, then from 1000)."""
         text = str(text).strip()
-        try:
-            if ":" not in text:
-                return cls([(1, int(text))])
-            entries = []
-            for part in text.split(","):
-                step, gbs = part.split(":")
-                entries.append((int(step), int(gbs)))
-        except ValueError as e:
-            raise ValueError(
-                f"cannot parse global batch schedule {text!r}: expected an integer like '64' "
-                f"or 'STEP:GBS,...' starting at step 1 like '1:64,1000:128' ({e})."
-            ) from None
+        parts = [text] if ":" not in text else text.split(",")
+        entries = []
+        for part in parts:
+            fields = part.split(":") if ":" in text else ["1", part]
+            try:
+                step, gbs = (int(x) for x in fields) if len(fields) == 2 else (None, None)
+            except ValueError:
+                step = None
+            if step is None:
+                what = "STEP:GBS with two whole numbers" if ":" in text else "a whole number"
+                raise ValueError(
+                    f"cannot parse global batch schedule {text!r}: {part.strip()!r} is not "
+                    f"{what}; expected an integer like '64' or 'STEP:GBS,...' starting at "
+                    "step 1 like '1:64,1000:128'."
+                )
+            entries.append((step, gbs))
         return cls(entries)
 
     def __eq__(self, other: object) -> bool:
