@@ -118,7 +118,10 @@ def test_prepare_refuses_bad_input(zoo, tokenizer_dir, corpus_dir):
         (_prepare(zoo, [zoo["truncated_jsonl"]], tok), ["cut.jsonl:", ": invalid JSON"]),
         (_prepare(zoo, [zoo["truncated_gz"]], tok), ["cut.jsonl.gz: ", "truncated"]),
         (_prepare(zoo, [zoo["deep_json"]], tok), ["deep.json: JSON nested too deeply"]),
-        (_prepare(zoo, [zoo["number_text"]], tok), ["numbers.jsonl:1: field 'text'", "int"]),
+        (
+            _prepare(zoo, [zoo["number_text"]], tok),
+            ["numbers.jsonl:1: field 'text'", "found a number"],
+        ),
         (_prepare(zoo, [str(corpus_dir)], zoo["missing"]), ["tokenizer folder", "not exist"]),
         (_prepare(zoo, [str(corpus_dir)], zoo["garbage"]), ["no tokenizer.json found"]),
         (_prepare(zoo, [str(corpus_dir)], zoo["bad_tokenizer"]), ["cannot load tokenizer"]),
