@@ -21,6 +21,8 @@ Invariants:
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
@@ -43,24 +45,24 @@ def split_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return k >> _SHIFT, k & _MASK
 
 
-class StreamPlan:
+class StreamPlan(ABC):
     """Sample keys of every step, rank slice, micro-batch and window of a rank's stream:
     ``layout``'s positions, mapped to keys by the stream (``ids_for_positions`` for one
     range, ``_window_keys`` for many, both vectorized)."""
 
     layout: Layout
 
+    @abstractmethod
     def ids_for_positions(self, first: int, count: int) -> np.ndarray:
         """Keys (int64) of positions [first, first + count)."""
-        raise NotImplementedError
 
     def _keys(self, first: int, count: int, step: int) -> np.ndarray:
         """Keys of positions [first, first + count) of step ``step`` (named in errors)."""
         return self.ids_for_positions(first, count)
 
+    @abstractmethod
     def _window_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Keys of the position ranges ``[starts[k], starts[k] + counts[k])``, concatenated."""
-        raise NotImplementedError
 
     @property
     def schedule(self) -> BatchSchedule:
