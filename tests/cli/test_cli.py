@@ -424,12 +424,12 @@ def test_inspect_lists_what_the_store_cache_holds(tmp_path, tokenizer_dir, store
     import shutil
 
     from tests.titan.expect import assert_unchanged, tree
-    from torchtitan_zephon.ingest import cache
+    from torchtitan_zephon.ingest import cache_folder
     from torchtitan_zephon.ingest.cache import RawInputs
     from torchtitan_zephon.job import store_location
     from torchtitan_zephon.store.format import StoreError
 
-    monkeypatch.delenv(cache.CACHE_ENV, raising=False)
+    monkeypatch.delenv(cache_folder.CACHE_ENV, raising=False)
     root = tmp_path / "cache"
     corpus = tmp_path / "corpus"
     corpus.mkdir()

@@ -1,7 +1,8 @@
-"""Store values and the store cache (``ingest.cache``): raw inputs are prepared once into
-a stat-keyed entry whose store equals ``zephon prepare``'s, found again without reading
-the corpus, rebuilt when a file changes, refused clearly when bad; the lock serializes
-builders and a failed build leaves no entry (only the parts prepare finished, for the next run)."""
+"""Store values and the store cache (``ingest.cache``, ``ingest.cache_folder``): raw
+inputs are prepared once into a stat-keyed entry whose store equals ``zephon prepare``'s,
+found again without reading the corpus, rebuilt when a file changes, refused clearly when
+bad; the lock serializes builders and a failed build leaves no entry (only the parts
+prepare finished, for the next run)."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import corpus_text
-from torchtitan_zephon.ingest import cache
+from torchtitan_zephon.ingest import cache, cache_folder
 from torchtitan_zephon.ingest.cache import RawInputs
 from torchtitan_zephon.ingest.inputs import OptionNames, resolve_inputs
 from torchtitan_zephon.ingest.parts import finished_parts
@@ -33,7 +34,7 @@ from torchtitan_zephon.store.reader import TokenStore
 
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch) -> Path:
-    monkeypatch.delenv(cache.CACHE_ENV, raising=False)
+    monkeypatch.delenv(cache_folder.CACHE_ENV, raising=False)
     return tmp_path / "cache"
 
 
@@ -227,7 +228,7 @@ def test_without_flock_each_process_builds_and_the_first_wins(
         raise OSError(errno.ENOLCK, "No locks available")
 
     said: list[str] = []
-    monkeypatch.setattr(cache.fcntl, "flock", refuse)
+    monkeypatch.setattr(cache_folder.fcntl, "flock", refuse)
     location = store_location(str(corpus), raw(tokenizer_dir, cache_dir, log=said.append))
     assert TokenStore.open(location).num_documents == 61
     assert any("refuses file locks" in s for s in said)
@@ -387,8 +388,8 @@ def test_waiters_show_the_holders_progress(tokenizer_dir, cache_dir, corpus, mon
     of input done out of the total, documents), refreshed as it moves."""
     from torchtitan_zephon.ingest import stage as prepare_module
 
-    monkeypatch.setattr(cache, "PROGRESS_REPORT_S", 0.05)
-    monkeypatch.setattr(cache, "PROGRESS_WRITE_S", 0.0)
+    monkeypatch.setattr(cache_folder, "PROGRESS_REPORT_S", 0.05)
+    monkeypatch.setattr(cache_folder, "PROGRESS_WRITE_S", 0.0)
     real = prepare_module.iter_documents
     started = threading.Event()
 

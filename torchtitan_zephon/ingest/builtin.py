@@ -10,7 +10,7 @@ no data either.
 
 Invariant: a store is a pure function of (this Python's text files, the shipped
 tokenizer, the part); it is built once into a cache folder keyed by a hash of
-these (``cache.build_once``), so every rank and every later run on the machine
+these (``cache_folder.build_once``), so every rank and every later run on the machine
 opens the same bytes.
 """
 
@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.ingest.cache import build_once, cache_root
+from torchtitan_zephon.ingest.cache_folder import build_once, cache_root
 from torchtitan_zephon.store.format import BUILTIN_PREFIX
 
 __all__ = ["PARTS", "TOKENIZER_DIR", "builtin_store_path", "cache_root", "corpus_documents"]
@@ -75,7 +75,7 @@ def _part_prefix(part: str) -> str:
 
 def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
     """Path of the builtin store (or of one of its ``PARTS``), building it on first use
-    (``cache.build_once``), with a progress bar when ``progress``. Each call hashes the
+    (``cache_folder.build_once``), with a progress bar when ``progress``. Each call hashes the
     corpus (~5 MB of text) to find its folder: a job asks once (``job.store_location``)."""
     from torchtitan_zephon.ingest.prepare import prepare_store
 
