@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.cli.inspect_run import RUN_KINDS
-from torchtitan_zephon.ingest.cache import describe_cache, is_cache
+from torchtitan_zephon.ingest.cache_contents import describe_cache, is_cache
 from torchtitan_zephon.store.format import UncheckedStoreWarning, is_store
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.upgrade import upgrade_store

@@ -5,9 +5,9 @@ Role: resolve input files (``inputs``) and read their documents (``readers``,
 into work units (``units``), tokenize them in order (``encode``, ``tokenizer``),
 write and assemble the parts of a store (``prepare`` over ``stage``, ``parts`` and
 ``assemble``, in a group of processes: ``ranks``), and build stores on first use into a
-shared cache (``cache``: store values, raw inputs' entries and what a cache holds;
-``cache_folder``: the folder and the one build under a lock; the builtin corpus:
-``builtin``).
+shared cache (``cache``: store values and raw inputs' entries; ``cache_folder``: the
+folder and the one build under a lock; ``cache_contents``: what it holds; the builtin
+corpus: ``builtin``).
 
 Invariant: a store's bytes depend only on its inputs, tokenizer, text field and
 split, never on the number of workers or ranks. Imports only ``store`` besides
