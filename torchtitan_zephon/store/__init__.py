@@ -1,9 +1,10 @@
-"""The on-disk token store: format, reader, writer, group, upgrade.
+"""The on-disk token store: format, opening, reader, writer, group, upgrade.
 
 Role: what a prepared corpus is on disk (``format``: file names, manifest,
-fingerprints, checksums), how it is read (``reader.TokenStore``, memory-mapped and
-checked chunk by chunk), written (``writer``: checksums, derived stores, slices),
-gathered across stores (``group.StoreGroup``) and upgraded (``upgrade``).
+fingerprints, checksums), how it is opened (``opening``: the manifest and checksums.bin
+checked) and read (``reader.TokenStore``, memory-mapped and checked chunk by chunk),
+written (``writer``: checksums, derived stores, slices), gathered across stores
+(``group.StoreGroup``) and upgraded (``upgrade``).
 
 Invariant: the bottom layer. Pure Python + numpy; imports nothing else of the
 package (no ingest, order, job, torch.distributed or torchtitan). Import the

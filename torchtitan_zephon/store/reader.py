@@ -3,13 +3,13 @@
 Role: give O(1) access to training samples. Sample ``i`` for a given
 ``seq_len`` is the window ``tokens[i*seq_len : i*seq_len + seq_len + 1]``
 (inputs = window[:-1], labels = window[1:]). The files and the manifest are
-``format``'s.
+``format``'s; what opening a store checks is ``opening``'s.
 
 Invariants:
 - A store that opens is complete and its manifest unmodified: every file has
   the size its manifest promises, the manifest hashes to its recorded
-  ``fingerprint`` and checksums.bin hashes to the value the manifest records.
-  Opening reads no tokens.
+  ``fingerprint`` and checksums.bin hashes to the value the manifest records
+  (``opening``). Opening reads no tokens.
 - Every token that ``window``/``windows`` return was checked against the
   content checksums first: tokens.bin is cut into chunks of ``chunk_tokens``
   tokens, each with an xxh3-64 checksum in checksums.bin; a TokenStore hashes a
@@ -40,7 +40,6 @@ edits, not a forger who also rewrites checksums.bin and the manifest.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import warnings
@@ -52,15 +51,10 @@ import xxhash
 from numpy.lib.stride_tricks import as_strided
 
 from torchtitan_zephon.store.format import (
-    CHECKSUM_ALGORITHM,
     CHECKSUMS,
     CHUNK_TOKENS,
-    CONTENT,
     DOC_OFFSETS,
     DTYPES,
-    FORMAT,
-    MANIFEST,
-    READABLE_VERSIONS,
     REPREPARE,
     TOKENS,
     ContentReport,
@@ -68,9 +62,9 @@ from torchtitan_zephon.store.format import (
     UncheckedStoreWarning,
     content_checksums,
     file_xxh3_128,
-    manifest_fingerprint,
     map_file,
 )
+from torchtitan_zephon.store.opening import map_checksums, open_manifest, read_content
 
 
 class TokenStore:
@@ -136,67 +130,11 @@ class TokenStore:
         docstring); ``verify=False`` serves unchecked tokens (benchmarks only).
         """
         root = Path(path)
-        if not root.exists():
-            raise StoreError(
-                f"token store {str(root)!r} does not exist. Expected a folder made by "
-                "`zephon prepare INPUT... --tokenizer DIR --output STORE`."
-            )
-        if not root.is_dir():
-            raise StoreError(
-                f"token store {str(root)!r} is a file, expected a folder made by `zephon prepare`."
-            )
-        mpath = root / MANIFEST
-        if not mpath.is_file():
-            raise StoreError(
-                f"token store {str(root)!r} has no {MANIFEST}; it is not a store or its "
-                f"preparation did not finish. {REPREPARE}"
-            )
-        try:
-            manifest = json.loads(mpath.read_text())
-        except (OSError, ValueError, RecursionError) as e:  # RecursionError: deep JSON
-            raise StoreError(f"cannot read {str(mpath)!r}: {e}. {REPREPARE}") from None
-        if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-            raise StoreError(
-                f"{str(mpath)!r} is not a token store manifest (expected format {FORMAT!r})."
-            )
-        version = manifest.get("version")
-        if version not in READABLE_VERSIONS:
-            raise StoreError(
-                f"{str(mpath)!r} has store format version {version!r}, this "
-                f"version of zephon reads versions {list(READABLE_VERSIONS)}. {REPREPARE}"
-            )
-        try:
-            expected = manifest["fingerprint"]
-            if not isinstance(expected, str):
-                raise TypeError(f"fingerprint is a {type(expected).__name__}, not text")
-            dtype = DTYPES[manifest["dtype"]]
-            num_tokens = int(manifest["num_tokens"])
-            num_docs = int(manifest["num_documents"])
-            if num_docs < 0:
-                raise ValueError(f"num_documents is {num_docs}")
-            int(manifest["tokenizer"]["vocab_size"]), manifest["tokenizer"]["sha256"]
-            int(manifest["eos_id"])
-            if version >= 2:
-                manifest["content"]
-            _check_sources(manifest.get("sources", []))
-        except (KeyError, TypeError, ValueError, OverflowError) as e:  # Overflow: 1e400
-            raise StoreError(
-                f"{str(mpath)!r} is missing or has an invalid field ({e}). {REPREPARE}"
-            ) from None
-        actual = manifest_fingerprint(manifest)
-        if actual != expected:
-            raise StoreError(
-                f"{str(mpath)!r} was modified after preparation: recorded fingerprint "
-                f"{expected[:16]}..., contents hash to {actual[:16]}.... {REPREPARE}"
-            )
-        if num_tokens < 1:
-            raise StoreError(f"token store {str(root)!r} holds no tokens. {REPREPARE}")
-        tokens = map_file(root / TOKENS, dtype, num_tokens)
-        doc_offsets = map_file(root / DOC_OFFSETS, np.dtype("<i8"), num_docs)
-        if version >= 2:
-            content, where = manifest["content"], mpath
-        else:
-            content, where = _read_content(root), root / CONTENT
+        manifest = open_manifest(root)
+        num_tokens = int(manifest["num_tokens"])
+        tokens = map_file(root / TOKENS, DTYPES[manifest["dtype"]], num_tokens)
+        doc_offsets = map_file(root / DOC_OFFSETS, np.dtype("<i8"), int(manifest["num_documents"]))
+        content, where = read_content(root, manifest)
         checksums = None
         if content is None:
             warnings.warn(
@@ -207,7 +145,7 @@ class TokenStore:
                 stacklevel=2,
             )
         else:
-            checksums = _map_checksums(root, content, where, num_tokens)
+            checksums = map_checksums(root, content, where, num_tokens)
         return cls(root, manifest, tokens, doc_offsets, content, checksums, verify=verify)
 
     def num_samples(self, seq_len: int) -> int:
@@ -430,62 +368,3 @@ class TokenStore:
             + self.num_chunks * 8,
             "sources": m.get("sources", []),
         }
-
-
-def _map_checksums(root: Path, content: dict[str, Any], where: Path, num_tokens: int) -> np.ndarray:
-    """Map checksums.bin after checking the content section (from ``where``) and the file's
-    own hash against it."""
-    try:
-        chunk_tokens = int(content["chunk_tokens"])
-        int(content["max_token_id"])
-        recorded = str(content["checksums_xxh3_128"])
-        str(content["doc_offsets_xxh3_128"])
-        if content["algorithm"] != CHECKSUM_ALGORITHM or chunk_tokens < 1:
-            raise ValueError(
-                f"algorithm {content['algorithm']!r}, chunk_tokens {chunk_tokens}; expected "
-                f"{CHECKSUM_ALGORITHM!r} and >= 1"
-            )
-    except (KeyError, TypeError, ValueError) as e:
-        raise StoreError(
-            f"{str(where)!r}: the content section is missing or has an invalid field ({e}). "
-            f"{REPREPARE}"
-        ) from None
-    checksums = map_file(root / CHECKSUMS, np.dtype("<u8"), -(-num_tokens // chunk_tokens))
-    found = xxhash.xxh3_128_hexdigest(checksums)
-    if found != recorded:
-        raise StoreError(
-            f"store file {str(root / CHECKSUMS)!r} was modified after preparation: "
-            f"{where.name} records xxh3-128 {recorded[:16]}..., the file hashes to "
-            f"{found[:16]}.... {REPREPARE}"
-        )
-    return checksums
-
-
-def _read_content(root: Path) -> dict[str, Any] | None:
-    """The content section a version-1 store gained by ``upgrade_store``, if any."""
-    path = root / CONTENT
-    if not path.exists():
-        return None
-    try:
-        content = json.loads(path.read_text())
-        if not isinstance(content, dict):
-            raise ValueError(f"expected a JSON object, found {type(content).__name__}")
-    except (OSError, ValueError) as e:
-        raise StoreError(
-            f"cannot read {str(path)!r}: {e}. Delete it and run `zephon inspect {root} "
-            "--upgrade` again."
-        ) from None
-    return content
-
-
-def _check_sources(sources: Any) -> None:
-    """Source records as prepare writes them (inspect prints these fields)."""
-    if not isinstance(sources, list) or not all(
-        isinstance(s, dict)
-        and isinstance(s.get("name"), str)
-        and isinstance(s.get("sha256"), str)
-        and isinstance(s.get("size"), int)
-        and "kind" in s
-        for s in sources
-    ):
-        raise TypeError("sources is not a list of {name, kind, sha256, size} records")

@@ -1,0 +1,165 @@
+"""What opening a store checks: its manifest and checksums.bin, before anything is mapped.
+
+Role: the checks ``reader.TokenStore.open`` makes of a store folder. The manifest
+(``open_manifest``): a folder holding one, in the store format, of a readable version,
+every field the reader uses well-formed (source records too), the recorded fingerprint
+the one its contents hash to, at least one token. The content section
+(``read_content``): the manifest's, or the content.json that ``upgrade.upgrade_store``
+put beside a version-1 store. checksums.bin (``map_checksums``): the content section
+well-formed, the file mapped at the size it implies and its xxh3-128 the one recorded.
+
+Invariant: each returns only what passed its checks, and raises a StoreError naming the
+file, what is wrong and what to do otherwise; none reads tokens.bin or doc_offsets.bin
+(the reader maps those, ``format.map_file`` checking their sizes).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from torchtitan_zephon.store.format import (
+    CHECKSUM_ALGORITHM,
+    CHECKSUMS,
+    CONTENT,
+    DTYPES,
+    FORMAT,
+    MANIFEST,
+    READABLE_VERSIONS,
+    REPREPARE,
+    StoreError,
+    manifest_fingerprint,
+    map_file,
+)
+
+
+def open_manifest(root: Path) -> dict[str, Any]:
+    """The manifest of the store folder ``root``, checked (see the module docstring);
+    StoreError when the store is not usable."""
+    if not root.exists():
+        raise StoreError(
+            f"token store {str(root)!r} does not exist. Expected a folder made by "
+            "`zephon prepare INPUT... --tokenizer DIR --output STORE`."
+        )
+    if not root.is_dir():
+        raise StoreError(
+            f"token store {str(root)!r} is a file, expected a folder made by `zephon prepare`."
+        )
+    mpath = root / MANIFEST
+    if not mpath.is_file():
+        raise StoreError(
+            f"token store {str(root)!r} has no {MANIFEST}; it is not a store or its "
+            f"preparation did not finish. {REPREPARE}"
+        )
+    try:
+        manifest = json.loads(mpath.read_text())
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: deep JSON
+        raise StoreError(f"cannot read {str(mpath)!r}: {e}. {REPREPARE}") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise StoreError(
+            f"{str(mpath)!r} is not a token store manifest (expected format {FORMAT!r})."
+        )
+    version = manifest.get("version")
+    if version not in READABLE_VERSIONS:
+        raise StoreError(
+            f"{str(mpath)!r} has store format version {version!r}, this "
+            f"version of zephon reads versions {list(READABLE_VERSIONS)}. {REPREPARE}"
+        )
+    try:
+        expected = manifest["fingerprint"]
+        if not isinstance(expected, str):
+            raise TypeError(f"fingerprint is a {type(expected).__name__}, not text")
+        DTYPES[manifest["dtype"]]
+        num_tokens = int(manifest["num_tokens"])
+        num_docs = int(manifest["num_documents"])
+        if num_docs < 0:
+            raise ValueError(f"num_documents is {num_docs}")
+        int(manifest["tokenizer"]["vocab_size"]), manifest["tokenizer"]["sha256"]
+        int(manifest["eos_id"])
+        if version >= 2:
+            manifest["content"]
+        _check_sources(manifest.get("sources", []))
+    except (KeyError, TypeError, ValueError, OverflowError) as e:  # Overflow: 1e400
+        raise StoreError(
+            f"{str(mpath)!r} is missing or has an invalid field ({e}). {REPREPARE}"
+        ) from None
+    actual = manifest_fingerprint(manifest)
+    if actual != expected:
+        raise StoreError(
+            f"{str(mpath)!r} was modified after preparation: recorded fingerprint "
+            f"{expected[:16]}..., contents hash to {actual[:16]}.... {REPREPARE}"
+        )
+    if num_tokens < 1:
+        raise StoreError(f"token store {str(root)!r} holds no tokens. {REPREPARE}")
+    return manifest
+
+
+def read_content(root: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any] | None, Path]:
+    """The content section of the store ``root`` (None: a version-1 store not upgraded)
+    and the file it was read from, for messages."""
+    if manifest["version"] >= 2:
+        return manifest["content"], root / MANIFEST
+    return _read_content(root), root / CONTENT
+
+
+def map_checksums(root: Path, content: dict[str, Any], where: Path, num_tokens: int) -> np.ndarray:
+    """Map checksums.bin after checking the content section (from ``where``) and the file's
+    own hash against it."""
+    try:
+        chunk_tokens = int(content["chunk_tokens"])
+        int(content["max_token_id"])
+        recorded = str(content["checksums_xxh3_128"])
+        str(content["doc_offsets_xxh3_128"])
+        if content["algorithm"] != CHECKSUM_ALGORITHM or chunk_tokens < 1:
+            raise ValueError(
+                f"algorithm {content['algorithm']!r}, chunk_tokens {chunk_tokens}; expected "
+                f"{CHECKSUM_ALGORITHM!r} and >= 1"
+            )
+    except (KeyError, TypeError, ValueError) as e:
+        raise StoreError(
+            f"{str(where)!r}: the content section is missing or has an invalid field ({e}). "
+            f"{REPREPARE}"
+        ) from None
+    checksums = map_file(root / CHECKSUMS, np.dtype("<u8"), -(-num_tokens // chunk_tokens))
+    found = xxhash.xxh3_128_hexdigest(checksums)
+    if found != recorded:
+        raise StoreError(
+            f"store file {str(root / CHECKSUMS)!r} was modified after preparation: "
+            f"{where.name} records xxh3-128 {recorded[:16]}..., the file hashes to "
+            f"{found[:16]}.... {REPREPARE}"
+        )
+    return checksums
+
+
+def _read_content(root: Path) -> dict[str, Any] | None:
+    """The content section a version-1 store gained by ``upgrade_store``, if any."""
+    path = root / CONTENT
+    if not path.exists():
+        return None
+    try:
+        content = json.loads(path.read_text())
+        if not isinstance(content, dict):
+            raise ValueError(f"expected a JSON object, found {type(content).__name__}")
+    except (OSError, ValueError) as e:
+        raise StoreError(
+            f"cannot read {str(path)!r}: {e}. Delete it and run `zephon inspect {root} "
+            "--upgrade` again."
+        ) from None
+    return content
+
+
+def _check_sources(sources: Any) -> None:
+    """Source records as prepare writes them (inspect prints these fields)."""
+    if not isinstance(sources, list) or not all(
+        isinstance(s, dict)
+        and isinstance(s.get("name"), str)
+        and isinstance(s.get("sha256"), str)
+        and isinstance(s.get("size"), int)
+        and "kind" in s
+        for s in sources
+    ):
+        raise TypeError("sources is not a list of {name, kind, sha256, size} records")
