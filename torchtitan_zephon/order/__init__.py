@@ -3,8 +3,9 @@
 Role: pure index math from a data config (stores' sizes and fingerprints, seed,
 batch schedule, mixture) to sample keys: ``permutation`` (a keyed bijection per
 epoch), ``layout`` (steps over positions, rank slices, micro-batches), ``stream``
-(one store's stream, sample keys), ``mixture/`` (config, spec, rule, plan) and
-``state`` (the data config, the data state, the resume rule).
+(one store's stream, sample keys), ``mixture/`` (config, spec, rule, plan),
+``data_config`` (the data config), ``state`` (the data state) and ``resume`` (the
+resume rule).
 
 Invariant: pure and deterministic: the same config gives the same keys on every
 rank, process and machine. Imports only ``store`` (format helpers) besides
