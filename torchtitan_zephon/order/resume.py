@@ -4,8 +4,10 @@ Role: ``check_resume(saved, current, allow_changes, first_correction=...)``
 compares a checkpoint's ``DataState`` with the job's ``DataConfig`` and returns a
 ``ResumeDecision`` (the anchor the current schedule counts positions from, what
 was accepted) or raises ``DataStateMismatch`` naming every refused change with the
-opt-in that accepts it. The first step a mixture rule corrects comes from the
-job's data, which owns the plans (``first_correction``): this module builds none.
+opt-in that accepts it. Where the saved next step starts under the current
+schedule is the layout's answer (``order.layout.Layout``); the first step a
+mixture rule corrects comes from the job's data, which owns the plans
+(``first_correction``): this module builds none.
 
 Invariants: ``check_resume`` accepts exactly when every differing field is
 allowed, and then the current plan continues at the saved consumed position: no
@@ -34,7 +36,7 @@ from torchtitan_zephon.order.data_config import (
     DataStateMismatch,
     config_text,
 )
-from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.config import MixtureError
 from torchtitan_zephon.order.mixture.spec import MixtureSpec, past_changes
 from torchtitan_zephon.order.state import DataState
@@ -192,24 +194,17 @@ def check_resume(
     if "schedule" in differing:  # accepted: count the new schedule from the saved position
         anchor = (saved.next_step, saved.consumed_positions)
         return ResumeDecision(anchor, tuple(differing), tuple(extended), tuple(notes), keep)
-    anchor_step, anchor_pos = saved.position_anchor
-    schedule = current.batch_schedule()
+    layout = Layout(current.batch_schedule(), saved.position_anchor)
     expected = None
-    if saved.next_step >= anchor_step >= 1:
-        expected = (
-            anchor_pos
-            + schedule.first_position(saved.next_step)
-            - schedule.first_position(anchor_step)
-        )
+    if saved.next_step >= layout.anchor_step >= 1:  # a step the anchor places
+        expected = layout.step_positions(saved.next_step)[0]
     if expected != saved.consumed_positions:
         raise DataStateMismatch(
             f"data state is inconsistent: step {saved.next_step} should start at position "
-            f"{expected} under schedule {schedule}, but the state records "
+            f"{expected} under schedule {layout.schedule}, but the state records "
             f"consumed_positions={saved.consumed_positions}. The checkpoint's data state is corrupt."
         )
-    return ResumeDecision(
-        (anchor_step, anchor_pos), tuple(differing), tuple(extended), tuple(notes), keep
-    )
+    return ResumeDecision(layout.anchor, tuple(differing), tuple(extended), tuple(notes), keep)
 
 
 def _mixture_change(
