@@ -66,8 +66,9 @@ from torchtitan_zephon.order.layout import (
     store_fix,
 )
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError, fraction_text
-from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream
+from torchtitan_zephon.order.mixture.plan import MixturePlan
 from torchtitan_zephon.order.mixture.spec import SPEC_FORMAT, MixtureSpec, resolve_mixture
+from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.order.stream import ID_MASK, DataPlan, StreamPlan, split_keys
 from torchtitan_zephon.store.format import BUILTIN_PREFIX, StoreError, fingerprint

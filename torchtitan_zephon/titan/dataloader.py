@@ -32,7 +32,8 @@ from torchtitan_zephon.order.layout import (
     store_fix,
 )
 from torchtitan_zephon.order.mixture.config import MixtureConfig
-from torchtitan_zephon.order.mixture.plan import MixtureStream, deviation_warning
+from torchtitan_zephon.order.mixture.plan import deviation_warning
+from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
