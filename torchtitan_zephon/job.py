@@ -205,7 +205,7 @@ class StoreData:
         self.warnings: list[str] = []
 
     def __repr__(self) -> str:
-        return f"StoreSource({self.store!r}, seq_len={self.seq_len})"
+        return f"StoreData({self.store!r}, seq_len={self.seq_len})"
 
     def data_config(
         self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
@@ -289,7 +289,7 @@ class MixtureData:
     ) -> None:
         names = spec.names
         if names != sorted(names):
-            raise MixtureError(f"a MixtureSource needs its sources in name order, found {names}.")
+            raise MixtureError(f"a MixtureData needs its sources in name order, found {names}.")
         for s in spec.sources:
             if s.num_samples + s.heldout_samples > ID_MASK:
                 raise MixtureError(
@@ -334,7 +334,7 @@ class MixtureData:
         return cls(spec, stores, seq_len, path=path)
 
     def __repr__(self) -> str:
-        return f"MixtureSource({self.path!r}, sources={self.names}, seq_len={self.seq_len})"
+        return f"MixtureData({self.path!r}, sources={self.names}, seq_len={self.seq_len})"
 
     def data_config(
         self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
@@ -361,7 +361,7 @@ class MixtureData:
         if not self.spec.is_written_as(config.mixture):
             raise MixtureError(
                 "the data config's mixture is not this source's mixture; build the config "
-                "with MixtureSource.data_config."
+                "with MixtureData.data_config."
             )
         key = (config.fingerprint, (int(anchor[0]), int(anchor[1])))
         if self._plan is None or self._plan[0] != key:
