@@ -11,10 +11,13 @@ from tests.conftest import copy_store, edit_token
 from tests.order.test_mixture import batch_schedules, mixtures
 from torchtitan_zephon.job import MixtureData, StoreData, mixture_progress, plan_of
 from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.config import MixtureConfig
-from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream
-from torchtitan_zephon.order.state import DataConfig, DataState, check_resume
+from torchtitan_zephon.order.mixture.plan import MixturePlan
+from torchtitan_zephon.order.mixture.stream import MixtureStream
+from torchtitan_zephon.order.resume import check_resume
+from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.order.stream import ID_MASK, DataPlan, make_keys, split_keys
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore

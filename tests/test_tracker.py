@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.order.state import DataConfig
 from torchtitan_zephon.tracker import SequenceTracker, TrackerError, genesis, read_log
 
 TOPO = {"world_size": 2, "dp_degree": 2, "nnodes": 1}

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from torchtitan_zephon.cli.verify import check_log, compare_logs
+from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.order.state import DataConfig
 from torchtitan_zephon.tracker import SequenceTracker, TrackerError, reader
 from torchtitan_zephon.tracker.blocks import RecordRun
 from torchtitan_zephon.tracker.compare import _Ranges

@@ -22,7 +22,7 @@ window of a rank's stream), ``windows(keys, seq_len)`` (the tokens, checked by
 their store), ``id_limit`` / ``out_of_vocab`` (the vocabulary guard) and
 ``heldout`` (each source's held-out samples, for validation). Plans are built
 here, never in the engine's resume rule: ``first_correction(config)`` is what
-``order.state.check_resume`` asks of a mixture saved under another rule.
+``order.resume.check_resume`` asks of a mixture saved under another rule.
 
 Ownership: a job opens its data once (``StoreData`` / ``MixtureData.open``) and
 hands that object on; the trainer hands it to the preflight, the loader and the
@@ -58,6 +58,7 @@ import numpy as np
 
 from torchtitan_zephon.ingest.builtin import builtin_store_path
 from torchtitan_zephon.ingest.cache import RawInputs, names_store, raw_store
+from torchtitan_zephon.order.data_config import MIXTURE_FIELD, DataConfig
 from torchtitan_zephon.order.layout import (
     BatchSchedule,
     Layout,
@@ -65,9 +66,10 @@ from torchtitan_zephon.order.layout import (
     store_fix,
 )
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError, fraction_text
-from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream
+from torchtitan_zephon.order.mixture.plan import MixturePlan
 from torchtitan_zephon.order.mixture.spec import SPEC_FORMAT, MixtureSpec, resolve_mixture
-from torchtitan_zephon.order.state import MIXTURE_FIELD, DataConfig, DataState
+from torchtitan_zephon.order.mixture.stream import MixtureStream
+from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.order.stream import ID_MASK, DataPlan, StreamPlan, split_keys
 from torchtitan_zephon.store.format import BUILTIN_PREFIX, StoreError, fingerprint
 from torchtitan_zephon.store.group import StoreGroup
@@ -203,7 +205,7 @@ class StoreData:
         self.warnings: list[str] = []
 
     def __repr__(self) -> str:
-        return f"StoreSource({self.store!r}, seq_len={self.seq_len})"
+        return f"StoreData({self.store!r}, seq_len={self.seq_len})"
 
     def data_config(
         self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
@@ -287,7 +289,7 @@ class MixtureData:
     ) -> None:
         names = spec.names
         if names != sorted(names):
-            raise MixtureError(f"a MixtureSource needs its sources in name order, found {names}.")
+            raise MixtureError(f"a MixtureData needs its sources in name order, found {names}.")
         for s in spec.sources:
             if s.num_samples + s.heldout_samples > ID_MASK:
                 raise MixtureError(
@@ -332,7 +334,7 @@ class MixtureData:
         return cls(spec, stores, seq_len, path=path)
 
     def __repr__(self) -> str:
-        return f"MixtureSource({self.path!r}, sources={self.names}, seq_len={self.seq_len})"
+        return f"MixtureData({self.path!r}, sources={self.names}, seq_len={self.seq_len})"
 
     def data_config(
         self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
@@ -359,7 +361,7 @@ class MixtureData:
         if not self.spec.is_written_as(config.mixture):
             raise MixtureError(
                 "the data config's mixture is not this source's mixture; build the config "
-                "with MixtureSource.data_config."
+                "with MixtureData.data_config."
             )
         key = (config.fingerprint, (int(anchor[0]), int(anchor[1])))
         if self._plan is None or self._plan[0] != key:
@@ -436,7 +438,7 @@ def plan_of(
 def first_correction(config: DataConfig) -> int | None:
     """The first step the current mixture rule corrects under ``config``'s weights and
     batch schedule, whatever rule ``config`` records (``MixturePlan.first_correction``);
-    None if none, or for one store. What ``order.state.check_resume`` asks of a mixture
+    None if none, or for one store. What ``order.resume.check_resume`` asks of a mixture
     saved under another rule (no store opened)."""
     if config.mixture is None:
         return None

@@ -45,8 +45,10 @@ import numpy as np
 import torch
 
 from torchtitan_zephon.job import JobData, StoreData, first_correction
+from torchtitan_zephon.order.data_config import DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
-from torchtitan_zephon.order.state import DataState, DataStateMismatch, ResumeDecision, check_resume
+from torchtitan_zephon.order.resume import ResumeDecision, check_resume
+from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 
@@ -319,7 +321,7 @@ class ZephonLoader:
     ) -> ResumeDecision:
         """Continue at the saved ``next_step``; refuse config changes not in ``allow_changes``.
 
-        The rule is ``order.state.check_resume``: ``allow_changes`` names data config
+        The rule is ``order.resume.check_resume``: ``allow_changes`` names data config
         fields whose change is accepted (``seed``, ``seq_len``, ``schedule``,
         ``sample_offset``, ``num_samples``, ``store_fingerprint``, ``tokenizer_hash``,
         any extra_config key), the aliases ``store`` (store_fingerprint +

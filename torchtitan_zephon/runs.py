@@ -21,7 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.order.state import RECORD_KEY, DataState, DataStateMismatch
+from torchtitan_zephon.order.data_config import DataStateMismatch
+from torchtitan_zephon.order.state import RECORD_KEY, DataState
 from torchtitan_zephon.tracker import LOG_NAME, LogContents, LogReader, TrackerError, read_log
 from torchtitan_zephon.tracker.forked import ForkedLogReader
 from torchtitan_zephon.tracker.reader import resolve as resolve_log

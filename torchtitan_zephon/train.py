@@ -192,7 +192,7 @@ def main() -> None:
     platform.apply()
     from torchtitan.train import main as titan_main
 
-    from torchtitan_zephon.order.state import DataStateMismatch
+    from torchtitan_zephon.order.data_config import DataStateMismatch
     from torchtitan_zephon.ownership import FolderInUse
     from torchtitan_zephon.store.format import StoreError
     from torchtitan_zephon.titan.preflight import StartRefused

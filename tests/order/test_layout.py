@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from tests.order.test_mixture import batch_schedules, mixtures
 from torchtitan_zephon.order.layout import Layout
-from torchtitan_zephon.order.mixture.plan import MixturePlan, MixtureStream
+from torchtitan_zephon.order.mixture.plan import MixturePlan
+from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.stream import DataPlan, StreamPlan
 
 

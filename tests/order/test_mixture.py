@@ -16,18 +16,14 @@ from hypothesis import strategies as st
 from torchtitan_zephon.job import open_mixture_stores
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MAX_PATTERN, MixtureConfig, MixtureError
-from torchtitan_zephon.order.mixture.plan import (
-    MixturePlan,
-    MixtureStream,
-    deviation_warning,
-    source_seed,
-)
+from torchtitan_zephon.order.mixture.plan import MixturePlan, deviation_warning, source_seed
 from torchtitan_zephon.order.mixture.spec import (
     MixtureSpec,
     past_change,
     past_changes,
     resolve_mixture,
 )
+from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.stream import DataPlan, split_keys
 
 NAMES = ["web", "code", "math", "wiki", "books", "a", "zz", "q7"]

@@ -10,14 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchtitan_zephon.job import first_correction
+from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.order.state import (
-    DataConfig,
-    DataState,
-    DataStateMismatch,
-    check_resume,
-    schedule_appended,
-)
+from torchtitan_zephon.order.resume import check_resume, schedule_appended
+from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import fingerprint
 
 
@@ -448,7 +444,7 @@ def test_config_text_writes_values_as_toml_and_json_do():
     from decimal import Decimal
     from fractions import Fraction
 
-    from torchtitan_zephon.order.state import config_text
+    from torchtitan_zephon.order.data_config import config_text
 
     for value, text in [
         (Decimal("1.5"), "1.5"), (Decimal("NaN"), "nan"), (Decimal("-Infinity"), "-inf"),

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from torchtitan_zephon.loader import DataStateMismatch
-from torchtitan_zephon.order.state import DataConfig, DataState
+from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning
 from torchtitan_zephon.titan.dataloader import batch_schedule, build_zephon_dataloader
 from torchtitan_zephon.tracker import sample_digests

@@ -15,8 +15,9 @@ import torch.distributed.checkpoint as dcp
 
 from tests.titan.expect import assert_unchanged, tree
 from torchtitan_zephon import runs
+from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.order.state import DataConfig, DataState, DataStateMismatch
+from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.titan import preflight
 from torchtitan_zephon.titan.preflight import StartRefused, choose_checkpoint, plan_start
 from torchtitan_zephon.tracker import SequenceTracker, log_path

@@ -23,8 +23,8 @@ import numpy as np
 from torchtitan_zephon.bench import tracker as tracker_bench
 from torchtitan_zephon.bench.corpus import builtin_store
 from torchtitan_zephon.bench.measure import latency, paired_latency, ratio
+from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.order.state import DataConfig
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.tracker import SequenceTracker, ids_digest, sample_digests
 

@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.ingest.builtin import cache_root
+from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.order.state import DataConfig
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.tracker import SequenceTracker, genesis, read_log
 from torchtitan_zephon.tracker.index import LogIndex, index_path

@@ -250,7 +250,8 @@ def run_mixture(
     """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
     from torchtitan_zephon.job import MixtureData
     from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
-    from torchtitan_zephon.order.mixture.plan import MixtureStream, deviation_warning
+    from torchtitan_zephon.order.mixture.plan import deviation_warning
+    from torchtitan_zephon.order.mixture.stream import MixtureStream
 
     config = MixtureConfig.load(args.mixture)
     for s in config.sources:

@@ -3,8 +3,9 @@
 Role: pure index math from a data config (stores' sizes and fingerprints, seed,
 batch schedule, mixture) to sample keys: ``permutation`` (a keyed bijection per
 epoch), ``layout`` (steps over positions, rank slices, micro-batches), ``stream``
-(one store's stream, sample keys), ``mixture/`` (config, spec, rule, plan) and
-``state`` (the data config, the data state, the resume rule).
+(one store's stream, sample keys), ``mixture/`` (config, spec, rule, build, plan,
+stream), ``data_config`` (the data config), ``state`` (the data state) and
+``resume`` (the resume rule).
 
 Invariant: pure and deterministic: the same config gives the same keys on every
 rank, process and machine. Imports only ``store`` (format helpers) besides
@@ -22,6 +23,8 @@ Glossary (one word per concept, used across the package):
 - micro-batch: ``local_batch_size`` consecutive samples of a slice (one forward).
 - window: consecutive positions of one rank's stream, looked up and read ahead together
   (``TokenStore.windows`` keeps its name: it reads the tokens of samples).
+- layout: the map step -> DP rank slice -> micro-batches -> windows, in positions, from
+  the batch schedule and the resume anchor (``layout.Layout``, its one home).
 - source: one store of a mixture, by name (a ``[[source]]`` of a mixture file).
 - stream: the sample keys of every position, the global sequence a plan defines.
 - schedule: a step-indexed setting: the batch schedule, a mixture's weight schedule.

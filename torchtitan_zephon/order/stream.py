@@ -5,7 +5,7 @@ one sample. ``StreamPlan`` is what every stream offers (keys per position, step,
 rank slice and micro-batch, and a window of a rank's stream): one implementation,
 a ``order.layout.Layout`` (which positions) composed with the stream's own map from
 positions to keys (``ids_for_positions``, ``_window_keys``). ``DataPlan`` is the
-stream of one store; a mixture's is ``order.mixture.plan.MixtureStream``. Streams
+stream of one store; a mixture's is ``order.mixture.stream.MixtureStream``. Streams
 name samples by **sample keys**: int64 values ``source << SOURCE_SHIFT | id``
 (``make_keys`` / ``split_keys``); for one store the key is the sample id.
 

@@ -23,6 +23,7 @@ from torchtitan_zephon.ingest.cache import RawInputs
 from torchtitan_zephon.ingest.inputs import OptionNames
 from torchtitan_zephon.job import JobData, MixtureData, StoreData, store_location
 from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
@@ -31,8 +32,9 @@ from torchtitan_zephon.order.layout import (
     store_fix,
 )
 from torchtitan_zephon.order.mixture.config import MixtureConfig
-from torchtitan_zephon.order.mixture.plan import MixtureStream, deviation_warning
-from torchtitan_zephon.order.state import RECORD_KEY, DataConfig, DataState, DataStateMismatch
+from torchtitan_zephon.order.mixture.plan import deviation_warning
+from torchtitan_zephon.order.mixture.stream import MixtureStream
+from torchtitan_zephon.order.state import RECORD_KEY, DataState
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests

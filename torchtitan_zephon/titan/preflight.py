@@ -7,7 +7,7 @@ with a DCP ``.metadata`` under ``job.dump_folder/checkpoint.folder``), pass over
 checkpoints whose files are incomplete or corrupt, and run every check that can
 refuse the start:
 
-* the data config against the checkpoint's data state (``order.state.check_resume``),
+* the data config against the checkpoint's data state (``order.resume.check_resume``),
 * the sequence log against the checkpoint's chain head (global rank 0),
 * a checkpoint that cannot be resumed (model-only, no Zephon data state, data
   state excluded from loading),
@@ -49,13 +49,9 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_zephon import runs
 from torchtitan_zephon.job import JobData, first_correction
-from torchtitan_zephon.order.state import (
-    DataConfig,
-    DataState,
-    DataStateMismatch,
-    allowed_fields,
-    check_resume,
-)
+from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
+from torchtitan_zephon.order.resume import allowed_fields, check_resume
+from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.titan.dataloader import (
     build_zephon_dataloader,
     check_tokenizer,

@@ -8,7 +8,7 @@
   to what governed the step*: the data config's order key (store content,
   tokenizer, seq_len, held-out split, seed, order format, a mixture's sources)
   with, for a mixture, the weights in effect at the step (see
-  ``order.state.DataConfig.step_key``), and the step's first position (its size
+  ``order.data_config.DataConfig.step_key``), and the step's first position (its size
   is the number of ids). ``chain`` is ``sha256(previous chain
   + canonical JSON of the record without "chain")``; the line is that canonical
   JSON with the chain spliced in last (``records.record_line``);

@@ -24,7 +24,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon.order.state import DataConfig
+from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.tracker.index import LogIndex
 from torchtitan_zephon.tracker.reader import LogReader
 from torchtitan_zephon.tracker.records import (

@@ -5,8 +5,8 @@ Role: the pure index math of a data mixture. A mixture file names the sources
 global batch schedule, into the ordered (source, sample id) pairs of every
 global step, DP-rank slice and micro-batch, like ``DataPlan`` does for one store. The modules: ``config`` (the
 mixture file), ``spec`` (the resolved sources and what changed between two
-specs), ``rule`` (the slot assignment) and ``plan`` (``MixturePlan``,
-``MixtureStream``).
+specs), ``rule`` (the slot assignment), ``build`` (the walk that builds a plan's
+tables), ``plan`` (``MixturePlan``) and ``stream`` (``MixtureStream``).
 
 The global stream is the slots 0, 1, 2, ...; step ``t`` covers the slots
 ``[BatchSchedule.first_position(t), + gbs(t))`` and slot ``s`` carries the
@@ -34,7 +34,7 @@ Invariants:
   earliest-deadline pattern would leave more than 1 off takes the counts with
   the least worst deviation instead when they do better
   (``rule.least_worst_counts``; at most
-  ``plan._MAX_CORRECTIONS`` = 4,096 such steps per weight entry before their
+  ``build._MAX_CORRECTIONS`` = 4,096 such steps per weight entry before their
   residuals recur; a schedule that needs more, e.g. a weight of 1e-6 at batch
   size 1, follows the pattern alone after them).
   ``MixturePlan.max_deviation`` is the exact worst over every step end. No pure

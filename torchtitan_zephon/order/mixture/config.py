@@ -23,7 +23,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.order.state import config_text
+from torchtitan_zephon.order.data_config import config_text
 from torchtitan_zephon.store.format import BUILTIN_PREFIX
 
 MAX_PATTERN = 10**6

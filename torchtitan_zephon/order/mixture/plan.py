@@ -1,11 +1,11 @@
-"""The mixture plan: (source, sample id) of every slot and step; the mixture's stream.
+"""The mixture plan: (source, sample id) of every slot and step.
 
-Role: ``MixturePlan`` walks a ``MixtureSpec``'s weight entries once over the
-batch schedule (``Layout.whole_schedule`` of its layout: every step from 1),
-building the rule's tables (``rule``), and answers the sources and sample ids of
-any slots (positions) in O(slots + sources + 512); ``MixtureStream`` shows it as
-a ``StreamPlan`` of sample keys (``order.stream``): its steps, rank slices,
-micro-batches and windows are the layout's (``order.layout``), as for one store.
+Role: ``MixturePlan`` builds a ``MixtureSpec``'s tables once over the batch
+schedule (``Layout.whole_schedule`` of its layout: every step from 1; the walk is
+``build.SegmentBuilder``, the tables the rule's, ``rule``) and answers the sources
+and sample ids of any slots (positions) in O(slots + sources + 512), the
+per-source counts and targets before any step, its worst deviation and the
+``max_epochs`` check. ``stream.MixtureStream`` shows it as a stream of sample keys.
 
 Invariants: see the package docstring (``order.mixture``): pure in the spec, the
 seed and the batch schedule; every source's ids within one of its epochs are a
@@ -19,36 +19,19 @@ import hashlib
 import math
 from collections.abc import Sequence
 from fractions import Fraction
-from typing import Any
 
 import numpy as np
 
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
-from torchtitan_zephon.order.mixture.config import (
-    MixtureError,
-    WeightEntry,
-    fraction_text,
-)
-from torchtitan_zephon.order.mixture.rule import (
-    Pattern,
-    Repeat,
-    Segment,
-    least_worst_counts,
-    simulate,
-    spread,
-)
+from torchtitan_zephon.order.mixture.build import SegmentBuilder, worst_of
+from torchtitan_zephon.order.mixture.config import MixtureError, fraction_text
+from torchtitan_zephon.order.mixture.rule import Repeat, Segment
 from torchtitan_zephon.order.mixture.spec import (
     MixtureSpec,
     effective_entries,
 )
 from torchtitan_zephon.order.permutation import map_many
-from torchtitan_zephon.order.stream import DataPlan, StreamPlan, make_keys, split_keys
-
-_MAX_CORRECTIONS = 4096
-"""Corrected steps per weight entry before their residuals recur (steps inside
-a ``Repeat`` are not counted): bounds the plan's build time; past it, the
-earliest-deadline pattern alone. Counted in step order, so pure."""
-_PROBE_STEPS = 16  # steps simulated first after a correction, before a whole pattern
+from torchtitan_zephon.order.stream import DataPlan
 
 
 def source_seed(seed: int, name: str) -> int:
@@ -57,17 +40,6 @@ def source_seed(seed: int, name: str) -> int:
         f"zephon-mixture-source-v1:{int(seed)}:{name}".encode(), digest_size=8
     ).digest()
     return int.from_bytes(digest, "little")
-
-
-def _worst_of(
-    steps: np.ndarray, worst: np.ndarray, who: np.ndarray, scale: int
-) -> tuple[Fraction, int, int]:
-    """(largest deviation, its source, its first step) of ``Segment.deviations``."""
-    if not steps.size:
-        return Fraction(0), 0, 1
-    top = worst.max()
-    k = int(np.flatnonzero(worst == top)[np.argmin(steps[worst == top])])
-    return Fraction(int(top), scale), int(who[k]), int(steps[k])
 
 
 def deviation_warning(worst: Fraction, who: str, step: int) -> str | None:
@@ -113,185 +85,18 @@ class MixturePlan:
         ranks = [0] * n
         for r, i in enumerate(order):
             ranks[i] = r
-        self.segments: list[Segment | Repeat] = []
-        self.corrected_steps = 0
-        self.first_correction: int | None = None
+        builder = SegmentBuilder(self.names, self.schedule)
         counts = np.zeros(n, dtype=np.int64)
         targets = [Fraction(0)] * n
         entries = [e for _, e in effective_entries(spec, 2**63)]
         for k, entry in enumerate(entries):
             end_step = entries[k + 1].from_step if k + 1 < len(entries) else None
-            counts, targets = self._build_entry(entry, end_step, counts, targets, ranks)
+            counts, targets = builder.add_entry(entry, end_step, counts, targets, ranks)
+        self.segments: list[Segment | Repeat] = builder.segments
+        self.corrected_steps = builder.corrected_steps
+        self.first_correction: int | None = builder.first_correction
         self._starts = [s.first_slot for s in self.segments]
         self.warnings = self._small_source_warnings()
-
-    def _build_entry(
-        self,
-        entry: WeightEntry,
-        end_step: int | None,
-        counts: np.ndarray,
-        targets: list[Fraction],
-        ranks: list[int],
-    ) -> tuple[np.ndarray, list[Fraction]]:
-        """Append the segments of steps [entry.from_step, end_step); return the
-        per-source counts and targets at ``end_step``.
-
-        Earliest deadline first from the residuals the entry inherits, cut at the
-        first step whose end would leave a source of weight > 0 more than one
-        sample from its target; that step takes ``least_worst_counts`` instead
-        and the pattern restarts after it. When the residuals after a corrected
-        step repeat those after an earlier one under the same batch size, the
-        steps from there on repeat those between (the state is the same), up to
-        the next batch-size change: one ``Repeat`` holds them, and its last
-        repetition may be partial, so a later entry cuts it without changing
-        any step before.
-        """
-        schedule = self.schedule
-        n = len(self.names)
-        weights = [entry.weights[name] for name in self.names]
-        end = None if end_step is None else schedule.first_position(end_step)
-        starts = [s for s, _ in schedule.entries]
-        step, corrections = entry.from_step, 0
-        seen: dict[tuple[Any, ...], tuple[int, int, np.ndarray]] = {}
-        while True:
-            first = schedule.first_position(step)
-            residual = [t - int(c) for t, c in zip(targets, counts, strict=True)]
-            seg, bad, chosen = self._pattern_until_bad(
-                weights, residual, ranks, step, end_step, counts, targets, corrections
-            )
-            if seg.end_slot is None or seg.end_slot > seg.first_slot:
-                self.segments.append(seg)
-            if bad is None or chosen is None:
-                if end is None:
-                    return counts, targets
-                return seg.counts(end), [
-                    t + w * (end - first) for t, w in zip(targets, weights, strict=True)
-                ]
-            # step `bad` takes the counts with the least worst deviation instead
-            cut, gbs = schedule.first_position(bad), schedule.gbs(bad)
-            counts = seg.counts(cut)
-            targets = [t + w * (cut - first) for t, w in zip(targets, weights, strict=True)]
-            after = [t + w * gbs for t, w in zip(targets, weights, strict=True)]
-            active = seg.pattern.active
-            where = np.zeros(n, dtype=np.int64)
-            where[active] = np.arange(len(active))
-            order = where[spread(chosen, ranks)].astype(seg.pattern.local.dtype)
-            fixed = Segment(
-                weights, bad, bad + 1, cut, cut + gbs, counts, targets,
-                Pattern(active, order, gbs, 0),
-            )  # fmt: skip
-            ends = [
-                (abs(t - int(c) - k), i)
-                for i, (t, c, k) in enumerate(zip(after, counts, chosen, strict=True))
-            ]
-            top = max(d for d, i in ends if weights[i] > 0)
-            fixed.report = (top, next(i for d, i in ends if weights[i] > 0 and d == top), bad)
-            self.segments.append(fixed)
-            self.corrected_steps += 1
-            if self.first_correction is None:
-                self.first_correction = bad
-            corrections += 1
-            counts = counts + np.array(chosen, dtype=np.int64)
-            targets, step = after, bad + 1
-            if end_step is not None and step >= end_step:
-                return counts, targets
-            # the same residuals under the same batch size: the steps since repeat
-            region = bisect.bisect_right(starts, step) - 1
-            key = (region, *(t - int(c) for t, c in zip(targets, counts, strict=True)))
-            if key not in seen:
-                seen[key] = (len(self.segments), step, counts)
-                continue
-            index, step0, counts0 = seen[key]
-            limit = starts[region + 1] if region + 1 < len(starts) else None
-            if end_step is not None:
-                limit = end_step if limit is None else min(limit, end_step)
-            block = self.segments[index:]
-            rep = Repeat(
-                weights, step, limit, schedule.first_position(step), counts, targets,
-                block, schedule.first_position(step0), counts - counts0, step - step0,
-            )  # fmt: skip
-            self.segments.append(rep)
-            if limit is None:
-                return counts, targets
-            last = schedule.first_position(limit)
-            counts = rep.counts(last)
-            targets = [
-                t + w * (last - rep.first_slot) for t, w in zip(targets, weights, strict=True)
-            ]
-            step = limit
-            seen.clear()
-            if end_step is not None and step >= end_step:
-                return counts, targets
-
-    def _pattern_until_bad(
-        self,
-        weights: list[Fraction],
-        residual: list[Fraction],
-        ranks: list[int],
-        step: int,
-        end_step: int | None,
-        counts: np.ndarray,
-        targets: list[Fraction],
-        corrections: int,
-    ) -> tuple[Segment, int | None, list[int] | None]:
-        """The earliest-deadline segment from ``step`` with these residuals, cut at
-        the first step it would end more than one sample off where other counts do
-        better; that step and those counts (None, None if none or no correction is
-        allowed). A short probe of the next steps comes first: right after a
-        correction the next miss is often close."""
-        schedule = self.schedule
-        first = schedule.first_position(step)
-        end = None if end_step is None else schedule.first_position(end_step)
-        period = math.lcm(*(w.denominator for w in weights))
-        probe_step = step + _PROBE_STEPS if end_step is None else min(end_step, step + _PROBE_STEPS)
-        probe = schedule.first_position(probe_step) - first
-        tries = [(probe_step, probe)] if probe < period and probe_step != end_step else []
-        for last_step, length in [*tries, (end_step, None if end is None else end - first)]:
-            active, local, prefix, cycle = simulate(weights, residual, ranks, length)
-            seg = Segment(
-                weights, step, last_step, first, None if length is None else first + length,
-                counts, targets, Pattern(active, local, prefix, cycle),
-            )  # fmt: skip
-            if corrections >= _MAX_CORRECTIONS or len(active) < 2:
-                if last_step == end_step:
-                    return seg, None, None
-                continue
-            steps, positions = seg.step_ends(schedule)
-            worst, who, scale = seg.deviations(positions)
-            bad = chosen = None
-            for k in np.flatnonzero(worst > scale)[np.argsort(steps[worst > scale])]:
-                chosen = self._better_counts(
-                    seg, int(steps[k]), Fraction(int(worst[k]), scale), ranks
-                )
-                if chosen is not None:
-                    bad = int(steps[k])
-                    break
-            if bad is not None:
-                seg.end_step, seg.end_slot = bad, schedule.first_position(bad)
-                keep = steps < bad
-                steps, worst, who = steps[keep], worst[keep], who[keep]
-            seg.report = _worst_of(steps, worst, who, scale)
-            if bad is not None or last_step == end_step:
-                return seg, bad, chosen
-        return seg, None, None
-
-    def _better_counts(
-        self, seg: Segment, step: int, worst: Fraction, ranks: list[int]
-    ) -> list[int] | None:
-        """``least_worst_counts`` of ``step`` (in ``seg``) if they end it closer than
-        the pattern's ``worst`` (the sources of weight > 0), else None."""
-        slot, gbs = self.schedule.first_position(step), self.schedule.gbs(step)
-        counts = seg.counts(slot)
-        after = [
-            t + w * (slot - seg.first_slot + gbs)
-            for t, w in zip(seg.start_targets, seg.weights, strict=True)
-        ]
-        deficit = [t - int(c) for t, c in zip(after, counts, strict=True)]
-        chosen = least_worst_counts(deficit, seg.weights, gbs, ranks)
-        best = max(
-            abs(d - k) for d, k, w in zip(deficit, chosen, seg.weights, strict=True) if w > 0
-        )
-        return chosen if best < worst else None
 
     # ------------------------------------------------------------ accounting
 
@@ -370,7 +175,7 @@ class MixturePlan:
                     worst, who, when = r, self.names[i], seg.first_step
             if seg.report is None:
                 steps, positions = seg.step_ends(self.schedule)
-                seg.report = _worst_of(steps, *seg.deviations(positions))
+                seg.report = worst_of(steps, *seg.deviations(positions))
             value, source, step = seg.report
             if value > worst:
                 worst, who, when = value, self.names[source], step
@@ -481,28 +286,3 @@ class MixturePlan:
         """(source index, sample id) of every slot of global step ``step``, in order."""
         first, gbs = self.step_slots(step)
         return self.ids_for_slots(first, gbs, step=step)
-
-
-class MixtureStream(StreamPlan):
-    """A ``MixturePlan`` as a stream of sample keys, over the plan's layout."""
-
-    def __init__(self, mixture: MixturePlan) -> None:
-        self.mixture = mixture
-        self.layout = mixture.layout
-        self.names = mixture.names
-
-    def ids_for_positions(self, first: int, count: int) -> np.ndarray:
-        return make_keys(*self.mixture.ids_for_slots(first, count))
-
-    def _keys(self, first: int, count: int, step: int) -> np.ndarray:
-        return make_keys(*self.mixture.ids_for_slots(first, count, step=step))
-
-    def _window_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """One permutation call per source and epoch for the whole window."""
-        ranges = list(zip(starts.tolist(), counts.tolist(), strict=True))
-        return make_keys(*self.mixture.ids_for_ranges(ranges))
-
-    def decode(self, keys: np.ndarray) -> tuple[list[str], np.ndarray]:
-        """(source name, per-source sample id) of each key."""
-        sources, ids = split_keys(keys)
-        return [self.names[i] for i in sources.tolist()], ids

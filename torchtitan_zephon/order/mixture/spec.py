@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from torchtitan_zephon.order.data_config import config_text
 from torchtitan_zephon.order.layout import (
     no_sample_text,
     store_fix,
@@ -30,7 +31,6 @@ from torchtitan_zephon.order.mixture.config import (
     fraction_text,
     parse_schedule,
 )
-from torchtitan_zephon.order.state import config_text
 
 SPEC_FORMAT = "zephon-mixture/2"
 _OLD_SPEC_FORMATS = ("zephon-mixture/1",)

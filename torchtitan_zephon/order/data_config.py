@@ -1,0 +1,244 @@
+"""The data config: every setting that decides which tokens a step sees, and its keys.
+
+Role: the one owner of the **data config** (``DataConfig``): store content,
+tokenizer, seq_len, held-out split, seed, batch schedule, order format and, for a
+mixture, the mixture spec (its sources and weight schedule, in the extra field
+``mixture``), with its fingerprint, order key and step keys, to and from JSON. Also
+``config_text`` (a value as the user wrote it, for the order engine's messages) and
+``DataStateMismatch``, the error of a saved record that is corrupt or does not match
+(``order.state``, ``order.resume``).
+
+Invariants:
+- ``DataConfig.fingerprint`` depends only on fields that govern the data,
+  never on the topology. ``DataConfig.order_key`` is the same without the batch
+  schedule and without a mixture's weight schedule: it binds what maps a
+  position to a sample, so a step's log record can bind what governed that step
+  while a schedule extended only for later steps leaves earlier steps' records
+  unchanged. ``DataConfig.step_key(s)`` adds the weights in effect at step ``s``
+  (a mixture; otherwise it is the order key): a step's ids digest binds it.
+- A saved config of format 1 (no ``order_format``) reads as order format 1; a
+  field that does not parse raises ``DataStateMismatch`` naming it.
+"""
+
+from __future__ import annotations
+
+import datetime
+import decimal
+import functools
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.store.format import fingerprint
+
+ORDER_FORMAT = 1
+"""Version of the position -> sample mapping (Feistel v1 permutation per epoch,
+contiguous DP slices). A new mapping gets a new number, so its runs never match
+or resume runs of the old one."""
+MIXTURE_FIELD = "mixture"
+"""The extra config field holding a mixture's canonical spec (``MixtureSpec.to_json``)."""
+CORE_FIELDS = (
+    "seq_len",
+    "seed",
+    "schedule",
+    "sample_offset",
+    "num_samples",
+    "store_fingerprint",
+    "tokenizer_hash",
+    "order_format",
+)
+
+
+class DataStateMismatch(ValueError):
+    """A saved data state does not match the current data config, or is corrupt."""
+
+
+def config_text(value: Any, limit: int = 200) -> str:
+    """A value of a config file or saved record as the user wrote it (TOML / JSON), for
+    messages: ``1.5``, ``3/4``, ``null``, ``true``, ``'text'``, ``[1, 2]``,
+    ``{ a = 1 }``; never Python's repr (``Decimal('1.5')``) or type names. Cut after
+    ``limit`` characters."""
+    text = _config_text(value)
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _config_text(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):  # a TOML literal string where it can be one, as names are shown
+        plain = "'" not in value and value.isprintable()
+        return f"'{value}'" if plain else json.dumps(value, ensure_ascii=False)
+    if isinstance(value, Fraction):
+        return f"{value.numerator}/{value.denominator}"
+    if isinstance(value, decimal.Decimal) and not value.is_finite():  # TOML's spelling
+        return "nan" if value.is_nan() else "-inf" if value < 0 else "inf"
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else "-inf" if value < 0 else "inf"
+    if isinstance(value, (int, float, decimal.Decimal)):
+        return str(value)
+    if isinstance(value, Mapping):
+        inner = ", ".join(f"{k} = {_config_text(v)}" for k, v in value.items())
+        return f"{{ {inner} }}" if inner else "{}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_config_text(v) for v in value) + "]"
+    if isinstance(value, (datetime.date, datetime.time)):  # TOML dates and times
+        return value.isoformat()
+    return str(value)
+
+
+def saved_int(d: Mapping[str, Any], name: str, what: str, default: Any = None) -> int:
+    """Field ``name`` of a saved record as an integer, or DataStateMismatch naming it."""
+    value = d.get(name, default)
+    if value is None:
+        raise DataStateMismatch(f"{what} has no field {name!r}; the checkpoint is corrupt.")
+    try:
+        if isinstance(value, bool):
+            raise TypeError
+        return int(value)
+    except (TypeError, ValueError):
+        raise DataStateMismatch(
+            f"{what} has an invalid field {name!r}: {config_text(value)}, expected an integer; "
+            "the checkpoint is corrupt."
+        ) from None
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Everything that decides which tokens each step sees, and nothing else."""
+
+    seq_len: int
+    seed: int
+    schedule: tuple[tuple[int, int], ...]
+    sample_offset: int
+    num_samples: int
+    store_fingerprint: str
+    tokenizer_hash: str
+    order_format: int = ORDER_FORMAT
+    extra: tuple[tuple[str, Any], ...] = ()
+    """Further data-governing fields (sorted (name, JSON value) pairs)."""
+
+    @classmethod
+    def make(
+        cls,
+        *,
+        seq_len: int,
+        seed: int,
+        schedule: BatchSchedule,
+        sample_offset: int,
+        num_samples: int,
+        store_fingerprint: str,
+        tokenizer_hash: str,
+        extra: Mapping[str, Any] | None = None,
+    ) -> DataConfig:
+        clash = set(CORE_FIELDS) & set(extra or {})
+        if clash:
+            raise ValueError(f"extra data config may not redefine fields {sorted(clash)}.")
+        return cls(
+            seq_len=int(seq_len),
+            seed=int(seed),
+            schedule=tuple((int(s), int(g)) for s, g in schedule.entries),
+            sample_offset=int(sample_offset),
+            num_samples=int(num_samples),
+            store_fingerprint=str(store_fingerprint),
+            tokenizer_hash=str(tokenizer_hash),
+            extra=tuple(sorted((extra or {}).items())),
+        )
+
+    def batch_schedule(self) -> BatchSchedule:
+        return BatchSchedule(list(self.schedule))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "seq_len": self.seq_len,
+            "seed": self.seed,
+            "schedule": [[s, g] for s, g in self.schedule],
+            "sample_offset": self.sample_offset,
+            "num_samples": self.num_samples,
+            "store_fingerprint": self.store_fingerprint,
+            "tokenizer_hash": self.tokenizer_hash,
+            "order_format": self.order_format,
+            **dict(self.extra),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DataConfig:
+        """Parse a saved config; a format-1 config (no ``order_format``) means order 1."""
+        what = "the saved data config"
+        if not isinstance(d, Mapping):
+            raise DataStateMismatch(
+                f"{what} is {config_text(d)}, not a JSON object; the checkpoint's data state "
+                "is corrupt or was written by another tool."
+            )
+        raw = d.get("schedule")
+        try:
+            schedule = tuple((int(s), int(g)) for s, g in raw)
+        except (TypeError, ValueError):
+            raise DataStateMismatch(
+                f"{what} has an invalid field 'schedule': {config_text(raw)}, expected "
+                "[[step, global batch size], ...]; the checkpoint's data state is corrupt or "
+                "was written by another tool."
+            ) from None
+        for name in ("store_fingerprint", "tokenizer_hash"):
+            if name not in d:
+                raise DataStateMismatch(f"{what} has no field {name!r}; the checkpoint is corrupt.")
+        return cls(
+            seq_len=saved_int(d, "seq_len", what),
+            seed=saved_int(d, "seed", what),
+            schedule=schedule,
+            sample_offset=saved_int(d, "sample_offset", what, 0),
+            num_samples=saved_int(d, "num_samples", what),
+            store_fingerprint=str(d["store_fingerprint"]),
+            tokenizer_hash=str(d["tokenizer_hash"]),
+            order_format=saved_int(d, "order_format", what, 1),
+            extra=tuple(sorted((k, v) for k, v in d.items() if k not in CORE_FIELDS)),
+        )
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """Hex sha256 of the canonical JSON of the whole config."""
+        return fingerprint(self.to_dict())
+
+    @property
+    def mixture(self) -> Mapping[str, Any] | None:
+        """The mixture spec JSON (``MixtureSpec.to_json``), or None for one store."""
+        value = dict(self.extra).get(MIXTURE_FIELD)
+        return value if isinstance(value, Mapping) else None
+
+    @functools.cached_property
+    def order_key(self) -> str:
+        """Hex sha256 of the config without its batch schedule (nor a mixture's weight
+        schedule): what maps positions to samples. A step's ids digest binds it (through
+        ``step_key``) together with the step's positions."""
+        body = self.to_dict()
+        del body["schedule"]
+        if self.mixture is not None:
+            body[MIXTURE_FIELD] = {k: v for k, v in self.mixture.items() if k != "schedule"}
+        return fingerprint(body)
+
+    @functools.cached_property
+    def _weight_entries(self) -> tuple[tuple[int, Any], ...]:
+        entries = (self.mixture or {}).get("schedule") or ()
+        return tuple((int(e["from_step"]), e["weights"]) for e in entries)
+
+    def step_key(self, step: int) -> str:
+        """What step ``step``'s ids digest binds besides its ids and positions: the order
+        key, and for a mixture the weights in effect at that step (exact fractions)."""
+        if not self._weight_entries:
+            return self.order_key
+        weights = None
+        for from_step, w in self._weight_entries:
+            if from_step > step:
+                break
+            weights = w
+        return fingerprint({"order_key": self.order_key, "weights": weights})
+
+    def differing(self, other: DataConfig) -> list[str]:
+        """Names of the fields whose values differ (sorted)."""
+        a, b = self.to_dict(), other.to_dict()
+        return sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
