@@ -65,7 +65,7 @@ def _mixture(state: dict[str, Any] | None) -> dict[str, Any] | None:
     """Per source of a mixture's data state: realized vs target samples and epoch."""
     if not state or "error" in state:
         return None
-    from torchtitan_zephon.job import mixture_progress
+    from torchtitan_zephon.job.plans import mixture_progress
 
     try:
         return mixture_progress(DataState.from_dict(state))

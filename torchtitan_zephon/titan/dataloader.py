@@ -21,7 +21,8 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.ingest.cache import RawInputs
 from torchtitan_zephon.ingest.inputs import OptionNames
-from torchtitan_zephon.job import JobData, MixtureData, StoreData, store_location
+from torchtitan_zephon.job.data import JobData, MixtureData, StoreData
+from torchtitan_zephon.job.stores import store_location
 from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
@@ -69,7 +70,7 @@ def raw_inputs(job_config: Any) -> RawInputs:
 
 def resolve_store(job_config: Any) -> TokenStore:
     """Open ``zephon.store`` (a store folder, or raw inputs prepared into the cache on
-    first use: ``job.store_location``), or the builtin store when it is empty."""
+    first use: ``job.stores.store_location``), or the builtin store when it is empty."""
     path = job_config.zephon.store
     if not path:
         from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR, builtin_store_path

@@ -48,7 +48,8 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon import runs
-from torchtitan_zephon.job import JobData, first_correction
+from torchtitan_zephon.job.data import JobData
+from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.order.state import (
     DataConfig,
     DataState,

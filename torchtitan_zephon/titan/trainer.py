@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from torchtitan_zephon.job import JobData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.ownership import RunFolderLock, torchrun_agent
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.titan import platform, preflight

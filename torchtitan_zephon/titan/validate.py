@@ -39,7 +39,7 @@ from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.job import JobData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.reader import TokenStore
