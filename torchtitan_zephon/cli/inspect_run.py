@@ -22,8 +22,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon import ownership, runs
+from torchtitan_zephon import runs
 from torchtitan_zephon.order.state import DataState
+from torchtitan_zephon.ownership.holder import lock_path, read_holder
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -166,11 +167,11 @@ def _losses(run: Path) -> dict[str, Any]:
 
 def _owner(run: Path) -> dict[str, Any] | None:
     """The job named by the run folder's lock: alive, dead, or unknown from here."""
-    if not ownership.lock_path(run).exists():
+    if not lock_path(run).exists():
         return None
-    holder = ownership.read_holder(run)
+    holder = read_holder(run)
     if holder is None:
-        return {"error": f"unreadable lock file {ownership.lock_path(run)}"}
+        return {"error": f"unreadable lock file {lock_path(run)}"}
     p = holder.process
     alive = (p.alive() and "alive") if p.on_this_machine() else None
     return {
