@@ -1,11 +1,12 @@
-"""The job's data as the trainer's settings name it: its store and raw inputs.
+"""The job's data as the trainer's settings name it: its store, raw inputs and tokenizer.
 
 Role: what ``titan`` asks of the job layer so that it neither ingests nor opens a
 store itself. ``raw_inputs`` reads how a trainer job prepares a store value that
 names raw inputs (``model.hf_assets_path``, ``zephon.text_field``, ``zephon.split``,
 ``zephon.cache_dir``) from its job config; ``open_store`` opens ``zephon.store``
 (or the builtin store when it is empty); ``store_source`` is the job's one store
-with its held-out samples. The job config is read by attribute only (nothing here
+with its held-out samples; ``builtin_tokenizer`` is the tokenizer the builtin
+data was prepared with. The job config is read by attribute only (nothing here
 imports TorchTitan); where to log is the caller's (``log``, ``warn``).
 
 Invariant: messages name the options as the trainer spells them
@@ -16,8 +17,10 @@ exists.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR, builtin_store_path
@@ -105,3 +108,10 @@ def store_source(
     if warning:
         source.warnings.append(warning)
     return source
+
+
+def builtin_tokenizer() -> tuple[Path, str]:
+    """(the folder of the tokenizer the builtin data was prepared with, the sha256 of its
+    tokenizer.json; "" when the folder holds none)."""
+    path = TOKENIZER_DIR / "tokenizer.json"
+    return TOKENIZER_DIR, hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else ""
