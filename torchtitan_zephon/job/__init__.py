@@ -10,7 +10,10 @@ package re-exports nothing):
 - ``stores``: the token store folder a store value names (``store_location``) and
   the opened stores of a mixture (``open_mixture_stores``);
 - ``plans``: the plan a data config governs and what it tells (``plan_of``,
-  ``first_correction``, ``mixture_progress``), without opening a store.
+  ``first_correction``, ``mixture_progress``), without opening a store;
+- ``settings``: the job's data as the trainer's settings name it (``raw_inputs``,
+  ``open_store``, ``store_source``, ``builtin_tokenizer``): what ``titan`` asks
+  instead of ingesting or opening a store itself.
 
 Ownership: a job opens its data once (``StoreData`` / ``MixtureData.open``) and
 hands that object on; the trainer hands it to the preflight, the loader and the
