@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchtitan_zephon import ownership
+from torchtitan_zephon.ownership import process
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs" / "debug_model.toml"
@@ -76,8 +76,8 @@ def command(run: Path, ranks: int, local_batch: int, steps: int, port: int) -> l
 
 
 def kill_tree(proc: subprocess.Popen) -> None:
-    """Lose the node: the launcher and every process under it (ownership.kill_tree)."""
-    ownership.kill_tree(proc.pid)
+    """Lose the node: the launcher and every process under it (ownership.process.kill_tree)."""
+    process.kill_tree(proc.pid)
     proc.wait()
 
 

@@ -262,7 +262,7 @@ def test_lint_imports_fails_on_a_bad_import_of_each_contract(tmp_path: Path) -> 
         "    return units",
     )
     _append(package / "store" / "__init__.py", "import torchtitan  # noqa: E402")
-    _append(package / "job.py", "import torchtitan_zephon.titan  # noqa: E402")
+    _append(package / "job" / "__init__.py", "import torchtitan_zephon.titan  # noqa: E402")
     _append(
         package / "titan" / "__init__.py",
         "from torchtitan_zephon.ingest import prepare  # noqa: E402",

@@ -44,7 +44,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_zephon.job import JobData, StoreData, first_correction
+from torchtitan_zephon.job.data import JobData, StoreData
+from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.order.data_config import DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
 from torchtitan_zephon.order.resume import ResumeDecision, check_resume

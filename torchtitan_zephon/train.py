@@ -193,7 +193,7 @@ def main() -> None:
     from torchtitan.train import main as titan_main
 
     from torchtitan_zephon.order.data_config import DataStateMismatch
-    from torchtitan_zephon.ownership import FolderInUse
+    from torchtitan_zephon.ownership.lock import FolderInUse
     from torchtitan_zephon.store.format import StoreError
     from torchtitan_zephon.titan.preflight import StartRefused
     from torchtitan_zephon.titan.spec import register

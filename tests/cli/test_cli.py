@@ -426,7 +426,7 @@ def test_inspect_lists_what_the_store_cache_holds(tmp_path, tokenizer_dir, store
     from tests.titan.expect import assert_unchanged, tree
     from torchtitan_zephon.ingest import cache_folder
     from torchtitan_zephon.ingest.cache import RawInputs
-    from torchtitan_zephon.job import store_location
+    from torchtitan_zephon.job.stores import store_location
     from torchtitan_zephon.store.format import StoreError
 
     monkeypatch.delenv(cache_folder.CACHE_ENV, raising=False)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.job import MixtureData
+from torchtitan_zephon.job.data import MixtureData
 from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig

@@ -26,7 +26,7 @@ from torchtitan_zephon.ingest.cache import RawInputs
 from torchtitan_zephon.ingest.inputs import OptionNames, resolve_inputs
 from torchtitan_zephon.ingest.parts import finished_parts
 from torchtitan_zephon.ingest.prepare import prepare_store
-from torchtitan_zephon.job import open_mixture_stores, store_location
+from torchtitan_zephon.job.stores import open_mixture_stores, store_location
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.store.format import FORMAT_VERSION, StoreError
 from torchtitan_zephon.store.reader import TokenStore

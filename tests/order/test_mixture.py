@@ -13,7 +13,7 @@ import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.job import open_mixture_stores
+from torchtitan_zephon.job.stores import open_mixture_stores
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MAX_PATTERN, MixtureConfig, MixtureError
 from torchtitan_zephon.order.mixture.plan import MixturePlan, deviation_warning, source_seed

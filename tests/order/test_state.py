@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.job import first_correction
+from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.resume import check_resume, schedule_appended
@@ -162,7 +162,7 @@ def test_order_key_ignores_the_schedule_only():
 
 def mixture_config(entries, sizes=None, *, step=None, **kw) -> DataConfig:
     """A mixture's data config (as MixtureData.data_config makes it)."""
-    from torchtitan_zephon.job import mixture_store_fingerprint
+    from torchtitan_zephon.job.data import mixture_store_fingerprint
     from torchtitan_zephon.order.mixture.spec import MixtureSpec
 
     spec = MixtureSpec.build(sizes or {"code": 50, "web": 70}, entries)

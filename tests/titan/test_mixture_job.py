@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.titan.test_dataloader import deliver, job
-from torchtitan_zephon.job import MixtureData
+from torchtitan_zephon.job.data import MixtureData
 from torchtitan_zephon.order.mixture.config import MixtureError
 from torchtitan_zephon.order.stream import split_keys
 from torchtitan_zephon.titan import platform

@@ -104,9 +104,9 @@ def test_raw_input_errors_name_the_trainers_options(tmp_path: Path, monkeypatch)
     """The trainer's raw-input errors name --zephon.text_field / --zephon.split (zephon
     prepare's say --text-field / --split), and a DatasetDict reads zephon.split."""
     from tests.titan.test_dataloader import job
-    from torchtitan_zephon.job import store_location
+    from torchtitan_zephon.job.settings import raw_inputs
+    from torchtitan_zephon.job.stores import store_location
     from torchtitan_zephon.store.format import StoreError
-    from torchtitan_zephon.titan.dataloader import raw_inputs
 
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
     data = write_jsonl(tmp_path / "docs.jsonl", topics=3)

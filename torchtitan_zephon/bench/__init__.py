@@ -6,7 +6,9 @@ batch), ``scale`` (per-rank plan cost vs world size, sequence log growth),
 ``prepare`` (tokenization throughput vs workers) and ``mixture`` (tokens/s
 with 1, 10, 100 sources vs one store, plan cost at step 10 vs 10^9, state size). Each exposes
 ``run(opts: dict) -> dict`` (a JSON-able result) and ``rows(result)`` (the
-printed table).
+printed table). Beside them: ``corpus`` and ``measure`` (what the suites share), and
+the parts of ``loader``: ``contenders`` (the loaders compared), ``throughput`` and
+``content_checks``.
 
 Invariant: every compared figure is measured in the same invocation, on the
 same machine, side by side; ratios are computed from those measurements and

@@ -42,7 +42,8 @@ import numpy as np
 
 from torchtitan_zephon.bench.corpus import builtin_store
 from torchtitan_zephon.bench.measure import paired_latency, ratio, round_rate
-from torchtitan_zephon.job import MixtureData, mixture_progress
+from torchtitan_zephon.job.data import MixtureData
+from torchtitan_zephon.job.plans import mixture_progress
 from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import parse_schedule

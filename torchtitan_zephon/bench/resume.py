@@ -79,17 +79,23 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run(opts: dict) -> dict:
-    from torchtitan_zephon.bench import loader as lb
+    from torchtitan_zephon.bench.contenders import (
+        state_at,
+        stock_loader,
+        stock_rank_state,
+        trainer_record_bytes,
+        zephon_loader,
+    )
     from torchtitan_zephon.bench.corpus import builtin_store, write_jsonl
 
     base = QUICK if opts.get("quick") else DEFAULTS
     o = {**base, **{k: v for k, v in opts.items() if v is not None and k in base}}
     seq_len, batch = o["seq_len"], o["batch"]
     store = builtin_store()
-    probe = lb.zephon_loader(store, seq_len, batch, 0)
+    probe = zephon_loader(store, seq_len, batch, 0)
     records = {}
     for step in STEPS:
-        state = lb.state_at(probe, step).with_tracker({"step": step - 1, "chain": "0" * 64})
+        state = state_at(probe, step).with_tracker({"step": step - 1, "chain": "0" * 64})
         records[step] = state.to_json()
     probe.close()
 
@@ -115,14 +121,14 @@ def run(opts: dict) -> dict:
     zephon_bytes, stock_bytes = {}, {}
     with tempfile.TemporaryDirectory(prefix="zephon-bench-") as tmp:
         jsonl = write_jsonl(Path(tmp), max_docs=o.get("max_docs"))
-        stock = lb.stock_loader(jsonl, Path(tmp) / "hf-cache", seq_len, batch, 0)
+        stock = stock_loader(jsonl, Path(tmp) / "hf-cache", seq_len, batch, 0)
         it = iter(stock)
         for _ in range(10):  # the stock state after step 10
             next(it)
-        rank_bytes, buffer_tokens = lb._stock_rank_state(stock)
+        rank_bytes, buffer_tokens = stock_rank_state(stock)
     for d in DP_DEGREES:
-        zl = lb.zephon_loader(store, seq_len, batch, 0, dp_degree=d, global_batch=global_batch)
-        zephon_bytes[str(d)] = lb.trainer_record_bytes(zl, STEPS[1])[1]
+        zl = zephon_loader(store, seq_len, batch, 0, dp_degree=d, global_batch=global_batch)
+        zephon_bytes[str(d)] = trainer_record_bytes(zl, STEPS[1])[1]
         stock_bytes[str(d)] = rank_bytes * d
     res["checkpoint_data_bytes"] = zephon_bytes
     res["stock_checkpoint_data_bytes"] = stock_bytes

@@ -22,8 +22,9 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon import ownership, runs
+from torchtitan_zephon import runs
 from torchtitan_zephon.order.state import DataState
+from torchtitan_zephon.ownership.holder import lock_path, read_holder
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 
@@ -65,7 +66,7 @@ def _mixture(state: dict[str, Any] | None) -> dict[str, Any] | None:
     """Per source of a mixture's data state: realized vs target samples and epoch."""
     if not state or "error" in state:
         return None
-    from torchtitan_zephon.job import mixture_progress
+    from torchtitan_zephon.job.plans import mixture_progress
 
     try:
         return mixture_progress(DataState.from_dict(state))
@@ -166,11 +167,11 @@ def _losses(run: Path) -> dict[str, Any]:
 
 def _owner(run: Path) -> dict[str, Any] | None:
     """The job named by the run folder's lock: alive, dead, or unknown from here."""
-    if not ownership.lock_path(run).exists():
+    if not lock_path(run).exists():
         return None
-    holder = ownership.read_holder(run)
+    holder = read_holder(run)
     if holder is None:
-        return {"error": f"unreadable lock file {ownership.lock_path(run)}"}
+        return {"error": f"unreadable lock file {lock_path(run)}"}
     p = holder.process
     alive = (p.alive() and "alive") if p.on_this_machine() else None
     return {

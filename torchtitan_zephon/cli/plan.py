@@ -12,7 +12,7 @@ ids and ``"sources"`` names the source of each (``sources[i]`` is the source of
 (``MixturePlan.max_deviation``) go to stderr.
 
 A store value (``--store``, a mixture source) is read as the trainer reads it
-(``job.store_location``): a store folder, ``builtin:PART``, or raw inputs, which
+(``job.stores.store_location``): a store folder, ``builtin:PART``, or raw inputs, which
 ``--tokenizer`` (the trainer's ``model.hf_assets_path``) and ``--text-field``
 prepare into the same cache entry the trainer would use, so the ids are the
 trainer's. A store smaller than a global batch is a warning; one with fewer than
@@ -27,7 +27,7 @@ import sys
 
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.ingest.cache import RawInputs, names_store
-from torchtitan_zephon.job import store_location
+from torchtitan_zephon.job.stores import store_location
 from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
@@ -248,7 +248,7 @@ def run_mixture(
     args: argparse.Namespace, schedule: BatchSchedule, raw: RawInputs | None = None
 ) -> int:
     """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
-    from torchtitan_zephon.job import MixtureData
+    from torchtitan_zephon.job.data import MixtureData
     from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
     from torchtitan_zephon.order.mixture.plan import deviation_warning
     from torchtitan_zephon.order.mixture.stream import MixtureStream

@@ -5,7 +5,7 @@ Text that ships with every CPython: the documentation topics of ``pydoc_data``
 with the BPE tokenizer shipped in ``torchtitan_zephon/assets/tokenizer``.
 Besides the whole store, each half is a store of its own (``PARTS``: "docs",
 "stdlib"), named ``builtin:docs`` / ``builtin:stdlib`` where a store path is
-expected in a mixture file (``job.store_location``), so a two-source mixture needs
+expected in a mixture file (``job.stores.store_location``), so a two-source mixture needs
 no data either.
 
 Invariant: a store is a pure function of (this Python's text files, the shipped
@@ -76,7 +76,7 @@ def _part_prefix(part: str) -> str:
 def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
     """Path of the builtin store (or of one of its ``PARTS``), building it on first use
     (``cache_folder.build_once``), with a progress bar when ``progress``. Each call hashes the
-    corpus (~5 MB of text) to find its folder: a job asks once (``job.store_location``)."""
+    corpus (~5 MB of text) to find its folder: a job asks once (``job.stores.store_location``)."""
     from torchtitan_zephon.ingest.prepare import prepare_store
 
     docs = corpus_documents(part)

@@ -1,7 +1,7 @@
 """Store values, and the store cache's entries of raw inputs.
 
 Role: what a store value (the trainer's ``zephon.store``, a mixture's
-``[[source]] store``) names (``names_store``; ``job.store_location`` turns it
+``[[source]] store``) names (``names_store``; ``job.stores.store_location`` turns it
 into a token store folder): ``builtin:PART`` is a builtin store (``builtin.py``);
 a folder holding a store (or a file in one) is that store; anything else names
 raw inputs (a file, a folder of them, a glob pattern, a comma-separated list:

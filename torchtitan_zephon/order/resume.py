@@ -109,7 +109,7 @@ def check_resume(
 
     ``first_correction(config)`` is the first step the current mixture rule corrects
     under ``config``'s weights and batch schedule (None: none), asked only of a
-    mixture saved under another rule (``job.first_correction``: the job layer owns
+    mixture saved under another rule (``job.plans.first_correction``: the job layer owns
     the plans).
 
     A batch schedule that only gained entries for untrained steps, and a mixture
@@ -323,7 +323,7 @@ def _corrected(
     if first_correction is None:
         raise TypeError(
             "check_resume needs first_correction to judge a mixture saved under another "
-            "rule; pass job.first_correction."
+            "rule; pass job.plans.first_correction."
         )
     return first_correction(config)
 

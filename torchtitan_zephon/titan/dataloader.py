@@ -19,23 +19,15 @@ import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.ingest.cache import RawInputs
-from torchtitan_zephon.ingest.inputs import OptionNames
-from torchtitan_zephon.job import JobData, MixtureData, StoreData, store_location
+from torchtitan_zephon.job.data import JobData, MixtureData
+from torchtitan_zephon.job.settings import open_store, raw_inputs, store_source
 from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
-from torchtitan_zephon.order.layout import (
-    MIN_STORE_SAMPLES,
-    BatchSchedule,
-    check_store_size,
-    no_sample_text,
-    store_fix,
-)
+from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.mixture.plan import deviation_warning
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
-from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests
 
@@ -48,45 +40,9 @@ def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
     )
 
 
-def raw_inputs(job_config: Any) -> RawInputs:
-    """How this job prepares a store value that names raw inputs: with the tokenizer at
-    model.hf_assets_path, zephon.text_field and zephon.split (messages name these
-    options as the trainer spells them), into the cache (``$ZEPHON_CACHE``, else
-    zephon.cache_dir); the process that holds the entry's lock uses one tokenizer process
-    per local rank (the others wait for it anyway); progress on global rank 0."""
-    zc = job_config.zephon
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    return RawInputs(
-        tokenizer=job_config.model.hf_assets_path,
-        text_field=getattr(zc, "text_field", "text"),
-        split=getattr(zc, "split", ""),
-        names=OptionNames(text_field="--zephon.text_field", split="--zephon.split"),
-        cache_dir=getattr(zc, "cache_dir", ""),
-        workers=max(1, min(local, os.cpu_count() or 1)),
-        progress=int(os.environ.get("RANK", "0")) == 0,
-        log=lambda message: logger.info(f"Zephon: {message}"),
-        tokenizer_origin="model.hf_assets_path",
-    )
-
-
-def resolve_store(job_config: Any) -> TokenStore:
-    """Open ``zephon.store`` (a store folder, or raw inputs prepared into the cache on
-    first use: ``job.store_location``), or the builtin store when it is empty."""
-    path = job_config.zephon.store
-    if not path:
-        from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR, builtin_store_path
-
-        path = str(builtin_store_path(progress=int(os.environ.get("RANK", "0")) == 0))
-        assets = os.path.abspath(job_config.model.hf_assets_path)
-        if assets != str(TOKENIZER_DIR) and not os.path.exists(
-            os.path.join(assets, "tokenizer.json")
-        ):
-            logger.warning(
-                f"model.hf_assets_path={job_config.model.hf_assets_path} has no tokenizer.json; "
-                f"the builtin store was tokenized with {TOKENIZER_DIR}"
-            )
-        return TokenStore.open(path)
-    return TokenStore.open(store_location(path, raw_inputs(job_config)))
+def _log(message: str) -> None:
+    """Where the job layer says that this process prepares raw inputs, or waits."""
+    logger.info(f"Zephon: {message}")
 
 
 def resolve_source(job_config: Any, tokenizer: Any = None) -> JobData:
@@ -110,11 +66,11 @@ def resolve_source(job_config: Any, tokenizer: Any = None) -> JobData:
             default_heldout=zc.heldout_samples,
             path=mixture,
             progress=int(os.environ.get("RANK", "0")) == 0,
-            raw=raw_inputs(job_config),
+            raw=raw_inputs(job_config, _log),
         )
         what = f"the mixture {mixture} (sources {', '.join(source.names)})"
     else:
-        store = resolve_store(job_config)
+        store = open_store(job_config, log=_log, warn=logger.warning)
         named = (  # as the user named it, and where it is when that differs
             f"the builtin store ({store.path})"
             if not zc.store
@@ -134,33 +90,6 @@ def resolve_source(job_config: Any, tokenizer: Any = None) -> JobData:
             "store prepared with a smaller tokenizer"
         )
     check_tokenizer(source, tokenizer)
-    return source
-
-
-def store_source(
-    store: TokenStore, seq_len: int, heldout: int, schedule: BatchSchedule, *, what: str
-) -> StoreData:
-    """The job's one store (``what`` names it), its last ``heldout`` samples held out:
-    refused when it holds fewer than ``MIN_STORE_SAMPLES`` training samples (or none of
-    seq_len), with a warning in ``source.warnings`` when they are fewer than a global
-    batch."""
-    total = store.num_samples(seq_len)
-    held = f"lower --zephon.heldout_samples (now {heldout})" if heldout > 0 else ""
-    need = MIN_STORE_SAMPLES + max(heldout, 0)
-    fix = store_fix(store.num_tokens, need, "--training.seq_len", first=held)
-    if total == 0:  # no sample at all: holding fewer out cannot help
-        fix = store_fix(store.num_tokens, need, "--training.seq_len")
-        raise ValueError(f"{no_sample_text(what, store.num_tokens, seq_len)}. {fix}")
-    if heldout < 0 or heldout >= total:
-        raise ValueError(
-            f"zephon.heldout_samples={heldout} must be in [0, {total}): {what} has {total} "
-            f"samples of seq_len {seq_len}. {fix}"
-        )
-    training = f"{what} (seq_len {seq_len}{f', {heldout} held out' if heldout else ''})"
-    warning = check_store_size(training, total - heldout, schedule, fix)
-    source = StoreData(store, seq_len, num_samples=total - heldout)
-    if warning:
-        source.warnings.append(warning)
     return source
 
 

@@ -37,7 +37,6 @@ Invariants:
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import os
 import re
@@ -48,7 +47,9 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon import runs
-from torchtitan_zephon.job import JobData, first_correction
+from torchtitan_zephon.job.data import JobData
+from torchtitan_zephon.job.plans import first_correction
+from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields, check_resume
 from torchtitan_zephon.order.state import DataState
@@ -334,8 +335,7 @@ def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
     """Why TorchTitan could not load the tokenizer at model.hf_assets_path ``path``, with
     the tokenizer the data was prepared with (the sha256 of its tokenizer.json, as the
     store records it) and where the builtin tokenizer is (and whether it is that one)."""
-    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
-
+    tokenizer_dir, builtin_sha = builtin_tokenizer()
     if not os.path.exists(path):
         found = "does not exist"
     elif not os.path.isdir(path):
@@ -347,8 +347,6 @@ def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
         if hasattr(source, "names")
         else f"the store {source.path}"
     )
-    builtin = TOKENIZER_DIR / "tokenizer.json"
-    builtin_sha = hashlib.sha256(builtin.read_bytes()).hexdigest() if builtin.is_file() else ""
     recorded = source.tokenizer_hash
     if not recorded:
         known = f"{what} does not record its tokenizer's sha256"
@@ -356,12 +354,12 @@ def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
         known = f"{what} was prepared with tokenizer sha256 {recorded}"
     if recorded and recorded == builtin_sha:
         todo = (
-            f", the builtin tokenizer in {TOKENIZER_DIR}: set --model.hf_assets_path "
-            f"{TOKENIZER_DIR}"
+            f", the builtin tokenizer in {tokenizer_dir}: set --model.hf_assets_path "
+            f"{tokenizer_dir}"
         )
     else:
         todo = (
-            f"; the builtin tokenizer in {TOKENIZER_DIR} is another one (sha256 "
+            f"; the builtin tokenizer in {tokenizer_dir} is another one (sha256 "
             f"{builtin_sha}). Point --model.hf_assets_path at the folder holding the "
             "tokenizer.json the data was prepared with"
         )

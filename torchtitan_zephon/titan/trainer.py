@@ -3,7 +3,7 @@ schedule, the Global Sequence Tracker, and one job per run folder.
 
 Invariant: the training loop is TorchTitan's own; this subclass only (1) adjusts
 the job for the CPU, checks the start (``preflight.plan_start``) and takes the
-run folder (``ownership.RunFolderLock``, global rank 0) before TorchTitan builds
+run folder (``ownership.lock.RunFolderLock``, global rank 0) before TorchTitan builds
 or writes anything, so a refused start changes nothing on disk; the job's data
 the preflight opened is the one object the dataloader and the validator read
 (``with_job_data``: each store is opened once per process); (2) sets the
@@ -31,8 +31,9 @@ import torch.distributed as dist
 from torchtitan.tools.logging import logger
 from torchtitan.train import Trainer
 
-from torchtitan_zephon.job import JobData
-from torchtitan_zephon.ownership import RunFolderLock, torchrun_agent
+from torchtitan_zephon.job.data import JobData
+from torchtitan_zephon.ownership.lock import RunFolderLock
+from torchtitan_zephon.ownership.process import torchrun_agent
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.titan import platform, preflight
 from torchtitan_zephon.titan.checks import check_job_config

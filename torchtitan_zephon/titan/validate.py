@@ -27,7 +27,7 @@ pass), so it is the same for every layout up to floating-point summation order.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -39,10 +39,9 @@ from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.job import JobData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
-from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.titan.dataloader import batch_schedule, resolve_source
 
 
@@ -62,12 +61,18 @@ def microbatch_size(per_rank: int, requested: int, *, equal: bool) -> int:
     return size
 
 
+class SampleWindows(Protocol):
+    """What a held-out loader reads from: the store a ``job.data.Heldout`` names."""
+
+    def windows(self, ids: np.ndarray, seq_len: int) -> np.ndarray: ...
+
+
 class HeldoutLoader(BaseDataLoader):
     """One DP rank's micro-batches of a validation pass (a fresh pass per ``iter``)."""
 
     def __init__(
         self,
-        store: TokenStore,
+        store: SampleWindows,
         *,
         seq_len: int,
         first_sample: int,

@@ -3,7 +3,7 @@
 Role: turn the TOML (or its JSON record) into a ``MixtureConfig``: the sources
 by name with their store values (relative paths taken relative to the file,
 ``rebase``), and the weight schedule (``parse_schedule``: exact rationals,
-normalized by their sum). Nothing here opens a store: ``job.open_mixture_stores``
+normalized by their sum). Nothing here opens a store: ``job.stores.open_mixture_stores``
 does.
 
 Invariants: weights are exact (decimals as written, never binary floats); every

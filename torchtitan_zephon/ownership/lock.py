@@ -1,9 +1,9 @@
-"""Ownership of a run folder: one job at a time, and a dead job never blocks for long.
+"""Taking a run folder: one job at a time, and a dead job never blocks for long.
 
-``<dump_folder>/zephon/owner.lock`` names the job that holds the folder: the
-process of its global rank 0 (host, machine id, pid, start time), the torchrun
-agents of all its ranks, its torchrun run id, its lease period and a heartbeat
-counter that a thread of the holder increments every ``lease / 6`` seconds.
+Role: ``RunFolderLock`` is the lock of one run folder as one would-be holder
+(global rank 0) sees it: ``check`` decides without writing, ``acquire`` takes
+the folder and keeps the lease alive from a heartbeat thread, ``release`` gives
+it back on a clean exit. The lock file's contents are ``holder.Holder``.
 
 Invariants:
 - At most one live job holds a folder. A job that finds a lock held by a live
@@ -25,28 +25,24 @@ filesystems, NFSv3+, Lustre, GPFS); a reader that opens the file sees what the
 last writer closed (NFS close-to-open consistency). Two waiters that both find a
 dead holder replace the lock; each confirms a moment later (``CONFIRM_S``) that its
 own token is still there, and only the last one keeps it.
-
-No torch here: the trainer gathers its ranks' agents and passes them in.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
+from torchtitan_zephon.ownership.holder import LOCK_NAME, Holder, lease_seconds, lock_path
+from torchtitan_zephon.ownership.process import Process, torchrun_agent
 
-LOCK_NAME = "owner.lock"
-LEASE_ENV = "ZEPHON_LOCK_LEASE_S"
-DEFAULT_LEASE_S = 30.0
+logger = logging.getLogger(__package__)  # "torchtitan_zephon.ownership", as log lines name it
+
 BEATS_PER_LEASE = 6
 """The holder beats this many times per lease: a dead holder is one whose counter did
 not change over ``BEATS_PER_LEASE`` beat intervals."""
@@ -54,185 +50,6 @@ CONFIRM_S = 2.0
 """How long a job that took over a dead holder's lock waits before it checks that its
 own token is still there (another waiter may have replaced the lock at the same time);
 at most one beat interval."""
-
-
-def lock_path(dump_folder: str | os.PathLike) -> Path:
-    return Path(dump_folder) / "zephon" / LOCK_NAME
-
-
-def lease_seconds() -> float:
-    """The lease period: ``ZEPHON_LOCK_LEASE_S`` (seconds, > 0), default 30."""
-    raw = os.environ.get(LEASE_ENV, "")
-    if not raw:
-        return DEFAULT_LEASE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"{LEASE_ENV}={raw!r}: expected a number of seconds > 0 (default 30)")
-    return value
-
-
-# ---------------------------------------------------------------- processes
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="ascii", errors="replace") as f:
-            return f.read().strip()
-    except OSError:
-        return None
-
-
-def machine_id() -> str:
-    """What tells two machines (or PID namespaces on one machine) apart: the kernel's
-    boot id and this process's PID namespace. Empty where /proc does not say."""
-    boot = _read("/proc/sys/kernel/random/boot_id") or ""
-    try:
-        ns = str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        ns = ""
-    return f"{boot}/{ns}" if boot or ns else ""
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """The fields of ``/proc/<pid>/stat`` after the command name (state first)."""
-    text = _read(f"/proc/{pid}/stat")
-    return text.rsplit(")", 1)[-1].split() if text else None
-
-
-def _stat(pid: int) -> tuple[str, str] | None:
-    """(state, start time in clock ticks since boot) of a live or zombie process."""
-    fields = _stat_fields(pid)
-    return (fields[0], fields[19]) if fields and len(fields) > 19 else None
-
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL ``pid`` and every process under it, as a lost node would lose them.
-
-    torchrun starts each worker in a session of its own, so killing the agent's
-    process group would miss them. Every process of the tree (found in /proc) is
-    stopped first, so none can start another or finish its work meanwhile, then
-    all are killed. For the node-loss demo and tests; the trainer never calls it.
-    """
-    import signal
-
-    tree, frontier = [], [pid]
-    while frontier:
-        p = frontier.pop()
-        try:
-            os.kill(p, signal.SIGSTOP)
-        except ProcessLookupError:  # already gone
-            continue
-        tree.append(p)
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                fields = _stat_fields(int(entry.name))
-                if fields and len(fields) > 1 and fields[1] == str(p):
-                    frontier.append(int(entry.name))
-    for p in tree:
-        try:
-            os.kill(p, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
-@dataclass(frozen=True)
-class Process:
-    """A process, named so that a reused pid is not mistaken for it."""
-
-    host: str
-    machine: str
-    pid: int
-    started: str = ""
-    """Start time in clock ticks since boot ("" where unknown)."""
-
-    @classmethod
-    def of(cls, pid: int) -> Process:
-        st = _stat(pid)
-        return cls(socket.gethostname(), machine_id(), int(pid), st[1] if st else "")
-
-    def on_this_machine(self) -> bool:
-        return self.host == socket.gethostname() and self.machine == machine_id()
-
-    def alive(self) -> bool:
-        """Whether this process still runs (ask only on its own machine)."""
-        st = _stat(self.pid)
-        if st is not None:
-            state, started = st
-            return state not in ("Z", "X") and (not self.started or started == self.started)
-        try:  # no /proc: ask the kernel
-            os.kill(self.pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:
-            return True
-        return True
-
-    def describe(self) -> str:
-        return f"host {self.host}, pid {self.pid}"
-
-
-def torchrun_agent() -> tuple[Process | None, str | None, int]:
-    """(this worker's torchrun agent, run id, restart count); (None, None, 0) outside torchrun.
-
-    torchrun's run id is ``none`` for every job started without ``--rdzv-id``, so it
-    does not tell jobs apart alone; the agent process does.
-    """
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if run_id is None:
-        return None, None, 0
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    return Process.of(os.getppid()), run_id, restarts
-
-
-# ---------------------------------------------------------------- the lock file
-
-
-@dataclass
-class Holder:
-    """The contents of a lock file."""
-
-    token: str
-    process: Process
-    agents: list[Process] = field(default_factory=list)
-    run_id: str | None = None
-    restart_count: int = 0
-    lease_s: float = DEFAULT_LEASE_S
-    beat: int = 0
-    acquired: str = ""
-    """When it was acquired (the holder's clock, for people only)."""
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True) + "\n"
-
-    @classmethod
-    def from_json(cls, text: str) -> Holder:
-        d = json.loads(text)
-        return cls(
-            token=str(d["token"]),
-            process=Process(**d["process"]),
-            agents=[Process(**a) for a in d.get("agents", [])],
-            run_id=d.get("run_id"),
-            restart_count=int(d.get("restart_count", 0)),
-            lease_s=float(d.get("lease_s", DEFAULT_LEASE_S)),
-            beat=int(d.get("beat", 0)),
-            acquired=str(d.get("acquired", "")),
-        )
-
-    def describe(self) -> str:
-        job = f", torchrun run id {self.run_id}" if self.run_id else ""
-        since = f", since {self.acquired}" if self.acquired else ""
-        return f"{self.process.describe()}{job}{since}"
-
-
-def read_holder(dump_folder: str | os.PathLike) -> Holder | None:
-    """The holder named by a run folder's lock (None: no lock, or an unreadable one)."""
-    try:
-        return Holder.from_json(lock_path(dump_folder).read_text(encoding="utf-8"))
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
 
 
 class FolderInUse(RuntimeError):

@@ -1,77 +1,47 @@
-"""The job's data: what a loader reads, behind one interface.
+"""The job's data as a loader reads it: one interface, one store or a mixture.
 
-Role: the layer above the engine (``order``, ``ingest``, ``store``) that opens a
-job's stores and pairs a plan (which sample each position of the global stream
-holds) with the tokens of those samples. ``store_location`` turns a store value
-(a store folder, ``builtin:PART``, raw inputs prepared into the cache) into a
-store folder; ``StoreData`` is one token store (its plan is a ``DataPlan``);
-``MixtureData`` is several stores drawn in exact proportions by a
-``MixturePlan`` (seen through ``MixtureStream``), opened by
-``open_mixture_stores``. Everything downstream (the loader, the sequence
-tracker's ids digests, the data state) sees only **sample keys**: int64 values
-naming (source index, sample id) as ``source << SOURCE_SHIFT | id``
-(``order.stream``). For one store the key is the sample id, so runs and logs of
-one store are unchanged; for a mixture the keys bind the sources, in name order
-(the order of the ``[[source]]`` blocks does not count). A new kind of job data
-(a remote store, raw inputs prepared on the fly) plugs in by providing the same
-few methods; plans and state stay as they are.
-
-The interface (``JobData``): ``data_config`` (the ``DataConfig`` it governs),
-``plan(config, anchor)`` (a ``StreamPlan``: keys per step, rank slice and
-window of a rank's stream), ``windows(keys, seq_len)`` (the tokens, checked by
-their store), ``id_limit`` / ``out_of_vocab`` (the vocabulary guard) and
-``heldout`` (each source's held-out samples, for validation). Plans are built
-here, never in the engine's resume rule: ``first_correction(config)`` is what
-``order.resume.check_resume`` asks of a mixture saved under another rule.
-
-Ownership: a job opens its data once (``StoreData`` / ``MixtureData.open``) and
-hands that object on; the trainer hands it to the preflight, the loader and the
-validator. Nothing here keeps opened stores per process: a second open is a
-second object, checked afresh (a ``MixtureData`` keeps only its own last plan).
+Role: ``JobData`` is what a loader reads: ``data_config`` (the ``DataConfig`` it
+governs), ``plan(config, anchor)`` (a ``StreamPlan``: keys per step, rank slice
+and window of a rank's stream), ``windows(keys, seq_len)`` (the tokens, checked
+by their store), ``id_limit`` / ``out_of_vocab`` (the vocabulary guard) and
+``heldout`` (each source's held-out samples, for validation). ``StoreData`` is
+one token store (its plan is a ``DataPlan``); ``MixtureData`` is several stores
+drawn in exact proportions by a ``MixturePlan`` (seen through
+``MixtureStream``). A new kind of job data (a remote store, raw inputs prepared
+on the fly) plugs in by providing the same few methods; plans and state stay as
+they are.
 
 Invariants:
 - ``data.plan(config, anchor)`` depends only on the data config, the anchor
   and (for a mixture) the spec it was resolved to: every rank builds the same
-  plan. Its keys of step ``s`` are ``plan.global_ids(s)``; the rank slices
-  concatenate to them for every DP degree dividing the step's batch.
+  plan (``job.plans.plan_of``). Its keys of step ``s`` are
+  ``plan.global_ids(s)``; the rank slices concatenate to them for every DP
+  degree dividing the step's batch.
 - Row k of ``windows(keys, seq_len)`` is the window of the sample ``keys[k]``
   names, read from that sample's store.
-- ``plan_of(config, anchor)`` rebuilds the plan of a saved data state without
-  opening any store (``zephon inspect``): the same keys as the job data's plan.
-- An accepted change of the batch schedule (a position anchor other than
-  (1, 0)) keeps the slot count exact; a mixture then assigns the slots from the
-  anchor on as if the steps before it had been of equal size (an opted-in
-  change: each source's next sample follows that plan).
+- A ``MixtureData`` keeps only its own last plan; nothing here keeps opened
+  stores per process.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
-from torchtitan_zephon.ingest.builtin import builtin_store_path
-from torchtitan_zephon.ingest.cache import RawInputs, names_store, raw_store
+from torchtitan_zephon.job.plans import plan_of
+from torchtitan_zephon.job.stores import open_mixture_stores
 from torchtitan_zephon.order.data_config import MIXTURE_FIELD, DataConfig
-from torchtitan_zephon.order.layout import (
-    BatchSchedule,
-    Layout,
-    no_sample_text,
-    store_fix,
-)
-from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError, fraction_text
-from torchtitan_zephon.order.mixture.plan import MixturePlan
-from torchtitan_zephon.order.mixture.spec import SPEC_FORMAT, MixtureSpec, resolve_mixture
+from torchtitan_zephon.order.layout import BatchSchedule, no_sample_text, store_fix
+from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
+from torchtitan_zephon.order.mixture.spec import MixtureSpec, resolve_mixture
 from torchtitan_zephon.order.mixture.stream import MixtureStream
-from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.order.stream import ID_MASK, DataPlan, StreamPlan, split_keys
-from torchtitan_zephon.store.format import BUILTIN_PREFIX, StoreError, fingerprint
+from torchtitan_zephon.store.format import StoreError, fingerprint
 from torchtitan_zephon.store.group import StoreGroup
 from torchtitan_zephon.store.reader import TokenStore
 
@@ -104,31 +74,6 @@ class JobData(Protocol):
     def id_limit(self, vocab_size: int | None) -> int | None: ...
     def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str: ...
     def heldout(self) -> list[Heldout]: ...
-
-
-def store_location(value: str, raw: RawInputs | None = None, *, progress: bool = False) -> Path:
-    """The token store folder a store value names, built on first use where it is a
-    builtin part (with a progress bar when ``progress``) or raw inputs (as ``raw``
-    says; None: raw inputs are refused)."""
-    if value.startswith(BUILTIN_PREFIX):
-        return builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :])
-    if names_store(value):
-        if not os.path.lexists(value):
-            raise StoreError(
-                f"token store {value!r} does not exist; expected a folder made by `zephon "
-                "prepare INPUT... --tokenizer DIR --output STORE`, or raw inputs to prepare "
-                "on first use: a text/JSONL/Parquet file, a folder of them, a glob pattern "
-                "or a comma-separated list."
-            )
-        return Path(value)
-    if raw is None:
-        raise StoreError(
-            f"{value!r} names raw inputs, not a token store, and no tokenizer was given to "
-            f"prepare them. Prepare them first (`zephon prepare {value} --tokenizer DIR "
-            "--output STORE`) and name the store, or train on them directly: the trainer "
-            "prepares raw inputs with the tokenizer at model.hf_assets_path."
-        )
-    return raw_store(value, raw)
 
 
 # ---------------------------------------------------------------- one store
@@ -239,23 +184,6 @@ class StoreData:
 
 
 # ---------------------------------------------------------------- a mixture
-
-
-def open_mixture_stores(
-    config: MixtureConfig, *, progress: bool = False, raw: Any = None
-) -> dict[str, TokenStore]:
-    """Open every source's TokenStore (``builtin:PART`` values are built on first use,
-    with a progress bar when ``progress``; raw inputs are prepared as ``raw``, a
-    ``cache.RawInputs``, says, or refused when it is None); a missing or broken store
-    names its source."""
-    stores = {}
-    for s in config.sources:
-        try:
-            location = store_location(s.store, raw, progress=progress)
-            stores[s.name] = TokenStore.open(location)
-        except (StoreError, ValueError) as e:
-            raise MixtureError(f"mixture source {s.name!r}: {e}") from None
-    return stores
 
 
 def mixture_store_fingerprint(spec: MixtureSpec) -> str:
@@ -408,88 +336,3 @@ def _job_tokenizer(raw: Any) -> tuple[str, str] | None:
     except OSError:
         return None
     return sha, f"{raw.tokenizer_origin} ({raw.tokenizer})"
-
-
-# ---------------------------------------------------------------- from a data config
-
-
-def plan_of(
-    config: DataConfig, anchor: tuple[int, int] = (1, 0), *, spec: MixtureSpec | None = None
-) -> DataPlan | MixtureStream:
-    """The plan a data config governs, counted from ``anchor`` (no store opened).
-
-    ``spec`` (a mixture's resolved spec, equal to the config's) keeps guards the
-    config does not record (``max_epochs``)."""
-    schedule = config.batch_schedule()
-    if config.mixture is None:
-        return DataPlan(
-            config.num_samples,
-            config.seed,
-            schedule,
-            config.sample_offset,
-            anchor_step=anchor[0],
-            anchor_position=anchor[1],
-        )
-    if spec is None:
-        spec = MixtureSpec.from_json(config.mixture)
-    return MixtureStream(MixturePlan(spec, config.seed, Layout(schedule, anchor)))
-
-
-def first_correction(config: DataConfig) -> int | None:
-    """The first step the current mixture rule corrects under ``config``'s weights and
-    batch schedule, whatever rule ``config`` records (``MixturePlan.first_correction``);
-    None if none, or for one store. What ``order.resume.check_resume`` asks of a mixture
-    saved under another rule (no store opened)."""
-    if config.mixture is None:
-        return None
-    spec = MixtureSpec.from_json({**config.mixture, "format": SPEC_FORMAT})
-    return MixturePlan(spec, config.seed, config.batch_schedule()).first_correction
-
-
-def weights_at(config: DataConfig, step: int) -> dict[str, str] | None:
-    """A mixture's normalized weights in effect at ``step`` (exact fractions as text)."""
-    if config.mixture is None:
-        return None
-    weights = None
-    for entry in config.mixture["schedule"]:
-        if int(entry["from_step"]) <= step:
-            weights = dict(entry["weights"])
-    return weights
-
-
-def mixture_progress(state: DataState) -> dict[str, Any] | None:
-    """Per source of a mixture's data state: samples drawn by the steps before
-    ``next_step`` against the exact target, and the epoch the next sample is in.
-    None for one store. O(1) in the step (the plan is not replayed)."""
-    config = state.config
-    if config.mixture is None:
-        return None
-    stream = plan_of(config, state.position_anchor)
-    assert isinstance(stream, MixtureStream)
-    plan, step = stream.mixture, state.next_step
-    counts = plan.counts_before(step)
-    targets: Sequence[Fraction] = plan.targets_before(step)
-    epochs = plan.epochs(step)
-    worst, who = plan.max_deviation()
-    weights = weights_at(config, step) or {}
-    sources = []
-    for i, s in enumerate(plan.spec.sources):
-        sources.append(
-            {
-                "name": s.name,
-                "samples": int(counts[i]),
-                "target": fraction_text(targets[i]),
-                "deviation": float(int(counts[i]) - targets[i]),
-                "epoch": int(epochs[i]),
-                "num_samples": int(s.num_samples),
-                "heldout_samples": int(s.heldout_samples),
-                "weight": weights.get(s.name, "0/1"),
-            }
-        )
-    return {
-        "next_step": step,
-        "sources": sources,
-        "max_deviation": float(worst),
-        "max_deviation_exact": fraction_text(worst),
-        "max_deviation_source": who,
-    }

@@ -1,0 +1,29 @@
+"""The job's data: what a loader reads, behind one interface.
+
+Role: the layer above the engine (``order``, ``ingest``, ``store``) that opens a
+job's stores and pairs a plan (which sample each position of the global stream
+holds) with the tokens of those samples. Its modules (import from them; this
+package re-exports nothing):
+
+- ``data``: the interface (``JobData``) and its two kinds, ``StoreData`` (one token
+  store) and ``MixtureData`` (several stores drawn in exact proportions);
+- ``stores``: the token store folder a store value names (``store_location``) and
+  the opened stores of a mixture (``open_mixture_stores``);
+- ``plans``: the plan a data config governs and what it tells (``plan_of``,
+  ``first_correction``, ``mixture_progress``), without opening a store;
+- ``settings``: the job's data as the trainer's settings name it (``raw_inputs``,
+  ``open_store``, ``store_source``, ``builtin_tokenizer``): what ``titan`` asks
+  instead of ingesting or opening a store itself.
+
+Ownership: a job opens its data once (``StoreData`` / ``MixtureData.open``) and
+hands that object on; the trainer hands it to the preflight, the loader and the
+validator. Nothing here keeps opened stores per process: a second open is a
+second object, checked afresh.
+
+Invariant: everything downstream (the loader, the sequence tracker's ids
+digests, the data state) sees only **sample keys**: int64 values naming (source
+index, sample id) as ``source << SOURCE_SHIFT | id`` (``order.stream``). For one
+store the key is the sample id, so runs and logs of one store are unchanged; for
+a mixture the keys bind the sources, in name order (the order of the
+``[[source]]`` blocks does not count).
+"""

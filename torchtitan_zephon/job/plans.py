@@ -1,0 +1,114 @@
+"""A data config's plan, and what it tells, without opening a store.
+
+Role: ``plan_of(config, anchor)`` rebuilds the plan a data config governs (a
+``DataPlan`` for one store, a ``MixtureStream`` for a mixture); plans are built
+here, never in the engine's resume rule: ``first_correction(config)`` is what
+``order.resume.check_resume`` asks of a mixture saved under another rule.
+``weights_at`` and ``mixture_progress`` are what ``zephon inspect`` tells of a
+mixture's data state.
+
+Invariants:
+- ``plan_of(config, anchor)`` gives the same keys as the job data's plan
+  (``job.data``), for any process, with no store opened (``zephon inspect``).
+- An accepted change of the batch schedule (a position anchor other than
+  (1, 0)) keeps the slot count exact; a mixture then assigns the slots from the
+  anchor on as if the steps before it had been of equal size (an opted-in
+  change: each source's next sample follows that plan).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from fractions import Fraction
+from typing import Any
+
+from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.order.layout import Layout
+from torchtitan_zephon.order.mixture.config import fraction_text
+from torchtitan_zephon.order.mixture.plan import MixturePlan
+from torchtitan_zephon.order.mixture.spec import SPEC_FORMAT, MixtureSpec
+from torchtitan_zephon.order.mixture.stream import MixtureStream
+from torchtitan_zephon.order.state import DataState
+from torchtitan_zephon.order.stream import DataPlan
+
+
+def plan_of(
+    config: DataConfig, anchor: tuple[int, int] = (1, 0), *, spec: MixtureSpec | None = None
+) -> DataPlan | MixtureStream:
+    """The plan a data config governs, counted from ``anchor`` (no store opened).
+
+    ``spec`` (a mixture's resolved spec, equal to the config's) keeps guards the
+    config does not record (``max_epochs``)."""
+    schedule = config.batch_schedule()
+    if config.mixture is None:
+        return DataPlan(
+            config.num_samples,
+            config.seed,
+            schedule,
+            config.sample_offset,
+            anchor_step=anchor[0],
+            anchor_position=anchor[1],
+        )
+    if spec is None:
+        spec = MixtureSpec.from_json(config.mixture)
+    return MixtureStream(MixturePlan(spec, config.seed, Layout(schedule, anchor)))
+
+
+def first_correction(config: DataConfig) -> int | None:
+    """The first step the current mixture rule corrects under ``config``'s weights and
+    batch schedule, whatever rule ``config`` records (``MixturePlan.first_correction``);
+    None if none, or for one store. What ``order.resume.check_resume`` asks of a mixture
+    saved under another rule (no store opened)."""
+    if config.mixture is None:
+        return None
+    spec = MixtureSpec.from_json({**config.mixture, "format": SPEC_FORMAT})
+    return MixturePlan(spec, config.seed, config.batch_schedule()).first_correction
+
+
+def weights_at(config: DataConfig, step: int) -> dict[str, str] | None:
+    """A mixture's normalized weights in effect at ``step`` (exact fractions as text)."""
+    if config.mixture is None:
+        return None
+    weights = None
+    for entry in config.mixture["schedule"]:
+        if int(entry["from_step"]) <= step:
+            weights = dict(entry["weights"])
+    return weights
+
+
+def mixture_progress(state: DataState) -> dict[str, Any] | None:
+    """Per source of a mixture's data state: samples drawn by the steps before
+    ``next_step`` against the exact target, and the epoch the next sample is in.
+    None for one store. O(1) in the step (the plan is not replayed)."""
+    config = state.config
+    if config.mixture is None:
+        return None
+    stream = plan_of(config, state.position_anchor)
+    assert isinstance(stream, MixtureStream)
+    plan, step = stream.mixture, state.next_step
+    counts = plan.counts_before(step)
+    targets: Sequence[Fraction] = plan.targets_before(step)
+    epochs = plan.epochs(step)
+    worst, who = plan.max_deviation()
+    weights = weights_at(config, step) or {}
+    sources = []
+    for i, s in enumerate(plan.spec.sources):
+        sources.append(
+            {
+                "name": s.name,
+                "samples": int(counts[i]),
+                "target": fraction_text(targets[i]),
+                "deviation": float(int(counts[i]) - targets[i]),
+                "epoch": int(epochs[i]),
+                "num_samples": int(s.num_samples),
+                "heldout_samples": int(s.heldout_samples),
+                "weight": weights.get(s.name, "0/1"),
+            }
+        )
+    return {
+        "next_step": step,
+        "sources": sources,
+        "max_deviation": float(worst),
+        "max_deviation_exact": fraction_text(worst),
+        "max_deviation_source": who,
+    }

@@ -1,0 +1,66 @@
+"""Where a job's stores are: a store value as a token store folder, a mixture's stores.
+
+Role: a store value is a store folder, ``builtin:PART`` (a part of the builtin
+corpus, built on first use) or raw inputs (a text/JSONL/Parquet file, a folder
+of them, a glob pattern or a comma-separated list) that ``ingest.cache``
+prepares into the cache on first use. ``store_location`` turns one into a store
+folder; ``open_mixture_stores`` opens every source of a mixture.
+
+Invariant: a value that names no store and no raw inputs, or raw inputs when no
+tokenizer was given, is refused with what was expected and what to do; a
+mixture's missing or broken store names its source.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from torchtitan_zephon.ingest.builtin import builtin_store_path
+from torchtitan_zephon.ingest.cache import RawInputs, names_store, raw_store
+from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
+from torchtitan_zephon.store.format import BUILTIN_PREFIX, StoreError
+from torchtitan_zephon.store.reader import TokenStore
+
+
+def store_location(value: str, raw: RawInputs | None = None, *, progress: bool = False) -> Path:
+    """The token store folder a store value names, built on first use where it is a
+    builtin part (with a progress bar when ``progress``) or raw inputs (as ``raw``
+    says; None: raw inputs are refused)."""
+    if value.startswith(BUILTIN_PREFIX):
+        return builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :])
+    if names_store(value):
+        if not os.path.lexists(value):
+            raise StoreError(
+                f"token store {value!r} does not exist; expected a folder made by `zephon "
+                "prepare INPUT... --tokenizer DIR --output STORE`, or raw inputs to prepare "
+                "on first use: a text/JSONL/Parquet file, a folder of them, a glob pattern "
+                "or a comma-separated list."
+            )
+        return Path(value)
+    if raw is None:
+        raise StoreError(
+            f"{value!r} names raw inputs, not a token store, and no tokenizer was given to "
+            f"prepare them. Prepare them first (`zephon prepare {value} --tokenizer DIR "
+            "--output STORE`) and name the store, or train on them directly: the trainer "
+            "prepares raw inputs with the tokenizer at model.hf_assets_path."
+        )
+    return raw_store(value, raw)
+
+
+def open_mixture_stores(
+    config: MixtureConfig, *, progress: bool = False, raw: Any = None
+) -> dict[str, TokenStore]:
+    """Open every source's TokenStore (``builtin:PART`` values are built on first use,
+    with a progress bar when ``progress``; raw inputs are prepared as ``raw``, a
+    ``cache.RawInputs``, says, or refused when it is None); a missing or broken store
+    names its source."""
+    stores = {}
+    for s in config.sources:
+        try:
+            location = store_location(s.store, raw, progress=progress)
+            stores[s.name] = TokenStore.open(location)
+        except (StoreError, ValueError) as e:
+            raise MixtureError(f"mixture source {s.name!r}: {e}") from None
+    return stores

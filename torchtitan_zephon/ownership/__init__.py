@@ -1,0 +1,18 @@
+"""Ownership of a run folder: one job at a time, and a dead job never blocks for long.
+
+``<dump_folder>/zephon/owner.lock`` names the job that holds the folder. Its modules
+(import from them; this package re-exports nothing):
+
+- ``process``: a process named so that a reused pid is not mistaken for it
+  (``Process``: host, machine id, pid, start time), this worker's torchrun agent,
+  and ``kill_tree`` (the node-loss demo's and tests' SIGKILL of a process tree);
+- ``holder``: the lock file and what it says (``Holder``, ``lock_path``,
+  ``read_holder``, the lease period);
+- ``lock``: taking and keeping the folder (``RunFolderLock``: check, acquire,
+  heartbeat, release; ``FolderInUse``).
+
+Invariant: at most one live job holds a folder, and a lock left by a dead job
+blocks a restart for at most one lease period of the holder (``lock``).
+
+No torch here: the trainer gathers its ranks' agents and passes them in.
+"""
