@@ -35,10 +35,8 @@ from typing import Any
 from torchtitan_zephon.bench.contenders import state_at, trainer_record_bytes, zephon_loader
 from torchtitan_zephon.bench.content_checks import content_check_cost
 from torchtitan_zephon.bench.corpus import builtin_store, write_jsonl
-from torchtitan_zephon.bench.measure import paired_latency, ratio
+from torchtitan_zephon.bench.measure import first_batch_after_restore, paired_latency, ratio
 from torchtitan_zephon.bench.throughput import LOADERS, loader_throughput, zephon_breakdown
-from torchtitan_zephon.order.state import DataState
-from torchtitan_zephon.store.reader import TokenStore
 
 RESTORE_STEPS = (10, 1_000_000)
 DP_DEGREES = (1, 8, 1024)
@@ -73,15 +71,6 @@ QUICK = {
     "epochs": 3,
     "max_docs": 20,
 }
-
-
-def _restore_first_batch(store: TokenStore, seq_len: int, batch: int, state: DataState) -> None:
-    loader = zephon_loader(store, seq_len, batch, 0)
-    try:
-        loader.load_state_dict(state)
-        next(loader)
-    finally:
-        loader.close()
 
 
 # ---------------------------------------------------------------- the suite
@@ -140,7 +129,9 @@ def run(opts: dict) -> dict:
     states = {step: state_at(probe, step) for step in RESTORE_STEPS}
     t = paired_latency(
         {
-            s: (lambda st=st: _restore_first_batch(store, seq_len, batch, st))
+            s: (
+                lambda st=st: first_batch_after_restore(zephon_loader(store, seq_len, batch, 0), st)
+            )
             for s, st in states.items()
         },
         o["repeats"],

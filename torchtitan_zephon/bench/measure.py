@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 
 def rate(step: Callable[[], object], units_per_call: float, seconds: float) -> dict[str, float]:
@@ -81,3 +82,13 @@ def paired_latency(
 def ratio(a: float, b: float) -> float:
     """``a / b``, or infinity when ``b`` is zero."""
     return a / b if b else float("inf")
+
+
+def first_batch_after_restore(loader: Any, state: object) -> None:
+    """Restore ``loader`` to ``state`` and take its first batch (what a resume waits
+    for); the loader is closed either way."""
+    try:
+        loader.load_state_dict(state)
+        next(loader)
+    finally:
+        loader.close()

@@ -41,7 +41,12 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.bench.corpus import builtin_store
-from torchtitan_zephon.bench.measure import paired_latency, ratio, round_rate
+from torchtitan_zephon.bench.measure import (
+    first_batch_after_restore,
+    paired_latency,
+    ratio,
+    round_rate,
+)
 from torchtitan_zephon.job.data import MixtureData
 from torchtitan_zephon.job.plans import mixture_progress
 from torchtitan_zephon.loader import ZephonLoader
@@ -172,15 +177,6 @@ def state_at(loader: ZephonLoader, step: int) -> DataState:
     return DataState(now.config, step, loader.plan.step_positions(step)[0], now.position_anchor)
 
 
-def _restore_first_batch(source: MixtureData, o: dict, gbs: int, state: DataState) -> None:
-    loader = _loader(source, o["seq_len"], o["batch"], gbs)
-    try:
-        loader.load_state_dict(state)
-        next(loader)
-    finally:
-        loader.close()
-
-
 def run(opts: dict) -> dict:
     base = QUICK if opts.get("quick") else DEFAULTS
     o = {**base, **{k: v for k, v in opts.items() if v is not None and k in base}}
@@ -258,7 +254,11 @@ def run(opts: dict) -> dict:
         states = {s: state_at(probe, s) for s in PLAN_STEPS}
         t = paired_latency(
             {
-                s: (lambda st=st: _restore_first_batch(source, o, gbs, st))
+                s: (
+                    lambda st=st: first_batch_after_restore(
+                        _loader(source, o["seq_len"], o["batch"], gbs), st
+                    )
+                )
                 for s, st in states.items()
             },
             max(3, o["repeats"] // 3),
