@@ -39,6 +39,7 @@ error naming it: the invariant would silently not hold.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import weakref
 from collections.abc import Callable, Iterator
@@ -103,6 +104,15 @@ _ALIAS_METHODS = {
     torch.Tensor.double,
     torch.Tensor.data.__get__,  # type: ignore[attr-defined]
 }
+
+
+def _skip_param_init() -> Callable[..., Any] | None:
+    """TorchTitan's no-op initialiser of a tied parameter (None where it has none)."""
+    try:
+        from torchtitan.models.common.param_init import skip_param_init
+    except ImportError:
+        return None
+    return skip_param_init
 
 
 def canonical_name(fqn: str) -> str:
@@ -197,6 +207,52 @@ class TopologyFreeInit(TorchFunctionMode):
         self.names = sorted({name for _, name in self._names.values()})
         self._busy = False
         self._saved: dict[str, Callable[..., Any]] = {}
+        # TorchTitan 0.3 modules initialise each parameter with ``_param_init[name]``
+        self._param_inits = [
+            (m, m._param_init)
+            for _, m in module.named_modules()
+            if getattr(m, "_param_init", None) is not None
+        ]
+
+    # -- TorchTitan 0.3 per-parameter initialisers --------------------------
+    def _run_param_init(self, fn: Callable[[torch.Tensor], Any], param: torch.Tensor) -> None:
+        """``fn(param)`` (a module's ``_param_init`` entry) made topology-free: ``fn`` runs
+        on a plain tensor of the parameter's full shape, with the RNG of the drawing
+        device seeded by (seed, name, call), and the rank keeps its shard. Whatever
+        ``fn`` does (rejection sampling, fused q/k/v assembled from fresh tensors) sees
+        neither the shard nor the global RNG state."""
+        name = self.name_of(param)
+        if name is None or self._busy:
+            fn(param)
+            return
+        self.calls.setdefault(name, 0)
+        if fn is _skip_param_init():  # a tied parameter: the other owner initialises it
+            return
+        call = self.calls[name]
+        self.calls[name] = call + 1
+        device = self.device or local_part(param).device
+        full = torch.empty(tuple(param.shape), dtype=param.dtype, device=device)
+        devices = [device.index or 0] if device.type not in ("cpu", "meta") else []
+        self._busy = True
+        try:
+            with torch.random.fork_rng(devices=devices, device_type=device.type):
+                torch.manual_seed(parameter_seed(self.seed, name, call))
+                fn(full)
+            keep_local_shard(param, full)
+        finally:
+            self._busy = False
+
+    @contextmanager
+    def _patched_param_inits(self) -> Iterator[None]:
+        for m, inits in self._param_inits:
+            m._param_init = {
+                key: (lambda p, fn=fn: self._run_param_init(fn, p)) for key, fn in inits.items()
+            }
+        try:
+            yield
+        finally:
+            for m, inits in self._param_inits:
+                m._param_init = inits
 
     # -- which parameter a tensor stands for --------------------------------
     def _track(self, tensor: torch.Tensor, name: str) -> None:
@@ -249,6 +305,9 @@ class TopologyFreeInit(TorchFunctionMode):
             name = self.name_of(tensor)
             if name is None or self._busy or kwargs.get("generator") is not None:
                 return original(tensor, *args, **kwargs)
+            # torch >= 2.10 dispatches torch.nn.init through __torch_function__, which
+            # passes every argument by keyword, generator=None included.
+            kwargs.pop("generator", None)
             self._busy = True
             try:
                 if fname in FILL_INIT_FUNCTIONS:
@@ -304,6 +363,7 @@ class TopologyFreeInit(TorchFunctionMode):
                 self._track(out, name)
             return out
         if func in _RANDOM_METHODS and kwargs.get("generator") is None:
+            kwargs.pop("generator", None)
             self._busy = True
             try:
                 elementwise = not any(
@@ -329,12 +389,13 @@ class TopologyFreeInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def __enter__(self) -> TopologyFreeInit:
-        self._patches = self._patched_nn_init()
-        self._patches.__enter__()
+        self._patches = contextlib.ExitStack()
+        self._patches.enter_context(self._patched_nn_init())
+        self._patches.enter_context(self._patched_param_inits())
         try:
             super().__enter__()
         except BaseException:
-            self._patches.__exit__(None, None, None)
+            self._patches.close()
             raise
         return self
 
@@ -342,7 +403,7 @@ class TopologyFreeInit(TorchFunctionMode):
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
-            self._patches.__exit__(None, None, None)
+            self._patches.close()
             self._names.clear()
         if exc_type is None:
             self.check_all_initialised()
@@ -378,3 +439,35 @@ def init_weights_topology_free(
     with torch.no_grad(), interceptor:
         init_weights()
     return interceptor
+
+
+def topology_free_parallelize(
+    parallelize_fn: Callable[..., nn.Module], seed: int
+) -> Callable[..., nn.Module]:
+    """TorchTitan 0.3's seam for the initial weights: a ``ModelSpec.parallelize_fn``
+    (keyword arguments, as TorchTitan calls it, also per pipeline stage) whose returned
+    model runs its own ``init_weights`` under ``TopologyFreeInit`` keyed by ``seed``,
+    drawing on the job's device type (even where parameters live on the CPU:
+    ``training.enable_cpu_offload``)."""
+    if getattr(parallelize_fn, "zephon_init_seed", None) is not None:
+        return parallelize_fn
+
+    def parallelize(model: nn.Module, **kwargs: Any) -> nn.Module:
+        model = parallelize_fn(model, **kwargs)
+        own = model.init_weights
+
+        def init_weights(**init_kwargs: Any) -> None:
+            from torchtitan.tools import utils as titan_utils
+
+            init_weights_topology_free(
+                model,
+                seed,
+                lambda: own(**init_kwargs),
+                device=torch.device(titan_utils.device_type),
+            )
+
+        model.init_weights = init_weights  # type: ignore[method-assign]
+        return model
+
+    parallelize.zephon_init_seed = seed  # type: ignore[attr-defined]
+    return parallelize

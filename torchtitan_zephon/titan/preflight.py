@@ -3,7 +3,7 @@
 Role: before TorchTitan's Trainer builds anything (TensorBoard writer, sequence
 log, checkpoints), find the checkpoint TorchTitan will load, by its own rule
 (``checkpoint.enable``, ``checkpoint.load_step``, else the newest ``step-N``
-with a DCP ``.metadata`` under ``job.dump_folder/checkpoint.folder``), pass over
+with a DCP ``.metadata`` under ``dump_folder/checkpoint.folder``), pass over
 checkpoints whose files are incomplete or corrupt, and run every check that can
 refuse the start:
 
@@ -15,7 +15,7 @@ refuse the start:
   would not resume from, unless ``zephon.start_over`` or an elastic restart of
   the same job,
 * the store against the model and tokenizer (a tokenizer TorchTitan cannot load
-  from ``model.hf_assets_path`` is refused naming the path and the tokenizer the
+  from ``hf_assets_path`` is refused naming the path and the tokenizer the
   store was prepared with), its size, and the global batch layout;
   where ``zephon.store`` (or a mixture source) names raw inputs they are prepared
   here, into the cache (``ingest.cache``), before TorchTitan initializes the process
@@ -26,10 +26,12 @@ The job's data is opened here, once per process: ``StartPlan.data`` is the
 object the trainer hands to the dataloader and the validator.
 
 Invariants:
-- ``plan_start`` only reads: a refused start leaves the run folder as it was.
-- The choice of checkpoint is a pure function of the job config and the files,
-  so every rank reaches the same one; it is pinned in ``checkpoint.load_step`` so
-  that TorchTitan loads exactly the checkpoint that was checked.
+- ``plan_start`` only reads (the job's view, ``titan.job_view``, and the files):
+  a refused start leaves the run folder as it was.
+- The choice of checkpoint is a pure function of the job and the files, so every
+  rank reaches the same one; ``StartPlan.load_step`` is what the trainer pins in
+  TorchTitan's ``checkpoint.load_step`` so that it loads exactly the checkpoint
+  that was checked.
 - The dataloader and tracker keep their own checks as a second line (on the
   same job-data object, never a reopened store); the preflight refuses the same
   cases with the same messages, earlier.
@@ -37,9 +39,9 @@ Invariants:
 
 from __future__ import annotations
 
-import inspect
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,12 +55,8 @@ from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields, check_resume
 from torchtitan_zephon.order.state import DataState
-from torchtitan_zephon.titan.dataloader import (
-    build_zephon_dataloader,
-    check_tokenizer,
-    open_job_data,
-    with_trainer_hint,
-)
+from torchtitan_zephon.titan.dataloader import check_tokenizer, open_job_data, with_trainer_hint
+from torchtitan_zephon.titan.job_view import JobView
 from torchtitan_zephon.tracker import LogReader, SequenceTracker, TrackerError, log_path
 
 START_OVER = "--zephon.start_over (TOML: [zephon] start_over = true)"
@@ -83,6 +81,9 @@ class StartPlan:
     data: JobData | None = None
     """The job's data, opened and checked here: the trainer hands this object to the
     dataloader and the validator, so no store is opened twice."""
+    load_step: int | None = None
+    """The step TorchTitan must load (its ``checkpoint.load_step``), when the job's -1
+    (the newest) resolved to a checked checkpoint; None: leave it as it is."""
 
 
 # ---------------------------------------------------------------- TorchTitan's rule
@@ -110,14 +111,15 @@ def _listing(found: list[runs.CheckpointInfo]) -> str:
     return ", ".join(f"step-{c.step} ({c.status})" for c in found) or "none"
 
 
-def choose_checkpoint(job_config: Any) -> tuple[runs.CheckpointInfo | None, StartPlan, str]:
+def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPlan, str]:
     """(checkpoint TorchTitan will load or None, plan with skipped ones, why none).
 
-    Pins ``checkpoint.load_step`` to the chosen step when it was -1 (the newest).
-    Raises StartRefused when TorchTitan would load something that cannot be loaded.
+    Sets ``plan.load_step`` to the chosen step when ``checkpoint.load_step`` was -1
+    (the newest). Raises StartRefused when TorchTitan would load something that
+    cannot be loaded.
     """
-    ck = job_config.checkpoint
-    dump = Path(job_config.job.dump_folder)
+    ck = job.checkpoint
+    dump = Path(job.dump_folder)
     folder = dump / ck.folder
     plan = StartPlan()
     if not ck.enable:
@@ -178,11 +180,11 @@ def choose_checkpoint(job_config: Any) -> tuple[runs.CheckpointInfo | None, Star
                 f"{''.join('; ' + p for p in problems)}), but TorchTitan would try step "
                 f"{titan_step}. Move the broken folders out of "
                 f"{folder} (TorchTitan counts any name that contains step-<N>), or use "
-                "another --job.dump_folder."
+                "another --dump_folder."
             )
         return None, plan, f"{folder} holds no complete checkpoint"
     plan.skipped = [c for c in plan.skipped if c.step > chosen.step]
-    ck.load_step = chosen.step  # TorchTitan loads what was checked, on every rank
+    plan.load_step = chosen.step  # TorchTitan loads what was checked, on every rank
     if chosen.step == 0:
         return None, plan, "its only checkpoint is the seed checkpoint step-0 (model only)"
     return chosen, plan, ""
@@ -191,22 +193,22 @@ def choose_checkpoint(job_config: Any) -> tuple[runs.CheckpointInfo | None, Star
 # ---------------------------------------------------------------- the checks
 
 
-def _check_loadable(info: runs.CheckpointInfo, job_config: Any) -> None:
+def _check_loadable(info: runs.CheckpointInfo, job: JobView) -> None:
     """Refuse checkpoints a training job cannot resume from, saying what to do."""
-    exclude = set(job_config.checkpoint.exclude_from_loading)
+    exclude = set(job.checkpoint.exclude_from_loading)
     step = info.step
     if "dataloader" in exclude:
         raise StartRefused(
             f"the checkpoint {info.path} would restore the trainer at step {step} but no "
             "Zephon data state ('dataloader' is in checkpoint.exclude_from_loading): the data "
-            "would restart at step 1. Load the data state too, or start a new job.dump_folder."
+            "would restart at step 1. Load the data state too, or start a new --dump_folder."
         )
     if "train_state" in exclude:
         raise StartRefused(
             f"the checkpoint {info.path} would restore the data at step {step + 1} but not the "
             "trainer ('train_state' is in checkpoint.exclude_from_loading): the trainer would "
             "restart at step 1 on later data. Load the train state too, or start a new "
-            "job.dump_folder."
+            "--dump_folder."
         )
     if info.holds == "training":
         return
@@ -223,7 +225,7 @@ def _check_loadable(info: runs.CheckpointInfo, job_config: Any) -> None:
             "trained again, on the same data)"
             if full
             else "there is no earlier full checkpoint to resume from: start a new "
-            f"job.dump_folder with --checkpoint.initial_load_path {info.path} (model only)"
+            f"--dump_folder with --checkpoint.initial_load_path {info.path} (model only)"
         )
         raise StartRefused(
             f"the checkpoint {info.path} holds only the model (TorchTitan saves the last "
@@ -236,7 +238,7 @@ def _check_loadable(info: runs.CheckpointInfo, job_config: Any) -> None:
     raise StartRefused(
         f"the checkpoint {info.path} holds no Zephon data state (no key "
         f"{runs.DATA_STATE_KEY!r}); it was written by another dataloader (stock "
-        "TorchTitan?). Start a new job.dump_folder, or load only the model with "
+        "TorchTitan?). Start a new --dump_folder, or load only the model with "
         "--checkpoint.initial_load_path and --checkpoint.initial_load_model_only."
     )
 
@@ -251,11 +253,11 @@ def log_mismatch(path: Path, step: int, problem: str) -> str:
     )
 
 
-def _leftovers(job_config: Any) -> list[str]:
+def _leftovers(job: JobView) -> list[str]:
     """The history a fresh start would supersede: checkpoints and logged steps."""
-    dump = Path(job_config.job.dump_folder)
+    dump = Path(job.dump_folder)
     out = []
-    found = [c for c in runs.checkpoints(dump, job_config.checkpoint.folder) if c.step > 0]
+    found = [c for c in runs.checkpoints(dump, job.checkpoint.folder) if c.step > 0]
     if found:
         out.append(f"checkpoints {', '.join(f'step-{c.step}' for c in found)}")
     path = log_path(dump)
@@ -273,21 +275,19 @@ def _leftovers(job_config: Any) -> list[str]:
     return out
 
 
-def _dp_degree(job_config: Any) -> int | None:
+def _dp_degree(job: JobView) -> int | None:
     """The DP degree TorchTitan will build (None when its parallel dims are invalid:
     TorchTitan reports that itself, before it writes anything)."""
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    p = job_config.parallelism
     try:
         dims = ParallelDims(
-            dp_shard=p.data_parallel_shard_degree,
-            dp_replicate=p.data_parallel_replicate_degree,
-            cp=p.context_parallel_degree,
-            tp=p.tensor_parallel_degree,
-            pp=p.pipeline_parallel_degree,
-            ep=p.expert_parallel_degree,
-            etp=p.expert_tensor_parallel_degree,
+            dp_shard=job.dp_shard,
+            dp_replicate=job.dp_replicate,
+            cp=job.cp,
+            tp=job.tp,
+            pp=job.pp,
+            ep=job.ep,
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
         )
     except (AssertionError, ValueError):
@@ -295,44 +295,38 @@ def _dp_degree(job_config: Any) -> int | None:
     return dims.dp_replicate * dims.dp_shard
 
 
-def _check_job(job_config: Any) -> tuple[JobData, DataConfig]:
-    """The job's own settings: a Zephon train spec, the batch layout, the store. Returns
-    the job's data (opened once, here) and its data config."""
-    from torchtitan.protocols.train_spec import get_train_spec
+BuildTokenizer = Callable[[], Any]
+"""Builds the job's tokenizer as TorchTitan will (from hf_assets_path)."""
 
-    spec = get_train_spec(job_config.model.name)
-    # a wrapper declares what it wraps (functools.wraps), e.g. the bench's synthetic loader
-    if inspect.unwrap(spec.build_dataloader_fn) is not build_zephon_dataloader:
-        raise StartRefused(
-            f"model.name={job_config.model.name} does not build a Zephon dataloader; "
-            "use a zephon_* model name (e.g. zephon_llama3)"
-        )
+
+def _check_job(job: JobView, build_tokenizer: BuildTokenizer | None) -> tuple[JobData, DataConfig]:
+    """The job's own settings: the batch layout, the store, the tokenizer. Returns the
+    job's data (opened once, here) and its data config."""
     # The data first: raw inputs are prepared (or refused: a missing tokenizer.json
     # said as such) before TorchTitan builds its tokenizer from the same folder.
-    source, config = open_job_data(job_config)
+    source, config = open_job_data(job)
     try:  # a misspelt opt-in is said at every start, not first at the resume it was for
-        allowed_fields(job_config.zephon.allow_changes, config)
+        allowed_fields(job.zephon.allow_changes, config)
     except ValueError as e:
         raise StartRefused(
             f'--zephon.allow_changes: {e} (TOML: [zephon] allow_changes = ["FIELD", ...])'
         ) from None
     tokenizer = None
-    if spec.build_tokenizer_fn:
+    if build_tokenizer is not None:
         try:
-            tokenizer = spec.build_tokenizer_fn(job_config)
+            tokenizer = build_tokenizer()
         except Exception as e:  # TorchTitan's FileNotFoundError, or the tokenizers
             # library's bare Exception for a file it cannot parse: said as a refusal
-            path = job_config.model.hf_assets_path
-            raise StartRefused(tokenizer_refusal(path, source, e)) from None
+            raise StartRefused(tokenizer_refusal(job.hf_assets_path, source, e)) from None
     check_tokenizer(source, tokenizer)
-    dp = _dp_degree(job_config)
+    dp = _dp_degree(job)
     if dp is not None:
-        config.batch_schedule().check_layout(dp, job_config.training.local_batch_size)
+        config.batch_schedule().check_layout(dp, job.local_batch_size)
     return source, config
 
 
 def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
-    """Why TorchTitan could not load the tokenizer at model.hf_assets_path ``path``, with
+    """Why TorchTitan could not load the tokenizer at hf_assets_path ``path``, with
     the tokenizer the data was prepared with (the sha256 of its tokenizer.json, as the
     store records it) and where the builtin tokenizer is (and whether it is that one)."""
     tokenizer_dir, builtin_sha = builtin_tokenizer()
@@ -354,36 +348,43 @@ def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
         known = f"{what} was prepared with tokenizer sha256 {recorded}"
     if recorded and recorded == builtin_sha:
         todo = (
-            f", the builtin tokenizer in {tokenizer_dir}: set --model.hf_assets_path "
+            f", the builtin tokenizer in {tokenizer_dir}: set --hf_assets_path "
             f"{tokenizer_dir}"
         )
     else:
         todo = (
             f"; the builtin tokenizer in {tokenizer_dir} is another one (sha256 "
-            f"{builtin_sha}). Point --model.hf_assets_path at the folder holding the "
+            f"{builtin_sha}). Point --hf_assets_path at the folder holding the "
             "tokenizer.json the data was prepared with"
         )
     return (
-        f"model.hf_assets_path = {path!r} {found}; TorchTitan builds the job's tokenizer from "
+        f"hf_assets_path = {path!r} {found}; TorchTitan builds the job's tokenizer from "
         f"that folder (its tokenizer.json). {known[0].upper()}{known[1:]}{todo} (TOML: "
         "[model] hf_assets_path). Nothing was changed on disk."
     )
 
 
-def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> StartPlan:
+def plan_start(
+    job: JobView,
+    *,
+    writer: bool,
+    same_job: bool = False,
+    build_tokenizer: BuildTokenizer | None = None,
+) -> StartPlan:
     """Decide what the job starts from, or raise StartRefused / ValueError. Reads only.
 
     ``writer``: this is global rank 0, which owns the sequence log (the log and the
     run folder's history are checked there only). ``same_job``: rank 0 took over the
     run folder's lock from an earlier attempt of this very job (a torchrun elastic
-    restart), whose history may be superseded.
+    restart), whose history may be superseded. ``build_tokenizer``: the job's
+    tokenizer, checked against the data (None: not checked).
     """
-    zc = job_config.zephon
+    zc = job.zephon
     try:
-        data, config = _check_job(job_config)
+        data, config = _check_job(job, build_tokenizer)
     except ValueError as e:  # the store, the model, the batch layout: said clearly
         raise StartRefused(str(e)) from None
-    chosen, plan, why_none = choose_checkpoint(job_config)
+    chosen, plan, why_none = choose_checkpoint(job)
     plan.data = data
     for info in plan.skipped:
         what = (
@@ -397,7 +398,7 @@ def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> Star
             f"{info.path.parent}"
         )
     if chosen is not None:
-        _check_loadable(chosen, job_config)
+        _check_loadable(chosen, job)
         try:
             saved = runs.read_data_state(chosen.path)
             check_resume(saved, config, zc.allow_changes, first_correction=first_correction)
@@ -408,7 +409,7 @@ def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> Star
         plan.resume, plan.state = chosen, saved
         head, done = saved.tracker, saved.next_step - 1
         if writer and zc.audit != "off" and head is not None and int(head["step"]) == done:
-            path = log_path(job_config.job.dump_folder)
+            path = log_path(job.dump_folder)
             tracker = SequenceTracker(path, config=config, writer=True)
             problem = tracker.check_resume(head, repair_index=False)
             if problem is not None and not zc.ignore_log_mismatch:
@@ -416,14 +417,14 @@ def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> Star
         return plan
     if not writer:
         return plan
-    leftovers = _leftovers(job_config)
+    leftovers = _leftovers(job)
     if not leftovers:
         return plan
     found = " and ".join(leftovers)
     if same_job:
         plan.notes.append(
             f"an elastic restart of this job before it could resume ({why_none}): it starts "
-            f"again from step 1 in {job_config.job.dump_folder}; the log's new start event "
+            f"again from step 1 in {job.dump_folder}; the log's new start event "
             f"supersedes the steps of the earlier attempt ({found})"
         )
         return plan
@@ -434,10 +435,10 @@ def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> Star
         )
         return plan
     raise StartRefused(
-        f"the run folder {job_config.job.dump_folder} holds {found}, which this job will not "
+        f"the run folder {job.dump_folder} holds {found}, which this job will not "
         f"resume from ({why_none}). Starting here would supersede that history. To continue "
         "it, resume from a checkpoint (checkpointing enabled and loading); to keep it, use "
-        f"another --job.dump_folder; to start over in this folder, pass {START_OVER}. "
+        f"another --dump_folder; to start over in this folder, pass {START_OVER}. "
         "Nothing was changed on disk."
     )
 
