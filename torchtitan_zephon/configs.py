@@ -9,98 +9,27 @@ line overrides any value (``--training.steps 8``, ``--zephon.store PATH``, ...).
   Llama 3 flavor "small" on the builtin store.
 * ``llama3_tiny``: the end-to-end test job (``tests/titan/tiny.toml``): flavor "tiny".
 
-Invariant: the model flavors are TorchTitan's llama3 (``llama3_model`` accepts
-every flavor of ``llama3_configs``) plus "small" and "tiny", built with the
-same layer builder, initialisers and RoPE as TorchTitan's "debugmodel"; the
-model spec's callables (parallelize, pipelining, state-dict adapter) are
-TorchTitan's own.
+Invariant: every public lowercase callable of this module is a config function
+(TorchTitan lists them when ``--config`` names none of them); the model flavors
+are ``titan.models``'.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
-
+import torchtitan.components.optimizer as optim
 from torchtitan.components.checkpoint import CheckpointManager
 from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
 from torchtitan.components.metrics import MetricsProcessor
-from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.config.configs import CommConfig, DebugConfig
-from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
-from torchtitan.models.common import compute_ffn_hidden_dim
-from torchtitan.models.llama3 import (
-    _EMBEDDING_INIT,
-    _NORM_INIT,
-    _build_llama3_layers,
-    _output_linear_init,
-    llama3_configs,
-    model_registry,
-)
-from torchtitan.models.llama3.model import Llama3Model
 from torchtitan.protocols.model_spec import ModelSpec
 
-from torchtitan_zephon.job.settings import builtin_tokenizer
+from torchtitan_zephon.job import settings
+from torchtitan_zephon.titan import models
 from torchtitan_zephon.titan.config import Zephon
 from torchtitan_zephon.titan.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.trainer import ZephonTrainer
 from torchtitan_zephon.titan.validate import ZephonValidator
-
-
-def _small_llama3(
-    *, dim: int, n_layers: int, n_heads: int, vocab_size: int = 2048
-) -> Callable[..., Llama3Model.Config]:
-    """A small Llama 3 built as TorchTitan builds its "debugmodel" flavor."""
-
-    def build(attn_backend: str, tp_gemm_backend: str = "default") -> Llama3Model.Config:
-        return Llama3Model.Config(
-            dim=dim,
-            vocab_size=vocab_size,
-            tok_embeddings=Embedding.Config(
-                num_embeddings=vocab_size, embedding_dim=dim, param_init=_EMBEDDING_INIT
-            ),
-            norm=RMSNorm.Config(normalized_shape=dim, param_init=_NORM_INIT),
-            lm_head=Linear.Config(
-                in_features=dim, out_features=vocab_size, param_init=_output_linear_init(dim)
-            ),
-            layers=_build_llama3_layers(
-                fuse_qkv=True,
-                n_layers=n_layers,
-                dim=dim,
-                n_heads=n_heads,
-                hidden_dim=compute_ffn_hidden_dim(dim, multiple_of=256),
-                rope=ComplexRoPE.Config(
-                    dim=dim // n_heads, max_seq_len=131072, theta=500000, scaling="llama"
-                ),
-                attn_backend=attn_backend,
-                tp_gemm_backend=tp_gemm_backend,
-            ),
-        )
-
-    return build
-
-
-ZEPHON_FLAVORS: dict[str, Callable[..., Llama3Model.Config]] = {
-    # 1.6M parameters: the default CPU job (train_configs/debug_model.toml).
-    "small": _small_llama3(dim=128, n_layers=4, n_heads=8),
-    # 0.4M parameters: end-to-end tests.
-    "tiny": _small_llama3(dim=64, n_layers=2, n_heads=4),
-}
-
-
-def llama3_model(flavor: str, attn_backend: str = "flex") -> ModelSpec:
-    """The llama3 model spec of ``flavor``: Zephon's "small" / "tiny", or any of
-    TorchTitan's llama3 flavors."""
-    if flavor not in ZEPHON_FLAVORS:
-        if flavor not in llama3_configs:
-            raise ValueError(
-                f"llama3 has no flavor {flavor!r}; flavors: "
-                f"{sorted({*ZEPHON_FLAVORS, *llama3_configs})}"
-            )
-        return model_registry(flavor, attn_backend=attn_backend)
-    base = model_registry("debugmodel", attn_backend=attn_backend)
-    model = ZEPHON_FLAVORS[flavor](attn_backend=attn_backend)
-    return dataclasses.replace(base, flavor=flavor, model=model)
 
 
 def _loss(model_spec: ModelSpec) -> ChunkedLossWrapper.Config:
@@ -112,15 +41,15 @@ def _loss(model_spec: ModelSpec) -> ChunkedLossWrapper.Config:
 def llama3_debug() -> ZephonTrainer.Config:
     """The CPU default job: Llama 3 "small" on the builtin store (Python's own docs and
     standard-library sources), 2 CPU ranks via ./run_train.sh, or GPUs unchanged."""
-    model_spec = llama3_model("small")
+    model_spec = models.llama3_model("small")
     return ZephonTrainer.Config(
         dump_folder="./outputs/debug_model",
         # the tokenizer the builtin store is tokenized with (shipped in the package)
-        hf_assets_path=str(builtin_tokenizer()[0]),
+        hf_assets_path=str(settings.builtin_tokenizer()[0]),
         model_spec=model_spec,
         loss=_loss(model_spec),
-        optimizer=default_adamw(lr=3e-3, eps=1e-8),
-        lr_scheduler=LRSchedulersContainer.Config(
+        optimizer=optim.default_adamw(lr=3e-3, eps=1e-8),
+        lr_scheduler=optim.LRSchedulersContainer.Config(
             warmup_steps=5, decay_ratio=0.8, decay_type="linear", min_lr_factor=0.1
         ),
         training=TrainingConfig(
@@ -153,11 +82,11 @@ def llama3_debug() -> ZephonTrainer.Config:
 def llama3_tiny() -> ZephonTrainer.Config:
     """The end-to-end test job: Llama 3 "tiny" on the builtin store, fp32, deterministic."""
     config = llama3_debug()
-    config.model_spec = llama3_model("tiny")
+    config.model_spec = models.llama3_model("tiny")
     config.loss = _loss(config.model_spec)
     config.dump_folder = "./outputs/tiny"
-    config.optimizer = default_adamw(lr=1e-2)
-    config.lr_scheduler = LRSchedulersContainer.Config(warmup_steps=2)
+    config.optimizer = optim.default_adamw(lr=1e-2)
+    config.lr_scheduler = optim.LRSchedulersContainer.Config(warmup_steps=2)
     config.training = TrainingConfig(
         local_batch_size=2,
         global_batch_size=8,

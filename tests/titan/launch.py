@@ -1,7 +1,8 @@
 """Launch real ``torchrun`` jobs on CPU for the end-to-end tests.
 
-Every job runs the tiny flavor (tests/titan/tiny.toml) with gloo, one intra-op
-thread per rank, and writes its console output to ``<run>/train.log``.
+Every job runs the tiny flavor (tests/titan/tiny.toml; on TorchTitan 0.3:
+``train03``, the registry's ``llama3_tiny``) with gloo, one intra-op thread per
+rank, and writes its console output to ``<run>/train.log``.
 """
 
 from __future__ import annotations
@@ -97,6 +98,34 @@ def train(
         timeout=timeout,
     )
     with open(log or run / "train.log", "a") as f:
+        f.write(proc.stdout)
+    return Job(run, proc.returncode, proc.stdout)
+
+
+def train03(
+    run: Path, nproc: int = 2, *overrides: str, config: str = "llama3_tiny", timeout: int = 600
+) -> Job:
+    """Run one TorchTitan 0.3 job of Zephon's registry (``--module torchtitan_zephon.configs
+    --config CONFIG``) to completion; its output is appended to ``<run>/train.log``."""
+    run.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m", "torchtitan_zephon.train",
+        "--module", "torchtitan_zephon.configs", "--config", config,
+        "--dump_folder", str(run),
+        *overrides,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command,
+        cwd=REPO,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    with open(run / "train.log", "a") as f:
         f.write(proc.stdout)
     return Job(run, proc.returncode, proc.stdout)
 

@@ -161,7 +161,7 @@ def trainer_handoff(config: Any, what: str) -> tuple[JobView, JobData]:
     return job, data
 
 
-def _eos_id(source: JobData) -> int:
+def eos_id_of(source: JobData) -> int:
     """The EOS id that ends each document of ``source`` (a mixture's stores share one
     tokenizer, whose EOS is the first store's)."""
     stores = getattr(source, "stores", None) or [source.store]  # type: ignore[attr-defined]
@@ -240,7 +240,7 @@ class ZephonDataLoader(BaseDataLoader):
         elif rank == 0:  # a store smaller than a global batch (mixtures: per source, above)
             for warning in source.warnings:
                 logger.warning(f"Zephon: {warning}")
-        self.eos_id = _eos_id(source)
+        self.eos_id = eos_id_of(source)
         self.tracker = SequenceTracker(
             log_path(job.dump_folder),
             config=self.loader.config,

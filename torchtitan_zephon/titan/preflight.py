@@ -347,10 +347,7 @@ def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
     else:
         known = f"{what} was prepared with tokenizer sha256 {recorded}"
     if recorded and recorded == builtin_sha:
-        todo = (
-            f", the builtin tokenizer in {tokenizer_dir}: set --hf_assets_path "
-            f"{tokenizer_dir}"
-        )
+        todo = f", the builtin tokenizer in {tokenizer_dir}: set --hf_assets_path {tokenizer_dir}"
     else:
         todo = (
             f"; the builtin tokenizer in {tokenizer_dir} is another one (sha256 "

@@ -47,7 +47,7 @@ from torchtitan.tools.logging import logger
 from torchtitan_zephon.loader import document_positions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
-from torchtitan_zephon.titan.dataloader import _eos_id, batch_schedule, trainer_handoff
+from torchtitan_zephon.titan.dataloader import batch_schedule, eos_id_of, trainer_handoff
 from torchtitan_zephon.titan.job_view import JobView
 
 
@@ -225,7 +225,7 @@ class ZephonValidator(Validator):
                 f"--zephon.heldout_samples to a multiple of {gbs}"
                 + (" (or heldout_samples of the mixture's sources)." if mixture else ".")
             )
-        eos_id = _eos_id(source)
+        eos_id = eos_id_of(source)
         micro = config.microbatch_size or local_batch_size
         self.heldout_loaders: list[tuple[str | None, HeldoutLoader]] = []
         for h in parts:
