@@ -14,11 +14,14 @@ from torchtitan_zephon.titan import platform  # noqa: E402
 
 platform.apply()
 
+from torch.nn.attention.flex_attention import and_masks, create_block_mask, flex_attention  # noqa: E402
 from torchtitan.models.common.attention import (  # noqa: E402
     FlexAttention,
-    ScaledDotProductAttention,
+    get_causal_mask_mod,
+    get_efficient_causal_mask_mod_for_packed_document,
 )
 
+from torchtitan_zephon.titan.attention import DocumentSDPA, document_mask  # noqa: E402
 from torchtitan_zephon.titan.dataloader import ZephonDataLoader  # noqa: E402
 from torchtitan_zephon.titan.validate import ZephonValidator  # noqa: E402
 from torchtitan_zephon.train import parse_config  # noqa: E402
@@ -54,7 +57,7 @@ def test_a_stock_config_gets_zephon_components_and_cpu_defaults(
     assert config.training.disable_cuda_graphs
     spec = config.model_spec
     assert not list(spec.model.traverse(FlexAttention.Config))
-    assert len(list(spec.model.traverse(ScaledDotProductAttention.Config))) == 6
+    assert len(list(spec.model.traverse(DocumentSDPA.Config))) == 6
 
 
 def test_an_explicit_flag_wins_over_the_cpu_defaults() -> None:
@@ -119,3 +122,23 @@ def test_initial_weights_follow_the_seed_not_the_global_rng() -> None:
     drawn = [k for k in a if not torch.equal(a[k], c[k])]
     assert "tok_embeddings.weight" in drawn
     assert "layers.0.attention.qkv_linear.wq.weight" in drawn  # fused q/k/v init too
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_document_sdpa_computes_what_flex_attention_computes(batch: int) -> None:
+    """On CPU FlexAttention runs forward (eagerly): same batch, same positions, same mask."""
+    g = torch.Generator().manual_seed(batch)
+    length, heads, dim = 48, 2, 8
+    tokens = torch.randint(0, 6, (batch, length), generator=g)  # EOS = 0: several documents
+    positions = document_positions(tokens, 0)
+    q, k, v = (torch.randn(batch, length, heads, dim, generator=g) for _ in range(3))
+    mask_mod = and_masks(
+        get_causal_mask_mod(), get_efficient_causal_mask_mod_for_packed_document(positions)
+    )
+    block_mask = create_block_mask(mask_mod, batch, None, length, length, device="cpu",
+                                   BLOCK_SIZE=16)  # fmt: skip
+    flex = flex_attention(*(t.transpose(1, 2) for t in (q, k, v)), block_mask=block_mask)
+    ours = DocumentSDPA(DocumentSDPA.Config())(q, k, v, attention_masks=document_mask(positions))
+    torch.testing.assert_close(ours, flex.transpose(1, 2), rtol=1e-5, atol=1e-6)
+    causal_only = DocumentSDPA(DocumentSDPA.Config())(q, k, v)
+    assert not torch.allclose(ours, causal_only, atol=1e-3)  # the documents do matter here

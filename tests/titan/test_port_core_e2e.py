@@ -29,9 +29,7 @@ def fresh(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """2 CPU ranks, 8 steps, checkpoints at 4 and 8."""
     run = tmp_path_factory.mktemp("port03") / "fresh"
     job = train03(run, 2).check()
-    assert "CPU platform: 2 attention module(s) FlexAttention -> ScaledDotProductAttention" in (
-        job.output
-    )
+    assert "CPU platform: 2 attention module(s) FlexAttention -> DocumentSDPA" in job.output
     return run
 
 

@@ -17,8 +17,9 @@ triton-only, each for the reason given where it is done:
 4. the uneven list ``all_to_all`` of ``spmd_types`` (expert parallelism) goes
    through ``all_to_all_single`` with split sizes, which gloo has;
 5. in the job's config, before the command line is parsed (so an explicit flag
-   still wins; ``cpu_config_defaults``): SDPA in place of FlexAttention /
-   varlen attention (neither has a CPU backward), float32 FSDP parameters
+   still wins; ``cpu_config_defaults``): SDPA with the same document-causal
+   mask (``titan.attention.DocumentSDPA``) in place of FlexAttention / varlen
+   attention (neither has a CPU backward), float32 FSDP parameters
    unless ``ZEPHON_CPU_BF16=1``, and CUDA graphs off (TorchTitan's config check
    rejects them with expert parallelism before any CUDA is touched).
 
@@ -284,24 +285,22 @@ def cpu_config_defaults(config: Any) -> list[str]:
     spec = getattr(config, "model_spec", None)
     if spec is not None:
         # FlexAttention (0.3's llama3 default) and varlen attention have no backward on
-        # CPU; PyTorch's SDPA does.
-        from torchtitan.models.common.attention import (
-            FlexAttention,
-            ScaledDotProductAttention,
-            VarlenAttention,
-        )
+        # CPU; PyTorch's SDPA does, with the same document-causal mask as a dense one.
+        from torchtitan.models.common.attention import FlexAttention, VarlenAttention
+
+        from torchtitan_zephon.titan.attention import DocumentSDPA
 
         hits = list(spec.model.traverse((FlexAttention.Config, VarlenAttention.Config)))
         for _fqn, _old, parent, attr in hits:
             if isinstance(attr, int):
-                parent[attr] = ScaledDotProductAttention.Config()
+                parent[attr] = DocumentSDPA.Config()
             else:
-                setattr(parent, attr, ScaledDotProductAttention.Config())
+                setattr(parent, attr, DocumentSDPA.Config())
         if hits:
             kinds = sorted({type(old).__qualname__.split(".")[0] for _, old, _, _ in hits})
             changes.append(
-                f"{len(hits)} attention module(s) {'/'.join(kinds)} -> ScaledDotProductAttention "
-                "(no CPU backward)"
+                f"{len(hits)} attention module(s) {'/'.join(kinds)} -> DocumentSDPA (SDPA with "
+                "the document-causal mask from positions; Flex has no CPU backward)"
             )
     training = config.training
     if training.mixed_precision_param != "float32" and os.environ.get(CPU_BF16) != "1":

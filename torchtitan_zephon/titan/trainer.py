@@ -47,6 +47,7 @@ from torchtitan_zephon.ownership.lock import RunFolderLock
 from torchtitan_zephon.ownership.process import torchrun_agent
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.titan import preflight
+from torchtitan_zephon.titan.attention import with_document_masks
 from torchtitan_zephon.titan.checks import check_job_config
 from torchtitan_zephon.titan.config import Zephon
 from torchtitan_zephon.titan.dataloader import ZephonDataLoader, with_job
@@ -194,6 +195,14 @@ class ZephonTrainer(Trainer):
         )
         super().train_step(data_iterator)
         self._record_step(step)
+
+    def post_dataloading_process(
+        self, input_dict: dict[str, Any], labels: Any
+    ) -> tuple[Any, Any, dict[str, Any]]:
+        """TorchTitan's, with the document mask for ``DocumentSDPA`` (the CPU's stand-in
+        for FlexAttention), which TorchTitan builds masks for only for Flex / varlen."""
+        with_document_masks(self.model_config, input_dict)
+        return super().post_dataloading_process(input_dict, labels)
 
     def _begin_tracking(self) -> None:
         """At the first step of this job: every rank reads the same data, and the data

@@ -47,6 +47,7 @@ from torchtitan.tools.logging import logger
 from torchtitan_zephon.loader import document_positions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
+from torchtitan_zephon.titan.attention import with_document_masks
 from torchtitan_zephon.titan.dataloader import batch_schedule, eos_id_of, trainer_handoff
 from torchtitan_zephon.titan.job_view import JobView
 
@@ -244,6 +245,16 @@ class ZephonValidator(Validator):
             )
             self.heldout_loaders.append((h.name, loader))
         self.validation_dataloader = self.heldout_loaders[0][1]
+
+    def post_dataloading_process(
+        self,
+        input_dict: dict[str, torch.Tensor],
+        labels: torch.Tensor,
+        model_parts: list[torch.nn.Module],
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """TorchTitan's, with the document mask for ``DocumentSDPA`` (as in training)."""
+        with_document_masks(getattr(model_parts[0], "config", None), input_dict)
+        return super().post_dataloading_process(input_dict, labels, model_parts)
 
     @torch.no_grad()
     def pass_totals(
