@@ -476,17 +476,29 @@ def _base_ac_mode(base: Any, first: Setting) -> str:
     return _AC_CLASS_MODES[name]
 
 
-def _where(s: Setting) -> str:
+def _where(s: Setting, with_value: bool = False) -> str:
+    """Where a setting came from, as the user spelled it: "--training.dataset c4 on
+    the command line", "training.dataset = 'c4' in TOML file F"."""
     if s.origin == "command line":
-        return f"--{s.key} on the command line"
-    return f"{s.key} in {s.origin}"
+        shown = f" {_cli_text(s.value)}" if with_value and not isinstance(s.value, bool) else ""
+        return f"--{s.key}{shown} on the command line"
+    return f"{s.key}{f' = {s.value!r}' if with_value else ''} in {s.origin}"
 
 
-def _suggest(key: str) -> str:
-    close = difflib.get_close_matches(key, list(TABLE), n=3, cutoff=0.6)
+def _cli_text(value: Any) -> str:
+    if isinstance(value, list):
+        return " ".join(",".join(v) if isinstance(v, list) else str(v) for v in value) or "''"
+    return str(value) if value != "" else "''"
+
+
+def _suggest(key: str, prefix: str = "") -> str:
+    scored = sorted(
+        ((difflib.SequenceMatcher(None, key, k).ratio(), k) for k in TABLE), reverse=True
+    )
+    close = [k for r, k in scored[:3] if r >= 0.6 and r >= scored[0][0] - 0.05]  # the nearest only
     if not close:
         return "No known key is spelled like it; TorchTitan 0.2.2 keys are [section] key names (see README)."
-    return "Did you mean " + " or ".join(close) + "?"
+    return "Did you mean " + " or ".join(prefix + c for c in close) + "?"
 
 
 # 0.3 spellings accepted on the command line too: each path that one 0.2.2 key maps to
@@ -525,7 +537,7 @@ def _parse_cli(argv: Sequence[str]) -> list[Setting]:
         found = _lookup(name)
         if found is None:
             norm = name.replace("-", "_")
-            hint = _suggest(norm)
+            hint = _suggest(norm, "--")
             if norm.startswith("no_") and (flag := _lookup(norm[3:])) and flag[0].value == "flag":
                 section, _, leaf = flag[0].key.rpartition(".")
                 hint = f"A flag is turned off as --{section}.no-{leaf}."
@@ -597,7 +609,7 @@ def _read_toml(path: str) -> list[Setting]:
                 f"{key} in {origin}: a TOML file cannot name another; remove it (give the file with --job.config_file)."
             )
         if TABLE[key].value == "flag" and not isinstance(value, bool):
-            raise LegacyConfigError(f"{key} in {origin} = {value!r}: expected true or false.")
+            raise LegacyConfigError(f"{key} = {value!r} in {origin}: expected true or false.")
         out.append(Setting(key, value, origin, key))
     return out
 
@@ -631,14 +643,14 @@ def _resolve(raw: list[Setting], config_file: str | None) -> LegacyTranslation:
                 else f" (only {entry.noop!r}, its 0.2.2 default, is accepted)"
             )
             raise LegacyConfigError(
-                f"{where} = {s.value!r} has no equivalent in TorchTitan 0.3: {entry.why}{keep}; remove it."
+                f"{_where(s, True)} has no equivalent in TorchTitan 0.3: {entry.why}{keep}; remove it."
             )
         else:
             picked[entry.key] = s  # later wins
             if entry.key in ("job.custom_config_module", "experimental.custom_args_module"):
                 if s.value not in (CONFIG_MODULE, ""):
                     raise LegacyConfigError(
-                        f"{where} = {s.value!r}: TorchTitan 0.3 has no custom config modules; a job is a config "
+                        f"{_where(s, True)}: TorchTitan 0.3 has no custom config modules; a job is a config "
                         f"registry function (--module M --config FN returning a Trainer.Config subclass). Only "
                         f"{CONFIG_MODULE!r}, which the Zephon configs subsume, is accepted; remove it."
                     )
@@ -646,13 +658,13 @@ def _resolve(raw: list[Setting], config_file: str | None) -> LegacyTranslation:
             elif entry.key == "activation_checkpoint.mode":
                 if s.value not in AC_MODES:
                     raise LegacyConfigError(
-                        f"{where} = {s.value!r}: expected one of {', '.join(map(repr, AC_MODES))}."
+                        f"{_where(s, True)}: expected one of {', '.join(map(repr, AC_MODES))}."
                     )
                 settings.append(Setting("activation_checkpoint", s.value, s.origin, s.key))
             elif entry.key == "activation_checkpoint.selective_ac_option":
                 if s.value != "op":
                     raise LegacyConfigError(
-                        f"{where} = {s.value!r} has no equivalent in TorchTitan 0.3: its selective activation "
+                        f"{_where(s, True)} has no equivalent in TorchTitan 0.3: its selective activation "
                         'checkpointing is per-op ("op"), not every N-th block; set it to "op", or '
                         'activation_checkpoint.mode = "full", or remove it.'
                     )
@@ -662,7 +674,7 @@ def _resolve(raw: list[Setting], config_file: str | None) -> LegacyTranslation:
                     float(s.value)
                 except (TypeError, ValueError):
                     raise LegacyConfigError(
-                        f"{where} = {s.value!r}: expected a number, e.g. 0.9."
+                        f"{_where(s, True)}: expected a number, e.g. 0.9."
                     ) from None
                 b1, b2 = picked.get("optimizer.beta1"), picked.get("optimizer.beta2")
                 betas = (
@@ -676,7 +688,7 @@ def _resolve(raw: list[Setting], config_file: str | None) -> LegacyTranslation:
         family = MODEL_FAMILIES.get(str(name.value))
         if family is None:
             raise LegacyConfigError(
-                f"{_where(name)} = {name.value!r} is not a model Zephon trains; expected one of "
+                f"{_where(name, True)} is not a model Zephon trains; expected one of "
                 f"{', '.join(map(repr, MODEL_FAMILIES))}."
             )
     desc = next((str(s.value) for s in reversed(raw) if s.path == "job.description"), None)
