@@ -424,24 +424,35 @@ class LegacyTranslation:
         """Arguments for tyro over the 0.3 config (``ConfigManager``'s parse): the
         options, then the activation-checkpoint subcommand and its options (tyro
         applies options to the subcommand they follow). ``base``: the loaded config,
-        needed only when activation-checkpoint options come without a mode."""
-        values = self.values()
-        mode = values.pop("activation_checkpoint", None)
-        ac = {p: v for p, v in values.items() if p.startswith("activation_checkpoint.")}
+        needed when activation-checkpoint options come without a mode, and for an
+        empty list (0.3's comma-separated list rule cannot spell one: it is left out
+        where ``base`` already holds it, refused otherwise)."""
+        last = {s.path: s for s in self.settings}
+        mode = last.pop("activation_checkpoint", None)
+        ac = [s for p, s in last.items() if p.startswith("activation_checkpoint.")]
         args: list[str] = []
-        for path, value in values.items():
-            if path not in ac:
-                args += _render(path, value)
+        for s in last.values():
+            if s not in ac:
+                args += _render(s, base)
         if ac and mode is None:
-            mode = _base_ac_mode(base, next(s for s in self.settings if s.path in ac))
-        if mode is not None:
-            args.append(AC_MODES[mode])
-        for path, value in ac.items():
-            args += _render(path, value)
+            args.append(AC_MODES[_base_ac_mode(base, ac[0])])
+        elif mode is not None:
+            args.append(AC_MODES[mode.value])
+        for s in ac:
+            args += _render(s, base)
         return args
 
 
-def _render(path: str, value: Any) -> list[str]:
+def _render(s: Setting, base: Any) -> list[str]:
+    path, value = s.path, s.value
+    if value == []:
+        if base is not None and _held(base, path) == []:
+            return []
+        raise LegacyConfigError(
+            f"{_where(s, True)}: TorchTitan 0.3's command line cannot spell an empty list for "
+            f"{path}, and the selected config does not hold one; set it in the config registry "
+            "function, or remove the key."
+        )
     if isinstance(value, bool):
         head, _, leaf = path.rpartition(".")
         return [f"--{path}" if value else f"--{head + '.' if head else ''}no-{leaf}"]
@@ -726,6 +737,15 @@ def _step(node: Any, part: str) -> tuple[bool, Any]:
         return part in node, node.get(part)
     names = {f.name for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else set()
     return part in names, getattr(node, part, None)
+
+
+def _held(config: Any, path: str) -> Any:
+    node = config
+    for part in path.split("."):
+        ok, node = _step(node, part)
+        if not ok:
+            return None
+    return node
 
 
 def check_against(config: Any, translation: LegacyTranslation) -> None:
