@@ -11,10 +11,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 
 pytest.importorskip("torchtitan.config.configurable", reason="needs TorchTitan 0.3")
 import tyro  # noqa: E402
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib  # type: ignore[no-redef]
+
 from torchtitan.components.validate import Validator  # noqa: E402
 from torchtitan.config.manager import ConfigManager, custom_registry  # noqa: E402
 from torchtitan.distributed.activation_checkpoint import (  # noqa: E402
