@@ -222,6 +222,39 @@ def test_every_022_key_is_in_the_table():
     }
 
 
+# The bool keys of 0.2.2's JobConfig: command-line flags (--key / --section.no-key).
+BOOLS_022 = """
+    job.print_config profiling.enable_profiling profiling.enable_memory_snapshot
+    metrics.enable_tensorboard metrics.disable_color_printing metrics.save_for_all_ranks
+    metrics.enable_wandb model.print_after_conversion optimizer.early_step_in_backward
+    training.enable_cpu_offload training.gc_debug training.dataloader.persistent_workers
+    training.dataloader.pin_memory parallelism.disable_loss_parallel
+    parallelism.enable_async_tensor_parallel
+    parallelism.pipeline_parallel_expert_parallel_overlap checkpoint.enable
+    checkpoint.enable_ft_dataloader_checkpoints checkpoint.initial_load_model_only
+    checkpoint.initial_load_in_hf checkpoint.initial_load_in_hf_quantized
+    checkpoint.last_save_model_only checkpoint.last_save_in_hf
+    checkpoint.enable_first_step_checkpoint checkpoint.create_seed_checkpoint
+    checkpoint.load_only activation_checkpoint.early_stop
+    activation_checkpoint.visualize_memory_budget_pareto
+    activation_checkpoint.preserve_rng_state activation_checkpoint.debug compile.enable
+    quantize.linear.float8.enable_fsdp_float8_all_gather
+    quantize.linear.float8.precompute_float8_dynamic_scale_for_fsdp
+    quantize.linear.float8.emulate memory_estimation.enable
+    memory_estimation.disable_fake_mode fault_tolerance.enable validation.enable
+    validation.dataloader.persistent_workers validation.dataloader.pin_memory
+    debug.deterministic debug.deterministic_warn_only debug.moe_force_load_balance
+"""
+
+
+def test_the_022_bools_are_flags_and_nothing_else_is():
+    bools = set(BOOLS_022.split()) | {
+        f"zephon.{f.name}" for f in dataclasses.fields(Zephon) if f.type in (bool, "bool")
+    }
+    assert {k for k, e in TABLE.items() if e.value == "flag"} == bools
+    assert translate(["--validation.dataloader.no-pin_memory"]).settings == ()  # its no-op
+
+
 def test_every_mapped_path_is_a_03_field():
     tree = _tree_03()
     targets = {e.path for e in TABLE.values() if e.kind == "map"}

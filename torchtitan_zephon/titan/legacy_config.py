@@ -330,11 +330,13 @@ TABLE: dict[str, Entry] = {
             "validation.dataloader.persistent_workers",
             "Zephon's validator reads in the trainer",
             noop=False,
+            value="flag",
         ),
         _refuse(
             "validation.dataloader.pin_memory",
             "Zephon's validator reads in the trainer",
             noop=False,
+            value="flag",
         ),
         _refuse("validation.dataloader.prefetch_factor", "Zephon's validator reads in the trainer"),
         # [debug]
