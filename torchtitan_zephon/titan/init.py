@@ -35,6 +35,15 @@ largest: the embedding or the output projection) plus the sampler's
 temporaries of one chunk. A parameter that the model initialises some other
 way (a ``copy_`` from a tensor of its own making, no init call at all) is an
 error naming it: the invariant would silently not hold.
+
+Buffers (RoPE caches, the MoE router's ``expert_bias_E`` and
+``tokens_per_expert_E``) must be deterministic: every buffer is re-made
+(TorchTitan's ``_init_self_buffers`` assigns a fresh tensor) or written in place
+by ``init_weights`` without a random draw. A buffer left as ``to_empty()`` made
+it (uninitialised memory), a buffer drawn at random, and any random draw during
+``init_weights`` outside a parameter's initialiser (``torch.randn``, ...: it would
+consume the global generator, whose state is the same on every rank but not a
+function of the names) are errors naming them, as for parameters.
 """
 
 from __future__ import annotations
@@ -93,6 +102,15 @@ _RANDOM_METHODS = {
     )
 }
 _FILL_METHODS = {torch.Tensor.fill_, torch.Tensor.zero_}
+# Functions that create a tensor of random values (outside a parameter's initialiser,
+# a draw from the global generator).
+_RANDOM_FACTORIES = {
+    getattr(torch, f)
+    for f in (
+        "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+        "normal", "bernoulli", "multinomial", "poisson",
+    )
+}  # fmt: skip
 # Methods whose result, taken from a parameter, is the same values under another
 # name (TorchTitan's trunc_normal_ initialises ``param.float()`` and copies back).
 _ALIAS_METHODS = {
@@ -190,6 +208,11 @@ def draw_flat(
     return buf[lo - base : hi - base]
 
 
+class NotTopologyFree(RuntimeError):
+    """``init_weights`` initialised a parameter or a buffer in a way whose value
+    could depend on the topology; the message names each one."""
+
+
 class TopologyFreeInit(TorchFunctionMode):
     """Context manager: random init calls on ``module``'s parameters draw from
     per-parameter generators on full shapes (see the module docstring)."""
@@ -202,9 +225,26 @@ class TopologyFreeInit(TorchFunctionMode):
         self._names: dict[int, tuple[weakref.ref, str]] = {}
         self.calls: dict[str, int] = {}
         self.unknown: set[str] = set()
+        self.unset: set[str] = set()  # a param_init entry left (some) values unset
         for fqn, param in module.named_parameters(remove_duplicate=True):
             self._track(param, canonical_name(fqn))
         self.names = sorted({name for _, name in self._names.values()})
+        self._module = module
+        # at exit: the parameters the module holds then (init_states may re-tie one, e.g.
+        # tok_embeddings.weight = lm_head.weight), by tracked name; None: untracked
+        self._final: list[tuple[str, str | None]] = []
+        # buffers: canonical name -> (owning module, attribute, the tensor before init)
+        self._buffers = {
+            canonical_name(f"{mname}.{bname}" if mname else bname): (m, bname, b)
+            for mname, m in module.named_modules()
+            for bname, b in m._buffers.items()
+            if b is not None
+        }
+        self._buffer_ids = {id(b): name for name, (_, _, b) in self._buffers.items()}
+        self.written_buffers: set[str] = set()
+        self.random_buffers: set[str] = set()
+        self.stray_draws: dict[str, int] = {}
+        self._untouched: list[str] = []
         self._busy = False
         self._saved: dict[str, Callable[..., Any]] = {}
         # TorchTitan 0.3 modules initialise each parameter with ``_param_init[name]``
@@ -233,11 +273,18 @@ class TopologyFreeInit(TorchFunctionMode):
         device = self.device or local_part(param).device
         full = torch.empty(tuple(param.shape), dtype=param.dtype, device=device)
         devices = [device.index or 0] if device.type not in ("cpu", "meta") else []
+        # NaN until ``fn`` writes: an initialiser that leaves values unset is caught
+        # (``torch.empty`` would hand over whatever memory held; not on the meta device).
+        check_unset = full.is_floating_point() and device.type != "meta"
         self._busy = True
         try:
+            if check_unset:
+                full.fill_(float("nan"))
             with torch.random.fork_rng(devices=devices, device_type=device.type):
                 torch.manual_seed(parameter_seed(self.seed, name, call))
                 fn(full)
+            if check_unset and bool(torch.isnan(full).any()):
+                self.unset.add(name)
             keep_local_shard(param, full)
         finally:
             self._busy = False
@@ -303,6 +350,8 @@ class TopologyFreeInit(TorchFunctionMode):
     def _wrap_init(self, fname: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             name = self.name_of(tensor)
+            if name is None and not self._busy and self._note_buffer_write(tensor, fname):
+                return original(tensor, *args, **kwargs)
             if name is None or self._busy or kwargs.get("generator") is not None:
                 return original(tensor, *args, **kwargs)
             # torch >= 2.10 dispatches torch.nn.init through __torch_function__, which
@@ -349,13 +398,33 @@ class TopologyFreeInit(TorchFunctionMode):
                 setattr(nn.init, fname, original)
             self._saved.clear()
 
+    # -- buffers and stray draws ----------------------------------------------
+    def _note_buffer_write(self, tensor: Any, fname: str) -> bool:
+        """Record an in-place ``fname`` (a method or ``torch.nn.init`` name) on a buffer;
+        True when ``tensor`` is one."""
+        name = self._buffer_ids.get(id(tensor)) if isinstance(tensor, torch.Tensor) else None
+        if name is None or self._buffers[name][2] is not tensor:
+            return False
+        if fname in RANDOM_INIT_FUNCTIONS or fname in {m.__name__ for m in _RANDOM_METHODS}:
+            self.random_buffers.add(name)
+        elif fname.endswith("_"):
+            self.written_buffers.add(name)
+        return True
+
     # -- tensor methods ------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if self._busy or not args:
+        if self._busy:
+            return func(*args, **kwargs)
+        if func in _RANDOM_FACTORIES and kwargs.get("generator") is None:
+            fname = f"torch.{func.__name__}"
+            self.stray_draws[fname] = self.stray_draws.get(fname, 0) + 1
+            return func(*args, **kwargs)
+        if not args:
             return func(*args, **kwargs)
         name = self.name_of(args[0])
         if name is None:
+            self._note_buffer_write(args[0], getattr(func, "__name__", ""))
             return func(*args, **kwargs)
         if func in _ALIAS_METHODS:
             out = func(*args, **kwargs)
@@ -404,23 +473,61 @@ class TopologyFreeInit(TorchFunctionMode):
             super().__exit__(exc_type, exc, tb)
         finally:
             self._patches.close()
+            self._final = [
+                (canonical_name(fqn), self.name_of(p))
+                for fqn, p in self._module.named_parameters(remove_duplicate=True)
+            ]
             self._names.clear()
+            self._untouched = self.untouched_buffers()
+            self._buffers.clear()  # the tensors before init: not kept alive
+            self._buffer_ids.clear()
         if exc_type is None:
             self.check_all_initialised()
 
+    def untouched_buffers(self) -> list[str]:
+        """Buffers ``init_weights`` neither re-made nor wrote in place."""
+        return sorted(
+            name
+            for name, (m, attr, before) in self._buffers.items()
+            if m._buffers.get(attr) is before and name not in self.written_buffers
+        )
+
     def check_all_initialised(self) -> None:
-        missed = [n for n in self.names if n not in self.calls and n not in self.unknown]
+        missed = sorted(
+            fqn if name is None else name
+            for fqn, name in self._final
+            if name is None or (name not in self.calls and name not in self.unknown)
+        )
         unknown = sorted(self.unknown)
-        if missed or unknown:
+        untouched, drawn = self._untouched, sorted(self.random_buffers)
+        stray = [f"{f} ({n} call{'s' if n > 1 else ''})" for f, n in sorted(self.stray_draws.items())]
+        unset = sorted(self.unset)
+        if missed or unknown or unset or untouched or drawn or stray:
             lines = []
             if missed:
                 lines.append(f"never initialised through torch.nn.init: {', '.join(missed)}")
+            if unset:
+                lines.append(f"left (partly) unset by their param_init: {', '.join(unset)}")
             if unknown:
                 lines.append(f"overwritten by copy_ from another tensor: {', '.join(unknown)}")
-            raise RuntimeError(
-                "zephon init cannot make these parameters independent of the topology ("
+            if untouched:
+                lines.append(
+                    "buffers init_weights never set (they would keep to_empty()'s "
+                    f"uninitialised memory): {', '.join(untouched)}"
+                )
+            if drawn:
+                lines.append(f"buffers drawn at random: {', '.join(drawn)}")
+            if stray:
+                lines.append(
+                    "random draws outside any parameter's initialiser (the global "
+                    f"generator): {', '.join(stray)}"
+                )
+            raise NotTopologyFree(
+                "zephon init cannot make these parameters and buffers independent of the "
+                "topology ("
                 + "; ".join(lines)
-                + "). Initialise them with torch.nn.init functions in init_weights, or set "
+                + "). Initialise parameters with torch.nn.init functions in init_weights "
+                "(param_init), give buffers deterministic values in _init_self_buffers, or set "
                 "--zephon.init torchtitan to use TorchTitan's init (then the initial weights "
                 "depend on the sharding)."
             )
