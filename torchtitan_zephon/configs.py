@@ -44,6 +44,18 @@ from torchtitan_zephon.titan.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.trainer import ZephonTrainer
 from torchtitan_zephon.titan.validate import ZephonValidator
 
+# (model family, flavor) -> the config function that trains it: how a 0.2.2-style TOML's
+# ``[model] name`` (titan.legacy_config.MODEL_FAMILIES) and ``flavor`` select a job.
+BY_MODEL: dict[tuple[str, str], str] = {
+    ("llama3", "small"): "llama3_debug",
+    ("llama3", "tiny"): "llama3_tiny",
+    ("llama3", "8B"): "llama3_8b",
+    ("deepseek_v3", "tiny"): "deepseek_v3_debug",
+    ("deepseek_v3", "16B"): "deepseek_v3_16b",
+    ("qwen3", "debugmodel"): "qwen3_debug",
+    ("qwen3", "0.6B"): "qwen3_0_6b",
+}
+
 
 def _loss(model_spec: ModelSpec) -> ChunkedLossWrapper.Config:
     return ChunkedLossWrapper.Config(
@@ -126,7 +138,9 @@ def llama3_8b() -> ZephonTrainer.Config:
     config.loss = _loss(config.model_spec)
     config.dump_folder = "./outputs/llama3_8b"
     config.hf_assets_path = "./assets/hf/Llama-3.1-8B"
-    config.metrics = MetricsProcessor.Config(log_freq=10, enable_tensorboard=True, save_tb_folder="tb")
+    config.metrics = MetricsProcessor.Config(
+        log_freq=10, enable_tensorboard=True, save_tb_folder="tb"
+    )
     config.optimizer = optim.default_adamw(lr=3e-4, eps=1e-8)
     config.lr_scheduler = optim.LRSchedulersContainer.Config(warmup_steps=200)
     config.training = TrainingConfig(
@@ -174,7 +188,9 @@ def deepseek_v3_16b() -> ZephonTrainer.Config:
     config.loss = _loss(config.model_spec)
     config.dump_folder = "./outputs/deepseek_v3_16b"
     config.hf_assets_path = "./assets/hf/deepseek-moe-16b-base"
-    config.metrics = MetricsProcessor.Config(log_freq=10, enable_tensorboard=True, save_tb_folder="tb")
+    config.metrics = MetricsProcessor.Config(
+        log_freq=10, enable_tensorboard=True, save_tb_folder="tb"
+    )
     config.optimizer = optim.default_adamw(lr=2.2e-4)
     config.lr_scheduler = optim.LRSchedulersContainer.Config(
         decay_ratio=0.8, decay_type="cosine", min_lr_factor=0.1

@@ -103,3 +103,78 @@ def test_trainer_refuses_a_setting_before_building_anything(tmp_path: Path):
                   "--training.local_batch_size", "0")  # fmt: skip
     assert_refused(job, "Zephon refused to start: ValueError: training.local_batch_size = 0")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture
+def parse_moe():
+    """The job's view of the tiny MoE registry job (``deepseek_v3_debug``: 4 routed experts,
+    4 attention heads) with overrides."""
+    from torchtitan_zephon.titan import platform
+
+    platform.apply()
+    from torchtitan_zephon.titan.job_view import job_view
+    from torchtitan_zephon.train import parse_config
+
+    def job(*overrides: str):
+        return job_view(
+            parse_config(
+                [
+                    "--module",
+                    "torchtitan_zephon.configs",
+                    "--config",
+                    "deepseek_v3_debug",
+                    *overrides,
+                ]
+            )
+        )
+
+    return job
+
+
+def test_ep_must_divide_the_experts_and_the_ranks_it_borrows(parse_moe, parse):
+    from torchtitan_zephon.titan.checks import check_job_config
+
+    ep = "--parallelism.expert_parallel_degree"
+    assert parse_moe().num_experts == 4 and parse().num_experts is None
+    for world, degree in ((1, "1"), (2, "2"), (4, "2"), (4, "4"), (8, "4")):
+        check_job_config(parse_moe(ep, degree), world_size=world)
+    msg = _refused(parse_moe(ep, "8"), 8)
+    assert msg == (
+        "parallelism.expert_parallel_degree = 8 does not divide the 4 routed experts of "
+        "deepseek_v3 flavor tiny: each EP rank must hold whole experts. EP degrees that work "
+        "here: [1, 2, 4]."
+    )
+    msg = _refused(parse_moe(ep, "4"), 2)
+    assert msg == (
+        "parallelism.expert_parallel_degree = 4 does not divide data_parallel_shard 2 x "
+        "context_parallel 1 x tensor_parallel 1 = 2 ranks, which expert parallelism takes its "
+        "ranks from. EP degrees that work here: [1, 2]."
+    )
+    msg = _refused(parse(ep, "2"), 2)
+    assert msg == (
+        "parallelism.expert_parallel_degree = 2, but llama3 flavor tiny has no MoE layer (no "
+        "experts to spread). Set --parallelism.expert_parallel_degree 1."
+    )
+    assert "expert_parallel_degree = 0: a parallelism degree must be >= 1" in _refused(
+        parse_moe(ep, "0"), 1
+    )
+
+
+def test_tp_must_divide_the_moe_models_heads(parse_moe):
+    msg = _refused(
+        parse_moe("--parallelism.tensor_parallel_degree", "3", "--training.seq_len", "66"), 3
+    )
+    assert "tensor_parallel_degree = 3 does not divide the 4 attention heads" in msg
+    assert "deepseek_v3 flavor tiny" in msg and "TP degrees that work: [1, 2, 4]" in msg
+
+
+def test_trainer_refuses_an_ep_degree_before_building_anything(tmp_path: Path):
+    """End to end: EP 2 on 1 rank stops with the check's message, nothing written."""
+    job = train03(tmp_path / "log", 1, "--dump_folder", str(tmp_path / "run"),
+                  "--parallelism.expert_parallel_degree", "2", config="deepseek_v3_debug")  # fmt: skip
+    assert_refused(
+        job,
+        "Zephon refused to start: ValueError: parallelism.expert_parallel_degree = 2 does not "
+        "divide data_parallel_shard 1 x context_parallel 1 x tensor_parallel 1 = 1 ranks",
+    )
+    assert not (tmp_path / "run").exists()

@@ -191,7 +191,9 @@ def test_parameter_initialised_another_way_is_refused() -> None:
         torch.nn.init.normal_(model.weight)
         model.bias.copy_(torch.randn(3))
 
-    with pytest.raises(NotTopologyFree, match=r"copy_ from another tensor: bias.*--zephon.init torchtitan"):
+    with pytest.raises(
+        NotTopologyFree, match=r"copy_ from another tensor: bias.*--zephon.init torchtitan"
+    ):
         init_weights_topology_free(model, 0, init_weights)
     with pytest.raises(NotTopologyFree, match=r"never initialised through torch.nn.init: bias"):
         init_weights_topology_free(model, 0, lambda: torch.nn.init.normal_(model.weight))
@@ -222,7 +224,8 @@ def test_buffers_left_unset_or_drawn_at_random_are_refused() -> None:
             model, 0, lambda: (torch.nn.init.normal_(model.weight), model.counts.uniform_())
         )
     with pytest.raises(
-        NotTopologyFree, match=r"random draws outside any parameter's initialiser .*torch.rand \(1 call\)"
+        NotTopologyFree,
+        match=r"random draws outside any parameter's initialiser .*torch.rand \(1 call\)",
     ):
         init_weights_topology_free(
             model,
@@ -258,7 +261,9 @@ def test_large_configs_initialise_every_parameter_and_buffer_on_meta(fn: str) ->
     assert sum(p.numel() for p in model.parameters()) > 5 * 10**8
     if fn == "deepseek_v3_16b":
         assert "layers.26.moe.routed_experts.inner_experts.w2_EDF" in names
-        assert "layers.26.moe.expert_bias_E" in {canonical_name(n) for n, _ in model.named_buffers()}
+        assert "layers.26.moe.expert_bias_E" in {
+            canonical_name(n) for n, _ in model.named_buffers()
+        }
 
 
 REGISTRY = sorted(
@@ -272,6 +277,13 @@ REGISTRY = sorted(
 def test_the_registry_lists_every_model_family() -> None:
     assert {"llama3_debug", "llama3_tiny", "llama3_8b", "deepseek_v3_debug", "deepseek_v3_16b",
             "qwen3_debug", "qwen3_0_6b"} <= set(REGISTRY)  # fmt: skip
+
+
+def test_by_model_names_the_function_that_trains_that_family_and_flavor() -> None:
+    for (family, flavor), fn in configs.BY_MODEL.items():
+        spec = getattr(configs, fn)().model_spec
+        assert (spec.name, spec.flavor) == (family, flavor), fn
+    assert set(configs.BY_MODEL.values()) == set(REGISTRY)
 
 
 @pytest.mark.parametrize("fn", REGISTRY)
@@ -302,7 +314,9 @@ LAYOUTS = {
 }
 
 
-def _sharded_init_worker(rank: int, world: int, port: int, out: str, layout: str, zephon: bool) -> None:
+def _sharded_init_worker(
+    rank: int, world: int, port: int, out: str, layout: str, zephon: bool
+) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), ZEPHON_DEVICE="cpu",
@@ -320,13 +334,19 @@ def _sharded_init_worker(rank: int, world: int, port: int, out: str, layout: str
     spec = config.model_spec
     with torch.device("meta"):
         model = spec.model.build()
-    parallelize = topology_free_parallelize(spec.parallelize_fn, SEED) if zephon else spec.parallelize_fn
+    parallelize = (
+        topology_free_parallelize(spec.parallelize_fn, SEED) if zephon else spec.parallelize_fn
+    )
     model = parallelize(
         model, parallel_dims=dims, training=config.training, parallelism=config.parallelism,
         compile_config=config.compile, ac_config=config.activation_checkpoint,
         dump_folder=tempfile.mkdtemp(),
     )  # fmt: skip
-    sharded = [n for n, p in model.named_parameters() if hasattr(p, "to_local") and p.to_local().shape != p.shape]
+    sharded = [
+        n
+        for n, p in model.named_parameters()
+        if hasattr(p, "to_local") and p.to_local().shape != p.shape
+    ]
     model.to_empty(device="cpu")
     torch.manual_seed(SEED)
     with torch.no_grad():
@@ -345,14 +365,25 @@ def _sharded_init_worker(rank: int, world: int, port: int, out: str, layout: str
     )
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# one spawn of 2 processes each: 20-40 s idle, 60-120 s on a loaded 2-core machine; the
+# MoE's FSDP x EP layout is the one that runs by default
+@pytest.mark.parametrize(
+    "layout",
+    [
+        name if name == "moe_fsdp2_ep2" else pytest.param(name, marks=pytest.mark.slow)
+        for name in LAYOUTS
+    ],
+)
 def test_sharded_init_is_bitwise_the_unsharded_one(tmp_path: Path, layout: str) -> None:
     """FSDP 2, TP 2 and (MoE) FSDP 2 x EP 2 through each model's own parallelize_fn give
     every parameter and buffer exactly its 1-rank value."""
     import torch.multiprocessing as mp
 
     mp.spawn(
-        _sharded_init_worker, args=(2, free_port(), str(tmp_path), layout, True), nprocs=2, join=True
+        _sharded_init_worker,
+        args=(2, free_port(), str(tmp_path), layout, True),
+        nprocs=2,
+        join=True,
     )
     for rank in range(2):
         result = torch.load(tmp_path / f"rank{rank}.pt")
@@ -364,6 +395,7 @@ def test_sharded_init_is_bitwise_the_unsharded_one(tmp_path: Path, layout: str) 
         assert result["differing"] == [], (rank, result["differing"])
 
 
+@pytest.mark.slow
 def test_torchtitans_own_init_under_fsdp_differs(tmp_path: Path) -> None:
     """The check can fail: TorchTitan's init (global RNG on each rank's shard) under
     FSDP 2 does not give the 1-rank values."""

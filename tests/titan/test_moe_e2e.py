@@ -43,7 +43,9 @@ def fresh_ep2(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
-def test_moe_resume_at_one_rank_matches_the_two_rank_ep_run(fresh_ep2: Path, tmp_path: Path) -> None:
+def test_moe_resume_at_one_rank_matches_the_two_rank_ep_run(
+    fresh_ep2: Path, tmp_path: Path
+) -> None:
     resumed = copy_run_until(fresh_ep2, tmp_path / "resumed", 4)
     job = train03(resumed, 1, config=MOE).check()
     assert "Zephon: resuming at step 5 (position 32) under DP degree 1" in job.output

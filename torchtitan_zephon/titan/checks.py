@@ -4,8 +4,9 @@ Role: refuse settings that TorchTitan would otherwise reject later with a bare
 or misleading ``AssertionError`` (stripped entirely under ``python -O``), a
 ``ZeroDivisionError`` at the first checkpoint, or a tensor shape error deep in
 the model: the parallelism degrees against the world size, ``training.seq_len``
-against TP and CP, the TP degree against the model's attention heads, and the
-step frequencies.
+against TP and CP, the TP degree against the model's attention heads, the EP
+degree against the model's routed experts and the ranks it borrows, and the step
+frequencies.
 
 Invariant: ``check_job_config`` reads only the job's view (``titan.job_view``)
 and the world size; it changes nothing. A job it accepts passes these
@@ -32,6 +33,7 @@ def check_job_config(job: JobView, world_size: int | None = None) -> None:
     tp, cp = _check_parallelism(job, world)
     _check_sequence(job, tp, cp)
     _check_heads(job, tp)
+    _check_experts(job, world, tp, cp)
     _check_frequencies(job)
 
 
@@ -108,6 +110,43 @@ def _check_heads(job: JobView, tp: int) -> None:
             f"parallelism.tensor_parallel_degree = {tp} does not divide the {heads} attention "
             f"heads ({kv_heads} key/value heads) of {job.model}: each TP "
             f"rank must hold whole heads. TP degrees that work: {good}."
+        )
+
+
+def _check_experts(job: JobView, world: int, tp: int, cp: int) -> None:
+    """Expert parallelism gives every EP rank a whole number of routed experts, and its
+    ranks come from data_parallel_shard x context_parallel x tensor_parallel (TorchTitan
+    0.3's sparse mesh: efsdp = dp_shard x cp x tp / ep)."""
+    ep = job.ep
+    if ep < 1:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {ep}: a parallelism degree must be >= 1 "
+            "(1 disables it). Set --parallelism.expert_parallel_degree 1 or more."
+        )
+    if ep == 1:
+        return
+    experts = job.num_experts
+    if experts is None:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {ep}, but {job.model} has no MoE layer "
+            "(no experts to spread). Set --parallelism.expert_parallel_degree 1."
+        )
+    shard = job.dp_shard
+    if shard == -1:
+        shard = world // (job.dp_replicate * cp * tp * job.pp)
+    borrowed = shard * cp * tp
+    good = _divisors(math.gcd(experts, borrowed))
+    if experts % ep:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {ep} does not divide the {experts} routed "
+            f"experts of {job.model}: each EP rank must hold whole experts. EP degrees that "
+            f"work here: {good}."
+        )
+    if borrowed % ep:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {ep} does not divide data_parallel_shard "
+            f"{shard} x context_parallel {cp} x tensor_parallel {tp} = {borrowed} ranks, which "
+            f"expert parallelism takes its ranks from. EP degrees that work here: {good}."
         )
 
 

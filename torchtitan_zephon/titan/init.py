@@ -500,7 +500,9 @@ class TopologyFreeInit(TorchFunctionMode):
         )
         unknown = sorted(self.unknown)
         untouched, drawn = self._untouched, sorted(self.random_buffers)
-        stray = [f"{f} ({n} call{'s' if n > 1 else ''})" for f, n in sorted(self.stray_draws.items())]
+        stray = [
+            f"{f} ({n} call{'s' if n > 1 else ''})" for f, n in sorted(self.stray_draws.items())
+        ]
         unset = sorted(self.unset)
         if missed or unknown or unset or untouched or drawn or stray:
             lines = []

@@ -70,6 +70,8 @@ class JobView:
     num_workers: int
     pin_memory: bool
     zephon: Zephon = field(default_factory=Zephon)
+    num_experts: int | None = None
+    """Routed experts per MoE layer (None: the model has no MoE layer)."""
 
     @property
     def model(self) -> str:
@@ -126,4 +128,15 @@ def job_view(config: Any) -> JobView:
         num_workers=getattr(dl, "num_workers", 0),
         pin_memory=getattr(dl, "pin_memory", False),
         zephon=getattr(config, "zephon", None) or Zephon(),
+        num_experts=_num_experts(model),
     )
+
+
+def _num_experts(model: Any) -> int | None:
+    """The fewest routed experts of the model's MoE layers (None: no MoE layer)."""
+    if model is None or not hasattr(model, "traverse"):
+        return None
+    from torchtitan.models.common.moe import MoE
+
+    counts = [moe.num_experts for _, moe, _, _ in model.traverse(MoE.Config)]
+    return min(counts) if counts else None

@@ -13,6 +13,27 @@ pipelining, the MoE load-balancing hook, state-dict adapter); ``llama3_model``,
 TorchTitan's family. TorchTitan exposes the builders and the initialisers only
 as module-private names of ``torchtitan.models.<family>``: this module is the
 one that imports them.
+
+What determinism means for the MoE models (measured on deepseek_v3 "tiny"):
+the data each step trains on (ids, order, tokens) is exact at any DP, TP and EP
+degree, as for every model; the initial weights and buffers are bitwise the
+same (``titan.init``); the losses agree to reduction order, within the llama3
+bound (relative 1e-5). Routing is a discrete function of float scores: a
+token's top-k can flip between topologies when two experts' scores (plus
+``expert_bias_E``) differ by less than the rounding that another reduction
+order produces. The auxiliary-loss-free balancing adds to that: its token counts
+are integers summed over DP (exact in float32 below 2**24 per expert and step,
+so their sum does not depend on the order), but the bias moves by
+``coeff * sign(mean - count)`` per step, so one flipped token can move an
+expert's count across the mean and change its bias by ``coeff``; that bias then
+steers later routing. Measured over 8 steps: the EP 2 runs' checkpointed
+``expert_bias_E`` differs from the 1-rank run's by one such sign event (one
+expert, one step), and the losses stay within 1e-6 relative. Flips are not
+prevented (that would need a routing tie-break independent of rounding); a
+longer run can drift further, the way any float-reduction difference can.
+A resume loses no balancing state: ``expert_bias_E`` is a persistent buffer
+(in the checkpoint) and ``tokens_per_expert_E`` (not saved) is zeroed at every
+optimizer step, so it is zero at every checkpoint.
 """
 
 from __future__ import annotations
@@ -21,10 +42,10 @@ import dataclasses
 from collections.abc import Callable
 
 from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm, compute_ffn_hidden_dim
-from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_configs
-from torchtitan.models.deepseek_v3 import _build_dsv3_layers as _build_deepseek_v3_layers
 from torchtitan.models.deepseek_v3 import _EMBEDDING_INIT as _DSV3_EMBEDDING_INIT
 from torchtitan.models.deepseek_v3 import _NORM_INIT as _DSV3_NORM_INIT
+from torchtitan.models.deepseek_v3 import DeepSeekV3Model, deepseekv3_configs
+from torchtitan.models.deepseek_v3 import _build_dsv3_layers as _build_deepseek_v3_layers
 from torchtitan.models.deepseek_v3 import _output_linear_init as _dsv3_output_linear_init
 from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_registry
 from torchtitan.models.llama3 import (
@@ -97,7 +118,9 @@ def llama3_model(flavor: str, attn_backend: str = "flex") -> ModelSpec:
     return dataclasses.replace(base, flavor=flavor, model=model)
 
 
-def _tiny_deepseek_v3(attn_backend: str, moe_comm_backend: str = "standard") -> DeepSeekV3Model.Config:
+def _tiny_deepseek_v3(
+    attn_backend: str, moe_comm_backend: str = "standard"
+) -> DeepSeekV3Model.Config:
     """DeepSeek-V3 in miniature, built as TorchTitan builds its "debugmodel": 3 layers
     (1 dense, 2 MoE), MLA with q_lora_rank > 0 (so wq_a / q_norm / wq_b and kv_norm
     exist), 4 routed experts (EP 1, 2 and 4 divide them), top-2 softmax routing, 1
