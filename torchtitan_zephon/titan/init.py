@@ -33,8 +33,9 @@ strided shards) the full value is drawn. Deterministic fills (``ones_``,
 parameter at a time: the extra memory is at most one full parameter (the
 largest: the embedding or the output projection) plus the sampler's
 temporaries of one chunk. A parameter that the model initialises some other
-way (a ``copy_`` from a tensor of its own making, no init call at all) is an
-error naming it: the invariant would silently not hold.
+way (a ``copy_`` from a tensor of its own making, no init call at all, a
+``param_init`` entry that leaves values unset) is an error naming it
+(``NotTopologyFree``): the invariant would silently not hold.
 
 Buffers (RoPE caches, the MoE router's ``expert_bias_E`` and
 ``tokens_per_expert_E``) must be deterministic: every buffer is re-made
