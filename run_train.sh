@@ -16,8 +16,8 @@ export ZEPHON_LAUNCH_DIR="$PWD"
 cd "$(dirname "$0")"
 
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${ZEPHON_NO_VENV:-}" ]; then
-  if [ ! -x .venv/bin/python ] || [ ! -f .venv/.zephon-installed ]; then
-    echo "[run_train] first use: creating .venv and installing torchtitan_zephon (a few minutes)..."
+  if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.zephon-installed 2>/dev/null)" != "$(sha256sum requirements-lock.txt | cut -c1-64)" ]; then
+    echo "[run_train] first use (or requirements-lock.txt changed): installing torchtitan_zephon (a few minutes)..."
     bash scripts/setup_env.sh
   fi
   # shellcheck disable=SC1091
