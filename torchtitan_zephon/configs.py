@@ -9,12 +9,19 @@ line overrides any value (``--training.steps 8``, ``--zephon.store PATH``, ...).
   Llama 3 flavor "small" on the builtin store.
 * ``llama3_tiny``: the end-to-end test job (``tests/titan/tiny.toml``): flavor "tiny".
 
+``TOML_JOBS`` holds what a TOML job config (``--job.config_file``, the 0.2.2
+spelling) starts from, by model family: TorchTitan's defaults (0.2.2's JobConfig
+defaults, as far as 0.3 kept them) around the flavor's model, its loss and one
+catch-all AdamW parameter group; the TOML's keys are set on it as overrides.
+
 Invariant: every public lowercase callable of this module is a config function
 (TorchTitan lists them when ``--config`` names none of them); the model flavors
 are ``titan.models``'.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torchtitan.components.optimizer as optim
 from torchtitan.components.checkpoint import CheckpointManager
@@ -103,3 +110,17 @@ def llama3_tiny() -> ZephonTrainer.Config:
     config.debug = DebugConfig(seed=7, deterministic=True)
     config.zephon = Zephon(audit="tokens", heldout_samples=16)
     return config
+
+
+def _toml_job(model_spec: ModelSpec) -> ZephonTrainer.Config:
+    """What a TOML job config starts from: TorchTitan's defaults with ``model_spec``."""
+    return ZephonTrainer.Config(
+        model_spec=model_spec, loss=_loss(model_spec), optimizer=optim.default_adamw()
+    )
+
+
+TOML_JOBS: dict[str, Callable[[str], ZephonTrainer.Config]] = {
+    "llama3": lambda flavor: _toml_job(models.llama3_model(flavor)),
+}
+"""Model family (``legacy_config.MODEL_FAMILIES``' values) -> flavor -> the job a TOML
+file's keys are set on; a flavor the family lacks raises ``ValueError``."""
