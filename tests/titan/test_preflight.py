@@ -222,10 +222,8 @@ def test_resume_checks_the_data_config_and_the_log_without_writing(run: Path, cu
 
 
 def test_changed_data_config_is_refused_with_the_trainer_hint(run: Path, monkeypatch):
-    import dataclasses
-
     monkeypatch.setattr(
-        preflight, "_check_job", lambda j: (None, dataclasses.replace(CONFIG, seed=3))
+        preflight, "_check_job", lambda j, build: (None, dataclasses.replace(CONFIG, seed=3))
     )
     with pytest.raises(DataStateMismatch, match="(?s)seed: 0 -> 3.*--zephon.allow_changes"):
         plan_start(job(run), writer=False)
