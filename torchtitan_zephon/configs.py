@@ -21,12 +21,19 @@ The large jobs keep TorchTitan's model, optimizer and parallelism settings and
 name a ``zephon.store`` made with the model's tokenizer (``hf_assets_path``);
 ``--zephon.store PATH`` points them at yours.
 
+``TOML_JOBS`` holds what a TOML job config (``--job.config_file``, the 0.2.2
+spelling) starts from, by model family: TorchTitan's defaults (0.2.2's JobConfig
+defaults, as far as 0.3 kept them) around the flavor's model, its loss and one
+catch-all AdamW parameter group; the TOML's keys are set on it as overrides.
+
 Invariant: every public lowercase callable of this module is a config function
 (TorchTitan lists them when ``--config`` names none of them); the model flavors
 are ``titan.models``'.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torchtitan.components.optimizer as optim
 from torchtitan.components.checkpoint import CheckpointManager
@@ -256,3 +263,19 @@ def qwen3_0_6b() -> ZephonTrainer.Config:
         store="/shared/stores/corpus-qwen3", seed=1234, audit="ids", heldout_samples=4096
     )
     return config
+
+
+def _toml_job(model_spec: ModelSpec) -> ZephonTrainer.Config:
+    """What a TOML job config starts from: TorchTitan's defaults with ``model_spec``."""
+    return ZephonTrainer.Config(
+        model_spec=model_spec, loss=_loss(model_spec), optimizer=optim.default_adamw()
+    )
+
+
+TOML_JOBS: dict[str, Callable[[str], ZephonTrainer.Config]] = {
+    "llama3": lambda flavor: _toml_job(models.llama3_model(flavor)),
+    "deepseek_v3": lambda flavor: _toml_job(models.deepseek_v3_model(flavor)),
+    "qwen3": lambda flavor: _toml_job(models.qwen3_model(flavor)),
+}
+"""Model family (``legacy_config.MODEL_FAMILIES``' values) -> flavor -> the job a TOML
+file's keys are set on; a flavor the family lacks raises ``ValueError``."""

@@ -1,10 +1,18 @@
-"""Entry point: ``python -m torchtitan_zephon.train --module M --config FN [--section.key value ...]``.
+"""Entry point: ``python -m torchtitan_zephon.train --module M --config FN [--section.key value ...]``
+or ``python -m torchtitan_zephon.train --job.config_file F.toml [--section.key value ...]``.
 
 TorchTitan 0.3's own entry point (``torchtitan.train``) with Zephon's trainer:
 ``--module torchtitan_zephon.configs --config llama3_debug`` (Zephon's registry),
 or any TorchTitan registry (``--module llama3 --config llama3_debugmodel``), whose
 dataloader and validator are replaced by Zephon's (the log says so). tyro
 parses the overrides into ``ZephonTrainer.Config``.
+
+Without ``--module`` / ``--config``, the command line is TorchTitan 0.2.2's (the
+TOML front end, what ``run_train.sh`` runs): ``titan.legacy_config`` translates
+the TOML file and the ``--section.key`` overrides (0.2.2 spellings, or the 0.3
+spelling of a mapped path) through its one table; ``model.name`` / ``model.flavor``
+pick the job they are set on (``configs.TOML_JOBS``), the command line wins over
+the file, and a key without a 0.3 equivalent is refused before anything runs.
 
 Order: every relative path option on the command line is made absolute
 (``resolve_paths``) against ``$ZEPHON_LAUNCH_DIR`` (the folder ``run_train.sh`` was
@@ -41,6 +49,9 @@ ERROR_FILE = "ZEPHON_ERROR_FILE"
 
 PATH_OPTIONS = frozenset(
     {
+        "job.config_file",  # 0.2.2 spellings (the TOML front end)
+        "job.dump_folder",
+        "model.hf_assets_path",
         "dump_folder",
         "hf_assets_path",
         "checkpoint.initial_load_path",
@@ -154,6 +165,81 @@ def parse_config(argv: list[str]) -> Any:
     return ZephonConfigManager().parse_args(argv)
 
 
+def toml_front_end(argv: list[str]) -> bool:
+    """Whether ``argv`` is a 0.2.2 command line (no ``--module`` / ``--config``)."""
+    return not any(_option(a) in ("module", "config") for a in argv)
+
+
+def parse_toml(argv: list[str]) -> Any:
+    """A 0.2.2 command line (``--job.config_file F`` and ``--section.key`` overrides) as
+    ``ZephonTrainer.Config``: translated by ``legacy_config`` onto the job that
+    ``model.name`` / ``model.flavor`` select (0.2.2's defaults: llama3, "debugmodel"),
+    adjusted for the platform, then parsed by tyro (TOML values first, the command
+    line's after them). Raises ``LegacyConfigError`` for what cannot be carried."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import logger
+
+    from torchtitan_zephon.configs import TOML_JOBS
+    from torchtitan_zephon.titan.legacy_config import (
+        LegacyConfigError,
+        check_against,
+        translate,
+    )
+
+    config_file = _last_config_file(argv)
+    if config_file is not None and not os.path.isfile(config_file):
+        raise LegacyConfigError(
+            f"--job.config_file {config_file} is not a file; expected a TOML job config (e.g. "
+            "train_configs/debug_model.toml of the repository). A relative path is taken from "
+            "the folder the command was run in."
+        )
+    t = translate(argv)
+    family, flavor = t.model or "llama3", t.flavor or "debugmodel"
+    named = f"model.name {t.model_name!r}" if t.model_name else "model.name (unset: llama3)"
+    job = TOML_JOBS.get(family)
+    if job is None:
+        raise LegacyConfigError(
+            f"{named} selects the {family} family, which has no TOML job yet; expected one of "
+            f"{', '.join(map(repr, TOML_JOBS))}, or run a config function: --module "
+            "torchtitan_zephon.configs --config FN."
+        )
+    try:
+        base = job(flavor)
+    except ValueError as e:
+        raise LegacyConfigError(f"model.flavor {flavor!r} ({named}): {e}.") from None
+    check_against(base, t)
+    args = t.tyro_args(base)
+    consumed = ", ".join(s.key for s in t.consumed) or "none"
+    logger.info(
+        f"Zephon: TOML front end: {config_file or 'no --job.config_file'}; {named}, model.flavor "
+        f"{flavor!r} -> {family} {flavor!r}; {len(t.settings)} key(s) translated onto the 0.3 "
+        f"config, consumed: {consumed}"
+    )
+    if t.description:
+        logger.info(f"Zephon: job description: {t.description}")
+
+    class TomlConfigManager(ConfigManager):
+        def _load_config(self, rest: list[str]) -> tuple[object, list[str]]:
+            for change in platform.cpu_config_defaults(base):
+                logger.info(f"CPU platform: {change}")
+            return base, rest
+
+    return TomlConfigManager().parse_args(args)
+
+
+def _last_config_file(argv: list[str]) -> str | None:
+    """The last ``--job.config_file`` (the one the translation reads)."""
+    found = None
+    for i, a in enumerate(argv):
+        if _option(a) != "job.config_file":
+            continue
+        if "=" in a:
+            found = a.split("=", 1)[1]
+        elif i + 1 < len(argv):
+            found = argv[i + 1]
+    return found
+
+
 def main() -> None:
     argv = resolve_paths(sys.argv[1:], os.environ.get(LAUNCH_DIR) or os.getcwd())
     platform.apply()
@@ -171,9 +257,9 @@ def main() -> None:
 
     init_logger()
     try:
-        config = parse_config(argv)
-    except (ValueError, ImportError) as e:  # --module / --config unknown or missing
-        stop(f"Zephon refused to start: {e}")
+        config = parse_toml(argv) if toml_front_end(argv) else parse_config(argv)
+    except (ValueError, ImportError) as e:  # a TOML key 0.3 cannot carry (LegacyConfigError),
+        stop(f"Zephon refused to start: {e}")  # an unknown --module / --config
     trainer = None
     try:
         trainer = config.build()

@@ -1,8 +1,11 @@
 """Launch real ``torchrun`` jobs on CPU for the end-to-end tests.
 
-Every job runs the tiny flavor (tests/titan/tiny.toml; on TorchTitan 0.3:
-``train03``, the registry's ``llama3_tiny``) with gloo, one intra-op thread per
-rank, and writes its console output to ``<run>/train.log``.
+Every job runs the tiny flavor with gloo, one intra-op thread per rank, and
+writes its console output to ``<run>/train.log``: ``train`` as users launch a TOML
+job (``--job.config_file tests/titan/tiny.toml`` and 0.2.2 ``--section.key``
+overrides, through the trainer's TOML front end), ``train03`` as a config
+function of the registry (``--module torchtitan_zephon.configs --config
+llama3_tiny``, the same job, 0.3 spellings).
 """
 
 from __future__ import annotations

@@ -30,9 +30,10 @@ from torchtitan.distributed.activation_checkpoint import (  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from torchtitan_zephon.titan.config import CONFIG_MODULE, Zephon  # noqa: E402
+from torchtitan_zephon.titan.config import Zephon  # noqa: E402
 from torchtitan_zephon.titan.legacy_config import (  # noqa: E402
     COMPONENT_FIELDS,
+    CONFIG_MODULE,
     TABLE,
     LegacyConfigError,
     check_against,
@@ -171,11 +172,18 @@ def _tree_03() -> set[str]:
 
 
 def _normalise(spelling: str) -> tuple[str, bool]:
-    """A --section.key spelling -> (0.2.2 key, negated)."""
+    """A --section.key spelling (0.2.2's, or the 0.3 path one 0.2.2 key maps to, which
+    the TOML front end accepts too) -> (0.2.2 key, negated)."""
+    by_path = {}
+    for k, e in TABLE.items():
+        if e.kind == "map":
+            by_path.setdefault(e.path, k)
     key = spelling.removeprefix("--").replace("-", "_")
+    key = by_path.get(key, key)
     head, _, leaf = key.rpartition(".")
     if key not in TABLE and leaf.startswith("no_"):
-        return f"{head}.{leaf[3:]}", True
+        key = f"{head}.{leaf[3:]}"
+        return by_path.get(key, key), True
     return key, False
 
 

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from torchtitan_zephon.titan.config import CONFIG_MODULE, Zephon
+from torchtitan_zephon.titan.config import Zephon
 
 try:
     import tomllib
@@ -27,6 +27,7 @@ except ModuleNotFoundError:  # Python 3.10
 
 __all__ = [
     "COMPONENT_FIELDS",
+    "CONFIG_MODULE",
     "MODEL_FAMILIES",
     "TABLE",
     "Entry",
@@ -37,6 +38,11 @@ __all__ = [
     "translate",
     "translate_toml",
 ]
+
+
+CONFIG_MODULE = "torchtitan_zephon.titan.config"
+"""The ``job.custom_config_module`` of Zephon's 0.2.2 TOML files (its [zephon] section),
+which ``ZephonTrainer.Config`` subsumes."""
 
 
 class LegacyConfigError(ValueError):

@@ -110,14 +110,6 @@ class ZephonTrainer(Trainer):
                 config.model_spec,
                 parallelize_fn=topology_free_parallelize(config.model_spec.parallelize_fn, seed),
             )
-        # TorchTitan's structured logger writes into dump_folder: it starts only now
-        # that the start is checked (TorchTitan's own main starts it before the build).
-        sl.init_structured_logger(
-            source="training",
-            output_dir=config.dump_folder,
-            enable=config.debug.enable_structured_logging,
-        )
-        sl.log_trace_instant("structured_logger_started")
         super().__init__(config)
 
     @staticmethod
@@ -155,7 +147,12 @@ class ZephonTrainer(Trainer):
 
     def init_distributed(self) -> Any:
         """TorchTitan's, then rank 0 records every rank's torchrun agent in the lock: a
-        restart whose new rank 0 runs under any of them is this same job."""
+        restart whose new rank 0 runs under any of them is this same job. TorchTitan's
+        structured logger, which writes into dump_folder, starts only after that
+        exchange: every rank has then passed its checks (rank 0 alone checks the run
+        folder's history; another rank that started its logger first would write into
+        a folder whose start rank 0 refuses). TorchTitan's own main starts it before
+        the build."""
         dims = super().init_distributed()
         agent, _, _ = torchrun_agent()
         agents: list[Any] = [agent]
@@ -164,6 +161,12 @@ class ZephonTrainer(Trainer):
             dist.all_gather_object(agents, agent)
         if self._lock is not None:
             self._lock.set_agents(a for a in agents if a is not None)
+        sl.init_structured_logger(
+            source="training",
+            output_dir=self.config.dump_folder,
+            enable=self.config.debug.enable_structured_logging,
+        )
+        sl.log_trace_instant("structured_logger_started")
         return dims
 
     def train(self) -> None:
