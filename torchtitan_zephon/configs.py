@@ -21,10 +21,13 @@ The large jobs keep TorchTitan's model, optimizer and parallelism settings and
 name a ``zephon.store`` made with the model's tokenizer (``hf_assets_path``);
 ``--zephon.store PATH`` points them at yours.
 
-``TOML_JOBS`` holds what a TOML job config (``--job.config_file``, the 0.2.2
-spelling) starts from, by model family: TorchTitan's defaults (0.2.2's JobConfig
-defaults, as far as 0.3 kept them) around the flavor's model, its loss and one
-catch-all AdamW parameter group; the TOML's keys are set on it as overrides.
+``TOML_JOBS`` is the one table of which job a TOML job config (``--job.config_file``,
+the 0.2.2 spelling) starts from: its ``[model] name`` (through
+``titan.legacy_config.MODEL_FAMILIES``) picks the family, its ``flavor`` the model;
+the job is TorchTitan's defaults (0.2.2's JobConfig defaults, as far as 0.3 kept
+them) around that model, its loss and one catch-all AdamW parameter group, and the
+TOML's keys are set on it as overrides. Every family and flavor a config function
+here trains has its entry (tests/titan/test_init.py).
 
 Invariant: every public lowercase callable of this module is a config function
 (TorchTitan lists them when ``--config`` names none of them); the model flavors
@@ -50,18 +53,6 @@ from torchtitan_zephon.titan.config import Zephon
 from torchtitan_zephon.titan.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.trainer import ZephonTrainer
 from torchtitan_zephon.titan.validate import ZephonValidator
-
-# (model family, flavor) -> the config function that trains it: how a 0.2.2-style TOML's
-# ``[model] name`` (titan.legacy_config.MODEL_FAMILIES) and ``flavor`` select a job.
-BY_MODEL: dict[tuple[str, str], str] = {
-    ("llama3", "small"): "llama3_debug",
-    ("llama3", "tiny"): "llama3_tiny",
-    ("llama3", "8B"): "llama3_8b",
-    ("deepseek_v3", "tiny"): "deepseek_v3_debug",
-    ("deepseek_v3", "16B"): "deepseek_v3_16b",
-    ("qwen3", "debugmodel"): "qwen3_debug",
-    ("qwen3", "0.6B"): "qwen3_0_6b",
-}
 
 
 def _loss(model_spec: ModelSpec) -> ChunkedLossWrapper.Config:
@@ -278,4 +269,5 @@ TOML_JOBS: dict[str, Callable[[str], ZephonTrainer.Config]] = {
     "qwen3": lambda flavor: _toml_job(models.qwen3_model(flavor)),
 }
 """Model family (``legacy_config.MODEL_FAMILIES``' values) -> flavor -> the job a TOML
-file's keys are set on; a flavor the family lacks raises ``ValueError``."""
+file's keys are set on (the flavors: ``titan.models``', Zephon's and TorchTitan's); a
+flavor the family lacks raises ``ValueError``."""

@@ -279,11 +279,23 @@ def test_the_registry_lists_every_model_family() -> None:
             "qwen3_debug", "qwen3_0_6b"} <= set(REGISTRY)  # fmt: skip
 
 
-def test_by_model_names_the_function_that_trains_that_family_and_flavor() -> None:
-    for (family, flavor), fn in configs.BY_MODEL.items():
-        spec = getattr(configs, fn)().model_spec
-        assert (spec.name, spec.flavor) == (family, flavor), fn
-    assert set(configs.BY_MODEL.values()) == set(REGISTRY)
+def _shapes(spec) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
+    with torch.device("meta"):
+        model = spec.model.build()
+    return {k: tuple(v.shape) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("fn", REGISTRY)
+def test_a_toml_of_the_model_of_each_config_function_starts_from_that_model(fn: str) -> None:
+    """configs.TOML_JOBS, the one table a TOML's [model] name / flavor select a job
+    from, has every family and flavor the registry trains, and builds that model."""
+    from torchtitan_zephon.titan.legacy_config import MODEL_FAMILIES
+
+    spec = getattr(configs, fn)().model_spec
+    assert spec.name in MODEL_FAMILIES.values() and spec.name in configs.TOML_JOBS, fn
+    base = configs.TOML_JOBS[spec.name](spec.flavor).model_spec
+    assert (base.name, base.flavor) == (spec.name, spec.flavor), fn
+    assert _shapes(base) == _shapes(spec), fn
 
 
 @pytest.mark.parametrize("fn", REGISTRY)
