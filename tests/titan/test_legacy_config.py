@@ -190,6 +190,7 @@ def _normalise(spelling: str) -> tuple[str, bool]:
 # --- the spellings in the repository --------------------------------------------
 
 PLACEHOLDERS = {"--section.key", "--zephon.KEY"}  # README prose, not keys
+MISSPELLED = {"--training.stepz"}  # test_toml_front.py's deliberate unknown key
 SPELLING = re.compile(r"--[a-z_]+(?:\.[A-Za-z0-9_-]+)+")
 
 
@@ -210,7 +211,7 @@ def _repo_spellings() -> set[str]:
             found.add(m.group(0).rstrip(".-"))
     for path in _job_tomls():
         found |= {"--" + k for k in _toml_keys(path)}
-    return found - PLACEHOLDERS
+    return found - PLACEHOLDERS - MISSPELLED
 
 
 def _toml_keys(path: Path) -> list[str]:
