@@ -83,9 +83,9 @@ def test_zephon_registry_overrides_reach_the_zephon_section() -> None:
 
 
 def test_an_unknown_config_lists_the_registry_functions() -> None:
-    with pytest.raises(
-        ValueError, match=r"Available config functions: \['llama3_debug', 'llama3_tiny'\]"
-    ):
+    functions = ("'deepseek_v3_16b', 'deepseek_v3_debug', 'llama3_8b', 'llama3_debug', "
+                 "'llama3_tiny', 'qwen3_0_6b', 'qwen3_debug'")  # fmt: skip
+    with pytest.raises(ValueError, match=rf"Available config functions: \[{functions}\]"):
         parse_config(["--module", "torchtitan_zephon.configs", "--config", "llama3_nope"])
 
 
