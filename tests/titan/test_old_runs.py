@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pickle
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -28,7 +30,7 @@ from tests.titan.expect import (  # noqa: E402
     resume_events,
     tree,
 )
-from tests.titan.launch import train  # noqa: E402
+from tests.titan.launch import REPO, train  # noqa: E402
 from torchtitan_zephon import runs  # noqa: E402
 from torchtitan_zephon.titan import old_runs, platform  # noqa: E402
 
@@ -111,7 +113,7 @@ def test_another_model_family_is_refused_naming_the_first_key_and_the_tag():
     with pytest.raises(old_runs.OldRunRefused) as e:
         old_runs.map_checkpoint(CHECKPOINT, keys, "deepseek_v3")
     message = str(e.value)
-    assert f"key {sorted(keys)[0]!r} (the first) has no deepseek_v3 name" in message
+    assert "key 'layers.0.attention.wk.weight' (the first) has no deepseek_v3 name" in message
     assert "git tag titan-0.2.2 (`git checkout titan-0.2.2`)" in message
     assert "Nothing was changed on disk." in message
 
@@ -148,6 +150,15 @@ def test_022_run_resumes_on_03(e2e_root: Path, nproc: int):
     (event,) = resume_events(run)
     assert event["from_step"] == 2 and event["dp_degree"] == nproc
     assert_same_data(FIXTURE, run, range(1, 5))
+    verify = subprocess.run(
+        [sys.executable, "-m", "torchtitan_zephon", "verify", str(FIXTURE), str(run)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "compared:  4 common steps (1..4), ids + tokens (4 steps)" in verify.stdout
+    assert "verdict: MATCH" in verify.stdout
     # Model, optimizer and LR schedule restored: step 3's loss depends on the weights,
     # step 4's on the optimizer's update (fp32; 2 -> 1 ranks changes reduction order).
     assert_losses(FIXTURE, run, range(3, 5), rtol=TOPOLOGY_RTOL)
@@ -181,6 +192,21 @@ def test_022_checkpoint_with_an_unmapped_key_is_refused(e2e_root: Path):
         "key 'layers.0.attention.q_norm.weight' has no 0.3 llama3 name in the map",
         "git tag titan-0.2.2",
         "Nothing was changed on disk.",
+    )
+    assert_unchanged(before, tree(run))
+
+
+def test_022_checkpoint_is_refused_for_another_model_family(e2e_root: Path):
+    """The TOML job of the same run with the MoE model: refused before anything is
+    written, naming the first key of 0.2.2's llama3 modules and the tag."""
+    run = old_run(e2e_root, "old_022_family")
+    before = tree(run)
+    moe = ("--model.name", "zephon_deepseek_v3", "--model.flavor", "tiny")
+    job = train(run, 1, *RESUME, *moe, log=e2e_root / "old_022_family.log")
+    assert_refused(
+        job,
+        "this job's model is deepseek_v3: key 'layers.0.attention.wk.weight' (the first) has no",
+        "git tag titan-0.2.2",
     )
     assert_unchanged(before, tree(run))
 

@@ -43,6 +43,8 @@ from typing import Any
 
 import torch
 
+from torchtitan_zephon.runs import DATA_STATE_KEY
+
 TAG = "titan-0.2.2"
 """The git tag on the last commit of the 0.2.2-based code (it resumes any of its runs)."""
 
@@ -82,8 +84,9 @@ PARAMETERS: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 _FUSED = re.compile(r"(?P<prefix>layers\.\d+\.attention\.)qkv_linear\.w(?P<p>[qkv])\.weight")
 """A 0.3 name of one third of a fused q/k/v parameter (the optimizer holds ``wqkv``)."""
 
-KEPT = frozenset({"train_state.step", "train_state.ntokens_seen", LR_SCHEDULER_V3})
-"""Keys both versions save under the same name besides parameters and the data record."""
+KEPT = frozenset({"train_state.step", "train_state.ntokens_seen", LR_SCHEDULER_V3, DATA_STATE_KEY})
+"""Keys both versions save under the same name besides parameters: the trainer's, the LR
+scheduler's step, and the Zephon data record (``dataloader.zephon``)."""
 
 OPTIMIZER = re.compile(r"optimizer\.(?P<part>state|param_groups)\.(?P<rest>.+)")
 
@@ -124,7 +127,7 @@ def _split_optimizer_key(rest: str, parameters: set[str]) -> tuple[str, str] | N
 def new_key(old: str, parameters: set[str]) -> str | None:
     """0.3's key of 0.2.2 checkpoint key ``old`` (None: unmapped). ``parameters``: the
     checkpoint's parameter FQNs (to split optimizer keys, whose fields may hold dots)."""
-    if old in KEPT or old.startswith("dataloader."):
+    if old in KEPT:
         return old
     name = parameter_name(old)
     if name is not None:
@@ -182,7 +185,9 @@ def map_checkpoint(
     old = OldCheckpoint(Path(path), marker)
     parameters = {k for k in keys if parameter_name(k) is not None}
     if model_name != FAMILY:
-        first = sorted(keys)[0]
+        # the data record and the trainer's keys map for any family: the first key of
+        # 0.2.2's llama3 modules is the first with no name in this job's model
+        first = next(k for k in sorted(keys) if k not in KEPT and k not in DROPPED)
         raise OldRunRefused(
             _refusal(
                 old.path,
