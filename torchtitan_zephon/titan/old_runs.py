@@ -216,10 +216,14 @@ def _qkv_order(key: str) -> int:
     return "qkv".index(m.group(1)) if m else 0
 
 
-def check(info: Any, model_name: str) -> OldCheckpoint | None:
-    """The preflight's check of the checkpoint it chose (a verified ``runs.CheckpointInfo``):
-    its map when 0.2.2 wrote it, None when 0.3 did; OldRunRefused when it does not map."""
-    return map_checkpoint(info.path, info.keys, model_name)
+def check(info: Any, job: Any) -> OldCheckpoint | None:
+    """The preflight's check of the checkpoint it chose (a verified ``runs.CheckpointInfo``)
+    for ``job`` (a ``titan.job_view.JobView``; its model is read only for a 0.2.2
+    checkpoint): the map when 0.2.2 wrote it, None when 0.3 did; OldRunRefused when it
+    does not map."""
+    if written_by_022(info.keys) is None:
+        return None
+    return map_checkpoint(info.path, info.keys, job.model_name)
 
 
 # ---------------------------------------------------------------- the load

@@ -401,7 +401,7 @@ def plan_start(
     if chosen is not None:
         _check_loadable(chosen, job)
         try:
-            plan.old_run = old_runs.check(chosen, job.model_name)
+            plan.old_run = old_runs.check(chosen, job)
         except old_runs.OldRunRefused as e:
             raise StartRefused(str(e)) from None
         if plan.old_run is not None:
