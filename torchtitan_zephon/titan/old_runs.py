@@ -31,7 +31,10 @@ Invariants:
 - A mapped checkpoint loads every value the 0.3 job resumes from out of the old
   checkpoint, exactly (renamed, or for fused q/k/v optimizer states concatenated):
   a 0.3 key with no source in the map stops the load naming it. A 0.3 checkpoint
-  is loaded by TorchTitan untouched.
+  is loaded by TorchTitan untouched. Renamed values are read as DCP reads them (each
+  rank its shard); a fused state is read whole on every rank, one layer at a time
+  (its q/k/v states: 2 x 96 MB a layer for llama3 8B in fp32), and each rank
+  keeps its shard.
 """
 
 from __future__ import annotations
@@ -268,9 +271,8 @@ def load(manager: Any, state_dict: dict[str, Any], checkpoint_id: str, old: OldC
     stateful = {k for k, v in state_dict.items() if isinstance(v, Stateful)}
     live = {k: (v.state_dict() if k in stateful else v) for k, v in state_dict.items()}
     flat, mapping = flatten_state_dict(live)
-    metadata = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
     request: dict[str, Any] = {}
-    fused: dict[str, list[str]] = {}
+    fused: dict[str, list[str]] = {}  # layer -> its fused q/k/v optimizer state keys
     for key, value in flat.items():
         sources = old.sources.get(key)
         if not sources:
@@ -280,27 +282,42 @@ def load(manager: Any, state_dict: dict[str, Any], checkpoint_id: str, old: OldC
             )
         if len(sources) == 1 or not isinstance(value, torch.Tensor) or value.dim() == 0:
             request[sources[0]] = value  # a step count, a hyperparameter: q's (all three agree)
-            continue
-        fused[key] = sources
-        for source in sources:
-            meta = metadata[source]
-            request[source] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        else:
+            fused.setdefault(key.split(".qkv_linear.")[0], []).append(key)
     dcp.load(request, checkpoint_id=checkpoint_id)
-    models = manager.states[MODEL].model
     for key, value in flat.items():
         sources = old.sources[key]
-        if key in fused:
-            full = _merge_qkv(*(request[s] for s in sources), _head_dim(models, key))
-            if isinstance(value, DTensor):
-                full = distribute_tensor(
-                    full, value.device_mesh, value.placements, src_data_rank=None
-                )
-            value.copy_(full)
-        elif isinstance(value, torch.Tensor):
+        if len(sources) != 1 and isinstance(value, torch.Tensor) and value.dim() > 0:
+            continue
+        if isinstance(value, torch.Tensor):
             if request[sources[0]] is not value:
                 value.copy_(request[sources[0]])
         else:
             flat[key] = request[sources[0]]
+    # The fused states, one layer at a time (0.2.2's q/k/v states of a layer are read
+    # whole on every rank, merged, and each rank keeps its shard).
+    models = manager.states[MODEL].model
+    metadata = FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+    for keys in fused.values():
+        parts = {
+            source: torch.empty(
+                tuple(metadata[source].size), dtype=metadata[source].properties.dtype
+            )
+            for key in keys
+            for source in old.sources[key]
+        }
+        dcp.load(parts, checkpoint_id=checkpoint_id)
+        for key in keys:
+            value = flat[key]
+            full = _merge_qkv(*(parts[s] for s in old.sources[key]), _head_dim(models, key))
+            if isinstance(value, DTensor):
+                full = full.to(value.to_local().device)
+                full = distribute_tensor(
+                    full, value.device_mesh, value.placements, src_data_rank=None
+                )
+            else:
+                full = full.to(value.device)
+            value.copy_(full)
     nested = unflatten_state_dict(flat, mapping)
     for key in stateful:
         state_dict[key].load_state_dict(nested[key])
