@@ -10,7 +10,8 @@ refuse the start:
 * the data config against the checkpoint's data state (``order.resume.check_resume``),
 * the sequence log against the checkpoint's chain head (global rank 0),
 * a checkpoint that cannot be resumed (model-only, no Zephon data state, data
-  state excluded from loading),
+  state excluded from loading), and one written by the 0.2.2-based code whose keys
+  do not map onto the job's (``titan.old_runs``: only llama3 maps),
 * a run folder that holds a history (sequence log steps, checkpoints) the job
   would not resume from, unless ``zephon.start_over`` or an elastic restart of
   the same job,
@@ -55,6 +56,7 @@ from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields, check_resume
 from torchtitan_zephon.order.state import DataState
+from torchtitan_zephon.titan import old_runs
 from torchtitan_zephon.titan.dataloader import check_tokenizer, open_job_data, with_trainer_hint
 from torchtitan_zephon.titan.job_view import JobView
 from torchtitan_zephon.tracker import LogReader, SequenceTracker, TrackerError, log_path
@@ -84,6 +86,8 @@ class StartPlan:
     load_step: int | None = None
     """The step TorchTitan must load (its ``checkpoint.load_step``), when the job's -1
     (the newest) resolved to a checked checkpoint; None: leave it as it is."""
+    old_run: old_runs.OldCheckpoint | None = None
+    """The resumed checkpoint's key map when the 0.2.2-based code wrote it (``titan.old_runs``)."""
 
 
 # ---------------------------------------------------------------- TorchTitan's rule
@@ -396,6 +400,12 @@ def plan_start(
         )
     if chosen is not None:
         _check_loadable(chosen, job)
+        try:
+            plan.old_run = old_runs.check(chosen, job)
+        except old_runs.OldRunRefused as e:
+            raise StartRefused(str(e)) from None
+        if plan.old_run is not None:
+            plan.notes.append(plan.old_run.describe())
         try:
             saved = runs.read_data_state(chosen.path)
             check_resume(saved, config, zc.allow_changes, first_correction=first_correction)

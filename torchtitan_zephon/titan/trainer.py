@@ -13,7 +13,8 @@ the job (``checks.check_job_config`` on the job's view), checks the start
 writes anything, so a refused start changes nothing on disk; it then hands the
 job's view and the job's data the preflight opened to the dataloader and the
 validator configs (``dataloader.with_job``: each store is opened once per
-process), pins the checkpoint the preflight checked, and wraps the model spec's
+process), pins the checkpoint the preflight checked (one the 0.2.2-based code
+wrote is loaded through ``old_runs``' name map), and wraps the model spec's
 ``parallelize_fn`` so the built model's ``init_weights`` is topology-free
 (``init.topology_free_parallelize``, unless ``zephon.init = "torchtitan"``);
 (2) sets the gradient accumulation of each step from the batch schedule; (3)
@@ -46,7 +47,7 @@ from torchtitan.trainer import Trainer
 from torchtitan_zephon.ownership.lock import RunFolderLock
 from torchtitan_zephon.ownership.process import torchrun_agent
 from torchtitan_zephon.store.format import StoreError
-from torchtitan_zephon.titan import preflight
+from torchtitan_zephon.titan import old_runs, preflight
 from torchtitan_zephon.titan.attention import with_document_masks
 from torchtitan_zephon.titan.checks import check_job_config
 from torchtitan_zephon.titan.config import Zephon
@@ -111,6 +112,8 @@ class ZephonTrainer(Trainer):
                 parallelize_fn=topology_free_parallelize(config.model_spec.parallelize_fn, seed),
             )
         super().__init__(config)
+        if plan.old_run is not None:  # a 0.2.2 checkpoint: loaded through its key map
+            old_runs.install(self.checkpointer, plan.old_run)
 
     @staticmethod
     def _take_run_folder(job: JobView, config: Any) -> tuple[RunFolderLock | None, Any]:
