@@ -250,7 +250,7 @@ def main() -> None:
     from torchtitan_zephon.order.data_config import DataStateMismatch
     from torchtitan_zephon.ownership.lock import FolderInUse
     from torchtitan_zephon.store.format import StoreError
-    from torchtitan_zephon.titan.preflight import StartRefused
+    from torchtitan_zephon.titan.start_plan import StartRefused
     from torchtitan_zephon.titan.trainer import JobStopped, SettingRefused
     from torchtitan_zephon.tracker import TrackerError
 

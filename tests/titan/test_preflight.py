@@ -20,7 +20,8 @@ from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.titan import preflight
-from torchtitan_zephon.titan.preflight import StartRefused, choose_checkpoint, plan_start
+from torchtitan_zephon.titan.preflight import plan_start
+from torchtitan_zephon.titan.start_plan import StartRefused, choose_checkpoint
 from torchtitan_zephon.tracker import SequenceTracker, log_path
 
 CONFIG = DataConfig.make(
@@ -575,7 +576,8 @@ def test_a_misspelt_allow_changes_is_refused_at_every_start(tmp_path: Path):
     """A typo in --zephon.allow_changes was accepted on a fresh start and ended the
     resume it was meant for in a traceback: it is a refusal naming the option and every
     accepted value, before anything is written."""
-    from torchtitan_zephon.titan.preflight import StartRefused, plan_start
+    from torchtitan_zephon.titan.preflight import plan_start
+    from torchtitan_zephon.titan.start_plan import StartRefused
 
     cfg = data_job(tmp_path, allow_changes=["sed"], dump_folder=str(tmp_path / "run"))
     with pytest.raises(StartRefused) as e:
