@@ -50,7 +50,8 @@ from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields, check_resume
 from torchtitan_zephon.titan import old_runs
-from torchtitan_zephon.titan.dataloader import check_tokenizer, open_job_data, with_trainer_hint
+from torchtitan_zephon.titan.dataloader import with_trainer_hint
+from torchtitan_zephon.titan.job_data import check_tokenizer, open_job_data
 from torchtitan_zephon.titan.job_view import JobView
 from torchtitan_zephon.titan.start_plan import StartPlan, StartRefused, choose_checkpoint
 from torchtitan_zephon.tracker import LogReader, SequenceTracker, TrackerError, log_path
