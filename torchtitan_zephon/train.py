@@ -8,11 +8,12 @@ dataloader and validator are replaced by Zephon's (the log says so). tyro
 parses the overrides into ``ZephonTrainer.Config``.
 
 Without ``--module`` / ``--config``, the command line is TorchTitan 0.2.2's (the
-TOML front end, what ``run_train.sh`` runs): ``titan.legacy_config`` translates
+TOML front end, what ``run_train.sh`` runs): ``titan.legacy_translate`` translates
 the TOML file and the ``--section.key`` overrides (0.2.2 spellings, or the 0.3
-spelling of a mapped path) through its one table; ``model.name`` / ``model.flavor``
-pick the job they are set on (``configs.TOML_JOBS``), the command line wins over
-the file, and a key without a 0.3 equivalent is refused before anything runs.
+spelling of a mapped path) through one table (``titan.legacy_config``);
+``model.name`` / ``model.flavor`` pick the job they are set on (``configs.TOML_JOBS``),
+the command line wins over the file, and a key without a 0.3 equivalent is refused
+before anything runs.
 
 Order: every relative path option on the command line is made absolute
 (``resolve_paths``) against ``$ZEPHON_LAUNCH_DIR`` (the folder ``run_train.sh`` was
@@ -172,7 +173,7 @@ def toml_front_end(argv: list[str]) -> bool:
 
 def parse_toml(argv: list[str]) -> Any:
     """A 0.2.2 command line (``--job.config_file F`` and ``--section.key`` overrides) as
-    ``ZephonTrainer.Config``: translated by ``legacy_config`` onto the job that
+    ``ZephonTrainer.Config``: translated by ``legacy_translate`` onto the job that
     ``model.name`` / ``model.flavor`` select (0.2.2's defaults: llama3, "debugmodel"),
     adjusted for the platform, then parsed by tyro (TOML values first, the command
     line's after them). Raises ``LegacyConfigError`` for what cannot be carried."""
@@ -180,7 +181,7 @@ def parse_toml(argv: list[str]) -> Any:
     from torchtitan.tools.logging import logger
 
     from torchtitan_zephon.configs import TOML_JOBS
-    from torchtitan_zephon.titan.legacy_config import (
+    from torchtitan_zephon.titan.legacy_translate import (
         LegacyConfigError,
         check_against,
         translate,
@@ -249,7 +250,7 @@ def main() -> None:
     from torchtitan_zephon.order.data_config import DataStateMismatch
     from torchtitan_zephon.ownership.lock import FolderInUse
     from torchtitan_zephon.store.format import StoreError
-    from torchtitan_zephon.titan.preflight import StartRefused
+    from torchtitan_zephon.titan.start_plan import StartRefused
     from torchtitan_zephon.titan.trainer import JobStopped, SettingRefused
     from torchtitan_zephon.tracker import TrackerError
 

@@ -15,12 +15,8 @@ from torchtitan_zephon.loader import DataStateMismatch
 from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning
-from torchtitan_zephon.titan.dataloader import (
-    ZephonDataLoader,
-    batch_schedule,
-    open_job_data,
-    with_job,
-)
+from torchtitan_zephon.titan.dataloader import ZephonDataLoader
+from torchtitan_zephon.titan.job_data import batch_schedule, open_job_data, with_job
 from torchtitan_zephon.titan.job_view import JobView, job_view
 from torchtitan_zephon.tracker import sample_digests
 

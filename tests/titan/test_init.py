@@ -24,19 +24,21 @@ from hypothesis import strategies as st
 pytest.importorskip("torchtitan.trainer", reason="TorchTitan 0.3 (torchtitan.trainer)")
 
 from tests.titan.launch import free_port  # noqa: E402
-from torchtitan_zephon.titan import init as zinit  # noqa: E402
+from torchtitan_zephon.titan import init_draw as zinit  # noqa: E402
 from torchtitan_zephon.titan import platform  # noqa: E402
 
 platform.apply()
 
 from torchtitan_zephon import configs  # noqa: E402
 from torchtitan_zephon.titan.init import (  # noqa: E402
-    NotTopologyFree,
+    init_weights_topology_free,
+    topology_free_parallelize,
+)
+from torchtitan_zephon.titan.init_coverage import NotTopologyFree  # noqa: E402
+from torchtitan_zephon.titan.init_draw import (  # noqa: E402
     canonical_name,
     draw_flat,
-    init_weights_topology_free,
     parameter_seed,
-    topology_free_parallelize,
 )
 
 SEED = 7

@@ -35,6 +35,8 @@ from torchtitan_zephon.titan.legacy_config import (  # noqa: E402
     COMPONENT_FIELDS,
     CONFIG_MODULE,
     TABLE,
+)
+from torchtitan_zephon.titan.legacy_translate import (  # noqa: E402
     LegacyConfigError,
     check_against,
     translate,

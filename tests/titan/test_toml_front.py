@@ -15,7 +15,7 @@ pytest.importorskip("torchtitan.config.configurable", reason="needs TorchTitan 0
 
 from torchtitan_zephon import configs  # noqa: E402
 from torchtitan_zephon.titan import platform  # noqa: E402
-from torchtitan_zephon.titan.legacy_config import LegacyConfigError  # noqa: E402
+from torchtitan_zephon.titan.legacy_translate import LegacyConfigError  # noqa: E402
 from torchtitan_zephon.train import parse_toml, toml_front_end  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.titan.test_dataloader import job
 from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.dataloader import open_job_data, with_job
+from torchtitan_zephon.titan.job_data import open_job_data, with_job
 from torchtitan_zephon.titan.job_view import JobView
 from torchtitan_zephon.titan.validate import HeldoutLoader, ZephonValidator, microbatch_size
 

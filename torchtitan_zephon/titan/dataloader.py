@@ -5,8 +5,8 @@ Selected with ``dataloader=ZephonDataLoader.Config(...)`` in any model's trainer
 config; built by TorchTitan's Trainer with its keyword arguments (DP coordinates,
 tokenizer, seq_len, local batch size). What it needs beyond those, the job's view
 and the job's data as the preflight opened them, Zephon's trainer sets on the
-config (``with_job``) before TorchTitan builds anything; built any other way it
-refuses, naming the trainer to use.
+config (``job_data.with_job``) before TorchTitan builds anything; built any other
+way it refuses, naming the trainer to use.
 
 Invariant: ``state_dict()`` returns the same record on every rank of every
 topology: ``{"zephon": <JSON text>}``, the ``order.state.DataState`` (data config,
@@ -19,7 +19,6 @@ each window's first token and after each EOS (``loader.document_positions``).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -32,15 +31,17 @@ import tyro
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.job.data import JobData, MixtureData
-from torchtitan_zephon.job.settings import open_store, raw_inputs, store_source
 from torchtitan_zephon.loader import ZephonLoader, document_positions
-from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
-from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.order.data_config import DataStateMismatch
 from torchtitan_zephon.order.mixture.plan import deviation_warning
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
+from torchtitan_zephon.titan.job_data import (
+    batch_schedule,
+    check_tokenizer,
+    eos_id_of,
+    trainer_handoff,
+)
 from torchtitan_zephon.titan.job_view import JobView
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests
@@ -52,120 +53,6 @@ def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
         f"{e}\nWith the trainer: --zephon.allow_changes FIELD (repeatable; TOML: "
         '[zephon] allow_changes = ["FIELD", ...]). Nothing was changed on disk.'
     )
-
-
-def _log(message: str) -> None:
-    """Where the job layer says that this process prepares raw inputs, or waits."""
-    logger.info(f"Zephon: {message}")
-
-
-def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
-    """The data a job reads: ``zephon.mixture``, else ``zephon.store`` (or the builtin
-    store), opened and checked: the stores' vocabulary against the model and the
-    tokenizer, the held-out samples against the store sizes, a mixture's sources
-    against each other (``MixtureError`` names the source at fault)."""
-    zc = job.zephon
-    seq_len = job.seq_len
-    mixture = zc.mixture
-    if mixture:
-        if zc.store:
-            raise ValueError(
-                f"zephon.mixture ({mixture}) and zephon.store ({zc.store}) are both set: a job "
-                "reads either one store or a mixture. Drop zephon.store, or name the store as "
-                "a [[source]] of the mixture file."
-            )
-        source: JobData = MixtureData.open(
-            MixtureConfig.load(mixture),
-            seq_len,
-            default_heldout=zc.heldout_samples,
-            path=mixture,
-            progress=int(os.environ.get("RANK", "0")) == 0,
-            raw=raw_inputs(job, _log),
-        )
-        what = f"the mixture {mixture} (sources {', '.join(source.names)})"
-    else:
-        store = open_store(job, log=_log, warn=logger.warning)
-        named = (  # as the user named it, and where it is when that differs
-            f"the builtin store ({store.path})"
-            if not zc.store
-            else f"the store {zc.store}"
-            if str(store.path) == zc.store
-            else f"the store {zc.store!r} ({store.path})"
-        )
-        schedule = batch_schedule(job)
-        source = store_source(store, seq_len, zc.heldout_samples, schedule, what=named)
-        what = f"the store {store.path}"
-    model_vocab = job.vocab_size
-    if model_vocab is not None and source.vocab_size > model_vocab:
-        raise ValueError(
-            f"{what} was tokenized with a vocabulary of {source.vocab_size} "
-            f"tokens but model {job.model} embeds "
-            f"only {model_vocab}: choose a flavor with vocab_size >= {source.vocab_size}, or a "
-            "store prepared with a smaller tokenizer"
-        )
-    check_tokenizer(source, tokenizer)
-    return source
-
-
-def check_tokenizer(source: JobData, tokenizer: Any) -> None:
-    """Refuse a source whose token ids the job's tokenizer (when given) cannot hold."""
-    if tokenizer is not None and source.vocab_size > tokenizer.get_vocab_size():
-        what = (
-            f"the mixture {source.path} (sources {', '.join(source.names)})"
-            if isinstance(source, MixtureData)
-            else f"the store {source.path}"
-        )
-        raise ValueError(
-            f"{what} was tokenized with a vocabulary of {source.vocab_size} "
-            f"tokens but hf_assets_path's tokenizer has {tokenizer.get_vocab_size()}: "
-            "point --hf_assets_path at the tokenizer the store was prepared with"
-        )
-
-
-def batch_schedule(job: JobView) -> BatchSchedule:
-    """The global batch size schedule: ``zephon.batch_schedule`` or the fixed GBS.
-
-    Elastic determinism needs the global batch size to be a property of the run,
-    not of the topology, so it must be given explicitly.
-    """
-    if job.zephon.batch_schedule:
-        return BatchSchedule.parse(job.zephon.batch_schedule)
-    gbs = job.global_batch_size
-    if gbs is None or gbs <= 0:
-        raise ValueError(
-            "training.global_batch_size is not set. Zephon needs the global batch size to be "
-            "fixed for the run (it defines which samples each step sees, whatever the number "
-            "of ranks). Set --training.global_batch_size (e.g. local_batch_size x DP degree x "
-            "gradient accumulation steps) or --zephon.batch_schedule."
-        )
-    return BatchSchedule([(1, gbs)])
-
-
-def with_job(config: Any, job: JobView, data: JobData) -> Any:
-    """A copy of a Zephon dataloader or validator ``config`` that reads ``job`` and
-    ``data`` (the job's data as the preflight opened it: no store is opened twice)."""
-    return dataclasses.replace(config, _job=job, _data=data)
-
-
-def trainer_handoff(config: Any, what: str) -> tuple[JobView, JobData]:
-    """The job's view and data that Zephon's trainer set on ``config``; a clear error
-    when ``what`` (the component) was built without that trainer."""
-    job, data = getattr(config, "_job", None), getattr(config, "_data", None)
-    if job is None or data is None:
-        raise ValueError(
-            f"the Zephon {what} is built by Zephon's trainer, which opens the job's data and "
-            "checks the start before TorchTitan writes anything: run "
-            "`python -m torchtitan_zephon.train --module M --config FN` (or torchrun ... -m "
-            "torchtitan_zephon.train), whose trainer config is ZephonTrainer.Config"
-        )
-    return job, data
-
-
-def eos_id_of(source: JobData) -> int:
-    """The EOS id that ends each document of ``source`` (a mixture's stores share one
-    tokenizer, whose EOS is the first store's)."""
-    stores = getattr(source, "stores", None) or [source.store]  # type: ignore[attr-defined]
-    return int(stores[0].eos_id)
 
 
 class ZephonDataLoader(BaseDataLoader):
@@ -392,16 +279,3 @@ def topology_from_env(dp_degree: int, job: JobView) -> dict[str, Any]:
         "tp_degree": job.tp,
         "local_batch_size": job.local_batch_size,
     }
-
-
-def open_job_data(job: JobView, tokenizer: Any = None) -> tuple[JobData, DataConfig]:
-    """The data source a job reads and its data config, without building a loader.
-
-    Every check that needs only the job and the stores runs here
-    (``resolve_source``: vocabulary against the model and the tokenizer, held-out
-    samples, a mixture's sources against each other), so the trainer's preflight
-    refuses a bad job before anything is written. The trainer opens the data here
-    once and hands the object to the dataloader and the validator (``with_job``).
-    """
-    source = resolve_source(job, tokenizer)
-    return source, source.data_config(seed=job.zephon.seed, schedule=batch_schedule(job))

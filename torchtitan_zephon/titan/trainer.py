@@ -12,7 +12,7 @@ the job (``checks.check_job_config`` on the job's view), checks the start
 (``ownership.lock.RunFolderLock``, global rank 0) before TorchTitan builds or
 writes anything, so a refused start changes nothing on disk; it then hands the
 job's view and the job's data the preflight opened to the dataloader and the
-validator configs (``dataloader.with_job``: each store is opened once per
+validator configs (``job_data.with_job``: each store is opened once per
 process), pins the checkpoint the preflight checked (one the 0.2.2-based code
 wrote is loaded through ``old_runs``' name map), and wraps the model spec's
 ``parallelize_fn`` so the built model's ``init_weights`` is topology-free
@@ -51,8 +51,9 @@ from torchtitan_zephon.titan import old_runs, preflight
 from torchtitan_zephon.titan.attention import with_document_masks
 from torchtitan_zephon.titan.checks import check_job_config
 from torchtitan_zephon.titan.config import Zephon
-from torchtitan_zephon.titan.dataloader import ZephonDataLoader, with_job
+from torchtitan_zephon.titan.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.init import topology_free_parallelize
+from torchtitan_zephon.titan.job_data import with_job
 from torchtitan_zephon.titan.job_view import JobView, job_view
 from torchtitan_zephon.titan.validate import ZephonValidator
 from torchtitan_zephon.tracker import TrackerError

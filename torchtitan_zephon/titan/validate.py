@@ -48,7 +48,7 @@ from torchtitan_zephon.loader import document_positions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.titan.attention import with_document_masks
-from torchtitan_zephon.titan.dataloader import batch_schedule, eos_id_of, trainer_handoff
+from torchtitan_zephon.titan.job_data import batch_schedule, eos_id_of, trainer_handoff
 from torchtitan_zephon.titan.job_view import JobView
 
 
