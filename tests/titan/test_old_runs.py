@@ -226,3 +226,68 @@ def test_unreadable_022_checkpoint_is_refused(e2e_root: Path, damage: str):
     job = train(run, 1, *RESUME, log=e2e_root / f"{run.name}.log")
     assert_refused(job, f"no checkpoint in {run / 'checkpoint'} can be loaded", problem)
     assert_unchanged(before, tree(run))
+
+
+# ------------------------------------------------------------------ model only
+
+MODEL_ONLY = Path(__file__).parent / "old_runs" / "model_only_022" / "step-2"
+"""A model-only checkpoint of the 0.2.2 code (``last_save_model_only``, its default for
+the last step): the tiny job's step 2 at 2 ranks, 21 model keys (see ORIGIN.md)."""
+
+
+def _tensors(checkpoint: Path, keys: set[str]) -> dict[str, torch.Tensor]:
+    """The values of ``keys`` in a DCP checkpoint, read whole in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(str(checkpoint)).read_metadata().state_dict_metadata
+    out = {
+        k: torch.empty(tuple(metadata[k].size), dtype=metadata[k].properties.dtype) for k in keys
+    }
+    dcp.load(out, checkpoint_id=str(checkpoint))
+    return out
+
+
+def test_022_model_only_checkpoint_is_an_initial_load_through_the_map(e2e_root: Path):
+    """`--checkpoint.initial_load_path` of a model-only 0.2.2 checkpoint with
+    `--checkpoint.initial_load_model_only` starts a new run from its weights: at learning
+    rate 0 the 0.3 job's step-1 checkpoint holds 0.2.2's weights bit for bit, under
+    0.3's names (q/k/v through the fused projection, ``output`` -> ``lm_head``)."""
+    old_keys = runs.verify_checkpoint(runs.CheckpointInfo(2, MODEL_ONLY, True, 0)).keys
+    assert old_runs.written_by_022(old_keys) == "output.weight"
+    run = e2e_root / "old_022_model_only"
+    job = train(
+        run, 1, "--training.steps", "1", "--checkpoint.interval", "1",
+        "--checkpoint.initial_load_path", str(MODEL_ONLY),
+        "--checkpoint.initial_load_model_only", "--checkpoint.no-last_save_model_only",
+        "--optimizer.lr", "0", "--validation.no-enable",
+    ).check()  # fmt: skip
+    assert (
+        f"checkpoint {MODEL_ONLY} was written by the TorchTitan 0.2.2-based Zephon (git tag "
+        "titan-0.2.2); it is loaded through the llama3 name map: 21 keys, 7 renamed" in job.output
+    )
+    assert "Zephon: resuming" not in job.output  # model only: a new run from step 1
+    (saved,) = runs.checkpoints(run)
+    assert saved.step == 1
+    old = _tensors(MODEL_ONLY, set(old_keys))
+    new = _tensors(saved.path, {old_runs.parameter_name(k) for k in old_keys})
+    for key, value in old.items():
+        assert torch.equal(new[old_runs.parameter_name(key)], value), key
+
+
+def test_022_model_only_checkpoint_for_another_model_family_is_refused(e2e_root: Path):
+    run = e2e_root / "old_022_model_only_family"
+    run.mkdir()
+    before = tree(run)
+    job = train(
+        run, 1, "--training.steps", "1", "--checkpoint.initial_load_path", str(MODEL_ONLY),
+        "--checkpoint.initial_load_model_only", "--model.name", "zephon_deepseek_v3",
+        "--model.flavor", "tiny", log=e2e_root / "old_022_model_only_family.log",
+    )  # fmt: skip
+    assert_refused(
+        job,
+        f"the checkpoint {MODEL_ONLY} was written by the TorchTitan 0.2.2-based Zephon (it "
+        "holds 'output.weight'",
+        "this job's model is deepseek_v3: key 'layers.0.attention.wk.weight' (the first) has no",
+        "git tag titan-0.2.2",
+    )
+    assert_unchanged(before, tree(run))

@@ -22,6 +22,10 @@ What changed between the two llama3 trees:
   the preflight checks it as it checks a 0.3 one); 0.2.2's other LR scheduler
   fields are dropped: 0.3 recomputes them from ``last_epoch`` and the optimizer.
 
+A model-only 0.2.2 checkpoint (``--checkpoint.initial_load_path`` with
+``--checkpoint.initial_load_model_only``, or a seed checkpoint ``step-0``) maps and
+loads the same way, its model keys only.
+
 Invariants:
 - ``check`` only reads (the checkpoint's ``.metadata``); it runs in the preflight,
   so a refused start writes nothing. It refuses, naming the first key (in sorted
@@ -98,12 +102,23 @@ class OldRunRefused(ValueError):
     """A 0.2.2 checkpoint this version cannot resume; the message says what to do."""
 
 
+MODEL_ONLY_MARK = "output.weight"
+"""0.2.2's name of the output projection: no 0.3 model has a top-level ``output`` (0.3's
+decoders call it ``lm_head``), so a model-only checkpoint holding it was written by 0.2.2."""
+
+
 def written_by_022(keys: frozenset[str] | set[str]) -> str | None:
-    """The key that shows a training checkpoint was written by 0.2.2, or None (0.3's)."""
+    """The key that shows a checkpoint was written by 0.2.2, or None (0.3's): a training
+    checkpoint by its LR scheduler fields, a model-only one (0.2.2's
+    ``last_save_model_only`` default, a seed checkpoint) by ``output.weight``."""
     marks = sorted(k for k in keys if k.startswith("lr_scheduler.") and k != LR_SCHEDULER_V3)
     if "lr_scheduler._step_count" in marks:  # LambdaLR's own counter: the plainest witness
         return "lr_scheduler._step_count"
-    return marks[0] if marks else None
+    if marks:
+        return marks[0]
+    if MODEL_ONLY_MARK in keys and "lm_head.weight" not in keys:
+        return MODEL_ONLY_MARK
+    return None
 
 
 def parameter_name(old: str) -> str | None:

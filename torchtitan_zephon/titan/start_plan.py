@@ -93,7 +93,7 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
         return None, plan, "checkpoint.enable is false"
     if not folder.exists():
         path = ck.initial_load_path
-        if path and not ck.initial_load_model_only and not ck.initial_load_in_hf:
+        if path and not ck.initial_load_in_hf:
             info = runs.verify_checkpoint(
                 runs.CheckpointInfo(-1, Path(path), (Path(path) / ".metadata").is_file(), 0)
             )
@@ -103,7 +103,10 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
                     f"{': ' + info.problem if info.problem else ' (no DCP .metadata)'}; it "
                     "cannot be loaded. Point it at a complete checkpoint."
                 )
-            return info, plan, ""
+            if not ck.initial_load_model_only:
+                return info, plan, ""
+            _model_only(info, plan, job)
+            return None, plan, f"--checkpoint.initial_load_path {path} is loaded model only"
         return None, plan, f"it has no checkpoint folder {folder}"
     found = runs.checkpoints(dump, ck.folder)
     by_step = {c.step: c for c in found}
@@ -122,6 +125,7 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
                 f"{info.status} ({why}). Choose another: {_listing(found)}"
             )
         if ck.load_step == 0:
+            _model_only(info, plan, job)
             return None, plan, "checkpoint.load_step = 0 loads only the model of step-0"
         return info, plan, ""
     titan_step = titan_load_step(folder)
@@ -153,5 +157,17 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
     plan.skipped = [c for c in plan.skipped if c.step > chosen.step]
     plan.load_step = chosen.step  # TorchTitan loads what was checked, on every rank
     if chosen.step == 0:
+        _model_only(chosen, plan, job)
         return None, plan, "its only checkpoint is the seed checkpoint step-0 (model only)"
     return chosen, plan, ""
+
+
+def _model_only(info: runs.CheckpointInfo, plan: StartPlan, job: JobView) -> None:
+    """A checkpoint TorchTitan loads model only (no data state: not a resume): when the
+    0.2.2-based code wrote it, ``plan.old_run`` is its name map (else StartRefused)."""
+    try:
+        plan.old_run = old_runs.check(info, job)
+    except old_runs.OldRunRefused as e:
+        raise StartRefused(str(e)) from None
+    if plan.old_run is not None:
+        plan.notes.append(plan.old_run.describe())
