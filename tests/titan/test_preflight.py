@@ -587,3 +587,39 @@ def test_a_misspelt_allow_changes_is_refused_at_every_start(tmp_path: Path):
                               "expected one of all, "), message  # fmt: skip
     assert "seed, seq_len" in message and "[" not in message.split("(TOML")[0], message
     assert not (tmp_path / "run").exists()
+
+
+def test_too_few_held_out_samples_are_refused_before_anything_is_written(tmp_path):
+    """Validation reads held-out samples in whole global batches: fewer than one (one
+    store, or a mixture source that has some) was the validator's ValueError, a traceback
+    after TorchTitan had written tb/, structured_logs/ and the lock; now the preflight's
+    refusal, with validation on only."""
+    from tests.titan.expect import assert_refused
+    from tests.titan.launch import train
+
+    run = tmp_path / "run"
+    job = train(run, 1, "--zephon.heldout_samples", "4", log=tmp_path / "refused.log")
+    assert_refused(
+        job,
+        "validation needs at least one global batch (8 samples) of held-out data; "
+        "zephon.heldout_samples is 4. Set --zephon.heldout_samples to a multiple of 8.",
+    )
+    assert not run.exists()
+    mixture = tmp_path / "halves.toml"
+    mixture.write_text(
+        '[[source]]\nname = "docs"\nstore = "builtin:docs"\nheldout_samples = 16\n'
+        '[[source]]\nname = "stdlib"\nstore = "builtin:stdlib"\nheldout_samples = 3\n'
+        "[[schedule]]\nfrom_step = 1\nweights = { docs = 1, stdlib = 1 }\n"
+    )
+    view = data_job(tmp_path, mixture=str(mixture))
+    gbs = view.global_batch_size
+    on = dataclasses.replace(view, validation=dataclasses.replace(view.validation, enable=True))
+    with pytest.raises(ValueError) as e:  # plan_start says it as StartRefused (above)
+        preflight._check_job(on, None)
+    assert str(e.value) == (
+        f"validation reads held-out samples in global batches of {gbs}; mixture source "
+        f"'stdlib' holds 3 (heldout_samples). Set its heldout_samples to a multiple of {gbs}, "
+        "or to 0 to not validate it."
+    )
+    off = dataclasses.replace(view, validation=dataclasses.replace(view.validation, enable=False))
+    preflight._check_job(off, None)  # no validation: held-out samples are only left out

@@ -5,7 +5,8 @@ Role: ``open_job_data`` opens ``zephon.mixture``, else ``zephon.store`` (or the
 builtin store), with its data config; ``with_job`` sets the job's view and that data
 on a Zephon dataloader or validator config, and ``trainer_handoff`` gives them back
 to the component (refusing, naming the trainer to use, when it was built another
-way); ``batch_schedule`` and ``eos_id_of`` are what both components read of them.
+way); ``batch_schedule``, ``eos_id_of`` and ``heldout_parts`` (held-out samples
+validation reads, checked by the preflight too) are what both components read of them.
 
 Invariant: a component reads the object the preflight opened, never a store of its
 own, so each store is opened once per process; every check that needs only the job
@@ -155,3 +156,29 @@ def open_job_data(job: JobView, tokenizer: Any = None) -> tuple[JobData, DataCon
     """
     source = resolve_source(job, tokenizer)
     return source, source.data_config(seed=job.zephon.seed, schedule=batch_schedule(job))
+
+
+def heldout_parts(job: JobView, source: Any) -> list[Any]:
+    """The held-out parts validation reads (a mixture's sources with held-out samples),
+    or ValueError when one holds less than a global batch: the preflight asks this
+    before anything is written (validation on), the validator when it is built."""
+    gbs = batch_schedule(job).gbs(1)
+    parts = source.heldout()
+    mixture = parts[0].name is not None
+    if mixture:
+        small = [h for h in parts if 0 < h.count < gbs]
+        if small:
+            raise ValueError(
+                f"validation reads held-out samples in global batches of {gbs}; mixture "
+                f"source {small[0].name!r} holds {small[0].count} (heldout_samples). Set its "
+                f"heldout_samples to a multiple of {gbs}, or to 0 to not validate it."
+            )
+        parts = [h for h in parts if h.count > 0]
+    if not parts or parts[0].count < gbs:
+        raise ValueError(
+            f"validation needs at least one global batch ({gbs} samples) of held-out data; "
+            f"zephon.heldout_samples is {parts[0].count if parts else 0}. Set "
+            f"--zephon.heldout_samples to a multiple of {gbs}"
+            + (" (or heldout_samples of the mixture's sources)." if mixture else ".")
+        )
+    return parts

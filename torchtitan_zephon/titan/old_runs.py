@@ -116,6 +116,8 @@ def written_by_022(keys: frozenset[str] | set[str]) -> str | None:
         return "lr_scheduler._step_count"
     if marks:
         return marks[0]
+    if LR_SCHEDULER_V3 in keys:  # a training checkpoint 0.3 wrote
+        return None
     if MODEL_ONLY_MARK in keys and "lm_head.weight" not in keys:
         return MODEL_ONLY_MARK
     return None

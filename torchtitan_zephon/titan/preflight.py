@@ -51,7 +51,7 @@ from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields, check_resume
 from torchtitan_zephon.titan import old_runs
 from torchtitan_zephon.titan.dataloader import with_trainer_hint
-from torchtitan_zephon.titan.job_data import check_tokenizer, open_job_data
+from torchtitan_zephon.titan.job_data import check_tokenizer, heldout_parts, open_job_data
 from torchtitan_zephon.titan.job_view import JobView
 from torchtitan_zephon.titan.start_plan import StartPlan, StartRefused, choose_checkpoint
 from torchtitan_zephon.tracker import LogReader, SequenceTracker, TrackerError, log_path
@@ -185,6 +185,8 @@ def _check_job(job: JobView, build_tokenizer: BuildTokenizer | None) -> tuple[Jo
             # library's bare Exception for a file it cannot parse: said as a refusal
             raise StartRefused(tokenizer_refusal(job.hf_assets_path, source, e)) from None
     check_tokenizer(source, tokenizer)
+    if job.validation.enable:  # the validator is built after TorchTitan wrote the folder
+        heldout_parts(job, source)
     dp = _dp_degree(job)
     if dp is not None:
         config.batch_schedule().check_layout(dp, job.local_batch_size)

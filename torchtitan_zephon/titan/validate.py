@@ -48,7 +48,12 @@ from torchtitan_zephon.loader import document_positions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.titan.attention import with_document_masks
-from torchtitan_zephon.titan.job_data import batch_schedule, eos_id_of, trainer_handoff
+from torchtitan_zephon.titan.job_data import (
+    batch_schedule,
+    eos_id_of,
+    heldout_parts,
+    trainer_handoff,
+)
 from torchtitan_zephon.titan.job_view import JobView
 
 
@@ -208,24 +213,7 @@ class ZephonValidator(Validator):
         self.pp_has_first_stage, self.pp_has_last_stage = pp_has_first_stage, pp_has_last_stage
 
         gbs = batch_schedule(job).gbs(1)
-        parts = source.heldout()
-        mixture = parts[0].name is not None
-        if mixture:
-            small = [h for h in parts if 0 < h.count < gbs]
-            if small:
-                raise ValueError(
-                    f"validation reads held-out samples in global batches of {gbs}; mixture "
-                    f"source {small[0].name!r} holds {small[0].count} (heldout_samples). Set its "
-                    f"heldout_samples to a multiple of {gbs}, or to 0 to not validate it."
-                )
-            parts = [h for h in parts if h.count > 0]
-        if not parts or parts[0].count < gbs:
-            raise ValueError(
-                f"validation needs at least one global batch ({gbs} samples) of held-out data; "
-                f"zephon.heldout_samples is {parts[0].count if parts else 0}. Set "
-                f"--zephon.heldout_samples to a multiple of {gbs}"
-                + (" (or heldout_samples of the mixture's sources)." if mixture else ".")
-            )
+        parts = heldout_parts(job, source)
         eos_id = eos_id_of(source)
         micro = config.microbatch_size or local_batch_size
         self.heldout_loaders: list[tuple[str | None, HeldoutLoader]] = []
