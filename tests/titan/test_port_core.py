@@ -142,3 +142,26 @@ def test_document_sdpa_computes_what_flex_attention_computes(batch: int) -> None
     torch.testing.assert_close(ours, flex.transpose(1, 2), rtol=1e-5, atol=1e-6)
     causal_only = DocumentSDPA(DocumentSDPA.Config())(q, k, v)
     assert not torch.allclose(ours, causal_only, atol=1e-3)  # the documents do matter here
+
+
+def test_an_unknown_module_is_refused_in_one_line_before_anything_is_written(tmp_path) -> None:
+    """The entry point as users run it: exit 1, one line naming the module and the
+    modules TorchTitan knows, no traceback, no dump folder."""
+    import subprocess
+    import sys
+
+    from tests.titan.launch import REPO, job_env
+
+    run = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchtitan_zephon.train", "--module", "torchtitan_zephon.nope",
+         "--config", "llama3_debug", "--dump_folder", str(run)],
+        cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert (
+        "Zephon refused to start: Cannot import module 'torchtitan_zephon.nope' or "
+        "'torchtitan_zephon.nope.config_registry'. For shorthands, supported modules are: ["
+    ) in proc.stderr + proc.stdout
+    assert "Traceback" not in proc.stderr + proc.stdout
+    assert not run.exists()
