@@ -16,8 +16,8 @@ export ZEPHON_LAUNCH_DIR="$PWD"
 cd "$(dirname "$0")"
 
 if [ -z "${VIRTUAL_ENV:-}" ] && [ -z "${ZEPHON_NO_VENV:-}" ]; then
-  if [ ! -x .venv/bin/python ] || [ ! -f .venv/.zephon-installed ]; then
-    echo "[run_train] first use: creating .venv and installing torchtitan_zephon (a few minutes)..."
+  if [ ! -x .venv/bin/python ] || [ "$(cat .venv/.zephon-installed 2>/dev/null)" != "$(sha256sum requirements-lock.txt | cut -c1-64)" ]; then
+    echo "[run_train] first use (or requirements-lock.txt changed): installing torchtitan_zephon (a few minutes)..."
     bash scripts/setup_env.sh
   fi
   # shellcheck disable=SC1091
@@ -56,11 +56,18 @@ ZEPHON_ERROR_FILE=$(mktemp "${TMPDIR:-/tmp}/zephon-error.XXXXXX")
 export ZEPHON_ERROR_FILE
 trap 'rm -f "$ZEPHON_ERROR_FILE"' EXIT
 
+# CONFIG_FILE is a TOML job (TorchTitan 0.2.2's spelling, translated onto 0.3's config);
+# with --module M --config FN (a config registry function) it is not passed.
+CONFIG_ARGS=(--job.config_file "$CONFIG_FILE")
+for arg in "$@"; do
+  case "$arg" in --module | --module=* | --config | --config=*) CONFIG_ARGS=() ;; esac
+done
+
 status=0
 PYTORCH_ALLOC_CONF=${PYTORCH_ALLOC_CONF:-"expandable_segments:True"} \
 torchrun --nproc_per_node="$NGPU" --nnodes="$NNODES" "${RDZV_ARGS[@]}" \
   --local-ranks-filter "$LOG_RANK" --role rank --tee 3 \
-  -m "$TRAIN_FILE" --job.config_file "$CONFIG_FILE" "$@" || status=$?
+  -m "$TRAIN_FILE" "${CONFIG_ARGS[@]}" "$@" || status=$?
 if [ "$status" != 0 ] && [ -s "$ZEPHON_ERROR_FILE" ]; then
   echo >&2
   cat "$ZEPHON_ERROR_FILE" >&2

@@ -9,6 +9,10 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   if [ ! -x .venv/bin/python ] || [ ! -f .venv/.zephon-installed ]; then
     echo "[test] first use: creating .venv and installing torchtitan_zephon (a few minutes)..."
     bash scripts/setup_env.sh
+  elif [ "$(cat .venv/.zephon-installed)" != "$(sha256sum requirements-lock.txt | cut -c1-64)" ]; then
+    echo "[test] requirements-lock.txt changed since .venv was set up: installing the pinned" \
+      "versions (TorchTitan 0.3.0, torch 2.14.1)..."
+    bash scripts/setup_env.sh
   elif [ ! -x .venv/bin/lint-imports ]; then
     echo "[test] .venv has no lint-imports (added to the test extra): installing it..."
     bash scripts/setup_env.sh

@@ -1,21 +1,34 @@
-"""Entry point: ``python -m torchtitan_zephon.train --job.config_file FILE [--section.key value ...]``.
+"""Entry point: ``python -m torchtitan_zephon.train --module M --config FN [--section.key value ...]``
+or ``python -m torchtitan_zephon.train --job.config_file F.toml [--section.key value ...]``.
 
-TorchTitan's own ``main`` with the Zephon trainer. Before TorchTitan reads the
-command line, every relative path option on it is made absolute (``resolve_paths``)
-against ``$ZEPHON_LAUNCH_DIR`` (the folder ``run_train.sh`` was run from; it works
-in the repository) or the working directory; paths inside TOML files are left to
-TorchTitan, which takes them relative to the working directory. Then the platform
-layer runs (on a machine without an accelerator it switches TorchTitan to CPU +
-gloo), the ``zephon_*`` train specs are registered, and the ``[zephon]`` config
-section is added unless the command line or TOML already names a custom config
-module.
+TorchTitan 0.3's own entry point (``torchtitan.train``) with Zephon's trainer:
+``--module torchtitan_zephon.configs --config llama3_debug`` (Zephon's registry),
+or any TorchTitan registry (``--module llama3 --config llama3_debugmodel``), whose
+dataloader and validator are replaced by Zephon's (the log says so). tyro
+parses the overrides into ``ZephonTrainer.Config``.
+
+Without ``--module`` / ``--config``, the command line is TorchTitan 0.2.2's (the
+TOML front end, what ``run_train.sh`` runs): ``titan.legacy_translate`` translates
+the TOML file and the ``--section.key`` overrides (0.2.2 spellings, or the 0.3
+spelling of a mapped path) through one table (``titan.legacy_config``);
+``model.name`` / ``model.flavor`` pick the job they are set on (``configs.TOML_JOBS``),
+the command line wins over the file, and a key without a 0.3 equivalent is refused
+before anything runs.
+
+Order: every relative path option on the command line is made absolute
+(``resolve_paths``) against ``$ZEPHON_LAUNCH_DIR`` (the folder ``run_train.sh`` was
+run from) or the working directory; the platform layer runs (on a machine without
+an accelerator it switches TorchTitan to CPU + gloo); the registry function's
+config becomes Zephon's (``trainer.zephon_config``) and gets the CPU defaults
+(``platform.cpu_config_defaults``) *before* tyro parses, so an explicit flag wins.
 
 Invariant: a refused start or a stopped job (the Zephon errors whose message says
-it all) ends the worker with exit status 1 and one message, never a traceback:
-logged, written as the worker's torchelastic error file (so torchrun's summary
-names it as the root cause instead of "To enable traceback see: ..."), and, first
-worker only, to ``$ZEPHON_ERROR_FILE`` when set (``run_train.sh`` prints it again
-after torchrun's summary). Any other exception propagates as it is.
+it all, and an unknown ``--module`` / ``--config``) ends the worker with exit
+status 1 and one message, never a traceback: logged, written as the worker's
+torchelastic error file (so torchrun's summary names it as the root cause
+instead of "To enable traceback see: ..."), and, first worker only, to
+``$ZEPHON_ERROR_FILE`` when set (``run_train.sh`` prints it again after
+torchrun's summary). Any other exception propagates as it is.
 """
 
 from __future__ import annotations
@@ -26,10 +39,9 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.config import CONFIG_MODULE
 
 LAUNCH_DIR = "ZEPHON_LAUNCH_DIR"
 """Environment: the folder relative command-line paths are taken from (run_train.sh)."""
@@ -38,13 +50,13 @@ ERROR_FILE = "ZEPHON_ERROR_FILE"
 
 PATH_OPTIONS = frozenset(
     {
-        "job.config_file",
+        "job.config_file",  # 0.2.2 spellings (the TOML front end)
         "job.dump_folder",
         "model.hf_assets_path",
-        "model.tokenizer_path",
+        "dump_folder",
+        "hf_assets_path",
         "checkpoint.initial_load_path",
-        "training.dataset_path",
-        "validation.dataset_path",
+        "dataloader.dataset_path",
         "parallelism.pipeline_parallel_schedule_csv",
         "zephon.store",
         "zephon.mixture",
@@ -53,12 +65,12 @@ PATH_OPTIONS = frozenset(
 )
 """Options whose value is a path TorchTitan or Zephon opens relative to the working
 directory. Not here: paths TorchTitan takes inside the dump folder
-(checkpoint.folder, metrics.save_tb_folder, profiling.*_folder,
-comm.save_traces_folder, job.save_config_file)."""
+(checkpoint.folder, metrics.save_tb_folder, profiler.*_folder,
+comm.save_traces_folder, debug.save_config_file)."""
 
 
 def _option(arg: str) -> str:
-    """The option an argument names, ``--job.config-file=x`` -> ``job.config_file`` ("" for
+    """The option an argument names, ``--hf-assets-path=x`` -> ``hf_assets_path`` ("" for
     a value)."""
     key = arg.split("=", 1)[0]
     return key[2:].replace("-", "_") if key.startswith("--") else ""
@@ -91,50 +103,6 @@ def resolve_paths(argv: list[str], base: str | os.PathLike) -> list[str]:
         elif i + 1 < len(out) and not out[i + 1].startswith("--"):
             out[i + 1] = _absolute(option, out[i + 1], base)
     return out
-
-
-def _config_file(argv: list[str]) -> str | None:
-    """The last ``--job.config_file`` (tyro's rule: the last value of an option wins)."""
-    found = None
-    for i, a in enumerate(argv):
-        if _option(a) != "job.config_file":
-            continue
-        if "=" in a:
-            found = a.split("=", 1)[1]
-        elif i + 1 < len(argv):
-            found = argv[i + 1]
-    return found
-
-
-def _only_last_config_file(argv: list[str]) -> list[str]:
-    """TorchTitan reads the TOML of the *first* ``--job.config_file`` but tyro keeps the
-    last: drop the earlier ones (run_train.sh passes CONFIG_FILE before the user's
-    arguments), so the file read is the one named last."""
-    spots = [i for i, a in enumerate(argv) if _option(a) == "job.config_file"]
-    drop: set[int] = set()
-    for i in spots[:-1]:
-        drop.add(i)
-        if "=" not in argv[i] and i + 1 < len(argv):
-            drop.add(i + 1)
-    return [a for i, a in enumerate(argv) if i not in drop]
-
-
-def _with_zephon_config(argv: list[str]) -> list[str]:
-    if any(_option(a) == "job.custom_config_module" for a in argv):
-        return argv
-    config_file = _config_file(argv)
-    if config_file:
-        try:
-            import tomllib
-        except ModuleNotFoundError:  # Python 3.10
-            import tomli as tomllib
-        try:
-            with open(config_file, "rb") as f:
-                if tomllib.load(f).get("job", {}).get("custom_config_module"):
-                    return argv
-        except (OSError, tomllib.TOMLDecodeError):
-            pass  # TorchTitan reports the bad file itself
-    return [*argv, "--job.custom_config_module", CONFIG_MODULE]
 
 
 def _write_error_files(message: str) -> None:
@@ -176,42 +144,155 @@ def stop(message: str) -> NoReturn:
     raise SystemExit(1)
 
 
+def parse_config(argv: list[str]) -> Any:
+    """``--module M --config FN [overrides]`` as ``ZephonTrainer.Config``: TorchTitan's
+    ConfigManager, with the registry function's config made Zephon's (logged) and
+    adjusted for the platform before tyro parses the overrides."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import logger
+
+    from torchtitan_zephon.titan.trainer import zephon_config
+
+    class ZephonConfigManager(ConfigManager):
+        def _load_config(self, args: list[str]) -> tuple[object, list[str]]:
+            loaded, rest = super()._load_config(args)
+            config, notes = zephon_config(loaded)
+            for note in notes:
+                logger.info(f"Zephon: {note}")
+            for change in platform.cpu_config_defaults(config):
+                logger.info(f"CPU platform: {change}")
+            return config, rest
+
+    return ZephonConfigManager().parse_args(argv)
+
+
+def toml_front_end(argv: list[str]) -> bool:
+    """Whether ``argv`` is a 0.2.2 command line (no ``--module`` / ``--config``)."""
+    return not any(_option(a) in ("module", "config") for a in argv)
+
+
+def parse_toml(argv: list[str]) -> Any:
+    """A 0.2.2 command line (``--job.config_file F`` and ``--section.key`` overrides) as
+    ``ZephonTrainer.Config``: translated by ``legacy_translate`` onto the job that
+    ``model.name`` / ``model.flavor`` select (0.2.2's defaults: llama3, "debugmodel"),
+    adjusted for the platform, then parsed by tyro (TOML values first, the command
+    line's after them). Raises ``LegacyConfigError`` for what cannot be carried."""
+    from torchtitan.config import ConfigManager
+    from torchtitan.tools.logging import logger
+
+    from torchtitan_zephon.configs import TOML_JOBS
+    from torchtitan_zephon.titan.legacy_translate import (
+        LegacyConfigError,
+        check_against,
+        translate,
+    )
+
+    config_file = _last_config_file(argv)
+    if config_file is not None and not os.path.isfile(config_file):
+        raise LegacyConfigError(
+            f"--job.config_file {config_file} is not a file; expected a TOML job config (e.g. "
+            "train_configs/debug_model.toml of the repository). A relative path is taken from "
+            "the folder the command was run in."
+        )
+    t = translate(argv)
+    family, flavor = t.model or "llama3", t.flavor or "debugmodel"
+    named = f"model.name {t.model_name!r}" if t.model_name else "model.name (unset: llama3)"
+    job = TOML_JOBS.get(family)
+    if job is None:
+        raise LegacyConfigError(
+            f"{named} selects the {family} family, which has no TOML job yet; expected one of "
+            f"{', '.join(map(repr, TOML_JOBS))}, or run a config function: --module "
+            "torchtitan_zephon.configs --config FN."
+        )
+    try:
+        base = job(flavor)
+    except ValueError as e:
+        raise LegacyConfigError(f"model.flavor {flavor!r} ({named}): {e}.") from None
+    check_against(base, t)
+    args = t.tyro_args(base)
+    consumed = ", ".join(s.key for s in t.consumed) or "none"
+    logger.info(
+        f"Zephon: TOML front end: {config_file or 'no --job.config_file'}; {named}, model.flavor "
+        f"{flavor!r} -> {family} {flavor!r}; {len(t.settings)} key(s) translated onto the 0.3 "
+        f"config, consumed: {consumed}"
+    )
+    if t.description:
+        logger.info(f"Zephon: job description: {t.description}")
+
+    class TomlConfigManager(ConfigManager):
+        def _load_config(self, rest: list[str]) -> tuple[object, list[str]]:
+            for change in platform.cpu_config_defaults(base):
+                logger.info(f"CPU platform: {change}")
+            return base, rest
+
+    return TomlConfigManager().parse_args(args)
+
+
+def _last_config_file(argv: list[str]) -> str | None:
+    """The last ``--job.config_file`` (the one the translation reads)."""
+    found = None
+    for i, a in enumerate(argv):
+        if _option(a) != "job.config_file":
+            continue
+        if "=" in a:
+            found = a.split("=", 1)[1]
+        elif i + 1 < len(argv):
+            found = argv[i + 1]
+    return found
+
+
 def main() -> None:
     argv = resolve_paths(sys.argv[1:], os.environ.get(LAUNCH_DIR) or os.getcwd())
-    argv = _with_zephon_config(_only_last_config_file(argv))
-    # Before torchtitan is imported: its ConfigManager.parse_args binds sys.argv[1:]
-    # as a default argument at import time.
-    sys.argv[1:] = argv
-    config_file = _config_file(argv)
-    if config_file is not None and not os.path.isfile(config_file):
-        stop(
-            f"Zephon refused to start: --job.config_file {config_file} is not a file; expected "
-            "a TOML job config (e.g. train_configs/debug_model.toml of the repository). A "
-            "relative path is taken from the folder the command was run in."
-        )
     platform.apply()
-    from torchtitan.train import main as titan_main
+    import torch
+    from torchtitan.tools.logging import init_logger, logger
 
     from torchtitan_zephon.order.data_config import DataStateMismatch
     from torchtitan_zephon.ownership.lock import FolderInUse
     from torchtitan_zephon.store.format import StoreError
-    from torchtitan_zephon.titan.preflight import StartRefused
-    from torchtitan_zephon.titan.spec import register
-    from torchtitan_zephon.titan.trainer import JobStopped, SettingRefused, ZephonTrainer
+    from torchtitan_zephon.titan.start_plan import StartRefused
+    from torchtitan_zephon.titan.trainer import JobStopped, SettingRefused
     from torchtitan_zephon.tracker import TrackerError
 
     refusals = (StartRefused, FolderInUse, DataStateMismatch, TrackerError, StoreError)
 
-    register()
+    init_logger()
     try:
-        titan_main(ZephonTrainer)
+        config = parse_toml(argv) if toml_front_end(argv) else parse_config(argv)
+    except (ValueError, ImportError) as e:  # a TOML key 0.3 cannot carry (LegacyConfigError),
+        stop(f"Zephon refused to start: {e}")  # an unknown --module / --config
+    trainer = None
+    try:
+        trainer = config.build()
+        if config.checkpoint.create_seed_checkpoint:
+            if int(os.environ.get("WORLD_SIZE", "1")) != 1:
+                stop(
+                    "Zephon refused to start: --checkpoint.create_seed_checkpoint needs a "
+                    "single process (no sharding); launch it with one rank"
+                )
+            trainer.checkpointer.save(curr_step=0, last_step=True)
+            logger.info("Created seed checkpoint")
+        else:
+            trainer.train()
     except SettingRefused as e:  # the check's ValueError, as the check raised it
         cause = e.__cause__ or e
         stop(f"Zephon refused to start: {type(cause).__name__}: {cause}")
     except refusals as e:  # a refused start: the message says it all, no traceback
+        if trainer is not None:
+            trainer.close()
         stop(f"Zephon refused to start: {type(e).__name__}: {e}")
     except JobStopped as e:
+        if trainer is not None:
+            trainer.close()
         stop(f"Zephon stopped at step {e.step}: {e}")
+    except Exception:
+        if trainer is not None:
+            trainer.close()
+        raise
+    trainer.close()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    logger.info("Process group destroyed")
 
 
 if __name__ == "__main__":

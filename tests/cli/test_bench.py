@@ -131,3 +131,12 @@ def test_mixture(capsys):
     assert r["single_store_state_bytes"] < 4096
     assert 0 <= r["deviation_at_1e9"] <= r["max_deviation"] + 1e-9
     assert set(r["meets"]) == {"tokens_ratio_100", "plan_ratio", "state_bytes"}
+
+
+def test_machine_names_the_torchtitan_the_figures_came_from():
+    from importlib.metadata import version
+
+    from torchtitan_zephon.cli.bench import machine
+
+    m = machine()
+    assert m["torchtitan"] == version("torchtitan") and m["torch"]

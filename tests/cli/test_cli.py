@@ -365,7 +365,8 @@ def test_plan_of_raw_inputs_prepares_them_as_the_trainer_does(
         "has no manifest.json" in err
         and (
             f"{str(corpus_dir)!r} names raw inputs: pass --tokenizer DIR (the trainer's "
-            "model.hf_assets_path) and, when the text is not in the field 'text', --text-field F "
+            "hf_assets_path; TOML: model.hf_assets_path) and, when the text is not in the field "
+            "'text', --text-field F "
             "(the trainer's zephon.text_field)"
         )
         in err

@@ -194,7 +194,8 @@ def test_plan_takes_raw_input_sources_with_the_trainers_tokenizer_options(
     assert main(raw) == 2
     assert capsys.readouterr().err == (
         f"zephon plan: error: mixture source 'notes' names raw inputs ({tmp_path}/notes.jsonl): "
-        "pass --tokenizer DIR (the trainer's model.hf_assets_path) and, when the text is not "
+        "pass --tokenizer DIR (the trainer's hf_assets_path; TOML: model.hf_assets_path) and, "
+        "when the text is not "
         "in the field 'text', --text-field F (the trainer's zephon.text_field): zephon plan "
         "then prepares them into the store cache as the trainer does.\n"
     )

@@ -1,10 +1,12 @@
-"""Shared end-to-end runs: uninterrupted references that several tests compare against."""
+"""Shared end-to-end runs: uninterrupted references that several tests compare against;
+the tiny model the validator tests evaluate."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.titan.launch import train
 
@@ -34,3 +36,20 @@ def reference_fsdp_tp(e2e_root: Path) -> Path:
         .check()
         .run
     )
+
+
+@pytest.fixture(scope="module")
+def tiny_model() -> torch.nn.Module:
+    """The tiny registry job's model as Zephon's trainer builds it on CPU (DocumentSDPA
+    attention), initialised once (the validator tests' model)."""
+    from torchtitan_zephon.configs import llama3_tiny
+    from torchtitan_zephon.titan import platform
+
+    config = llama3_tiny()
+    platform.cpu_config_defaults(config)
+    with torch.device("meta"):
+        model = config.model_spec.model.build()
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    return model

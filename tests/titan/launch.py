@@ -1,7 +1,11 @@
 """Launch real ``torchrun`` jobs on CPU for the end-to-end tests.
 
-Every job runs the tiny flavor (tests/titan/tiny.toml) with gloo, one intra-op
-thread per rank, and writes its console output to ``<run>/train.log``.
+Every job runs the tiny flavor with gloo, one intra-op thread per rank, and
+writes its console output to ``<run>/train.log``: ``train`` as users launch a TOML
+job (``--job.config_file tests/titan/tiny.toml`` and 0.2.2 ``--section.key``
+overrides, through the trainer's TOML front end), ``train03`` as a config
+function of the registry (``--module torchtitan_zephon.configs --config
+llama3_tiny``, the same job, 0.3 spellings).
 """
 
 from __future__ import annotations
@@ -97,6 +101,34 @@ def train(
         timeout=timeout,
     )
     with open(log or run / "train.log", "a") as f:
+        f.write(proc.stdout)
+    return Job(run, proc.returncode, proc.stdout)
+
+
+def train03(
+    run: Path, nproc: int = 2, *overrides: str, config: str = "llama3_tiny", timeout: int = 600
+) -> Job:
+    """Run one TorchTitan 0.3 job of Zephon's registry (``--module torchtitan_zephon.configs
+    --config CONFIG``) to completion; its output is appended to ``<run>/train.log``."""
+    run.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m", "torchtitan_zephon.train",
+        "--module", "torchtitan_zephon.configs", "--config", config,
+        "--dump_folder", str(run),
+        *overrides,
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command,
+        cwd=REPO,
+        env=job_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        timeout=timeout,
+    )
+    with open(run / "train.log", "a") as f:
         f.write(proc.stdout)
     return Job(run, proc.returncode, proc.stdout)
 

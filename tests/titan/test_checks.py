@@ -2,40 +2,30 @@
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 
 import pytest
 
-from tests.titan.launch import TINY, train
-
-
-@pytest.fixture(scope="module")
-def base_job():
-    """tests/titan/tiny.toml parsed once by TorchTitan's ConfigManager."""
-    import torchtitan_zephon.titan  # noqa: F401 - the triton stub, before torchtitan
-    from torchtitan_zephon.titan import platform
-
-    platform.apply()
-    from torchtitan.config import ConfigManager
-
-    from torchtitan_zephon.titan.spec import register
-
-    register()
-    return ConfigManager().parse_args(["--job.config_file", str(TINY)])
+from tests.titan.expect import assert_refused
+from tests.titan.launch import train03
 
 
 @pytest.fixture
-def parse(base_job):
-    """A copy of the tiny job with ``--section.key value`` overrides applied."""
+def parse():
+    """The job's view of the tiny registry job (``llama3_tiny``) with ``--section.key value``
+    overrides, parsed as the trainer's entry point parses them (tyro)."""
+    from torchtitan_zephon.titan import platform
+
+    platform.apply()
+    from torchtitan_zephon.titan.job_view import job_view
+    from torchtitan_zephon.train import parse_config
 
     def job(*overrides: str):
-        cfg = copy.deepcopy(base_job)
-        for flag, value in zip(overrides[::2], overrides[1::2], strict=True):
-            section, key = flag.removeprefix("--").split(".")
-            old = getattr(getattr(cfg, section), key)
-            setattr(getattr(cfg, section), key, type(old)(value))
-        return cfg
+        return job_view(
+            parse_config(
+                ["--module", "torchtitan_zephon.configs", "--config", "llama3_tiny", *overrides]
+            )
+        )
 
     return job
 
@@ -58,15 +48,20 @@ def test_accepts_the_test_and_example_layouts(parse):
     check_job_config(parse("--parallelism.data_parallel_shard_degree", "2"), world_size=2)
 
 
-def test_odd_seq_len(parse):
-    """TorchTitan's llama3 parallelize asserts seq_len % (TP x 2 x CP) == 0, so an odd
-    seq_len failed at every TP/CP degree with an AssertionError about TP 1 and CP 1."""
-    msg = _refused(parse("--training.seq_len", "63"), 1)
-    assert "training.seq_len = 63 must be a multiple of TP degree 1 x 2 x CP degree 1 = 2" in msg
-    assert "--training.seq_len 62 or 64" in msg
-    assert "--training.seq_len 2." in _refused(parse("--training.seq_len", "1"), 1)
-    tp4 = parse("--training.seq_len", "60", "--parallelism.tensor_parallel_degree", "4")
-    assert "= 8" in _refused(tp4, 4) and "56 or 64" in _refused(tp4, 4)
+def test_seq_len_must_split_over_tp_and_cp(parse):
+    """TorchTitan 0.3's trainer asserts seq_len % (TP x (2 x CP when CP > 1)) == 0 (0.2.2's
+    llama3 parallelize asked for TP x 2 x CP even at TP = CP = 1: an odd seq_len trains now)."""
+    from torchtitan_zephon.titan.checks import check_job_config
+
+    check_job_config(parse("--training.seq_len", "63"), world_size=1)
+    msg = _refused(parse("--training.seq_len", "0"), 1)
+    assert msg == "training.seq_len = 0: it must be >= 1. Set --training.seq_len."
+    tp4 = parse("--training.seq_len", "62", "--parallelism.tensor_parallel_degree", "4")
+    msg = _refused(tp4, 4)
+    assert "training.seq_len = 62 must be a multiple of TP degree 4 = 4" in msg
+    assert "--training.seq_len 60 or 64" in msg
+    cp = parse("--training.seq_len", "62", "--parallelism.context_parallel_degree", "2")
+    assert "TP degree 1 x 2 x CP degree 2 = 4" in _refused(cp, 2)
 
 
 def test_tp_must_divide_the_heads(parse):
@@ -74,7 +69,7 @@ def test_tp_must_divide_the_heads(parse):
         parse("--parallelism.tensor_parallel_degree", "3", "--training.seq_len", "66"), 3
     )
     assert "tensor_parallel_degree = 3 does not divide the 4 attention heads" in msg
-    assert "zephon_llama3 flavor tiny" in msg and "TP degrees that work: [1, 2, 4]" in msg
+    assert "llama3 flavor tiny" in msg and "TP degrees that work: [1, 2, 4]" in msg
 
 
 def test_degrees_must_fit_the_world(parse):
@@ -90,9 +85,8 @@ def test_degrees_must_fit_the_world(parse):
 @pytest.mark.parametrize(
     "flag, name",
     [
-        ("--checkpoint.interval", "checkpoint.interval"),
         ("--metrics.log_freq", "metrics.log_freq"),
-        ("--validation.freq", "validation.freq"),
+        ("--validator.freq", "validator.freq"),
         ("--training.local_batch_size", "training.local_batch_size"),
     ],
 )
@@ -102,16 +96,85 @@ def test_zero_steps_and_sizes(parse, flag, name):
     assert msg.startswith(f"{name} = 0") and f"--{name}" in msg
 
 
-def test_unknown_flavor(parse):
-    msg = _refused(parse("--model.flavor", "huge"), 1)
-    assert "model.flavor = 'huge' is not a flavor of zephon_llama3" in msg and "'tiny'" in msg
+def test_trainer_refuses_a_setting_before_building_anything(tmp_path: Path):
+    """End to end: the job stops with the check's message, without a traceback, before
+    TorchTitan (or the preflight) writes anything."""
+    job = train03(tmp_path / "log", 1, "--dump_folder", str(tmp_path / "run"),
+                  "--training.local_batch_size", "0")  # fmt: skip
+    assert_refused(job, "Zephon refused to start: ValueError: training.local_batch_size = 0")
+    assert not (tmp_path / "run").exists()
 
 
-def test_trainer_refuses_odd_seq_len_before_building_anything(tmp_path: Path):
-    """End to end: the job stops with the check's message (was a bare AssertionError from
-    TorchTitan's parallelize, after the store, tokenizer and model were built)."""
-    job = train(tmp_path / "run", 1, "--training.seq_len", "63", "--training.steps", "2")
-    assert job.returncode != 0
-    assert "ValueError: training.seq_len = 63 must be a multiple of" in job.output
-    assert "AssertionError" not in job.output
-    assert not (tmp_path / "run" / "zephon").exists()  # no sequence log was started
+@pytest.fixture
+def parse_moe():
+    """The job's view of the tiny MoE registry job (``deepseek_v3_debug``: 4 routed experts,
+    4 attention heads) with overrides."""
+    from torchtitan_zephon.titan import platform
+
+    platform.apply()
+    from torchtitan_zephon.titan.job_view import job_view
+    from torchtitan_zephon.train import parse_config
+
+    def job(*overrides: str):
+        return job_view(
+            parse_config(
+                [
+                    "--module",
+                    "torchtitan_zephon.configs",
+                    "--config",
+                    "deepseek_v3_debug",
+                    *overrides,
+                ]
+            )
+        )
+
+    return job
+
+
+def test_ep_must_divide_the_experts_and_the_ranks_it_borrows(parse_moe, parse):
+    from torchtitan_zephon.titan.checks import check_job_config
+
+    ep = "--parallelism.expert_parallel_degree"
+    assert parse_moe().num_experts == 4 and parse().num_experts is None
+    for world, degree in ((1, "1"), (2, "2"), (4, "2"), (4, "4"), (8, "4")):
+        check_job_config(parse_moe(ep, degree), world_size=world)
+    msg = _refused(parse_moe(ep, "8"), 8)
+    assert msg == (
+        "parallelism.expert_parallel_degree = 8 does not divide the 4 routed experts of "
+        "deepseek_v3 flavor tiny: each EP rank must hold whole experts. EP degrees that work "
+        "here: [1, 2, 4]."
+    )
+    msg = _refused(parse_moe(ep, "4"), 2)
+    assert msg == (
+        "parallelism.expert_parallel_degree = 4 does not divide data_parallel_shard 2 x "
+        "context_parallel 1 x tensor_parallel 1 = 2 ranks, which expert parallelism takes its "
+        "ranks from. EP degrees that work here: [1, 2]."
+    )
+    msg = _refused(parse(ep, "2"), 2)
+    assert msg == (
+        "parallelism.expert_parallel_degree = 2, but llama3 flavor tiny has no MoE layer (no "
+        "experts to spread). Set --parallelism.expert_parallel_degree 1."
+    )
+    assert "expert_parallel_degree = 0: a parallelism degree must be >= 1" in _refused(
+        parse_moe(ep, "0"), 1
+    )
+
+
+def test_tp_must_divide_the_moe_models_heads(parse_moe):
+    msg = _refused(
+        parse_moe("--parallelism.tensor_parallel_degree", "3", "--training.seq_len", "66"), 3
+    )
+    assert "tensor_parallel_degree = 3 does not divide the 4 attention heads" in msg
+    assert "deepseek_v3 flavor tiny" in msg and "TP degrees that work: [1, 2, 4]" in msg
+
+
+def test_trainer_refuses_an_ep_degree_before_building_anything(tmp_path: Path):
+    """End to end: EP 2 on 1 rank stops with the check's message, nothing written."""
+    job = train03(tmp_path / "log", 1, "--dump_folder", str(tmp_path / "run"),
+                  "--parallelism.expert_parallel_degree", "2", config="deepseek_v3_debug")  # fmt: skip
+    assert_refused(
+        job,
+        "Zephon refused to start: ValueError: parallelism.expert_parallel_degree = 2 does not "
+        "divide data_parallel_shard 1 x context_parallel 1 x tensor_parallel 1 = 1 ranks",
+    )
+    assert not (tmp_path / "run").exists()

@@ -6,6 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -14,31 +15,53 @@ from torchtitan_zephon.loader import DataStateMismatch
 from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning
-from torchtitan_zephon.titan.dataloader import batch_schedule, build_zephon_dataloader
+from torchtitan_zephon.titan.dataloader import ZephonDataLoader
+from torchtitan_zephon.titan.job_data import batch_schedule, open_job_data, with_job
+from torchtitan_zephon.titan.job_view import JobView, job_view
 from torchtitan_zephon.tracker import sample_digests
 
 
-def job(tmp: Path, **zephon) -> SimpleNamespace:
+def job(
+    tmp: Path,
+    *,
+    global_batch_size: int = 8,
+    hf_assets_path: str = "./torchtitan_zephon/assets/tokenizer",
+    **zephon: Any,
+) -> JobView:
+    """The view of the tiny registry job (seq_len 32, local batch 2), run folder ``tmp``."""
+    from torchtitan_zephon.configs import llama3_tiny
+
+    config = llama3_tiny()
+    config.dump_folder = str(tmp)
+    config.hf_assets_path = hf_assets_path
+    config.training.global_batch_size = global_batch_size
+    config.training.local_batch_size = 2
+    config.training.seq_len = 32
     z = dict(store="", seed=0, batch_schedule="", heldout_samples=16, audit="tokens",
              allow_changes=[], ignore_log_mismatch=False, prefetch=2)  # fmt: skip
     z.update(zephon)
-    return SimpleNamespace(
-        zephon=SimpleNamespace(**z),
-        training=SimpleNamespace(
-            global_batch_size=8,
-            local_batch_size=2,
-            seq_len=32,
-            dataloader=SimpleNamespace(num_workers=0, pin_memory=False),
-        ),  # fmt: skip
-        model=SimpleNamespace(hf_assets_path="./torchtitan_zephon/assets/tokenizer"),
-        parallelism=SimpleNamespace(tensor_parallel_degree=1),
-        job=SimpleNamespace(dump_folder=str(tmp)),
+    config.zephon = dataclasses.replace(config.zephon, **z)
+    return job_view(config)
+
+
+def build_zephon_dataloader(
+    dp_world_size: int, dp_rank: int, tokenizer: Any, view: JobView
+) -> ZephonDataLoader:
+    """The dataloader as Zephon's trainer builds it: the job's data opened once (as the
+    preflight does), handed over, then TorchTitan's build keywords."""
+    data, _ = open_job_data(view, tokenizer)
+    config = with_job(ZephonDataLoader.Config(), view, data)
+    return config.build(
+        dp_world_size=dp_world_size,
+        dp_rank=dp_rank,
+        tokenizer=tokenizer,
+        seq_len=view.seq_len,
+        local_batch_size=view.local_batch_size,
     )
 
 
 def test_global_batch_size_must_be_explicit(tmp_path):
-    cfg = job(tmp_path)
-    cfg.training.global_batch_size = -1
+    cfg = job(tmp_path, global_batch_size=-1)
     with pytest.raises(ValueError, match="training.global_batch_size is not set"):
         batch_schedule(cfg)
 
@@ -137,24 +160,16 @@ def test_resume_from_a_checkpoint_written_with_audit_off(tmp_path):
 
 
 def test_store_vocabulary_larger_than_the_model_is_refused(tmp_path):
-    from torchtitan_zephon.titan.spec import register, zephon_llama3_args
-
-    register()
     cfg = job(tmp_path)
-    cfg.model.name, cfg.model.flavor = "zephon_llama3", "tiny"
+    assert cfg.model == "llama3 flavor tiny" and cfg.vocab_size == 2048
     build_zephon_dataloader(1, 0, None, cfg).close()  # vocab 2048 == store's 2048
-    zephon_llama3_args["test_vocab_1000"] = dataclasses.replace(
-        zephon_llama3_args["tiny"], vocab_size=1000
-    )
-    try:
-        cfg.model.flavor = "test_vocab_1000"
-        with pytest.raises(
-            ValueError,
-            match="vocabulary of 2048 tokens but model zephon_llama3 flavor test_vocab_1000 embeds only 1000",
-        ):
-            build_zephon_dataloader(1, 0, None, cfg)
-    finally:
-        del zephon_llama3_args["test_vocab_1000"]
+    # a model of 1000 embeddings (0.3: the model spec's, as the trainer's view reads it)
+    small = dataclasses.replace(cfg, model_flavor="test_vocab_1000", vocab_size=1000)
+    with pytest.raises(
+        ValueError,
+        match="vocabulary of 2048 tokens but model llama3 flavor test_vocab_1000 embeds only 1000",
+    ):
+        build_zephon_dataloader(1, 0, None, small)
 
 
 def test_resume_onto_edited_store_content_fails_before_the_step_reading_it(tmp_path):
@@ -183,13 +198,10 @@ def test_resume_onto_edited_store_content_fails_before_the_step_reading_it(tmp_p
 def test_out_of_vocabulary_id_in_a_store_without_checksums_is_a_clear_error(tmp_path):
     from tests.conftest import copy_store, edit_token, make_v1
     from torchtitan_zephon.ingest.builtin import builtin_store_path
-    from torchtitan_zephon.titan.spec import register
 
-    register()
     path = copy_store(builtin_store_path(), tmp_path / "store")
     make_v1(path)
-    cfg = job(tmp_path / "run", store=str(path))
-    cfg.model.name, cfg.model.flavor = "zephon_llama3", "tiny"  # 2048 embeddings
+    cfg = job(tmp_path / "run", store=str(path))  # tiny: 2048 embeddings
     with pytest.warns(UncheckedStoreWarning):
         dl = build_zephon_dataloader(1, 0, None, cfg)
     sample = int(dl.plan.global_ids(1)[1])  # in step 1's first micro-batch
@@ -213,7 +225,6 @@ def test_raw_store_value_has_the_data_config_of_its_prepared_store(tmp_path, mon
     the store fingerprint, never the path, identifies the data."""
     from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
     from torchtitan_zephon.ingest.prepare import prepare_store
-    from torchtitan_zephon.titan.dataloader import open_job_data
 
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
     data = _pydoc_jsonl(tmp_path / "docs.jsonl")
@@ -230,9 +241,8 @@ def test_raw_store_value_has_the_data_config_of_its_prepared_store(tmp_path, mon
 def test_raw_store_value_needs_a_tokenizer_json(tmp_path, monkeypatch):
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
     data = _pydoc_jsonl(tmp_path / "docs.jsonl", topics=2)
-    config = job(tmp_path, store=str(data))
-    config.model.hf_assets_path = str(tmp_path / "assets")
-    with pytest.raises(StoreError, match=r"tokenizer.json in model.hf_assets_path = '.*/assets'"):
+    config = job(tmp_path, store=str(data), hf_assets_path=str(tmp_path / "assets"))
+    with pytest.raises(StoreError, match=r"tokenizer.json in hf_assets_path = '.*/assets'"):
         build_zephon_dataloader(1, 0, None, config)
     assert not (tmp_path / "cache").exists()
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from tests.titan.launch import REPO, TINY, job_env, train
-from torchtitan_zephon.train import _only_last_config_file, resolve_paths
+from torchtitan_zephon.titan.legacy_translate import translate
+from torchtitan_zephon.train import resolve_paths
 
 PACKAGE = str(REPO / "torchtitan_zephon")
 
@@ -68,13 +69,15 @@ def test_store_values_builtin_globs_and_comma_lists(tmp_path: Path):
     ]
 
 
-def test_only_the_last_config_file_is_kept():
-    argv = ["--job.config_file", "a.toml", "--training.steps", "2", "--job.config-file=b.toml"]
-    assert _only_last_config_file(argv) == ["--training.steps", "2", "--job.config-file=b.toml"]
-    assert _only_last_config_file(["--job.config_file", "a.toml"]) == [
-        "--job.config_file",
-        "a.toml",
-    ]
+def test_only_the_last_config_file_is_read(tmp_path: Path):
+    """run_train.sh passes CONFIG_FILE before the user's arguments: a later
+    --job.config_file replaces it (the earlier one is not even opened)."""
+    (tmp_path / "b.toml").write_text("[training]\nsteps = 5\n")
+    argv = ["--job.config_file", str(tmp_path / "a.toml"), "--training.seq_len", "32",
+            f"--job.config-file={tmp_path / 'b.toml'}"]  # fmt: skip
+    t = translate(argv)
+    assert t.config_file == str(tmp_path / "b.toml")
+    assert t.values() == {"training.steps": 5, "training.seq_len": "32"}
 
 
 # ---------------------------------------------------------------- run_train.sh

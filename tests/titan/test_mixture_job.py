@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
-import torch
 
-from tests.titan.test_dataloader import deliver, job
+from tests.titan.test_dataloader import build_zephon_dataloader, deliver, job
+from tests.titan.test_validate import build_validator
 from torchtitan_zephon.job.data import MixtureData
 from torchtitan_zephon.order.mixture.config import MixtureError
 from torchtitan_zephon.order.stream import split_keys
 from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.dataloader import build_zephon_dataloader, resolve_source
+from torchtitan_zephon.titan.job_data import resolve_source
+from torchtitan_zephon.titan.job_view import JobView
 from torchtitan_zephon.titan.validate import ZephonValidator
 
 platform.apply()
@@ -40,13 +39,11 @@ weights = {{ docs = 0, stdlib = 1 }}
 """
 
 
-def mixture_job(tmp: Path, docs: str = "", **zephon) -> SimpleNamespace:
+def mixture_job(tmp: Path, docs: str = "", **zephon) -> JobView:
     tmp.mkdir(parents=True, exist_ok=True)
     path = tmp / "mixture.toml"
     path.write_text(HALVES.format(docs=docs))
-    cfg = job(tmp / "run", mixture=str(path), **zephon)
-    cfg.training.global_batch_size = 12
-    return cfg
+    return job(tmp / "run", mixture=str(path), global_batch_size=12, **zephon)
 
 
 def test_the_job_reads_the_mixture_and_its_weights(tmp_path):
@@ -77,58 +74,27 @@ def test_bad_mixture_jobs_are_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match=r"the mixture .* \(sources docs, stdlib\) was tokenized"):
         resolve_source(mixture_job(tmp_path), small_tokenizer)
 
-    from torchtitan_zephon.titan.spec import register, zephon_llama3_args
-
-    register()
-    cfg = mixture_job(tmp_path)
-    cfg.model.name = "zephon_llama3"
-    zephon_llama3_args["test_vocab_1000"] = dataclasses.replace(
-        zephon_llama3_args["tiny"], vocab_size=1000
+    # a model of 1000 embeddings (0.3: the model spec's, as the trainer's view reads it)
+    cfg = dataclasses.replace(
+        mixture_job(tmp_path), model_flavor="test_vocab_1000", vocab_size=1000
     )
-    try:
-        cfg.model.flavor = "test_vocab_1000"
-        with pytest.raises(ValueError, match="embeds only 1000"):
-            build_zephon_dataloader(1, 0, None, cfg)
-    finally:
-        del zephon_llama3_args["test_vocab_1000"]
+    with pytest.raises(ValueError, match="embeds only 1000"):
+        build_zephon_dataloader(1, 0, None, cfg)
 
     cfg = mixture_job(tmp_path)  # stdlib draws 12 samples a step from step 3
     path = Path(cfg.zephon.mixture)
     text = path.read_text().replace('"builtin:stdlib"', '"builtin:stdlib"\nmax_epochs = 1')
     path.write_text(text)
-    cfg.training.steps = 10**6
+    cfg = dataclasses.replace(cfg, steps=10**6)
     with pytest.raises(
         MixtureError, match="mixture source 'stdlib' runs past max_epochs=1 at step"
     ):
         build_zephon_dataloader(1, 0, None, cfg)
 
 
-@pytest.fixture(scope="module")
-def tiny_model() -> torch.nn.Module:
-    from torchtitan_zephon.titan.spec import ZephonTransformer, zephon_llama3_args
-
-    args = copy.deepcopy(zephon_llama3_args["tiny"])
-    args.max_seq_len = 32
-    with torch.device("meta"):
-        model = ZephonTransformer(args)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()
-    return model
-
-
-def validator(cfg, dp_degree: int, dp_rank: int, micro: int) -> ZephonValidator:
-    from torchtitan.components.loss import cross_entropy_loss
-
-    cfg.training.local_batch_size = 2
-    cfg.validation = SimpleNamespace(local_batch_size=micro, steps=-1)
-    return ZephonValidator(
-        job_config=cfg, dp_world_size=dp_degree, dp_rank=dp_rank, tokenizer=None,
-        parallel_dims=SimpleNamespace(dp_cp_enabled=False, pp_enabled=False, cp_enabled=False),
-        loss_fn=cross_entropy_loss, validation_context=contextlib.nullcontext,
-        maybe_enable_amp=contextlib.nullcontext(),
-        metrics_processor=SimpleNamespace(ntokens_since_last_log=0),
-    )  # fmt: skip
+def validator(cfg: JobView, dp_degree: int, dp_rank: int, micro: int) -> ZephonValidator:
+    assert cfg.local_batch_size == 2
+    return build_validator(cfg, dp_degree, dp_rank, micro)
 
 
 def test_each_source_is_validated_on_its_own_held_out_samples(tmp_path, tiny_model):

@@ -3,6 +3,7 @@ and incomplete ones skipped), what it refuses, and that deciding writes nothing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -19,7 +20,8 @@ from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.titan import preflight
-from torchtitan_zephon.titan.preflight import StartRefused, choose_checkpoint, plan_start
+from torchtitan_zephon.titan.preflight import plan_start
+from torchtitan_zephon.titan.start_plan import StartRefused, choose_checkpoint
 from torchtitan_zephon.tracker import SequenceTracker, log_path
 
 CONFIG = DataConfig.make(
@@ -48,8 +50,8 @@ def job(run: Path, **checkpoint) -> SimpleNamespace:
     zephon = SimpleNamespace(
         allow_changes=[], ignore_log_mismatch=False, start_over=False, audit="ids"
     )
-    return SimpleNamespace(
-        job=SimpleNamespace(dump_folder=str(run)),
+    return SimpleNamespace(  # the fields of titan.job_view.JobView the preflight reads
+        dump_folder=str(run),
         checkpoint=SimpleNamespace(**ck),
         zephon=zephon,
     )
@@ -99,7 +101,7 @@ def run(tmp_path: Path) -> Path:
 @pytest.fixture
 def current_config(monkeypatch: pytest.MonkeyPatch) -> DataConfig:
     """Stand in for the store and train-spec checks (tested end to end elsewhere)."""
-    monkeypatch.setattr(preflight, "_check_job", lambda job_config: (None, CONFIG))
+    monkeypatch.setattr(preflight, "_check_job", lambda job, build_tokenizer: (None, CONFIG))
     return CONFIG
 
 
@@ -137,12 +139,14 @@ def test_newest_good_checkpoint_is_chosen_and_pinned(run: Path):
     j = job(run)
     before = tree(run)
     chosen, plan, _ = choose_checkpoint(j)
-    assert chosen.step == 4 and j.checkpoint.load_step == 4  # TorchTitan loads what was checked
+    # TorchTitan loads what was checked: the trainer pins checkpoint.load_step to it
+    assert chosen.step == 4 and plan.load_step == 4
     assert [(c.step, c.status) for c in plan.skipped] == [(8, "corrupt")]
     assert_unchanged(before, tree(run))
     # the same files give every rank the same choice
     j2 = job(run)
-    assert choose_checkpoint(j2)[0].step == 4 and j2.checkpoint.load_step == 4
+    chosen2, plan2, _ = choose_checkpoint(j2)
+    assert chosen2.step == 4 and plan2.load_step == 4
 
 
 def test_incomplete_newest_checkpoint_is_skipped(run: Path):
@@ -219,10 +223,8 @@ def test_resume_checks_the_data_config_and_the_log_without_writing(run: Path, cu
 
 
 def test_changed_data_config_is_refused_with_the_trainer_hint(run: Path, monkeypatch):
-    import dataclasses
-
     monkeypatch.setattr(
-        preflight, "_check_job", lambda j: (None, dataclasses.replace(CONFIG, seed=3))
+        preflight, "_check_job", lambda j, build: (None, dataclasses.replace(CONFIG, seed=3))
     )
     with pytest.raises(DataStateMismatch, match="(?s)seed: 0 -> 3.*--zephon.allow_changes"):
         plan_start(job(run), writer=False)
@@ -305,23 +307,29 @@ def open_store(path: Path | str):  # noqa: ANN201 - a TokenStore
     return TokenStore.open(path)
 
 
-def data_job(tmp: Path, **zephon) -> SimpleNamespace:
-    """The trainer's job config as the data checks read it (tiny flavor, seq_len 64)."""
+def data_job(tmp: Path, **fields):  # noqa: ANN201 - a JobView
+    """The trainer's view of the tiny job as the data checks read it (seq_len 64);
+    ``fields``: JobView fields (seq_len, local_batch_size, hf_assets_path, dump_folder),
+    the rest the zephon section's."""
     from tests.titan.test_dataloader import job as loader_job
 
-    cfg = loader_job(tmp, **zephon)
-    cfg.training.seq_len = 64
-    cfg.model.name, cfg.model.flavor = "zephon_llama3", "tiny"
-    cfg.parallelism = SimpleNamespace(
-        data_parallel_shard_degree=-1, data_parallel_replicate_degree=1,
-        context_parallel_degree=1, tensor_parallel_degree=1, pipeline_parallel_degree=1,
-        expert_parallel_degree=1, expert_tensor_parallel_degree=1,
-    )  # fmt: skip
-    return cfg
+    view_fields = {k: fields.pop(k) for k in list(fields) if k in VIEW_FIELDS}
+    view = loader_job(tmp, **fields)
+    return dataclasses.replace(view, **{"seq_len": 64, **view_fields})
+
+
+VIEW_FIELDS = ("seq_len", "local_batch_size", "hf_assets_path", "dump_folder")
+
+
+def build_tokenizer(view):  # noqa: ANN001, ANN201
+    """The job's tokenizer as Zephon's trainer builds it for the preflight (TorchTitan's)."""
+    from torchtitan.components.tokenizer import HuggingFaceTokenizer
+
+    return lambda: HuggingFaceTokenizer.Config().build(tokenizer_path=view.hf_assets_path)
 
 
 def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_store, tmp_path):
-    from torchtitan_zephon.titan.dataloader import resolve_source
+    from torchtitan_zephon.titan.job_data import resolve_source
 
     short = small_store(lines_store, tmp_path / "short", 0)
     tokens = open_store(short).num_tokens
@@ -350,8 +358,7 @@ def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_s
         assert str(e.value).startswith(message), str(e.value)
     # refused whatever the layout: the verdict is the data config's, not the topology's
     for local in (1, 2, 8):
-        cfg = data_job(tmp_path, store=str(seventeen), heldout_samples=16)
-        cfg.training.local_batch_size = local
+        cfg = data_job(tmp_path, store=str(seventeen), heldout_samples=16, local_batch_size=local)
         with pytest.raises(ValueError, match="has 1 training sample"):
             resolve_source(cfg)
     # two training samples: trained on, with the warning
@@ -369,14 +376,14 @@ def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_s
 def test_builtin_and_raw_stores_get_the_same_size_checks(lines_store, tmp_path, monkeypatch):
     """The builtin store and raw inputs reach the same check, named as the user named them."""
     from torchtitan_zephon.ingest.builtin import builtin_store_path
-    from torchtitan_zephon.titan.dataloader import resolve_source
+    from torchtitan_zephon.titan.job_data import resolve_source
 
     builtin = open_store(builtin_store_path())
-    cfg = data_job(tmp_path, store="", heldout_samples=16)
-    cfg.training.seq_len = (builtin.num_tokens - 1) // 19  # 19 samples: 3 to train on
+    seq_len = (builtin.num_tokens - 1) // 19  # 19 samples: 3 to train on
+    cfg = data_job(tmp_path, store="", heldout_samples=16, seq_len=seq_len)
     source = resolve_source(cfg)
     assert source.warnings == [
-        f"the builtin store ({builtin.path}) (seq_len {cfg.training.seq_len}, 16 held out) has "
+        f"the builtin store ({builtin.path}) (seq_len {cfg.seq_len}, 16 held out) has "
         "3 training samples, fewer than the global batch of 8 from step 1 on (batch schedule "
         "entry 1:8): every such step repeats samples within itself. Use a larger store or a "
         "smaller global batch."
@@ -384,13 +391,12 @@ def test_builtin_and_raw_stores_get_the_same_size_checks(lines_store, tmp_path, 
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
     raw = tmp_path / "notes.txt"
     raw.write_text("hello world, a short note of a few dozen tokens.\n" * 8)
-    cfg = data_job(tmp_path, store=str(raw), heldout_samples=0)
-    cfg.training.seq_len = 1
+    cfg = data_job(tmp_path, store=str(raw), heldout_samples=0, seq_len=1)
     entry = resolve_source(cfg).path  # prepared into the cache on first use
     assert str(tmp_path / "cache") in entry and resolve_source(cfg).warnings == []
-    cfg.training.seq_len = (open_store(entry).num_tokens - 1) // 4
+    cfg = dataclasses.replace(cfg, seq_len=(open_store(entry).num_tokens - 1) // 4)
     assert resolve_source(cfg).warnings == [
-        f"the store {str(raw)!r} ({entry}) (seq_len {cfg.training.seq_len}) has 4 training "
+        f"the store {str(raw)!r} ({entry}) (seq_len {cfg.seq_len}) has 4 training "
         "samples, fewer than the global batch of 8 from step 1 on (batch schedule entry 1:8): "
         "every such step repeats samples within itself. Use a larger store or a smaller "
         "global batch."
@@ -420,20 +426,19 @@ def test_a_missing_or_unloadable_tokenizer_is_refused_naming_the_store_tokenizer
     import hashlib
 
     from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
-    from torchtitan_zephon.titan.spec import register
 
-    register()
     builtin_sha = hashlib.sha256((TOKENIZER_DIR / "tokenizer.json").read_bytes()).hexdigest()
     missing = tmp_path / "no_such_folder"
-    cfg = data_job(tmp_path, store=str(lines_store), heldout_samples=16)
-    cfg.model.hf_assets_path = str(missing)
+    cfg = data_job(
+        tmp_path, store=str(lines_store), heldout_samples=16, hf_assets_path=str(missing)
+    )
     with pytest.raises(StartRefused) as e:
-        preflight._check_job(cfg)
+        preflight._check_job(cfg, build_tokenizer(cfg))
     assert str(e.value) == (
-        f"model.hf_assets_path = {str(missing)!r} does not exist; TorchTitan builds the job's "
+        f"hf_assets_path = {str(missing)!r} does not exist; TorchTitan builds the job's "
         f"tokenizer from that folder (its tokenizer.json). The store {lines_store} was prepared "
         f"with tokenizer sha256 {builtin_sha}, the builtin tokenizer in {TOKENIZER_DIR}: set "
-        f"--model.hf_assets_path {TOKENIZER_DIR} (TOML: [model] hf_assets_path). Nothing was "
+        f"--hf_assets_path {TOKENIZER_DIR} (TOML: [model] hf_assets_path). Nothing was "
         "changed on disk."
     )
     # a store of another tokenizer: its sha256, and the builtin one is not it
@@ -450,33 +455,31 @@ def test_a_missing_or_unloadable_tokenizer_is_refused_naming_the_store_tokenizer
         (broken, "holds no tokenizer TorchTitan can load ("),
         (own / "tokenizer.json", "is a file, not a folder"),
     ]:
-        cfg = data_job(tmp_path, store=str(store), heldout_samples=16)
-        cfg.model.hf_assets_path = str(path)
+        cfg = data_job(tmp_path, store=str(store), heldout_samples=16, hf_assets_path=str(path))
         with pytest.raises(StartRefused) as e:
-            preflight._check_job(cfg)
+            preflight._check_job(cfg, build_tokenizer(cfg))
         msg = str(e.value)
-        assert msg.startswith(f"model.hf_assets_path = {str(path)!r} {found}"), msg
+        assert msg.startswith(f"hf_assets_path = {str(path)!r} {found}"), msg
         assert (
             f"The store {store} was prepared with tokenizer sha256 {own_sha}; the builtin "
             f"tokenizer in {TOKENIZER_DIR} is another one (sha256 {builtin_sha}). Point "
-            "--model.hf_assets_path at the folder holding the tokenizer.json the data was "
+            "--hf_assets_path at the folder holding the tokenizer.json the data was "
             "prepared with"
         ) in msg
-    cfg.model.hf_assets_path = str(own)  # the right one: the checks pass
-    assert preflight._check_job(cfg)[1].tokenizer_hash == own_sha
+    cfg = dataclasses.replace(cfg, hf_assets_path=str(own))  # the right one: the checks pass
+    assert preflight._check_job(cfg, build_tokenizer(cfg))[1].tokenizer_hash == own_sha
     # a mixture of builtin halves: the sources' tokenizer, the builtin one
     mixture = tmp_path / "halves.toml"
     mixture.write_text(
         '[[source]]\nname = "docs"\nstore = "builtin:docs"\n[[source]]\nname = "stdlib"\n'
         'store = "builtin:stdlib"\n[[schedule]]\nfrom_step = 1\nweights = { docs = 1, stdlib = 1 }\n'
     )
-    cfg = data_job(tmp_path, mixture=str(mixture), heldout_samples=16)
-    cfg.model.hf_assets_path = str(missing)
+    cfg = data_job(tmp_path, mixture=str(mixture), heldout_samples=16, hf_assets_path=str(missing))
     with pytest.raises(StartRefused) as e:
-        preflight._check_job(cfg)
+        preflight._check_job(cfg, build_tokenizer(cfg))
     assert (
         f"The mixture {mixture} (sources docs, stdlib) was prepared with tokenizer sha256 "
-        f"{builtin_sha}, the builtin tokenizer in {TOKENIZER_DIR}: set --model.hf_assets_path"
+        f"{builtin_sha}, the builtin tokenizer in {TOKENIZER_DIR}: set --hf_assets_path"
     ) in str(e.value)
 
 
@@ -500,9 +503,9 @@ def test_the_trainer_refuses_a_missing_tokenizer_folder_naming_the_store_tokeniz
                 str(missing), log=tmp_path / "refused.log")  # fmt: skip
     assert_refused(
         job,
-        f"model.hf_assets_path = {str(missing)!r} does not exist",
+        f"hf_assets_path = {str(missing)!r} does not exist",
         f"The store {lines_store} was prepared with tokenizer sha256 {sha}, the builtin "
-        f"tokenizer in {TOKENIZER_DIR}: set --model.hf_assets_path {TOKENIZER_DIR}",
+        f"tokenizer in {TOKENIZER_DIR}: set --hf_assets_path {TOKENIZER_DIR}",
     )
     assert "Traceback" not in job.output.split("Zephon refused to start")[0]
     assert not run.exists()
@@ -548,7 +551,7 @@ def test_a_mixture_tokenizer_mismatch_names_the_source_without_the_jobs_tokenize
     is the odd one out (here the second in name order, not simply 'the other one')."""
     from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
     from torchtitan_zephon.order.mixture.config import MixtureError
-    from torchtitan_zephon.titan.dataloader import resolve_source
+    from torchtitan_zephon.titan.job_data import resolve_source
 
     own, store = own_store
     mixture = tmp_path / "mixed.toml"
@@ -557,12 +560,13 @@ def test_a_mixture_tokenizer_mismatch_names_the_source_without_the_jobs_tokenize
         'store = "builtin:docs"\n[[schedule]]\nfrom_step = 1\nweights = { a_words = 1, docs = 1 }\n'
     )
     for tokenizer, odd, right in ((TOKENIZER_DIR, "a_words", "docs"), (own, "docs", "a_words")):
-        cfg = data_job(tmp_path, mixture=str(mixture), heldout_samples=4)
-        cfg.model.hf_assets_path = str(tokenizer)
+        cfg = data_job(
+            tmp_path, mixture=str(mixture), heldout_samples=4, hf_assets_path=str(tokenizer)
+        )
         with pytest.raises(MixtureError) as e:
             resolve_source(cfg)
         assert (
-            f"The odd one out: '{odd}' ('{right}' has the tokenizer of model.hf_assets_path "
+            f"The odd one out: '{odd}' ('{right}' has the tokenizer of hf_assets_path "
             f"({tokenizer})). Re-run `zephon prepare` for '{odd}' with the tokenizer of "
             f"'{right}'."
         ) in str(e.value), str(e.value)
@@ -572,12 +576,10 @@ def test_a_misspelt_allow_changes_is_refused_at_every_start(tmp_path: Path):
     """A typo in --zephon.allow_changes was accepted on a fresh start and ended the
     resume it was meant for in a traceback: it is a refusal naming the option and every
     accepted value, before anything is written."""
-    from torchtitan_zephon.titan.preflight import StartRefused, plan_start
-    from torchtitan_zephon.titan.spec import register
+    from torchtitan_zephon.titan.preflight import plan_start
+    from torchtitan_zephon.titan.start_plan import StartRefused
 
-    register()
-    cfg = data_job(tmp_path, allow_changes=["sed"])
-    cfg.job.dump_folder = str(tmp_path / "run")
+    cfg = data_job(tmp_path, allow_changes=["sed"], dump_folder=str(tmp_path / "run"))
     with pytest.raises(StartRefused) as e:
         plan_start(cfg, writer=True)
     message = str(e.value)
@@ -585,3 +587,39 @@ def test_a_misspelt_allow_changes_is_refused_at_every_start(tmp_path: Path):
                               "expected one of all, "), message  # fmt: skip
     assert "seed, seq_len" in message and "[" not in message.split("(TOML")[0], message
     assert not (tmp_path / "run").exists()
+
+
+def test_too_few_held_out_samples_are_refused_before_anything_is_written(tmp_path):
+    """Validation reads held-out samples in whole global batches: fewer than one (one
+    store, or a mixture source that has some) was the validator's ValueError, a traceback
+    after TorchTitan had written tb/, structured_logs/ and the lock; now the preflight's
+    refusal, with validation on only."""
+    from tests.titan.expect import assert_refused
+    from tests.titan.launch import train
+
+    run = tmp_path / "run"
+    job = train(run, 1, "--zephon.heldout_samples", "4", log=tmp_path / "refused.log")
+    assert_refused(
+        job,
+        "validation needs at least one global batch (8 samples) of held-out data; "
+        "zephon.heldout_samples is 4. Set --zephon.heldout_samples to a multiple of 8.",
+    )
+    assert not run.exists()
+    mixture = tmp_path / "halves.toml"
+    mixture.write_text(
+        '[[source]]\nname = "docs"\nstore = "builtin:docs"\nheldout_samples = 16\n'
+        '[[source]]\nname = "stdlib"\nstore = "builtin:stdlib"\nheldout_samples = 3\n'
+        "[[schedule]]\nfrom_step = 1\nweights = { docs = 1, stdlib = 1 }\n"
+    )
+    view = data_job(tmp_path, mixture=str(mixture))
+    gbs = view.global_batch_size
+    on = dataclasses.replace(view, validation=dataclasses.replace(view.validation, enable=True))
+    with pytest.raises(ValueError) as e:  # plan_start says it as StartRefused (above)
+        preflight._check_job(on, None)
+    assert str(e.value) == (
+        f"validation reads held-out samples in global batches of {gbs}; mixture source "
+        f"'stdlib' holds 3 (heldout_samples). Set its heldout_samples to a multiple of {gbs}, "
+        "or to 0 to not validate it."
+    )
+    off = dataclasses.replace(view, validation=dataclasses.replace(view.validation, enable=False))
+    preflight._check_job(off, None)  # no validation: held-out samples are only left out

@@ -4,20 +4,26 @@ opened exactly once per process (issue 19, point 4)."""
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from tests.titan.test_mixture_job import mixture_job
-from tests.titan.test_preflight import data_job
-from tests.titan.test_preflight import job as checkpoint_job
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.titan import platform
 
 platform.apply()
+
+from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
+from torchtitan.trainer import Trainer  # noqa: E402
+
+from tests.titan.test_mixture_job import HALVES  # noqa: E402
+from torchtitan_zephon.titan.dataloader import ZephonDataLoader  # noqa: E402
+from torchtitan_zephon.titan.trainer import ZephonTrainer  # noqa: E402
+from torchtitan_zephon.titan.validate import ZephonValidator  # noqa: E402
 
 
 @pytest.fixture
@@ -36,53 +42,83 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> Counter:
     return counts
 
 
-def trainer_job(cfg: SimpleNamespace) -> SimpleNamespace:
-    """``cfg`` (a data job) with what the preflight and the validator read besides."""
-    base = checkpoint_job(Path(cfg.job.dump_folder), enable=False)
-    cfg.checkpoint = base.checkpoint
-    for key, value in vars(base.zephon).items():
-        if not hasattr(cfg.zephon, key):
-            setattr(cfg.zephon, key, value)
-    cfg.model.name, cfg.model.flavor = "zephon_llama3", "tiny"
-    cfg.parallelism = data_job(Path(cfg.job.dump_folder)).parallelism
-    cfg.validation = SimpleNamespace(local_batch_size=2, steps=-1)
-    return cfg
+def trainer_config(run: Path, **zephon: Any) -> ZephonTrainer.Config:
+    """The tiny registry job (CPU defaults applied, as train.py does), run folder ``run``,
+    no checkpoints, validation on."""
+    from torchtitan_zephon.configs import llama3_tiny
+
+    config = llama3_tiny()
+    platform.cpu_config_defaults(config)
+    config.dump_folder = str(run)
+    config.hf_assets_path = "./torchtitan_zephon/assets/tokenizer"
+    config.training.seq_len = 32
+    config.checkpoint.enable = False
+    config.validator = dataclasses.replace(config.validator, enable=True)
+    config.zephon = dataclasses.replace(config.zephon, **zephon)
+    return config
 
 
-def start_like_the_trainer(cfg: SimpleNamespace, dp_degree: int, dp_rank: int):  # noqa: ANN201
-    """What ZephonTrainer does in one process: the preflight, then TorchTitan's
-    Trainer.__init__ building the tokenizer, the dataloader and the validator through
-    the trainer's train spec, with TorchTitan's own keyword arguments."""
-    from torchtitan.components.loss import cross_entropy_loss
-    from torchtitan.protocols.train_spec import get_train_spec
+@pytest.fixture
+def titan_builds(monkeypatch: pytest.MonkeyPatch) -> SimpleNamespace:
+    """TorchTitan's ``Trainer.__init__`` reduced to what touches the job's data: it
+    builds the tokenizer, the dataloader and (validation on) the validator from the
+    config ZephonTrainer hands it, with TorchTitan 0.3's own build keywords
+    (trainer.py: ``config.tokenizer.build``, ``config.dataloader.build``,
+    ``config.validator.build``) at the DP coordinates ``layout``. The model, the mesh and
+    the optimizer are not built."""
+    seen = SimpleNamespace(layout=(1, 0), built=[])
 
-    from torchtitan_zephon.titan import preflight
-    from torchtitan_zephon.titan.spec import register
-    from torchtitan_zephon.titan.trainer import with_job_data
+    def titan_init(self: Trainer, config: Any) -> None:
+        from torchtitan.config import ParallelismConfig
 
-    register()
-    plan = preflight.plan_start(cfg, writer=dp_rank == 0)
-    spec = with_job_data(get_train_spec(cfg.model.name), plan.data)
-    tokenizer = spec.build_tokenizer_fn(cfg)
-    dataloader = spec.build_dataloader_fn(
-        dp_world_size=dp_degree, dp_rank=dp_rank, tokenizer=tokenizer, job_config=cfg
-    )
-    validator = spec.build_validator_fn(
-        job_config=cfg, dp_world_size=dp_degree, dp_rank=dp_rank, tokenizer=tokenizer,
-        parallel_dims=SimpleNamespace(dp_cp_enabled=False, pp_enabled=False, cp_enabled=False),
-        loss_fn=cross_entropy_loss, validation_context=contextlib.nullcontext,
-        maybe_enable_amp=contextlib.nullcontext(),
-        metrics_processor=SimpleNamespace(ntokens_since_last_log=0),
-        pp_schedule=None, pp_has_first_stage=None, pp_has_last_stage=None,
-    )  # fmt: skip
-    return plan.data, dataloader, validator
+        self.config = config
+        tokenizer = config.tokenizer.build(tokenizer_path=config.hf_assets_path)
+        dp_degree, dp_rank = seen.layout
+        dataloader = config.dataloader.build(
+            dp_world_size=dp_degree, dp_rank=dp_rank, tokenizer=tokenizer,
+            seq_len=config.training.seq_len, local_batch_size=config.training.local_batch_size,
+            snapshot_every_n_steps=None,
+        )  # fmt: skip
+        validator = None
+        if config.validator.enable:
+            validator = config.validator.build(
+                parallelism=ParallelismConfig(), dp_world_size=dp_degree, dp_rank=dp_rank,
+                tokenizer=tokenizer,
+                parallel_dims=SimpleNamespace(dp_cp_enabled=False, pp_enabled=False,
+                                              cp_enabled=False),
+                loss_fn=CrossEntropyLoss(CrossEntropyLoss.Config()),
+                validation_context=None, metrics_processor=None,
+                seq_len=config.training.seq_len,
+                local_batch_size=config.training.local_batch_size,
+                pp_schedule=None, pp_has_first_stage=None, pp_has_last_stage=None,
+            )  # fmt: skip
+        seen.built.append(SimpleNamespace(dataloader=dataloader, validator=validator))
+
+    monkeypatch.setattr(Trainer, "__init__", titan_init)
+    return seen
 
 
-def test_the_store_is_opened_once_across_preflight_dataloader_and_validator(tmp_path, opened):
+def start_like_the_trainer(
+    config: ZephonTrainer.Config, titan_builds: SimpleNamespace, dp_degree: int, dp_rank: int
+) -> tuple[Any, ZephonDataLoader, ZephonValidator | None]:
+    """ZephonTrainer's own ``__init__`` (checks, run folder, preflight, the hand-over to
+    the dataloader and validator configs), then TorchTitan's builds as above; returns
+    the job data the preflight opened, the dataloader and the validator."""
+    titan_builds.layout = (dp_degree, dp_rank)
+    trainer = ZephonTrainer(config)
+    if trainer._lock is not None:
+        trainer._lock.release()
+    (done,) = titan_builds.built
+    return trainer.config.dataloader._data, done.dataloader, done.validator
+
+
+def test_the_store_is_opened_once_across_preflight_dataloader_and_validator(
+    tmp_path, opened, titan_builds
+):
     from torchtitan_zephon.ingest.builtin import builtin_store_path
 
-    cfg = trainer_job(data_job(tmp_path / "run", heldout_samples=16))
-    data, dl, validator = start_like_the_trainer(cfg, 2, 1)
+    config = trainer_config(tmp_path / "run", heldout_samples=16)
+    data, dl, validator = start_like_the_trainer(config, titan_builds, 2, 1)
     try:
         assert dl.loader.source is data
         assert [h.store for _, h in validator.heldout_loaders] == [data.store]
@@ -93,12 +129,15 @@ def test_the_store_is_opened_once_across_preflight_dataloader_and_validator(tmp_
 
 
 def test_each_mixture_source_is_opened_once_across_preflight_dataloader_and_validator(
-    tmp_path, opened
+    tmp_path, opened, titan_builds
 ):
     from torchtitan_zephon.ingest.builtin import builtin_store_path
 
-    cfg = trainer_job(mixture_job(tmp_path, docs="heldout_samples = 12", heldout_samples=12))
-    data, dl, validator = start_like_the_trainer(cfg, 2, 0)
+    mixture = tmp_path / "mixture.toml"
+    mixture.write_text(HALVES.format(docs="heldout_samples = 12"))
+    config = trainer_config(tmp_path / "run", mixture=str(mixture), heldout_samples=12)
+    config.training.global_batch_size = 12
+    data, dl, validator = start_like_the_trainer(config, titan_builds, 2, 0)
     try:
         assert dl.loader.source is data
         assert [h.store for _, h in validator.heldout_loaders] == data.stores
@@ -109,41 +148,34 @@ def test_each_mixture_source_is_opened_once_across_preflight_dataloader_and_vali
         dl.close()
 
 
-def test_without_the_trainers_data_each_builder_opens_the_job_itself(tmp_path, opened):
-    """The builders TorchTitan may call on their own (no trainer, no preflight) still
-    work: each opens and checks the job's data (a separate object) itself."""
-    from torchtitan.protocols.train_spec import get_train_spec
+def test_without_the_trainers_data_the_builders_refuse_and_open_nothing(tmp_path, opened):
+    """0.3: TorchTitan builds the components from their configs alone (no job config to
+    open the data from): a Zephon dataloader or validator built without Zephon's
+    trainer refuses, naming the entry point, before it opens any store."""
+    config = trainer_config(tmp_path / "run", heldout_samples=16)
+    with pytest.raises(ValueError, match="built by Zephon's trainer.*torchtitan_zephon.train"):
+        config.dataloader.build(
+            dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=32, local_batch_size=2
+        )
+    with pytest.raises(ValueError, match="validator .*built by Zephon's trainer"):
+        config.validator.build(
+            parallelism=None, dp_world_size=1, dp_rank=0, tokenizer=None,
+            parallel_dims=None, loss_fn=None, validation_context=None,
+            metrics_processor=None, seq_len=32, local_batch_size=2,
+        )  # fmt: skip
+    assert sum(opened.values()) == 0
+    assert not (tmp_path / "run").exists()
 
-    from torchtitan_zephon.titan.spec import register
-    from torchtitan_zephon.titan.trainer import with_job_data
 
-    register()
-    spec = get_train_spec("zephon_llama3")
-    assert with_job_data(spec, None) is spec
-    cfg = trainer_job(data_job(tmp_path / "run", heldout_samples=16))
-    dl = spec.build_dataloader_fn(dp_world_size=1, dp_rank=0, tokenizer=None, job_config=cfg)
-    dl.close()
-    assert sum(opened.values()) == 1
-
-
-def test_the_trainers_train_spec_hands_its_job_data_to_the_builders(tmp_path, opened):
-    """TorchTitan's Trainer.__init__ sets ``self.train_spec`` and builds through it: the
-    spec ZephonTrainer keeps is bound to the job data its preflight opened."""
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    from torchtitan_zephon.titan import preflight
-    from torchtitan_zephon.titan.spec import register
-    from torchtitan_zephon.titan.trainer import ZephonTrainer
-
-    register()
-    cfg = trainer_job(data_job(tmp_path / "run", heldout_samples=16))
-    trainer = ZephonTrainer.__new__(ZephonTrainer)  # only the seam, not a whole trainer
-    trainer._data = preflight.plan_start(cfg, writer=True).data
-    trainer.train_spec = get_train_spec(cfg.model.name)  # what Trainer.__init__ does
-    dl = trainer.train_spec.build_dataloader_fn(
-        dp_world_size=1, dp_rank=0, tokenizer=None, job_config=cfg
-    )
+def test_the_trainer_hands_its_job_data_to_the_configs_torchtitan_builds(
+    tmp_path, opened, titan_builds
+):
+    """ZephonTrainer sets the job data its preflight opened on the dataloader and the
+    validator configs TorchTitan's Trainer.__init__ builds from: both read that object."""
+    config = trainer_config(tmp_path / "run", heldout_samples=16)
+    data, dl, validator = start_like_the_trainer(config, titan_builds, 1, 0)
     try:
-        assert dl.loader.source is trainer._data and sum(opened.values()) == 1
+        assert data is not None and dl.loader.source is data
+        assert validator.config._data is data and sum(opened.values()) == 1
     finally:
         dl.close()

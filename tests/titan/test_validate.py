@@ -4,18 +4,19 @@ and reports the same loss (global token-loss sum over the global token count).""
 from __future__ import annotations
 
 import contextlib
-import copy
+import dataclasses
 from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.titan.test_dataloader import job
 from torchtitan_zephon.titan import platform
+from torchtitan_zephon.titan.job_data import open_job_data, with_job
+from torchtitan_zephon.titan.job_view import JobView
 from torchtitan_zephon.titan.validate import HeldoutLoader, ZephonValidator, microbatch_size
 
 platform.apply()
@@ -67,37 +68,35 @@ def test_microbatch_size_is_clamped_not_refused():
     assert microbatch_size(6, 4, equal=False) == 4  # 4 + 2
     assert microbatch_size(6, 4, equal=True) == 3
     assert microbatch_size(7, 4, equal=True) == 1
-    with pytest.raises(ValueError, match="validation.local_batch_size must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="validator.microbatch_size must be >= 1, got 0"):
         microbatch_size(6, 0, equal=False)
 
 
-@pytest.fixture(scope="module")
-def tiny_model() -> torch.nn.Module:
-    from torchtitan_zephon.titan.spec import ZephonTransformer, zephon_llama3_args
+def build_validator(
+    view: JobView, dp_degree: int, dp_rank: int, micro: int, *, steps: int = -1
+) -> ZephonValidator:
+    """The validator as Zephon's trainer builds it: the job's data opened once and
+    handed over (``with_job``), then TorchTitan's build keywords."""
+    from torchtitan.components.loss import CrossEntropyLoss
+    from torchtitan.config import ParallelismConfig
 
-    args = copy.deepcopy(zephon_llama3_args["tiny"])
-    args.max_seq_len = 32
-    with torch.device("meta"):
-        model = ZephonTransformer(args)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        model.init_weights()
-    return model
+    data, _ = open_job_data(view)
+    config = with_job(ZephonValidator.Config(microbatch_size=micro, steps=steps), view, data)
+    return config.build(
+        parallelism=ParallelismConfig(), dp_world_size=dp_degree, dp_rank=dp_rank, tokenizer=None,
+        parallel_dims=SimpleNamespace(dp_cp_enabled=False, pp_enabled=False, cp_enabled=False),
+        loss_fn=CrossEntropyLoss(CrossEntropyLoss.Config()),
+        validation_context=contextlib.nullcontext,
+        metrics_processor=SimpleNamespace(ntokens_since_last_log=0),
+        seq_len=view.seq_len, local_batch_size=view.local_batch_size,
+    )  # fmt: skip
 
 
 def validator(tmp: Path, dp_degree: int, dp_rank: int, micro: int, *, gbs=12, local=2):
-    from torchtitan.components.loss import cross_entropy_loss
-
-    cfg = job(tmp, heldout_samples=24)
-    cfg.training.global_batch_size, cfg.training.local_batch_size = gbs, local
-    cfg.validation = SimpleNamespace(local_batch_size=micro, steps=-1)
-    return ZephonValidator(
-        job_config=cfg, dp_world_size=dp_degree, dp_rank=dp_rank, tokenizer=None,
-        parallel_dims=SimpleNamespace(dp_cp_enabled=False, pp_enabled=False, cp_enabled=False),
-        loss_fn=cross_entropy_loss, validation_context=contextlib.nullcontext,
-        maybe_enable_amp=contextlib.nullcontext(),
-        metrics_processor=SimpleNamespace(ntokens_since_last_log=0),
-    )  # fmt: skip
+    view = dataclasses.replace(
+        job(tmp, heldout_samples=24), global_batch_size=gbs, local_batch_size=local
+    )
+    return build_validator(view, dp_degree, dp_rank, micro)
 
 
 def test_validation_loss_does_not_depend_on_the_layout(tmp_path, tiny_model):

@@ -1,10 +1,10 @@
 """The three loaders ``zephon bench loader`` compares, each built as its users build it.
 
-Role: ``stock_loader`` is stock TorchTitan's ``HuggingFaceTextDataset`` in a
-``ParallelAwareDataloader`` over a local JSONL file (tokenizing on the fly, as
-TorchTitan trains); ``torchdata_loader`` is torchdata's ``StatefulDataLoader``
-over a map-style dataset of the store's pre-tokenized windows (loader overhead
-alone); ``zephon_loader`` is the Zephon loader over the same store,
+Role: ``stock_loader`` is stock TorchTitan 0.3's ``HuggingFaceTextDataLoader`` (its
+``HuggingFaceTextDataset`` in a ``ParallelAwareDataloader``) over a local JSONL
+file (tokenizing on the fly, as TorchTitan trains); ``torchdata_loader`` is
+torchdata's ``StatefulDataLoader`` over a map-style dataset of the store's
+pre-tokenized windows (loader overhead alone); ``zephon_loader`` is the Zephon loader over the same store,
 ``state_at`` its data state at a step and ``trainer_record_bytes`` that state's
 size as the trainer checkpoints it. ``forever``, ``shutdown`` and
 ``stock_rank_state`` drive and inspect them side by side.
@@ -60,29 +60,31 @@ def stock_loader(
     jsonl: Path, cache_dir: Path, seq_len: int, batch: int, workers: int, dp_rank: int = 0,
     dp_degree: int = 1,
 ) -> Any:  # fmt: skip
-    """Stock TorchTitan's text loader, built as ``build_text_dataloader`` builds it."""
+    """Stock TorchTitan 0.3's text loader, ``HuggingFaceTextDataLoader``, built from its
+    config with the keyword arguments TorchTitan's Trainer passes (``config.build``)."""
     _register_stock_dataset(jsonl, cache_dir)
     import datasets
-    from torchtitan.components.dataloader import ParallelAwareDataloader
     from torchtitan.components.tokenizer import HuggingFaceTokenizer
-    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataset
+    from torchtitan.hf_datasets.text_datasets import HuggingFaceTextDataLoader
 
     datasets.disable_progress_bars()
     warnings.filterwarnings("ignore", message=".*set_vital.*")  # torchdata 0.11 on torch 2.13
     logging.getLogger().setLevel(logging.ERROR)  # TorchTitan's "re-looped" warning per epoch
-    dataset = HuggingFaceTextDataset(
-        dataset_name=DATASET_NAME,
+    config = HuggingFaceTextDataLoader.Config(
+        dataset=DATASET_NAME,
         dataset_path=str(jsonl),
-        tokenizer=HuggingFaceTokenizer(str(TOKENIZER_DIR)),
-        seq_len=seq_len,
-        dp_rank=dp_rank,
-        dp_world_size=dp_degree,
         infinite=True,
+        num_workers=workers,
+        persistent_workers=workers > 0,
+        prefetch_factor=2 if workers else None,
     )
-    kwargs: dict[str, Any] = {"batch_size": batch, "num_workers": workers}
-    if workers:
-        kwargs.update(persistent_workers=True, prefetch_factor=2)
-    return ParallelAwareDataloader(dataset, dp_rank=dp_rank, dp_world_size=dp_degree, **kwargs)
+    return config.build(
+        dp_world_size=dp_degree,
+        dp_rank=dp_rank,
+        tokenizer=HuggingFaceTokenizer(tokenizer_path=str(TOKENIZER_DIR)),
+        seq_len=seq_len,
+        local_batch_size=batch,
+    )
 
 
 # ---------------------------------------------------------------- torchdata, map-style
@@ -174,5 +176,9 @@ def stock_rank_state(loader: Any) -> tuple[int, int | None]:
     blob = loader.state_dict()[loader._rank_id]
     inner = pickle.loads(blob)
     ds = inner.get("dataset_state") if isinstance(inner, dict) else None
-    buffer = len(ds["token_buffer"]) if isinstance(ds, dict) and "token_buffer" in ds else None
+    # TorchTitan 0.3 carries the packed tokens over as inputs_buffer (0.2.2: token_buffer)
+    key = next(
+        (k for k in ("inputs_buffer", "token_buffer") if isinstance(ds, dict) and k in ds), None
+    )
+    buffer = len(ds[key]) if key else None
     return len(blob), buffer

@@ -1,8 +1,9 @@
 """``zephon bench loader``: the data path alone, stock TorchTitan vs Zephon.
 
 On the same corpus (the builtin store's documents), single process, it measures
-tokens/s of (1) stock TorchTitan's ``HuggingFaceTextDataset`` in a
-``ParallelAwareDataloader`` (tokenizing on the fly, as TorchTitan trains),
+tokens/s of (1) stock TorchTitan 0.3's ``HuggingFaceTextDataLoader`` (its
+``HuggingFaceTextDataset`` in a ``ParallelAwareDataloader``, tokenizing on the
+fly, as TorchTitan trains),
 (2) torchdata's ``StatefulDataLoader`` over a map-style dataset of the same
 pre-tokenized windows (loader overhead alone), (3) the Zephon loader; each also
 with loader workers, at two shapes (seq 2048 x batch 8 and seq 512 x batch 64,

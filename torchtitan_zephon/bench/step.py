@@ -1,12 +1,13 @@
 """``zephon bench step``: training steps/s and data wait, Zephon vs an in-memory tensor.
 
-Runs the debug job (``train_configs/debug_model.toml``: the small Llama 3 on the
-builtin store) under ``torchrun`` on CPU ranks, checkpointing and validation
-off, once per Zephon audit level (off / ids / tokens) and once fed by the
-synthetic loader of ``bench.train_synthetic`` (one preallocated batch: the
-upper bound). Step time and data wait come from TorchTitan's own metrics
-(``time_metrics/end_to_end(s)`` and ``time_metrics/data_loading(%)`` in the
-run's TensorBoard events).
+Runs the debug job (``--module torchtitan_zephon.configs --config llama3_debug``:
+the small Llama 3 on the builtin store, ``train_configs/debug_model.toml``'s twin)
+on TorchTitan 0.3's trainer (``ZephonTrainer``) under ``torchrun`` on CPU ranks,
+checkpointing and validation off, once per Zephon audit level (off / ids /
+tokens) and once fed by the synthetic loader of ``bench.train_synthetic`` (the
+same job, one preallocated batch: the upper bound). Step time and data wait come
+from TorchTitan's own metrics (``time_metrics/end_to_end(s)`` and
+``time_metrics/data_loading(%)`` in the run's TensorBoard events).
 
 Invariant: the runs differ only in the dataloader (and the audit level); the
 first ``WARMUP`` steps, which include compilation of kernels and allocator
@@ -28,7 +29,8 @@ from typing import Any
 from torchtitan_zephon.bench.measure import ratio
 
 REPO = Path(__file__).resolve().parents[2]
-CONFIG = REPO / "train_configs" / "debug_model.toml"
+REGISTRY = "torchtitan_zephon.configs"
+SYNTHETIC = "torchtitan_zephon.bench.train_synthetic"  # the same config functions, fixed batch
 LEVELS = ("off", "ids", "tokens")
 WARMUP = 2
 TARGET_DATA_WAIT_PCT = 1.0
@@ -37,27 +39,36 @@ DATA_S = "time_metrics/data_loading(s)"
 STEP_S = "time_metrics/end_to_end(s)"
 _KILLED = "death signal"  # torchrun's message when it is sent SIGTERM / SIGINT
 
-DEFAULTS = {"steps": 20, "nproc": 2, "levels": ",".join(LEVELS), "rounds": 2}
+DEFAULTS = {
+    "steps": 20,
+    "nproc": 2,
+    "levels": ",".join(LEVELS),
+    "rounds": 2,
+    "config": "llama3_debug",
+}
 QUICK = {
     "steps": 4,
     "nproc": 1,
     "levels": "ids",
-    "overrides": ["--model.flavor", "tiny"],
+    "config": "llama3_tiny",
     "concurrent": True,
     "rounds": 1,
 }
 
 
-def train_command(run: Path, module: str, nproc: int, steps: int, extra: list[str]) -> list[str]:
+def train_command(
+    run: Path, registry: str, config: str, nproc: int, steps: int, extra: list[str]
+) -> list[str]:
     return [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}",
-        "-m", module,
-        "--job.config_file", str(CONFIG),
-        "--job.dump_folder", str(run),
+        "-m", "torchtitan_zephon.train",
+        "--module", registry,
+        "--config", config,
+        "--dump_folder", str(run),
         "--training.steps", str(steps),
         "--checkpoint.no-enable",
-        "--validation.no-enable",
+        "--validator.no-enable",
         "--metrics.log_freq", "1",
         "--metrics.enable_tensorboard",
         *extra,
@@ -67,9 +78,11 @@ def train_command(run: Path, module: str, nproc: int, steps: int, extra: list[st
 class TrainJob:
     """One benchmark training job in a subprocess; ``result()`` waits and reads its metrics."""
 
-    def __init__(self, run: Path, module: str, nproc: int, steps: int, extra: list[str]) -> None:
+    def __init__(
+        self, run: Path, registry: str, config: str, nproc: int, steps: int, extra: list[str]
+    ) -> None:
         self.run = run
-        self.command = train_command(run, module, nproc, steps, extra)
+        self.command = train_command(run, registry, config, nproc, steps, extra)
         self.retried = False
         self._start()
 
@@ -121,11 +134,6 @@ class TrainJob:
 def run(opts: dict) -> dict:
     base = QUICK if opts.get("quick") else DEFAULTS
     o = {**base, **{k: v for k, v in opts.items() if v is not None and k in base}}
-    if not CONFIG.is_file():
-        raise FileNotFoundError(
-            f"{CONFIG} not found: `zephon bench step` runs the repository's debug job; run it "
-            "from a source checkout of torchtitan_zephon."
-        )
     levels = [x.strip() for x in str(o["levels"]).split(",") if x.strip()]
     bad = [x for x in levels if x not in LEVELS]
     if bad:
@@ -135,16 +143,16 @@ def run(opts: dict) -> dict:
         raise ValueError(f"--steps must exceed the {WARMUP} warm-up steps, got {steps}.")
     res: dict[str, Any] = {
         "suite": "step",
-        "config": str(CONFIG.relative_to(REPO)),
+        "config": f"--module {REGISTRY} --config {o['config']}",
         "nproc": nproc,
         "steps": steps,
         "warmup_steps_excluded": WARMUP,
         "overrides": extra,
         "target_data_wait_pct": TARGET_DATA_WAIT_PCT,
     }
-    jobs = {"synthetic": ("torchtitan_zephon.bench.train_synthetic", ["--model.name", "zephon_bench_synthetic", "--zephon.audit", "off"])}  # fmt: skip
+    jobs = {"synthetic": (SYNTHETIC, ["--zephon.audit", "off"])}
     for level in levels:
-        jobs[level] = ("torchtitan_zephon.train", ["--zephon.audit", level])
+        jobs[level] = (REGISTRY, ["--zephon.audit", level])
     # One job at a time, so that they do not slow each other down, in `rounds` interleaved
     # rounds; each variant keeps its best round (the one least disturbed by other processes
     # on a shared machine). --quick (a smoke test, not a measurement) starts all at once.
@@ -156,8 +164,9 @@ def run(opts: dict) -> dict:
     with tempfile.TemporaryDirectory(prefix="zephon-bench-step-") as tmp:
         for k in range(rounds):
             started: dict[str, TrainJob] = {}
-            for name, (module, args) in jobs.items():
-                job = TrainJob(Path(tmp) / f"{name}-{k}", module, nproc, steps, [*extra, *args])
+            for name, (registry, args) in jobs.items():
+                run_dir = Path(tmp) / f"{name}-{k}"
+                job = TrainJob(run_dir, registry, o["config"], nproc, steps, [*extra, *args])
                 started[name] = job
                 if not concurrent:
                     all_rounds[name].append(job.result())

@@ -1,38 +1,47 @@
-"""Bench-only training entry: TorchTitan's trainer fed one preallocated batch.
+"""Bench-only config registry: Zephon's jobs with the trainer fed one preallocated batch.
 
-``python -m torchtitan_zephon.bench.train_synthetic [TorchTitan args]`` is
-``python -m torchtitan_zephon.train`` plus a train spec,
-``model.name = "zephon_bench_synthetic"``, whose dataloader yields the same
-in-memory micro-batch forever. It is the upper bound ``zephon bench step``
-compares the Zephon loader against: the same model, optimizer and trainer with
-the data path reduced to handing over a tensor that already exists.
+``torchrun ... -m torchtitan_zephon.train --module torchtitan_zephon.bench.train_synthetic
+--config llama3_debug`` (or ``llama3_tiny``) is the job of the same name in
+``torchtitan_zephon.configs`` with ``dataloader=SyntheticDataLoader.Config()``: a
+``ZephonDataLoader`` (same trainer hand-off, plan, state and tracker) whose
+``__iter__`` yields the same in-memory micro-batch, document positions included,
+forever. It is the upper bound ``zephon bench step`` compares the Zephon loader
+against: the same model, optimizer, attention masks and TorchTitan 0.3 trainer
+(``ZephonTrainer``) with the data path reduced to handing over tensors that
+already exist.
 
-Invariant: the synthetic spec differs from ``zephon_llama3`` only in the
-dataloader's ``__iter__``; it is registered only by this entry module.
+Invariant: each config function here returns ``configs.<same name>()`` with only
+the dataloader replaced; every public lowercase callable of this module is such a
+config function (TorchTitan's ``--config`` looks them up by name).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import sys
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from torchtitan_zephon.titan.config import CONFIG_MODULE
-from torchtitan_zephon.titan.dataloader import ZephonDataLoader, build_zephon_dataloader
-
-NAME = "zephon_bench_synthetic"
+from torchtitan_zephon import configs as _configs
+from torchtitan_zephon.loader import document_positions
+from torchtitan_zephon.titan.dataloader import ZephonDataLoader
+from torchtitan_zephon.titan.trainer import ZephonTrainer
 
 
 class SyntheticDataLoader(ZephonDataLoader):
-    """A ZephonDataLoader (same state, tracker, plan) whose batches are one fixed tensor."""
+    """A ZephonDataLoader whose batches are one fixed micro-batch (step 1's first)."""
 
-    def __init__(self, inner: ZephonDataLoader) -> None:
-        self.__dict__.update(inner.__dict__)
-        self._batch = inner.loader.step_microbatches(1)[0]
+    @dataclass(kw_only=True, slots=True)
+    class Config(ZephonDataLoader.Config):
+        dataset: str = "synthetic"
+        """Informational: one preallocated micro-batch of the job's data, repeated."""
+
+    def __init__(self, config: Config, **kwargs: Any) -> None:
+        super().__init__(config, **kwargs)
+        inputs, labels = self.loader.step_microbatches(1)[0]
+        positions = document_positions(inputs["input"], self.eos_id)
+        self._batch = ({**inputs, "positions": positions}, labels)
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         batch = self._batch
@@ -40,39 +49,19 @@ class SyntheticDataLoader(ZephonDataLoader):
             yield batch
 
 
-@functools.wraps(build_zephon_dataloader)
-def build_synthetic_dataloader(*args: Any, **kwargs: Any) -> SyntheticDataLoader:
-    return SyntheticDataLoader(build_zephon_dataloader(*args, **kwargs))
+def _synthetic(config: ZephonTrainer.Config) -> ZephonTrainer.Config:
+    old = config.dataloader
+    config.dataloader = SyntheticDataLoader.Config(
+        num_workers=old.num_workers, pin_memory=old.pin_memory
+    )
+    return config
 
 
-def register() -> None:
-    """Register ``zephon_bench_synthetic`` once (idempotent)."""
-    from torchtitan.protocols.train_spec import get_train_spec, register_train_spec
-
-    from torchtitan_zephon.titan.spec import zephon_train_spec
-
-    try:
-        get_train_spec(NAME)
-    except ValueError:
-        spec = dataclasses.replace(
-            zephon_train_spec(), build_dataloader_fn=build_synthetic_dataloader
-        )
-        register_train_spec(NAME, spec)
+def llama3_debug() -> ZephonTrainer.Config:
+    """``configs.llama3_debug`` fed one preallocated batch."""
+    return _synthetic(_configs.llama3_debug())
 
 
-def main() -> None:
-    # TorchTitan binds sys.argv when it is first imported: settle the argv first.
-    if not any(
-        a.startswith(("--job.custom_config_module", "--job.custom-config-module")) for a in sys.argv
-    ):
-        sys.argv += ["--job.custom_config_module", CONFIG_MODULE]
-    from torchtitan_zephon import train
-    from torchtitan_zephon.titan import platform
-
-    platform.apply()
-    register()
-    train.main()
-
-
-if __name__ == "__main__":
-    main()
+def llama3_tiny() -> ZephonTrainer.Config:
+    """``configs.llama3_tiny`` fed one preallocated batch."""
+    return _synthetic(_configs.llama3_tiny())

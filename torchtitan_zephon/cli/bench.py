@@ -82,9 +82,20 @@ def machine() -> dict[str, Any]:
         "cpus": os.cpu_count(),
         "python": platform.python_version(),
         "torch": torch.__version__,
+        "torchtitan": _version("torchtitan"),
         "numpy": numpy.__version__,
         "load_average": round(os.getloadavg()[0], 2),
     }
+
+
+def _version(package: str) -> str | None:
+    """The installed version of ``package`` (None when it is not installed)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(package)
+    except PackageNotFoundError:
+        return None
 
 
 def run_suite(name: str, opts: dict[str, Any]) -> dict[str, Any]:

@@ -13,7 +13,7 @@ ids and ``"sources"`` names the source of each (``sources[i]`` is the source of
 
 A store value (``--store``, a mixture source) is read as the trainer reads it
 (``job.stores.store_location``): a store folder, ``builtin:PART``, or raw inputs, which
-``--tokenizer`` (the trainer's ``model.hf_assets_path``) and ``--text-field``
+``--tokenizer`` (the trainer's ``hf_assets_path``; TOML: ``model.hf_assets_path``) and ``--text-field``
 prepare into the same cache entry the trainer would use, so the ids are the
 trainer's. A store smaller than a global batch is a warning; one with fewer than
 ``MIN_STORE_SAMPLES`` training samples is refused, as the trainer refuses it.
@@ -87,7 +87,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     raw.add_argument(
         "--tokenizer",
         metavar="DIR",
-        help="folder holding the tokenizer.json (the trainer's model.hf_assets_path)",
+        help="folder holding the tokenizer.json (the trainer's hf_assets_path; TOML: model.hf_assets_path)",
     )
     raw.add_argument(
         "--text-field",
@@ -218,7 +218,7 @@ def _raw_inputs(args: argparse.Namespace) -> RawInputs | None:
 
 
 RAW_HINT = (
-    "pass --tokenizer DIR (the trainer's model.hf_assets_path) and, when the text is not in "
+    "pass --tokenizer DIR (the trainer's hf_assets_path; TOML: model.hf_assets_path) and, when the text is not in "
     "the field 'text', --text-field F (the trainer's zephon.text_field): zephon plan then "
     "prepares them into the store cache as the trainer does"
 )

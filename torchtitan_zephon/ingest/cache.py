@@ -88,7 +88,7 @@ class RawInputs:
     log: Log | None = None
     """Where to say that this process prepares, or waits for another."""
     tokenizer_origin: str = "the tokenizer folder"
-    """What set ``tokenizer``, for messages (the trainer: model.hf_assets_path)."""
+    """What set ``tokenizer``, for messages (the trainer: hf_assets_path)."""
 
 
 def names_store(value: str) -> bool:

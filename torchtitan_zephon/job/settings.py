@@ -2,8 +2,8 @@
 
 Role: what ``titan`` asks of the job layer so that it neither ingests nor opens a
 store itself. ``raw_inputs`` reads how a trainer job prepares a store value that
-names raw inputs (``model.hf_assets_path``, ``zephon.text_field``, ``zephon.split``,
-``zephon.cache_dir``) from its job config; ``open_store`` opens ``zephon.store``
+names raw inputs (``hf_assets_path``, ``zephon.text_field``, ``zephon.split``,
+``zephon.cache_dir``) from its job (``titan.job_view.JobView``: ``zephon`` and ``hf_assets_path``); ``open_store`` opens ``zephon.store``
 (or the builtin store when it is empty); ``store_source`` is the job's one store
 with its held-out samples; ``builtin_tokenizer`` is the tokenizer the builtin
 data was prepared with. The job config is read by attribute only (nothing here
@@ -11,7 +11,7 @@ imports TorchTitan); where to log is the caller's (``log``, ``warn``).
 
 Invariant: messages name the options as the trainer spells them
 (``--zephon.text_field``, ``--zephon.heldout_samples``, ``--training.seq_len``,
-``model.hf_assets_path``); a store that cannot train is refused before a loader
+``hf_assets_path``); a store that cannot train is refused before a loader
 exists.
 """
 
@@ -42,7 +42,7 @@ Log = Callable[[str], None]
 
 def raw_inputs(job_config: Any, log: Log | None = None) -> RawInputs:
     """How this job prepares a store value that names raw inputs: with the tokenizer at
-    model.hf_assets_path, zephon.text_field and zephon.split (messages name these
+    hf_assets_path, zephon.text_field and zephon.split (messages name these
     options as the trainer spells them), into the cache (``$ZEPHON_CACHE``, else
     zephon.cache_dir); the process that holds the entry's lock uses one tokenizer process
     per local rank (the others wait for it anyway); progress on global rank 0; ``log``:
@@ -50,7 +50,7 @@ def raw_inputs(job_config: Any, log: Log | None = None) -> RawInputs:
     zc = job_config.zephon
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return RawInputs(
-        tokenizer=job_config.model.hf_assets_path,
+        tokenizer=job_config.hf_assets_path,
         text_field=getattr(zc, "text_field", "text"),
         split=getattr(zc, "split", ""),
         names=OptionNames(text_field="--zephon.text_field", split="--zephon.split"),
@@ -58,25 +58,25 @@ def raw_inputs(job_config: Any, log: Log | None = None) -> RawInputs:
         workers=max(1, min(local, os.cpu_count() or 1)),
         progress=int(os.environ.get("RANK", "0")) == 0,
         log=log,
-        tokenizer_origin="model.hf_assets_path",
+        tokenizer_origin="hf_assets_path",
     )
 
 
 def open_store(job_config: Any, *, log: Log | None = None, warn: Log | None = None) -> TokenStore:
     """Open ``zephon.store`` (a store folder, or raw inputs prepared into the cache on
     first use: ``job.stores.store_location``, saying so to ``log``), or the builtin store
-    when it is empty (``warn``: a model.hf_assets_path that holds no tokenizer.json)."""
+    when it is empty (``warn``: an hf_assets_path that holds no tokenizer.json)."""
     path = job_config.zephon.store
     if not path:
         path = str(builtin_store_path(progress=int(os.environ.get("RANK", "0")) == 0))
-        assets = os.path.abspath(job_config.model.hf_assets_path)
+        assets = os.path.abspath(job_config.hf_assets_path)
         if (
             assets != str(TOKENIZER_DIR)
             and not os.path.exists(os.path.join(assets, "tokenizer.json"))
             and warn is not None
         ):
             warn(
-                f"model.hf_assets_path={job_config.model.hf_assets_path} has no tokenizer.json; "
+                f"hf_assets_path={job_config.hf_assets_path} has no tokenizer.json; "
                 f"the builtin store was tokenized with {TOKENIZER_DIR}"
             )
         return TokenStore.open(path)

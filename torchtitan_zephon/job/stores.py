@@ -44,7 +44,7 @@ def store_location(value: str, raw: RawInputs | None = None, *, progress: bool =
             f"{value!r} names raw inputs, not a token store, and no tokenizer was given to "
             f"prepare them. Prepare them first (`zephon prepare {value} --tokenizer DIR "
             "--output STORE`) and name the store, or train on them directly: the trainer "
-            "prepares raw inputs with the tokenizer at model.hf_assets_path."
+            "prepares raw inputs with the tokenizer at hf_assets_path (TOML: model.hf_assets_path)."
         )
     return raw_store(value, raw)
 

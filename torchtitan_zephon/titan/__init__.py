@@ -1,5 +1,6 @@
-"""The TorchTitan side of torchtitan_zephon: platform layer, [zephon] config,
-TrainSpec registration, dataloader builder, checkpointed tracker, Trainer.
+"""The TorchTitan (0.3) side of torchtitan_zephon: platform layer, the zephon config
+section, the job's view, dataloader and validator components, topology-free init,
+preflight, Trainer.
 
 Importing this package makes ``import torchtitan`` work where triton is absent.
 """

@@ -1,46 +1,49 @@
-"""Job-config checks that run before TorchTitan builds anything.
+"""Job checks that run before TorchTitan builds anything.
 
-Role: refuse settings that TorchTitan 0.2.2 would otherwise reject later with a
-bare or misleading ``AssertionError`` (stripped entirely under ``python -O``), a
+Role: refuse settings that TorchTitan would otherwise reject later with a bare
+or misleading ``AssertionError`` (stripped entirely under ``python -O``), a
 ``ZeroDivisionError`` at the first checkpoint, or a tensor shape error deep in
 the model: the parallelism degrees against the world size, ``training.seq_len``
-against TP and CP, the TP degree against the model's attention heads, and the
-step frequencies.
+against TP and CP, the TP degree against the model's attention heads, the EP
+degree against the model's routed experts and the ranks it borrows, and the step
+frequencies.
 
-Invariant: ``check_job_config`` reads only the job config, the world size and
-the model flavor's arguments; it changes nothing. A config it accepts passes
-these TorchTitan asserts; one it refuses raises ``ValueError`` naming the
-setting, the value found, what would work and the flag to change.
+Invariant: ``check_job_config`` reads only the job's view (``titan.job_view``)
+and the world size; it changes nothing. A job it accepts passes these
+TorchTitan asserts; one it refuses raises ``ValueError`` naming the setting,
+the value found, what would work and the flag to change.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from typing import Any
+
+from torchtitan_zephon.titan.job_view import JobView
 
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def check_job_config(job_config: Any, world_size: int | None = None) -> None:
-    """Raise ValueError for a job config TorchTitan would assert on; ``world_size``
+def check_job_config(job: JobView, world_size: int | None = None) -> None:
+    """Raise ValueError for a job TorchTitan would assert on; ``world_size``
     defaults to ``$WORLD_SIZE`` (torchrun sets it; 1 without torchrun)."""
     world = int(os.environ.get("WORLD_SIZE", "1")) if world_size is None else world_size
-    tp, cp = _check_parallelism(job_config.parallelism, world)
-    _check_sequence(job_config.training, tp, cp)
-    _check_heads(job_config.model, tp)
-    _check_frequencies(job_config)
+    tp, cp = _check_parallelism(job, world)
+    _check_sequence(job, tp, cp)
+    _check_heads(job, tp)
+    _check_experts(job, world, tp, cp)
+    _check_frequencies(job)
 
 
-def _check_parallelism(p: Any, world: int) -> tuple[int, int]:
+def _check_parallelism(job: JobView, world: int) -> tuple[int, int]:
     """The degrees multiply out to the world size (dp_shard -1: whatever is left)."""
     degrees = {
-        "data_parallel_replicate_degree": p.data_parallel_replicate_degree,
-        "context_parallel_degree": p.context_parallel_degree,
-        "tensor_parallel_degree": p.tensor_parallel_degree,
-        "pipeline_parallel_degree": p.pipeline_parallel_degree,
+        "data_parallel_replicate_degree": job.dp_replicate,
+        "context_parallel_degree": job.cp,
+        "tensor_parallel_degree": job.tp,
+        "pipeline_parallel_degree": job.pp,
     }
     for name, value in degrees.items():
         if value < 1:
@@ -48,7 +51,7 @@ def _check_parallelism(p: Any, world: int) -> tuple[int, int]:
                 f"parallelism.{name} = {value}: a parallelism degree must be >= 1 (1 disables "
                 f"it). Set --parallelism.{name} 1 or more."
             )
-    shard = p.data_parallel_shard_degree
+    shard = job.dp_shard
     if shard != -1 and shard < 1:
         raise ValueError(
             f"parallelism.data_parallel_shard_degree = {shard}: it must be -1 (all ranks the "
@@ -72,67 +75,86 @@ def _check_parallelism(p: Any, world: int) -> tuple[int, int]:
     return degrees["tensor_parallel_degree"], degrees["context_parallel_degree"]
 
 
-def _check_sequence(training: Any, tp: int, cp: int) -> None:
-    """TorchTitan's llama3 parallelize asserts seq_len % (TP x 2 x CP) == 0, even at TP = CP = 1."""
-    seq_len = training.seq_len
+def _check_sequence(job: JobView, tp: int, cp: int) -> None:
+    """TorchTitan's trainer asserts seq_len % (TP x (2 x CP when CP > 1)) == 0."""
+    seq_len = job.seq_len
     if seq_len < 1:
         raise ValueError(f"training.seq_len = {seq_len}: it must be >= 1. Set --training.seq_len.")
-    if training.local_batch_size < 1:
+    if job.local_batch_size < 1:
         raise ValueError(
-            f"training.local_batch_size = {training.local_batch_size}: it must be >= 1. "
+            f"training.local_batch_size = {job.local_batch_size}: it must be >= 1. "
             "Set --training.local_batch_size."
         )
-    divisor = tp * 2 * cp
+    divisor = tp * (2 * cp if cp > 1 else 1)
     if seq_len % divisor:
         lower, upper = seq_len - seq_len % divisor, seq_len - seq_len % divisor + divisor
         near = f"{lower} or {upper}" if lower else str(upper)
         raise ValueError(
-            f"training.seq_len = {seq_len} must be a multiple of TP degree {tp} x 2 x CP degree "
-            f"{cp} = {divisor}: sequence parallelism splits each sequence over the TP ranks and "
-            "context parallelism into 2 x CP chunks, and TorchTitan's llama3 model requires it "
-            f"even without them. Use --training.seq_len {near}."
+            f"training.seq_len = {seq_len} must be a multiple of TP degree {tp}"
+            + (f" x 2 x CP degree {cp}" if cp > 1 else "")
+            + f" = {divisor}: sequence parallelism splits each sequence over the TP ranks"
+            + (" and context parallelism into 2 x CP chunks" if cp > 1 else "")
+            + f". Use --training.seq_len {near}."
         )
 
 
-def _model_args(model: Any) -> Any | None:
-    """The flavor's model arguments, or None when the train spec is not registered."""
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    try:
-        spec = get_train_spec(model.name)
-    except ValueError:
-        return None  # TorchTitan reports an unknown model name itself, with the known ones
-    if model.flavor not in spec.model_args:
-        raise ValueError(
-            f"model.flavor = {model.flavor!r} is not a flavor of {model.name}; flavors: "
-            f"{sorted(spec.model_args)}. Set --model.flavor."
-        )
-    return spec.model_args[model.flavor]
-
-
-def _check_heads(model: Any, tp: int) -> None:
+def _check_heads(job: JobView, tp: int) -> None:
     """Tensor parallelism gives every TP rank a whole number of query and key/value heads."""
-    args = _model_args(model)
-    if args is None or tp == 1 or not hasattr(args, "n_heads"):
+    if job.n_heads is None or tp == 1:
         return
-    heads = args.n_heads
-    kv_heads = getattr(args, "n_kv_heads", None) or heads
+    heads = job.n_heads
+    kv_heads = job.n_kv_heads or heads
     if heads % tp or kv_heads % tp:
         good = _divisors(math.gcd(heads, kv_heads))
         raise ValueError(
             f"parallelism.tensor_parallel_degree = {tp} does not divide the {heads} attention "
-            f"heads ({kv_heads} key/value heads) of {model.name} flavor {model.flavor}: each TP "
+            f"heads ({kv_heads} key/value heads) of {job.model}: each TP "
             f"rank must hold whole heads. TP degrees that work: {good}."
         )
 
 
-def _check_frequencies(job_config: Any) -> None:
+def _check_experts(job: JobView, world: int, tp: int, cp: int) -> None:
+    """Expert parallelism gives every EP rank a whole number of routed experts, and its
+    ranks come from data_parallel_shard x context_parallel x tensor_parallel (TorchTitan
+    0.3's sparse mesh: efsdp = dp_shard x cp x tp / ep)."""
+    ep = job.ep
+    if ep < 1:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {ep}: a parallelism degree must be >= 1 "
+            "(1 disables it). Set --parallelism.expert_parallel_degree 1 or more."
+        )
+    if ep == 1:
+        return
+    experts = job.num_experts
+    if experts is None:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {ep}, but {job.model} has no MoE layer "
+            "(no experts to spread). Set --parallelism.expert_parallel_degree 1."
+        )
+    shard = job.dp_shard
+    if shard == -1:
+        shard = world // (job.dp_replicate * cp * tp * job.pp)
+    borrowed = shard * cp * tp
+    good = _divisors(math.gcd(experts, borrowed))
+    if experts % ep:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {ep} does not divide the {experts} routed "
+            f"experts of {job.model}: each EP rank must hold whole experts. EP degrees that "
+            f"work here: {good}."
+        )
+    if borrowed % ep:
+        raise ValueError(
+            f"parallelism.expert_parallel_degree = {ep} does not divide data_parallel_shard "
+            f"{shard} x context_parallel {cp} x tensor_parallel {tp} = {borrowed} ranks, which "
+            f"expert parallelism takes its ranks from. EP degrees that work here: {good}."
+        )
+
+
+def _check_frequencies(job: JobView) -> None:
     """``step % freq`` in TorchTitan: a zero frequency is a ZeroDivisionError mid-run."""
-    freqs = [("metrics.log_freq", job_config.metrics.log_freq, True)]
-    freqs.append(
-        ("checkpoint.interval", job_config.checkpoint.interval, job_config.checkpoint.enable)
-    )
-    freqs.append(("validation.freq", job_config.validation.freq, job_config.validation.enable))
+    # (checkpoint.interval: TorchTitan 0.3's checkpoint config refuses 0 itself, clearly.)
+    freqs = [("metrics.log_freq", job.log_freq, True)]
+    freqs.append(("validator.freq", job.validation.freq, job.validation.enable))
     for name, value, used in freqs:
         if used and value < 1:
             raise ValueError(

@@ -1,5 +1,5 @@
-"""The ``[zephon]`` TOML section (CLI ``--zephon.KEY``), merged into TorchTitan's
-JobConfig through ``job.custom_config_module = "torchtitan_zephon.titan.config"``.
+"""The ``zephon`` section of Zephon's trainer config (CLI ``--zephon.KEY``; TOML
+``[zephon]``): ``ZephonTrainer.Config.zephon``.
 
 Invariant: every field that changes which tokens a step sees (store, seed,
 seq_len, batch schedule, held-out samples) is part of the data config that the
@@ -10,8 +10,6 @@ the field is listed in ``allow_changes``.
 from dataclasses import dataclass, field
 from typing import Literal
 
-CONFIG_MODULE = "torchtitan_zephon.titan.config"
-
 
 @dataclass
 class Zephon:
@@ -19,7 +17,7 @@ class Zephon:
     """Path of a token store made by `zephon prepare`, or raw inputs: a text /
     JSONL(.gz) / Parquet file, a folder of them, a local Hugging Face dataset
     folder, a glob pattern ("data/*.jsonl") or a comma-separated list of these.
-    Raw inputs are tokenized with the tokenizer.json at model.hf_assets_path
+    Raw inputs are tokenized with the tokenizer.json at hf_assets_path
     (field zephon.text_field) on first use, by the local ranks together under a
     lock, into a content-addressed cache (ZEPHON_CACHE, else zephon.cache_dir);
     later runs find it by file names, sizes and mtimes without reading the
@@ -27,7 +25,7 @@ class Zephon:
     fingerprint, however they are spelled). Empty: the builtin store, built on
     first use from text that ships with Python (its documentation topics and
     standard-library sources) with the tokenizer in
-    torchtitan_zephon/assets/tokenizer (set model.hf_assets_path to it)."""
+    torchtitan_zephon/assets/tokenizer (set hf_assets_path to it)."""
 
     text_field: str = "text"
     """The JSON / Parquet / dataset field holding a document's text, where
@@ -111,17 +109,3 @@ class Zephon:
     different sizes follow the same loss curve. "torchtitan": TorchTitan's own init
     (DTensor random ops on the shards: the values depend on the sharding). A resume
     loads the weights from the checkpoint either way."""
-
-
-@dataclass
-class Debug:
-    seed: int | None = 0
-    """Base RNG seed: the initial weights (see zephon.init) and torch's RNGs.
-    Zephon's default is 0, so fresh runs are reproducible; TorchTitan's is None
-    (every job draws a random seed)."""
-
-
-@dataclass
-class JobConfig:
-    zephon: Zephon = field(default_factory=Zephon)
-    debug: Debug = field(default_factory=Debug)

@@ -1,10 +1,20 @@
-"""TorchTitan dataloader builder: the Zephon loader for one DP rank, checkpointed as
-one world-size-independent record.
+"""The Zephon dataloader as a TorchTitan 0.3 component: one DP rank's slice of the
+global order, checkpointed as one world-size-independent record.
+
+Selected with ``dataloader=ZephonDataLoader.Config(...)`` in any model's trainer
+config; built by TorchTitan's Trainer with its keyword arguments (DP coordinates,
+tokenizer, seq_len, local batch size). What it needs beyond those, the job's view
+and the job's data as the preflight opened them, Zephon's trainer sets on the
+config (``job_data.with_job``) before TorchTitan builds anything; built any other
+way it refuses, naming the trainer to use.
 
 Invariant: ``state_dict()`` returns the same record on every rank of every
 topology: ``{"zephon": <JSON text>}``, the ``order.state.DataState`` (data config,
-next step, consumed positions, anchor) with the sequence tracker's chain head. It replaces TorchTitan's per-DP-rank pickles, so DCP saves
-it once and any world size can load it.
+next step, consumed positions, anchor) with the sequence tracker's chain head. It
+replaces TorchTitan's per-DP-rank pickles, so DCP saves it once (under
+``dataloader``) and any world size can load it. Every batch is
+``({"input": [b, L], "positions": [b, L]}, labels [b, L])``; the positions restart at
+each window's first token and after each EOS (``loader.document_positions``).
 """
 
 from __future__ import annotations
@@ -12,22 +22,27 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from dataclasses import dataclass
+from typing import Annotated, Any
 
 import numpy as np
 import torch
+import tyro
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.job.data import JobData, MixtureData
-from torchtitan_zephon.job.settings import open_store, raw_inputs, store_source
-from torchtitan_zephon.loader import ZephonLoader
-from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
-from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.loader import ZephonLoader, document_positions
+from torchtitan_zephon.order.data_config import DataStateMismatch
 from torchtitan_zephon.order.mixture.plan import deviation_warning
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
+from torchtitan_zephon.titan.job_data import (
+    batch_schedule,
+    check_tokenizer,
+    eos_id_of,
+    trainer_handoff,
+)
+from torchtitan_zephon.titan.job_view import JobView
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests
 
@@ -40,121 +55,89 @@ def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
     )
 
 
-def _log(message: str) -> None:
-    """Where the job layer says that this process prepares raw inputs, or waits."""
-    logger.info(f"Zephon: {message}")
-
-
-def resolve_source(job_config: Any, tokenizer: Any = None) -> JobData:
-    """The data a job reads: ``zephon.mixture``, else ``zephon.store`` (or the builtin
-    store), opened and checked: the stores' vocabulary against the model and the
-    tokenizer, the held-out samples against the store sizes, a mixture's sources
-    against each other (``MixtureError`` names the source at fault)."""
-    zc = job_config.zephon
-    seq_len = job_config.training.seq_len
-    mixture = getattr(zc, "mixture", "")
-    if mixture:
-        if zc.store:
-            raise ValueError(
-                f"zephon.mixture ({mixture}) and zephon.store ({zc.store}) are both set: a job "
-                "reads either one store or a mixture. Drop zephon.store, or name the store as "
-                "a [[source]] of the mixture file."
-            )
-        source: JobData = MixtureData.open(
-            MixtureConfig.load(mixture),
-            seq_len,
-            default_heldout=zc.heldout_samples,
-            path=mixture,
-            progress=int(os.environ.get("RANK", "0")) == 0,
-            raw=raw_inputs(job_config, _log),
-        )
-        what = f"the mixture {mixture} (sources {', '.join(source.names)})"
-    else:
-        store = open_store(job_config, log=_log, warn=logger.warning)
-        named = (  # as the user named it, and where it is when that differs
-            f"the builtin store ({store.path})"
-            if not zc.store
-            else f"the store {zc.store}"
-            if str(store.path) == zc.store
-            else f"the store {zc.store!r} ({store.path})"
-        )
-        schedule = batch_schedule(job_config)
-        source = store_source(store, seq_len, zc.heldout_samples, schedule, what=named)
-        what = f"the store {store.path}"
-    model_vocab = _model_vocab_size(job_config)
-    if model_vocab is not None and source.vocab_size > model_vocab:
-        raise ValueError(
-            f"{what} was tokenized with a vocabulary of {source.vocab_size} "
-            f"tokens but model {job_config.model.name} flavor {job_config.model.flavor} embeds "
-            f"only {model_vocab}: choose a flavor with vocab_size >= {source.vocab_size}, or a "
-            "store prepared with a smaller tokenizer"
-        )
-    check_tokenizer(source, tokenizer)
-    return source
-
-
-def check_tokenizer(source: JobData, tokenizer: Any) -> None:
-    """Refuse a source whose token ids the job's tokenizer (when given) cannot hold."""
-    if tokenizer is not None and source.vocab_size > tokenizer.get_vocab_size():
-        what = (
-            f"the mixture {source.path} (sources {', '.join(source.names)})"
-            if isinstance(source, MixtureData)
-            else f"the store {source.path}"
-        )
-        raise ValueError(
-            f"{what} was tokenized with a vocabulary of {source.vocab_size} "
-            f"tokens but model.hf_assets_path's tokenizer has {tokenizer.get_vocab_size()}: "
-            "point model.hf_assets_path at the tokenizer the store was prepared with"
-        )
-
-
-def batch_schedule(job_config: Any) -> BatchSchedule:
-    """The global batch size schedule: ``zephon.batch_schedule`` or the fixed GBS.
-
-    Elastic determinism needs the global batch size to be a property of the run,
-    not of the topology, so it must be given explicitly.
-    """
-    if job_config.zephon.batch_schedule:
-        return BatchSchedule.parse(job_config.zephon.batch_schedule)
-    gbs = job_config.training.global_batch_size
-    if gbs is None or gbs <= 0:
-        raise ValueError(
-            "training.global_batch_size is not set. Zephon needs the global batch size to be "
-            "fixed for the run (it defines which samples each step sees, whatever the number "
-            "of ranks). Set --training.global_batch_size (e.g. local_batch_size x DP degree x "
-            "gradient accumulation steps) or --zephon.batch_schedule."
-        )
-    return BatchSchedule([(1, gbs)])
-
-
 class ZephonDataLoader(BaseDataLoader):
     """One DP rank's view of the global sample order, as TorchTitan expects it.
 
-    Yields ``({"input": LongTensor[b, L]}, labels)`` micro-batches. With audit level
-    ``tokens`` it also keeps a 16-byte digest per delivered sample, per step, so the
-    trainer can hash the tokens each rank really received.
+    Yields ``({"input": LongTensor[b, L], "positions": LongTensor[b, L]}, labels)``
+    micro-batches. With audit level ``tokens`` it also keeps a 16-byte digest per
+    delivered sample, per step, so the trainer can hash the tokens each rank really
+    received.
 
     Everything the sequence log needs that grows with the batch (the step's global
     ids digest, the per-sample token digests) is computed by a background thread,
     ahead of the step where possible: the training thread only collects results.
     """
 
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        dataset: str = "zephon"
+        """Informational: the data is zephon.store / zephon.mixture."""
+
+        num_workers: int = 0
+        """Background threads that read and gather samples (0: with zephon.prefetch, one)."""
+
+        pin_memory: bool = False
+        """Put batches in pinned memory (faster host-to-GPU copies)."""
+
+        _job: Annotated[JobView | None, tyro.conf.Suppress] = None
+        """Set by Zephon's trainer (``with_job``): the job's view."""
+
+        _data: Annotated[Any, tyro.conf.Suppress] = None
+        """Set by Zephon's trainer (``with_job``): the job's data, opened by the preflight."""
+
     def __init__(
         self,
-        loader: ZephonLoader,
+        config: Config,
         *,
-        tracker: SequenceTracker,
-        audit: str,
-        allow_changes: list[str],
-        ignore_log_mismatch: bool,
-        topology: dict[str, Any],
+        dp_world_size: int,
+        dp_rank: int,
+        tokenizer: Any = None,
+        seq_len: int,
+        local_batch_size: int,
+        snapshot_every_n_steps: int | None = None,
     ) -> None:
-        self.loader = loader
-        self.tracker = tracker
-        self.audit = audit
-        self.allow_changes = list(allow_changes)
-        self.ignore_log_mismatch = ignore_log_mismatch
-        self.topology = topology
+        job, source = trainer_handoff(config, "dataloader (ZephonDataLoader.Config)")
+        self.config = config
+        zc = job.zephon
+        # Before anything else: a bad layout fails in milliseconds.
+        schedule = batch_schedule(job)
+        schedule.check_layout(dp_world_size, local_batch_size)
+        check_tokenizer(source, tokenizer)
+        if source.seq_len != seq_len:
+            raise ValueError(
+                f"the job's data was opened for seq_len {source.seq_len} but TorchTitan builds "
+                f"the dataloader for seq_len {seq_len}"
+            )
+        self.loader = ZephonLoader(
+            source,
+            seq_len=seq_len,
+            seed=zc.seed,
+            schedule=schedule,
+            dp_rank=dp_rank,
+            dp_degree=dp_world_size,
+            local_batch_size=local_batch_size,
+            num_workers=config.num_workers,
+            prefetch=zc.prefetch,
+            pin_memory=config.pin_memory,
+            vocab_size=job.vocab_size,  # exact: refuses ids beyond the embedding
+        )
+        rank = int(os.environ.get("RANK", "0"))
+        if isinstance(self.loader.plan, MixtureStream):
+            _check_mixture(self.loader.plan, source, job)
+        elif rank == 0:  # a store smaller than a global batch (mixtures: per source, above)
+            for warning in source.warnings:
+                logger.warning(f"Zephon: {warning}")
+        self.eos_id = eos_id_of(source)
+        self.tracker = SequenceTracker(
+            log_path(job.dump_folder),
+            config=self.loader.config,
+            writer=rank == 0,
+            enabled=zc.audit != "off",
+        )
+        self.audit = zc.audit
+        self.allow_changes = list(zc.allow_changes)
+        self.ignore_log_mismatch = zc.ignore_log_mismatch
+        self.topology = topology_from_env(dp_world_size, job)
         self.resumed_from: int | None = None
         self._digests: dict[int, list[Future]] = {}
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-digest")
@@ -178,6 +161,7 @@ class ZephonDataLoader(BaseDataLoader):
                 self._digests.setdefault(step, []).append(
                     self._pool.submit(_window_digests, input_dict["input"], labels)
                 )
+            input_dict["positions"] = document_positions(input_dict["input"], self.eos_id)
             yield input_dict, labels
             delivered += 1
             if delivered == mb_per_step(step):
@@ -204,7 +188,7 @@ class ZephonDataLoader(BaseDataLoader):
             raise ValueError(
                 "the checkpoint's dataloader state is not a Zephon record (keys: "
                 f"{sorted(state_dict)}); it was written by another dataloader (stock TorchTitan?). "
-                "Start a new job.dump_folder, or load only the model with "
+                "Start a new --dump_folder, or load only the model with "
                 "--checkpoint.initial_load_path and --checkpoint.initial_load_model_only."
             )
         try:
@@ -259,12 +243,11 @@ class ZephonDataLoader(BaseDataLoader):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _check_mixture(plan: MixtureStream, source: Any, job_config: Any) -> None:
+def _check_mixture(plan: MixtureStream, source: Any, job: JobView) -> None:
     """Refuse a mixture that runs a source past its max_epochs within training.steps;
     on rank 0, log the plan's warnings and its worst deviation from the exact targets."""
-    steps = getattr(job_config.training, "steps", None)
-    if steps:
-        plan.mixture.check_max_epochs(int(steps))
+    if job.steps:
+        plan.mixture.check_max_epochs(int(job.steps))
     if int(os.environ.get("RANK", "0")) != 0:
         return
     for warning in source.warnings:
@@ -286,104 +269,13 @@ def _window_digests(inputs: torch.Tensor, labels: torch.Tensor) -> bytes:
     return sample_digests(windows)
 
 
-def topology_from_env(dp_degree: int, job_config: Any) -> dict[str, Any]:
+def topology_from_env(dp_degree: int, job: JobView) -> dict[str, Any]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
-    p = job_config.parallelism
     return {
         "world_size": world,
         "dp_degree": dp_degree,
         "nnodes": max(1, world // max(1, local)),
-        "tp_degree": p.tensor_parallel_degree,
-        "local_batch_size": job_config.training.local_batch_size,
+        "tp_degree": job.tp,
+        "local_batch_size": job.local_batch_size,
     }
-
-
-def _model_vocab_size(job_config: Any) -> int | None:
-    """The model's embedding size, when the train spec and flavor are known."""
-    name, flavor = (
-        getattr(job_config.model, "name", None),
-        getattr(job_config.model, "flavor", None),
-    )
-    if not name:
-        return None
-    from torchtitan.protocols.train_spec import get_train_spec
-
-    try:
-        args = get_train_spec(name).model_args.get(flavor)
-    except ValueError:
-        return None
-    return getattr(args, "vocab_size", None)
-
-
-def open_job_data(job_config: Any, tokenizer: Any = None) -> tuple[JobData, DataConfig]:
-    """The data source a job reads and its data config, without building a loader.
-
-    Every check that needs only the job config and the stores runs here
-    (``resolve_source``: vocabulary against the model and the tokenizer, held-out
-    samples, a mixture's sources against each other), so the trainer's preflight
-    refuses a bad job before anything is written. The trainer opens the data here
-    once and hands the object to the dataloader and validator builders (``data=``).
-    """
-    source = resolve_source(job_config, tokenizer)
-    return source, source.data_config(
-        seed=job_config.zephon.seed, schedule=batch_schedule(job_config)
-    )
-
-
-def build_zephon_dataloader(
-    dp_world_size: int,
-    dp_rank: int,
-    tokenizer: Any,
-    job_config: Any,
-    *,
-    data: JobData | None = None,
-    **_: Any,
-) -> ZephonDataLoader:
-    """``TrainSpec.build_dataloader_fn``: the Zephon loader for this rank's DP coordinates.
-
-    ``data``: the job's data as the trainer opened it (``open_job_data``); None opens
-    it here. TP/PP/CP peers share ``dp_rank`` and so receive identical batches.
-    """
-    zc = job_config.zephon
-    # Before the store is opened or built: a bad layout fails in milliseconds.
-    schedule = batch_schedule(job_config)
-    schedule.check_layout(dp_world_size, job_config.training.local_batch_size)
-    if data is None:
-        source = resolve_source(job_config, tokenizer)
-    else:
-        source = data
-        check_tokenizer(source, tokenizer)
-    loader = ZephonLoader(
-        source,
-        seq_len=job_config.training.seq_len,
-        seed=zc.seed,
-        schedule=schedule,
-        dp_rank=dp_rank,
-        dp_degree=dp_world_size,
-        local_batch_size=job_config.training.local_batch_size,
-        num_workers=job_config.training.dataloader.num_workers,
-        prefetch=zc.prefetch,
-        pin_memory=job_config.training.dataloader.pin_memory,
-        vocab_size=_model_vocab_size(job_config),  # exact: refuses ids beyond the embedding
-    )
-    rank = int(os.environ.get("RANK", "0"))
-    if isinstance(loader.plan, MixtureStream):
-        _check_mixture(loader.plan, source, job_config)
-    elif rank == 0:  # a store smaller than a global batch (mixtures: per source, above)
-        for warning in source.warnings:
-            logger.warning(f"Zephon: {warning}")
-    tracker = SequenceTracker(
-        log_path(job_config.job.dump_folder),
-        config=loader.config,
-        writer=rank == 0,
-        enabled=zc.audit != "off",
-    )
-    return ZephonDataLoader(
-        loader,
-        tracker=tracker,
-        audit=zc.audit,
-        allow_changes=zc.allow_changes,
-        ignore_log_mismatch=zc.ignore_log_mismatch,
-        topology=topology_from_env(dp_world_size, job_config),
-    )

@@ -3,7 +3,8 @@
 Role: run a model's own ``init_weights`` (TorchTitan's distributions: depth-scaled
 std, truncation bounds, ones for norms) under an interceptor that draws every
 random initial value from a generator keyed by the parameter's canonical name,
-on the parameter's *full* shape, and keeps only the local shard.
+on the parameter's *full* shape, and keeps only the local shard
+(``titan.init_draw``).
 
 Invariant: with ``zephon.init = "zephon"``, the initial value of every parameter
 is a pure function of (``debug.seed``, its canonical name, its full shape and
@@ -15,31 +16,27 @@ checkpointing's ``_checkpoint_wrapped_module``, FSDP, converters). CPU and GPU
 generators differ, so CPU and GPU runs do not agree with each other.
 
 How: during ``init_weights`` the ``torch.nn.init`` functions (``normal_``,
-``trunc_normal_``, ``uniform_``, ``xavier_*``, ``kaiming_*``, ...) and the
-in-place random tensor methods (``Tensor.normal_``, ``uniform_``, ...) called on
-a parameter are redirected, with the same arguments, to the parameter's full
-shape. Element-wise distributions (normal, truncated normal, uniform, ...) are
-drawn over the flattened full tensor in fixed chunks of ``CHUNK_ELEMENTS``; chunk
-``c`` of the ``k``-th call on parameter ``name`` uses a ``torch.Generator`` (on the
-drawing device) seeded with ``sha256(seed, name, k, c)``. Shape-dependent ones
-(``xavier_*``, ``orthogonal_``, ...) draw the whole tensor from chunk key 0. A
-rank keeps its shard of the full value as DTensor's own semantics define it
-for the parameter's placements (``distribute_tensor(..., src_data_rank=None)``:
-no communication). Where the shard is a range of rows (FSDP's ``Shard(0)``,
-with ``Replicate`` dims) only the chunks covering those rows are drawn, so a
-rank's work and memory follow its shard; otherwise (TP ``Shard(1)``, FSDP x TP
-strided shards) the full value is drawn. Deterministic fills (``ones_``,
-``zeros_``, ``constant_``, ``fill_``) run on the shard as they are. One
-parameter at a time: the extra memory is at most one full parameter (the
-largest: the embedding or the output projection) plus the sampler's
-temporaries of one chunk. A parameter that the model initialises some other
-way (a ``copy_`` from a tensor of its own making, no init call at all) is an
-error naming it: the invariant would silently not hold.
+``trunc_normal_``, ``uniform_``, ``xavier_*``, ``kaiming_*``, ...), the in-place
+random tensor methods (``Tensor.normal_``, ``uniform_``, ...) and TorchTitan 0.3's
+``param_init`` entries called on a parameter are redirected, with the same
+arguments, to the parameter's full shape and drawn from the keyed generators of
+``init_draw`` (element-wise distributions chunk by chunk: a rank whose shard is a
+range of rows draws only those rows' chunks; otherwise, e.g. TP ``Shard(1)`` or
+FSDP x TP strided shards, the full value). Deterministic fills (``ones_``,
+``zeros_``, ``constant_``, ``fill_``) run on the shard as they are. One parameter
+at a time: the extra memory is at most one full parameter (the largest: the
+embedding or the output projection) plus the sampler's temporaries of one chunk.
+
+A parameter that the model initialises some other way, a buffer that is not
+deterministic (RoPE caches, the MoE router's ``expert_bias_E`` and
+``tokens_per_expert_E`` must be re-made or written in place without a random draw),
+and a random draw outside a parameter's initialiser are errors naming them
+(``init_coverage.NotTopologyFree``): the invariant would silently not hold.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,17 +44,16 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.overrides import TorchFunctionMode
 
-# Names that wrappers insert into parameter FQNs; DCP drops the same ones when it
-# writes a checkpoint, so the init key of a parameter is its checkpoint key.
-WRAPPER_NAME_PARTS = ("_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
-
-# Element-wise draws are made in chunks of this many elements of the flattened
-# full tensor (part of the definition of the initial values: do not change it).
-CHUNK_ELEMENTS = 1 << 24
+from torchtitan_zephon.titan.init_coverage import BufferWatch, refuse_uncovered
+from torchtitan_zephon.titan.init_draw import (
+    canonical_name,
+    draw_into,
+    keep_local_shard,
+    local_part,
+    run_seeded,
+)
 
 # torch.nn.init functions that draw random numbers (all take ``generator=``).
 RANDOM_INIT_FUNCTIONS = (
@@ -92,6 +88,15 @@ _RANDOM_METHODS = {
     )
 }
 _FILL_METHODS = {torch.Tensor.fill_, torch.Tensor.zero_}
+# Functions that create a tensor of random values (outside a parameter's initialiser,
+# a draw from the global generator).
+_RANDOM_FACTORIES = {
+    getattr(torch, f)
+    for f in (
+        "rand", "rand_like", "randn", "randn_like", "randint", "randint_like", "randperm",
+        "normal", "bernoulli", "multinomial", "poisson",
+    )
+}  # fmt: skip
 # Methods whose result, taken from a parameter, is the same values under another
 # name (TorchTitan's trunc_normal_ initialises ``param.float()`` and copies back).
 _ALIAS_METHODS = {
@@ -103,81 +108,17 @@ _ALIAS_METHODS = {
     torch.Tensor.double,
     torch.Tensor.data.__get__,  # type: ignore[attr-defined]
 }
+# The names an in-place write on a buffer has when it draws at random.
+_RANDOM_NAMES = frozenset(RANDOM_INIT_FUNCTIONS) | {m.__name__ for m in _RANDOM_METHODS}
 
 
-def canonical_name(fqn: str) -> str:
-    """A parameter's name without the parts that wrappers insert."""
-    return ".".join(p for p in fqn.split(".") if p not in WRAPPER_NAME_PARTS)
-
-
-def parameter_seed(seed: int, name: str, call: int, chunk: int = 0) -> int:
-    """The generator seed of chunk ``chunk`` of the ``call``-th random init call
-    on parameter ``name``."""
-    key = f"zephon-init\0{seed}\0{name}\0{call}\0{chunk}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "little") & ((1 << 63) - 1)
-
-
-def local_part(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank holds (a DTensor's local shard, or the tensor itself)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
-def keep_local_shard(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy into ``target`` (a plain tensor or a DTensor) its part of ``full``.
-
-    For a DTensor this is the local shard that DTensor's own semantics assign to
-    this rank for the target's placements (Shard with uneven splits, strided
-    shards of FSDP x TP, Replicate), cut locally without communication.
-    """
-    if isinstance(target, DTensor):
-        piece = distribute_tensor(
-            full, target.device_mesh, target.placements, src_data_rank=None
-        ).to_local()
-        target.to_local().copy_(piece)
-    else:
-        target.copy_(full)
-
-
-def local_rows(target: torch.Tensor) -> tuple[int, int] | None:
-    """``(start, stop)``: the rows (dim 0) of the full tensor that ``target``'s
-    shard is, when it is exactly such a range (every placement ``Shard(0)`` or
-    ``Replicate``); None otherwise."""
-    if not isinstance(target, DTensor) or target.ndim == 0:
+def _skip_param_init() -> Callable[..., Any] | None:
+    """TorchTitan's no-op initialiser of a tied parameter (None where it has none)."""
+    try:
+        from torchtitan.models.common.param_init import skip_param_init
+    except ImportError:
         return None
-    if not all(
-        type(p) is Replicate or (type(p) is Shard and p.dim == 0) for p in target.placements
-    ):
-        return None
-    shape, offset = compute_local_shape_and_global_offset(
-        target.shape, target.device_mesh, target.placements
-    )
-    if tuple(shape[1:]) != tuple(target.shape[1:]):
-        return None
-    return offset[0], offset[0] + shape[0]
-
-
-def draw_flat(
-    numel: int,
-    lo: int,
-    hi: int,
-    fill: Callable[[torch.Tensor, torch.Generator], Any],
-    generator: Callable[[int], torch.Generator],
-    *,
-    dtype: torch.dtype,
-    device: torch.device,
-) -> torch.Tensor:
-    """Elements ``[lo, hi)`` of a flat tensor of ``numel`` elements whose chunk ``c``
-    (``CHUNK_ELEMENTS`` each) is ``fill(chunk, generator(c))``; only the chunks
-    overlapping the range are drawn."""
-    if hi <= lo:
-        return torch.empty(0, dtype=dtype, device=device)
-    first, last = lo // CHUNK_ELEMENTS, (hi - 1) // CHUNK_ELEMENTS
-    base = first * CHUNK_ELEMENTS
-    buf = torch.empty(min(numel, (last + 1) * CHUNK_ELEMENTS) - base, dtype=dtype, device=device)
-    for c in range(first, last + 1):
-        start = c * CHUNK_ELEMENTS - base
-        fill(buf[start : start + CHUNK_ELEMENTS], generator(c))
-    return buf[lo - base : hi - base]
+    return skip_param_init
 
 
 class TopologyFreeInit(TorchFunctionMode):
@@ -192,11 +133,61 @@ class TopologyFreeInit(TorchFunctionMode):
         self._names: dict[int, tuple[weakref.ref, str]] = {}
         self.calls: dict[str, int] = {}
         self.unknown: set[str] = set()
+        self.unset: set[str] = set()  # a param_init entry left (some) values unset
         for fqn, param in module.named_parameters(remove_duplicate=True):
             self._track(param, canonical_name(fqn))
         self.names = sorted({name for _, name in self._names.values()})
+        self._module = module
+        # at exit: the parameters the module holds then (init_states may re-tie one, e.g.
+        # tok_embeddings.weight = lm_head.weight), by tracked name; None: untracked
+        self._final: list[tuple[str, str | None]] = []
+        self.buffers = BufferWatch(module, _RANDOM_NAMES)
+        self.stray_draws: dict[str, int] = {}
+        self._untouched: list[str] = []
         self._busy = False
         self._saved: dict[str, Callable[..., Any]] = {}
+        # TorchTitan 0.3 modules initialise each parameter with ``_param_init[name]``
+        self._param_inits = [
+            (m, m._param_init)
+            for _, m in module.named_modules()
+            if getattr(m, "_param_init", None) is not None
+        ]
+
+    # -- TorchTitan 0.3 per-parameter initialisers --------------------------
+    def _run_param_init(self, fn: Callable[[torch.Tensor], Any], param: torch.Tensor) -> None:
+        """``fn(param)`` (a module's ``_param_init`` entry) made topology-free: ``fn`` runs
+        on a plain tensor of the parameter's full shape, with the RNG of the drawing
+        device seeded by (seed, name, call), and the rank keeps its shard. Whatever
+        ``fn`` does (rejection sampling, fused q/k/v assembled from fresh tensors) sees
+        neither the shard nor the global RNG state."""
+        name = self.name_of(param)
+        if name is None or self._busy:
+            fn(param)
+            return
+        self.calls.setdefault(name, 0)
+        if fn is _skip_param_init():  # a tied parameter: the other owner initialises it
+            return
+        call = self.calls[name]
+        self.calls[name] = call + 1
+        device = self.device or local_part(param).device
+        self._busy = True
+        try:
+            if not run_seeded(param, fn, self.seed, name, call, device=device):
+                self.unset.add(name)
+        finally:
+            self._busy = False
+
+    @contextmanager
+    def _patched_param_inits(self) -> Iterator[None]:
+        for m, inits in self._param_inits:
+            m._param_init = {
+                key: (lambda p, fn=fn: self._run_param_init(fn, p)) for key, fn in inits.items()
+            }
+        try:
+            yield
+        finally:
+            for m, inits in self._param_inits:
+                m._param_init = inits
 
     # -- which parameter a tensor stands for --------------------------------
     def _track(self, tensor: torch.Tensor, name: str) -> None:
@@ -215,40 +206,23 @@ class TopologyFreeInit(TorchFunctionMode):
         *,
         elementwise: bool,
     ) -> None:
-        """Give ``target`` its part of the full value ``fill`` draws (module docstring)."""
+        """Give ``target`` its part of the full value ``fill`` draws (``init_draw``)."""
         call = self.calls.get(name, 0)
         self.calls[name] = call + 1
         device = self.device or local_part(target).device
-
-        def generator(chunk: int) -> torch.Generator:
-            seed = parameter_seed(self.seed, name, call, chunk)
-            return torch.Generator(device=device).manual_seed(seed)
-
-        shape, numel = tuple(target.shape), target.numel()
-        if not elementwise:
-            full = torch.empty(shape, dtype=target.dtype, device=device)
-            fill(full, generator(0))
-            keep_local_shard(target, full)
-            return
-        rows = local_rows(target)
-        if rows is None:
-            flat = draw_flat(numel, 0, numel, fill, generator, dtype=target.dtype, device=device)
-            keep_local_shard(target, flat.view(shape))
-            return
-        per_row = numel // shape[0] if shape[0] else 0
-        start, stop = rows
-        flat = draw_flat(
-            numel, start * per_row, stop * per_row, fill, generator,
-            dtype=target.dtype, device=device,
-        )  # fmt: skip
-        local_part(target).copy_(flat.view(stop - start, *shape[1:]))
+        draw_into(target, fill, self.seed, name, call, elementwise=elementwise, device=device)
 
     # -- torch.nn.init functions ---------------------------------------------
     def _wrap_init(self, fname: str, original: Callable[..., Any]) -> Callable[..., Any]:
         def init(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
             name = self.name_of(tensor)
+            if name is None and not self._busy and self.buffers.note_write(tensor, fname):
+                return original(tensor, *args, **kwargs)
             if name is None or self._busy or kwargs.get("generator") is not None:
                 return original(tensor, *args, **kwargs)
+            # torch >= 2.10 dispatches torch.nn.init through __torch_function__, which
+            # passes every argument by keyword, generator=None included.
+            kwargs.pop("generator", None)
             self._busy = True
             try:
                 if fname in FILL_INIT_FUNCTIONS:
@@ -293,10 +267,17 @@ class TopologyFreeInit(TorchFunctionMode):
     # -- tensor methods ------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        if self._busy or not args:
+        if self._busy:
+            return func(*args, **kwargs)
+        if func in _RANDOM_FACTORIES and kwargs.get("generator") is None:
+            fname = f"torch.{func.__name__}"
+            self.stray_draws[fname] = self.stray_draws.get(fname, 0) + 1
+            return func(*args, **kwargs)
+        if not args:
             return func(*args, **kwargs)
         name = self.name_of(args[0])
         if name is None:
+            self.buffers.note_write(args[0], getattr(func, "__name__", ""))
             return func(*args, **kwargs)
         if func in _ALIAS_METHODS:
             out = func(*args, **kwargs)
@@ -304,6 +285,7 @@ class TopologyFreeInit(TorchFunctionMode):
                 self._track(out, name)
             return out
         if func in _RANDOM_METHODS and kwargs.get("generator") is None:
+            kwargs.pop("generator", None)
             self._busy = True
             try:
                 elementwise = not any(
@@ -329,12 +311,13 @@ class TopologyFreeInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
     def __enter__(self) -> TopologyFreeInit:
-        self._patches = self._patched_nn_init()
-        self._patches.__enter__()
+        self._patches = contextlib.ExitStack()
+        self._patches.enter_context(self._patched_nn_init())
+        self._patches.enter_context(self._patched_param_inits())
         try:
             super().__enter__()
         except BaseException:
-            self._patches.__exit__(None, None, None)
+            self._patches.close()
             raise
         return self
 
@@ -342,27 +325,28 @@ class TopologyFreeInit(TorchFunctionMode):
         try:
             super().__exit__(exc_type, exc, tb)
         finally:
-            self._patches.__exit__(None, None, None)
+            self._patches.close()
+            self._final = [
+                (canonical_name(fqn), self.name_of(p))
+                for fqn, p in self._module.named_parameters(remove_duplicate=True)
+            ]
             self._names.clear()
+            self._untouched = self.buffers.untouched()
+            self.buffers.release()  # the tensors before init: not kept alive
         if exc_type is None:
             self.check_all_initialised()
 
     def check_all_initialised(self) -> None:
-        missed = [n for n in self.names if n not in self.calls and n not in self.unknown]
-        unknown = sorted(self.unknown)
-        if missed or unknown:
-            lines = []
-            if missed:
-                lines.append(f"never initialised through torch.nn.init: {', '.join(missed)}")
-            if unknown:
-                lines.append(f"overwritten by copy_ from another tensor: {', '.join(unknown)}")
-            raise RuntimeError(
-                "zephon init cannot make these parameters independent of the topology ("
-                + "; ".join(lines)
-                + "). Initialise them with torch.nn.init functions in init_weights, or set "
-                "--zephon.init torchtitan to use TorchTitan's init (then the initial weights "
-                "depend on the sharding)."
-            )
+        """Raise ``NotTopologyFree`` for what escaped the keyed draw (``init_coverage``)."""
+        refuse_uncovered(
+            final=self._final,
+            calls=self.calls,
+            unknown=self.unknown,
+            unset=self.unset,
+            untouched=self._untouched,
+            random_buffers=self.buffers.random,
+            stray_draws=self.stray_draws,
+        )
 
 
 def init_weights_topology_free(
@@ -378,3 +362,35 @@ def init_weights_topology_free(
     with torch.no_grad(), interceptor:
         init_weights()
     return interceptor
+
+
+def topology_free_parallelize(
+    parallelize_fn: Callable[..., nn.Module], seed: int
+) -> Callable[..., nn.Module]:
+    """TorchTitan 0.3's seam for the initial weights: a ``ModelSpec.parallelize_fn``
+    (keyword arguments, as TorchTitan calls it, also per pipeline stage) whose returned
+    model runs its own ``init_weights`` under ``TopologyFreeInit`` keyed by ``seed``,
+    drawing on the job's device type (even where parameters live on the CPU:
+    ``training.enable_cpu_offload``)."""
+    if getattr(parallelize_fn, "zephon_init_seed", None) is not None:
+        return parallelize_fn
+
+    def parallelize(model: nn.Module, **kwargs: Any) -> nn.Module:
+        model = parallelize_fn(model, **kwargs)
+        own = model.init_weights
+
+        def init_weights(**init_kwargs: Any) -> None:
+            from torchtitan.tools import utils as titan_utils
+
+            init_weights_topology_free(
+                model,
+                seed,
+                lambda: own(**init_kwargs),
+                device=torch.device(titan_utils.device_type),
+            )
+
+        model.init_weights = init_weights  # type: ignore[method-assign]
+        return model
+
+    parallelize.zephon_init_seed = seed  # type: ignore[attr-defined]
+    return parallelize

@@ -1,21 +1,20 @@
 """Preflight: what a job will start from, decided (and refused) before anything is written.
 
 Role: before TorchTitan's Trainer builds anything (TensorBoard writer, sequence
-log, checkpoints), find the checkpoint TorchTitan will load, by its own rule
-(``checkpoint.enable``, ``checkpoint.load_step``, else the newest ``step-N``
-with a DCP ``.metadata`` under ``job.dump_folder/checkpoint.folder``), pass over
-checkpoints whose files are incomplete or corrupt, and run every check that can
-refuse the start:
+log, checkpoints), find the checkpoint TorchTitan will load, by its own rule,
+passing over checkpoints whose files are incomplete or corrupt
+(``titan.start_plan``), and run every check that can refuse the start:
 
 * the data config against the checkpoint's data state (``order.resume.check_resume``),
 * the sequence log against the checkpoint's chain head (global rank 0),
 * a checkpoint that cannot be resumed (model-only, no Zephon data state, data
-  state excluded from loading),
+  state excluded from loading), and one written by the 0.2.2-based code whose keys
+  do not map onto the job's (``titan.old_runs``: only llama3 maps),
 * a run folder that holds a history (sequence log steps, checkpoints) the job
   would not resume from, unless ``zephon.start_over`` or an elastic restart of
   the same job,
 * the store against the model and tokenizer (a tokenizer TorchTitan cannot load
-  from ``model.hf_assets_path`` is refused naming the path and the tokenizer the
+  from ``hf_assets_path`` is refused naming the path and the tokenizer the
   store was prepared with), its size, and the global batch layout;
   where ``zephon.store`` (or a mixture source) names raw inputs they are prepared
   here, into the cache (``ingest.cache``), before TorchTitan initializes the process
@@ -26,10 +25,10 @@ The job's data is opened here, once per process: ``StartPlan.data`` is the
 object the trainer hands to the dataloader and the validator.
 
 Invariants:
-- ``plan_start`` only reads: a refused start leaves the run folder as it was.
-- The choice of checkpoint is a pure function of the job config and the files,
-  so every rank reaches the same one; it is pinned in ``checkpoint.load_step`` so
-  that TorchTitan loads exactly the checkpoint that was checked.
+- ``plan_start`` only reads (the job's view, ``titan.job_view``, and the files):
+  a refused start leaves the run folder as it was.
+- The choice of checkpoint is a pure function of the job and the files, so every
+  rank reaches the same one, and the one TorchTitan loads (``titan.start_plan``).
 - The dataloader and tracker keep their own checks as a second line (on the
   same job-data object, never a reopened store); the preflight refuses the same
   cases with the same messages, earlier.
@@ -37,10 +36,8 @@ Invariants:
 
 from __future__ import annotations
 
-import inspect
 import os
-import re
-from dataclasses import dataclass, field
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,161 +49,36 @@ from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields, check_resume
-from torchtitan_zephon.order.state import DataState
-from torchtitan_zephon.titan.dataloader import (
-    build_zephon_dataloader,
-    check_tokenizer,
-    open_job_data,
-    with_trainer_hint,
+from torchtitan_zephon.titan.dataloader import with_trainer_hint
+from torchtitan_zephon.titan.job_data import check_tokenizer, heldout_parts, open_job_data
+from torchtitan_zephon.titan.job_view import JobView
+from torchtitan_zephon.titan.start_plan import (
+    StartPlan,
+    StartRefused,
+    check_old_run,
+    choose_checkpoint,
 )
 from torchtitan_zephon.tracker import LogReader, SequenceTracker, TrackerError, log_path
 
 START_OVER = "--zephon.start_over (TOML: [zephon] start_over = true)"
 
 
-class StartRefused(RuntimeError):
-    """The job would not continue its run folder's history correctly: nothing was written."""
-
-
-@dataclass
-class StartPlan:
-    """What the job starts from."""
-
-    resume: runs.CheckpointInfo | None = None
-    """The checkpoint whose training and data state the job continues (None: step 1)."""
-    state: DataState | None = None
-    """Its Zephon data state."""
-    skipped: list[runs.CheckpointInfo] = field(default_factory=list)
-    """Newer checkpoints passed over: incomplete or corrupt."""
-    notes: list[str] = field(default_factory=list)
-    """What rank 0 tells the user before training."""
-    data: JobData | None = None
-    """The job's data, opened and checked here: the trainer hands this object to the
-    dataloader and the validator, so no store is opened twice."""
-
-
-# ---------------------------------------------------------------- TorchTitan's rule
-
-
-def titan_load_step(folder: Path) -> int:
-    """The step TorchTitan's ``CheckpointManager._find_load_step`` picks in ``folder``
-    (any entry whose name *contains* ``step-N`` and that holds a DCP ``.metadata`` or a
-    safetensors index), or -1. TorchTitan has no public API for it: this is the one
-    copy of the rule, and tests/titan/test_load_step.py pins it to TorchTitan's."""
-    if not folder.is_dir():
-        return -1
-    steps = []
-    for name in os.listdir(folder):
-        m = re.search(r"step-(\d+)", name)
-        if m and (
-            (folder / name / ".metadata").is_file()
-            or (folder / name / "model.safetensors.index.json").is_file()
-        ):
-            steps.append(int(m.group(1)))
-    return max(steps, default=-1)
-
-
-def _listing(found: list[runs.CheckpointInfo]) -> str:
-    return ", ".join(f"step-{c.step} ({c.status})" for c in found) or "none"
-
-
-def choose_checkpoint(job_config: Any) -> tuple[runs.CheckpointInfo | None, StartPlan, str]:
-    """(checkpoint TorchTitan will load or None, plan with skipped ones, why none).
-
-    Pins ``checkpoint.load_step`` to the chosen step when it was -1 (the newest).
-    Raises StartRefused when TorchTitan would load something that cannot be loaded.
-    """
-    ck = job_config.checkpoint
-    dump = Path(job_config.job.dump_folder)
-    folder = dump / ck.folder
-    plan = StartPlan()
-    if not ck.enable:
-        return None, plan, "checkpoint.enable is false"
-    if not folder.exists():
-        path = ck.initial_load_path
-        if path and not ck.initial_load_model_only and not ck.initial_load_in_hf:
-            info = runs.verify_checkpoint(
-                runs.CheckpointInfo(-1, Path(path), (Path(path) / ".metadata").is_file(), 0)
-            )
-            if info.status != "complete":
-                raise StartRefused(
-                    f"checkpoint.initial_load_path {path} is {info.status}"
-                    f"{': ' + info.problem if info.problem else ' (no DCP .metadata)'}; it "
-                    "cannot be loaded. Point it at a complete checkpoint."
-                )
-            return info, plan, ""
-        return None, plan, f"it has no checkpoint folder {folder}"
-    found = runs.checkpoints(dump, ck.folder)
-    by_step = {c.step: c for c in found}
-    if ck.load_step >= 0:  # an explicit step: TorchTitan loads exactly that folder
-        info = by_step.get(ck.load_step)
-        if info is None:
-            raise StartRefused(
-                f"--checkpoint.load_step={ck.load_step} but {folder / f'step-{ck.load_step}'} "
-                f"does not exist; checkpoints there: {_listing(found)}"
-            )
-        runs.verify_checkpoint(info)
-        if info.status != "complete":
-            why = info.problem or "no DCP .metadata: the job died while writing it"
-            raise StartRefused(
-                f"--checkpoint.load_step={ck.load_step} names checkpoint {info.path}, which is "
-                f"{info.status} ({why}). Choose another: {_listing(found)}"
-            )
-        if ck.load_step == 0:
-            return None, plan, "checkpoint.load_step = 0 loads only the model of step-0"
-        return info, plan, ""
-    titan_step = titan_load_step(folder)
-    chosen = None
-    for info in sorted(found, key=lambda c: -c.step):
-        if not info.complete:
-            if (info.path / "model.safetensors.index.json").is_file():
-                info.holds, chosen = "model", info  # TorchTitan would load this export
-                break
-            plan.skipped.append(info)
-            continue
-        runs.verify_checkpoint(info)
-        if info.problem:
-            plan.skipped.append(info)
-            continue
-        chosen = info
-        break
-    if chosen is None:
-        if titan_step != -1:
-            problems = [f"step-{c.step}: {c.problem}" for c in plan.skipped if c.problem]
-            raise StartRefused(
-                f"no checkpoint in {folder} can be loaded ({_listing(found)}"
-                f"{''.join('; ' + p for p in problems)}), but TorchTitan would try step "
-                f"{titan_step}. Move the broken folders out of "
-                f"{folder} (TorchTitan counts any name that contains step-<N>), or use "
-                "another --job.dump_folder."
-            )
-        return None, plan, f"{folder} holds no complete checkpoint"
-    plan.skipped = [c for c in plan.skipped if c.step > chosen.step]
-    ck.load_step = chosen.step  # TorchTitan loads what was checked, on every rank
-    if chosen.step == 0:
-        return None, plan, "its only checkpoint is the seed checkpoint step-0 (model only)"
-    return chosen, plan, ""
-
-
-# ---------------------------------------------------------------- the checks
-
-
-def _check_loadable(info: runs.CheckpointInfo, job_config: Any) -> None:
+def _check_loadable(info: runs.CheckpointInfo, job: JobView) -> None:
     """Refuse checkpoints a training job cannot resume from, saying what to do."""
-    exclude = set(job_config.checkpoint.exclude_from_loading)
+    exclude = set(job.checkpoint.exclude_from_loading)
     step = info.step
     if "dataloader" in exclude:
         raise StartRefused(
             f"the checkpoint {info.path} would restore the trainer at step {step} but no "
             "Zephon data state ('dataloader' is in checkpoint.exclude_from_loading): the data "
-            "would restart at step 1. Load the data state too, or start a new job.dump_folder."
+            "would restart at step 1. Load the data state too, or start a new --dump_folder."
         )
     if "train_state" in exclude:
         raise StartRefused(
             f"the checkpoint {info.path} would restore the data at step {step + 1} but not the "
             "trainer ('train_state' is in checkpoint.exclude_from_loading): the trainer would "
             "restart at step 1 on later data. Load the train state too, or start a new "
-            "job.dump_folder."
+            "--dump_folder."
         )
     if info.holds == "training":
         return
@@ -223,7 +95,7 @@ def _check_loadable(info: runs.CheckpointInfo, job_config: Any) -> None:
             "trained again, on the same data)"
             if full
             else "there is no earlier full checkpoint to resume from: start a new "
-            f"job.dump_folder with --checkpoint.initial_load_path {info.path} (model only)"
+            f"--dump_folder with --checkpoint.initial_load_path {info.path} (model only)"
         )
         raise StartRefused(
             f"the checkpoint {info.path} holds only the model (TorchTitan saves the last "
@@ -236,7 +108,7 @@ def _check_loadable(info: runs.CheckpointInfo, job_config: Any) -> None:
     raise StartRefused(
         f"the checkpoint {info.path} holds no Zephon data state (no key "
         f"{runs.DATA_STATE_KEY!r}); it was written by another dataloader (stock "
-        "TorchTitan?). Start a new job.dump_folder, or load only the model with "
+        "TorchTitan?). Start a new --dump_folder, or load only the model with "
         "--checkpoint.initial_load_path and --checkpoint.initial_load_model_only."
     )
 
@@ -251,11 +123,11 @@ def log_mismatch(path: Path, step: int, problem: str) -> str:
     )
 
 
-def _leftovers(job_config: Any) -> list[str]:
+def _leftovers(job: JobView) -> list[str]:
     """The history a fresh start would supersede: checkpoints and logged steps."""
-    dump = Path(job_config.job.dump_folder)
+    dump = Path(job.dump_folder)
     out = []
-    found = [c for c in runs.checkpoints(dump, job_config.checkpoint.folder) if c.step > 0]
+    found = [c for c in runs.checkpoints(dump, job.checkpoint.folder) if c.step > 0]
     if found:
         out.append(f"checkpoints {', '.join(f'step-{c.step}' for c in found)}")
     path = log_path(dump)
@@ -273,21 +145,19 @@ def _leftovers(job_config: Any) -> list[str]:
     return out
 
 
-def _dp_degree(job_config: Any) -> int | None:
+def _dp_degree(job: JobView) -> int | None:
     """The DP degree TorchTitan will build (None when its parallel dims are invalid:
     TorchTitan reports that itself, before it writes anything)."""
     from torchtitan.distributed.parallel_dims import ParallelDims
 
-    p = job_config.parallelism
     try:
         dims = ParallelDims(
-            dp_shard=p.data_parallel_shard_degree,
-            dp_replicate=p.data_parallel_replicate_degree,
-            cp=p.context_parallel_degree,
-            tp=p.tensor_parallel_degree,
-            pp=p.pipeline_parallel_degree,
-            ep=p.expert_parallel_degree,
-            etp=p.expert_tensor_parallel_degree,
+            dp_shard=job.dp_shard,
+            dp_replicate=job.dp_replicate,
+            cp=job.cp,
+            tp=job.tp,
+            pp=job.pp,
+            ep=job.ep,
             world_size=int(os.environ.get("WORLD_SIZE", "1")),
         )
     except (AssertionError, ValueError):
@@ -295,44 +165,40 @@ def _dp_degree(job_config: Any) -> int | None:
     return dims.dp_replicate * dims.dp_shard
 
 
-def _check_job(job_config: Any) -> tuple[JobData, DataConfig]:
-    """The job's own settings: a Zephon train spec, the batch layout, the store. Returns
-    the job's data (opened once, here) and its data config."""
-    from torchtitan.protocols.train_spec import get_train_spec
+BuildTokenizer = Callable[[], Any]
+"""Builds the job's tokenizer as TorchTitan will (from hf_assets_path)."""
 
-    spec = get_train_spec(job_config.model.name)
-    # a wrapper declares what it wraps (functools.wraps), e.g. the bench's synthetic loader
-    if inspect.unwrap(spec.build_dataloader_fn) is not build_zephon_dataloader:
-        raise StartRefused(
-            f"model.name={job_config.model.name} does not build a Zephon dataloader; "
-            "use a zephon_* model name (e.g. zephon_llama3)"
-        )
+
+def _check_job(job: JobView, build_tokenizer: BuildTokenizer | None) -> tuple[JobData, DataConfig]:
+    """The job's own settings: the batch layout, the store, the tokenizer. Returns the
+    job's data (opened once, here) and its data config."""
     # The data first: raw inputs are prepared (or refused: a missing tokenizer.json
     # said as such) before TorchTitan builds its tokenizer from the same folder.
-    source, config = open_job_data(job_config)
+    source, config = open_job_data(job)
     try:  # a misspelt opt-in is said at every start, not first at the resume it was for
-        allowed_fields(job_config.zephon.allow_changes, config)
+        allowed_fields(job.zephon.allow_changes, config)
     except ValueError as e:
         raise StartRefused(
             f'--zephon.allow_changes: {e} (TOML: [zephon] allow_changes = ["FIELD", ...])'
         ) from None
     tokenizer = None
-    if spec.build_tokenizer_fn:
+    if build_tokenizer is not None:
         try:
-            tokenizer = spec.build_tokenizer_fn(job_config)
+            tokenizer = build_tokenizer()
         except Exception as e:  # TorchTitan's FileNotFoundError, or the tokenizers
             # library's bare Exception for a file it cannot parse: said as a refusal
-            path = job_config.model.hf_assets_path
-            raise StartRefused(tokenizer_refusal(path, source, e)) from None
+            raise StartRefused(tokenizer_refusal(job.hf_assets_path, source, e)) from None
     check_tokenizer(source, tokenizer)
-    dp = _dp_degree(job_config)
+    if job.validation.enable:  # the validator is built after TorchTitan wrote the folder
+        heldout_parts(job, source)
+    dp = _dp_degree(job)
     if dp is not None:
-        config.batch_schedule().check_layout(dp, job_config.training.local_batch_size)
+        config.batch_schedule().check_layout(dp, job.local_batch_size)
     return source, config
 
 
 def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
-    """Why TorchTitan could not load the tokenizer at model.hf_assets_path ``path``, with
+    """Why TorchTitan could not load the tokenizer at hf_assets_path ``path``, with
     the tokenizer the data was prepared with (the sha256 of its tokenizer.json, as the
     store records it) and where the builtin tokenizer is (and whether it is that one)."""
     tokenizer_dir, builtin_sha = builtin_tokenizer()
@@ -353,37 +219,41 @@ def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
     else:
         known = f"{what} was prepared with tokenizer sha256 {recorded}"
     if recorded and recorded == builtin_sha:
-        todo = (
-            f", the builtin tokenizer in {tokenizer_dir}: set --model.hf_assets_path "
-            f"{tokenizer_dir}"
-        )
+        todo = f", the builtin tokenizer in {tokenizer_dir}: set --hf_assets_path {tokenizer_dir}"
     else:
         todo = (
             f"; the builtin tokenizer in {tokenizer_dir} is another one (sha256 "
-            f"{builtin_sha}). Point --model.hf_assets_path at the folder holding the "
+            f"{builtin_sha}). Point --hf_assets_path at the folder holding the "
             "tokenizer.json the data was prepared with"
         )
     return (
-        f"model.hf_assets_path = {path!r} {found}; TorchTitan builds the job's tokenizer from "
+        f"hf_assets_path = {path!r} {found}; TorchTitan builds the job's tokenizer from "
         f"that folder (its tokenizer.json). {known[0].upper()}{known[1:]}{todo} (TOML: "
         "[model] hf_assets_path). Nothing was changed on disk."
     )
 
 
-def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> StartPlan:
+def plan_start(
+    job: JobView,
+    *,
+    writer: bool,
+    same_job: bool = False,
+    build_tokenizer: BuildTokenizer | None = None,
+) -> StartPlan:
     """Decide what the job starts from, or raise StartRefused / ValueError. Reads only.
 
     ``writer``: this is global rank 0, which owns the sequence log (the log and the
     run folder's history are checked there only). ``same_job``: rank 0 took over the
     run folder's lock from an earlier attempt of this very job (a torchrun elastic
-    restart), whose history may be superseded.
+    restart), whose history may be superseded. ``build_tokenizer``: the job's
+    tokenizer, checked against the data (None: not checked).
     """
-    zc = job_config.zephon
+    zc = job.zephon
     try:
-        data, config = _check_job(job_config)
+        data, config = _check_job(job, build_tokenizer)
     except ValueError as e:  # the store, the model, the batch layout: said clearly
         raise StartRefused(str(e)) from None
-    chosen, plan, why_none = choose_checkpoint(job_config)
+    chosen, plan, why_none = choose_checkpoint(job)
     plan.data = data
     for info in plan.skipped:
         what = (
@@ -397,7 +267,8 @@ def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> Star
             f"{info.path.parent}"
         )
     if chosen is not None:
-        _check_loadable(chosen, job_config)
+        _check_loadable(chosen, job)
+        check_old_run(chosen, plan, job)
         try:
             saved = runs.read_data_state(chosen.path)
             check_resume(saved, config, zc.allow_changes, first_correction=first_correction)
@@ -408,7 +279,7 @@ def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> Star
         plan.resume, plan.state = chosen, saved
         head, done = saved.tracker, saved.next_step - 1
         if writer and zc.audit != "off" and head is not None and int(head["step"]) == done:
-            path = log_path(job_config.job.dump_folder)
+            path = log_path(job.dump_folder)
             tracker = SequenceTracker(path, config=config, writer=True)
             problem = tracker.check_resume(head, repair_index=False)
             if problem is not None and not zc.ignore_log_mismatch:
@@ -416,14 +287,14 @@ def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> Star
         return plan
     if not writer:
         return plan
-    leftovers = _leftovers(job_config)
+    leftovers = _leftovers(job)
     if not leftovers:
         return plan
     found = " and ".join(leftovers)
     if same_job:
         plan.notes.append(
             f"an elastic restart of this job before it could resume ({why_none}): it starts "
-            f"again from step 1 in {job_config.job.dump_folder}; the log's new start event "
+            f"again from step 1 in {job.dump_folder}; the log's new start event "
             f"supersedes the steps of the earlier attempt ({found})"
         )
         return plan
@@ -434,10 +305,10 @@ def plan_start(job_config: Any, *, writer: bool, same_job: bool = False) -> Star
         )
         return plan
     raise StartRefused(
-        f"the run folder {job_config.job.dump_folder} holds {found}, which this job will not "
+        f"the run folder {job.dump_folder} holds {found}, which this job will not "
         f"resume from ({why_none}). Starting here would supersede that history. To continue "
         "it, resume from a checkpoint (checkpointing enabled and loading); to keep it, use "
-        f"another --job.dump_folder; to start over in this folder, pass {START_OVER}. "
+        f"another --dump_folder; to start over in this folder, pass {START_OVER}. "
         "Nothing was changed on disk."
     )
 

@@ -1,63 +1,62 @@
-"""ZephonTrainer: TorchTitan's Trainer with the platform layer, a global batch size
-schedule, the Global Sequence Tracker, and one job per run folder.
+"""ZephonTrainer: TorchTitan 0.3's Trainer with Zephon's data, a global batch size
+schedule, the Global Sequence Tracker, topology-free initial weights and one job
+per run folder.
 
-Invariant: the training loop is TorchTitan's own; this subclass only (1) adjusts
-the job for the CPU, checks the start (``preflight.plan_start``) and takes the
-run folder (``ownership.lock.RunFolderLock``, global rank 0) before TorchTitan builds
-or writes anything, so a refused start changes nothing on disk; the job's data
-the preflight opened is the one object the dataloader and the validator read
-(``with_job_data``: each store is opened once per process); (2) sets the
-gradient accumulation of each step from the batch schedule; (3) after each
-completed step appends the step's record to the sequence log (global rank 0),
-combining the DP ranks' token digests in rank order at audit level ``tokens``;
-(4) releases the run folder when the job ends cleanly (after a failure the lock
-stays, so an elastic restart of the same job recognises itself, and any other
-job takes over a dead holder's lock within one lease). What it refuses or stops
-for it raises as ``SettingRefused`` / ``JobStopped`` (or the preflight's own
-errors), whose messages say it all: the entry point reports them without a
-traceback.
+``ZephonTrainer.Config`` is TorchTitan's ``Trainer.Config`` plus the ``zephon``
+section (``--zephon.*``), with Zephon's dataloader and validator as defaults and
+``debug.seed`` 0 (TorchTitan's default, None, draws a random seed per job).
+
+Invariant: the training loop is TorchTitan's own; this subclass only (1) checks
+the job (``checks.check_job_config`` on the job's view), checks the start
+(``preflight.plan_start``) and takes the run folder
+(``ownership.lock.RunFolderLock``, global rank 0) before TorchTitan builds or
+writes anything, so a refused start changes nothing on disk; it then hands the
+job's view and the job's data the preflight opened to the dataloader and the
+validator configs (``job_data.with_job``: each store is opened once per
+process), pins the checkpoint the preflight checked (one the 0.2.2-based code
+wrote is loaded through ``old_runs``' name map), and wraps the model spec's
+``parallelize_fn`` so the built model's ``init_weights`` is topology-free
+(``init.topology_free_parallelize``, unless ``zephon.init = "torchtitan"``);
+(2) sets the gradient accumulation of each step from the batch schedule; (3)
+after each completed step appends the step's record to the sequence log (global
+rank 0), combining the DP ranks' token digests in rank order at audit level
+``tokens``; (4) releases the run folder when the job ends cleanly (after a
+failure the lock stays, so an elastic restart of the same job recognises itself,
+and any other job takes over a dead holder's lock within one lease). What it
+refuses or stops for it raises as ``SettingRefused`` / ``JobStopped`` (or the
+preflight's own errors), whose messages say it all: the entry point reports them
+without a traceback.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import os
 import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
+from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.validate import BaseValidator
+from torchtitan.config.configs import DebugConfig
+from torchtitan.observability import structured_logger as sl
 from torchtitan.tools.logging import logger
-from torchtitan.train import Trainer
+from torchtitan.trainer import Trainer
 
-from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.ownership.lock import RunFolderLock
 from torchtitan_zephon.ownership.process import torchrun_agent
 from torchtitan_zephon.store.format import StoreError
-from torchtitan_zephon.titan import platform, preflight
+from torchtitan_zephon.titan import old_runs, preflight
+from torchtitan_zephon.titan.attention import with_document_masks
 from torchtitan_zephon.titan.checks import check_job_config
-from torchtitan_zephon.titan.dataloader import ZephonDataLoader, build_zephon_dataloader
-from torchtitan_zephon.titan.validate import build_zephon_validator
+from torchtitan_zephon.titan.config import Zephon
+from torchtitan_zephon.titan.dataloader import ZephonDataLoader
+from torchtitan_zephon.titan.init import topology_free_parallelize
+from torchtitan_zephon.titan.job_data import with_job
+from torchtitan_zephon.titan.job_view import JobView, job_view
+from torchtitan_zephon.titan.validate import ZephonValidator
 from torchtitan_zephon.tracker import TrackerError
-
-
-def with_job_data(spec: Any, data: JobData | None) -> Any:
-    """``spec`` (a TorchTitan ``TrainSpec``) whose Zephon dataloader and validator
-    builders (or wrappers declaring them, ``functools.wraps``) read ``data``, the job's
-    data as the preflight opened it, instead of opening it again. Other builders, and
-    every builder when ``data`` is None, are left as they are."""
-    if data is None:
-        return spec
-    changes = {}
-    for name, ours in (
-        ("build_dataloader_fn", build_zephon_dataloader),
-        ("build_validator_fn", build_zephon_validator),
-    ):
-        fn = getattr(spec, name)
-        if fn is not None and inspect.unwrap(fn) is ours:
-            changes[name] = functools.partial(fn, data=data)
-    return dataclasses.replace(spec, **changes)
 
 
 class SettingRefused(Exception):
@@ -75,52 +74,65 @@ class JobStopped(RuntimeError):
         self.step = step
 
 
+def zephon_debug() -> DebugConfig:
+    """TorchTitan's debug section with Zephon's seed default (0: reproducible runs)."""
+    return DebugConfig(seed=0)
+
+
 class ZephonTrainer(Trainer):
     dataloader: ZephonDataLoader
 
-    def __init__(self, job_config: Any) -> None:
+    @dataclass(kw_only=True, slots=True)
+    class Config(Trainer.Config):
+        dataloader: BaseDataLoader.Config = field(default_factory=ZephonDataLoader.Config)
+        validator: BaseValidator.Config = field(default_factory=ZephonValidator.Config)
+        debug: DebugConfig = field(default_factory=zephon_debug)
+        zephon: Zephon = field(default_factory=Zephon)
+
+    def __init__(self, config: Config) -> None:
         self._tracking = False
+        self._lock: RunFolderLock | None = None
         try:  # before TorchTitan builds anything: clear errors
-            check_job_config(job_config)
+            _check_components(config)
+            job = job_view(config)
+            check_job_config(job)
         except ValueError as e:
             raise SettingRefused(str(e)) from e
-        if platform.on_cpu():
-            for change in platform.cpu_job_defaults(job_config):
-                logger.info(f"CPU platform: {change}")
         # Everything that can refuse the start runs before TorchTitan writes anything
         # (its TensorBoard writer is created in Trainer.__init__).
-        self._lock, self._data = self._take_run_folder(job_config)
-        super().__init__(job_config)
-        if not isinstance(self.dataloader, ZephonDataLoader):
-            raise TypeError(
-                f"model.name={job_config.model.name} does not build a Zephon dataloader; "
-                "use a zephon_* model name (e.g. zephon_llama3)"
+        self._lock, plan = self._take_run_folder(job, config)
+        if plan.load_step is not None:
+            config.checkpoint.load_step = plan.load_step
+        config.dataloader = with_job(config.dataloader, job, plan.data)
+        if isinstance(config.validator, ZephonValidator.Config):
+            config.validator = with_job(config.validator, job, plan.data)
+        if config.zephon.init == "zephon" and config.model_spec is not None:
+            seed = 0 if config.debug.seed is None else int(config.debug.seed)
+            config.model_spec = dataclasses.replace(
+                config.model_spec,
+                parallelize_fn=topology_free_parallelize(config.model_spec.parallelize_fn, seed),
             )
-
-    @property
-    def train_spec(self) -> Any:
-        return self._train_spec
-
-    @train_spec.setter
-    def train_spec(self, spec: Any) -> None:
-        # TorchTitan's Trainer.__init__ sets its train spec and builds the dataloader
-        # and the validator through it: this trainer's copy hands them its job data.
-        self._train_spec = with_job_data(spec, getattr(self, "_data", None))
+        super().__init__(config)
+        if plan.old_run is not None:  # a 0.2.2 checkpoint: loaded through its key map
+            old_runs.install(self.checkpointer, plan.old_run)
 
     @staticmethod
-    def _take_run_folder(job_config: Any) -> tuple[RunFolderLock | None, JobData | None]:
+    def _take_run_folder(job: JobView, config: Any) -> tuple[RunFolderLock | None, Any]:
         """Check the start on every rank (reads only); global rank 0 then takes the run
-        folder. Returns rank 0's lock (None elsewhere) and the job's data."""
+        folder. Returns rank 0's lock (None elsewhere) and the start plan."""
         rank = int(os.environ.get("RANK", "0"))
         lock = verdict = None
         if rank == 0:
-            lock = RunFolderLock(job_config.job.dump_folder)
+            lock = RunFolderLock(job.dump_folder)
             verdict = lock.check()
         plan = preflight.plan_start(
-            job_config, writer=rank == 0, same_job=verdict is not None and verdict.same_job
+            job,
+            writer=rank == 0,
+            same_job=verdict is not None and verdict.same_job,
+            build_tokenizer=lambda: config.tokenizer.build(tokenizer_path=config.hf_assets_path),
         )
         if lock is None or verdict is None:
-            return None, plan.data
+            return None, plan
         lock.acquire(verdict)
         if verdict.kind == "same_job":
             logger.info(
@@ -135,11 +147,16 @@ class ZephonTrainer(Trainer):
             )
         if plan.notes:
             preflight.log_plan(plan)
-        return lock, plan.data
+        return lock, plan
 
     def init_distributed(self) -> Any:
         """TorchTitan's, then rank 0 records every rank's torchrun agent in the lock: a
-        restart whose new rank 0 runs under any of them is this same job."""
+        restart whose new rank 0 runs under any of them is this same job. TorchTitan's
+        structured logger, which writes into dump_folder, starts only after that
+        exchange: every rank has then passed its checks (rank 0 alone checks the run
+        folder's history; another rank that started its logger first would write into
+        a folder whose start rank 0 refuses). TorchTitan's own main starts it before
+        the build."""
         dims = super().init_distributed()
         agent, _, _ = torchrun_agent()
         agents: list[Any] = [agent]
@@ -148,6 +165,12 @@ class ZephonTrainer(Trainer):
             dist.all_gather_object(agents, agent)
         if self._lock is not None:
             self._lock.set_agents(a for a in agents if a is not None)
+        sl.init_structured_logger(
+            source="training",
+            output_dir=self.config.dump_folder,
+            enable=self.config.debug.enable_structured_logging,
+        )
+        sl.log_trace_instant("structured_logger_started")
         return dims
 
     def train(self) -> None:
@@ -167,19 +190,26 @@ class ZephonTrainer(Trainer):
         if self._lock is not None and self._lock.lost:
             raise JobStopped(
                 step,
-                f"this job no longer owns {self.job_config.job.dump_folder}: "
+                f"this job no longer owns {self.config.dump_folder}: "
                 f"{self._lock.lost} (this job missed its heartbeats for a whole lease). It stops "
                 "before writing more.",
             )
         if not self._tracking:
             self._begin_tracking()
-        tc = self.job_config.training
         gbs = self.dataloader.plan.schedule.gbs(step)
         self.gradient_accumulation_steps = gbs // (
-            self.dataloader.loader.dp_degree * tc.local_batch_size
+            self.dataloader.loader.dp_degree * self.config.training.local_batch_size
         )
         super().train_step(data_iterator)
         self._record_step(step)
+
+    def post_dataloading_process(
+        self, input_dict: dict[str, Any], labels: Any
+    ) -> tuple[Any, Any, dict[str, Any]]:
+        """TorchTitan's, with the document mask for ``DocumentSDPA`` (the CPU's stand-in
+        for FlexAttention), which TorchTitan builds masks for only for Flex / varlen."""
+        with_document_masks(self.model_config, input_dict)
+        return super().post_dataloading_process(input_dict, labels)
 
     def _begin_tracking(self) -> None:
         """At the first step of this job: every rank reads the same data, and the data
@@ -191,7 +221,7 @@ class ZephonTrainer(Trainer):
                 self.step,
                 f"the checkpoint restored the trainer at step {done} but no Zephon data state "
                 "(was 'dataloader' in checkpoint.exclude_from_loading?): the data would restart "
-                "at step 1. Load the data state too, or start a new job.dump_folder.",
+                "at step 1. Load the data state too, or start a new --dump_folder.",
             )
         if dl.resumed_from is not None and dl.resumed_from != done:
             raise JobStopped(
@@ -257,3 +287,62 @@ class ZephonTrainer(Trainer):
         lock = getattr(self, "_lock", None)
         if lock is not None and sys.exc_info()[1] is None:
             lock.release()
+
+
+def _check_components(config: Any) -> None:
+    """Zephon's trainer reads Zephon's data: its dataloader, and its validator when
+    validation is on (a stock one would read a dataset Zephon does not order)."""
+    if not isinstance(config.dataloader, ZephonDataLoader.Config):
+        raise ValueError(
+            f"ZephonTrainer trains on Zephon's data, but the config's dataloader is "
+            f"{type(config.dataloader).__qualname__}: set dataloader=ZephonDataLoader.Config() "
+            "in the config function (torchtitan_zephon.train replaces a stock one itself)"
+        )
+    if config.validator.enable and not isinstance(config.validator, ZephonValidator.Config):
+        raise ValueError(
+            f"ZephonTrainer validates on held-out samples, but the config's validator is "
+            f"{type(config.validator).__qualname__}: set validator=ZephonValidator.Config(...) "
+            "in the config function, or --validator.no-enable"
+        )
+
+
+def zephon_config(config: Any) -> tuple[ZephonTrainer.Config, list[str]]:
+    """``config`` as Zephon's trainer config, and what changed (for the log).
+
+    A config function of Zephon's registry already returns one. A stock TorchTitan
+    ``Trainer.Config`` (``--module llama3 --config llama3_debugmodel``) keeps every
+    value, with Zephon's dataloader (its num_workers / pin_memory kept) and validator
+    (enable / freq / steps kept) in place of its own, the ``zephon`` section's
+    defaults and, where it leaves ``debug.seed`` unset, Zephon's seed 0.
+    """
+    if isinstance(config, ZephonTrainer.Config):
+        return config, []
+    if type(config) is not Trainer.Config:
+        raise ValueError(
+            f"the config function returned a {type(config).__qualname__}, which Zephon cannot "
+            "extend (it adds its section to TorchTitan's Trainer.Config): return a "
+            "Trainer.Config, or a ZephonTrainer.Config from torchtitan_zephon.titan.trainer"
+        )
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
+    notes = []
+    old = values["dataloader"]
+    values["dataloader"] = ZephonDataLoader.Config(
+        num_workers=getattr(old, "num_workers", 0), pin_memory=getattr(old, "pin_memory", False)
+    )
+    what = f" (dataset {old.dataset!r})" if getattr(old, "dataset", "") else ""
+    notes.append(
+        f"dataloader {type(old).__qualname__}{what} replaced by Zephon's ZephonDataLoader: the "
+        "data is --zephon.store (empty: the builtin store) or --zephon.mixture"
+    )
+    old = values["validator"]
+    values["validator"] = ZephonValidator.Config(
+        enable=getattr(old, "enable", False), freq=old.freq, steps=getattr(old, "steps", -1)
+    )
+    notes.append(
+        f"validator {type(old).__qualname__} replaced by Zephon's ZephonValidator: held-out "
+        "samples of the store (--zephon.heldout_samples)"
+    )
+    if values["debug"].seed is None:
+        values["debug"] = dataclasses.replace(values["debug"], seed=0)
+        notes.append("debug.seed None -> 0 (Zephon's default: reproducible runs)")
+    return ZephonTrainer.Config(**values, zephon=Zephon()), notes

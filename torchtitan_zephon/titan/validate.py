@@ -4,13 +4,16 @@ The last ``zephon.heldout_samples`` samples of the store are never trained on.
 A validation pass reads them in order, in global batches of the run's first
 global batch size ``G``; DP rank ``r`` of ``D`` takes the plan's rank slice of
 each (``DataPlan.rank_positions``: the contiguous ``[r*G/D, (r+1)*G/D)``), cut
-into micro-batches of ``validation.local_batch_size``; the last micro-batch of
+into micro-batches of ``validator.microbatch_size`` (0: training.local_batch_size);
+the last micro-batch of
 a slice may be smaller (with pipeline parallelism, whose schedule splits every
 micro-batch alike, the size is clamped to a divisor of ``G/D``, with a log line).
 
-Samples have the training ``seq_len`` (``validation.seq_len`` is not used: held-out
-samples are windows of the same store layout), and ``validation.steps`` caps the
-number of global batches per pass (-1: every full global batch of held-out data).
+Samples have the training ``seq_len`` (held-out samples are windows of the same
+store layout) and per-document positions as training batches have, and
+``validator.steps`` caps the number of global batches per pass (-1: every full
+global batch of held-out data). ``validator.freq``: every that many steps (and
+at step 1), as TorchTitan's validator.
 
 With a mixture (``zephon.mixture``) each source has its own held-out samples
 (the last ``heldout_samples`` of its store; sources with none are not
@@ -27,11 +30,13 @@ pass), so it is the same for every layout up to floating-point summation order.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Annotated, Any, Protocol
 
 import numpy as np
 import torch
 import torch.distributed as dist
+import tyro
 from torch.distributed.tensor import DTensor
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
@@ -39,10 +44,17 @@ from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.job.data import JobData
+from torchtitan_zephon.loader import document_positions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
-from torchtitan_zephon.titan.dataloader import batch_schedule, resolve_source
+from torchtitan_zephon.titan.attention import with_document_masks
+from torchtitan_zephon.titan.job_data import (
+    batch_schedule,
+    eos_id_of,
+    heldout_parts,
+    trainer_handoff,
+)
+from torchtitan_zephon.titan.job_view import JobView
 
 
 def microbatch_size(per_rank: int, requested: int, *, equal: bool) -> int:
@@ -53,7 +65,7 @@ def microbatch_size(per_rank: int, requested: int, *, equal: bool) -> int:
     ``per_rank`` not above ``requested``.
     """
     if requested < 1:
-        raise ValueError(f"validation.local_batch_size must be >= 1, got {requested}")
+        raise ValueError(f"validator.microbatch_size must be >= 1, got {requested}")
     size = min(requested, per_rank)
     if equal:
         while per_rank % size:
@@ -82,11 +94,13 @@ class HeldoutLoader(BaseDataLoader):
         dp_degree: int,
         local_batch_size: int,
         equal_microbatches: bool = False,
+        eos_id: int | None = None,
     ) -> None:
         # Held-out samples are read in order: the plan supplies the rank slicing
         # (positions), and position p of the pass is sample first_sample + p.
         self.plan = DataPlan(num_batches * global_batch, 0, BatchSchedule([(1, global_batch)]))
         self.store, self.seq_len, self.first_sample = store, seq_len, first_sample
+        self.eos_id = eos_id  # None: batches without positions
         self.num_batches, self.dp_rank, self.dp_degree = num_batches, dp_rank, dp_degree
         _, per_rank = self.plan.rank_positions(1, dp_rank, dp_degree)
         self.local_batch_size = microbatch_size(
@@ -95,7 +109,7 @@ class HeldoutLoader(BaseDataLoader):
         if self.local_batch_size != local_batch_size and dp_rank == 0:
             logger.info(
                 f"Zephon validation: micro-batches of {self.local_batch_size} samples "
-                f"(validation.local_batch_size={local_batch_size}; each of the {dp_degree} DP "
+                f"(validator.microbatch_size={local_batch_size}; each of the {dp_degree} DP "
                 f"ranks reads {per_rank} samples per global batch"
                 + (", split equally for pipeline parallelism)" if equal_microbatches else ")")
             )
@@ -122,7 +136,11 @@ class HeldoutLoader(BaseDataLoader):
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         for ids in self.microbatch_ids():
             w = torch.from_numpy(self.store.windows(ids, self.seq_len).astype(np.int64))
-            yield {"input": w[:, :-1]}, w[:, 1:]
+            inputs = w[:, :-1]
+            batch = {"input": inputs}
+            if self.eos_id is not None:
+                batch["positions"] = document_positions(inputs, self.eos_id)
+            yield batch, w[:, 1:]
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -132,56 +150,72 @@ class HeldoutLoader(BaseDataLoader):
 
 
 class ZephonValidator(Validator):
-    """TorchTitan's Validator reading the held-out samples instead of a HF dataset,
-    and averaging over tokens rather than over micro-batch rounds."""
+    """The validator on held-out samples (any model's ``validator=ZephonValidator.Config``):
+    TorchTitan's validator inputs (its ``post_dataloading_process``), reading the
+    held-out samples instead of a dataset, and averaging over tokens rather than over
+    micro-batch rounds."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseValidator.Config):
+        enable: bool = False
+        """Validate every ``freq`` steps (and at step 1) on zephon.heldout_samples."""
+
+        steps: int = -1
+        """Global batches of held-out samples per pass (-1: every full one)."""
+
+        microbatch_size: int = 0
+        """Held-out micro-batch size per DP rank (0: training.local_batch_size; 0.2.2:
+        validation.local_batch_size; ``local_batch_size`` is a build argument in 0.3)."""
+
+        _job: Annotated[JobView | None, tyro.conf.Suppress] = None
+        """Set by Zephon's trainer: the job's view."""
+
+        _data: Annotated[Any, tyro.conf.Suppress] = None
+        """Set by Zephon's trainer: the job's data, opened by the preflight."""
+
+        def __post_init__(self) -> None:
+            if self.steps < 1 and self.steps != -1:
+                raise ValueError(
+                    f"validator.steps = {self.steps}: it must be >= 1, or -1 for every full "
+                    "global batch of held-out samples. Set --validator.steps."
+                )
 
     def __init__(
         self,
-        job_config: Any,
+        config: Config,
+        *,
+        parallelism: Any,
         dp_world_size: int,
         dp_rank: int,
         tokenizer: Any,
         parallel_dims: Any,
         loss_fn: Any,
         validation_context: Any,
-        maybe_enable_amp: Any,
         metrics_processor: Any,
+        seq_len: int,
+        local_batch_size: int,
         pp_schedule: Any = None,
         pp_has_first_stage: bool | None = None,
         pp_has_last_stage: bool | None = None,
-        data: JobData | None = None,
+        **_: Any,
     ) -> None:
-        # Validator.__init__ would build TorchTitan's HF validation loader; the
-        # fields it sets besides that one are set here the same way.
-        BaseValidator.__init__(self, job_config)
-        self.tokenizer, self.parallel_dims, self.loss_fn = tokenizer, parallel_dims, loss_fn
-        self.validation_context, self.maybe_enable_amp = validation_context, maybe_enable_amp
+        # Validator.__init__ would prepare TorchTitan's dataset loader; the fields its
+        # methods read besides that one are set here the same way.
+        BaseValidator.__init__(self, config)
+        job, source = trainer_handoff(config, "validator (ZephonValidator.Config)")
+        self.parallelism, self.tokenizer = parallelism, tokenizer
+        self.parallel_dims, self.loss_fn = parallel_dims, loss_fn
+        self.validation_context = validation_context
         self.metrics_processor = metrics_processor
+        self.dp_world_size, self.dp_rank = dp_world_size, dp_rank
+        self.seq_len, self.local_batch_size = seq_len, local_batch_size
         self.pp_schedule = pp_schedule
         self.pp_has_first_stage, self.pp_has_last_stage = pp_has_first_stage, pp_has_last_stage
 
-        vc = job_config.validation
-        # the job's data as the trainer opened it; None: opened here
-        source = resolve_source(job_config, tokenizer) if data is None else data
-        gbs = batch_schedule(job_config).gbs(1)
-        parts = source.heldout()
-        mixture = parts[0].name is not None
-        if mixture:
-            small = [h for h in parts if 0 < h.count < gbs]
-            if small:
-                raise ValueError(
-                    f"validation reads held-out samples in global batches of {gbs}; mixture "
-                    f"source {small[0].name!r} holds {small[0].count} (heldout_samples). Set its "
-                    f"heldout_samples to a multiple of {gbs}, or to 0 to not validate it."
-                )
-            parts = [h for h in parts if h.count > 0]
-        if not parts or parts[0].count < gbs:
-            raise ValueError(
-                f"validation needs at least one global batch ({gbs} samples) of held-out data; "
-                f"zephon.heldout_samples is {parts[0].count if parts else 0}. Set "
-                f"--zephon.heldout_samples to a multiple of {gbs}"
-                + (" (or heldout_samples of the mixture's sources)." if mixture else ".")
-            )
+        gbs = batch_schedule(job).gbs(1)
+        parts = heldout_parts(job, source)
+        eos_id = eos_id_of(source)
+        micro = config.microbatch_size or local_batch_size
         self.heldout_loaders: list[tuple[str | None, HeldoutLoader]] = []
         for h in parts:
             available = h.count // gbs
@@ -190,14 +224,25 @@ class ZephonValidator(Validator):
                 seq_len=source.seq_len,
                 first_sample=h.first,
                 global_batch=gbs,
-                num_batches=available if vc.steps == -1 else min(vc.steps, available),
+                num_batches=available if config.steps == -1 else min(config.steps, available),
                 dp_rank=dp_rank,
                 dp_degree=dp_world_size,
-                local_batch_size=vc.local_batch_size,
+                local_batch_size=micro,
                 equal_microbatches=bool(parallel_dims.pp_enabled),
+                eos_id=eos_id,
             )
             self.heldout_loaders.append((h.name, loader))
         self.validation_dataloader = self.heldout_loaders[0][1]
+
+    def post_dataloading_process(
+        self,
+        input_dict: dict[str, torch.Tensor],
+        labels: torch.Tensor,
+        model_parts: list[torch.nn.Module],
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """TorchTitan's, with the document mask for ``DocumentSDPA`` (as in training)."""
+        with_document_masks(getattr(model_parts[0], "config", None), input_dict)
+        return super().post_dataloading_process(input_dict, labels, model_parts)
 
     @torch.no_grad()
     def pass_totals(
@@ -212,11 +257,11 @@ class ZephonValidator(Validator):
         for input_dict, labels in loader or self.validation_dataloader:
             self.metrics_processor.ntokens_since_last_log += labels.numel()
             input_dict = {k: v.to(device_type) for k, v in input_dict.items()}
-            inputs, labels, extra_inputs, extra_kwargs = self.post_dataloading_process(
+            inputs, labels, extra_kwargs = self.post_dataloading_process(
                 input_dict, labels.to(device_type), model_parts
             )
             tokens += (labels != IGNORE_INDEX).sum()
-            loss_sum += self._loss_sum(model_parts, inputs, labels, extra_inputs, extra_kwargs)
+            loss_sum += self._loss_sum(model_parts, inputs, labels, extra_kwargs)
         return torch.stack([loss_sum, tokens])
 
     @torch.no_grad()
@@ -256,7 +301,6 @@ class ZephonValidator(Validator):
         model_parts: list[torch.nn.Module],
         inputs: torch.Tensor,
         labels: torch.Tensor,
-        extra_inputs: dict[str, torch.Tensor],
         extra_kwargs: dict[str, Any],
     ) -> torch.Tensor:
         """Sum of token losses of one micro-batch on this rank (0 off the last PP stage)."""
@@ -264,26 +308,19 @@ class ZephonValidator(Validator):
         # Context parallelism is handled by post_dataloading_process (as in TorchTitan).
         if self.parallel_dims.pp_enabled:
             losses: list[torch.Tensor] | None = [] if self.pp_has_last_stage else None
-            target = labels if self.pp_has_last_stage else None
             with self.validation_context():
-                if self.pp_has_first_stage:
-                    self.pp_schedule.eval(
-                        inputs, **extra_inputs, **extra_kwargs, target=target, losses=losses
-                    )
-                else:
-                    self.pp_schedule.eval(**extra_kwargs, target=target, losses=losses)
+                self.pp_schedule.eval(
+                    arg_mbs=[(inputs,)] if self.pp_has_first_stage else None,
+                    kwarg_mbs=[extra_kwargs],
+                    target_mbs=[labels] if self.pp_has_last_stage else None,
+                    losses=losses,
+                )
             if not losses:
                 return torch.zeros((), dtype=torch.float64, device=device_type)
             total = torch.sum(torch.stack(losses)).to(device_type)
         else:
-            with self.validation_context(), self.maybe_enable_amp:
-                total = self.loss_fn(model_parts[0](inputs, **extra_inputs, **extra_kwargs), labels)
+            with self.validation_context():
+                total, _ = self.loss_fn(model_parts[0](inputs, **extra_kwargs), labels)
         if isinstance(total, DTensor):
             total = total.full_tensor()
         return total.detach().to(torch.float64)
-
-
-def build_zephon_validator(**kwargs: Any) -> ZephonValidator:
-    """``TrainSpec.build_validator_fn``: TorchTitan's keyword arguments, plus ``data``
-    (the job's data as the trainer opened it; absent: opened here)."""
-    return ZephonValidator(**kwargs)

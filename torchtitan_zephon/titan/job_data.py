@@ -1,0 +1,184 @@
+"""The job's data as the TorchTitan side opens it: once per process, in the trainer's
+preflight, then handed to the dataloader and the validator on their configs.
+
+Role: ``open_job_data`` opens ``zephon.mixture``, else ``zephon.store`` (or the
+builtin store), with its data config; ``with_job`` sets the job's view and that data
+on a Zephon dataloader or validator config, and ``trainer_handoff`` gives them back
+to the component (refusing, naming the trainer to use, when it was built another
+way); ``batch_schedule``, ``eos_id_of`` and ``heldout_parts`` (held-out samples
+validation reads, checked by the preflight too) are what both components read of them.
+
+Invariant: a component reads the object the preflight opened, never a store of its
+own, so each store is opened once per process; every check that needs only the job
+and the stores (vocabulary against the model and the tokenizer, held-out samples, a
+mixture's sources against each other) runs when the data is opened, before anything
+is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from torchtitan.tools.logging import logger
+
+from torchtitan_zephon.job.data import JobData, MixtureData
+from torchtitan_zephon.job.settings import open_store, raw_inputs, store_source
+from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.titan.job_view import JobView
+
+
+def _log(message: str) -> None:
+    """Where the job layer says that this process prepares raw inputs, or waits."""
+    logger.info(f"Zephon: {message}")
+
+
+def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
+    """The data a job reads: ``zephon.mixture``, else ``zephon.store`` (or the builtin
+    store), opened and checked: the stores' vocabulary against the model and the
+    tokenizer, the held-out samples against the store sizes, a mixture's sources
+    against each other (``MixtureError`` names the source at fault)."""
+    zc = job.zephon
+    seq_len = job.seq_len
+    mixture = zc.mixture
+    if mixture:
+        if zc.store:
+            raise ValueError(
+                f"zephon.mixture ({mixture}) and zephon.store ({zc.store}) are both set: a job "
+                "reads either one store or a mixture. Drop zephon.store, or name the store as "
+                "a [[source]] of the mixture file."
+            )
+        source: JobData = MixtureData.open(
+            MixtureConfig.load(mixture),
+            seq_len,
+            default_heldout=zc.heldout_samples,
+            path=mixture,
+            progress=int(os.environ.get("RANK", "0")) == 0,
+            raw=raw_inputs(job, _log),
+        )
+        what = f"the mixture {mixture} (sources {', '.join(source.names)})"
+    else:
+        store = open_store(job, log=_log, warn=logger.warning)
+        named = (  # as the user named it, and where it is when that differs
+            f"the builtin store ({store.path})"
+            if not zc.store
+            else f"the store {zc.store}"
+            if str(store.path) == zc.store
+            else f"the store {zc.store!r} ({store.path})"
+        )
+        schedule = batch_schedule(job)
+        source = store_source(store, seq_len, zc.heldout_samples, schedule, what=named)
+        what = f"the store {store.path}"
+    model_vocab = job.vocab_size
+    if model_vocab is not None and source.vocab_size > model_vocab:
+        raise ValueError(
+            f"{what} was tokenized with a vocabulary of {source.vocab_size} "
+            f"tokens but model {job.model} embeds "
+            f"only {model_vocab}: choose a flavor with vocab_size >= {source.vocab_size}, or a "
+            "store prepared with a smaller tokenizer"
+        )
+    check_tokenizer(source, tokenizer)
+    return source
+
+
+def check_tokenizer(source: JobData, tokenizer: Any) -> None:
+    """Refuse a source whose token ids the job's tokenizer (when given) cannot hold."""
+    if tokenizer is not None and source.vocab_size > tokenizer.get_vocab_size():
+        what = (
+            f"the mixture {source.path} (sources {', '.join(source.names)})"
+            if isinstance(source, MixtureData)
+            else f"the store {source.path}"
+        )
+        raise ValueError(
+            f"{what} was tokenized with a vocabulary of {source.vocab_size} "
+            f"tokens but hf_assets_path's tokenizer has {tokenizer.get_vocab_size()}: "
+            "point --hf_assets_path at the tokenizer the store was prepared with"
+        )
+
+
+def batch_schedule(job: JobView) -> BatchSchedule:
+    """The global batch size schedule: ``zephon.batch_schedule`` or the fixed GBS.
+
+    Elastic determinism needs the global batch size to be a property of the run,
+    not of the topology, so it must be given explicitly.
+    """
+    if job.zephon.batch_schedule:
+        return BatchSchedule.parse(job.zephon.batch_schedule)
+    gbs = job.global_batch_size
+    if gbs is None or gbs <= 0:
+        raise ValueError(
+            "training.global_batch_size is not set. Zephon needs the global batch size to be "
+            "fixed for the run (it defines which samples each step sees, whatever the number "
+            "of ranks). Set --training.global_batch_size (e.g. local_batch_size x DP degree x "
+            "gradient accumulation steps) or --zephon.batch_schedule."
+        )
+    return BatchSchedule([(1, gbs)])
+
+
+def with_job(config: Any, job: JobView, data: JobData) -> Any:
+    """A copy of a Zephon dataloader or validator ``config`` that reads ``job`` and
+    ``data`` (the job's data as the preflight opened it: no store is opened twice)."""
+    return dataclasses.replace(config, _job=job, _data=data)
+
+
+def trainer_handoff(config: Any, what: str) -> tuple[JobView, JobData]:
+    """The job's view and data that Zephon's trainer set on ``config``; a clear error
+    when ``what`` (the component) was built without that trainer."""
+    job, data = getattr(config, "_job", None), getattr(config, "_data", None)
+    if job is None or data is None:
+        raise ValueError(
+            f"the Zephon {what} is built by Zephon's trainer, which opens the job's data and "
+            "checks the start before TorchTitan writes anything: run "
+            "`python -m torchtitan_zephon.train --module M --config FN` (or torchrun ... -m "
+            "torchtitan_zephon.train), whose trainer config is ZephonTrainer.Config"
+        )
+    return job, data
+
+
+def eos_id_of(source: JobData) -> int:
+    """The EOS id that ends each document of ``source`` (a mixture's stores share one
+    tokenizer, whose EOS is the first store's)."""
+    stores = getattr(source, "stores", None) or [source.store]  # type: ignore[attr-defined]
+    return int(stores[0].eos_id)
+
+
+def open_job_data(job: JobView, tokenizer: Any = None) -> tuple[JobData, DataConfig]:
+    """The data source a job reads and its data config, without building a loader.
+
+    Every check that needs only the job and the stores runs here
+    (``resolve_source``: vocabulary against the model and the tokenizer, held-out
+    samples, a mixture's sources against each other), so the trainer's preflight
+    refuses a bad job before anything is written. The trainer opens the data here
+    once and hands the object to the dataloader and the validator (``with_job``).
+    """
+    source = resolve_source(job, tokenizer)
+    return source, source.data_config(seed=job.zephon.seed, schedule=batch_schedule(job))
+
+
+def heldout_parts(job: JobView, source: Any) -> list[Any]:
+    """The held-out parts validation reads (a mixture's sources with held-out samples),
+    or ValueError when one holds less than a global batch: the preflight asks this
+    before anything is written (validation on), the validator when it is built."""
+    gbs = batch_schedule(job).gbs(1)
+    parts = source.heldout()
+    mixture = parts[0].name is not None
+    if mixture:
+        small = [h for h in parts if 0 < h.count < gbs]
+        if small:
+            raise ValueError(
+                f"validation reads held-out samples in global batches of {gbs}; mixture "
+                f"source {small[0].name!r} holds {small[0].count} (heldout_samples). Set its "
+                f"heldout_samples to a multiple of {gbs}, or to 0 to not validate it."
+            )
+        parts = [h for h in parts if h.count > 0]
+    if not parts or parts[0].count < gbs:
+        raise ValueError(
+            f"validation needs at least one global batch ({gbs} samples) of held-out data; "
+            f"zephon.heldout_samples is {parts[0].count if parts else 0}. Set "
+            f"--zephon.heldout_samples to a multiple of {gbs}"
+            + (" (or heldout_samples of the mixture's sources)." if mixture else ".")
+        )
+    return parts

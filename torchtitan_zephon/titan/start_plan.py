@@ -1,0 +1,174 @@
+"""The start plan: what a job starts from, and the checkpoint TorchTitan will load.
+
+Role: ``choose_checkpoint`` finds the checkpoint TorchTitan will load, by its own
+rule (``checkpoint.enable``, ``checkpoint.load_step``, else the newest ``step-N``
+with a DCP ``.metadata`` under ``dump_folder/checkpoint.folder``: ``titan_load_step``),
+and passes over checkpoints whose files are incomplete or corrupt; the preflight
+(``titan.preflight``) fills the rest of the ``StartPlan`` and runs the checks.
+
+Invariant: the choice only reads, and is a pure function of the job and the files,
+so every rank reaches the same one; ``StartPlan.load_step`` is what the trainer pins
+in TorchTitan's ``checkpoint.load_step`` so that it loads exactly the checkpoint
+that was checked. Where TorchTitan would load a checkpoint that cannot be loaded,
+the start is refused (``StartRefused``) instead.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torchtitan_zephon import runs
+from torchtitan_zephon.job.data import JobData
+from torchtitan_zephon.order.state import DataState
+from torchtitan_zephon.titan import old_runs
+from torchtitan_zephon.titan.job_view import JobView
+
+
+class StartRefused(RuntimeError):
+    """The job would not continue its run folder's history correctly: nothing was written."""
+
+
+@dataclass
+class StartPlan:
+    """What the job starts from."""
+
+    resume: runs.CheckpointInfo | None = None
+    """The checkpoint whose training and data state the job continues (None: step 1)."""
+    state: DataState | None = None
+    """Its Zephon data state."""
+    skipped: list[runs.CheckpointInfo] = field(default_factory=list)
+    """Newer checkpoints passed over: incomplete or corrupt."""
+    notes: list[str] = field(default_factory=list)
+    """What rank 0 tells the user before training."""
+    data: JobData | None = None
+    """The job's data, opened and checked by the preflight: the trainer hands this
+    object to the dataloader and the validator, so no store is opened twice."""
+    load_step: int | None = None
+    """The step TorchTitan must load (its ``checkpoint.load_step``), when the job's -1
+    (the newest) resolved to a checked checkpoint; None: leave it as it is."""
+    old_run: old_runs.OldCheckpoint | None = None
+    """The resumed checkpoint's key map when the 0.2.2-based code wrote it (``titan.old_runs``)."""
+
+
+# ---------------------------------------------------------------- TorchTitan's rule
+
+
+def titan_load_step(folder: Path) -> int:
+    """The step TorchTitan's ``CheckpointManager._find_load_step`` picks in ``folder``
+    (any entry whose name *contains* ``step-N`` and that holds a DCP ``.metadata`` or a
+    safetensors index), or -1. TorchTitan has no public API for it: this is the one
+    copy of the rule, and tests/titan/test_load_step.py pins it to TorchTitan's."""
+    if not folder.is_dir():
+        return -1
+    steps = []
+    for name in os.listdir(folder):
+        m = re.search(r"step-(\d+)", name)
+        if m and (
+            (folder / name / ".metadata").is_file()
+            or (folder / name / "model.safetensors.index.json").is_file()
+        ):
+            steps.append(int(m.group(1)))
+    return max(steps, default=-1)
+
+
+def _listing(found: list[runs.CheckpointInfo]) -> str:
+    return ", ".join(f"step-{c.step} ({c.status})" for c in found) or "none"
+
+
+def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPlan, str]:
+    """(checkpoint TorchTitan will load or None, plan with skipped ones, why none).
+
+    Sets ``plan.load_step`` to the chosen step when ``checkpoint.load_step`` was -1
+    (the newest). Raises StartRefused when TorchTitan would load something that
+    cannot be loaded.
+    """
+    ck = job.checkpoint
+    dump = Path(job.dump_folder)
+    folder = dump / ck.folder
+    plan = StartPlan()
+    if not ck.enable:
+        return None, plan, "checkpoint.enable is false"
+    if not folder.exists():
+        path = ck.initial_load_path
+        if path and not ck.initial_load_in_hf:
+            info = runs.verify_checkpoint(
+                runs.CheckpointInfo(-1, Path(path), (Path(path) / ".metadata").is_file(), 0)
+            )
+            if info.status != "complete":
+                raise StartRefused(
+                    f"checkpoint.initial_load_path {path} is {info.status}"
+                    f"{': ' + info.problem if info.problem else ' (no DCP .metadata)'}; it "
+                    "cannot be loaded. Point it at a complete checkpoint."
+                )
+            if not ck.initial_load_model_only:
+                return info, plan, ""
+            check_old_run(info, plan, job)
+            return None, plan, f"--checkpoint.initial_load_path {path} is loaded model only"
+        return None, plan, f"it has no checkpoint folder {folder}"
+    found = runs.checkpoints(dump, ck.folder)
+    by_step = {c.step: c for c in found}
+    if ck.load_step >= 0:  # an explicit step: TorchTitan loads exactly that folder
+        info = by_step.get(ck.load_step)
+        if info is None:
+            raise StartRefused(
+                f"--checkpoint.load_step={ck.load_step} but {folder / f'step-{ck.load_step}'} "
+                f"does not exist; checkpoints there: {_listing(found)}"
+            )
+        runs.verify_checkpoint(info)
+        if info.status != "complete":
+            why = info.problem or "no DCP .metadata: the job died while writing it"
+            raise StartRefused(
+                f"--checkpoint.load_step={ck.load_step} names checkpoint {info.path}, which is "
+                f"{info.status} ({why}). Choose another: {_listing(found)}"
+            )
+        if ck.load_step == 0:
+            check_old_run(info, plan, job)
+            return None, plan, "checkpoint.load_step = 0 loads only the model of step-0"
+        return info, plan, ""
+    titan_step = titan_load_step(folder)
+    chosen = None
+    for info in sorted(found, key=lambda c: -c.step):
+        if not info.complete:
+            if (info.path / "model.safetensors.index.json").is_file():
+                info.holds, chosen = "model", info  # TorchTitan would load this export
+                break
+            plan.skipped.append(info)
+            continue
+        runs.verify_checkpoint(info)
+        if info.problem:
+            plan.skipped.append(info)
+            continue
+        chosen = info
+        break
+    if chosen is None:
+        if titan_step != -1:
+            problems = [f"step-{c.step}: {c.problem}" for c in plan.skipped if c.problem]
+            raise StartRefused(
+                f"no checkpoint in {folder} can be loaded ({_listing(found)}"
+                f"{''.join('; ' + p for p in problems)}), but TorchTitan would try step "
+                f"{titan_step}. Move the broken folders out of "
+                f"{folder} (TorchTitan counts any name that contains step-<N>), or use "
+                "another --dump_folder."
+            )
+        return None, plan, f"{folder} holds no complete checkpoint"
+    plan.skipped = [c for c in plan.skipped if c.step > chosen.step]
+    plan.load_step = chosen.step  # TorchTitan loads what was checked, on every rank
+    if chosen.step == 0:
+        check_old_run(chosen, plan, job)
+        return None, plan, "its only checkpoint is the seed checkpoint step-0 (model only)"
+    return chosen, plan, ""
+
+
+def check_old_run(info: runs.CheckpointInfo, plan: StartPlan, job: JobView) -> None:
+    """A checkpoint TorchTitan will load (a resume, or model only): when the 0.2.2-based
+    code wrote it, ``plan.old_run`` is its name map, and a note says so (StartRefused
+    when it does not map)."""
+    try:
+        plan.old_run = old_runs.check(info, job)
+    except old_runs.OldRunRefused as e:
+        raise StartRefused(str(e)) from None
+    if plan.old_run is not None:
+        plan.notes.append(plan.old_run.describe())
