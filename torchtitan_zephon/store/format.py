@@ -102,17 +102,22 @@ def map_file(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     """Memory-map ``count`` values of ``dtype`` from ``path`` read-only, checking its size."""
     if not path.is_file():
         raise StoreError(f"store file {str(path)!r} is missing. {REPREPARE}")
-    expected = count * dtype.itemsize
-    actual = path.stat().st_size
-    if actual != expected:
-        state = "empty" if actual == 0 else ("truncated" if actual < expected else "too long")
-        raise StoreError(
-            f"store file {str(path)!r} is {state}: expected {expected} bytes "
-            f"({count} x {dtype.name}), found {actual}. {REPREPARE}"
-        )
+    check_file_size(str(path), path.stat().st_size, dtype, count)
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+def check_file_size(shown: str, actual: int, dtype: np.dtype, count: int) -> None:
+    """Refuse a store file (``shown`` as messages print it) of ``actual`` bytes that should
+    hold ``count`` values of ``dtype``: empty, truncated or too long."""
+    expected = count * dtype.itemsize
+    if actual != expected:
+        state = "empty" if actual == 0 else ("truncated" if actual < expected else "too long")
+        raise StoreError(
+            f"store file {shown!r} is {state}: expected {expected} bytes "
+            f"({count} x {dtype.name}), found {actual}. {REPREPARE}"
+        )
 
 
 # ----------------------------------------------------------------------------- checksums

@@ -56,17 +56,25 @@ def open_manifest(root: Path) -> dict[str, Any]:
             f"preparation did not finish. {REPREPARE}"
         )
     try:
-        manifest = json.loads(mpath.read_text())
-    except (OSError, ValueError, RecursionError) as e:  # RecursionError: deep JSON
+        text = mpath.read_text()
+    except OSError as e:
         raise StoreError(f"cannot read {str(mpath)!r}: {e}. {REPREPARE}") from None
+    return check_manifest(text, str(mpath), str(root))
+
+
+def check_manifest(text: str, mpath: str, root: str) -> dict[str, Any]:
+    """The manifest in ``text`` (read from ``mpath``, of the store ``root``: both as
+    messages print them), checked: a local folder's and an object prefix's alike."""
+    try:
+        manifest = json.loads(text)
+    except (ValueError, RecursionError) as e:  # RecursionError: deep JSON
+        raise StoreError(f"cannot read {mpath!r}: {e}. {REPREPARE}") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise StoreError(
-            f"{str(mpath)!r} is not a token store manifest (expected format {FORMAT!r})."
-        )
+        raise StoreError(f"{mpath!r} is not a token store manifest (expected format {FORMAT!r}).")
     version = manifest.get("version")
     if version not in READABLE_VERSIONS:
         raise StoreError(
-            f"{str(mpath)!r} has store format version {version!r}, this "
+            f"{mpath!r} has store format version {version!r}, this "
             f"version of zephon reads versions {list(READABLE_VERSIONS)}. {REPREPARE}"
         )
     try:
@@ -85,16 +93,16 @@ def open_manifest(root: Path) -> dict[str, Any]:
         _check_sources(manifest.get("sources", []))
     except (KeyError, TypeError, ValueError, OverflowError) as e:  # Overflow: 1e400
         raise StoreError(
-            f"{str(mpath)!r} is missing or has an invalid field ({e}). {REPREPARE}"
+            f"{mpath!r} is missing or has an invalid field ({e}). {REPREPARE}"
         ) from None
     actual = manifest_fingerprint(manifest)
     if actual != expected:
         raise StoreError(
-            f"{str(mpath)!r} was modified after preparation: recorded fingerprint "
+            f"{mpath!r} was modified after preparation: recorded fingerprint "
             f"{expected[:16]}..., contents hash to {actual[:16]}.... {REPREPARE}"
         )
     if num_tokens < 1:
-        raise StoreError(f"token store {str(root)!r} holds no tokens. {REPREPARE}")
+        raise StoreError(f"token store {root!r} holds no tokens. {REPREPARE}")
     return manifest
 
 
@@ -109,6 +117,15 @@ def read_content(root: Path, manifest: dict[str, Any]) -> tuple[dict[str, Any] |
 def map_checksums(root: Path, content: dict[str, Any], where: Path, num_tokens: int) -> np.ndarray:
     """Map checksums.bin after checking the content section (from ``where``) and the file's
     own hash against it."""
+    chunk_tokens, recorded = check_content(content, str(where))
+    checksums = map_file(root / CHECKSUMS, np.dtype("<u8"), -(-num_tokens // chunk_tokens))
+    check_checksums(checksums, recorded, str(root / CHECKSUMS), where.name)
+    return checksums
+
+
+def check_content(content: dict[str, Any], where: str) -> tuple[int, str]:
+    """(chunk_tokens, the recorded xxh3-128 of checksums.bin) of a well-formed content
+    section (read from ``where``, as messages print it)."""
     try:
         chunk_tokens = int(content["chunk_tokens"])
         int(content["max_token_id"])
@@ -121,18 +138,21 @@ def map_checksums(root: Path, content: dict[str, Any], where: Path, num_tokens: 
             )
     except (KeyError, TypeError, ValueError) as e:
         raise StoreError(
-            f"{str(where)!r}: the content section is missing or has an invalid field ({e}). "
-            f"{REPREPARE}"
+            f"{where!r}: the content section is missing or has an invalid field ({e}). {REPREPARE}"
         ) from None
-    checksums = map_file(root / CHECKSUMS, np.dtype("<u8"), -(-num_tokens // chunk_tokens))
+    return chunk_tokens, recorded
+
+
+def check_checksums(checksums: np.ndarray, recorded: str, file: str, where: str) -> None:
+    """Refuse checksums (read from ``file``) whose xxh3-128 is not the one ``where``
+    records."""
     found = xxhash.xxh3_128_hexdigest(checksums)
     if found != recorded:
         raise StoreError(
-            f"store file {str(root / CHECKSUMS)!r} was modified after preparation: "
-            f"{where.name} records xxh3-128 {recorded[:16]}..., the file hashes to "
+            f"store file {file!r} was modified after preparation: "
+            f"{where} records xxh3-128 {recorded[:16]}..., the file hashes to "
             f"{found[:16]}.... {REPREPARE}"
         )
-    return checksums
 
 
 def _read_content(root: Path) -> dict[str, Any] | None:
