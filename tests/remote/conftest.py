@@ -50,8 +50,11 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="session")
 def s3():
+    import logging
+
     import boto3
 
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no line per request
     port = _free_port()
     server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()

@@ -201,8 +201,10 @@ def _loopback(url: str) -> bool:
 
 
 def _client_options(url: ObjectURL, timeout_s: float) -> dict[str, Any]:
+    # The time limit is ours (asyncio.wait_for around each request, retries included);
+    # obstore's own, per attempt, is set beyond it so that it never decides first.
     options: dict[str, Any] = {
-        "timeout": timedelta(seconds=timeout_s),
+        "timeout": timedelta(seconds=2 * timeout_s + 1),
         "connect_timeout": timedelta(seconds=min(5.0, timeout_s)),
     }
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
@@ -314,8 +316,10 @@ class ObjectFiles:
         if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
             return StoreError(
                 f"{doing} {where} took longer than request_timeout_s={self.timeout_s:g} s "
-                "(with retries): the endpoint does not answer. Check the network and "
-                "AWS_ENDPOINT_URL, or raise zephon.request_timeout_s."
+                "(with retries): the endpoint, or the credential source, does not answer. "
+                "Check the network and the endpoint (AWS_ENDPOINT_URL for an S3-compatible "
+                f"one), and the credentials: looked for {CREDENTIAL_VARIABLES[self.url.scheme]}; "
+                "or raise zephon.request_timeout_s."
             )
         if isinstance(e, PreconditionError):
             return StoreError(
@@ -349,9 +353,7 @@ class ObjectFiles:
     async def _head(self, name: str) -> dict[str, Any]:
         import obstore
 
-        return await asyncio.wait_for(
-            obstore.head_async(self._store, name), timeout=self.timeout_s + 1
-        )
+        return await asyncio.wait_for(obstore.head_async(self._store, name), self.timeout_s)
 
     def open_file(self, name: str) -> int:
         """Record the size and ETag of the file ``name``; its size in bytes."""
@@ -370,7 +372,7 @@ class ObjectFiles:
 
         async def first() -> list[str]:
             stream = obstore.list(self._store, chunk_size=8)
-            batch = await asyncio.wait_for(stream.__anext__(), timeout=self.timeout_s + 1)
+            batch = await asyncio.wait_for(stream.__anext__(), self.timeout_s)
             return [str(m["path"]) for m in batch]
 
         try:
@@ -389,11 +391,13 @@ class ObjectFiles:
         if etag:
             options["if_match"] = etag
         assert self._gate is not None
-        async with self._gate:
-            result = await asyncio.wait_for(
-                obstore.get_async(self._store, name, options=options), timeout=self.timeout_s + 1
-            )
-            data = memoryview(await asyncio.wait_for(result.bytes_async(), self.timeout_s + 1))
+
+        async def get() -> memoryview:
+            result = await obstore.get_async(self._store, name, options=options)
+            return memoryview(await result.bytes_async())
+
+        async with self._gate:  # the time limit starts when the request does
+            data = await asyncio.wait_for(get(), self.timeout_s)
         if len(data) != stop - start:
             raise StoreError(
                 f"{self.url.child(name)}: asked for bytes [{start}, {stop}), received "

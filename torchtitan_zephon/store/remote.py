@@ -15,7 +15,8 @@ ranges coalesced into one request, at most ``max_requests`` requests in flight
 (``location.ObjectFiles``), each chunk hashed against checksums.bin on arrival. A
 ``windows`` call takes its rows from the steps read ahead and waits for those not yet
 arrived (the loader's data wait); ids never read ahead are fetched on the spot, the same
-way. A step's buffer is freed once its windows were served; at most
+way. A step's buffer is freed once its windows were served (or, partly served, once a
+later step is read: what a reset leaves); at most
 ``read_ahead_bytes`` are held (a step larger than that is still fetched, alone).
 
 Invariants:
@@ -387,10 +388,14 @@ class RemoteTokenStore(TokenStore):
             fetch.fill(out, rows, pos)
         with self._lock:
             for _, rows, _, step in parts:
-                if step is None:
-                    continue
-                step.served += rows.size
-                if step.served >= step.rows and step in self._steps:
+                if step is not None:
+                    step.served += rows.size
+            # Steps are read in order: a step served whole, and one partly served before
+            # a later one was read from (left by a reset), will not be read again.
+            hits = [step for *_, step in parts if step is not None]
+            latest = max((self._steps.index(x) for x in hits if x in self._steps), default=-1)
+            for k, step in enumerate(list(self._steps)):
+                if step.served >= step.rows or (k < latest and step.served):
                     self._steps.remove(step)
                     self._held -= step.fetch.nbytes
             self._launch()
