@@ -16,6 +16,6 @@ echo "[setup] installing torch 2.13.0 (CPU wheel where no CUDA is present)"
 python -m pip install --disable-pip-version-check --progress-bar off -q "torch==2.13.0"
 echo "[setup] installing torchtitan 0.2.2 and the pinned dependencies"
 python -m pip install --disable-pip-version-check --progress-bar off -q \
-  -c requirements-lock.txt -e ".[test]"
+  -c requirements-lock.txt -e ".[test,remote]"
 touch .venv/.zephon-installed
 echo "[setup] done in $(( $(date +%s) - t0 )) s"
