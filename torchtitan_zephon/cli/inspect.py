@@ -13,7 +13,8 @@ PATH may be the URL of a store in object storage (``s3://BUCKET/PREFIX``, ``gs:/
 
 A store also takes ``--check`` (hash all its content; list each bad chunk; exit
 1 when anything is wrong, 0 when intact) and ``--upgrade`` (add content
-checksums to a format-1 store in place, keeping its fingerprint).
+checksums to a format-1 store, and block checksums to any store, in place, keeping
+its fingerprint).
 """
 
 from __future__ import annotations
@@ -27,10 +28,10 @@ from typing import Any
 
 from torchtitan_zephon.cli.inspect_run import RUN_KINDS
 from torchtitan_zephon.ingest.cache_contents import describe_cache, is_cache
-from torchtitan_zephon.store.format import UncheckedStoreWarning, is_store
+from torchtitan_zephon.store.format import BLOCKS, BLOCKS_INFO, UncheckedStoreWarning, is_store
 from torchtitan_zephon.store.location import is_url, parse_url, redact
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.upgrade import upgrade_store
+from torchtitan_zephon.store.upgrade import add_block_checksums, upgrade_store
 
 
 def _describe_store(path: Path) -> dict[str, Any]:
@@ -188,7 +189,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--upgrade",
         action="store_true",
-        help="store of format 1: add content checksums in place (the fingerprint stays)",
+        help="store: add content checksums (format 1) and block checksums (for reads from "
+        "object storage) in place; the fingerprint stays",
     )
     return p
 
@@ -197,8 +199,12 @@ def _store_actions(path: Path, args: argparse.Namespace) -> int:
     """``inspect STORE [--upgrade] [--check]``: the exit status (1 when a check fails)."""
     upgrade = None
     if args.upgrade:
-        changed = upgrade_store(path)[1]
-        upgrade = "content checksums added, fingerprint unchanged" if changed else "nothing to do"
+        done = []
+        if upgrade_store(path)[1]:
+            done.append("content checksums added, fingerprint unchanged")
+        if add_block_checksums(path)[1]:
+            done.append(f"block checksums added ({BLOCKS}, {BLOCKS_INFO}), fingerprint unchanged")
+        upgrade = "; ".join(done) or "nothing to do"
     info = _describe_store(path)
     if upgrade:
         info["upgrade"] = upgrade

@@ -396,8 +396,11 @@ class ObjectFiles:
             result = await obstore.get_async(self._store, name, options=options)
             return memoryview(await result.bytes_async())
 
-        async with self._gate:  # the time limit starts when the request does
-            data = await asyncio.wait_for(get(), self.timeout_s)
+        try:
+            async with self._gate:  # the time limit starts when the request does
+                data = await asyncio.wait_for(get(), self.timeout_s)
+        except Exception as e:
+            raise self._failure(e, name, "reading") from None
         if len(data) != stop - start:
             raise StoreError(
                 f"{self.url.child(name)}: asked for bytes [{start}, {stop}), received "
@@ -409,26 +412,42 @@ class ObjectFiles:
             self.requests += 1
         return data
 
-    async def _gather(
-        self, name: str, starts: Sequence[int], stops: Sequence[int], then: Any
-    ) -> Any:
-        try:
-            found = await asyncio.gather(
-                *(self._get(name, a, b) for a, b in zip(starts, stops, strict=True))
+    async def _gather(self, reads: list[tuple[str, list[int], list[int]]], then: Any) -> Any:
+        found = await asyncio.gather(
+            *(
+                asyncio.gather(*(self._get(name, a, b) for a, b in zip(starts, stops, strict=True)))
+                for name, starts, stops in reads
             )
-        except StoreError:
-            raise
-        except Exception as e:
-            raise self._failure(e, name, "reading") from None
+        )
+        found = [list(x) for x in found]
         return found if then is None else then(found)
+
+    def submit_many(
+        self, reads: Sequence[tuple[str, Sequence[int], Sequence[int]]], then: Any = None
+    ) -> Future:
+        """Start reading, for each ``(name, starts, stops)`` of ``reads``, the byte ranges
+        ``[starts[k], stops[k])`` of ``name`` (one request each, all at once); a Future of
+        their bytes (per read, a list of memoryviews in order), or of ``then(bytes)`` (run
+        on the background thread: a content check, say)."""
+        listed = [(name, list(a), list(b)) for name, a, b in reads]
+        return self._run(self._gather(listed, then))
 
     def submit(
         self, name: str, starts: Sequence[int], stops: Sequence[int], then: Any = None
     ) -> Future:
-        """Start reading byte ranges ``[starts[k], stops[k])`` of ``name`` (one request
-        each); a Future of their bytes (memoryviews, in order), or of ``then(bytes)``
-        (run on the background thread: a content check, say)."""
-        return self._run(self._gather(name, list(starts), list(stops), then))
+        """``submit_many`` of one file: a Future of its ranges' bytes (or of ``then`` of
+        them)."""
+        done = None if then is None else (lambda found: then(found[0]))
+        future = self.submit_many([(name, starts, stops)], then=done)
+        if then is not None:
+            return future
+        out: Future = Future()
+        future.add_done_callback(
+            lambda f: (
+                out.set_exception(f.exception()) if f.exception() else out.set_result(f.result()[0])
+            )
+        )
+        return out
 
     def read(self, name: str) -> memoryview:
         """The whole file ``name`` (opened first when it was not), in one request."""

@@ -8,6 +8,10 @@ the one its contents hash to, at least one token. The content section
 put beside a version-1 store. checksums.bin (``map_checksums``): the content section
 well-formed, the file mapped at the size it implies and its xxh3-128 the one recorded.
 
+Block checksums (``read_blocks_info`` / ``check_blocks_info``): blocks.json well-formed,
+naming this manifest's fingerprint, and blocks.bin of the size it implies; blocks.bin
+itself is read by range (``remote``) and checked block by block, never whole at open.
+
 Invariant: each returns only what passed its checks, and raises a StoreError naming the
 file, what is wrong and what to do otherwise; none reads tokens.bin or doc_offsets.bin
 (the reader maps those, ``format.map_file`` checking their sizes).
@@ -23,6 +27,9 @@ import numpy as np
 import xxhash
 
 from torchtitan_zephon.store.format import (
+    BLOCKS,
+    BLOCKS_FORMAT,
+    BLOCKS_INFO,
     CHECKSUM_ALGORITHM,
     CHECKSUMS,
     CONTENT,
@@ -32,8 +39,10 @@ from torchtitan_zephon.store.format import (
     READABLE_VERSIONS,
     REPREPARE,
     StoreError,
+    check_file_size,
     manifest_fingerprint,
     map_file,
+    num_blocks,
 )
 
 
@@ -153,6 +162,55 @@ def check_checksums(checksums: np.ndarray, recorded: str, file: str, where: str)
             f"{where} records xxh3-128 {recorded[:16]}..., the file hashes to "
             f"{found[:16]}.... {REPREPARE}"
         )
+
+
+def read_blocks_info(root: Path, manifest: dict[str, Any]) -> dict[str, Any] | None:
+    """The checked blocks.json of the store folder ``root`` (None: it has none), its
+    blocks.bin present at the size it implies."""
+    path = root / BLOCKS_INFO
+    if not path.exists():
+        return None
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise StoreError(f"cannot read {str(path)!r}: {e}.") from None
+    redo = f"Write it again with `zephon inspect {root} --upgrade`."
+    info = check_blocks_info(text, str(path), manifest, redo)
+    blocks = root / BLOCKS
+    size = blocks.stat().st_size if blocks.is_file() else 0
+    check_file_size(str(blocks), size, np.dtype("<u8"), int(info["num_blocks"]))
+    return info
+
+
+def check_blocks_info(text: str, where: str, manifest: dict[str, Any], redo: str) -> dict[str, Any]:
+    """The block-checksum section in ``text`` (read from ``where``), checked against the
+    store's ``manifest``; ``redo`` says how to write it afresh."""
+    try:
+        info = json.loads(text)
+        if not isinstance(info, dict) or info.get("format") != BLOCKS_FORMAT:
+            raise ValueError(f"expected a JSON object of format {BLOCKS_FORMAT!r}")
+        block_tokens = int(info["block_tokens"])
+        if info["algorithm"] != CHECKSUM_ALGORITHM or info["version"] != 1 or block_tokens < 1:
+            raise ValueError(
+                f"version {info['version']!r}, algorithm {info['algorithm']!r}, block_tokens "
+                f"{block_tokens}; expected 1, {CHECKSUM_ALGORITHM!r} and >= 1"
+            )
+        str(info["blocks_xxh3_128"])
+        found, expected = str(info["fingerprint"]), manifest["fingerprint"]
+        count, want = int(info["num_blocks"]), num_blocks(int(manifest["num_tokens"]), block_tokens)
+    except (KeyError, TypeError, ValueError, RecursionError) as e:
+        raise StoreError(f"cannot read {where!r} ({e}). {redo}") from None
+    if found != expected:
+        raise StoreError(
+            f"{where!r} belongs to another version of the store: it names fingerprint "
+            f"{found[:16]}..., the manifest's is {expected[:16]}.... {redo}"
+        )
+    if count != want:
+        raise StoreError(
+            f"{where!r} records {count} blocks, the store's {manifest['num_tokens']} tokens "
+            f"make {want}. {redo}"
+        )
+    return info
 
 
 def _read_content(root: Path) -> dict[str, Any] | None:

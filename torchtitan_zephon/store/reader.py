@@ -33,8 +33,10 @@ Version-1 stores (written before checksums) still open, with an
 content section) beside the unchanged manifest, so the fingerprint, and every
 checkpoint and sequence log that names it, stays valid (older zephon versions
 still open the store); the checksums then vouch for the content as it was at
-the upgrade. ``TokenStore.check`` (``zephon inspect STORE --check``) hashes
-everything and reports each bad chunk. The checksums catch corruption and
+the upgrade. ``upgrade.add_block_checksums`` (also ``--upgrade``) adds the finer
+block checksums (``format``) that reads from object storage check; a local store's
+reads keep checking whole chunks and never open them. ``TokenStore.check`` (``zephon
+inspect STORE --check``) hashes everything and reports each bad chunk (and block). The checksums catch corruption and
 edits, not a forger who also rewrites checksums.bin and the manifest.
 """
 
@@ -51,6 +53,8 @@ import xxhash
 from numpy.lib.stride_tricks import as_strided
 
 from torchtitan_zephon.store.format import (
+    BLOCKS,
+    BLOCKS_INFO,
     CHECKSUMS,
     CHUNK_TOKENS,
     DOC_OFFSETS,
@@ -60,12 +64,20 @@ from torchtitan_zephon.store.format import (
     ContentReport,
     StoreError,
     UncheckedStoreWarning,
+    block_checksums,
+    block_seed,
+    block_span,
     content_checksums,
     file_xxh3_128,
     map_file,
 )
 from torchtitan_zephon.store.location import is_url, parse_url
-from torchtitan_zephon.store.opening import map_checksums, open_manifest, read_content
+from torchtitan_zephon.store.opening import (
+    map_checksums,
+    open_manifest,
+    read_blocks_info,
+    read_content,
+)
 
 
 class TokenStore:
@@ -320,7 +332,40 @@ class TokenStore:
                 f"max_token_id {self.max_token_id}"
             )
         report.problems.extend(self.structure_problems(report.max_token_id))
+        report.problems.extend(self._block_problems())
         return report
+
+    def _block_problems(self) -> list[str]:
+        """What ``check`` finds wrong with the store's block checksums (none: it has none)."""
+        try:
+            info, sums = self.block_checksums()
+        except StoreError as e:
+            return [str(e)]
+        if info is None:
+            return []
+        problems = []
+        if xxhash.xxh3_128_hexdigest(sums) != info["blocks_xxh3_128"]:
+            problems.append(f"{BLOCKS} does not match the xxh3-128 {BLOCKS_INFO} records")
+        size = int(info["block_tokens"])
+        found = block_checksums(self.all_tokens(), block_seed(self.fingerprint), size)
+        bad = np.flatnonzero(found != sums).tolist()
+        for block in bad[:10]:
+            start, stop = block_span(block, self.num_tokens, size)
+            problems.append(
+                f"block {block} (tokens [{start}, {stop})) of {TOKENS} does not match its "
+                f"checksum in {BLOCKS}"
+            )
+        if len(bad) > 10:
+            problems.append(f"... and {len(bad) - 10} more blocks that do not match")
+        return problems
+
+    def block_checksums(self) -> tuple[dict[str, Any] | None, np.ndarray]:
+        """(blocks.json, blocks.bin) of the store, checked as opening checks them, or
+        (None, empty) when it has none (``check``: a local store's reads check chunks)."""
+        info = read_blocks_info(Path(self.path), self.manifest)
+        if info is None:
+            return None, np.zeros(0, dtype="<u8")
+        return info, np.fromfile(Path(self.path) / BLOCKS, dtype="<u8")
 
     def all_tokens(self) -> np.ndarray:
         """Every token, unchecked (``check``, ``structure_problems``): the map itself."""

@@ -10,9 +10,13 @@ the two. Its reads serve the same windows as the local store's.
 Read-ahead: the order is a pure function of the step, so the loader knows which
 samples a rank reads at every future step; it hands them here step by step
 (``read_ahead``), and each step's windows are fetched in the background: rounded out to
-whole checksum chunks (the unit of the content check), neighbouring and overlapping
-ranges coalesced into one request, at most ``max_requests`` requests in flight
-(``location.ObjectFiles``), each chunk hashed against checksums.bin on arrival. A
+the unit of the content check, neighbouring and overlapping ranges coalesced into one
+request, at most ``max_requests`` requests in flight (``location.ObjectFiles``). A store
+with block checksums (blocks.json, ``format``; ``zephon inspect STORE --upgrade`` adds
+them) rounds to 512-token blocks and reads each run's block checksums from blocks.bin
+by range with its tokens (8 bytes per block, counted as fetched); one without rounds to
+whole 65,536-token chunks and reads checksums.bin whole at open. Every block (chunk) is
+hashed on arrival, on the fetch thread, before its future resolves. A
 ``windows`` call takes its rows from the steps read ahead and waits for those not yet
 arrived (the loader's data wait); ids never read ahead are fetched on the spot, the same
 way. A step's buffer is freed once its windows were served (or, partly served, once a
@@ -22,14 +26,15 @@ later step is read: what a reset leaves); at most
 Invariants:
 - Row k of ``windows(ids, seq_len)`` equals the local store's ``windows`` row for the
   same store content, and every token served was fetched with ``If-Match`` the ETag
-  recorded at open and checked against its chunk's checksum before it is served; a
-  mismatch is a StoreError naming the store and the chunk, raised by the read that
-  needs it.
-- Opening reads the manifest and checksums.bin (8 bytes per 65,536 tokens) and nothing
-  of tokens.bin or doc_offsets.bin (fetched on first use, by range or, for
+  recorded at open and checked against its block's (or chunk's) checksum before it is
+  served; a mismatch is a StoreError naming the store and the block (chunk), raised by
+  the read that needs it.
+- Opening reads the manifest and blocks.json (with block checksums; HEADs give the
+  other files' sizes) or the manifest and checksums.bin (without), and nothing of
+  tokens.bin, blocks.bin or doc_offsets.bin (fetched on first use, by range or, for
   ``check``, whole).
 - ``fetched_bytes`` counts every byte read from object storage (manifest and checksums
-  included); ``served_bytes`` the bytes of the windows served.
+  of either kind included); ``served_bytes`` the bytes of the windows served.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ import numpy as np
 import xxhash
 
 from torchtitan_zephon.store.format import (
+    BLOCKS,
+    BLOCKS_INFO,
     CHECKSUMS,
     CONTENT,
     DOC_OFFSETS,
@@ -53,9 +60,13 @@ from torchtitan_zephon.store.format import (
     MANIFEST,
     REPREPARE,
     TOKENS,
+    ContentReport,
     StoreError,
     UncheckedStoreWarning,
+    block_seed,
+    block_span,
     check_file_size,
+    num_chunks,
 )
 from torchtitan_zephon.store.location import (
     MAX_REQUESTS,
@@ -64,7 +75,12 @@ from torchtitan_zephon.store.location import (
     ObjectFiles,
     ObjectURL,
 )
-from torchtitan_zephon.store.opening import check_checksums, check_content, check_manifest
+from torchtitan_zephon.store.opening import (
+    check_blocks_info,
+    check_checksums,
+    check_content,
+    check_manifest,
+)
 from torchtitan_zephon.store.reader import TokenStore
 
 READ_AHEAD_STEPS = 4
@@ -140,12 +156,52 @@ class _Step:
         self.fetch, self.rows, self.served = fetch, rows, 0
 
 
+def _open_blocks(files: ObjectFiles, url: ObjectURL, manifest: dict[str, Any]) -> dict | None:
+    """The checked blocks.json of the store (None: it has none) and blocks.bin's size
+    checked (one HEAD): the block checksums themselves are read by range, with the tokens."""
+    try:
+        text = bytes(files.read(BLOCKS_INFO)).decode(errors="replace")
+    except MissingObject:
+        return None
+    redo = (
+        f"Run `zephon inspect STORE --upgrade` on the local copy and upload its {BLOCKS} "
+        f"and {BLOCKS_INFO} again ({BLOCKS_INFO} last)."
+    )
+    info = check_blocks_info(text, url.child(BLOCKS_INFO), manifest, redo)
+    try:
+        size = files.open_file(BLOCKS)
+    except MissingObject:
+        raise StoreError(
+            f"store file {url.child(BLOCKS)!r} is missing ({BLOCKS_INFO} names it). Upload "
+            f"it again, {BLOCKS_INFO} after it."
+        ) from None
+    check_file_size(url.child(BLOCKS), size, np.dtype("<u8"), int(info["num_blocks"]))
+    return info
+
+
+def _read_checksums(
+    files: ObjectFiles, url: ObjectURL, num_tokens: int, chunk_tokens: int, recorded: str, where
+) -> np.ndarray:
+    """checksums.bin, read whole and checked against the hash the content section records."""
+    shown = url.child(CHECKSUMS)
+    try:
+        size = files.open_file(CHECKSUMS)
+    except MissingObject:
+        raise StoreError(f"store file {shown!r} is missing. {REPREPARE}") from None
+    check_file_size(shown, size, np.dtype("<u8"), num_chunks(num_tokens, chunk_tokens))
+    checksums = np.frombuffer(files.read(CHECKSUMS), dtype="<u8")
+    check_checksums(checksums, recorded, shown, str(where).rsplit("/", 1)[-1])
+    return checksums
+
+
 class RemoteTokenStore(TokenStore):
     """A token store under an object-storage prefix; open it with ``open_url`` (or
     ``TokenStore.open(URL)``). See the module docstring."""
 
     _files: ObjectFiles
     options: RemoteOptions
+    blocks: dict[str, Any] | None
+    """blocks.json (the store has block checksums: reads check blocks), or None."""
 
     @classmethod
     def open_url(
@@ -199,7 +255,7 @@ class RemoteTokenStore(TokenStore):
                 content = None
             except ValueError as e:
                 raise StoreError(f"cannot read {where!r}: {e}.") from None
-        checksums = None
+        checksums, blocks = None, None
         if content is None:
             warnings.warn(
                 f"token store {url.shown!r} has no content checksums (store format version "
@@ -210,18 +266,17 @@ class RemoteTokenStore(TokenStore):
             )
         else:
             chunk_tokens, recorded = check_content(content, where)
-            shown = url.child(CHECKSUMS)
-            try:
-                size = files.open_file(CHECKSUMS)
-            except MissingObject:
-                raise StoreError(f"store file {shown!r} is missing. {REPREPARE}") from None
-            check_file_size(shown, size, np.dtype("<u8"), -(-num_tokens // chunk_tokens))
-            checksums = np.frombuffer(files.read(CHECKSUMS), dtype="<u8")
-            check_checksums(checksums, recorded, shown, where.rsplit("/", 1)[-1])
+            blocks = _open_blocks(files, url, manifest)
+            if blocks is None:  # chunk checks: checksums.bin read whole (8 B / chunk)
+                checksums = _read_checksums(files, url, num_tokens, chunk_tokens, recorded, where)
         store = cls(url.shown, manifest, None, None, content, checksums, verify=verify)
         store._files = files
         store.url = url
         store.options = options
+        store.blocks = blocks
+        if blocks is not None:
+            store.num_chunks = num_chunks(num_tokens, store.chunk_tokens)
+            store.verifies = bool(verify)
         return store
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -274,16 +329,44 @@ class RemoteTokenStore(TokenStore):
     def doc_offsets_xxh3_128(self) -> str:
         return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(self.doc_offsets))
 
+    def block_checksums(self) -> tuple[dict[str, Any] | None, np.ndarray]:
+        if self.blocks is None:
+            return None, np.zeros(0, dtype="<u8")
+        return self.blocks, np.frombuffer(self._files.read(BLOCKS), dtype="<u8")
+
+    def check(self) -> ContentReport:
+        """``TokenStore.check`` on the fetched store (checksums.bin fetched whole first when
+        the store reads block checksums)."""
+        if self.checksums is None and self.content is not None:
+            chunk_tokens, recorded = check_content(self.content, self.path)
+            self.checksums = _read_checksums(
+                self._files, self.url, self.num_tokens, chunk_tokens, recorded, MANIFEST
+            )
+            self._sums = self.checksums
+            self.num_chunks = int(self.checksums.size)
+            self._checked = bytearray(self.num_chunks)
+            self._checked_np = np.frombuffer(self._checked, dtype=np.bool_)
+        return super().check()
+
     # ------------------------------------------------------------------ fetching
 
     def _fetch(self, ids: np.ndarray, seq_len: int) -> _Fetch:
         """Start fetching the windows of samples ``ids``: one request per run of
-        overlapping or adjacent ranges, each rounded out to whole checksum chunks."""
+        overlapping or adjacent ranges, each rounded out to the unit of the content
+        check (whole blocks, with their block checksums; else whole chunks)."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         start = ids * seq_len
         stop = start + seq_len + 1
-        unit = self.chunk_tokens if self.verifies else None
-        if unit:
+        blocks = self.blocks if self.verifies else None
+        unit = self.chunk_tokens if self.verifies and blocks is None else None
+        if blocks:
+            size = int(blocks["block_tokens"])
+            first = start // size
+            last = np.minimum(
+                np.maximum(first, -(-(stop - 1) // size) - 1), int(blocks["num_blocks"]) - 1
+            )
+            a, b = first * size, np.minimum((last + 1) * size + 1, self.num_tokens)
+        elif unit:
             a = start // unit * unit
             b = np.minimum(((stop - 1) // unit + 1) * unit, self.num_tokens)
         else:
@@ -293,28 +376,51 @@ class RemoteTokenStore(TokenStore):
         new = np.ones(ids.size, dtype=bool)
         new[1:] = a[1:] > b[:-1]
         heads = np.flatnonzero(new)
-        req_a = a[heads]
-        req_b = b[np.append(heads[1:] - 1, ids.size - 1)]
+        tails = np.append(heads[1:] - 1, ids.size - 1)
+        req_a, req_b = a[heads], b[tails]
         request = np.cumsum(new) - 1
         offset = start - req_a[request]
         item = self.dtype.itemsize
-        req_a_list, req_b_list = req_a.tolist(), req_b.tolist()
+        req_a_list = req_a.tolist()
+        reads = [(TOKENS, [x * item for x in req_a_list], [x * item for x in req_b.tolist()])]
+        if blocks:
+            block_first, block_last = first[heads].tolist(), last[tails].tolist()
+            reads.append((BLOCKS, [8 * x for x in block_first], [8 * (x + 1) for x in block_last]))
 
-        def arrived(datas: list[memoryview]) -> list[np.ndarray]:
-            arrays = [np.frombuffer(d, dtype=self.dtype) for d in datas]
-            if unit:
-                for arr, first in zip(arrays, req_a_list, strict=True):
-                    self._check_range(arr, first, unit)
+        def arrived(datas: list[list[memoryview]]) -> list[np.ndarray]:
+            arrays = [np.frombuffer(d, dtype=self.dtype) for d in datas[0]]
+            if blocks:
+                for arr, sums, block in zip(arrays, datas[1], block_first, strict=True):
+                    self._check_blocks(arr, np.frombuffer(sums, dtype="<u8"), block)
+            elif unit:
+                for arr, x in zip(arrays, req_a_list, strict=True):
+                    self._check_range(arr, x, unit)
             return arrays
 
-        future = self._files.submit(
-            TOKENS,
-            [x * item for x in req_a_list],
-            [x * item for x in req_b_list],
-            then=arrived,
-        )
+        future = self._files.submit_many(reads, then=arrived)
         nbytes = int((req_b - req_a).sum()) * item
         return _Fetch(ids, seq_len, request, offset, nbytes, future)
+
+    def _check_blocks(self, arr: np.ndarray, sums: np.ndarray, block: int) -> None:
+        """Hash every block of ``arr`` (tokens from block ``block`` on, whole blocks)
+        against ``sums``, their block checksums as read."""
+        size = int(self.blocks["block_tokens"])
+        seed = block_seed(self.fingerprint)
+        digest = xxhash.xxh3_64_intdigest
+        for k, expected in enumerate(sums.tolist()):
+            lo = k * size
+            if digest(arr[lo : lo + size + 1], seed) != expected:
+                raise self.block_mismatch(block + k)
+
+    def block_mismatch(self, block: int) -> StoreError:
+        """The error for block ``block`` of tokens.bin not matching its block checksum."""
+        start, stop = block_span(block, self.num_tokens, int(self.blocks["block_tokens"]))
+        return StoreError(
+            f"token store {str(self.path)!r}: block {block} of {TOKENS} (tokens [{start}, "
+            f"{stop})) does not match its checksum in {BLOCKS}; an object was changed or "
+            f"corrupted after preparation. Run `zephon inspect {self.path} --check` to list "
+            "every bad chunk and block, and upload the store again from an intact copy."
+        )
 
     def _check_range(self, arr: np.ndarray, first: int, unit: int) -> None:
         """Hash every chunk of ``arr`` (tokens from ``first``, whole chunks)."""
