@@ -79,3 +79,17 @@ def s3():
             else:
                 os.environ[k] = v
         server.stop()
+
+
+@pytest.fixture
+def proxy(s3, monkeypatch):
+    """A fault-injecting proxy (tests/remote/faults.py) in front of the session's moto
+    server, made the S3 endpoint for the test."""
+    from tests.remote.faults import FaultProxy
+
+    p = FaultProxy(s3.endpoint, hang_s=4.0)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", p.endpoint)
+    try:
+        yield p
+    finally:
+        p.close()

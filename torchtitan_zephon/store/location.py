@@ -20,8 +20,15 @@ Design:
   ``AZURE_*``) read by obstore; an S3-compatible endpoint is ``AWS_ENDPOINT_URL``.
   Plain http is allowed for a loopback endpoint (127.0.0.1, ::1, localhost) without
   opt-in, elsewhere only with ``AWS_ALLOW_HTTP=true``. Credential discovery and every
-  request are time-limited (``request_timeout_s``); the first request of a store is its
-  credential check, and a failure there names the variables looked for.
+  request are time-limited (``request_timeout_s`` per attempt); the first request of a
+  store is its credential check, and a failure there names the variables looked for.
+- Faults: transient failures (500/502/503/504, throttling, an attempt over its time
+  limit, a reset connection, a body cut short) are retried by obstore, with exponential
+  backoff and jitter, ``RETRIES`` times after the first attempt (obstore knows each
+  cloud's transient answers); a well-formed answer shorter than asked is retried here the
+  same number of times. What cannot get better by waiting stops at once with an error
+  naming the object and what to do: 403, a missing object or bucket, an object changed
+  since open (412 on ``If-Match``), missing credentials.
 - Secrets never reach a message: obstore's error texts (which print request URLs) are
   not passed on; messages are written here from the error's kind, with URLs redacted
   and the values of the secret variables scrubbed.
@@ -32,8 +39,9 @@ Design:
   and the bucket.
 
 Invariant: a read returns exactly the bytes asked for of the object as it was at open,
-or raises a StoreError naming the object (redacted) and what to do; no request waits
-longer than ``request_timeout_s`` (plus obstore's bounded retries within it).
+or raises a StoreError naming the object (redacted) and what to do; no attempt waits
+longer than ``request_timeout_s``, no request longer than ``limit_s`` (every attempt
+and the backoff between them).
 """
 
 from __future__ import annotations
@@ -56,6 +64,13 @@ URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 OBJECT_SCHEMES = ("s3", "gs", "az")
 SCHEMES = (*OBJECT_SCHEMES, "file")
 REQUEST_TIMEOUT_S = 30.0
+"""Time limit of one attempt of a request (credential discovery included)."""
+RETRIES = 4
+"""Attempts after the first for a transient failure: 500 / 502 / 503 / 504, throttling
+(429, S3's 503 SlowDown), an attempt over its time limit, a reset or refused connection,
+a body cut short."""
+BACKOFF_S = (0.1, 2.0)
+"""First and largest wait before a retry (doubling, with jitter: obstore's backoff)."""
 MAX_REQUESTS = 16
 """Range requests in flight per store, at most."""
 
@@ -201,10 +216,9 @@ def _loopback(url: str) -> bool:
 
 
 def _client_options(url: ObjectURL, timeout_s: float) -> dict[str, Any]:
-    # The time limit is ours (asyncio.wait_for around each request, retries included);
-    # obstore's own, per attempt, is set beyond it so that it never decides first.
+    # Each attempt is limited to timeout_s by obstore (then retried, see RETRIES).
     options: dict[str, Any] = {
-        "timeout": timedelta(seconds=2 * timeout_s + 1),
+        "timeout": timedelta(seconds=timeout_s),
         "connect_timeout": timedelta(seconds=min(5.0, timeout_s)),
     }
     endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
@@ -236,19 +250,33 @@ class ObjectFiles:
         *,
         request_timeout_s: float = REQUEST_TIMEOUT_S,
         max_requests: int = MAX_REQUESTS,
+        retries: int = RETRIES,
     ) -> None:
         from obstore.store import from_url
 
-        if request_timeout_s <= 0 or max_requests < 1:
+        if request_timeout_s <= 0 or max_requests < 1 or retries < 0:
             raise StoreError(
-                f"request_timeout_s must be > 0 and max_requests >= 1, got "
-                f"{request_timeout_s} and {max_requests}."
+                f"request_timeout_s must be > 0, max_requests >= 1 and retries >= 0, got "
+                f"{request_timeout_s}, {max_requests} and {retries}."
             )
         self.url = url
         self.timeout_s = float(request_timeout_s)
         self.max_requests = int(max_requests)
         options = _client_options(url, self.timeout_s)
-        retry = {"max_retries": 4, "retry_timeout": timedelta(seconds=self.timeout_s)}
+        self.retries = int(retries)
+        # Retries are obstore's (its classification of transient failures, per cloud),
+        # bounded here: RETRIES attempts after the first, each within timeout_s, with
+        # BACKOFF_S between; a request as a whole never waits longer than ``limit_s``.
+        retry = {
+            "max_retries": self.retries,
+            "retry_timeout": timedelta(seconds=(self.retries + 1) * self.timeout_s),
+            "backoff": {
+                "init_backoff": timedelta(seconds=BACKOFF_S[0]),
+                "max_backoff": timedelta(seconds=BACKOFF_S[1]),
+                "base": 2.0,
+            },
+        }
+        self.limit_s = (self.retries + 1) * (self.timeout_s + BACKOFF_S[1]) + 1.0
         try:
             self._store = from_url(url.text, client_options=options, retry_config=retry)
         except Exception as e:  # obstore's configuration errors: scrubbed, not passed on
@@ -283,11 +311,18 @@ class ObjectFiles:
             return self._loop
 
     def close(self) -> None:
-        """Stop the background thread (requests in flight are abandoned)."""
+        """Stop the background thread; requests in flight are cancelled (their futures
+        raise CancelledError)."""
         with self._lock:
             loop, self._loop = self._loop, None
         if loop is not None:
-            loop.call_soon_threadsafe(loop.stop)
+
+            def shut() -> None:
+                for task in asyncio.all_tasks(loop):
+                    task.cancel()
+                loop.call_soon(loop.stop)  # after the cancelled tasks ran their handlers
+
+            loop.call_soon_threadsafe(shut)
             if self._thread is not None:
                 self._thread.join(timeout=5)
 
@@ -313,14 +348,9 @@ class ObjectFiles:
 
         where = self.url.child(name)
         text = str(e)
-        if isinstance(e, (asyncio.TimeoutError, TimeoutError)):
-            return StoreError(
-                f"{doing} {where} took longer than request_timeout_s={self.timeout_s:g} s "
-                "(with retries): the endpoint, or the credential source, does not answer. "
-                "Check the network and the endpoint (AWS_ENDPOINT_URL for an S3-compatible "
-                f"one), and the credentials: looked for {CREDENTIAL_VARIABLES[self.url.scheme]}; "
-                "or raise zephon.request_timeout_s."
-            )
+        retried = re.search(r"after (\d+) retries", text)
+        attempts = int(retried.group(1)) + 1 if retried else 1
+        variables = CREDENTIAL_VARIABLES[self.url.scheme]
         if isinstance(e, PreconditionError):
             return StoreError(
                 f"{where} changed while this job reads it (its ETag is no longer the one "
@@ -335,16 +365,46 @@ class ObjectFiles:
                     f"these credentials): check the URL, and AWS_ENDPOINT_URL for an "
                     "S3-compatible endpoint."
                 )
+            if name in self.sizes:  # it was there when the store was opened
+                return MissingObject(
+                    f"{where} does not exist any more: it was deleted after the store was "
+                    "opened. Upload the whole store again (manifest.json last) and restart "
+                    "the job."
+                )
             return MissingObject(f"{where} does not exist.")
         if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or " 403 " in text:
             return StoreError(
                 f"access to {where} was denied (403): the credentials found do not allow "
-                f"reading it. Looked for {CREDENTIAL_VARIABLES[self.url.scheme]}."
+                f"reading it. Grant them read access to the store's prefix, or give others "
+                f"(looked for {variables})."
             )
         if "metadata" in text.lower() or "169.254.169.254" in text or "credential" in text.lower():
             return StoreError(
-                f"no credentials to read {self.url.shown}: looked for "
-                f"{CREDENTIAL_VARIABLES[self.url.scheme]}, and found none that works."
+                f"no credentials to read {self.url.shown}: looked for {variables}, and found "
+                "none that works."
+            )
+        if isinstance(e, (asyncio.TimeoutError, TimeoutError)) or "kind: Timeout" in text:
+            return StoreError(
+                f"{doing} {where} took longer than request_timeout_s={self.timeout_s:g} s, "
+                f"{self.retries + 1 if not retried else attempts} times (retried with backoff): "
+                "the endpoint, or the credential source, does not answer. Check the network "
+                "and the endpoint (AWS_ENDPOINT_URL for an S3-compatible one), and the "
+                f"credentials: looked for {variables}; or raise zephon.request_timeout_s."
+            )
+        status = re.search(r"status code: (\d{3})", text)
+        if status:
+            code = re.search(r"<Code>(\w+)</Code>", text)
+            said = f"{status.group(1)} {code.group(1)}" if code else status.group(1)
+            return StoreError(
+                f"{doing} {where} failed {attempts} times (retried with backoff): the "
+                f"endpoint answered {said}. The service is failing or throttling this job: "
+                "try again later, or read less at once (lower zephon.read_ahead_steps)."
+            )
+        if "error sending request" in text or "body error" in text or "connection" in text.lower():
+            return StoreError(
+                f"{doing} {where} failed {attempts} times (retried with backoff): the "
+                "connection was refused or reset, or an answer was cut short. Check the "
+                "network and the endpoint (AWS_ENDPOINT_URL for an S3-compatible one)."
             )
         first = scrub(text.splitlines()[0] if text else type(e).__name__)
         first = re.sub(r"https?://\S+", "<endpoint>", first)
@@ -353,7 +413,7 @@ class ObjectFiles:
     async def _head(self, name: str) -> dict[str, Any]:
         import obstore
 
-        return await asyncio.wait_for(obstore.head_async(self._store, name), self.timeout_s)
+        return await asyncio.wait_for(obstore.head_async(self._store, name), self.limit_s)
 
     def open_file(self, name: str) -> int:
         """Record the size and ETag of the file ``name``; its size in bytes."""
@@ -372,7 +432,7 @@ class ObjectFiles:
 
         async def first() -> list[str]:
             stream = obstore.list(self._store, chunk_size=8)
-            batch = await asyncio.wait_for(stream.__anext__(), self.timeout_s)
+            batch = await asyncio.wait_for(stream.__anext__(), self.limit_s)
             return [str(m["path"]) for m in batch]
 
         try:
@@ -396,16 +456,24 @@ class ObjectFiles:
             result = await obstore.get_async(self._store, name, options=options)
             return memoryview(await result.bytes_async())
 
-        try:
-            async with self._gate:  # the time limit starts when the request does
-                data = await asyncio.wait_for(get(), self.timeout_s)
-        except Exception as e:
-            raise self._failure(e, name, "reading") from None
-        if len(data) != stop - start:
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._gate:  # the time limit starts when the request does
+                    data = await asyncio.wait_for(get(), self.limit_s)
+            except Exception as e:
+                raise self._failure(e, name, "reading") from None
+            if len(data) == stop - start:
+                break
+            with self._lock:  # a short body (a well-formed answer, too short): retried
+                self.fetched_bytes += len(data)
+                self.requests += 1
+            if attempt < self.retries:
+                await asyncio.sleep(min(BACKOFF_S[0] * 2**attempt, BACKOFF_S[1]))
+        else:
             raise StoreError(
                 f"{self.url.child(name)}: asked for bytes [{start}, {stop}), received "
-                f"{len(data)}: the object is shorter than the store's manifest says. "
-                "Upload the store again."
+                f"{len(data)}, {self.retries + 1} times: the object is shorter than the "
+                "store's manifest says. Upload the store again."
             )
         with self._lock:
             self.fetched_bytes += len(data)

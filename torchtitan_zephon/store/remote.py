@@ -71,6 +71,7 @@ from torchtitan_zephon.store.format import (
 from torchtitan_zephon.store.location import (
     MAX_REQUESTS,
     REQUEST_TIMEOUT_S,
+    RETRIES,
     MissingObject,
     ObjectFiles,
     ObjectURL,
@@ -97,9 +98,11 @@ class RemoteOptions:
     read_ahead_bytes: int = READ_AHEAD_BYTES
     """Bytes of fetched windows a store holds at most, per process."""
     request_timeout_s: float = REQUEST_TIMEOUT_S
-    """Time limit of one request (credential discovery included), retries included."""
+    """Time limit of one attempt of a request (credential discovery included)."""
     max_requests: int = MAX_REQUESTS
     """Range requests in flight per store, at most."""
+    retries: int = RETRIES
+    """Attempts after the first for a transient failure (``location.RETRIES``)."""
 
     def __post_init__(self) -> None:
         if self.read_ahead_steps < 0 or self.read_ahead_bytes < 0:
@@ -211,7 +214,10 @@ class RemoteTokenStore(TokenStore):
         objects (manifest, sizes, checksums.bin), reading no tokens."""
         options = options or RemoteOptions()
         files = ObjectFiles(
-            url, request_timeout_s=options.request_timeout_s, max_requests=options.max_requests
+            url,
+            request_timeout_s=options.request_timeout_s,
+            max_requests=options.max_requests,
+            retries=options.retries,
         )
         try:
             files.open_file(MANIFEST)
