@@ -47,6 +47,20 @@ class Zephon:
     across machines, one node prepares and the others wait; on local disk each
     node prepares once."""
 
+    read_ahead_steps: int = 4
+    """Where zephon.store (or a mixture source) is in object storage (s3://, gs://,
+    az://): the steps after the current one whose windows each rank fetches in the
+    background, by byte range, as the plan names them (0: fetch each window when it
+    is read). Not part of the data config."""
+
+    read_ahead_bytes: int = 256 << 20
+    """Bytes of fetched windows a remote store holds at most per process (a step
+    larger than that is still fetched, alone). Not part of the data config."""
+
+    request_timeout_s: float = 30.0
+    """Time limit, in seconds, of one request to object storage (credential discovery
+    and retries included): then a clear error naming the object."""
+
     mixture: str = ""
     """Path of a mixture file (TOML): several stores drawn in exact proportions that
     follow a weight schedule, instead of zephon.store (setting both is an error).
