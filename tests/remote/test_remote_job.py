@@ -3,9 +3,10 @@ and mixture sources that are URLs, and the `zephon` commands (real S3 API on loo
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
-from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -145,19 +146,61 @@ def test_store_values_that_are_urls(fine_url) -> None:
         MixtureConfig.load("s3://b/mix.toml")
 
 
-def test_the_trainer_settings_open_a_store_url(fine_url) -> None:
-    zephon = SimpleNamespace(
-        store=fine_url, read_ahead_steps=2, read_ahead_bytes=1 << 20, request_timeout_s=5.0
+def _job(tmp: Path, **zephon: Any):
+    """The view Zephon's trainer hands the job layer (``titan.job_view.JobView``) of the
+    tiny registry job with these ``--zephon.*`` values."""
+    from torchtitan_zephon.configs import llama3_tiny
+    from torchtitan_zephon.titan.job_view import job_view
+
+    config = llama3_tiny()
+    config.dump_folder = str(tmp)
+    config.training.seq_len = 8
+    config.training.global_batch_size = 8
+    config.zephon = dataclasses.replace(config.zephon, heldout_samples=0, **zephon)
+    return job_view(config)
+
+
+def test_the_trainer_settings_open_a_store_url(fine_url, tmp_path) -> None:
+    job = _job(
+        tmp_path,
+        store=fine_url,
+        read_ahead_steps=2,
+        read_ahead_bytes=1 << 20,
+        request_timeout_s=5.0,
     )
-    job = SimpleNamespace(zephon=zephon, model=SimpleNamespace(hf_assets_path=""))
     store = open_store(job)
     assert isinstance(store, RemoteTokenStore)
     assert (store.options.read_ahead_steps, store.options.read_ahead_bytes) == (2, 1 << 20)
+    assert store.options.request_timeout_s == 5.0
     assert StoreData(store, 16).read_ahead_steps() == 2
-    zephon.cache_dir = "s3://bucket/cache"
-    zephon.store = "s3://bucket/raw/*.jsonl"
+    job = _job(tmp_path, store="s3://bucket/raw/*.jsonl", cache_dir="s3://bucket/cache")
     with pytest.raises(StoreError, match="zephon.cache_dir 's3://bucket/cache' is a URL"):
         open_store(job)
+
+
+def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, tmp_path):
+    """The trainer's data of a mixture job (titan.dataloader.resolve_source): a source in
+    the bucket is read with the job's zephon.read_ahead_steps / read_ahead_bytes /
+    request_timeout_s, not the store defaults."""
+    from torchtitan_zephon.titan.dataloader import resolve_source
+
+    a = slice_store(store, 0, 1800, tmp_path / "a")
+    b = slice_store(store, 1800, store.num_tokens, tmp_path / "b")
+    url = s3.upload(b.path, "job/mix-settings")
+    mixture = tmp_path / "mix.toml"
+    mixture.write_text(
+        f'[[source]]\nname = "a"\nstore = "{a.path}"\n'
+        f'[[source]]\nname = "b"\nstore = "{url}"\n'
+        "[[schedule]]\nfrom_step = 1\nweights = { a = 0.5, b = 0.5 }\n"
+    )
+    settings = dict(read_ahead_steps=1, read_ahead_bytes=1 << 16, request_timeout_s=7.5)
+    data = resolve_source(_job(tmp_path / "run", mixture=str(mixture), **settings))
+    assert isinstance(data, MixtureData)
+    remote = data.stores[data.names.index("b")]
+    assert isinstance(remote, RemoteTokenStore)
+    got = remote.options
+    assert (got.read_ahead_steps, got.read_ahead_bytes, got.request_timeout_s) == (1, 1 << 16, 7.5)
+    assert data.read_ahead_steps() == 1
 
 
 # ---------------------------------------------------------------- the zephon command

@@ -73,8 +73,10 @@ def raw_inputs(job_config: Any, log: Log | None = None) -> RawInputs:
 
 
 def remote_options(job_config: Any) -> RemoteOptions:
-    """How this job reads a store in object storage: zephon.read_ahead_steps (default
-    4), zephon.read_ahead_bytes (256 MiB) and zephon.request_timeout_s (30 s)."""
+    """How this job reads a store in object storage (``zephon.store`` or a mixture
+    source): zephon.read_ahead_steps (default 4), zephon.read_ahead_bytes (256 MiB) and
+    zephon.request_timeout_s (30 s per attempt), read from the ``zephon`` section the
+    trainer hands over (``titan.job_view.JobView.zephon``)."""
     zc = job_config.zephon
     return RemoteOptions(
         read_ahead_steps=int(getattr(zc, "read_ahead_steps", READ_AHEAD_STEPS)),

@@ -33,7 +33,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.data import JobData, MixtureData
-from torchtitan_zephon.job.settings import open_store, raw_inputs, store_source
+from torchtitan_zephon.job.settings import open_store, raw_inputs, remote_options, store_source
 from torchtitan_zephon.loader import ZephonLoader, document_positions
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule
@@ -81,6 +81,7 @@ def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
             path=mixture,
             progress=int(os.environ.get("RANK", "0")) == 0,
             raw=raw_inputs(job, _log),
+            remote=remote_options(job),
         )
         what = f"the mixture {mixture} (sources {', '.join(source.names)})"
     else:
