@@ -27,8 +27,8 @@ from torchtitan_zephon.store.upgrade import add_block_checksums
 
 pytest.importorskip("torchtitan.trainer", reason="TorchTitan 0.3 (torchtitan.trainer)")
 
-# Small read-ahead limits, so that a job's requests also go through the budget's
-# eviction and the per-attempt time limit is a setting the jobs really parse.
+# Non-default remote settings: the jobs take them through the trainer's command line
+# (the zephon section, tyro) and a wrong value would stop them (RemoteOptions checks).
 REMOTE = ("--zephon.read_ahead_steps", "2", "--zephon.read_ahead_bytes", "65536",
           "--zephon.request_timeout_s", "20")  # fmt: skip
 
