@@ -25,7 +25,10 @@ class Zephon:
     fingerprint, however they are spelled). Empty: the builtin store, built on
     first use from text that ships with Python (its documentation topics and
     standard-library sources) with the tokenizer in
-    torchtitan_zephon/assets/tokenizer (set hf_assets_path to it)."""
+    torchtitan_zephon/assets/tokenizer (set hf_assets_path to it). A store in object
+    storage is named by its URL (s3://BUCKET/PREFIX, gs://, az://; file:// is a local
+    path): read by byte range with zephon.read_ahead_steps, read_ahead_bytes and
+    request_timeout_s, same fingerprint as its local copy."""
 
     text_field: str = "text"
     """The JSON / Parquet / dataset field holding a document's text, where
@@ -46,6 +49,23 @@ class Zephon:
     ~/.cache/torchtitan_zephon. On a shared filesystem whose file locks work
     across machines, one node prepares and the others wait; on local disk each
     node prepares once."""
+
+    read_ahead_steps: int = 4
+    """Where zephon.store (or a mixture source) is in object storage (s3://, gs://,
+    az://): the steps after the current one whose windows each rank fetches in the
+    background, by byte range, as the plan names them (0: fetch each window when it
+    is read). Not part of the data config."""
+
+    read_ahead_bytes: int = 256 << 20
+    """Bytes of fetched windows a remote store holds at most per process (a step
+    larger than that is still fetched, alone). Not part of the data config."""
+
+    request_timeout_s: float = 30.0
+    """Time limit, in seconds, of ONE ATTEMPT of a request to object storage (credential
+    discovery included). A transient failure (an attempt over this limit, 5xx,
+    throttling, a reset, a body cut short) is retried 4 times with backoff, so a request
+    fails after 5 attempts at most, then a clear error naming the object. Not part of
+    the data config."""
 
     mixture: str = ""
     """Path of a mixture file (TOML): several stores drawn in exact proportions that

@@ -24,7 +24,7 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.data import JobData, MixtureData
-from torchtitan_zephon.job.settings import open_store, raw_inputs, store_source
+from torchtitan_zephon.job.settings import open_store, raw_inputs, remote_options, store_source
 from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
@@ -58,6 +58,7 @@ def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
             path=mixture,
             progress=int(os.environ.get("RANK", "0")) == 0,
             raw=raw_inputs(job, _log),
+            remote=remote_options(job),
         )
         what = f"the mixture {mixture} (sources {', '.join(source.names)})"
     else:
