@@ -20,13 +20,20 @@ from hypothesis import strategies as st
 
 from tests.order.test_mixture import batch_schedules, mixtures
 from torchtitan_zephon.job.plans import plan_of
-from torchtitan_zephon.order.data_config import SKIP_FIELD, DataConfig, data_extra
+from torchtitan_zephon.order.data_config import (
+    SKIP_FIELD,
+    DataConfig,
+    DataStateMismatch,
+    data_extra,
+)
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.config import MixtureError
 from torchtitan_zephon.order.mixture.plan import MixturePlan
 from torchtitan_zephon.order.mixture.spec import MixtureSpec
 from torchtitan_zephon.order.mixture.stream import MixtureStream
+from torchtitan_zephon.order.resume import check_resume
 from torchtitan_zephon.order.skips import SkipSteps
+from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.order.stream import DataPlan, make_keys
 
 # ---------------------------------------------------------------- the setting
@@ -274,3 +281,123 @@ def test_lookup_cost_does_not_grow_with_the_step():
 
     early, late = cost(10), cost(10**9)
     assert late < 3 * early + 1e-3, (early, late)
+
+
+# ---------------------------------------------------------------- the resume rule
+
+
+def store_config(skips: str = "", schedule: str = "1:4") -> DataConfig:
+    return DataConfig.make(
+        seq_len=8,
+        seed=5,
+        schedule=BatchSchedule.parse(schedule),
+        sample_offset=0,
+        num_samples=500,
+        store_fingerprint="s" * 64,
+        tokenizer_hash="t" * 64,
+        extra=data_extra(skip_steps=skips),
+    )
+
+
+def saved_at(config: DataConfig, next_step: int) -> DataState:
+    return DataState(config, next_step, config.batch_schedule().first_position(next_step))
+
+
+@settings(max_examples=150, deadline=None)
+@given(old=skip_steps(), new=skip_steps(), next_step=st.integers(1, 30))
+def test_a_skip_for_untrained_steps_is_a_continuation_and_a_past_edit_is_refused(
+    old, new, next_step
+):
+    a, b = store_config(str(old)), store_config(str(new))
+    state = saved_at(a, next_step)
+    trained = next_step - 1
+    if old == new:
+        assert check_resume(state, b).extended == ()
+    elif old.up_to(trained) == new.up_to(trained):
+        decision = check_resume(state, b)
+        assert decision.extended == (SKIP_FIELD,) and decision.anchor == (1, 0)
+        added = [e for e in new.entries if e not in old.entries]
+        assert [n.split(":")[0] for n in decision.notes] == [
+            f"skip_steps gained {s}" for s, _ in added
+        ]
+        plan_a, plan_b = plan_of(a), plan_of(b)
+        for s in range(1, next_step):  # the trained past: same samples, same records
+            assert a.step_key(s) == b.step_key(s)
+            assert np.array_equal(plan_a.global_ids(s), plan_b.global_ids(s))
+    else:
+        with pytest.raises(DataStateMismatch) as e:
+            check_resume(state, b)
+        text = str(e.value)
+        assert f"  {SKIP_FIELD}: {str(old) or '(none)'} -> {str(new) or '(none)'}" in text
+        assert f"allow_changes=['{SKIP_FIELD}']" in text
+        assert check_resume(state, b, [SKIP_FIELD]).accepted == (SKIP_FIELD,)
+
+
+def test_rolling_back_and_adding_a_skip_resumes_with_a_note():
+    state = saved_at(store_config(), 101)  # the checkpoint of step 100
+    decision = check_resume(state, store_config("101:40"))
+    assert decision.extended == (SKIP_FIELD,)
+    assert decision.notes == (
+        "skip_steps gained 101:40: at step 101, skip the data of 40 steps (101..140): step "
+        "101 trains what step 141 would have trained, and steps 101..140 of the original "
+        "order are never trained",
+    )
+    with pytest.raises(DataStateMismatch) as e:
+        check_resume(state, store_config("100:40"))
+    assert "  skip_steps: (none) -> 100:40 (the entries at or before step 100 differ from " in (
+        str(e.value)
+    )
+    assert "this run trained step 100 without a skip there" in str(e.value)
+    assert "allowed_fields" not in str(e.value)
+    # a skip set for a past step can still be dropped from the config only with the opt-in
+    with pytest.raises(
+        DataStateMismatch, match=r"skip_steps: 50:10 -> \(none\) .* with the skip 50:10"
+    ):
+        check_resume(saved_at(store_config("50:10"), 101), store_config())
+    assert check_resume(
+        saved_at(store_config("50:10"), 101), store_config(), ["skip_steps"]
+    ).accepted == (SKIP_FIELD,)
+
+
+def test_a_trained_skip_fixes_the_batch_sizes_of_the_steps_it_covers():
+    """Skip 95:20 trained at step 95..100: what it skipped is what steps 95..114 draw,
+    so a batch size entry at 101..114 would change the trained past."""
+    state = saved_at(store_config("95:20"), 101)
+    with pytest.raises(DataStateMismatch) as e:
+        check_resume(state, store_config("95:20", "1:4,110:8"))
+    text = str(e.value)
+    assert "  schedule: [[1, 4]] -> [[1, 4], [110, 8]]" in text
+    assert "The skip 95:20 (already in effect at trained step 95) skips what steps 95..114" in text
+    assert "a change must start at step 115 or later" in text
+    assert check_resume(state, store_config("95:20", "1:4,115:8")).extended == ("schedule",)
+    # without the skip, step 110 is an untrained step like any other
+    assert check_resume(saved_at(store_config(), 101), store_config("", "1:4,110:8")).extended
+
+
+def test_a_trained_skip_fixes_the_mixture_weights_of_the_steps_it_covers():
+    from torchtitan_zephon.job.data import mixture_store_fingerprint
+
+    def mixture(entries, skips):
+        spec = MixtureSpec.build({"code": 50, "web": 70}, entries)
+        return DataConfig.make(
+            seq_len=8,
+            seed=1,
+            schedule=BatchSchedule.parse("1:4"),
+            sample_offset=0,
+            num_samples=120,
+            store_fingerprint=mixture_store_fingerprint(spec),
+            tokenizer_hash="t" * 64,
+            extra={"mixture": spec.to_json(), **data_extra(skip_steps=skips)},
+        )
+
+    even = [(1, {"code": 1, "web": 1})]
+    state = saved_at(mixture(even, "8:5"), 11)
+    with pytest.raises(DataStateMismatch) as e:
+        check_resume(state, mixture([*even, (12, {"code": 0, "web": 1})], "8:5"))
+    assert "  mixture: " in str(e.value) and "The skip 8:5" in str(e.value)
+    later = mixture([*even, (13, {"code": 0, "web": 1})], "8:5")
+    assert check_resume(state, later).extended == ("mixture",)
+    a, b = plan_of(state.config), plan_of(later)
+    for step in range(1, 11):
+        assert np.array_equal(a.global_ids(step), b.global_ids(step))
+        assert state.config.step_key(step) == later.step_key(step)
