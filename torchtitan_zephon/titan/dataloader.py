@@ -22,7 +22,7 @@ from torchtitan.tools.logging import logger
 from torchtitan_zephon.job.data import JobData, MixtureData
 from torchtitan_zephon.job.settings import open_store, raw_inputs, store_source
 from torchtitan_zephon.loader import ZephonLoader
-from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
+from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch, data_extra
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.mixture.plan import deviation_warning
@@ -327,7 +327,9 @@ def open_job_data(job_config: Any, tokenizer: Any = None) -> tuple[JobData, Data
     """
     source = resolve_source(job_config, tokenizer)
     return source, source.data_config(
-        seed=job_config.zephon.seed, schedule=batch_schedule(job_config)
+        seed=job_config.zephon.seed,
+        schedule=batch_schedule(job_config),
+        extra=data_extra(skip_steps=job_config.zephon.skip_steps),
     )
 
 
@@ -366,6 +368,7 @@ def build_zephon_dataloader(
         prefetch=zc.prefetch,
         pin_memory=job_config.training.dataloader.pin_memory,
         vocab_size=_model_vocab_size(job_config),  # exact: refuses ids beyond the embedding
+        extra_config=data_extra(skip_steps=zc.skip_steps),
     )
     rank = int(os.environ.get("RANK", "0"))
     if isinstance(loader.plan, MixtureStream):
