@@ -261,27 +261,39 @@ class DataConfig:
         return tuple((int(e["from_step"]), e["weights"]) for e in entries)
 
     @functools.cached_property
-    def _skip_starts(self) -> list[int]:
-        return [s for s, _ in self.skip_steps.entries]
+    def _starts(self) -> tuple[list[int], list[int]]:
+        """The skip entries' S and the weight entries' from_step, for bisection."""
+        return [s for s, _ in self.skip_steps.entries], [s for s, _ in self._weight_entries]
+
+    @functools.cached_property
+    def _step_keys(self) -> dict[tuple[int, int], str]:
+        """Step keys by (skip entries, weight entries) in effect: each computed once."""
+        return {}
 
     def step_key(self, step: int) -> str:
         """What step ``step``'s ids digest binds besides its ids and positions: the order
         key, for a mixture the weights in effect at that step (exact fractions), and the
-        skip entries with S <= ``step`` when there are any."""
-        skips = self.skip_steps.entries[: bisect.bisect_right(self._skip_starts, step)]
-        if not self._weight_entries:
-            if not skips:
-                return self.order_key
-            return fingerprint({"order_key": self.order_key, SKIP_FIELD: [list(e) for e in skips]})
-        weights = None
-        for from_step, w in self._weight_entries:
-            if from_step > step:
-                break
-            weights = w
-        body: dict[str, Any] = {"order_key": self.order_key, "weights": weights}
-        if skips:
-            body[SKIP_FIELD] = [list(e) for e in skips]
-        return fingerprint(body)
+        skip entries with S <= ``step`` when there are any. O(log entries) per step."""
+        if not self._weight_entries and not self.skip_steps:
+            return self.order_key
+        skip_starts, weight_starts = self._starts
+        which = (
+            bisect.bisect_right(skip_starts, step),
+            bisect.bisect_right(weight_starts, step),
+        )
+        key = self._step_keys.get(which)
+        if key is None:
+            k, w = which
+            if not self._weight_entries:
+                body: dict[str, Any] = {"order_key": self.order_key}
+            else:
+                weights = self._weight_entries[w - 1][1] if w else None
+                body = {"order_key": self.order_key, "weights": weights}
+            if k:
+                body[SKIP_FIELD] = [list(e) for e in self.skip_steps.entries[:k]]
+            key = self.order_key if len(body) == 1 else fingerprint(body)
+            self._step_keys[which] = key
+        return key
 
     def differing(self, other: DataConfig) -> list[str]:
         """Names of the fields whose values differ (sorted)."""

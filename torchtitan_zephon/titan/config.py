@@ -97,7 +97,8 @@ class Zephon:
     """Data-config fields whose change since the checkpoint is accepted on
     resume, e.g. ["seed"]. Names: seed, seq_len, schedule, num_samples (changed
     by heldout_samples), store (its contents), tokenizer, mixture (a mixture's
-    sources, or weights of steps already trained), or "all". Without it such a
+    sources, or weights of steps already trained), skip_steps (an entry at a step
+    already trained), or "all". Without it such a
     resume is refused, naming the differing fields."""
 
     ignore_log_mismatch: bool = False
