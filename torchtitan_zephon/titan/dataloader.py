@@ -35,7 +35,7 @@ from torchtitan.tools.logging import logger
 from torchtitan_zephon.job.data import JobData, MixtureData
 from torchtitan_zephon.job.settings import open_store, raw_inputs, store_source
 from torchtitan_zephon.loader import ZephonLoader, document_positions
-from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
+from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch, data_extra
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.mixture.plan import deviation_warning
@@ -233,6 +233,7 @@ class ZephonDataLoader(BaseDataLoader):
             prefetch=zc.prefetch,
             pin_memory=config.pin_memory,
             vocab_size=job.vocab_size,  # exact: refuses ids beyond the embedding
+            extra_config=data_extra(skip_steps=zc.skip_steps),
         )
         rank = int(os.environ.get("RANK", "0"))
         if isinstance(self.loader.plan, MixtureStream):
@@ -404,4 +405,8 @@ def open_job_data(job: JobView, tokenizer: Any = None) -> tuple[JobData, DataCon
     once and hands the object to the dataloader and the validator (``with_job``).
     """
     source = resolve_source(job, tokenizer)
-    return source, source.data_config(seed=job.zephon.seed, schedule=batch_schedule(job))
+    return source, source.data_config(
+        seed=job.zephon.seed,
+        schedule=batch_schedule(job),
+        extra=data_extra(skip_steps=job.zephon.skip_steps),
+    )
