@@ -1,6 +1,10 @@
 """Skip ranges end to end (issue 22): roll back to a checkpoint, add a skip, resume on
 another number of ranks; the run equals a fresh run with the skip from the start, and a
-skip inside the trained steps is refused with the run folder unchanged."""
+skip inside the trained steps (or a malformed one) is refused with the run folder unchanged.
+
+Both front ends take the field: the fresh run is the registry job ``llama3_tiny`` (0.3
+spellings, ``--zephon.skip_steps``), the rolled-back one the TOML twin ``tiny.toml`` (0.2.2
+spellings, the same ``--zephon.skip_steps``) the reference was trained with."""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from tests.titan.expect import (
     resume_events,
     tree,
 )
-from tests.titan.launch import copy_run_until, train
+from tests.titan.launch import copy_run_until, train, train03
 from torchtitan_zephon.cli.main import main
 
 SKIP = ("--zephon.skip_steps", "5:3")
@@ -24,7 +28,7 @@ SKIP = ("--zephon.skip_steps", "5:3")
 def test_a_rollback_with_a_skip_matches_a_fresh_run_with_the_skip(
     e2e_root: Path, reference: Path, capsys
 ):
-    fresh = train(e2e_root / "skip_fresh", 2, *SKIP).check().run
+    fresh = train03(e2e_root / "skip_fresh", 2, *SKIP).check().run
     rolled = copy_run_until(reference, e2e_root / "skip_rolled", 4)
     train(rolled, 1, *SKIP).check()
     (event,) = resume_events(rolled)
@@ -58,3 +62,15 @@ def test_a_skip_inside_the_trained_steps_is_refused(e2e_root: Path, reference: P
         "--zephon.allow_changes FIELD",
     )
     assert_unchanged(before, tree(run))
+
+
+def test_a_malformed_skip_is_refused_before_anything_is_written(tmp_path: Path):
+    job = train03(tmp_path / "log", 1, "--dump_folder", str(tmp_path / "run"),
+                  "--zephon.skip_steps", "5:3,6:2")  # fmt: skip
+    assert_refused(
+        job,
+        "zephon.skip_steps: skip entries 5:3 and 6:2 overlap: the first covers steps 5..7, "
+        "the second starts at step 6. Start the second at step 8 or later, or merge them "
+        "into one entry (e.g. 5:3).",
+    )
+    assert not (tmp_path / "run").exists()
