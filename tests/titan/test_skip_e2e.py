@@ -21,6 +21,7 @@ from tests.titan.expect import (
 )
 from tests.titan.launch import copy_run_until, train, train03
 from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.tracker import read_log
 
 SKIP = ("--zephon.skip_steps", "5:3")
 
@@ -34,6 +35,10 @@ def test_a_rollback_with_a_skip_matches_a_fresh_run_with_the_skip(
     (event,) = resume_events(rolled)
     assert event["from_step"] == 4 and event["extended"] == ["skip_steps"]
     assert event["notes"][0].startswith("skip_steps gained 5:3: at step 5, skip the data of 3")
+    for run, kinds in ((fresh, ["start", "skip"]), (rolled, ["start", "resume", "skip"])):
+        events = read_log(run / "zephon" / "sequence_log.jsonl").events
+        assert [e["event"] for e in events] == kinds
+        assert (events[-1]["from_step"], events[-1]["step"], events[-1]["steps"]) == (4, 5, 3)
     assert main(["verify", str(fresh), str(rolled)]) == 0
     assert "verdict: MATCH: both runs saw identical data at all 8 common steps" in (
         capsys.readouterr().out
