@@ -601,3 +601,22 @@ def test_a_rollback_with_a_skip_matches_a_run_with_the_skip_from_the_start(tmp_p
     # the same ids but no skip difference: no skip sentence
     rc, out, _ = verify(capsys, skip_log(tmp_path / "x", ""), skip_log(tmp_path / "y", ""))
     assert rc == 0 and "skips:" not in out
+
+
+def test_an_edited_skip_event_breaks_the_log_at_the_step_it_precedes(tmp_path, capsys):
+    run = skip_log(tmp_path / "run", "3:2")
+    path = log_path(run)
+    lines = path.read_text().splitlines()
+    event = json.loads(lines[3])
+    assert (event["event"], event["from_step"], event["step"]) == ("skip", 2, 3)
+    rc, out, _ = verify(capsys, run)
+    assert rc == 0 and "verdict: INTACT" in out
+    event["from_step"] = 1
+    lines[3] = json.dumps(event, sort_keys=True)
+    path.write_text("\n".join(lines) + "\n")
+    rc, out, _ = verify(capsys, run)
+    assert rc == 1
+    assert (
+        "verdict: BROKEN at step 3: line 4: a skip event for step 3 (from_step 1) that does "
+        "not follow the log's step 2 before it (the event was edited or moved)"
+    ) in out

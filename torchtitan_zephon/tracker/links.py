@@ -92,7 +92,7 @@ def check_skip(
         return  # nothing to link to: the record after it is reported (an orphan)
     if k != step or e.get("chain") != chain or e.get("step") != k + 1:
         report(
-            lineno, k + 1, "event",
+            lineno, step + 1, "event",
             f"line {lineno}: a skip event for step {e.get('step')!r} (from_step {k}) that does "
             f"not follow the log's step {step} before it (the event was edited or moved)",
         )  # fmt: skip
