@@ -87,6 +87,17 @@ class Zephon:
     first entry at step 1), e.g. "1:32,1000:64". Empty: training.global_batch_size
     for every step. Positions are accounted exactly across changes."""
 
+    skip_steps: str = ""
+    """Skip ranges "S:N,S:N,..." (entries strictly increasing in S, N >= 1, not
+    overlapping): at step S, the data that steps S..S+N-1 would have drawn is consumed
+    and never trained (after a loss spike). Steps keep their numbers, batch sizes, LR
+    schedule and, in a mixture, their per-source counts; each source's samples skip
+    exactly what those N steps would have drawn from it. With one store and a constant
+    batch size, step S trains what step S+N would have trained. An entry for untrained
+    steps resumes as a continuation (roll back to a checkpoint, add the skip, resume);
+    changing an entry at a trained step needs allow_changes = ["skip_steps"]. Part of
+    the data config; a step's ids digest binds the entries with S <= that step."""
+
     heldout_samples: int = 0
     """Samples at the end of the store reserved for validation and never
     trained on. The validation loader reads them in order, so validation loss
@@ -104,7 +115,8 @@ class Zephon:
     """Data-config fields whose change since the checkpoint is accepted on
     resume, e.g. ["seed"]. Names: seed, seq_len, schedule, num_samples (changed
     by heldout_samples), store (its contents), tokenizer, mixture (a mixture's
-    sources, or weights of steps already trained), or "all". Without it such a
+    sources, or weights of steps already trained), skip_steps (an entry at a step
+    already trained), or "all". Without it such a
     resume is refused, naming the differing fields."""
 
     ignore_log_mismatch: bool = False

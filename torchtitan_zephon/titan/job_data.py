@@ -25,7 +25,7 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.data import JobData, MixtureData
 from torchtitan_zephon.job.settings import open_store, raw_inputs, remote_options, store_source
-from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.order.data_config import DataConfig, data_extra
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.titan.job_view import JobView
@@ -156,7 +156,11 @@ def open_job_data(job: JobView, tokenizer: Any = None) -> tuple[JobData, DataCon
     once and hands the object to the dataloader and the validator (``with_job``).
     """
     source = resolve_source(job, tokenizer)
-    return source, source.data_config(seed=job.zephon.seed, schedule=batch_schedule(job))
+    return source, source.data_config(
+        seed=job.zephon.seed,
+        schedule=batch_schedule(job),
+        extra=data_extra(skip_steps=job.zephon.skip_steps),
+    )
 
 
 def heldout_parts(job: JobView, source: Any) -> list[Any]:
