@@ -182,7 +182,7 @@ def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, 
     """The trainer's data of a mixture job (titan.dataloader.resolve_source): a source in
     the bucket is read with the job's zephon.read_ahead_steps / read_ahead_bytes /
     request_timeout_s, not the store defaults."""
-    from torchtitan_zephon.titan.dataloader import resolve_source
+    from torchtitan_zephon.titan.job_data import resolve_source
 
     a = slice_store(store, 0, 1800, tmp_path / "a")
     b = slice_store(store, 1800, store.num_tokens, tmp_path / "b")
