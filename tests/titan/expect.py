@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import subprocess
+import sys
 from pathlib import Path
 
 from torchtitan_zephon import runs
@@ -79,3 +81,18 @@ def assert_refused(job, *texts: str) -> None:
     assert f'File "{package}' not in job.output, f"a traceback instead of a message:\n{tail}"
     for text in texts:
         assert text in job.output, f"{text!r} not in the message:\n{tail}"
+
+
+def assert_verify_match(a: Path, b: Path) -> None:
+    """``zephon verify A B`` (the command users run) says MATCH, exit 0."""
+    from tests.titan.launch import REPO, job_env
+
+    verify = subprocess.run(
+        [sys.executable, "-m", "torchtitan_zephon", "verify", str(a), str(b)],
+        cwd=REPO,
+        env=job_env(),
+        capture_output=True,
+        text=True,
+    )
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    assert "verdict: MATCH" in verify.stdout

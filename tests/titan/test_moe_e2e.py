@@ -14,8 +14,6 @@ changed can move it), and the losses stay within 1e-6 of each other.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +22,10 @@ from tests.titan.expect import (
     TOPOLOGY_RTOL,
     assert_losses,
     assert_same_data,
+    assert_verify_match,
     resume_events,
 )
-from tests.titan.launch import REPO, copy_run_until, job_env, train03
+from tests.titan.launch import copy_run_until, train03
 
 pytest.importorskip("torchtitan.trainer", reason="TorchTitan 0.3 (torchtitan.trainer)")
 
@@ -53,15 +52,7 @@ def test_moe_resume_at_one_rank_matches_the_two_rank_ep_run(
     assert (event["from_step"], event["world_size"], event["dp_degree"]) == (4, 1, 1)
     assert_same_data(fresh_ep2, resumed, range(1, 9))
     assert_losses(fresh_ep2, resumed, range(5, 9), rtol=TOPOLOGY_RTOL)
-    verify = subprocess.run(
-        [sys.executable, "-m", "torchtitan_zephon", "verify", str(fresh_ep2), str(resumed)],
-        cwd=REPO,
-        env=job_env(),
-        capture_output=True,
-        text=True,
-    )
-    assert verify.returncode == 0, verify.stdout + verify.stderr
-    assert "verdict: MATCH" in verify.stdout
+    assert_verify_match(fresh_ep2, resumed)
 
 
 @pytest.mark.slow

@@ -4,8 +4,6 @@ torchtitan_zephon.configs --config llama3_tiny``)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,10 +14,11 @@ from tests.titan.expect import (
     assert_refused,
     assert_same_data,
     assert_unchanged,
+    assert_verify_match,
     resume_events,
     tree,
 )
-from tests.titan.launch import REPO, copy_run_until, job_env, train03
+from tests.titan.launch import copy_run_until, train03
 
 pytest.importorskip("torchtitan.trainer", reason="TorchTitan 0.3 (torchtitan.trainer)")
 
@@ -41,15 +40,7 @@ def test_resume_at_one_rank_matches_the_two_rank_run(fresh: Path, tmp_path: Path
     assert (event["from_step"], event["world_size"], event["dp_degree"]) == (4, 1, 1)
     assert_same_data(fresh, resumed, range(1, 9))
     assert_losses(fresh, resumed, range(5, 9), rtol=TOPOLOGY_RTOL)
-    verify = subprocess.run(
-        [sys.executable, "-m", "torchtitan_zephon", "verify", str(fresh), str(resumed)],
-        cwd=REPO,
-        env=job_env(),
-        capture_output=True,
-        text=True,
-    )
-    assert verify.returncode == 0, verify.stdout + verify.stderr
-    assert "verdict: MATCH" in verify.stdout
+    assert_verify_match(fresh, resumed)
 
 
 def test_a_start_that_would_supersede_history_changes_nothing(fresh: Path) -> None:

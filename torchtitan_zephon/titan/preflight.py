@@ -49,11 +49,15 @@ from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields, check_resume
-from torchtitan_zephon.titan import old_runs
 from torchtitan_zephon.titan.dataloader import with_trainer_hint
 from torchtitan_zephon.titan.job_data import check_tokenizer, heldout_parts, open_job_data
 from torchtitan_zephon.titan.job_view import JobView
-from torchtitan_zephon.titan.start_plan import StartPlan, StartRefused, choose_checkpoint
+from torchtitan_zephon.titan.start_plan import (
+    StartPlan,
+    StartRefused,
+    check_old_run,
+    choose_checkpoint,
+)
 from torchtitan_zephon.tracker import LogReader, SequenceTracker, TrackerError, log_path
 
 START_OVER = "--zephon.start_over (TOML: [zephon] start_over = true)"
@@ -264,12 +268,7 @@ def plan_start(
         )
     if chosen is not None:
         _check_loadable(chosen, job)
-        try:
-            plan.old_run = old_runs.check(chosen, job)
-        except old_runs.OldRunRefused as e:
-            raise StartRefused(str(e)) from None
-        if plan.old_run is not None:
-            plan.notes.append(plan.old_run.describe())
+        check_old_run(chosen, plan, job)
         try:
             saved = runs.read_data_state(chosen.path)
             check_resume(saved, config, zc.allow_changes, first_correction=first_correction)

@@ -105,7 +105,7 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
                 )
             if not ck.initial_load_model_only:
                 return info, plan, ""
-            _model_only(info, plan, job)
+            check_old_run(info, plan, job)
             return None, plan, f"--checkpoint.initial_load_path {path} is loaded model only"
         return None, plan, f"it has no checkpoint folder {folder}"
     found = runs.checkpoints(dump, ck.folder)
@@ -125,7 +125,7 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
                 f"{info.status} ({why}). Choose another: {_listing(found)}"
             )
         if ck.load_step == 0:
-            _model_only(info, plan, job)
+            check_old_run(info, plan, job)
             return None, plan, "checkpoint.load_step = 0 loads only the model of step-0"
         return info, plan, ""
     titan_step = titan_load_step(folder)
@@ -157,14 +157,15 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
     plan.skipped = [c for c in plan.skipped if c.step > chosen.step]
     plan.load_step = chosen.step  # TorchTitan loads what was checked, on every rank
     if chosen.step == 0:
-        _model_only(chosen, plan, job)
+        check_old_run(chosen, plan, job)
         return None, plan, "its only checkpoint is the seed checkpoint step-0 (model only)"
     return chosen, plan, ""
 
 
-def _model_only(info: runs.CheckpointInfo, plan: StartPlan, job: JobView) -> None:
-    """A checkpoint TorchTitan loads model only (no data state: not a resume): when the
-    0.2.2-based code wrote it, ``plan.old_run`` is its name map (else StartRefused)."""
+def check_old_run(info: runs.CheckpointInfo, plan: StartPlan, job: JobView) -> None:
+    """A checkpoint TorchTitan will load (a resume, or model only): when the 0.2.2-based
+    code wrote it, ``plan.old_run`` is its name map, and a note says so (StartRefused
+    when it does not map)."""
     try:
         plan.old_run = old_runs.check(info, job)
     except old_runs.OldRunRefused as e:
