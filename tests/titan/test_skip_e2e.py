@@ -20,6 +20,7 @@ from tests.titan.expect import (
     tree,
 )
 from tests.titan.launch import copy_run_until, train, train03
+from torchtitan_zephon import runs
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.tracker import read_log
 
@@ -30,8 +31,19 @@ def test_a_rollback_with_a_skip_matches_a_fresh_run_with_the_skip(
     e2e_root: Path, reference: Path, capsys
 ):
     fresh = train03(e2e_root / "skip_fresh", 2, *SKIP).check().run
-    rolled = copy_run_until(reference, e2e_root / "skip_rolled", 4)
-    train(rolled, 1, *SKIP).check()
+    # The finished reference, rolled back in place: load step 4, skip, train 5..8 again.
+    rolled = copy_run_until(reference, e2e_root / "skip_rolled", 8)
+    old_8 = (rolled / "checkpoint" / "step-8" / ".metadata").read_bytes()
+    job = train(rolled, 1, "--checkpoint.load_step", "4", *SKIP).check()
+    aside = rolled / "checkpoint_abandoned" / "rollback_to_step_4"
+    assert (
+        "Zephon: rollback to step 4: the checkpoints after it (step-8) were moved to "
+        f"{aside}, so that no later automatic resume picks the abandoned branch" in job.output
+    )
+    assert sorted(p.name for p in aside.iterdir()) == ["step-8"]
+    assert (aside / "step-8" / ".metadata").read_bytes() == old_8
+    assert [c.step for c in runs.checkpoints(rolled)] == [4, 8]  # step-8 of the new branch
+    assert dict(runs.read_data_state(rolled / "checkpoint" / "step-8").config.extra)["skip_steps"]
     (event,) = resume_events(rolled)
     assert event["from_step"] == 4 and event["extended"] == ["skip_steps"]
     assert event["notes"][0].startswith("skip_steps gained 5:3: at step 5, skip the data of 3")

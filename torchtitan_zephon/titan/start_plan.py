@@ -49,6 +49,11 @@ class StartPlan:
     load_step: int | None = None
     """The step TorchTitan must load (its ``checkpoint.load_step``), when the job's -1
     (the newest) resolved to a checked checkpoint; None: leave it as it is."""
+    abandoned: list[runs.CheckpointInfo] = field(default_factory=list)
+    """A rollback's abandoned branch: with an explicit ``checkpoint.load_step`` K, the
+    checkpoints after K. Rank 0 moves them out of the checkpoint folder once every rank
+    has passed its checks (``ZephonTrainer``), so no later automatic resume (TorchTitan
+    takes the newest) picks them, and no ``keep_latest_k`` purge weighs them."""
     old_run: old_runs.OldCheckpoint | None = None
     """The resumed checkpoint's key map when the 0.2.2-based code wrote it (``titan.old_runs``)."""
 
@@ -127,6 +132,7 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
         if ck.load_step == 0:
             check_old_run(info, plan, job)
             return None, plan, "checkpoint.load_step = 0 loads only the model of step-0"
+        plan.abandoned = [c for c in found if c.step > ck.load_step]
         return info, plan, ""
     titan_step = titan_load_step(folder)
     chosen = None

@@ -14,7 +14,9 @@ writes anything, so a refused start changes nothing on disk; it then hands the
 job's view and the job's data the preflight opened to the dataloader and the
 validator configs (``job_data.with_job``: each store is opened once per
 process), pins the checkpoint the preflight checked (one the 0.2.2-based code
-wrote is loaded through ``old_runs``' name map), and wraps the model spec's
+wrote is loaded through ``old_runs``' name map; after a rollback, an explicit
+``checkpoint.load_step`` K, rank 0 moves the checkpoints after K aside once every
+rank has passed its checks), and wraps the model spec's
 ``parallelize_fn`` so the built model's ``init_weights`` is topology-free
 (``init.topology_free_parallelize``, unless ``zephon.init = "torchtitan"``);
 (2) sets the gradient accumulation of each step from the batch schedule; (3)
@@ -34,6 +36,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -101,6 +104,7 @@ class ZephonTrainer(Trainer):
         # Everything that can refuse the start runs before TorchTitan writes anything
         # (its TensorBoard writer is created in Trainer.__init__).
         self._lock, plan = self._take_run_folder(job, config)
+        self._abandoned = (job, plan.abandoned)
         if plan.load_step is not None:
             config.checkpoint.load_step = plan.load_step
         config.dataloader = with_job(config.dataloader, job, plan.data)
@@ -165,6 +169,7 @@ class ZephonTrainer(Trainer):
             dist.all_gather_object(agents, agent)
         if self._lock is not None:
             self._lock.set_agents(a for a in agents if a is not None)
+            self._move_abandoned(*self._abandoned)
         sl.init_structured_logger(
             source="training",
             output_dir=self.config.dump_folder,
@@ -172,6 +177,31 @@ class ZephonTrainer(Trainer):
         )
         sl.log_trace_instant("structured_logger_started")
         return dims
+
+    @staticmethod
+    def _move_abandoned(job: JobView, abandoned: list[Any]) -> None:
+        """A rollback (``--checkpoint.load_step K`` with checkpoints after K): rank 0,
+        holding the run folder and after every rank passed its checks (they read the
+        checkpoint folder), moves the abandoned branch's checkpoints into
+        ``<dump_folder>/<checkpoint.folder>_abandoned/rollback_to_step_K`` (``.2``, ...
+        when a folder of that name exists), whose name TorchTitan's newest-checkpoint
+        rule does not count. Moved, not deleted; the log says where."""
+        if not abandoned:
+            return
+        k = job.checkpoint.load_step
+        base = Path(job.dump_folder) / f"{job.checkpoint.folder}_abandoned"
+        dest, n = base / f"rollback_to_step_{k}", 1
+        while dest.exists():
+            n += 1
+            dest = base / f"rollback_to_step_{k}.{n}"
+        dest.mkdir(parents=True)
+        for info in abandoned:
+            os.replace(info.path, dest / info.path.name)
+        names = ", ".join(info.path.name for info in abandoned)
+        logger.warning(
+            f"Zephon: rollback to step {k}: the checkpoints after it ({names}) were moved to "
+            f"{dest}, so that no later automatic resume picks the abandoned branch"
+        )
 
     def train(self) -> None:
         """TorchTitan's loop; a store or sequence log that fails once training has begun
