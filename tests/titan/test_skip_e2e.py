@@ -91,3 +91,14 @@ def test_a_malformed_skip_is_refused_before_anything_is_written(tmp_path: Path):
         "into one entry (e.g. 5:3).",
     )
     assert not (tmp_path / "run").exists()
+
+
+def test_a_skip_past_the_last_step_is_a_warning_and_the_run_trains(tmp_path: Path):
+    run = tmp_path / "run"
+    job = train03(tmp_path / "log", 1, "--dump_folder", str(run), "--training.steps", "2",
+                  "--zephon.skip_steps", "5:3").check()  # fmt: skip
+    assert (
+        "Zephon: zephon.skip_steps entry 5:3 starts after training.steps (2): it takes no "
+        "effect in this run (a run that trains past step 4 applies it)"
+    ) in job.output
+    assert sorted(log_records(run)) == [1, 2]

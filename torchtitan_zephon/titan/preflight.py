@@ -49,6 +49,7 @@ from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields, check_resume
+from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.titan.dataloader import with_trainer_hint
 from torchtitan_zephon.titan.job_data import check_tokenizer, heldout_parts, open_job_data
 from torchtitan_zephon.titan.job_view import JobView
@@ -255,6 +256,7 @@ def plan_start(
         raise StartRefused(str(e)) from None
     chosen, plan, why_none = choose_checkpoint(job)
     plan.data = data
+    plan.notes.extend(_skips_past_the_end(job))
     for info in plan.skipped:
         what = (
             "incomplete (no .metadata: the job died while writing it)"
@@ -311,6 +313,17 @@ def plan_start(
         f"another --dump_folder; to start over in this folder, pass {START_OVER}. "
         "Nothing was changed on disk."
     )
+
+
+def _skips_past_the_end(job: JobView) -> list[str]:
+    """A warning per ``zephon.skip_steps`` entry that starts after ``training.steps``:
+    valid (a later, longer run applies it), but it takes no effect in this run."""
+    return [
+        f"zephon.skip_steps entry {start}:{count} starts after training.steps ({job.steps}): "
+        f"it takes no effect in this run (a run that trains past step {start - 1} applies it)"
+        for start, count in SkipSteps.parse(job.zephon.skip_steps).entries
+        if start > job.steps
+    ]
 
 
 def log_plan(plan: StartPlan) -> None:
