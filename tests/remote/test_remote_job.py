@@ -156,7 +156,7 @@ def _job(tmp: Path, **zephon: Any):
     config.dump_folder = str(tmp)
     config.training.seq_len = 8
     config.training.global_batch_size = 8
-    config.zephon = dataclasses.replace(config.zephon, heldout_samples=0, **zephon)
+    config.zephon = dataclasses.replace(config.zephon, **{"heldout_samples": 0, **zephon})
     return job_view(config)
 
 
@@ -179,7 +179,7 @@ def test_the_trainer_settings_open_a_store_url(fine_url, tmp_path) -> None:
 
 
 def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, tmp_path):
-    """The trainer's data of a mixture job (titan.dataloader.resolve_source): a source in
+    """The trainer's data of a mixture job (titan.job_data.resolve_source): a source in
     the bucket is read with the job's zephon.read_ahead_steps / read_ahead_bytes /
     request_timeout_s, not the store defaults."""
     from torchtitan_zephon.titan.job_data import resolve_source
@@ -201,6 +201,18 @@ def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, 
     got = remote.options
     assert (got.read_ahead_steps, got.read_ahead_bytes, got.request_timeout_s) == (1, 1 << 16, 7.5)
     assert data.read_ahead_steps() == 1
+
+
+def test_a_store_url_with_a_query_string_is_redacted_in_the_job_messages(fine_url, tmp_path):
+    """A store URL carrying a signature (an Azure SAS token, say) is named redacted where
+    the trainer's checks name the store."""
+    from torchtitan_zephon.titan.job_data import resolve_source
+
+    job = _job(tmp_path, store=f"{fine_url}?sv=2024&sig=SASMARKER", heldout_samples=10**9)
+    with pytest.raises(ValueError) as e:
+        resolve_source(job)
+    assert "SASMARKER" not in str(e.value)
+    assert f"{fine_url}?<redacted>" in str(e.value)
 
 
 # ---------------------------------------------------------------- the zephon command

@@ -38,7 +38,7 @@ from torchtitan_zephon.order.layout import (
     no_sample_text,
     store_fix,
 )
-from torchtitan_zephon.store.location import REQUEST_TIMEOUT_S, refuse_url
+from torchtitan_zephon.store.location import REQUEST_TIMEOUT_S, redact, refuse_url
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.remote import READ_AHEAD_BYTES, READ_AHEAD_STEPS, RemoteOptions
 
@@ -70,6 +70,12 @@ def raw_inputs(job_config: Any, log: Log | None = None) -> RawInputs:
         log=log,
         tokenizer_origin="hf_assets_path",
     )
+
+
+def store_name(value: str) -> str:
+    """A ``zephon.store`` value as messages and logs may show it: the query string of a
+    URL in it (an Azure SAS token, a signature) redacted."""
+    return redact(value)
 
 
 def remote_options(job_config: Any) -> RemoteOptions:

@@ -24,7 +24,13 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.data import JobData, MixtureData
-from torchtitan_zephon.job.settings import open_store, raw_inputs, remote_options, store_source
+from torchtitan_zephon.job.settings import (
+    open_store,
+    raw_inputs,
+    remote_options,
+    store_name,
+    store_source,
+)
 from torchtitan_zephon.order.data_config import DataConfig, data_extra
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
@@ -44,10 +50,11 @@ def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
     zc = job.zephon
     seq_len = job.seq_len
     mixture = zc.mixture
+    shown = store_name(zc.store)
     if mixture:
         if zc.store:
             raise ValueError(
-                f"zephon.mixture ({mixture}) and zephon.store ({zc.store}) are both set: a job "
+                f"zephon.mixture ({mixture}) and zephon.store ({shown}) are both set: a job "
                 "reads either one store or a mixture. Drop zephon.store, or name the store as "
                 "a [[source]] of the mixture file."
             )
@@ -66,9 +73,9 @@ def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
         named = (  # as the user named it, and where it is when that differs
             f"the builtin store ({store.path})"
             if not zc.store
-            else f"the store {zc.store}"
-            if str(store.path) == zc.store
-            else f"the store {zc.store!r} ({store.path})"
+            else f"the store {shown}"
+            if str(store.path) == shown
+            else f"the store {shown!r} ({store.path})"
         )
         schedule = batch_schedule(job)
         source = store_source(store, seq_len, zc.heldout_samples, schedule, what=named)

@@ -15,7 +15,9 @@ passing over checkpoints whose files are incomplete or corrupt
   the same job,
 * the store against the model and tokenizer (a tokenizer TorchTitan cannot load
   from ``hf_assets_path`` is refused naming the path and the tokenizer the
-  store was prepared with), its size, and the global batch layout;
+  store was prepared with), its size, the held-out samples validation reads
+  (validation on), ``zephon.skip_steps`` (malformed: refused; an entry after
+  ``training.steps``: a warning), and the global batch layout;
   where ``zephon.store`` (or a mixture source) names raw inputs they are prepared
   here, into the cache (``ingest.cache``), before TorchTitan initializes the process
   group: no collective waits on the tokenization, and a missing input or
@@ -49,7 +51,6 @@ from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields, check_resume
-from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.titan.dataloader import with_trainer_hint
 from torchtitan_zephon.titan.job_data import check_tokenizer, heldout_parts, open_job_data
 from torchtitan_zephon.titan.job_view import JobView
@@ -256,7 +257,7 @@ def plan_start(
         raise StartRefused(str(e)) from None
     chosen, plan, why_none = choose_checkpoint(job)
     plan.data = data
-    plan.notes.extend(_skips_past_the_end(job))
+    plan.notes.extend(_skips_past_the_end(config, job.steps))
     for info in plan.skipped:
         what = (
             "incomplete (no .metadata: the job died while writing it)"
@@ -315,14 +316,14 @@ def plan_start(
     )
 
 
-def _skips_past_the_end(job: JobView) -> list[str]:
+def _skips_past_the_end(config: DataConfig, steps: int) -> list[str]:
     """A warning per ``zephon.skip_steps`` entry that starts after ``training.steps``:
     valid (a later, longer run applies it), but it takes no effect in this run."""
     return [
-        f"zephon.skip_steps entry {start}:{count} starts after training.steps ({job.steps}): "
+        f"zephon.skip_steps entry {start}:{count} starts after training.steps ({steps}): "
         f"it takes no effect in this run (a run that trains past step {start - 1} applies it)"
-        for start, count in SkipSteps.parse(job.zephon.skip_steps).entries
-        if start > job.steps
+        for start, count in config.skip_steps.entries
+        if start > steps
     ]
 
 
