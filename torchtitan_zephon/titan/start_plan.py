@@ -55,9 +55,9 @@ class StartPlan:
     (the newest) resolved to a checked checkpoint; None: leave it as it is."""
     abandoned: list[runs.CheckpointInfo] = field(default_factory=list)
     """A rollback's abandoned branch: with an explicit ``checkpoint.load_step`` K, the
-    checkpoints after K. Rank 0 moves them out of the checkpoint folder once every rank
-    has passed its checks (``ZephonTrainer``), so no later automatic resume (TorchTitan
-    takes the newest) picks them, and no ``keep_latest_k`` purge weighs them."""
+    checkpoints after K. Rank 0 moves them out of the checkpoint folder at the first step,
+    once every rank has loaded K (``ZephonTrainer``), so no later automatic resume
+    (TorchTitan takes the newest) picks them, and no ``keep_latest_k`` purge weighs them."""
     old_run: old_runs.OldCheckpoint | None = None
     """The key map of the checkpoint TorchTitan loads (a resume, or model only) when the
     0.2.2-based code wrote it (``titan.old_runs``)."""
