@@ -114,3 +114,13 @@ def test_inspect_upgrade_adds_block_checksums(tmp_path: Path, store_path: Path, 
     assert f"fingerprint: {fingerprint}" in out and "check:       intact" in out
     assert main(["inspect", str(path), "--upgrade"]) == 0
     assert "upgrade:     nothing to do" in capsys.readouterr().out
+
+
+def test_a_blocks_file_that_is_not_text_is_said_not_a_traceback(tmp_path: Path, store_path: Path):
+    path = copy_store(store_path, tmp_path / "s")
+    add_block_checksums(path)
+    (path / "blocks.json").write_bytes(bytes(range(256)))
+    problems = TokenStore.open(path).check().problems
+    assert len(problems) == 1 and problems[0].startswith(
+        f"cannot read '{path / 'blocks.json'}': 'utf-8' codec can't decode byte 0x80"
+    )

@@ -66,7 +66,7 @@ def open_manifest(root: Path) -> dict[str, Any]:
         )
     try:
         text = mpath.read_text()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:  # not text: a damaged or foreign file
         raise StoreError(f"cannot read {str(mpath)!r}: {e}. {REPREPARE}") from None
     return check_manifest(text, str(mpath), str(root))
 
@@ -172,7 +172,7 @@ def read_blocks_info(root: Path, manifest: dict[str, Any]) -> dict[str, Any] | N
         return None
     try:
         text = path.read_text()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise StoreError(f"cannot read {str(path)!r}: {e}.") from None
     redo = f"Write it again with `zephon inspect {root} --upgrade`."
     info = check_blocks_info(text, str(path), manifest, redo)
