@@ -26,7 +26,7 @@ python -m pip install --disable-pip-version-check --progress-bar off -q \
   -c requirements-lock.txt "torch==2.14.1"
 echo "[setup] installing torchtitan 0.3.0 and the pinned dependencies"
 python -m pip install --disable-pip-version-check --progress-bar off -q \
-  -c requirements-lock.txt -e ".[test]"
+  -c requirements-lock.txt -e ".[test,remote]"
 # The marker holds the lock's digest: scripts/test.sh and ./run_train.sh set up again
 # when requirements-lock.txt changes (e.g. a .venv made for TorchTitan 0.2.2).
 sha256sum requirements-lock.txt | cut -c1-64 >.venv/.zephon-installed

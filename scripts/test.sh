@@ -16,6 +16,9 @@ if [ -z "${VIRTUAL_ENV:-}" ]; then
   elif [ ! -x .venv/bin/lint-imports ]; then
     echo "[test] .venv has no lint-imports (added to the test extra): installing it..."
     bash scripts/setup_env.sh
+  elif ! .venv/bin/python -c "import obstore, moto" 2>/dev/null; then
+    echo "[test] .venv has no obstore / moto (the remote and test extras): installing them..."
+    bash scripts/setup_env.sh
   fi
   # shellcheck disable=SC1091
   source .venv/bin/activate

@@ -255,3 +255,103 @@ def test_a_resume_forgets_the_gaps_of_the_steps_it_supersedes(tmp_path):
     assert [p.message for p in problems if p.kind == "order"] == [
         "line 8: step 7 is missing before the record of step 8 (deleted?)"
     ]
+
+
+# ------------------------------------------------------ skip events (issue 22)
+
+
+def skip_tracker(path, skips: str, writer: bool = True) -> SequenceTracker:
+    from torchtitan_zephon.order.data_config import data_extra
+
+    cfg = DataConfig.make(
+        seq_len=8, seed=0, schedule=BatchSchedule.parse("4"), sample_offset=0,
+        num_samples=1000, store_fingerprint="s" * 64, tokenizer_hash="t" * 64,
+        extra=data_extra(skip_steps=skips),
+    )  # fmt: skip
+    return SequenceTracker(path, config=cfg, writer=writer)
+
+
+def lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_a_skip_event_precedes_the_record_of_its_step_and_links_to_the_one_before(tmp_path):
+    from torchtitan_zephon.tracker import LogReader
+
+    path = tmp_path / "log.jsonl"
+    t = skip_tracker(path, "3:2,7:1")
+    t.start(TOPO)
+    for s in range(1, 9):
+        t.record(s, (s - 1) * 4, ids(s))
+    log = lines(path)
+    kinds = [e.get("event", e.get("step")) for e in log]
+    assert kinds == ["start", 1, 2, "skip", 3, 4, 5, 6, "skip", 7, 8]
+    skip3, skip7 = log[3], log[8]
+    assert {k: skip3[k] for k in ("from_step", "step", "steps", "chain")} == {
+        "from_step": 2, "step": 3, "steps": 2, "chain": log[2]["chain"],
+    }  # fmt: skip
+    assert skip3["text"].startswith("at step 3, skip the data of 2 steps (3..4): step 3 trains")
+    assert (skip7["from_step"], skip7["step"], skip7["steps"]) == (6, 7, 1)
+    assert skip7["text"].startswith("at step 7, skip the data of 1 step (7..7)")
+    contents = read_log(path)
+    assert contents.problems == [] and sorted(contents.records) == list(range(1, 9))
+    assert [e["event"] for e in contents.events] == ["start", "skip", "skip"]
+    slow = LogReader(path, fast=False)
+    assert [r["chain"] for r in slow.records()] == [
+        log[i]["chain"] for i in (1, 2, 4, 5, 6, 7, 9, 10)
+    ]
+    assert slow.problems == [] and slow.event_for(5)["event"] == "start"
+
+
+def test_a_rollback_logs_its_added_skip_when_the_step_is_trained_again(tmp_path):
+    path = tmp_path / "log.jsonl"
+    first = skip_tracker(path, "")
+    first.start(TOPO)
+    heads = {}
+    for s in range(1, 7):
+        first.record(s, (s - 1) * 4, ids(s))
+        heads[s] = first.head()
+    rolled = skip_tracker(path, "5:2")  # rolled back to checkpoint 4, skip added
+    rolled.resume(heads[4], TOPO)
+    for s in range(5, 9):
+        rolled.record(s, (s - 1) * 4, ids(s + 2))
+    again = skip_tracker(path, "5:2")  # a later resume past the skip logs none
+    again.resume(rolled.head(), TOPO)
+    contents = read_log(path)
+    assert [(e["event"], e["from_step"]) for e in contents.events] == [
+        ("start", 0), ("resume", 4), ("skip", 4), ("resume", 8),
+    ]  # fmt: skip
+    assert contents.problems == [] and sorted(contents.records) == list(range(1, 9))
+    assert contents.records[4]["chain"] == heads[4]["chain"]
+    assert contents.events[2]["chain"] == heads[4]["chain"]
+
+
+@pytest.mark.parametrize("field, value", [("from_step", 1), ("step", 4), ("chain", "0" * 64)])
+def test_an_edited_skip_event_is_an_event_problem(tmp_path, field, value):
+    from torchtitan_zephon.tracker import LogReader
+
+    path = tmp_path / "log.jsonl"
+    t = skip_tracker(path, "3:2")
+    t.start(TOPO)
+    for s in range(1, 6):
+        t.record(s, (s - 1) * 4, ids(s))
+    log = path.read_text().splitlines()
+    event = json.loads(log[3])
+    assert event["event"] == "skip"
+    event[field] = value
+    log[3] = json.dumps(event, sort_keys=True)
+    path.write_text("\n".join(log) + "\n")
+    for fast in (True, False):
+        problems = LogReader(path, fast=fast).check().problems
+        assert [(p.line, p.kind) for p in problems][:1] == [(4, "event")], problems
+        assert problems[0].message.startswith(
+            f"line 4: a skip event for step {event['step']} (from_step {event['from_step']}) "
+            "that does not follow the log's step 2 before it"
+        )
+
+
+def test_only_the_writer_logs_a_skip(tmp_path):
+    t = skip_tracker(tmp_path / "log.jsonl", "1:1", writer=False)
+    t.start(TOPO)
+    t.record(1, 0, ids(1))
+    assert not (tmp_path / "log.jsonl").exists()

@@ -34,6 +34,16 @@ gather and one int64 conversion; its micro-batches are views of two buffers.
 Plans and windows grow from one micro-batch after a start or a reset, so the
 first batch waits for one micro-batch's work.
 Without either, each micro-batch is prepared on demand in the caller's thread.
+
+Read-ahead (stores in object storage): the loader announces to its source, step by
+step, the rank's keys of the current step and of the next ``read_ahead_steps``
+(``JobData.read_ahead``; default: the source's, 0 for local stores), so their byte
+ranges are fetched in the background (``store.remote``) before a window asks for them;
+a window whose bytes have not arrived waits for them, and that wait is the trainer's
+data wait. A reset or a resume drops what was announced and announces again from the
+first undelivered step, so the first step after a resume waits only for its own
+windows. Announcing costs one plan call per step in the caller's thread; the fetching
+and checking run on the store's fetch thread.
 """
 
 from __future__ import annotations
@@ -92,6 +102,7 @@ class ZephonLoader:
         pin_memory: bool = False,
         extra_config: dict | None = None,
         vocab_size: int | None = None,
+        read_ahead_steps: int | None = None,
     ) -> None:
         if isinstance(source, TokenStore):  # the one-store case
             source = StoreData(
@@ -147,6 +158,12 @@ class ZephonLoader:
         self._failure: Exception | None = None  # raised once self._ready is delivered
         self._pending: deque[Future[Window]] = deque()
         self._executor: ThreadPoolExecutor | None = None
+        if read_ahead_steps is None:
+            read_ahead_steps = source.read_ahead_steps()
+        if read_ahead_steps < 0:
+            raise ValueError(f"read_ahead_steps must be >= 0, got {read_ahead_steps}.")
+        self.read_ahead_steps = int(read_ahead_steps)
+        self._announced = 1  # first step whose keys were not yet announced to the source
 
     # ------------------------------------------------------------------ batches
 
@@ -204,8 +221,19 @@ class ZephonLoader:
             self._plan_ahead()
         k = self._planned_at
         self._planned_at = stop = min(k + self._window_size, len(self._planned))
+        if self.read_ahead_steps:  # every step of the window, and the next ones
+            self._read_ahead(self._planned[k][0], self._planned[stop - 1][0])
         self._window_size = min(2 * self._window_size, self.window)
         return self._planned[k:stop], self._planned_ids[k:stop]
+
+    def _read_ahead(self, first: int, last: int) -> None:
+        """Announce the rank's keys of steps ``first`` .. ``last + read_ahead_steps`` not
+        yet announced, in step order."""
+        end = last + self.read_ahead_steps + 1
+        for s in range(max(self._announced, first), end):
+            keys = self.plan.rank_ids(s, self.dp_rank, self.dp_degree)
+            self.source.read_ahead(keys, self.seq_len)
+        self._announced = max(self._announced, end)
 
     def _make(self, slots: list[Slot], ids: np.ndarray) -> list[tuple[Slot, MicroBatch]]:
         """The micro-batches of ``slots`` with ``ids`` [len(slots), local_batch_size],
@@ -293,6 +321,9 @@ class ZephonLoader:
         self._cursor = self._delivered
         self._planned, self._planned_at = [], 0
         self._plan_size = self._window_size = 1
+        if self.read_ahead_steps:
+            self.source.drop_read_ahead()
+        self._announced = self._delivered[0]
 
     def close(self) -> None:
         """Stop background threads and drop prefetched batches."""

@@ -320,6 +320,22 @@ def resumes(contents: LogContents | LogReader) -> list[dict[str, Any]]:
     return out
 
 
+def skips(contents: LogContents | LogReader) -> list[dict[str, Any]]:
+    """The skip events of the effective history, in order, as ``{"step", "steps",
+    "from_step"}``: a start event begins a new history, and a resume from step k drops
+    the skips of steps after k (trained again, a kept entry is logged again)."""
+    out: list[dict[str, Any]] = []
+    for e in contents.events:
+        kind, k = e.get("event"), e.get("from_step")
+        if kind == "start":
+            out = []
+        elif kind == "resume" and isinstance(k, int):
+            out = [s for s in out if s["from_step"] < k]
+        elif kind == "skip":
+            out.append({key: e.get(key) for key in ("step", "steps", "from_step")})
+    return out
+
+
 def saved_config(run: str | os.PathLike) -> tuple[Path, dict] | None:
     """The job config a run saved (``--job.save_config_file NAME.json``), if any."""
     for f in sorted(Path(run).glob("*.json")):

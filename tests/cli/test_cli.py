@@ -73,6 +73,31 @@ def test_plan_json_lines(store_path, capsys):
     assert ranks == json.loads(capsys.readouterr().out)["ids"]
 
 
+def test_plan_shows_skips_and_prints_the_ids_past_them(store_path, capsys):
+    args = ["plan", "--store", str(store_path), "--seq-len", "8", "--seed", "3", "--json"]
+    assert main([*args, "--global-batch-size", "4", "--steps", "1:9"]) == 0
+    plain = [json.loads(x)["ids"] for x in capsys.readouterr().out.splitlines()]
+    assert (
+        main([*args, "--global-batch-size", "4", "--steps", "1:4", "--skip-steps", "3:2,9:1"]) == 0
+    )
+    out = capsys.readouterr()
+    skipped = [json.loads(x)["ids"] for x in out.out.splitlines()]
+    assert skipped == [plain[0], plain[1], plain[4], plain[5]]  # step 3 trains step 5's data
+    assert (
+        "zephon plan: skip_steps at step 3, skip the data of 2 steps (3..4): step 3 trains "
+        "what step 5 would have trained, and steps 3..4 of the original order are never "
+        "trained." in out.err
+    )
+    assert "skip_steps at step 9, skip the data of 1 step (9..9)" in out.err
+    assert "(after the last step printed, 4)." in out.err
+    assert (
+        main([*args, "--global-batch-size", "4", "--steps", "1:2", "--skip-steps", "3:2,4:1"]) == 2
+    )
+    err = capsys.readouterr().err
+    assert "argument --skip-steps: skip entries 3:2 and 4:1 overlap" in err
+    assert "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

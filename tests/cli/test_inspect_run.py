@@ -131,3 +131,33 @@ def test_missing_and_unknown_paths_exit_2(tmp_path, capsys):
     assert rc == 2 and "does not exist" in err and "run folder" in err
     rc, _, err = inspect(capsys, tmp_path)
     assert rc == 2 and "not something zephon recognises" in err
+
+
+def test_a_run_lists_the_skips_that_took_effect(tmp_path, capsys):
+    """Issue 22: the skip events of the effective history; a rollback before a skip drops
+    it (a kept entry is logged again when its step is trained again)."""
+    import numpy as np
+
+    from tests.cli.test_verify import skip_log
+    from torchtitan_zephon.order.data_config import DataConfig, data_extra
+    from torchtitan_zephon.order.layout import BatchSchedule
+    from torchtitan_zephon.tracker import SequenceTracker, log_path, read_log
+
+    run = skip_log(tmp_path / "rolled", "", resume=(4, "5:3"))
+    rc, out, _ = inspect(capsys, run)
+    assert rc == 0 and "\n    skipped at step 5: the data of 3 steps (5..7)\n" in out
+    # rolled back to step 4 again, the skip moved to step 6 (a continuation)
+    config = DataConfig.make(
+        seq_len=8, seed=0, schedule=BatchSchedule.parse("8"), sample_offset=0,
+        num_samples=10_000, store_fingerprint="s" * 64, tokenizer_hash="t" * 64,
+        extra=data_extra(skip_steps="6:1"),
+    )  # fmt: skip
+    tracker = SequenceTracker(log_path(run), config=config, writer=True)
+    tracker.resume({"step": 4, "chain": read_log(log_path(run)).records[4]["chain"]}, {})
+    for s in range(5, 9):
+        tracker.record(s, (s - 1) * 8, np.arange(s * 8, s * 8 + 8))
+    rc, out, _ = inspect(capsys, run, "--json")
+    assert json.loads(out)["sequence_log"]["skips"] == [{"step": 6, "steps": 1, "from_step": 5}]
+    rc, out, _ = inspect(capsys, run)
+    assert "skipped at step 5" not in out
+    assert "\n    skipped at step 6: the data of 1 step (6..6)\n" in out

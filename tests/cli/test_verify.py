@@ -535,3 +535,88 @@ def test_a_deleted_record_is_still_missing(tmp_path, capsys):
         "verdict: BROKEN at step 5: line 6: step 5 is missing before the record of step 6 (deleted?)"
         in out
     )
+
+
+# ---------------------------------------------------------------- skip ranges (issue 22)
+
+
+def skip_log(run: Path, skips: str, steps: int = 8, *, resume: tuple[int, str] | None = None):
+    """A run whose ids are its plan's (``job.plans.plan_of``) under ``skips``; with
+    ``resume`` (k, skips after), a job without them trained to step ``steps``, then one
+    resumed from checkpoint k (1 rank) with the skips of the second job."""
+    from torchtitan_zephon.job.plans import plan_of
+    from torchtitan_zephon.order.data_config import data_extra
+
+    def config(text: str) -> DataConfig:
+        return DataConfig.make(
+            seq_len=8, seed=0, schedule=BatchSchedule.parse("8"), sample_offset=0,
+            num_samples=10_000, store_fingerprint="s" * 64, tokenizer_hash="t" * 64,
+            extra=data_extra(skip_steps=text),
+        )  # fmt: skip
+
+    first = config(skips if resume is None else "")
+    tracker = SequenceTracker(log_path(run), config=first, writer=True)
+    tracker.start(TOPO_2)
+    heads = {}
+    for s in range(1, steps + 1):
+        tracker.record(s, (s - 1) * 8, plan_of(first).global_ids(s))
+        heads[s] = tracker.head()
+    if resume is not None:
+        k, later = resume
+        tracker.config = config(later)
+        tracker.resume(heads[k], TOPO_1)
+        for s in range(k + 1, steps + 1):
+            tracker.record(s, (s - 1) * 8, plan_of(tracker.config).global_ids(s))
+    return run
+
+
+def test_a_run_with_a_skip_and_one_without_differ_from_its_step_in_words(tmp_path, capsys):
+    plain, skipped = skip_log(tmp_path / "a", ""), skip_log(tmp_path / "b", "5:3")
+    rc, out, _ = verify(capsys, plain, skipped)
+    assert rc == 1 and "matches:   4/8" in out
+    assert (
+        "   skips: at step 5, A does not skip there and B skips the data of 3 steps there "
+        "(skip_steps 5:3): the runs are meant to differ from step 5 on"
+    ) in out
+    assert (
+        "verdict: MISMATCH: the runs saw different data from step 5 (where their skip_steps "
+        "differ: at step 5, A does not skip there and B skips the data of 3 steps there "
+        "(skip_steps 5:3))"
+    ) in out
+    rc, report = verify_json(capsys, plain, skipped)
+    assert report["first_mismatch"]["skip_difference"]["step"] == 5
+    rc, out, _ = verify(capsys, skip_log(tmp_path / "c", "5:2"), skipped)
+    assert "at step 5, A skips the data of 2 steps there (skip_steps 5:2) and B skips" in out
+
+
+def test_a_rollback_with_a_skip_matches_a_run_with_the_skip_from_the_start(tmp_path, capsys):
+    fresh = skip_log(tmp_path / "fresh", "5:3")
+    rolled = skip_log(tmp_path / "rolled", "", resume=(4, "5:3"))
+    rc, out, _ = verify(capsys, fresh, rolled)
+    assert rc == 0 and "matches:   8/8" in out and "verdict: MATCH" in out
+    # a skip appended for a later step changes no earlier step's record
+    rc, report = verify_json(capsys, skip_log(tmp_path / "later", "5:3,8:1"), fresh)
+    assert report["first_mismatch"]["step"] == 8 and report["matches"] == 7
+    assert report["first_mismatch"]["skip_difference"]["step"] == 8
+    # the same ids but no skip difference: no skip sentence
+    rc, out, _ = verify(capsys, skip_log(tmp_path / "x", ""), skip_log(tmp_path / "y", ""))
+    assert rc == 0 and "skips:" not in out
+
+
+def test_an_edited_skip_event_breaks_the_log_at_the_step_it_precedes(tmp_path, capsys):
+    run = skip_log(tmp_path / "run", "3:2")
+    path = log_path(run)
+    lines = path.read_text().splitlines()
+    event = json.loads(lines[3])
+    assert (event["event"], event["from_step"], event["step"]) == ("skip", 2, 3)
+    rc, out, _ = verify(capsys, run)
+    assert rc == 0 and "verdict: INTACT" in out
+    event["from_step"] = 1
+    lines[3] = json.dumps(event, sort_keys=True)
+    path.write_text("\n".join(lines) + "\n")
+    rc, out, _ = verify(capsys, run)
+    assert rc == 1
+    assert (
+        "verdict: BROKEN at step 3: line 4: a skip event for step 3 (from_step 1) that does "
+        "not follow the log's step 2 before it (the event was edited or moved)"
+    ) in out

@@ -52,6 +52,7 @@ def job(run: Path, **checkpoint) -> SimpleNamespace:
     )
     return SimpleNamespace(  # the fields of titan.job_view.JobView the preflight reads
         dump_folder=str(run),
+        steps=8,
         checkpoint=SimpleNamespace(**ck),
         zephon=zephon,
     )
@@ -170,6 +171,33 @@ def test_explicit_load_step_of_a_corrupt_checkpoint_is_refused(run: Path):
         choose_checkpoint(job(run, load_step=6))
     chosen, _, _ = choose_checkpoint(job(run, load_step=4))
     assert chosen.step == 4
+
+
+def test_initial_load_follows_torchtitans_rule_and_remote_uris_are_left_to_it(tmp_path: Path):
+    """TorchTitan takes checkpoint.initial_load_path whenever its newest-checkpoint rule
+    finds nothing: no checkpoint folder, or one whose step folders are all incomplete (a
+    first save cut short). Zephon checks the path in both cases; a remote URI it cannot
+    read: model only, TorchTitan's to load (noted); a whole run, refused."""
+    (tmp_path / "checkpoint" / "step-10").mkdir(parents=True)  # no .metadata: incomplete
+    missing = tmp_path / "nowhere" / "step-3"
+    with pytest.raises(StartRefused, match=rf"initial_load_path {missing} is incomplete"):
+        choose_checkpoint(job(tmp_path, initial_load_path=str(missing)))
+    uri = "gs://bucket/run/checkpoint/step-1000"
+    chosen, plan, why = choose_checkpoint(job(tmp_path, initial_load_path=uri))
+    assert chosen is None and why == f"--checkpoint.initial_load_path {uri} is loaded model only"
+    assert plan.notes == [
+        f"checkpoint.initial_load_path {uri} is a remote URI, loaded model only: TorchTitan "
+        "reads it; Zephon does not check it before the start"
+    ]
+    with pytest.raises(StartRefused, match="is a remote URI: Zephon resumes a run"):
+        choose_checkpoint(job(tmp_path, initial_load_path=uri, initial_load_model_only=False))
+
+
+def test_an_explicit_load_step_abandons_the_checkpoints_after_it(run: Path):
+    save(run, 6)
+    chosen, plan, _ = choose_checkpoint(job(run, load_step=4))
+    assert chosen.step == 4 and [c.step for c in plan.abandoned] == [6, 8]
+    assert choose_checkpoint(job(run))[1].abandoned == []  # the newest: nothing abandoned
 
 
 def test_checkpointing_off_or_nothing_saved_resumes_nothing(run: Path, tmp_path_factory):

@@ -7,9 +7,14 @@ Dispatches on the kind of path through ``KINDS``: a list of
 with what they were prepared from), builds in progress or kept after a failure,
 lock files (held or free) and anything else, each with its size.
 
+PATH may be the URL of a store in object storage (``s3://BUCKET/PREFIX``, ``gs://``,
+``az://``; ``file://`` is a local path): it is opened with the checks of a local store
+(its fingerprint is the local original's) and described, with what opening fetched.
+
 A store also takes ``--check`` (hash all its content; list each bad chunk; exit
 1 when anything is wrong, 0 when intact) and ``--upgrade`` (add content
-checksums to a format-1 store in place, keeping its fingerprint).
+checksums to a format-1 store, and block checksums to any store, in place, keeping
+its fingerprint).
 """
 
 from __future__ import annotations
@@ -23,9 +28,10 @@ from typing import Any
 
 from torchtitan_zephon.cli.inspect_run import RUN_KINDS
 from torchtitan_zephon.ingest.cache_contents import describe_cache, is_cache
-from torchtitan_zephon.store.format import UncheckedStoreWarning, is_store
+from torchtitan_zephon.store.format import BLOCKS, BLOCKS_INFO, UncheckedStoreWarning, is_store
+from torchtitan_zephon.store.location import is_url, parse_url, redact
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.upgrade import upgrade_store
+from torchtitan_zephon.store.upgrade import add_block_checksums, upgrade_store
 
 
 def _describe_store(path: Path) -> dict[str, Any]:
@@ -67,6 +73,11 @@ def _format_store(info: dict[str, Any]) -> str:
         )
     if len(info["sources"]) > len(shown):
         lines.append(f"    ... and {len(info['sources']) - len(shown)} more (see --json)")
+    if "fetched_bytes" in info:
+        lines.append(
+            f"  fetched:     {info['fetched_bytes']:,} bytes in {info['requests']} requests "
+            "(the manifest and checksums: opening reads no tokens)"
+        )
     if "upgrade" in info:
         lines.append(f"  upgrade:     {info['upgrade']}")
     check = info.get("check")
@@ -178,7 +189,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--upgrade",
         action="store_true",
-        help="store of format 1: add content checksums in place (the fingerprint stays)",
+        help="store: add content checksums (format 1) and block checksums (for reads from "
+        "object storage) in place; the fingerprint stays",
     )
     return p
 
@@ -187,8 +199,12 @@ def _store_actions(path: Path, args: argparse.Namespace) -> int:
     """``inspect STORE [--upgrade] [--check]``: the exit status (1 when a check fails)."""
     upgrade = None
     if args.upgrade:
-        changed = upgrade_store(path)[1]
-        upgrade = "content checksums added, fingerprint unchanged" if changed else "nothing to do"
+        done = []
+        if upgrade_store(path)[1]:
+            done.append("content checksums added, fingerprint unchanged")
+        if add_block_checksums(path)[1]:
+            done.append(f"block checksums added ({BLOCKS}, {BLOCKS_INFO}), fingerprint unchanged")
+        upgrade = "; ".join(done) or "nothing to do"
     info = _describe_store(path)
     if upgrade:
         info["upgrade"] = upgrade
@@ -202,7 +218,34 @@ def _store_actions(path: Path, args: argparse.Namespace) -> int:
     return 1 if report is not None and not report.ok else 0
 
 
+def _remote_store(args: argparse.Namespace) -> int:
+    """``inspect URL [--check]``: a store in object storage."""
+    if args.upgrade:
+        raise ValueError(
+            f"--upgrade writes into a store; {redact(args.path)!r} is in object storage. "
+            "Upgrade the local copy (`zephon inspect STORE --upgrade`) and upload it again: "
+            "the fingerprint stays the same."
+        )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UncheckedStoreWarning)
+        store = TokenStore.open(args.path)
+    info = store.describe()
+    info["fetched_bytes"] = store.fetched_bytes
+    info["requests"] = store.requests
+    report = None
+    if args.check:  # one pass over the whole store, fetched into memory
+        report = store.check()
+        info["check"] = report.to_dict()
+    print(json.dumps(info, indent=2) if args.json else _format_store(info))
+    return 1 if report is not None and not report.ok else 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if is_url(args.path):
+        found = parse_url(args.path, "PATH")
+        if not isinstance(found, str):
+            return _remote_store(args)
+        args.path = found
     path = Path(args.path)
     if not path.exists():
         raise ValueError(

@@ -6,7 +6,7 @@ the saved job config if any (TorchTitan saves it only with
 ``.metadata``, which it writes last; corrupt when a shard is missing or shorter
 than ``.metadata`` says; model-only), the Zephon data state of the latest
 complete one, the sequence log (effective records, resume history with
-topologies), the job holding the folder's lock if any, and the loss range in its
+topologies, the skips that took effect), the job holding the folder's lock if any, and the loss range in its
 TensorBoard events. A checkpoint folder (``checkpoint/step-N``) is summarised by
 its status and data state. For a mixture, each source's samples drawn by the
 checkpointed steps against its exact target and the epoch it is in, computed
@@ -142,6 +142,7 @@ def _sequence_log(run: Path) -> dict[str, Any]:
         "head": {"step": steps[-1], "chain": log.records[steps[-1]]["chain"]} if steps else None,
         "start": starts[-1] if starts else None,
         "resumes": runs.resumes(log),
+        "skips": runs.skips(log),
         "truncated_tail": log.truncated_tail,
     }
 
@@ -343,6 +344,12 @@ def format_run(info: dict[str, Any]) -> str:
             lines.append(f"    started at step 0: {runs.format_topology(log['start'])}")
         for r in log["resumes"]:
             lines.append(f"    resumed from step {r['from_step']}: {runs.format_topology(r)}")
+        for k in log["skips"]:
+            n = k["steps"]
+            lines.append(
+                f"    skipped at step {k['step']}: the data of {n} step{'s' * (n != 1)} "
+                f"({k['step']}..{k['step'] + n - 1})"
+            )
         if log["truncated_tail"]:
             lines.append("    last line truncated (a job died mid-write); ignored")
     loss = info["loss"]

@@ -1,7 +1,9 @@
 """``zephon plan``: print the ordered sample ids of each step (or of one DP rank).
 
 Invariant: the ids printed for a step are ``DataPlan.global_ids`` (or
-``rank_ids``) of that step, the ones the trainer's loader reads. They are
+``rank_ids``) of that step, the ones the trainer's loader reads (with
+``--skip-steps``, the trainer's ``zephon.skip_steps``: each entry is also said on
+stderr). They are
 computed and printed ``BLOCK`` ids at a time, so memory stays bounded whatever
 the batch size; a step with more than ``MAX_IDS_PER_STEP`` ids is refused
 before anything is printed. Bad arguments are refused before the store is read.
@@ -28,6 +30,7 @@ import sys
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.ingest.cache import RawInputs, names_store
 from torchtitan_zephon.job.stores import store_location
+from torchtitan_zephon.order.data_config import SKIP_FIELD
 from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
@@ -35,6 +38,7 @@ from torchtitan_zephon.order.layout import (
     no_sample_text,
     store_fix,
 )
+from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
@@ -58,6 +62,13 @@ def _steps(text: str) -> tuple[int, int]:
 def _schedule(text: str) -> BatchSchedule:
     try:
         return BatchSchedule.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _skip_steps(text: str) -> SkipSteps:
+    try:
+        return SkipSteps.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
 
@@ -127,6 +138,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="'64' or a schedule '1:64,1000:128'",
     )
     p.add_argument("--seed", type=int, required=True, metavar="S")
+    p.add_argument(
+        "--skip-steps",
+        type=_skip_steps,
+        default=SkipSteps(),
+        metavar="S:N,...",
+        help="the trainer's zephon.skip_steps: at step S, skip the data of N steps",
+    )
     p.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="inclusive range")
     p.add_argument("--dp-degree", type=int_in(1), default=1, metavar="D")
     p.add_argument("--dp-rank", type=int_in(0), default=None, metavar="R")
@@ -185,7 +203,8 @@ def run(args: argparse.Namespace) -> int:
     warning = check_store_size(f"{what} (seq_len {args.seq_len})", num_samples, schedule, fix)
     if warning:
         print(f"zephon plan: warning: {warning}", file=sys.stderr)
-    plan = DataPlan(num_samples, args.seed, schedule, args.sample_offset)
+    plan = DataPlan(num_samples, args.seed, schedule, args.sample_offset, skips=args.skip_steps)
+    _say_skips(args.skip_steps, last)
     out = sys.stdout
     for step in range(first, last + 1):
         if args.dp_rank is None:
@@ -199,6 +218,13 @@ def run(args: argparse.Namespace) -> int:
             out.write((sep if done else "") + sep.join(map(str, ids.tolist())))
         out.write("]}\n" if args.json else "\n")
     return 0
+
+
+def _say_skips(skips: SkipSteps, last: int) -> None:
+    """One stderr line per skip entry: what it skips (the ids printed are past it)."""
+    for (start, _), text in zip(skips.entries, skips.describe(), strict=True):
+        later = f" (after the last step printed, {last})" if start > last else ""
+        print(f"zephon plan: skip_steps {text}{later}.", file=sys.stderr)
 
 
 def _raw_inputs(args: argparse.Namespace) -> RawInputs | None:
@@ -266,9 +292,11 @@ def run_mixture(
         path=args.mixture,
         raw=raw,
     )
-    plan = source.plan(source.data_config(seed=args.seed, schedule=schedule))
+    extra = {SKIP_FIELD: args.skip_steps.to_json()} if args.skip_steps else {}
+    plan = source.plan(source.data_config(seed=args.seed, schedule=schedule, extra=extra))
     assert isinstance(plan, MixtureStream)
     first, last = args.steps
+    _say_skips(args.skip_steps, last)
     plan.mixture.check_max_epochs(last)
     for warning in source.warnings:
         print(f"zephon plan: warning: {warning}", file=sys.stderr)

@@ -20,6 +20,7 @@ from torchtitan_zephon.ingest.inputs import ALL_SPLITS
 from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.ingest.ranks import PrepareFailed
 from torchtitan_zephon.ingest.units import UNIT_BYTES
+from torchtitan_zephon.store.location import local_path, refuse_url
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -88,9 +89,44 @@ def _check_report_path(path: str) -> None:
         )
 
 
+def _refuse_urls(args: argparse.Namespace) -> None:
+    """Refuse object-storage URLs before anything is written: prepare reads and writes
+    local paths only (a URL is never taken as a path: ``s3://b/x`` would become the
+    local folder ``s3:``); ``file://`` URLs become the paths they name."""
+    upload = (
+        "Prepare into a local folder, then upload it whole with manifest.json last (e.g. "
+        "`aws s3 sync STORE s3://BUCKET/PREFIX --exclude manifest.json` then `aws s3 cp "
+        "STORE/manifest.json s3://BUCKET/PREFIX/`); training and `zephon inspect` read the URL."
+    )
+    refuse_url(
+        args.output, "--output", f"Writing a store to object storage is not supported yet. {upload}"
+    )
+    refuse_url(args.tokenizer, "--tokenizer", "Copy the tokenizer folder to local disk.")
+    for value in args.inputs:
+        for item in value.split(","):
+            refuse_url(
+                item.strip(),
+                "INPUT",
+                "Reading raw inputs from object storage is not supported yet: copy them to "
+                f"local disk first. {upload}",
+            )
+    if args.report:
+        refuse_url(args.report, "--report", "Name a local file.")
+        args.report = local_path(args.report)
+    # file:// URLs are local paths
+    args.output, args.tokenizer = local_path(args.output), local_path(args.tokenizer)
+    args.inputs = [
+        ",".join(local_path(item.strip()) for item in value.split(","))
+        if "file://" in value.lower()
+        else value
+        for value in args.inputs
+    ]
+
+
 def run(args: argparse.Namespace) -> int:
     from torchtitan_zephon.cli.prepare_ranks import ranks_from_env
 
+    _refuse_urls(args)
     if args.report:
         _check_report_path(args.report)
     ranks = ranks_from_env()

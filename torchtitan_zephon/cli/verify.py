@@ -212,6 +212,8 @@ def format_report(r: dict[str, Any]) -> str:
         if mm["config_difference"]:
             lines.append("   the data configs differ (A -> B):")
             lines += [f"     {d}" for d in mm["config_difference"]]
+        if mm.get("skip_difference"):
+            lines.append(f"   skips: {mm['skip_difference']['text']}")
     v = r["verdict"]
     if v == "match":
         verdict = f"verdict: MATCH: both runs saw identical data at all {n} common steps"
@@ -223,6 +225,9 @@ def format_report(r: dict[str, Any]) -> str:
         )
     elif v == "mismatch":
         verdict = f"verdict: MISMATCH: the runs saw different data from step {mm['step']}"
+        skip = mm.get("skip_difference")
+        if skip and skip["step"] == mm["step"]:
+            verdict += f" (where their skip_steps differ: {skip['text'].split(': ')[0]})"
     elif v == "unbound":
         verdict = (
             f"verdict: UNBOUND: the digests agree at all {n} common steps, but steps "

@@ -4,7 +4,10 @@ Role: ``JobData`` is what a loader reads: ``data_config`` (the ``DataConfig`` it
 governs), ``plan(config, anchor)`` (a ``StreamPlan``: keys per step, rank slice
 and window of a rank's stream), ``windows(keys, seq_len)`` (the tokens, checked
 by their store), ``id_limit`` / ``out_of_vocab`` (the vocabulary guard) and
-``heldout`` (each source's held-out samples, for validation). ``StoreData`` is
+``heldout`` (each source's held-out samples, for validation), and the read-ahead of
+stores in object storage (``read_ahead_steps``: how many steps a loader announces
+ahead, 0 for local stores; ``read_ahead(keys, seq_len)``: one future step's keys;
+``drop_read_ahead()``: forget them). ``StoreData`` is
 one token store (its plan is a ``DataPlan``); ``MixtureData`` is several stores
 drawn in exact proportions by a ``MixturePlan`` (seen through
 ``MixtureStream``). A new kind of job data (a remote store, raw inputs prepared
@@ -74,6 +77,14 @@ class JobData(Protocol):
     def id_limit(self, vocab_size: int | None) -> int | None: ...
     def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str: ...
     def heldout(self) -> list[Heldout]: ...
+    def read_ahead_steps(self) -> int: ...
+    def read_ahead(self, keys: np.ndarray, seq_len: int) -> None: ...
+    def drop_read_ahead(self) -> None: ...
+
+
+def _store_read_ahead_steps(store: TokenStore) -> int:
+    """Steps a loader reads ahead of a store: a remote store's setting, 0 for a map."""
+    return 0 if store.mapped else int(getattr(store, "read_ahead_steps", 0))
 
 
 # ---------------------------------------------------------------- one store
@@ -178,6 +189,17 @@ class StoreData:
     def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str:
         return store_out_of_vocab(self.store, keys, tokens, self.seq_len, limit)
 
+    def read_ahead_steps(self) -> int:
+        return _store_read_ahead_steps(self.store)
+
+    def read_ahead(self, keys: np.ndarray, seq_len: int) -> None:
+        if not self.store.mapped:
+            self.store.read_ahead(keys, seq_len)
+
+    def drop_read_ahead(self) -> None:
+        if not self.store.mapped:
+            self.store.drop_read_ahead()
+
     def heldout(self) -> list[Heldout]:
         first = self.sample_offset + self.num_samples
         return [Heldout(None, self.store, first, self.store.num_samples(self.seq_len) - first)]
@@ -247,15 +269,18 @@ class MixtureData:
         path: str = "mixture",
         progress: bool = False,
         raw: Any = None,
+        remote: Any = None,
     ) -> MixtureData:
         """Open the stores of a parsed mixture file and check them against each other
         (one tokenizer, enough samples); MixtureError names the source at fault. Sources
-        that name raw inputs are prepared as ``raw`` (a ``cache.RawInputs``) says.
+        that name raw inputs are prepared as ``raw`` (a ``cache.RawInputs``) says; sources
+        in object storage are read as ``remote`` (a ``store.remote.RemoteOptions``;
+        None: its defaults) says.
 
         Every call opens the stores afresh: a job opens its data once and hands the
         object on (the trainer: to the preflight, the loader and the validator)."""
         config = sorted_by_name(config)
-        stores = open_mixture_stores(config, progress=progress, raw=raw)
+        stores = open_mixture_stores(config, progress=progress, raw=raw, remote=remote)
         spec = resolve_mixture(
             config, stores, seq_len, default_heldout=default_heldout, tokenizer=_job_tokenizer(raw)
         )
@@ -316,6 +341,20 @@ class MixtureData:
         return f"mixture source {self.names[i]!r}: " + store_out_of_vocab(
             self.stores[i], ids, tokens[row : row + 1], self.seq_len, limit
         )
+
+    def read_ahead_steps(self) -> int:
+        return max(_store_read_ahead_steps(st) for st in self.stores)
+
+    def read_ahead(self, keys: np.ndarray, seq_len: int) -> None:
+        sources, ids = split_keys(np.asarray(keys, dtype=np.int64).ravel())
+        for i, st in enumerate(self.stores):
+            if not st.mapped:
+                st.read_ahead(ids[sources == i], seq_len)
+
+    def drop_read_ahead(self) -> None:
+        for st in self.stores:
+            if not st.mapped:
+                st.drop_read_ahead()
 
     def heldout(self) -> list[Heldout]:
         return [

@@ -48,10 +48,12 @@ def plan_of(
             config.sample_offset,
             anchor_step=anchor[0],
             anchor_position=anchor[1],
+            skips=config.skip_steps,
         )
     if spec is None:
         spec = MixtureSpec.from_json(config.mixture)
-    return MixtureStream(MixturePlan(spec, config.seed, Layout(schedule, anchor)))
+    layout = Layout(schedule, anchor, config.skip_steps)
+    return MixtureStream(MixturePlan(spec, config.seed, layout))
 
 
 def first_correction(config: DataConfig) -> int | None:

@@ -3,8 +3,11 @@
 Role: what ``titan`` asks of the job layer so that it neither ingests nor opens a
 store itself. ``raw_inputs`` reads how a trainer job prepares a store value that
 names raw inputs (``hf_assets_path``, ``zephon.text_field``, ``zephon.split``,
-``zephon.cache_dir``) from its job (``titan.job_view.JobView``: ``zephon`` and ``hf_assets_path``); ``open_store`` opens ``zephon.store``
-(or the builtin store when it is empty); ``store_source`` is the job's one store
+``zephon.cache_dir``) from its job (``titan.job_view.JobView``: ``zephon`` and
+``hf_assets_path``); ``remote_options`` how a store in object storage is read
+(``zephon.read_ahead_steps``, ``zephon.read_ahead_bytes``, ``zephon.request_timeout_s``);
+``open_store`` opens ``zephon.store`` (or the builtin store when it is empty; a URL is
+read by range); ``store_source`` is the job's one store
 with its held-out samples; ``builtin_tokenizer`` is the tokenizer the builtin
 data was prepared with. The job config is read by attribute only (nothing here
 imports TorchTitan); where to log is the caller's (``log``, ``warn``).
@@ -35,7 +38,9 @@ from torchtitan_zephon.order.layout import (
     no_sample_text,
     store_fix,
 )
+from torchtitan_zephon.store.location import REQUEST_TIMEOUT_S, redact, refuse_url
 from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.remote import READ_AHEAD_BYTES, READ_AHEAD_STEPS, RemoteOptions
 
 Log = Callable[[str], None]
 
@@ -49,6 +54,11 @@ def raw_inputs(job_config: Any, log: Log | None = None) -> RawInputs:
     where to say that this process prepares, or waits for another."""
     zc = job_config.zephon
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    refuse_url(
+        getattr(zc, "cache_dir", ""),
+        "zephon.cache_dir",
+        "The store cache is a local folder (or one on a shared filesystem).",
+    )
     return RawInputs(
         tokenizer=job_config.hf_assets_path,
         text_field=getattr(zc, "text_field", "text"),
@@ -59,6 +69,25 @@ def raw_inputs(job_config: Any, log: Log | None = None) -> RawInputs:
         progress=int(os.environ.get("RANK", "0")) == 0,
         log=log,
         tokenizer_origin="hf_assets_path",
+    )
+
+
+def store_name(value: str) -> str:
+    """A ``zephon.store`` value as messages and logs may show it: the query string of a
+    URL in it (an Azure SAS token, a signature) redacted."""
+    return redact(value)
+
+
+def remote_options(job_config: Any) -> RemoteOptions:
+    """How this job reads a store in object storage (``zephon.store`` or a mixture
+    source): zephon.read_ahead_steps (default 4), zephon.read_ahead_bytes (256 MiB) and
+    zephon.request_timeout_s (30 s per attempt), read from the ``zephon`` section the
+    trainer hands over (``titan.job_view.JobView.zephon``)."""
+    zc = job_config.zephon
+    return RemoteOptions(
+        read_ahead_steps=int(getattr(zc, "read_ahead_steps", READ_AHEAD_STEPS)),
+        read_ahead_bytes=int(getattr(zc, "read_ahead_bytes", READ_AHEAD_BYTES)),
+        request_timeout_s=float(getattr(zc, "request_timeout_s", REQUEST_TIMEOUT_S)),
     )
 
 
@@ -80,7 +109,8 @@ def open_store(job_config: Any, *, log: Log | None = None, warn: Log | None = No
                 f"the builtin store was tokenized with {TOKENIZER_DIR}"
             )
         return TokenStore.open(path)
-    return TokenStore.open(store_location(path, raw_inputs(job_config, log)))
+    location = store_location(path, raw_inputs(job_config, log))
+    return TokenStore.open(location, remote=remote_options(job_config))
 
 
 def store_source(

@@ -1,14 +1,16 @@
 """Where a job's stores are: a store value as a token store folder, a mixture's stores.
 
-Role: a store value is a store folder, ``builtin:PART`` (a part of the builtin
-corpus, built on first use) or raw inputs (a text/JSONL/Parquet file, a folder
+Role: a store value is a store folder, an object-storage URL of one (``s3://``,
+``gs://``, ``az://``: read by range, ``store.remote``; ``file://``: a folder),
+``builtin:PART`` (a part of the builtin corpus, built on first use) or raw inputs (a text/JSONL/Parquet file, a folder
 of them, a glob pattern or a comma-separated list) that ``ingest.cache``
 prepares into the cache on first use. ``store_location`` turns one into a store
 folder; ``open_mixture_stores`` opens every source of a mixture.
 
 Invariant: a value that names no store and no raw inputs, or raw inputs when no
-tokenizer was given, is refused with what was expected and what to do; a
-mixture's missing or broken store names its source.
+tokenizer was given, is refused with what was expected and what to do; a URL is
+never taken as a local path (raw inputs in object storage are refused until remote
+preparation exists); a mixture's missing or broken store names its source.
 """
 
 from __future__ import annotations
@@ -21,13 +23,27 @@ from torchtitan_zephon.ingest.builtin import builtin_store_path
 from torchtitan_zephon.ingest.cache import RawInputs, names_store, raw_store
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
 from torchtitan_zephon.store.format import BUILTIN_PREFIX, StoreError
+from torchtitan_zephon.store.location import is_url, parse_url, redact
 from torchtitan_zephon.store.reader import TokenStore
 
 
-def store_location(value: str, raw: RawInputs | None = None, *, progress: bool = False) -> Path:
+def store_location(
+    value: str, raw: RawInputs | None = None, *, progress: bool = False
+) -> Path | str:
     """The token store folder a store value names, built on first use where it is a
     builtin part (with a progress bar when ``progress``) or raw inputs (as ``raw``
-    says; None: raw inputs are refused)."""
+    says; None: raw inputs are refused); an object-storage URL is returned as it is
+    (checked: scheme, bucket, prefix), for ``TokenStore.open``."""
+    if is_url(value):
+        if "," in value or set("*?[") & set(value.split("?")[0]):
+            raise StoreError(
+                f"{redact(value)!r} names raw inputs in object storage (a pattern or a list), "
+                "which zephon does not prepare yet: prepare them locally (`zephon prepare "
+                "INPUT... --tokenizer DIR --output STORE`), upload the store and name its URL "
+                "(s3://BUCKET/PREFIX)."
+            )
+        found = parse_url(value, "the store")
+        return Path(found) if isinstance(found, str) else value
     if value.startswith(BUILTIN_PREFIX):
         return builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :])
     if names_store(value):
@@ -50,7 +66,7 @@ def store_location(value: str, raw: RawInputs | None = None, *, progress: bool =
 
 
 def open_mixture_stores(
-    config: MixtureConfig, *, progress: bool = False, raw: Any = None
+    config: MixtureConfig, *, progress: bool = False, raw: Any = None, remote: Any = None
 ) -> dict[str, TokenStore]:
     """Open every source's TokenStore (``builtin:PART`` values are built on first use,
     with a progress bar when ``progress``; raw inputs are prepared as ``raw``, a
@@ -60,7 +76,7 @@ def open_mixture_stores(
     for s in config.sources:
         try:
             location = store_location(s.store, raw, progress=progress)
-            stores[s.name] = TokenStore.open(location)
+            stores[s.name] = TokenStore.open(location, remote=remote)
         except (StoreError, ValueError) as e:
             raise MixtureError(f"mixture source {s.name!r}: {e}") from None
     return stores

@@ -1,9 +1,9 @@
 """The data config: every setting that decides which tokens a step sees, and its keys.
 
 Role: the one owner of the **data config** (``DataConfig``): store content,
-tokenizer, seq_len, held-out split, seed, batch schedule, order format and, for a
-mixture, the mixture spec (its sources and weight schedule, in the extra field
-``mixture``), with its fingerprint, order key and step keys, to and from JSON. Also
+tokenizer, seq_len, held-out split, seed, batch schedule, order format, the skip
+entries (extra field ``skip_steps``, ``order.skips``) and, for a mixture, the
+mixture spec (its sources and weight schedule, in the extra field ``mixture``), with its fingerprint, order key and step keys, to and from JSON. Also
 ``config_text`` (a value as the user wrote it, for the order engine's messages) and
 ``DataStateMismatch``, the error of a saved record that is corrupt or does not match
 (``order.state``, ``order.resume``).
@@ -15,13 +15,19 @@ Invariants:
   position to a sample, so a step's log record can bind what governed that step
   while a schedule extended only for later steps leaves earlier steps' records
   unchanged. ``DataConfig.step_key(s)`` adds the weights in effect at step ``s``
-  (a mixture; otherwise it is the order key): a step's ids digest binds it.
+  (a mixture) and the skip entries with S <= s (``order.skips``; otherwise it is
+  the order key): a step's ids digest binds it, so a skip appended for later
+  steps changes no earlier step's record.
+- ``skip_steps`` is an extra field present only when a skip is set: a config
+  without skips has the fingerprint, order key and step keys it had before skips
+  existed.
 - A saved config of format 1 (no ``order_format``) reads as order format 1; a
   field that does not parse raises ``DataStateMismatch`` naming it.
 """
 
 from __future__ import annotations
 
+import bisect
 import datetime
 import decimal
 import functools
@@ -33,6 +39,7 @@ from fractions import Fraction
 from typing import Any
 
 from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.store.format import fingerprint
 
 ORDER_FORMAT = 1
@@ -41,6 +48,9 @@ contiguous DP slices). A new mapping gets a new number, so its runs never match
 or resume runs of the old one."""
 MIXTURE_FIELD = "mixture"
 """The extra config field holding a mixture's canonical spec (``MixtureSpec.to_json``)."""
+SKIP_FIELD = "skip_steps"
+"""The extra config field holding the skip entries ``[[S, N], ...]`` (``order.skips``);
+absent when no skip is set."""
 CORE_FIELDS = (
     "seq_len",
     "seed",
@@ -106,6 +116,16 @@ def saved_int(d: Mapping[str, Any], name: str, what: str, default: Any = None) -
             f"{what} has an invalid field {name!r}: {config_text(value)}, expected an integer; "
             "the checkpoint is corrupt."
         ) from None
+
+
+def data_extra(*, skip_steps: str = "") -> dict[str, Any]:
+    """The extra data-config fields of a job's ``[zephon]`` settings: ``skip_steps``
+    (``"S:N,..."``) when set, absent otherwise. ValueError names the setting."""
+    try:
+        skips = SkipSteps.parse(skip_steps or "")
+    except ValueError as e:
+        raise ValueError(f"zephon.skip_steps: {e}") from None
+    return {SKIP_FIELD: skips.to_json()} if skips else {}
 
 
 @dataclass(frozen=True)
@@ -211,12 +231,26 @@ class DataConfig:
         return value if isinstance(value, Mapping) else None
 
     @functools.cached_property
+    def skip_steps(self) -> SkipSteps:
+        """The skip entries (none when the field is absent); DataStateMismatch when the
+        saved field does not parse."""
+        raw = dict(self.extra).get(SKIP_FIELD)
+        try:
+            return SkipSteps.from_json(raw)
+        except ValueError as e:
+            raise DataStateMismatch(
+                f"the saved data config has an invalid field {SKIP_FIELD!r}: {e} The "
+                "checkpoint's data state is corrupt or was written by another tool."
+            ) from None
+
+    @functools.cached_property
     def order_key(self) -> str:
         """Hex sha256 of the config without its batch schedule (nor a mixture's weight
-        schedule): what maps positions to samples. A step's ids digest binds it (through
-        ``step_key``) together with the step's positions."""
+        schedule, nor the skip entries): what maps positions to samples. A step's ids
+        digest binds it (through ``step_key``) together with the step's positions."""
         body = self.to_dict()
         del body["schedule"]
+        body.pop(SKIP_FIELD, None)
         if self.mixture is not None:
             body[MIXTURE_FIELD] = {k: v for k, v in self.mixture.items() if k != "schedule"}
         return fingerprint(body)
@@ -226,17 +260,40 @@ class DataConfig:
         entries = (self.mixture or {}).get("schedule") or ()
         return tuple((int(e["from_step"]), e["weights"]) for e in entries)
 
+    @functools.cached_property
+    def _starts(self) -> tuple[list[int], list[int]]:
+        """The skip entries' S and the weight entries' from_step, for bisection."""
+        return [s for s, _ in self.skip_steps.entries], [s for s, _ in self._weight_entries]
+
+    @functools.cached_property
+    def _step_keys(self) -> dict[tuple[int, int], str]:
+        """Step keys by (skip entries, weight entries) in effect: each computed once."""
+        return {}
+
     def step_key(self, step: int) -> str:
         """What step ``step``'s ids digest binds besides its ids and positions: the order
-        key, and for a mixture the weights in effect at that step (exact fractions)."""
-        if not self._weight_entries:
+        key, for a mixture the weights in effect at that step (exact fractions), and the
+        skip entries with S <= ``step`` when there are any. O(log entries) per step."""
+        if not self._weight_entries and not self.skip_steps:
             return self.order_key
-        weights = None
-        for from_step, w in self._weight_entries:
-            if from_step > step:
-                break
-            weights = w
-        return fingerprint({"order_key": self.order_key, "weights": weights})
+        skip_starts, weight_starts = self._starts
+        which = (
+            bisect.bisect_right(skip_starts, step),
+            bisect.bisect_right(weight_starts, step),
+        )
+        key = self._step_keys.get(which)
+        if key is None:
+            k, w = which
+            if not self._weight_entries:
+                body: dict[str, Any] = {"order_key": self.order_key}
+            else:
+                weights = self._weight_entries[w - 1][1] if w else None
+                body = {"order_key": self.order_key, "weights": weights}
+            if k:
+                body[SKIP_FIELD] = [list(e) for e in self.skip_steps.entries[:k]]
+            key = self.order_key if len(body) == 1 else fingerprint(body)
+            self._step_keys[which] = key
+        return key
 
     def differing(self, other: DataConfig) -> list[str]:
         """Names of the fields whose values differ (sorted)."""

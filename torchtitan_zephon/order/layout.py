@@ -10,6 +10,13 @@ and walks one rank's stream as position ranges (``Layout.rank_window``). A strea
 only maps positions to sample keys; every rank, micro-batch and window it serves is
 a ``Layout`` answer composed with that map, so a slicing change is made here once.
 
+Skips (``order.skips``) live here too, as positions: ``Layout.skip_ranges`` gives,
+per entry S:N, the positions ``[q, r)`` that steps S .. S + N - 1 cover. A skip never
+moves a step's positions (nor the mixture rule's slots, indexed by training step):
+the stream maps each position to its source's stream position past what those
+ranges would have drawn (``order.skips.SkipMap``), so one store and a mixture skip
+alike and every rank, micro-batch and window sees the same map.
+
 The anchor (step a, position p) is the one way a resume that accepted a schedule
 change continues from the recorded position: step s >= a starts at
 ``p + first_position(s) - first_position(a)``; steps before a are not defined for
@@ -38,6 +45,8 @@ from __future__ import annotations
 import math
 
 import numpy as np
+
+from torchtitan_zephon.order.skips import SkipSteps
 
 
 def _divisors(n: int) -> list[int]:
@@ -253,9 +262,15 @@ class Layout:
     default (1, 0) is the plain schedule.
     """
 
-    def __init__(self, schedule: BatchSchedule, anchor: tuple[int, int] = (1, 0)) -> None:
+    def __init__(
+        self,
+        schedule: BatchSchedule,
+        anchor: tuple[int, int] = (1, 0),
+        skips: SkipSteps | None = None,
+    ) -> None:
         self.schedule = schedule
         self.anchor_step, self.anchor_position = int(anchor[0]), int(anchor[1])
+        self.skips = skips if skips is not None else SkipSteps()
         self._whole: BatchSchedule | None = None
 
     @property
@@ -344,6 +359,14 @@ class Layout:
         hi = np.clip(skip + count - begins, 0, n)
         keep = hi > lo
         return first_at[keep] + lo[keep], hi[keep] - lo[keep]
+
+    def skip_ranges(self) -> list[tuple[int, int]]:
+        """Per skip entry S:N, the positions ``[q, r)`` of steps S .. S + N - 1 (counted
+        over ``whole_schedule``: from the anchor on, ``step_positions``' own)."""
+        whole = self.whole_schedule()
+        return [
+            (whole.first_position(s), whole.first_position(s + n)) for s, n in self.skips.entries
+        ]
 
     def whole_schedule(self) -> BatchSchedule:
         """The batch schedule of every step from 1 that starts step ``anchor_step`` at

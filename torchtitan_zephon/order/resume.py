@@ -21,7 +21,12 @@ counts, a mixture's per-source counts) and accepted by the one opt-in
 under an older rule (``zephon-mixture/1``) is refused only when the current rule
 corrects a trained step; when it corrects no step at all the run continues under
 the saved rule (``ResumeDecision.config``), so its steps' ids digests keep
-binding it.
+binding it. Skip entries (``order.skips``) at untrained steps may be added, changed
+or dropped (``extended``, with a note per added entry); changing an entry at a
+trained step is the field ``skip_steps``. A skip at a trained step that covers
+untrained steps fixes their batch sizes and weights (what it skipped is what they
+draw): a schedule change before the end of its range is refused like a change of
+the past.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from typing import Any
 
 from torchtitan_zephon.order.data_config import (
     MIXTURE_FIELD,
+    SKIP_FIELD,
     DataConfig,
     DataStateMismatch,
     config_text,
@@ -39,6 +45,7 @@ from torchtitan_zephon.order.data_config import (
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.config import MixtureError
 from torchtitan_zephon.order.mixture.spec import MixtureSpec, past_changes
+from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.state import DataState
 
 # allow_changes aliases: one user-facing name can accept several config fields.
@@ -54,7 +61,7 @@ def allowed_fields(allow_changes: Iterable[str] | str, config: DataConfig) -> se
     names = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
     if "all" in names:
         return True
-    fields = set(config.to_dict())
+    fields = set(config.to_dict()) | {SKIP_FIELD}  # also when the current config has none
     allowed: set[str] = set()
     for name in names:
         if name in ALIASES:
@@ -89,6 +96,30 @@ class ResumeDecision:
     of the schedule (both rules draw the same samples), so the steps' ids digests
     keep binding the rule the run started with and it still verifies against an
     uninterrupted run."""
+
+
+def skips_kept(saved: DataState, current: DataConfig) -> str | None:
+    """None when ``current`` keeps every skip entry of ``saved`` with S < next_step (the
+    trained steps draw the same samples); otherwise the refusal line, naming the field."""
+    trained = saved.next_step - 1
+    old, new = saved.config.skip_steps, current.skip_steps
+    if old.up_to(trained) == new.up_to(trained):
+        return None
+    first = min(s for s, _ in set(old.up_to(trained).entries) ^ set(new.up_to(trained).entries))
+    had = dict(old.entries).get(first)
+    how = "without a skip there" if had is None else f"with the skip {first}:{had}"
+    return (
+        f"  {SKIP_FIELD}: {str(old) or '(none)'} -> {str(new) or '(none)'} (the entries at "
+        f"or before step {trained} differ from step {first} on: this run trained step "
+        f"{first} {how}; only entries at step {saved.next_step} or later are a continuation)"
+    )
+
+
+def skip_reach(saved: DataState) -> int:
+    """First step whose batch size or mixture weights a trained step does not depend on:
+    ``next_step``, or later when a skip at a trained step covers untrained steps (what it
+    skips is what those steps would draw)."""
+    return saved.config.skip_steps.reach(saved.next_step - 1)
 
 
 def schedule_appended(old: BatchSchedule, new: BatchSchedule, next_step: int) -> bool:
@@ -130,16 +161,27 @@ def check_resume(
     # a mixture is compared as if its sources already had the new seq_len's counts
     base = _with_counts_of(saved.config, current) if counts else saved.config
     extended: list[str] = []
+    notes: list[str] = []
+    skip_line = skips_kept(saved, current) if SKIP_FIELD in differing else None
+    if SKIP_FIELD in differing and skip_line is None:
+        differing.remove(SKIP_FIELD)
+        extended.append(SKIP_FIELD)
+        added = [e for e in current.skip_steps.entries if e not in saved.config.skip_steps.entries]
+        notes += [f"skip_steps gained {s}:{n}: {text}" for (s, n), text in zip(
+            added, SkipSteps(added).describe(), strict=True
+        )]  # fmt: skip
+    reach = skip_reach(saved)
     if "schedule" in differing and schedule_appended(
-        saved.config.batch_schedule(), current.batch_schedule(), saved.next_step
+        saved.config.batch_schedule(), current.batch_schedule(), max(saved.next_step, reach)
     ):
         differing.remove("schedule")
         extended.append("schedule")
     mixture_change = None
-    notes: list[str] = []
     keep: DataConfig | None = None
     if MIXTURE_FIELD in differing and MIXTURE_FIELD not in follows:
-        mixture_change = _mixture_change(base, current, saved.next_step, first_correction)
+        mixture_change = _mixture_change(
+            base, current, saved.next_step, first_correction, max(saved.next_step, reach)
+        )
         if mixture_change is None:
             differing.remove(MIXTURE_FIELD)
             a, b = dict(base.mixture or {}), dict(current.mixture or {})
@@ -177,6 +219,9 @@ def check_resume(
             if k == MIXTURE_FIELD:
                 lines.append(f"  {k}: " + str(mixture_change).replace("\n", "\n    "))
                 continue
+            if k == SKIP_FIELD and skip_line is not None:
+                lines.append(skip_line)
+                continue
             was, now = (config_text(d[k], 10**6) if k in d else "(absent)" for d in (old, new))
             line = f"  {k}: {was} -> {now}"
             if k == "seq_len" and counts:
@@ -184,6 +229,13 @@ def check_resume(
                 line += f" (every sample is another window of the same {stores}, so {counts})"
             lines.append(line)
         hint = _schedule_hint(saved, current) if "schedule" in refused else ""
+        if reach > saved.next_step and ({"schedule", MIXTURE_FIELD} & set(refused)):
+            s, n = next((s, n) for s, n in saved.config.skip_steps.entries if s + n == reach)
+            hint += (
+                f"\nThe skip {s}:{n} (already in effect at trained step {s}) skips what steps "
+                f"{s}..{s + n - 1} draw, so their batch sizes and mixture weights are part of "
+                f"the trained past: a change must start at step {reach} or later."
+            )
         raise DataStateMismatch(
             "the data config differs from the one saved in the checkpoint; resuming would "
             "not continue the same data stream. Differing fields (saved -> current):\n"
@@ -212,10 +264,13 @@ def _mixture_change(
     current: DataConfig,
     next_step: int,
     first_correction: Callable[[DataConfig], int | None] | None,
+    fixed_until: int | None = None,
 ) -> str | None:
     """None when ``current``'s mixture draws the same samples as ``saved``'s for steps
     before ``next_step`` and has the same sources (only entries governing untrained
-    steps differ); otherwise what changed, in a sentence."""
+    steps differ); otherwise what changed, in a sentence. The weights of the steps
+    before ``fixed_until`` (default ``next_step``; later when a trained skip covers
+    untrained steps) must agree."""
     a, b = saved.mixture, current.mixture
     if a is None or b is None:
         return (
@@ -227,7 +282,7 @@ def _mixture_change(
         old_spec, new_spec = MixtureSpec.from_json(a), MixtureSpec.from_json(b)
     except MixtureError as e:
         return f"the saved mixture cannot be read ({e})"
-    past = past_changes(old_spec, new_spec, next_step - 1)
+    past = past_changes(old_spec, new_spec, (fixed_until or next_step) - 1)
     if past:
         return "\n".join(past)
     if a.get("format") != b.get("format"):

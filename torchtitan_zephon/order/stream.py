@@ -10,9 +10,11 @@ name samples by **sample keys**: int64 values ``source << SOURCE_SHIFT | id``
 (``make_keys`` / ``split_keys``); for one store the key is the sample id.
 
 Invariants:
-- Position p of a ``DataPlan`` is sample ``sample_offset + Permutation(num_samples,
-  seed, p // num_samples)[p % num_samples]``, so every sample appears exactly once
-  per epoch and epochs are reshuffled.
+- Position p of a ``DataPlan`` reads stream position ``q = p`` plus what the skip
+  ranges before p skipped (``order.skips``; q = p without skips), which is sample
+  ``sample_offset + Permutation(num_samples, seed, q // num_samples)[q %
+  num_samples]``, so every sample appears at most once per epoch (exactly once
+  without skips) and epochs are reshuffled.
 - A stream's keys of a step, rank slice, micro-batch or window are its keys of the
   positions its ``Layout`` gives them, so the layout's invariants (rank slices
   concatenate to the step, micro-batches to the slice, a window of a rank's stream
@@ -27,6 +29,7 @@ import numpy as np
 
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.permutation import Permutation
+from torchtitan_zephon.order.skips import SkipMap, SkipSteps
 
 SOURCE_SHIFT = 40
 """Bits of a sample key that hold the sample id: 2^40 (~10^12) samples per source."""
@@ -131,6 +134,7 @@ class DataPlan(StreamPlan):
         *,
         anchor_step: int = 1,
         anchor_position: int = 0,
+        skips: SkipSteps | None = None,
     ) -> None:
         if num_samples < 1:
             raise ValueError(
@@ -141,9 +145,15 @@ class DataPlan(StreamPlan):
             raise ValueError(f"sample_offset must be >= 0, got {sample_offset}.")
         self.num_samples = int(num_samples)
         self.seed = int(seed)
-        self.layout = Layout(schedule, (anchor_step, anchor_position))
+        self.layout = Layout(schedule, (anchor_step, anchor_position), skips)
         self.sample_offset = int(sample_offset)
         self._permutation: Permutation | None = None
+        ranges = self.layout.skip_ranges() if self.layout.skips else []
+        self.skip_map: SkipMap | None = (
+            SkipMap(np.array([q for q, _ in ranges]), np.array([r for _, r in ranges]))
+            if ranges
+            else None
+        )
 
     def permutation(self, epoch: int) -> Permutation:
         """The epoch's permutation; the latest one is kept (consecutive steps share it)."""
@@ -157,6 +167,8 @@ class DataPlan(StreamPlan):
         """Sample ids (int64) of positions [first, first + count); may span epochs."""
         if first < 0 or count < 0:
             raise ValueError(f"positions must be >= 0, got first={first}, count={count}.")
+        if self.skip_map is not None:
+            return self.ids_at(first + np.arange(count, dtype=np.int64))
         out = np.empty(count, dtype=np.int64)
         n = self.num_samples
         p, done = first, 0
@@ -170,11 +182,13 @@ class DataPlan(StreamPlan):
         return out + self.sample_offset
 
     def ids_at(self, positions: np.ndarray) -> np.ndarray:
-        """Sample ids (int64) of the stream positions ``positions`` (any shape, order and
-        epochs): one permutation call per epoch touched."""
+        """Sample ids (int64) of the positions ``positions`` (any shape, order and
+        epochs), past the skip ranges: one permutation call per epoch touched."""
         p = np.asarray(positions, dtype=np.int64)
         if p.size and p.min() < 0:
             raise ValueError(f"positions must be >= 0, found {p.min()}.")
+        if self.skip_map is not None:
+            p = self.skip_map.shift(p)
         epochs, within = np.divmod(p, self.num_samples)
         if not p.size or epochs.min() == epochs.max():
             ids = self.permutation(int(epochs.flat[0]) if p.size else 0).map(within)

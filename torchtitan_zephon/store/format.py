@@ -26,10 +26,37 @@ Layout on disk::
     <store>/doc_offsets.bin  num_documents int64 start offsets, one per document
     <store>/checksums.bin    one little-endian uint64 xxh3-64 per chunk of tokens.bin
     <store>/content.json     only in a version-1 store upgraded in place: its content section
+    <store>/blocks.bin       optional (``inspect --upgrade``): one uint64 per block of tokens.bin
+    <store>/blocks.json      optional, written after blocks.bin: what blocks.bin is (below)
 
 The content section: ``algorithm`` ("xxh3_64"), ``chunk_tokens``,
 ``checksums_xxh3_128`` (of checksums.bin), ``doc_offsets_xxh3_128`` (checked by
 ``check`` only: training does not read document offsets) and ``max_token_id``.
+
+Block checksums (the finer check level, for stores read by range from object storage):
+block ``b`` is ``tokens[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS + 1]`` (512 tokens and
+the next block's first: blocks overlap by one token, so the window of ``seq_len + 1``
+tokens of a sample whose start is a multiple of 512, with ``seq_len`` a multiple of 512,
+is covered by exactly its own tokens: no label token costs a whole block); the last
+block ends at the last token; a store of ``n`` tokens has ``max(1, ceil((n - 1) / 512))``
+blocks. Its checksum is the xxh3-64 of its little-endian bytes with the seed
+``block_seed(fingerprint)`` (the first 16 hex digits of the store's fingerprint), and
+blocks.bin holds them in block order, little-endian uint64. blocks.json
+(``block_section``) records the format, ``block_tokens``, the algorithm, the store's
+fingerprint, ``num_blocks`` and ``blocks_xxh3_128`` (of blocks.bin, checked by
+``check``). Neither file is part of the manifest, so adding them leaves the
+fingerprint, and every checkpoint and sequence log that names it, unchanged.
+
+How block checksums are trusted, without reading a checksum file whole: blocks.json must
+name the fingerprint of the manifest beside it (a stale or foreign one is refused at
+open), and every block checksum is seeded with that fingerprint, which covers the
+content section and so, through checksums.bin, every token: a blocks.bin written for
+another store (or another version of this one) fails on the first block read.
+``upgrade`` writes block checksums only from tokens that matched every chunk checksum.
+A corrupt blocks.bin or tokens.bin is a mismatch, i.e. a stop, never a silent use;
+only someone rewriting tokens.bin and blocks.bin together on purpose gets past it, the
+boundary the chunk checksums already have (a forger rewriting checksums.bin and the
+manifest).
 """
 
 from __future__ import annotations
@@ -54,6 +81,11 @@ CHECKSUMS = "checksums.bin"
 CONTENT = "content.json"
 CHUNK_TOKENS = 1 << 16
 CHECKSUM_ALGORITHM = "xxh3_64"
+BLOCKS = "blocks.bin"
+BLOCKS_INFO = "blocks.json"
+BLOCKS_FORMAT = "zephon-block-checksums"
+BLOCK_TOKENS = 512
+"""Tokens a block checksum covers (plus the next block's first: blocks overlap by one)."""
 BUILTIN_PREFIX = "builtin:"
 """A store value starting with this names a part of the builtin corpus (``ingest.builtin``),
 not a path."""
@@ -102,17 +134,22 @@ def map_file(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
     """Memory-map ``count`` values of ``dtype`` from ``path`` read-only, checking its size."""
     if not path.is_file():
         raise StoreError(f"store file {str(path)!r} is missing. {REPREPARE}")
-    expected = count * dtype.itemsize
-    actual = path.stat().st_size
-    if actual != expected:
-        state = "empty" if actual == 0 else ("truncated" if actual < expected else "too long")
-        raise StoreError(
-            f"store file {str(path)!r} is {state}: expected {expected} bytes "
-            f"({count} x {dtype.name}), found {actual}. {REPREPARE}"
-        )
+    check_file_size(str(path), path.stat().st_size, dtype, count)
     if count == 0:
         return np.zeros(0, dtype=dtype)
     return np.memmap(path, dtype=dtype, mode="r", shape=(count,))
+
+
+def check_file_size(shown: str, actual: int, dtype: np.dtype, count: int) -> None:
+    """Refuse a store file (``shown`` as messages print it) of ``actual`` bytes that should
+    hold ``count`` values of ``dtype``: empty, truncated or too long."""
+    expected = count * dtype.itemsize
+    if actual != expected:
+        state = "empty" if actual == 0 else ("truncated" if actual < expected else "too long")
+        raise StoreError(
+            f"store file {shown!r} is {state}: expected {expected} bytes "
+            f"({count} x {dtype.name}), found {actual}. {REPREPARE}"
+        )
 
 
 # ----------------------------------------------------------------------------- checksums
@@ -164,6 +201,50 @@ def content_section(
         "checksums_xxh3_128": file_xxh3_128(root / CHECKSUMS),
         "doc_offsets_xxh3_128": file_xxh3_128(root / DOC_OFFSETS),
         "max_token_id": int(max_token_id),
+    }
+
+
+def num_blocks(num_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
+    """How many block checksums cover ``num_tokens`` tokens (see the module docstring)."""
+    return max(1, -(-(num_tokens - 1) // block_tokens))
+
+
+def block_seed(store_fingerprint: str) -> int:
+    """The xxh3-64 seed of a store's block checksums: its fingerprint's first 64 bits."""
+    return int(store_fingerprint[:16], 16)
+
+
+def block_span(block: int, num_tokens: int, block_tokens: int = BLOCK_TOKENS) -> tuple[int, int]:
+    """Tokens [start, stop) of block ``block`` (overlapping the next block by one)."""
+    start = block * block_tokens
+    return start, min(start + block_tokens + 1, num_tokens)
+
+
+def block_checksums(tokens: np.ndarray, seed: int, block_tokens: int = BLOCK_TOKENS) -> np.ndarray:
+    """The checksums (uint64) of the blocks of ``tokens``: a store's tokens from a block's
+    start to a block's end or the store's end (a store's whole tokens, or a range read)."""
+    tokens = np.ascontiguousarray(tokens)
+    n = max(1, -(-(tokens.size - 1) // block_tokens)) if tokens.size else 0
+    sums = np.empty(n, dtype="<u8")
+    digest = xxhash.xxh3_64_intdigest
+    for b in range(n):
+        lo = b * block_tokens
+        sums[b] = digest(tokens[lo : lo + block_tokens + 1], seed)
+    return sums
+
+
+def block_section(fingerprint_: str, num_tokens: int, blocks_file: Path) -> dict[str, Any]:
+    """The content of blocks.json for the complete ``blocks_file`` of the store whose
+    fingerprint is ``fingerprint_``."""
+    return {
+        "format": BLOCKS_FORMAT,
+        "version": 1,
+        "algorithm": CHECKSUM_ALGORITHM,
+        "block_tokens": BLOCK_TOKENS,
+        "seed": "fingerprint[:16]",
+        "fingerprint": fingerprint_,
+        "num_blocks": num_blocks(num_tokens),
+        "blocks_xxh3_128": file_xxh3_128(blocks_file),
     }
 
 

@@ -3,6 +3,9 @@
 Role: ``StoreGroup`` serves rows of (store, sample id) pairs across stores of one
 dtype, each checked like the store's own read.
 
+Stores read by range (object storage) have no map: a group holding one gathers its
+rows store by store, through each store's own ``windows``.
+
 Invariant: row k of ``windows(sources, ids, seq_len)`` equals
 ``stores[sources[k]].windows([ids[k]], seq_len)[0]``, and the group reads only rows
 wholly inside one store's map (every pair is bounds-checked before the gather). It
@@ -57,6 +60,15 @@ class StoreGroup:
             )
         self.stores = list(stores)
         self.dtype = self.stores[0].dtype
+        # Stores read by range (``remote.RemoteTokenStore``) have no map: their rows are
+        # gathered store by store, through each store's own ``windows``.
+        self.mapped = all(st.mapped for st in self.stores)
+        self._rows: dict[int, np.ndarray] = {}
+        self._limits: dict[int, np.ndarray] = {}
+        self._num_stores = np.uint64(len(self.stores))
+        if not self.mapped:
+            self._unchecked = 0
+            return
         arrays = [st.tokens.view(np.ndarray) for st in self.stores]
         addresses = [int(a.__array_interface__["data"][0]) for a in arrays]
         low, item = min(addresses), self.dtype.itemsize
@@ -66,9 +78,6 @@ class StoreGroup:
         self._offsets = np.array([(a - low) // item for a in addresses], dtype=np.int64)
         end = max(a + x.nbytes for a, x in zip(addresses, arrays, strict=True))
         self._span = (end - low) // item  # tokens from the lowest map to the end of the highest
-        self._num_stores = np.uint64(len(self.stores))
-        self._rows: dict[int, np.ndarray] = {}
-        self._limits: dict[int, np.ndarray] = {}
         # One flag per chunk of a checked store; a store that is not checked (no checksums,
         # or verify=False) has one flag, always set, and a chunk longer than any store.
         flags = [st.checked_flags() if st.verifies else np.ones(1, dtype=np.bool_) for st in stores]
@@ -109,6 +118,12 @@ class StoreGroup:
                 f"sample id {int(idv[k])} outside [0, {int(limits[i])}) for seq_len {seq_len} "
                 f"in {str(self.stores[i].path)!r}."
             )
+        if not self.mapped:
+            out = np.empty((src.size, seq_len + 1), dtype=self.dtype)
+            for i in np.unique(src).tolist():
+                rows = np.flatnonzero(src == i)
+                out[rows] = self.stores[i].windows(idv[rows], seq_len)
+            return out
         if self._unchecked:  # 0 once every chunk of every store was checked (or checks off)
             self._check(src, idv * seq_len, seq_len)
         rows = self._rows.get(seq_len)

@@ -33,8 +33,10 @@ Version-1 stores (written before checksums) still open, with an
 content section) beside the unchanged manifest, so the fingerprint, and every
 checkpoint and sequence log that names it, stays valid (older zephon versions
 still open the store); the checksums then vouch for the content as it was at
-the upgrade. ``TokenStore.check`` (``zephon inspect STORE --check``) hashes
-everything and reports each bad chunk. The checksums catch corruption and
+the upgrade. ``upgrade.add_block_checksums`` (also ``--upgrade``) adds the finer
+block checksums (``format``) that reads from object storage check; a local store's
+reads keep checking whole chunks and never open them. ``TokenStore.check`` (``zephon
+inspect STORE --check``) hashes everything and reports each bad chunk (and block). The checksums catch corruption and
 edits, not a forger who also rewrites checksums.bin and the manifest.
 """
 
@@ -51,6 +53,8 @@ import xxhash
 from numpy.lib.stride_tricks import as_strided
 
 from torchtitan_zephon.store.format import (
+    BLOCKS,
+    BLOCKS_INFO,
     CHECKSUMS,
     CHUNK_TOKENS,
     DOC_OFFSETS,
@@ -60,11 +64,20 @@ from torchtitan_zephon.store.format import (
     ContentReport,
     StoreError,
     UncheckedStoreWarning,
+    block_checksums,
+    block_seed,
+    block_span,
     content_checksums,
     file_xxh3_128,
     map_file,
 )
-from torchtitan_zephon.store.opening import map_checksums, open_manifest, read_content
+from torchtitan_zephon.store.location import is_url, parse_url
+from torchtitan_zephon.store.opening import (
+    map_checksums,
+    open_manifest,
+    read_blocks_info,
+    read_content,
+)
 
 
 class TokenStore:
@@ -72,10 +85,10 @@ class TokenStore:
 
     def __init__(
         self,
-        path: Path,
+        path: Path | str,
         manifest: dict[str, Any],
-        tokens: np.ndarray,
-        doc_offsets: np.ndarray,
+        tokens: np.ndarray | None,
+        doc_offsets: np.ndarray | None,
         content: dict[str, Any] | None = None,
         checksums: np.ndarray | None = None,
         *,
@@ -92,11 +105,12 @@ class TokenStore:
         self.eos_id: int = int(manifest["eos_id"])
         self.vocab_size: int = int(manifest["tokenizer"]["vocab_size"])
         self.tokenizer_hash: str = manifest["tokenizer"]["sha256"]
-        self.dtype = tokens.dtype
+        self.dtype = np.dtype(DTYPES[manifest["dtype"]])
+        self.mapped = tokens is not None  # False: read by range (``remote.RemoteTokenStore``)
         self.content = content  # the content section (manifest, or content.json for version 1)
         self.checksums = checksums
         # Plain ndarray views of the same maps: slicing them is cheaper than slicing a memmap.
-        self._token_array = tokens.view(np.ndarray)
+        self._token_array = None if tokens is None else tokens.view(np.ndarray)
         self._sums = None if checksums is None else checksums.view(np.ndarray)
         self.chunk_tokens: int | None = int(content["chunk_tokens"]) if content else None
         self.max_token_id: int | None = int(content["max_token_id"]) if content else None
@@ -122,13 +136,25 @@ class TokenStore:
         )
 
     @classmethod
-    def open(cls, path: str | os.PathLike, *, verify: bool = True) -> TokenStore:
+    def open(
+        cls, path: str | os.PathLike, *, verify: bool = True, remote: Any = None
+    ) -> TokenStore:
         """Open and validate the store at ``path``; raise StoreError if it is not usable.
 
         Cheap: reads the manifest and checksums.bin, maps the rest. With ``verify``
         (the default) every read checks the chunks it touches (see the module
         docstring); ``verify=False`` serves unchecked tokens (benchmarks only).
+        ``path`` may be an object-storage URL (``s3://``, ``gs://``, ``az://``: a
+        ``remote.RemoteTokenStore``, read by range with ``remote``, a
+        ``remote.RemoteOptions``) or a ``file://`` URL (a local folder).
         """
+        if is_url(path):
+            found = parse_url(str(path))
+            if not isinstance(found, str):
+                from torchtitan_zephon.store.remote import RemoteTokenStore
+
+                return RemoteTokenStore.open_url(found, verify=verify, options=remote)
+            path = found
         root = Path(path)
         manifest = open_manifest(root)
         num_tokens = int(manifest["num_tokens"])
@@ -232,13 +258,18 @@ class TokenStore:
         start, stop = self._chunk_range(chunk)
         found = xxhash.xxh3_64_intdigest(self._token_array[start:stop])
         if found != int(self._sums[chunk]):
-            raise StoreError(
-                f"token store {str(self.path)!r}: chunk {chunk} of {TOKENS} (tokens "
-                f"[{start}, {stop})) does not match its checksum in {CHECKSUMS}; the file was "
-                "changed or corrupted after preparation. Run `zephon inspect "
-                f"{self.path} --check` to list every bad chunk. {REPREPARE}"
-            )
+            raise self.chunk_mismatch(chunk)
         self._mark_checked(chunk)
+
+    def chunk_mismatch(self, chunk: int) -> StoreError:
+        """The error for chunk ``chunk`` of tokens.bin not matching its checksum."""
+        start, stop = self._chunk_range(chunk)
+        return StoreError(
+            f"token store {str(self.path)!r}: chunk {chunk} of {TOKENS} (tokens "
+            f"[{start}, {stop})) does not match its checksum in {CHECKSUMS}; the file was "
+            "changed or corrupted after preparation. Run `zephon inspect "
+            f"{self.path} --check` to list every bad chunk. {REPREPARE}"
+        )
 
     def check_chunk(self, chunk: int) -> None:
         """Hash chunk ``chunk`` unless this store checked it already (StoreError naming the
@@ -275,9 +306,9 @@ class TokenStore:
                 "cannot be verified. Add checksums with `zephon inspect "
                 f"{self.path} --upgrade` (keeps the fingerprint)."
             )
-            maxima = content_checksums(self.tokens, CHUNK_TOKENS)[1]
+            maxima = content_checksums(self.all_tokens(), CHUNK_TOKENS)[1]
         else:
-            sums, maxima = content_checksums(self.tokens, self.chunk_tokens)
+            sums, maxima = content_checksums(self.all_tokens(), self.chunk_tokens)
             for chunk in np.flatnonzero(sums != np.asarray(self.checksums)).tolist():
                 start, stop = self._chunk_range(chunk)
                 report.bad_chunks.append({"index": chunk, "start": start, "stop": stop})
@@ -288,7 +319,7 @@ class TokenStore:
             if self.verifies:
                 for chunk in np.flatnonzero(sums == np.asarray(self.checksums)).tolist():
                     self._mark_checked(chunk)
-            found = file_xxh3_128(self.path / DOC_OFFSETS)
+            found = self.doc_offsets_xxh3_128()
             if found != content["doc_offsets_xxh3_128"]:
                 report.problems.append(
                     f"{DOC_OFFSETS} does not match its recorded checksum (document "
@@ -301,7 +332,48 @@ class TokenStore:
                 f"max_token_id {self.max_token_id}"
             )
         report.problems.extend(self.structure_problems(report.max_token_id))
+        report.problems.extend(self._block_problems())
         return report
+
+    def _block_problems(self) -> list[str]:
+        """What ``check`` finds wrong with the store's block checksums (none: it has none)."""
+        try:
+            info, sums = self.block_checksums()
+        except StoreError as e:
+            return [str(e)]
+        if info is None:
+            return []
+        problems = []
+        if xxhash.xxh3_128_hexdigest(sums) != info["blocks_xxh3_128"]:
+            problems.append(f"{BLOCKS} does not match the xxh3-128 {BLOCKS_INFO} records")
+        size = int(info["block_tokens"])
+        found = block_checksums(self.all_tokens(), block_seed(self.fingerprint), size)
+        bad = np.flatnonzero(found != sums).tolist()
+        for block in bad[:10]:
+            start, stop = block_span(block, self.num_tokens, size)
+            problems.append(
+                f"block {block} (tokens [{start}, {stop})) of {TOKENS} does not match its "
+                f"checksum in {BLOCKS}"
+            )
+        if len(bad) > 10:
+            problems.append(f"... and {len(bad) - 10} more blocks that do not match")
+        return problems
+
+    def block_checksums(self) -> tuple[dict[str, Any] | None, np.ndarray]:
+        """(blocks.json, blocks.bin) of the store, checked as opening checks them, or
+        (None, empty) when it has none (``check``: a local store's reads check chunks)."""
+        info = read_blocks_info(Path(self.path), self.manifest)
+        if info is None:
+            return None, np.zeros(0, dtype="<u8")
+        return info, np.fromfile(Path(self.path) / BLOCKS, dtype="<u8")
+
+    def all_tokens(self) -> np.ndarray:
+        """Every token, unchecked (``check``, ``structure_problems``): the map itself."""
+        return self.tokens
+
+    def doc_offsets_xxh3_128(self) -> str:
+        """Hex xxh3-128 of doc_offsets.bin (``check``)."""
+        return file_xxh3_128(Path(self.path) / DOC_OFFSETS)
 
     def structure_problems(self, max_token_id: int) -> list[str]:
         """What prepare guarantees about any store: ids within the tokenizer's vocabulary,
@@ -319,7 +391,7 @@ class TokenStore:
             )
         else:
             ends = np.append(offs[1:], self.num_tokens) - 1
-            missing = int(np.count_nonzero(self.tokens[ends] != self.eos_id))
+            missing = int(np.count_nonzero(self.all_tokens()[ends] != self.eos_id))
             if missing:
                 problems.append(
                     f"{missing} of {offs.size} documents do not end with the EOS id {self.eos_id}"
@@ -363,7 +435,7 @@ class TokenStore:
             "num_chunks": self.num_chunks,
             "tokenizer_sha256": self.tokenizer_hash,
             "text_field": m.get("text_field"),
-            "size_bytes": self.num_tokens * self.tokens.dtype.itemsize
+            "size_bytes": self.num_tokens * self.dtype.itemsize
             + self.num_documents * 8
             + self.num_chunks * 8,
             "sources": m.get("sources", []),

@@ -1,11 +1,13 @@
-"""Upgrading a version-1 store in place: content checksums beside the unchanged manifest.
+"""Upgrading a store in place: checksums beside the unchanged manifest.
 
-Role: ``upgrade_store`` (``zephon inspect STORE --upgrade``) adds checksums.bin and
-content.json to a store written before checksums.
+Role: ``zephon inspect STORE --upgrade`` runs both: ``upgrade_store`` adds checksums.bin
+and content.json to a store written before checksums (format version 1);
+``add_block_checksums`` adds blocks.bin and blocks.json (the finer check level that
+reads from object storage use, ``format``) to a store that has content checksums.
 
 Invariant: the manifest, hence the fingerprint and every checkpoint and sequence
 log that names it, stays byte for byte the same; a store whose content is already
-inconsistent is refused and left as it was (content.json is written last).
+inconsistent is refused and left as it was (content.json, blocks.json are written last).
 """
 
 from __future__ import annotations
@@ -13,14 +15,25 @@ from __future__ import annotations
 import json
 import os
 import warnings
+from pathlib import Path
+
+import numpy as np
 
 from torchtitan_zephon.store.format import (
+    BLOCKS,
+    BLOCKS_INFO,
     CHECKSUMS,
     CONTENT,
     REPREPARE,
+    TOKENS,
     StoreError,
     UncheckedStoreWarning,
+    block_checksums,
+    block_section,
+    block_seed,
+    content_checksums,
 )
+from torchtitan_zephon.store.opening import read_blocks_info
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.writer import write_checksums
 
@@ -52,3 +65,47 @@ def upgrade_store(path: str | os.PathLike) -> tuple[TokenStore, bool]:
     tmp.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, store.path / CONTENT)  # last: until here the store is unchanged
     return TokenStore.open(store.path), True
+
+
+def add_block_checksums(path: str | os.PathLike) -> tuple[TokenStore, bool]:
+    """Add block checksums (blocks.bin, then blocks.json: ``format``) to a store that has
+    content checksums; (the store, whether it changed). The manifest, hence the
+    fingerprint, stays byte for byte the same, and so do reads of the local store (its
+    reads check whole chunks, as before).
+
+    Block checksums are written only from tokens that matched every chunk checksum: a
+    store with a bad chunk is refused and left as it was. A store with block checksums
+    for its fingerprint is left alone; blocks.json naming another fingerprint (left by
+    an earlier version of the store) is replaced.
+    """
+    store = TokenStore.open(path)
+    root = Path(store.path)
+    if store.checksums is None:
+        raise StoreError(
+            f"token store {str(root)!r} has no content checksums: block checksums are "
+            "written from checked tokens only. Add content checksums first "
+            f"(`zephon inspect {root} --upgrade` does both)."
+        )
+    try:
+        if read_blocks_info(root, store.manifest) is not None:
+            return store, False
+    except StoreError:
+        pass  # blocks of another version of the store, or broken: written afresh
+    sums = content_checksums(store.tokens, store.chunk_tokens)[0]
+    bad = np.flatnonzero(sums != np.asarray(store.checksums))
+    if bad.size:
+        raise StoreError(
+            f"token store {str(root)!r}: no block checksums were added: {bad.size} chunk(s) "
+            f"of {TOKENS} do not match their checksums (first: chunk {int(bad[0])}), and "
+            f"block checksums would vouch for them. Nothing was changed. Run `zephon inspect "
+            f"{root} --check` to list them. {REPREPARE}"
+        )
+    blocks = block_checksums(store.tokens, block_seed(store.fingerprint))
+    tmp = root / f".{BLOCKS}.tmp"
+    tmp.write_bytes(blocks.tobytes())
+    os.replace(tmp, root / BLOCKS)
+    info = block_section(store.fingerprint, store.num_tokens, root / BLOCKS)
+    tmp = root / f".{BLOCKS_INFO}.tmp"
+    tmp.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, root / BLOCKS_INFO)  # last: blocks.bin is complete before it is named
+    return TokenStore.open(root), True

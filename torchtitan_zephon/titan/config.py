@@ -25,7 +25,10 @@ class Zephon:
     fingerprint, however they are spelled). Empty: the builtin store, built on
     first use from text that ships with Python (its documentation topics and
     standard-library sources) with the tokenizer in
-    torchtitan_zephon/assets/tokenizer (set hf_assets_path to it)."""
+    torchtitan_zephon/assets/tokenizer (set hf_assets_path to it). A store in object
+    storage is named by its URL (s3://BUCKET/PREFIX, gs://, az://; file:// is a local
+    path): read by byte range with zephon.read_ahead_steps, read_ahead_bytes and
+    request_timeout_s, same fingerprint as its local copy."""
 
     text_field: str = "text"
     """The JSON / Parquet / dataset field holding a document's text, where
@@ -47,6 +50,23 @@ class Zephon:
     across machines, one node prepares and the others wait; on local disk each
     node prepares once."""
 
+    read_ahead_steps: int = 4
+    """Where zephon.store (or a mixture source) is in object storage (s3://, gs://,
+    az://): the steps after the current one whose windows each rank fetches in the
+    background, by byte range, as the plan names them (0: fetch each window when it
+    is read). Not part of the data config."""
+
+    read_ahead_bytes: int = 256 << 20
+    """Bytes of fetched windows a remote store holds at most per process (a step
+    larger than that is still fetched, alone). Not part of the data config."""
+
+    request_timeout_s: float = 30.0
+    """Time limit, in seconds, of ONE ATTEMPT of a request to object storage (credential
+    discovery included). A transient failure (an attempt over this limit, 5xx,
+    throttling, a reset, a body cut short) is retried 4 times with backoff, so a request
+    fails after 5 attempts at most, then a clear error naming the object. Not part of
+    the data config."""
+
     mixture: str = ""
     """Path of a mixture file (TOML): several stores drawn in exact proportions that
     follow a weight schedule, instead of zephon.store (setting both is an error).
@@ -67,6 +87,17 @@ class Zephon:
     first entry at step 1), e.g. "1:32,1000:64". Empty: training.global_batch_size
     for every step. Positions are accounted exactly across changes."""
 
+    skip_steps: str = ""
+    """Skip ranges "S:N,S:N,..." (entries strictly increasing in S, N >= 1, not
+    overlapping): at step S, the data that steps S..S+N-1 would have drawn is consumed
+    and never trained (after a loss spike). Steps keep their numbers, batch sizes, LR
+    schedule and, in a mixture, their per-source counts; each source's samples skip
+    exactly what those N steps would have drawn from it. With one store and a constant
+    batch size, step S trains what step S+N would have trained. An entry for untrained
+    steps resumes as a continuation (roll back to a checkpoint, add the skip, resume);
+    changing an entry at a trained step needs allow_changes = ["skip_steps"]. Part of
+    the data config; a step's ids digest binds the entries with S <= that step."""
+
     heldout_samples: int = 0
     """Samples at the end of the store reserved for validation and never
     trained on. The validation loader reads them in order, so validation loss
@@ -84,7 +115,8 @@ class Zephon:
     """Data-config fields whose change since the checkpoint is accepted on
     resume, e.g. ["seed"]. Names: seed, seq_len, schedule, num_samples (changed
     by heldout_samples), store (its contents), tokenizer, mixture (a mixture's
-    sources, or weights of steps already trained), or "all". Without it such a
+    sources, or weights of steps already trained), skip_steps (an entry at a step
+    already trained), or "all". Without it such a
     resume is refused, naming the differing fields."""
 
     ignore_log_mismatch: bool = False

@@ -32,7 +32,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.loader import ZephonLoader, document_positions
-from torchtitan_zephon.order.data_config import DataStateMismatch
+from torchtitan_zephon.order.data_config import DataStateMismatch, data_extra
 from torchtitan_zephon.order.mixture.plan import deviation_warning
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
@@ -120,6 +120,7 @@ class ZephonDataLoader(BaseDataLoader):
             prefetch=zc.prefetch,
             pin_memory=config.pin_memory,
             vocab_size=job.vocab_size,  # exact: refuses ids beyond the embedding
+            extra_config=data_extra(skip_steps=zc.skip_steps),
         )
         rank = int(os.environ.get("RANK", "0"))
         if isinstance(self.loader.plan, MixtureStream):

@@ -24,8 +24,14 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.data import JobData, MixtureData
-from torchtitan_zephon.job.settings import open_store, raw_inputs, store_source
-from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.job.settings import (
+    open_store,
+    raw_inputs,
+    remote_options,
+    store_name,
+    store_source,
+)
+from torchtitan_zephon.order.data_config import DataConfig, data_extra
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.titan.job_view import JobView
@@ -44,10 +50,11 @@ def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
     zc = job.zephon
     seq_len = job.seq_len
     mixture = zc.mixture
+    shown = store_name(zc.store)
     if mixture:
         if zc.store:
             raise ValueError(
-                f"zephon.mixture ({mixture}) and zephon.store ({zc.store}) are both set: a job "
+                f"zephon.mixture ({mixture}) and zephon.store ({shown}) are both set: a job "
                 "reads either one store or a mixture. Drop zephon.store, or name the store as "
                 "a [[source]] of the mixture file."
             )
@@ -58,6 +65,7 @@ def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
             path=mixture,
             progress=int(os.environ.get("RANK", "0")) == 0,
             raw=raw_inputs(job, _log),
+            remote=remote_options(job),
         )
         what = f"the mixture {mixture} (sources {', '.join(source.names)})"
     else:
@@ -65,9 +73,9 @@ def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
         named = (  # as the user named it, and where it is when that differs
             f"the builtin store ({store.path})"
             if not zc.store
-            else f"the store {zc.store}"
-            if str(store.path) == zc.store
-            else f"the store {zc.store!r} ({store.path})"
+            else f"the store {shown}"
+            if str(store.path) == shown
+            else f"the store {shown!r} ({store.path})"
         )
         schedule = batch_schedule(job)
         source = store_source(store, seq_len, zc.heldout_samples, schedule, what=named)
@@ -155,7 +163,11 @@ def open_job_data(job: JobView, tokenizer: Any = None) -> tuple[JobData, DataCon
     once and hands the object to the dataloader and the validator (``with_job``).
     """
     source = resolve_source(job, tokenizer)
-    return source, source.data_config(seed=job.zephon.seed, schedule=batch_schedule(job))
+    return source, source.data_config(
+        seed=job.zephon.seed,
+        schedule=batch_schedule(job),
+        extra=data_extra(skip_steps=job.zephon.skip_steps),
+    )
 
 
 def heldout_parts(job: JobView, source: Any) -> list[Any]:

@@ -237,7 +237,8 @@ def _qkv_order(key: str) -> int:
 
 
 def check(info: Any, job: Any) -> OldCheckpoint | None:
-    """The preflight's check of the checkpoint it chose (a verified ``runs.CheckpointInfo``)
+    """The preflight's check of the checkpoint TorchTitan will load, a resume or model
+    only (a verified ``runs.CheckpointInfo``)
     for ``job`` (a ``titan.job_view.JobView``; its model is read only for a 0.2.2
     checkpoint): the map when 0.2.2 wrote it, None when 0.3 did; OldRunRefused when it
     does not map."""

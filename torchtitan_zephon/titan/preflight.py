@@ -15,7 +15,9 @@ passing over checkpoints whose files are incomplete or corrupt
   the same job,
 * the store against the model and tokenizer (a tokenizer TorchTitan cannot load
   from ``hf_assets_path`` is refused naming the path and the tokenizer the
-  store was prepared with), its size, and the global batch layout;
+  store was prepared with), its size, the held-out samples validation reads
+  (validation on), ``zephon.skip_steps`` (malformed: refused; an entry after
+  ``training.steps``: a warning), and the global batch layout;
   where ``zephon.store`` (or a mixture source) names raw inputs they are prepared
   here, into the cache (``ingest.cache``), before TorchTitan initializes the process
   group: no collective waits on the tokenization, and a missing input or
@@ -255,6 +257,7 @@ def plan_start(
         raise StartRefused(str(e)) from None
     chosen, plan, why_none = choose_checkpoint(job)
     plan.data = data
+    plan.notes.extend(_skips_past_the_end(config, job.steps))
     for info in plan.skipped:
         what = (
             "incomplete (no .metadata: the job died while writing it)"
@@ -311,6 +314,17 @@ def plan_start(
         f"another --dump_folder; to start over in this folder, pass {START_OVER}. "
         "Nothing was changed on disk."
     )
+
+
+def _skips_past_the_end(config: DataConfig, steps: int) -> list[str]:
+    """A warning per ``zephon.skip_steps`` entry that starts after ``training.steps``:
+    valid (a later, longer run applies it), but it takes no effect in this run."""
+    return [
+        f"zephon.skip_steps entry {start}:{count} starts after training.steps ({steps}): "
+        f"it takes no effect in this run (a run that trains past step {start - 1} applies it)"
+        for start, count in config.skip_steps.entries
+        if start > steps
+    ]
 
 
 def log_plan(plan: StartPlan) -> None:

@@ -3,8 +3,12 @@
 Role: ``choose_checkpoint`` finds the checkpoint TorchTitan will load, by its own
 rule (``checkpoint.enable``, ``checkpoint.load_step``, else the newest ``step-N``
 with a DCP ``.metadata`` under ``dump_folder/checkpoint.folder``: ``titan_load_step``),
-and passes over checkpoints whose files are incomplete or corrupt; the preflight
-(``titan.preflight``) fills the rest of the ``StartPlan`` and runs the checks.
+and passes over checkpoints whose files are incomplete or corrupt; it also checks
+``checkpoint.initial_load_path`` where TorchTitan would take it, names a 0.2.2
+checkpoint's key map (``check_old_run``, which refuses one that does not map), and,
+after an explicit ``checkpoint.load_step`` K, lists the checkpoints after K that the
+trainer moves aside (``StartPlan.abandoned``). The preflight (``titan.preflight``)
+fills the rest of the ``StartPlan`` and runs the other checks.
 
 Invariant: the choice only reads, and is a pure function of the job and the files,
 so every rank reaches the same one; ``StartPlan.load_step`` is what the trainer pins
@@ -49,8 +53,14 @@ class StartPlan:
     load_step: int | None = None
     """The step TorchTitan must load (its ``checkpoint.load_step``), when the job's -1
     (the newest) resolved to a checked checkpoint; None: leave it as it is."""
+    abandoned: list[runs.CheckpointInfo] = field(default_factory=list)
+    """A rollback's abandoned branch: with an explicit ``checkpoint.load_step`` K, the
+    checkpoints after K. Rank 0 moves them out of the checkpoint folder at the first step,
+    once every rank has loaded K (``ZephonTrainer``), so no later automatic resume
+    (TorchTitan takes the newest) picks them, and no ``keep_latest_k`` purge weighs them."""
     old_run: old_runs.OldCheckpoint | None = None
-    """The resumed checkpoint's key map when the 0.2.2-based code wrote it (``titan.old_runs``)."""
+    """The key map of the checkpoint TorchTitan loads (a resume, or model only) when the
+    0.2.2-based code wrote it (``titan.old_runs``)."""
 
 
 # ---------------------------------------------------------------- TorchTitan's rule
@@ -82,7 +92,8 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
     """(checkpoint TorchTitan will load or None, plan with skipped ones, why none).
 
     Sets ``plan.load_step`` to the chosen step when ``checkpoint.load_step`` was -1
-    (the newest). Raises StartRefused when TorchTitan would load something that
+    (the newest), ``plan.abandoned`` after an explicit one, ``plan.old_run`` for a
+    0.2.2 checkpoint. Raises StartRefused when TorchTitan would load something that
     cannot be loaded.
     """
     ck = job.checkpoint
@@ -91,8 +102,23 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
     plan = StartPlan()
     if not ck.enable:
         return None, plan, "checkpoint.enable is false"
-    if not folder.exists():
-        path = ck.initial_load_path
+    path = ck.initial_load_path
+    # TorchTitan's rule: the initial load when its newest-checkpoint rule finds nothing
+    # (no folder, or only incomplete step folders) and no step is named.
+    if not folder.exists() or (path and ck.load_step < 0 and titan_load_step(folder) == -1):
+        if path and "://" in str(path):  # a remote URI (TorchTitan's fsspec reader)
+            if not ck.initial_load_model_only:
+                raise StartRefused(
+                    f"checkpoint.initial_load_path {path} is a remote URI: Zephon resumes a "
+                    "run (its data state and sequence log) only from a checkpoint on a local "
+                    "or shared filesystem. Copy it there, or load its model only "
+                    "(--checkpoint.initial_load_model_only)."
+                )
+            plan.notes.append(
+                f"checkpoint.initial_load_path {path} is a remote URI, loaded model only: "
+                "TorchTitan reads it; Zephon does not check it before the start"
+            )
+            return None, plan, f"--checkpoint.initial_load_path {path} is loaded model only"
         if path and not ck.initial_load_in_hf:
             info = runs.verify_checkpoint(
                 runs.CheckpointInfo(-1, Path(path), (Path(path) / ".metadata").is_file(), 0)
@@ -127,6 +153,7 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
         if ck.load_step == 0:
             check_old_run(info, plan, job)
             return None, plan, "checkpoint.load_step = 0 loads only the model of step-0"
+        plan.abandoned = [c for c in found if c.step > ck.load_step]
         return info, plan, ""
     titan_step = titan_load_step(folder)
     chosen = None

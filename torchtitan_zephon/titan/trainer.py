@@ -14,7 +14,9 @@ writes anything, so a refused start changes nothing on disk; it then hands the
 job's view and the job's data the preflight opened to the dataloader and the
 validator configs (``job_data.with_job``: each store is opened once per
 process), pins the checkpoint the preflight checked (one the 0.2.2-based code
-wrote is loaded through ``old_runs``' name map), and wraps the model spec's
+wrote is loaded through ``old_runs``' name map; after a rollback, an explicit
+``checkpoint.load_step`` K, rank 0 moves the checkpoints after K aside at the first
+step, once every rank has loaded K), and wraps the model spec's
 ``parallelize_fn`` so the built model's ``init_weights`` is topology-free
 (``init.topology_free_parallelize``, unless ``zephon.init = "torchtitan"``);
 (2) sets the gradient accumulation of each step from the batch schedule; (3)
@@ -34,6 +36,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
@@ -101,6 +104,7 @@ class ZephonTrainer(Trainer):
         # Everything that can refuse the start runs before TorchTitan writes anything
         # (its TensorBoard writer is created in Trainer.__init__).
         self._lock, plan = self._take_run_folder(job, config)
+        self._abandoned = (job, plan.abandoned)
         if plan.load_step is not None:
             config.checkpoint.load_step = plan.load_step
         config.dataloader = with_job(config.dataloader, job, plan.data)
@@ -173,6 +177,43 @@ class ZephonTrainer(Trainer):
         sl.log_trace_instant("structured_logger_started")
         return dims
 
+    def _move_abandoned(self, job: JobView, abandoned: list[Any]) -> None:
+        """A rollback (``--checkpoint.load_step K`` with checkpoints after K): at the
+        first step, once every rank has loaded checkpoint K and passed every check, rank 0
+        (holding the run folder) moves the abandoned branch's checkpoints into the
+        checkpoint folder's sibling ``<folder>_abandoned/rollback_to_step_K`` (``.2``, ...
+        when a folder of that name exists), whose name TorchTitan's newest-checkpoint rule
+        does not count. Moved, not deleted; each move is logged. A move that fails (another
+        filesystem, permissions) stops the job before it trains, naming what is left."""
+        if not abandoned:
+            return
+        k = job.checkpoint.load_step
+        folder = (Path(job.dump_folder) / job.checkpoint.folder).resolve()
+        base = folder.parent / f"{folder.name}_abandoned"
+        dest, n = base / f"rollback_to_step_{k}", 1
+        while dest.exists():
+            n += 1
+            dest = base / f"rollback_to_step_{k}.{n}"
+        try:
+            dest.mkdir(parents=True)
+            for info in abandoned:
+                os.replace(info.path, dest / info.path.name)
+                logger.info(f"Zephon: moved {info.path} to {dest / info.path.name}")
+        except OSError as e:
+            left = ", ".join(str(i.path) for i in abandoned if i.path.exists())
+            raise JobStopped(
+                self.step,
+                f"rollback to step {k}: could not move the checkpoints after it out of {folder} "
+                f"({type(e).__name__}: {e}); still there: {left or 'none'}. Move them out of "
+                f"{folder} by hand (a later automatic resume would pick the newest), then "
+                "start again.",
+            ) from None
+        names = ", ".join(info.path.name for info in abandoned)
+        logger.warning(
+            f"Zephon: rollback to step {k}: the checkpoints after it ({names}) were moved to "
+            f"{dest}, so that no later automatic resume picks the abandoned branch"
+        )
+
     def train(self) -> None:
         """TorchTitan's loop; a store or sequence log that fails once training has begun
         (a ``tokens.bin`` changed after preparation, ...) stops it as ``JobStopped``.
@@ -231,6 +272,8 @@ class ZephonTrainer(Trainer):
             )
         if dl.resumed_from is None:
             dl.tracker.start(dl.topology)
+        if self._lock is not None and getattr(self, "_abandoned", None):
+            self._move_abandoned(*self._abandoned)  # every rank has loaded (the gather above)
         self._tracking = True
 
     def _check_same_data_everywhere(self) -> None:

@@ -17,7 +17,12 @@
   job starts; a start's chain is ``genesis(data_config_fingerprint)``, a resume's
   is the checkpoint's chain head. Step records after ``k`` written before that
   event are superseded (never rewritten): the *effective history* is what
-  remains after applying the events in order.
+  remains after applying the events in order;
+* a skip event ``{"event": "skip", "from_step": S - 1, "chain", "step": S, "steps": N,
+  "text"}`` just before the record of step S whenever a skip entry S:N of the data
+  config (``order.skips``) takes effect (again after a rollback to a step before S).
+  Its chain is the record of step S - 1's, so it supersedes nothing and the chain
+  goes on through it; the resume or start event before it holds the data config.
 
 Invariants:
 - The chain of the effective history at step ``s`` depends only on the data

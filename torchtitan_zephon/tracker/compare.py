@@ -4,7 +4,8 @@ Role: walk the effective histories of two logs (``LogReader.batches()``) as a me
 in step order; at every step both have, compare ``ids_digest`` (and
 ``tokens_digest`` where both logs have it); count the steps only one has, the
 records not bound to their data config (tracker format 1), and keep the first
-mismatch with the data-config fields that differ. ``cli/verify.py`` turns the
+mismatch with the data-config fields that differ (and, when the runs' skip entries
+differ at or before it, the step where they do, in words). ``cli/verify.py`` turns the
 outcome into the report and the verdict.
 
 Invariant: memory is bounded by the number of events and gaps, never by the
@@ -20,6 +21,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from torchtitan_zephon.order.data_config import SKIP_FIELD
+from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.tracker.blocks import RecordRun
 from torchtitan_zephon.tracker.reader import LogReader, record_of_row
 
@@ -107,6 +110,33 @@ def config_difference(a: LogReader, b: LogReader, step: int) -> list[str]:
     ]
 
 
+def skip_difference(a: LogReader, b: LogReader, step: int) -> dict[str, Any] | None:
+    """Where the skip entries (``order.skips``) of the jobs that wrote step ``step`` in
+    each log first differ: ``{"step": S, "text": words}``, or None (the same skips, or
+    unknown). Entries after ``step`` do not count: they govern later steps only."""
+    ca = ((a.event_for(step) or {}).get("data_config") or {}).get(SKIP_FIELD)
+    cb = ((b.event_for(step) or {}).get("data_config") or {}).get(SKIP_FIELD)
+    try:
+        sa, sb = SkipSteps.from_json(ca).up_to(step), SkipSteps.from_json(cb).up_to(step)
+    except ValueError:
+        return None
+    if sa == sb:
+        return None
+    first = min(s for s, _ in set(sa.entries) ^ set(sb.entries))
+
+    def what(skips: SkipSteps) -> str:
+        n = dict(skips.entries).get(first)
+        if n is None:
+            return "does not skip there"
+        return f"skips the data of {n} step{'s' * (n != 1)} there (skip_steps {first}:{n})"
+
+    return {
+        "step": first,
+        "text": f"at step {first}, A {what(sa)} and B {what(sb)}: the runs are meant to "
+        f"differ from step {first} on",
+    }
+
+
 class _Cursor:
     """The head of one log's stream of effective records, batch by batch."""
 
@@ -167,6 +197,7 @@ class Comparison:
                 "a": ra,
                 "b": rb,
                 "config_difference": config_difference(a, b, step),
+                "skip_difference": skip_difference(a, b, step),
             }
 
     def one(self, a: LogReader, b: LogReader, ca: _Cursor, cb: _Cursor) -> None:

@@ -1,12 +1,15 @@
-"""How a sequence log's start and resume events link to its records.
+"""How a sequence log's start, resume and skip events link to its records.
 
 Role: a start event's chain is the genesis of its data config (``records.genesis``
 of the config's fingerprint); a resume from step ``k`` names the chain of the
-log's record of step ``k``. ``LogReader`` calls ``check_event`` at each event
-line of its second pass.
+log's record of step ``k``; a skip event (a skip entry taking effect at step S)
+follows the record of step S - 1: ``from_step`` S - 1 and that record's chain, the
+chain the record of step S then follows from. ``LogReader`` calls ``check_event``
+(start, resume) or ``check_skip`` at each event line of its second pass.
 
 Invariant: an event whose chain does not link (an edited start event or data
-config, a resume whose step has no record or another chain) is reported as an
+config, a resume whose step has no record or another chain, a skip event that does
+not follow the record before it) is reported as an
 ``event`` problem naming its line; only a resume that knowingly restarted the
 chain (audit off, ``ignore_log_mismatch``) or a start of tracker format 1 is a
 note instead.
@@ -75,3 +78,21 @@ def check_event(
                 f"log's record of step {k} has {have[:16]}...",
             )  # fmt: skip
     return k, chain
+
+
+def check_skip(
+    lineno: int, e: dict[str, Any], prev: tuple[int | None, str | None], report: Report
+) -> None:
+    """Check the skip event ``e`` at ``lineno`` against ``prev``, the (step, chain) the
+    log reached before it: the event follows that record (a start or resume event's
+    step and chain where no record came yet). A skip event changes neither."""
+    step, chain = prev
+    k = int(e.get("from_step", 0))
+    if step is None or chain is None:
+        return  # nothing to link to: the record after it is reported (an orphan)
+    if k != step or e.get("chain") != chain or e.get("step") != k + 1:
+        report(
+            lineno, step + 1, "event",
+            f"line {lineno}: a skip event for step {e.get('step')!r} (from_step {k}) that does "
+            f"not follow the log's step {step} before it (the event was edited or moved)",
+        )  # fmt: skip

@@ -1,7 +1,7 @@
 """Reading a sequence log: effective history and integrity, streamed.
 
 A log is read in two passes, a few MB at a time (``BLOCK_BYTES``). The first
-parses only the start / resume events (a few per job). The second streams the
+parses only the events (start, resume, skip: a few per job). The second streams the
 step records in file order, recomputes each chain from the one before it, checks
 step order and event links, and yields the records of the *effective history*
 (those no later event supersedes) in increasing step order. A block of record
@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.tracker.blocks import RecordRun, check_block
-from torchtitan_zephon.tracker.links import check_event
+from torchtitan_zephon.tracker.links import check_event, check_skip
 from torchtitan_zephon.tracker.pieces import has_event, pieces, regions, split_lines
 from torchtitan_zephon.tracker.records import (
     LOG_NAME,
@@ -69,7 +69,7 @@ class LogProblem:
     step: int | None
     kind: str
     """``chain`` (a record's chain does not follow), ``order`` (a gap, a repeated or
-    reordered step), ``event`` (a start or resume event that does not link up),
+    reordered step), ``event`` (a start, resume or skip event that does not link up),
     ``orphan`` (a step record before any start event)."""
     message: str
 
@@ -101,7 +101,7 @@ class LogReader:
         self.path = resolve(path)
         self.fast = fast
         self.events: list[dict[str, Any]] = []
-        """Start and resume events in log order."""
+        """Start, resume and skip events in log order."""
         self._event_lines: list[int] = []
         self._event_offsets: list[int] = []
         self.truncated_tail = False
@@ -184,7 +184,7 @@ class LogReader:
         """The start / resume event of the job that wrote the effective record of ``step``."""
         chosen = None
         for e in self.events:
-            if int(e.get("from_step", 0)) < step:
+            if e.get("event") != "skip" and int(e.get("from_step", 0)) < step:
                 chosen = e
         return chosen
 
@@ -264,6 +264,9 @@ class LogReader:
         if n_event < len(self.events) and lineno == self._event_lines[n_event]:
             self._n_event += 1
             event = self.events[n_event]
+            if event.get("event") == "skip":  # an annotation: the chain goes on through it
+                check_skip(lineno, event, (prev_step, prev_chain), self._problem)
+                return None
             self._order.event(event.get("event"), int(event.get("from_step", 0)))
             self._prev_step, self._prev_chain = check_event(
                 lineno, event, linked, self._problem, self.notes

@@ -5,6 +5,9 @@ Invariants:
   on all ranks; only the writer (global rank 0) touches the files.
 - A line reaches the log before its index entry (``index.LogIndex``), and a
   record a checkpoint names is fsynced before the checkpoint is written.
+- A skip entry (S, N) of the data config is logged once per time it takes effect: a
+  ``skip`` event just before the record of step S (``SequenceTracker.record``), after
+  a rollback as on a fresh run.
 - Finding the checkpoint's record on resume costs O(1) in the log's length
   through the index; when the index cannot answer (missing, stale, a log of
   another layout) the whole log is read once and the index rebuilt. A resume
@@ -25,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.tracker.index import LogIndex
 from torchtitan_zephon.tracker.reader import LogReader
 from torchtitan_zephon.tracker.records import (
@@ -49,13 +53,22 @@ class SequenceTracker:
         enabled: bool = True,
     ) -> None:
         self.path = Path(path)
-        self.config = config
+        self.config = config  # the skip entries follow it (a resume may replace it)
         self.writer = writer and enabled
         self.enabled = enabled
         self.step = 0
         self.chain = genesis(config.fingerprint)
         self.index = LogIndex(self.path)
         self._checked_tail = False
+
+    @property
+    def config(self) -> DataConfig:
+        return self._config
+
+    @config.setter
+    def config(self, config: DataConfig) -> None:
+        self._config = config
+        self._skip_at = dict(config.skip_steps.entries)  # S -> N: a skip event before S
 
     def _config_fields(self) -> dict[str, Any]:
         return {
@@ -270,10 +283,28 @@ class SequenceTracker:
             rec["tokens_digest"] = tokens_digest(tokens)
         chain, line = record_line(self.chain, rec)
         rec["chain"] = chain
+        if self.enabled and step in self._skip_at:
+            self._skip(step, self._skip_at[step])
         self.step, self.chain = step, chain
         if self.enabled:
             self._append(line, step=step)
         return rec
+
+    def _skip(self, step: int, count: int) -> None:
+        """The skip entry (step, count) takes effect: its event goes just before the
+        record of ``step``, naming the record it follows (``from_step`` = step - 1 and
+        that record's chain), so it supersedes nothing and links like the records do."""
+        (text,) = SkipSteps([(step, count)]).describe()
+        self._event(
+            {
+                "event": "skip",
+                "from_step": step - 1,
+                "chain": self.chain,
+                "step": step,
+                "steps": count,
+                "text": text,
+            }
+        )
 
 
 def head_problem(step: int, chain: str, found: str | None) -> str | None:

@@ -25,6 +25,7 @@ from typing import Any
 
 from torchtitan_zephon.order.data_config import config_text
 from torchtitan_zephon.store.format import BUILTIN_PREFIX
+from torchtitan_zephon.store.location import is_url, redact
 
 MAX_PATTERN = 10**6
 """Largest common denominator of one schedule entry's normalized weights: the
@@ -265,7 +266,14 @@ class MixtureConfig:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> MixtureConfig:
-        """Read a mixture file; relative store paths are taken relative to its folder."""
+        """Read a mixture file; relative store paths are taken relative to its folder.
+        The file itself is local (its stores may be URLs)."""
+        if is_url(path):
+            raise MixtureError(
+                f"mixture file {redact(str(path))!r} is a URL; a mixture file is read from a "
+                "local path (a URL is never taken as a path). Copy it next to the job; its "
+                "[[source]] store values may be URLs."
+            )
         p = Path(path)
         try:
             text = p.read_text()
@@ -302,8 +310,9 @@ class MixtureConfig:
 
 def rebase(value: str, base: Path) -> str:
     """``value`` with its relative paths (or each relative item of a comma list) taken
-    relative to ``base`` (a mixture file's folder); builtin parts stay."""
-    if value.startswith(BUILTIN_PREFIX) or os.path.isabs(value):
+    relative to ``base`` (a mixture file's folder); builtin parts and URLs stay (a URL is
+    never taken as a path)."""
+    if value.startswith(BUILTIN_PREFIX) or os.path.isabs(value) or is_url(value):
         return value
     if os.path.lexists(base / value) or "," not in value:
         return str(base / value)

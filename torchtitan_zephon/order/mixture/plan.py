@@ -31,6 +31,7 @@ from torchtitan_zephon.order.mixture.spec import (
     effective_entries,
 )
 from torchtitan_zephon.order.permutation import map_many
+from torchtitan_zephon.order.skips import SkipMap
 from torchtitan_zephon.order.stream import DataPlan
 
 
@@ -97,6 +98,15 @@ class MixturePlan:
         self.first_correction: int | None = builder.first_correction
         self._starts = [s.first_slot for s in self.segments]
         self.warnings = self._small_source_warnings()
+        ranges = self.layout.skip_ranges() if self.layout.skips else []
+        self.skip_map: SkipMap | None = (
+            SkipMap(
+                np.array([self.counts_at_slot(q) for q, _ in ranges]),
+                np.array([self.counts_at_slot(r) for _, r in ranges]),
+            )
+            if ranges
+            else None
+        )
 
     # ------------------------------------------------------------ accounting
 
@@ -136,8 +146,17 @@ class MixturePlan:
         return self._segment_of(slot).counts(slot)
 
     def counts_before(self, step: int) -> np.ndarray:
-        """Per-source samples drawn by steps 1 .. step-1 (each source's next stream position)."""
+        """Per-source samples drawn (trained) by steps 1 .. step-1 (without skips: each
+        source's next stream position, ``stream_positions_before``)."""
         return self.counts_at_slot(self.step_slots(step)[0])
+
+    def stream_positions_before(self, step: int) -> np.ndarray:
+        """Per-source next stream position at ``step``: the samples steps 1 .. step-1
+        drew plus those the skip ranges starting at or before ``step`` skipped."""
+        counts = self.counts_before(step)
+        if self.skip_map is None:
+            return counts
+        return counts + self.skip_map.skipped_before(counts)
 
     def step_counts(self, step: int) -> np.ndarray:
         """Per-source samples of step ``step``."""
@@ -155,7 +174,7 @@ class MixturePlan:
 
     def epochs(self, step: int) -> np.ndarray:
         """Per-source epoch of the next sample each source draws at ``step``."""
-        return self.counts_before(step) // self.num_samples
+        return self.stream_positions_before(step) // self.num_samples
 
     def max_deviation(self) -> tuple[Fraction, str]:
         """(worst |count - target| over the end of every step of the infinite
@@ -183,18 +202,27 @@ class MixturePlan:
 
     def check_max_epochs(self, last_step: int) -> None:
         """Raise MixtureError if steps 1..``last_step`` run a source past its max_epochs."""
-        total = self.counts_before(last_step + 1)
+        total = self._reach(last_step + 1)
         for i, limit in enumerate(self.max_epochs):
             if limit is None or total[i] <= limit * self.num_samples[i]:
                 continue
             lo, hi = 1, last_step  # first step whose end exceeds the limit
             while lo < hi:
                 mid = (lo + hi) // 2
-                if self.counts_before(mid + 1)[i] > limit * self.num_samples[i]:
+                if self._reach(mid + 1)[i] > limit * self.num_samples[i]:
                     hi = mid
                 else:
                     lo = mid + 1
             raise self._epoch_error(i, lo)
+
+    def _reach(self, step: int) -> np.ndarray:
+        """Per source, one past the stream position of its last draw before ``step``
+        (its draws before it, without skips)."""
+        counts = self.counts_before(step)
+        if self.skip_map is None:
+            return counts
+        last = np.maximum(counts - 1, 0)
+        return np.where(counts > 0, counts + self.skip_map.skipped_before(last), 0)
 
     def _epoch_error(self, i: int, step: int | None) -> MixtureError:
         limit, n = self.max_epochs[i], int(self.num_samples[i])
@@ -256,6 +284,8 @@ class MixturePlan:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
         sources = np.concatenate(sources_parts)
         positions = np.concatenate(positions_parts)
+        if self.skip_map is not None:  # past what the skip ranges before each draw skipped
+            positions = self.skip_map.shift(positions, sources)
         return sources, self._stream_ids(sources, positions, step)
 
     def _stream_ids(

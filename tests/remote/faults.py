@@ -1,0 +1,145 @@
+"""A fault-injecting HTTP proxy on loopback, in front of moto's server (conftest.py).
+
+``FaultProxy(upstream)`` forwards every request to ``upstream`` and answers with what it
+got, after ``latency_s``; ``inject(path_part, *faults)`` makes the next requests whose
+path holds ``path_part`` meet ``faults`` in order, one each, then pass again:
+
+- ``"503"``: a 503 SlowDown answer (S3's throttling), ``"500"``: an InternalError;
+- ``"403"``: AccessDenied;
+- ``"reset"``: the connection is reset (RST) before any answer;
+- ``"truncate"``: the answer's headers promise the whole body, half of it is sent, then
+  the connection is closed;
+- ``"short"``: a well-formed answer with half the body (its Content-Length says so);
+- ``"hang"``: no answer until ``hang_s`` passed.
+
+``seen`` lists (method, path, fault or None) of every request. A real socket server:
+the client under test speaks HTTP to it as to any endpoint.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import struct
+import threading
+import time
+from collections import deque
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+_ERRORS = {
+    "500": (500, "InternalError", "We encountered an internal error. Please try again."),
+    "503": (503, "SlowDown", "Please reduce your request rate."),
+    "403": (403, "AccessDenied", "Access Denied"),
+}
+
+
+class FaultProxy:
+    def __init__(self, upstream: str, *, latency_s: float = 0.0, hang_s: float = 30.0) -> None:
+        self.upstream = urlsplit(upstream)
+        self.latency_s = latency_s
+        self.hang_s = hang_s
+        self.seen: list[tuple[str, str, str | None]] = []
+        self._faults: list[tuple[str, deque[str]]] = []
+        self._lock = threading.Lock()
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:  # quiet
+                pass
+
+            def _any(self) -> None:
+                proxy._handle(self)
+
+            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _any
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
+        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def inject(self, path_part: str, *faults: str) -> None:
+        with self._lock:
+            self._faults.append((path_part, deque(faults)))
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def faults_met(self) -> list[str]:
+        return [f for *_, f in self.seen if f]
+
+    # ---------------------------------------------------------------- one request
+
+    def _next_fault(self, path: str) -> str | None:
+        with self._lock:
+            for part, faults in self._faults:
+                if part in path and faults:
+                    return faults.popleft()
+        return None
+
+    def _handle(self, h: BaseHTTPRequestHandler) -> None:
+        length = int(h.headers.get("Content-Length") or 0)
+        body = h.rfile.read(length) if length else None
+        fault = self._next_fault(h.path)
+        with self._lock:
+            self.seen.append((h.command, h.path, fault))
+        if self.latency_s:
+            time.sleep(self.latency_s)
+        if fault == "reset":
+            h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            h.connection.close()
+            h.close_connection = True
+            return
+        if fault == "hang":
+            time.sleep(self.hang_s)
+            h.close_connection = True
+            return
+        if fault in _ERRORS:
+            status, code, message = _ERRORS[fault]
+            data = (
+                f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
+                f"<Message>{message}</Message></Error>"
+            ).encode()
+            h.send_response(status)
+            h.send_header("Content-Type", "application/xml")
+            h.send_header("Content-Length", str(len(data)))
+            h.end_headers()
+            if h.command != "HEAD":
+                h.wfile.write(data)
+            return
+        conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
+        try:
+            headers = {k: v for k, v in h.headers.items()}
+            conn.request(h.command, h.path, body=body, headers=headers)
+            answer = conn.getresponse()
+            data = answer.read()
+        finally:
+            conn.close()
+        h.send_response(answer.status, answer.reason)
+        for k, v in answer.getheaders():
+            if k.lower() not in (
+                "transfer-encoding",
+                "connection",
+                "content-length",
+                "server",
+                "date",
+            ):
+                h.send_header(k, v)
+        if fault == "short" and len(data) > 1:
+            data = data[: len(data) // 2]
+        declared = answer.getheader("Content-Length") if h.command == "HEAD" else None
+        h.send_header("Content-Length", declared or str(len(data)))
+        h.end_headers()
+        if h.command == "HEAD":
+            return
+        if fault == "truncate" and len(data) > 1:
+            h.wfile.write(data[: len(data) // 2])
+            h.wfile.flush()
+            h.connection.shutdown(socket.SHUT_RDWR)
+            h.close_connection = True
+            return
+        h.wfile.write(data)

@@ -1,0 +1,161 @@
+"""Faults between a remote store and the job (store/location.py), through a
+fault-injecting proxy on loopback (tests/remote/faults.py) in front of moto's server:
+transient ones are retried with backoff and the windows served are the local store's;
+the others stop with an error naming the object and what to do, and no secret."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import copy_store
+from tests.remote.conftest import SECRET, SESSION
+from torchtitan_zephon.store.format import StoreError
+from torchtitan_zephon.store.location import CREDENTIAL_VARIABLES, parse_url
+from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.remote import RemoteOptions, RemoteTokenStore
+from torchtitan_zephon.store.upgrade import add_block_checksums
+
+
+@pytest.fixture(scope="module")
+def blocked(store_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = copy_store(store_path, tmp_path_factory.mktemp("faults") / "store")
+    add_block_checksums(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def url(s3, blocked: Path) -> str:
+    return s3.upload(blocked, "faults/store")
+
+
+def _open(url: str, **kw) -> RemoteTokenStore:
+    return RemoteTokenStore.open_url(parse_url(url), options=RemoteOptions(**kw))
+
+
+def _no_secret(text: str) -> None:
+    assert SECRET not in text and SESSION not in text and "X-Amz" not in text
+
+
+IDS, SEQ = np.array([0, 4, 9]), 512
+
+
+@pytest.mark.parametrize(
+    "faults",
+    [("503",), ("500", "503", "503"), ("reset",), ("truncate",), ("reset", "truncate", "503")],
+)
+def test_transient_faults_are_retried(proxy, url: str, blocked: Path, faults) -> None:
+    store = _open(url)
+    proxy.inject("tokens.bin", *faults)
+    proxy.inject("blocks.bin", *faults)
+    got = store.windows(IDS, SEQ)
+    np.testing.assert_array_equal(got, TokenStore.open(blocked).windows(IDS, SEQ))
+    assert sorted(proxy.faults_met()) == sorted(2 * faults)  # every fault met, then retried
+
+
+def test_a_short_answer_is_retried_then_reported(proxy, url: str, blocked: Path) -> None:
+    store = _open(url, retries=2)
+    proxy.inject("tokens.bin", "short")
+    np.testing.assert_array_equal(
+        store.windows(IDS[:1], SEQ), TokenStore.open(blocked).windows(IDS[:1], SEQ)
+    )
+    proxy.inject("tokens.bin", "short", "short", "short")
+    with pytest.raises(StoreError) as e:
+        store.windows(IDS[1:2], SEQ)
+    assert str(e.value) == (
+        f"{url}/tokens.bin: asked for bytes [4096, 5122), received 513, 3 times: the object "
+        "is shorter than the store's manifest says. Upload the store again."
+    )
+
+
+def test_throttling_that_does_not_stop(proxy, url: str) -> None:
+    store = _open(url, retries=2)
+    proxy.inject("tokens.bin", "503", "503", "503")
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as e:
+        store.windows(IDS[:1], SEQ)
+    assert time.monotonic() - t0 >= 0.1 + 0.2 * 0.5  # backed off (jitter: at least half)
+    assert str(e.value) == (
+        f"reading {url}/tokens.bin failed 3 times (retried with backoff): the endpoint "
+        "answered 503 SlowDown. The service is failing or throttling this job: try again "
+        "later, or read less at once (lower zephon.read_ahead_steps)."
+    )
+    _no_secret(str(e.value))
+
+
+def test_resets_that_do_not_stop(proxy, url: str) -> None:
+    store = _open(url, retries=1)
+    proxy.inject("blocks.bin", "reset", "reset")
+    with pytest.raises(StoreError) as e:
+        store.windows(IDS[:1], SEQ)
+    assert str(e.value) == (
+        f"reading {url}/blocks.bin failed 2 times (retried with backoff): the connection "
+        "was refused or reset, or an answer was cut short. Check the network and the "
+        "endpoint (AWS_ENDPOINT_URL for an S3-compatible one)."
+    )
+
+
+def test_a_slow_endpoint_within_the_time_limit(proxy, url: str, blocked: Path) -> None:
+    proxy.latency_s = 0.05
+    store = _open(url)
+    t0 = time.monotonic()
+    np.testing.assert_array_equal(
+        store.windows(IDS, SEQ), TokenStore.open(blocked).windows(IDS, SEQ)
+    )
+    assert time.monotonic() - t0 >= 0.05
+
+
+def test_a_hung_attempt_is_retried_then_reported(proxy, url: str, blocked: Path) -> None:
+    store = _open(url, request_timeout_s=1, retries=1)
+    proxy.inject("tokens.bin", "hang")
+    np.testing.assert_array_equal(
+        store.windows(IDS[:1], SEQ), TokenStore.open(blocked).windows(IDS[:1], SEQ)
+    )
+    proxy.inject("tokens.bin", "hang", "hang")
+    t0 = time.monotonic()
+    with pytest.raises(StoreError) as e:
+        store.windows(IDS[1:2], SEQ)
+    assert 2 <= time.monotonic() - t0 < 6
+    assert str(e.value).startswith(
+        f"reading {url}/tokens.bin took longer than request_timeout_s=1 s, 2 times (retried "
+        "with backoff): the endpoint, or the credential source, does not answer."
+    )
+
+
+def test_access_denied_stops_at_once(proxy, url: str) -> None:
+    store = _open(url)
+    proxy.inject("tokens.bin", "403")
+    with pytest.raises(StoreError) as e:
+        store.windows(IDS[:1], SEQ)
+    assert proxy.faults_met() == ["403"]  # not retried
+    assert str(e.value) == (
+        f"access to {url}/tokens.bin was denied (403): the credentials found do not allow "
+        "reading it. Grant them read access to the store's prefix, or give others (looked "
+        f"for {CREDENTIAL_VARIABLES['s3']})."
+    )
+    _no_secret(str(e.value))
+
+
+def test_a_missing_object_and_a_changed_one_stop(s3, proxy, blocked: Path) -> None:
+    url = s3.upload(blocked, "faults/gone")
+    store = _open(url)
+    s3.client.delete_object(Bucket=s3.bucket, Key="faults/gone/blocks.bin")
+    with pytest.raises(StoreError) as e:
+        store.windows(IDS[:1], SEQ)
+    assert str(e.value) == (
+        f"{url}/blocks.bin does not exist any more: it was deleted after the store was "
+        "opened. Upload the whole store again (manifest.json last) and restart the job."
+    )
+    s3.put("faults/gone/blocks.bin", (blocked / "blocks.bin").read_bytes())
+    store = _open(url)
+    s3.put("faults/gone/tokens.bin", (blocked / "tokens.bin").read_bytes() + b"\\0\\0")
+    with pytest.raises(StoreError) as e:
+        store.windows(IDS[1:2], SEQ)
+    assert str(e.value).startswith(
+        f"{url}/tokens.bin changed while this job reads it (its ETag is no longer the one "
+        "recorded when the store was opened)"
+    )
+    assert not [f for f in proxy.faults_met()]

@@ -1,0 +1,107 @@
+"""End to end on TorchTitan 0.3: real torchrun jobs train from a store in the loopback
+bucket (moto's S3 server, tests/remote/conftest.py), are killed after a checkpoint and
+resume on another world size from the same bucket; ``zephon verify`` says MATCH against
+a run of the local copy (same fingerprint, so the same samples at every step)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.remote.conftest import SECRET, SESSION
+from tests.titan import recorded
+from tests.titan.expect import (
+    TOPOLOGY_RTOL,
+    assert_losses,
+    assert_same_data,
+    resume_events,
+)
+from tests.titan.launch import REPO, copy_run_until, train03
+from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.ingest.builtin import builtin_store_path
+from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.upgrade import add_block_checksums
+
+pytest.importorskip("torchtitan.trainer", reason="TorchTitan 0.3 (torchtitan.trainer)")
+
+# Non-default remote settings: the jobs take them through the trainer's command line
+# (the zephon section, tyro) and a wrong value would stop them (RemoteOptions checks).
+REMOTE = ("--zephon.read_ahead_steps", "2", "--zephon.read_ahead_bytes", "65536",
+          "--zephon.request_timeout_s", "20")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def bucket_store(s3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """The builtin store (the registry job's default data) with block checksums, in the
+    bucket: (its URL, its fingerprint as a local store)."""
+    local = tmp_path_factory.mktemp("bucket_store") / "builtin"
+    shutil.copytree(builtin_store_path(), local)
+    store, _ = add_block_checksums(local)
+    return s3.upload(local, "e2e/builtin"), store.fingerprint
+
+
+def _verify(a: Path, b: Path, capsys: pytest.CaptureFixture) -> dict:
+    """``zephon verify A B --json`` (in process): exit 0 and the report."""
+    capsys.readouterr()
+    code = main(["verify", str(a), str(b), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0, report
+    return report
+
+
+def _assert_no_secret(*texts: str, runs: tuple[Path, ...] = ()) -> None:
+    """The marker credentials appear in no output and no file of the run folders
+    (checkpoints, sequence log, TensorBoard files, train.log)."""
+    for text in texts:
+        assert SECRET not in text and SESSION not in text
+    for run in runs:
+        for p in run.rglob("*"):
+            if p.is_file():
+                data = p.read_bytes()
+                assert SECRET.encode() not in data and SESSION.encode() not in data, p
+
+
+@pytest.fixture(scope="module")
+def bucket_run(bucket_store, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 CPU ranks, 8 steps, checkpoints at 4 and 8, the store in the bucket."""
+    url, _ = bucket_store
+    run = tmp_path_factory.mktemp("bucket") / "fresh"
+    train03(run, 2, "--zephon.store", url, *REMOTE).check()
+    return run
+
+
+def test_a_bucket_run_killed_after_a_checkpoint_resumes_on_one_rank_from_the_bucket(
+    bucket_store, bucket_run: Path, tmp_path: Path, capsys
+) -> None:
+    url, fingerprint = bucket_store
+    resumed = copy_run_until(bucket_run, tmp_path / "resumed", 4)  # died after step-4
+    job = train03(resumed, 1, "--zephon.store", url, *REMOTE).check()
+    assert "Zephon: resuming at step 5 (position 32) under DP degree 1" in job.output
+    assert not (REPO / "s3:").exists()  # the URL was read as a URL, never as a path
+    (event,) = resume_events(resumed)
+    assert (event["from_step"], event["world_size"], event["dp_degree"]) == (4, 1, 1)
+    assert_same_data(bucket_run, resumed, range(1, 9))
+    assert_losses(bucket_run, resumed, range(5, 9), rtol=TOPOLOGY_RTOL)
+    # The same data as a run on the local copy: main's 2-rank run of this job on the
+    # builtin store (tests/titan/recorded_main/default), step by step, ids and tokens.
+    assert TokenStore.open(builtin_store_path()).fingerprint == fingerprint
+    for run in (bucket_run, resumed):
+        report = _verify(recorded.RECORDED / "default", run, capsys)
+        assert (report["steps_compared"], report["tokens_compared"], report["matches"]) == (8, 8, 8)
+    _assert_no_secret(job.output, runs=(bucket_run, resumed))
+
+
+@pytest.mark.slow
+def test_a_bucket_run_equals_a_run_on_the_local_copy(
+    bucket_run: Path, tmp_path: Path, capsys
+) -> None:
+    """Same topology, same data, same start: the bucket changes nothing, not even a
+    loss bit."""
+    local = train03(tmp_path / "local", 2).check().run  # the builtin store, local
+    assert_same_data(local, bucket_run, range(1, 9))
+    assert_losses(local, bucket_run, range(1, 9), rtol=0)
+    report = _verify(local, bucket_run, capsys)
+    assert (report["steps_compared"], report["tokens_compared"], report["matches"]) == (8, 8, 8)

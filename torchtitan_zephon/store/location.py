@@ -1,0 +1,525 @@
+"""Where a store's bytes come from: a local folder, or a prefix in object storage.
+
+Role: the one owner of locations. ``is_url`` tells a URL from a local path (a URL is
+never taken as a path: ``Path("s3://b/x")`` would silently become the folder ``s3:``);
+``parse_url`` checks one (scheme, bucket, prefix); ``redact`` is how a URL is printed
+(query strings, which may hold an Azure SAS token, never are); ``refuse_url`` is what
+a command or setting that takes local paths only says to a URL. ``ObjectFiles`` reads
+the files of a store prefix through obstore: whole files, and byte ranges in batches
+with a bounded number of requests in flight, on one background thread.
+
+Design:
+- One library, obstore (the Rust ``object_store`` crate behind a small Python API), for
+  ``s3://``, ``gs://`` and ``az://``: its reads release the GIL, it batches and
+  parallelises range requests natively, and each cloud's standard credential chain
+  (environment variables, web identity / workload identity, container and instance
+  metadata) is built in. fsspec (s3fs, gcsfs, adlfs) was the alternative: three
+  separately maintained back ends with their own options and credential rules, and
+  Python-level asyncio per request. ``file://`` URLs are local folders (memory-mapped).
+- Credentials: each cloud's standard environment (``AWS_*``, ``GOOGLE_*``,
+  ``AZURE_*``) read by obstore; an S3-compatible endpoint is ``AWS_ENDPOINT_URL``.
+  Plain http is allowed for a loopback endpoint (127.0.0.1, ::1, localhost) without
+  opt-in, elsewhere only with ``AWS_ALLOW_HTTP=true``. Credential discovery and every
+  request are time-limited (``request_timeout_s`` per attempt); the first request of a
+  store is its credential check, and a failure there names the variables looked for.
+- Faults: transient failures (500/502/503/504, throttling, an attempt over its time
+  limit, a reset connection, a body cut short) are retried by obstore, with exponential
+  backoff and jitter, ``RETRIES`` times after the first attempt (obstore knows each
+  cloud's transient answers); a well-formed answer shorter than asked is retried here the
+  same number of times. What cannot get better by waiting stops at once with an error
+  naming the object and what to do: 403, a missing object or bucket, an object changed
+  since open (412 on ``If-Match``), missing credentials.
+- Secrets never reach a message: obstore's error texts (which print request URLs) are
+  not passed on; messages are written here from the error's kind, with URLs redacted
+  and the values of the secret variables scrubbed.
+- Integrity of a remote read: the ETag of every file is recorded when the store is
+  opened and sent as ``If-Match`` on every read, so an object replaced while a job
+  reads it is an error (naming the object), never a mix of two versions. ETags are
+  not part of any fingerprint or data state: a run moves freely between a local copy
+  and the bucket.
+
+Invariant: a read returns exactly the bytes asked for of the object as it was at open,
+or raises a StoreError naming the object (redacted) and what to do; no attempt waits
+longer than ``request_timeout_s``, no request longer than ``limit_s`` (every attempt
+and the backoff between them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import os
+import re
+import threading
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+from urllib.parse import urlsplit
+
+from torchtitan_zephon.store.format import StoreError
+
+URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+OBJECT_SCHEMES = ("s3", "gs", "az")
+SCHEMES = (*OBJECT_SCHEMES, "file")
+REQUEST_TIMEOUT_S = 30.0
+"""Time limit of one attempt of a request (credential discovery included)."""
+RETRIES = 4
+"""Attempts after the first for a transient failure: 500 / 502 / 503 / 504, throttling
+(429, S3's 503 SlowDown), an attempt over its time limit, a reset or refused connection,
+a body cut short."""
+BACKOFF_S = (0.1, 2.0)
+"""First and largest wait before a retry (doubling, with jitter: obstore's backoff)."""
+MAX_REQUESTS = 16
+"""Range requests in flight per store, at most."""
+
+CREDENTIAL_VARIABLES = {
+    "s3": (
+        "AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY (+ AWS_SESSION_TOKEN), "
+        "AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN, AWS_CONTAINER_CREDENTIALS_RELATIVE_URI "
+        "or _FULL_URI, then the instance metadata service (AWS_ENDPOINT_URL for an "
+        "S3-compatible endpoint; AWS_SKIP_SIGNATURE=true for a public bucket)"
+    ),
+    "gs": (
+        "GOOGLE_SERVICE_ACCOUNT (or GOOGLE_SERVICE_ACCOUNT_PATH / GOOGLE_SERVICE_ACCOUNT_KEY), "
+        "GOOGLE_APPLICATION_CREDENTIALS, then the instance metadata service"
+    ),
+    "az": (
+        "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_KEY, "
+        "or AZURE_CLIENT_ID + AZURE_CLIENT_SECRET + AZURE_TENANT_ID (or a federated token "
+        "file), then the instance metadata service"
+    ),
+}
+SECRET_VARIABLES = (
+    "AWS_SECRET_ACCESS_KEY",
+    "AWS_SESSION_TOKEN",
+    "AWS_ACCESS_KEY_ID",
+    "GOOGLE_SERVICE_ACCOUNT_KEY",
+    "AZURE_STORAGE_ACCOUNT_KEY",
+    "AZURE_STORAGE_SAS_KEY",
+    "AZURE_STORAGE_SAS_TOKEN",
+    "AZURE_CLIENT_SECRET",
+)
+
+
+class MissingObject(StoreError):
+    """An object (or its bucket) that does not exist."""
+
+
+def is_url(value: str | os.PathLike) -> bool:
+    """True when ``value`` is written as a URL (``scheme://...``), whatever the scheme."""
+    return isinstance(value, str) and URL_RE.match(value) is not None
+
+
+def redact(value: str) -> str:
+    """``value`` as it may be printed: the query string of any URL in it (a SAS token,
+    a signature) replaced by ``?<redacted>``."""
+    return re.sub(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s?'\"]*)\?[^\s'\"]*", r"\1?<redacted>", value)
+
+
+def scrub(text: str) -> str:
+    """``text`` with URLs redacted and the value of every secret variable removed."""
+    text = redact(text)
+    for name in SECRET_VARIABLES:
+        secret = os.environ.get(name, "")
+        if len(secret) >= 4:
+            text = text.replace(secret, f"<{name}>")
+    return text
+
+
+@dataclass(frozen=True)
+class ObjectURL:
+    """A checked object-storage URL: ``scheme://bucket/prefix`` (no trailing slash)."""
+
+    scheme: str
+    bucket: str
+    prefix: str
+    text: str  # as given, for obstore (may hold a query string: never printed)
+
+    @property
+    def shown(self) -> str:
+        """The URL as messages print it (redacted)."""
+        return redact(self.text.rstrip("/"))
+
+    def child(self, name: str) -> str:
+        """The shown URL of the file ``name`` under the prefix."""
+        return f"{self.shown.split('?')[0]}/{name}"
+
+
+def parse_url(value: str, what: str = "a store") -> ObjectURL | str:
+    """The object URL ``value`` names, or the local path of a ``file://`` URL; a
+    StoreError for an unknown scheme or a URL without bucket or prefix."""
+    m = URL_RE.match(value)
+    if m is None:
+        raise StoreError(f"{redact(value)!r} is not a URL.")
+    scheme = m.group(1).lower()
+    if scheme not in SCHEMES:
+        raise StoreError(
+            f"{what} {redact(value)!r} has the URL scheme {scheme!r}, which zephon does not "
+            f"read: expected one of {', '.join(s + '://' for s in SCHEMES)}, or a local path."
+        )
+    parts = urlsplit(value)
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost") or not parts.path:
+            raise StoreError(
+                f"{what} {redact(value)!r}: a file:// URL names a local absolute path, "
+                "file:///path/to/store; found none."
+            )
+        return parts.path
+    bucket, prefix = parts.netloc, parts.path.strip("/")
+    kind = "container" if scheme == "az" else "bucket"
+    if not bucket:
+        raise StoreError(
+            f"{what} {redact(value)!r} names no {kind}: expected {scheme}://{kind.upper()}/PREFIX."
+        )
+    if not prefix:
+        raise StoreError(
+            f"{what} {redact(value)!r} names a whole {kind}, not a store in it: expected "
+            f"{scheme}://{bucket}/PREFIX, the prefix the store's files were uploaded under."
+        )
+    if set("*?[") & set(prefix):
+        raise StoreError(
+            f"{what} {redact(value)!r} is a pattern; a store is one prefix: name it without "
+            "wildcards."
+        )
+    return ObjectURL(scheme, bucket, prefix, value)
+
+
+def refuse_url(value: str, what: str, instead: str) -> None:
+    """Raise a StoreError when ``value`` is a URL where only a local path is read:
+    ``what`` names the option, ``instead`` says what to do."""
+    if is_url(value) and not value.lower().startswith("file://"):
+        raise StoreError(
+            f"{what} {redact(value)!r} is a URL; {what} takes a local path here (a URL is "
+            f"never taken as a path). {instead}"
+        )
+
+
+def local_path(value: str) -> str:
+    """The local path of a ``file://`` URL, ``value`` itself otherwise."""
+    if value.lower().startswith("file://"):
+        found = parse_url(value)
+        assert isinstance(found, str)
+        return found
+    return value
+
+
+def _loopback(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _client_options(url: ObjectURL, timeout_s: float) -> dict[str, Any]:
+    # Each attempt is limited to timeout_s by obstore (then retried, see RETRIES).
+    options: dict[str, Any] = {
+        "timeout": timedelta(seconds=timeout_s),
+        "connect_timeout": timedelta(seconds=min(5.0, timeout_s)),
+    }
+    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
+    if url.scheme == "s3" and endpoint.lower().startswith("http://"):
+        allowed = os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true"
+        if not (allowed or _loopback(endpoint)):
+            raise StoreError(
+                f"AWS_ENDPOINT_URL {redact(endpoint)!r} is plain http on a host that is not "
+                "loopback: the store would be read unencrypted. Use https, or set "
+                "AWS_ALLOW_HTTP=true to accept it."
+            )
+        options["allow_http"] = True
+    return options
+
+
+class ObjectFiles:
+    """The files of one store prefix in object storage, read through obstore.
+
+    ``open_file(name)`` records a file's size and ETag (one HEAD; the first one also
+    checks the credentials); ``read(name)`` reads a whole (small) file;
+    ``submit(name, starts, stops)`` starts range reads on the background thread and
+    returns a Future of their bytes (one request each, at most ``max_requests`` in
+    flight, ``If-Match`` the recorded ETag). ``fetched_bytes`` / ``requests`` count
+    what was read."""
+
+    def __init__(
+        self,
+        url: ObjectURL,
+        *,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        max_requests: int = MAX_REQUESTS,
+        retries: int = RETRIES,
+    ) -> None:
+        from obstore.store import from_url
+
+        if request_timeout_s <= 0 or max_requests < 1 or retries < 0:
+            raise StoreError(
+                f"request_timeout_s must be > 0, max_requests >= 1 and retries >= 0, got "
+                f"{request_timeout_s}, {max_requests} and {retries}."
+            )
+        self.url = url
+        self.timeout_s = float(request_timeout_s)
+        self.max_requests = int(max_requests)
+        options = _client_options(url, self.timeout_s)
+        self.retries = int(retries)
+        # Retries are obstore's (its classification of transient failures, per cloud),
+        # bounded here: RETRIES attempts after the first, each within timeout_s, with
+        # BACKOFF_S between; a request as a whole never waits longer than ``limit_s``.
+        retry = {
+            "max_retries": self.retries,
+            "retry_timeout": timedelta(seconds=(self.retries + 1) * self.timeout_s),
+            "backoff": {
+                "init_backoff": timedelta(seconds=BACKOFF_S[0]),
+                "max_backoff": timedelta(seconds=BACKOFF_S[1]),
+                "base": 2.0,
+            },
+        }
+        self.limit_s = (self.retries + 1) * (self.timeout_s + BACKOFF_S[1]) + 1.0
+        try:
+            self._store = from_url(url.text, client_options=options, retry_config=retry)
+        except Exception as e:  # obstore's configuration errors: scrubbed, not passed on
+            raise StoreError(f"cannot use {url.shown}: {scrub(str(e).splitlines()[0])}") from None
+        self.etags: dict[str, str | None] = {}
+        self.sizes: dict[str, int] = {}
+        self.fetched_bytes = 0
+        self.requests = 0
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._gate: asyncio.Semaphore | None = None
+
+    # ------------------------------------------------------------------ the thread
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        with self._lock:
+            if self._loop is None:
+                loop = asyncio.new_event_loop()
+                ready = threading.Event()
+
+                def run() -> None:
+                    asyncio.set_event_loop(loop)
+                    self._gate = asyncio.Semaphore(self.max_requests)
+                    ready.set()
+                    loop.run_forever()
+
+                self._thread = threading.Thread(target=run, name="zephon-fetch", daemon=True)
+                self._thread.start()
+                ready.wait()
+                self._loop = loop
+            return self._loop
+
+    def close(self) -> None:
+        """Stop the background thread; requests in flight are cancelled (their futures
+        raise CancelledError)."""
+        with self._lock:
+            loop, self._loop = self._loop, None
+        if loop is not None:
+
+            def shut() -> None:
+                for task in asyncio.all_tasks(loop):
+                    task.cancel()
+                loop.call_soon(loop.stop)  # after the cancelled tasks ran their handlers
+
+            loop.call_soon_threadsafe(shut)
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _run(self, coro: Any) -> Future:
+        return asyncio.run_coroutine_threadsafe(coro, self._start())
+
+    # ------------------------------------------------------------------ requests
+
+    def _failure(self, e: BaseException, name: str, doing: str) -> StoreError:
+        """A StoreError for a failed request: written here from the error's kind."""
+        from obstore.exceptions import (
+            NotFoundError,
+            PermissionDeniedError,
+            PreconditionError,
+            UnauthenticatedError,
+        )
+
+        where = self.url.child(name)
+        text = str(e)
+        retried = re.search(r"after (\d+) retries", text)
+        attempts = int(retried.group(1)) + 1 if retried else 1
+        variables = CREDENTIAL_VARIABLES[self.url.scheme]
+        if isinstance(e, PreconditionError):
+            return StoreError(
+                f"{where} changed while this job reads it (its ETag is no longer the one "
+                "recorded when the store was opened): a store must not be rewritten in "
+                "place. Restart the job to read the new version; its fingerprint is checked."
+            )
+        if isinstance(e, (FileNotFoundError, NotFoundError)) or "NoSuchBucket" in text:
+            if "NoSuchBucket" in text or "ContainerNotFound" in text:
+                kind = "container" if self.url.scheme == "az" else "bucket"
+                return MissingObject(
+                    f"the {kind} of {self.url.shown} does not exist (or is not visible with "
+                    f"these credentials): check the URL, and AWS_ENDPOINT_URL for an "
+                    "S3-compatible endpoint."
+                )
+            if name in self.sizes:  # it was there when the store was opened
+                return MissingObject(
+                    f"{where} does not exist any more: it was deleted after the store was "
+                    "opened. Upload the whole store again (manifest.json last) and restart "
+                    "the job."
+                )
+            return MissingObject(f"{where} does not exist.")
+        if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or " 403 " in text:
+            return StoreError(
+                f"access to {where} was denied (403): the credentials found do not allow "
+                f"reading it. Grant them read access to the store's prefix, or give others "
+                f"(looked for {variables})."
+            )
+        if "metadata" in text.lower() or "169.254.169.254" in text or "credential" in text.lower():
+            return StoreError(
+                f"no credentials to read {self.url.shown}: looked for {variables}, and found "
+                "none that works."
+            )
+        if isinstance(e, (asyncio.TimeoutError, TimeoutError)) or "kind: Timeout" in text:
+            return StoreError(
+                f"{doing} {where} took longer than request_timeout_s={self.timeout_s:g} s, "
+                f"{self.retries + 1 if not retried else attempts} times (retried with backoff): "
+                "the endpoint, or the credential source, does not answer. Check the network "
+                "and the endpoint (AWS_ENDPOINT_URL for an S3-compatible one), and the "
+                f"credentials: looked for {variables}; or raise zephon.request_timeout_s."
+            )
+        status = re.search(r"status code: (\d{3})", text)
+        if status:
+            code = re.search(r"<Code>(\w+)</Code>", text)
+            said = f"{status.group(1)} {code.group(1)}" if code else status.group(1)
+            return StoreError(
+                f"{doing} {where} failed {attempts} times (retried with backoff): the "
+                f"endpoint answered {said}. The service is failing or throttling this job: "
+                "try again later, or read less at once (lower zephon.read_ahead_steps)."
+            )
+        if "error sending request" in text or "body error" in text or "connection" in text.lower():
+            return StoreError(
+                f"{doing} {where} failed {attempts} times (retried with backoff): the "
+                "connection was refused or reset, or an answer was cut short. Check the "
+                "network and the endpoint (AWS_ENDPOINT_URL for an S3-compatible one)."
+            )
+        first = scrub(text.splitlines()[0] if text else type(e).__name__)
+        first = re.sub(r"https?://\S+", "<endpoint>", first)
+        return StoreError(f"{doing} {where} failed: {first}")
+
+    async def _head(self, name: str) -> dict[str, Any]:
+        import obstore
+
+        return await asyncio.wait_for(obstore.head_async(self._store, name), self.limit_s)
+
+    def open_file(self, name: str) -> int:
+        """Record the size and ETag of the file ``name``; its size in bytes."""
+        try:
+            meta = self._run(self._head(name)).result()
+        except Exception as e:
+            raise self._failure(e, name, "reading") from None
+        self.sizes[name] = int(meta["size"])
+        self.etags[name] = meta.get("e_tag")
+        return self.sizes[name]
+
+    def missing_store_reason(self) -> str:
+        """Why the prefix holds no store: it is empty (or the bucket is missing), or what
+        it holds instead (a few names)."""
+        import obstore
+
+        async def first() -> list[str]:
+            stream = obstore.list(self._store, chunk_size=8)
+            batch = await asyncio.wait_for(stream.__anext__(), self.limit_s)
+            return [str(m["path"]) for m in batch]
+
+        try:
+            names = self._run(first()).result()
+        except StopAsyncIteration:
+            return "nothing is stored under it"
+        except Exception as e:
+            raise self._failure(e, "", "listing") from None
+        return f"it holds {', '.join(repr(n) for n in names[:8])}"
+
+    async def _get(self, name: str, start: int, stop: int) -> memoryview:
+        import obstore
+
+        options: dict[str, Any] = {"range": (int(start), int(stop))}
+        etag = self.etags.get(name)
+        if etag:
+            options["if_match"] = etag
+        assert self._gate is not None
+
+        async def get() -> memoryview:
+            result = await obstore.get_async(self._store, name, options=options)
+            return memoryview(await result.bytes_async())
+
+        for attempt in range(self.retries + 1):
+            try:
+                async with self._gate:  # the time limit starts when the request does
+                    data = await asyncio.wait_for(get(), self.limit_s)
+            except Exception as e:
+                raise self._failure(e, name, "reading") from None
+            if len(data) == stop - start:
+                break
+            with self._lock:  # a short body (a well-formed answer, too short): retried
+                self.fetched_bytes += len(data)
+                self.requests += 1
+            if attempt < self.retries:
+                await asyncio.sleep(min(BACKOFF_S[0] * 2**attempt, BACKOFF_S[1]))
+        else:
+            raise StoreError(
+                f"{self.url.child(name)}: asked for bytes [{start}, {stop}), received "
+                f"{len(data)}, {self.retries + 1} times: the object is shorter than the "
+                "store's manifest says. Upload the store again."
+            )
+        with self._lock:
+            self.fetched_bytes += len(data)
+            self.requests += 1
+        return data
+
+    async def _gather(self, reads: list[tuple[str, list[int], list[int]]], then: Any) -> Any:
+        found = await asyncio.gather(
+            *(
+                asyncio.gather(*(self._get(name, a, b) for a, b in zip(starts, stops, strict=True)))
+                for name, starts, stops in reads
+            )
+        )
+        found = [list(x) for x in found]
+        return found if then is None else then(found)
+
+    def submit_many(
+        self, reads: Sequence[tuple[str, Sequence[int], Sequence[int]]], then: Any = None
+    ) -> Future:
+        """Start reading, for each ``(name, starts, stops)`` of ``reads``, the byte ranges
+        ``[starts[k], stops[k])`` of ``name`` (one request each, all at once); a Future of
+        their bytes (per read, a list of memoryviews in order), or of ``then(bytes)`` (run
+        on the background thread: a content check, say)."""
+        listed = [(name, list(a), list(b)) for name, a, b in reads]
+        return self._run(self._gather(listed, then))
+
+    def submit(
+        self, name: str, starts: Sequence[int], stops: Sequence[int], then: Any = None
+    ) -> Future:
+        """``submit_many`` of one file: a Future of its ranges' bytes (or of ``then`` of
+        them)."""
+        done = None if then is None else (lambda found: then(found[0]))
+        future = self.submit_many([(name, starts, stops)], then=done)
+        if then is not None:
+            return future
+        out: Future = Future()
+        future.add_done_callback(
+            lambda f: (
+                out.set_exception(f.exception()) if f.exception() else out.set_result(f.result()[0])
+            )
+        )
+        return out
+
+    def read(self, name: str) -> memoryview:
+        """The whole file ``name`` (opened first when it was not), in one request."""
+        size = self.sizes[name] if name in self.sizes else self.open_file(name)
+        if size == 0:
+            return memoryview(b"")
+        return self.submit(name, [0], [size]).result()[0]

@@ -1,0 +1,519 @@
+"""A token store in object storage, read by byte range, ahead of the plan.
+
+Role: ``RemoteTokenStore`` is a ``reader.TokenStore`` whose files are objects under a
+prefix (``location.ObjectFiles``) instead of memory maps. Opening it makes the same
+checks as a local store, with the same code (``opening.check_manifest``,
+``check_content``, ``check_checksums``, ``format.check_file_size``), so a store copied
+to a bucket has the fingerprint of its local original and a run moves freely between
+the two. Its reads serve the same windows as the local store's.
+
+Read-ahead: the order is a pure function of the step, so the loader knows which
+samples a rank reads at every future step; it hands them here step by step
+(``read_ahead``), and each step's windows are fetched in the background: rounded out to
+the unit of the content check, neighbouring and overlapping ranges coalesced into one
+request, at most ``max_requests`` requests in flight (``location.ObjectFiles``). A store
+with block checksums (blocks.json, ``format``; ``zephon inspect STORE --upgrade`` adds
+them) rounds to 512-token blocks and reads each run's block checksums from blocks.bin
+by range with its tokens (8 bytes per block, counted as fetched); one without rounds to
+whole 65,536-token chunks and reads checksums.bin whole at open. Every block (chunk) is
+hashed on arrival, on the fetch thread, before its future resolves. A
+``windows`` call takes its rows from the steps read ahead and waits for those not yet
+arrived (the loader's data wait); ids never read ahead are fetched on the spot, the same
+way. A step's buffer is freed once its windows were served (or, partly served, once a
+later step is read: what a reset leaves); at most
+``read_ahead_bytes`` are held (a step larger than that is still fetched, alone).
+
+Invariants:
+- Row k of ``windows(ids, seq_len)`` equals the local store's ``windows`` row for the
+  same store content, and every token served was fetched with ``If-Match`` the ETag
+  recorded at open and checked against its block's (or chunk's) checksum before it is
+  served; a mismatch is a StoreError naming the store and the block (chunk), raised by
+  the read that needs it.
+- Opening reads the manifest and blocks.json (with block checksums; HEADs give the
+  other files' sizes) or the manifest and checksums.bin (without), and nothing of
+  tokens.bin, blocks.bin or doc_offsets.bin (fetched on first use, by range or, for
+  ``check``, whole).
+- ``fetched_bytes`` counts every byte read from object storage (manifest and checksums
+  of either kind included); ``served_bytes`` the bytes of the windows served.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import warnings
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from torchtitan_zephon.store.format import (
+    BLOCKS,
+    BLOCKS_INFO,
+    CHECKSUMS,
+    CONTENT,
+    DOC_OFFSETS,
+    DTYPES,
+    MANIFEST,
+    REPREPARE,
+    TOKENS,
+    ContentReport,
+    StoreError,
+    UncheckedStoreWarning,
+    block_seed,
+    block_span,
+    check_file_size,
+    num_chunks,
+)
+from torchtitan_zephon.store.location import (
+    MAX_REQUESTS,
+    REQUEST_TIMEOUT_S,
+    RETRIES,
+    MissingObject,
+    ObjectFiles,
+    ObjectURL,
+)
+from torchtitan_zephon.store.opening import (
+    check_blocks_info,
+    check_checksums,
+    check_content,
+    check_manifest,
+)
+from torchtitan_zephon.store.reader import TokenStore
+
+READ_AHEAD_STEPS = 4
+READ_AHEAD_BYTES = 256 << 20
+
+
+@dataclass(frozen=True)
+class RemoteOptions:
+    """How a remote store is read (the trainer's zephon.read_ahead_steps,
+    zephon.read_ahead_bytes, zephon.request_timeout_s)."""
+
+    read_ahead_steps: int = READ_AHEAD_STEPS
+    """Steps whose windows each rank fetches ahead of the step it trains (0: none)."""
+    read_ahead_bytes: int = READ_AHEAD_BYTES
+    """Bytes of fetched windows a store holds at most, per process."""
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    """Time limit of one attempt of a request (credential discovery included)."""
+    max_requests: int = MAX_REQUESTS
+    """Range requests in flight per store, at most."""
+    retries: int = RETRIES
+    """Attempts after the first for a transient failure (``location.RETRIES``)."""
+
+    def __post_init__(self) -> None:
+        if self.read_ahead_steps < 0 or self.read_ahead_bytes < 0:
+            raise StoreError(
+                "zephon.read_ahead_steps and zephon.read_ahead_bytes must be >= 0, got "
+                f"{self.read_ahead_steps} and {self.read_ahead_bytes}."
+            )
+        if not self.request_timeout_s > 0:
+            raise StoreError(
+                f"zephon.request_timeout_s must be > 0 seconds, got {self.request_timeout_s}."
+            )
+
+
+class _Fetch:
+    """The windows of a set of samples, being fetched: requests (token ranges) and,
+    for each sample (sorted unique ids), its request and its offset in it."""
+
+    def __init__(
+        self,
+        ids: np.ndarray,
+        seq_len: int,
+        request: np.ndarray,
+        offset: np.ndarray,
+        nbytes: int,
+        future: Future,
+    ) -> None:
+        self.ids, self.seq_len = ids, seq_len
+        self.request, self.offset = request, offset
+        self.nbytes = nbytes
+        self.future = future
+
+    def find(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(index into ``self.ids`` of each of ``ids``, whether it is there)."""
+        pos = np.searchsorted(self.ids, ids)
+        hit = pos < self.ids.size
+        hit[hit] = self.ids[pos[hit]] == ids[hit]
+        return pos, hit
+
+    def fill(self, out: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> None:
+        """Write the windows of samples ``self.ids[pos]`` into ``out[rows]`` (waits for
+        their bytes; raises what the fetch or its content check raised)."""
+        arrays = self.future.result()
+        width = self.seq_len + 1
+        for row, r, o in zip(
+            rows.tolist(), self.request[pos].tolist(), self.offset[pos].tolist(), strict=True
+        ):
+            out[row] = arrays[r][o : o + width]
+
+
+class _Step:
+    """One step's windows read ahead, and how many of its rows were served."""
+
+    def __init__(self, fetch: _Fetch, rows: int) -> None:
+        self.fetch, self.rows, self.served = fetch, rows, 0
+
+
+def _open_blocks(files: ObjectFiles, url: ObjectURL, manifest: dict[str, Any]) -> dict | None:
+    """The checked blocks.json of the store (None: it has none) and blocks.bin's size
+    checked (one HEAD): the block checksums themselves are read by range, with the tokens."""
+    try:
+        text = bytes(files.read(BLOCKS_INFO)).decode(errors="replace")
+    except MissingObject:
+        return None
+    redo = (
+        f"Run `zephon inspect STORE --upgrade` on the local copy and upload its {BLOCKS} "
+        f"and {BLOCKS_INFO} again ({BLOCKS_INFO} last)."
+    )
+    info = check_blocks_info(text, url.child(BLOCKS_INFO), manifest, redo)
+    try:
+        size = files.open_file(BLOCKS)
+    except MissingObject:
+        raise StoreError(
+            f"store file {url.child(BLOCKS)!r} is missing ({BLOCKS_INFO} names it). Upload "
+            f"it again, {BLOCKS_INFO} after it."
+        ) from None
+    check_file_size(url.child(BLOCKS), size, np.dtype("<u8"), int(info["num_blocks"]))
+    return info
+
+
+def _read_checksums(
+    files: ObjectFiles, url: ObjectURL, num_tokens: int, chunk_tokens: int, recorded: str, where
+) -> np.ndarray:
+    """checksums.bin, read whole and checked against the hash the content section records."""
+    shown = url.child(CHECKSUMS)
+    try:
+        size = files.open_file(CHECKSUMS)
+    except MissingObject:
+        raise StoreError(f"store file {shown!r} is missing. {REPREPARE}") from None
+    check_file_size(shown, size, np.dtype("<u8"), num_chunks(num_tokens, chunk_tokens))
+    checksums = np.frombuffer(files.read(CHECKSUMS), dtype="<u8")
+    check_checksums(checksums, recorded, shown, str(where).rsplit("/", 1)[-1])
+    return checksums
+
+
+class RemoteTokenStore(TokenStore):
+    """A token store under an object-storage prefix; open it with ``open_url`` (or
+    ``TokenStore.open(URL)``). See the module docstring."""
+
+    _files: ObjectFiles
+    options: RemoteOptions
+    blocks: dict[str, Any] | None
+    """blocks.json (the store has block checksums: reads check blocks), or None."""
+
+    @classmethod
+    def open_url(
+        cls, url: ObjectURL, *, verify: bool = True, options: RemoteOptions | None = None
+    ) -> RemoteTokenStore:
+        """Open and validate the store under ``url``: the checks of a local store, on the
+        objects (manifest, sizes, checksums.bin), reading no tokens."""
+        options = options or RemoteOptions()
+        files = ObjectFiles(
+            url,
+            request_timeout_s=options.request_timeout_s,
+            max_requests=options.max_requests,
+            retries=options.retries,
+        )
+        try:
+            files.open_file(MANIFEST)
+        except MissingObject as e:
+            if "does not exist." not in str(e):  # the bucket itself is missing
+                raise
+            raise StoreError(
+                f"{url.shown} holds no token store: it has no {MANIFEST} "
+                f"({files.missing_store_reason()}). Expected the prefix of a store made by "
+                "`zephon prepare` and uploaded whole (e.g. `aws s3 sync STORE "
+                f"{url.shown}`), {MANIFEST} last; if an upload is under way, wait for it."
+            ) from None
+        mshown = url.child(MANIFEST)
+        try:
+            text = bytes(files.read(MANIFEST)).decode()
+        except UnicodeDecodeError as e:
+            raise StoreError(f"cannot read {mshown!r}: {e}. {REPREPARE}") from None
+        manifest = check_manifest(text, mshown, url.shown)
+        dtype = DTYPES[manifest["dtype"]]
+        num_tokens = int(manifest["num_tokens"])
+        for name, kind, count in (
+            (TOKENS, dtype, num_tokens),
+            (DOC_OFFSETS, np.dtype("<i8"), int(manifest["num_documents"])),
+        ):
+            try:
+                size = files.open_file(name)
+            except MissingObject:
+                raise StoreError(
+                    f"store file {url.child(name)!r} is missing. Upload the whole store "
+                    f"again, {MANIFEST} last."
+                ) from None
+            check_file_size(url.child(name), size, kind, count)
+        content, where = None, mshown
+        if manifest["version"] >= 2:
+            content = manifest["content"]
+        else:
+            where = url.child(CONTENT)
+            try:
+                content = json.loads(bytes(files.read(CONTENT)))
+            except MissingObject:
+                content = None
+            except ValueError as e:
+                raise StoreError(f"cannot read {where!r}: {e}.") from None
+        checksums, blocks = None, None
+        if content is None:
+            warnings.warn(
+                f"token store {url.shown!r} has no content checksums (store format version "
+                "1): changed or corrupt tokens cannot be detected when it is read. Upgrade "
+                "the local copy with `zephon inspect STORE --upgrade` and upload it again.",
+                UncheckedStoreWarning,
+                stacklevel=3,
+            )
+        else:
+            chunk_tokens, recorded = check_content(content, where)
+            blocks = _open_blocks(files, url, manifest)
+            if blocks is None:  # chunk checks: checksums.bin read whole (8 B / chunk)
+                checksums = _read_checksums(files, url, num_tokens, chunk_tokens, recorded, where)
+        store = cls(url.shown, manifest, None, None, content, checksums, verify=verify)
+        store._files = files
+        store.url = url
+        store.options = options
+        store.blocks = blocks
+        if blocks is not None:
+            store.num_chunks = num_chunks(num_tokens, store.chunk_tokens)
+            store.verifies = bool(verify)
+        return store
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._doc_offsets: np.ndarray | None = None
+        super().__init__(*args, **kwargs)
+        self._lock = threading.Lock()
+        self._steps: deque[_Step] = deque()  # steps read ahead, oldest first
+        self._queued: deque[tuple[np.ndarray, int]] = deque()  # (ids, seq_len) not yet fetched
+        self._held = 0  # bytes of the steps in self._steps
+        self.served_bytes = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"RemoteTokenStore({str(self.path)!r}, tokens={self.num_tokens}, "
+            f"documents={self.num_documents}, fingerprint={self.fingerprint[:12]})"
+        )
+
+    # ------------------------------------------------------------------ what was read
+
+    @property
+    def fetched_bytes(self) -> int:
+        """Bytes read from object storage so far (manifest and checksums included)."""
+        return self._files.fetched_bytes
+
+    @property
+    def requests(self) -> int:
+        """Range requests made so far."""
+        return self._files.requests
+
+    @property
+    def read_ahead_steps(self) -> int:
+        return self.options.read_ahead_steps
+
+    # ------------------------------------------------------------------ lazily read files
+
+    @property  # type: ignore[override]
+    def doc_offsets(self) -> np.ndarray:
+        if self._doc_offsets is None:
+            self._doc_offsets = np.frombuffer(self._files.read(DOC_OFFSETS), dtype="<i8")
+        return self._doc_offsets
+
+    @doc_offsets.setter
+    def doc_offsets(self, value: np.ndarray | None) -> None:
+        self._doc_offsets = value
+
+    def all_tokens(self) -> np.ndarray:
+        """Every token, fetched whole (``check``: one pass over the store)."""
+        return np.frombuffer(self._files.read(TOKENS), dtype=self.dtype)
+
+    def doc_offsets_xxh3_128(self) -> str:
+        return xxhash.xxh3_128_hexdigest(np.ascontiguousarray(self.doc_offsets))
+
+    def block_checksums(self) -> tuple[dict[str, Any] | None, np.ndarray]:
+        if self.blocks is None:
+            return None, np.zeros(0, dtype="<u8")
+        return self.blocks, np.frombuffer(self._files.read(BLOCKS), dtype="<u8")
+
+    def check(self) -> ContentReport:
+        """``TokenStore.check`` on the fetched store (checksums.bin fetched whole first when
+        the store reads block checksums)."""
+        if self.checksums is None and self.content is not None:
+            chunk_tokens, recorded = check_content(self.content, self.path)
+            self.checksums = _read_checksums(
+                self._files, self.url, self.num_tokens, chunk_tokens, recorded, MANIFEST
+            )
+            self._sums = self.checksums
+            self.num_chunks = int(self.checksums.size)
+            self._checked = bytearray(self.num_chunks)
+            self._checked_np = np.frombuffer(self._checked, dtype=np.bool_)
+        return super().check()
+
+    # ------------------------------------------------------------------ fetching
+
+    def _fetch(self, ids: np.ndarray, seq_len: int) -> _Fetch:
+        """Start fetching the windows of samples ``ids``: one request per run of
+        overlapping or adjacent ranges, each rounded out to the unit of the content
+        check (whole blocks, with their block checksums; else whole chunks)."""
+        ids = np.unique(np.asarray(ids, dtype=np.int64))
+        start = ids * seq_len
+        stop = start + seq_len + 1
+        blocks = self.blocks if self.verifies else None
+        unit = self.chunk_tokens if self.verifies and blocks is None else None
+        if blocks:
+            size = int(blocks["block_tokens"])
+            first = start // size
+            last = np.minimum(
+                np.maximum(first, -(-(stop - 1) // size) - 1), int(blocks["num_blocks"]) - 1
+            )
+            a, b = first * size, np.minimum((last + 1) * size + 1, self.num_tokens)
+        elif unit:
+            a = start // unit * unit
+            b = np.minimum(((stop - 1) // unit + 1) * unit, self.num_tokens)
+        else:
+            a, b = start, stop
+        # a and b are sorted (ids are): a range joins the previous run unless it starts
+        # after that run's end, which is the previous range's end.
+        new = np.ones(ids.size, dtype=bool)
+        new[1:] = a[1:] > b[:-1]
+        heads = np.flatnonzero(new)
+        tails = np.append(heads[1:] - 1, ids.size - 1)
+        req_a, req_b = a[heads], b[tails]
+        request = np.cumsum(new) - 1
+        offset = start - req_a[request]
+        item = self.dtype.itemsize
+        req_a_list = req_a.tolist()
+        reads = [(TOKENS, [x * item for x in req_a_list], [x * item for x in req_b.tolist()])]
+        if blocks:
+            block_first, block_last = first[heads].tolist(), last[tails].tolist()
+            reads.append((BLOCKS, [8 * x for x in block_first], [8 * (x + 1) for x in block_last]))
+
+        def arrived(datas: list[list[memoryview]]) -> list[np.ndarray]:
+            arrays = [np.frombuffer(d, dtype=self.dtype) for d in datas[0]]
+            if blocks:
+                for arr, sums, block in zip(arrays, datas[1], block_first, strict=True):
+                    self._check_blocks(arr, np.frombuffer(sums, dtype="<u8"), block)
+            elif unit:
+                for arr, x in zip(arrays, req_a_list, strict=True):
+                    self._check_range(arr, x, unit)
+            return arrays
+
+        future = self._files.submit_many(reads, then=arrived)
+        nbytes = int((req_b - req_a).sum()) * item
+        return _Fetch(ids, seq_len, request, offset, nbytes, future)
+
+    def _check_blocks(self, arr: np.ndarray, sums: np.ndarray, block: int) -> None:
+        """Hash every block of ``arr`` (tokens from block ``block`` on, whole blocks)
+        against ``sums``, their block checksums as read."""
+        size = int(self.blocks["block_tokens"])
+        seed = block_seed(self.fingerprint)
+        digest = xxhash.xxh3_64_intdigest
+        for k, expected in enumerate(sums.tolist()):
+            lo = k * size
+            if digest(arr[lo : lo + size + 1], seed) != expected:
+                raise self.block_mismatch(block + k)
+
+    def block_mismatch(self, block: int) -> StoreError:
+        """The error for block ``block`` of tokens.bin not matching its block checksum."""
+        start, stop = block_span(block, self.num_tokens, int(self.blocks["block_tokens"]))
+        return StoreError(
+            f"token store {str(self.path)!r}: block {block} of {TOKENS} (tokens [{start}, "
+            f"{stop})) does not match its checksum in {BLOCKS}; an object was changed or "
+            f"corrupted after preparation. Run `zephon inspect {self.path} --check` to list "
+            "every bad chunk and block, and upload the store again from an intact copy."
+        )
+
+    def _check_range(self, arr: np.ndarray, first: int, unit: int) -> None:
+        """Hash every chunk of ``arr`` (tokens from ``first``, whole chunks)."""
+        sums = self._sums
+        for chunk in range(first // unit, -(-(first + arr.size) // unit)):
+            lo = chunk * unit - first
+            if xxhash.xxh3_64_intdigest(arr[lo : lo + unit]) != int(sums[chunk]):
+                raise self.chunk_mismatch(chunk)
+
+    def read_ahead(self, ids: np.ndarray, seq_len: int) -> None:
+        """Fetch the windows of one step's samples ``ids`` in the background (returns at
+        once; steps are fetched in the order given)."""
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        if ids.size:
+            with self._lock:
+                self._queued.append((ids, int(seq_len)))
+                self._launch()
+
+    def drop_read_ahead(self) -> None:
+        """Forget every step read ahead (the loader moved: a reset, a resume)."""
+        with self._lock:
+            self._steps.clear()
+            self._queued.clear()
+            self._held = 0
+
+    def _launch(self) -> None:
+        """Start the queued steps that fit the budget (the first always fits). Under the lock."""
+        budget = self.options.read_ahead_bytes
+        while self._queued:
+            ids, seq_len = self._queued[0]
+            if self._held and self._held + ids.size * (seq_len + 1) * self.dtype.itemsize > budget:
+                return
+            self._queued.popleft()
+            fetch = self._fetch(ids, seq_len)
+            self._steps.append(_Step(fetch, ids.size))
+            self._held += fetch.nbytes
+
+    def window(self, i: int, seq_len: int) -> np.ndarray:
+        return self.windows(np.array([i], dtype=np.int64), seq_len)[0]
+
+    def windows(self, ids: np.ndarray, seq_len: int) -> np.ndarray:
+        """Samples ``ids``: [len(ids), seq_len + 1], from the steps read ahead (waiting for
+        bytes still on the way), the rest fetched now; all checked."""
+        ids = np.asarray(ids, dtype=np.int64).ravel()
+        n = self.num_samples(seq_len)
+        out = np.empty((ids.size, seq_len + 1), dtype=self.dtype)
+        if not ids.size:
+            return out
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= n:
+            raise IndexError(
+                f"sample ids must lie in [0, {n}) for seq_len {seq_len}, "
+                f"found values in [{lo}, {hi}]."
+            )
+        rest = np.arange(ids.size)
+        parts: list[tuple[_Fetch, np.ndarray, np.ndarray, _Step | None]] = []
+        with self._lock:
+            for step in self._steps:
+                if not rest.size:
+                    break
+                if step.fetch.seq_len != seq_len:
+                    continue
+                pos, hit = step.fetch.find(ids[rest])
+                if hit.any():
+                    parts.append((step.fetch, rest[hit], pos[hit], step))
+                    rest = rest[~hit]
+        if rest.size:
+            fetch = self._fetch(ids[rest], seq_len)
+            parts.append((fetch, rest, fetch.find(ids[rest])[0], None))
+        for fetch, rows, pos, _ in parts:
+            fetch.fill(out, rows, pos)
+        with self._lock:
+            for _, rows, _, step in parts:
+                if step is not None:
+                    step.served += rows.size
+            # Steps are read in order: a step served whole, and one partly served before
+            # a later one was read from (left by a reset), will not be read again.
+            hits = [step for *_, step in parts if step is not None]
+            latest = max((self._steps.index(x) for x in hits if x in self._steps), default=-1)
+            for k, step in enumerate(list(self._steps)):
+                if step.served >= step.rows or (k < latest and step.served):
+                    self._steps.remove(step)
+                    self._held -= step.fetch.nbytes
+            self._launch()
+            self.served_bytes += out.nbytes
+        return out
+
+    def close(self) -> None:
+        """Stop the fetch thread."""
+        self._files.close()
