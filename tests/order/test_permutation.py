@@ -116,3 +116,31 @@ def test_map_many_equals_each_permutation(perms, data):
     if size:
         with pytest.raises(IndexError, match="outside"):
             map_many(objs, which[:1], np.array([objs[which[0]].n]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 5000), seed=st.integers(0, 2**63), epoch=st.integers(0, 10**6))
+def test_inverse_undoes_map_on_the_whole_domain(n, seed, epoch):
+    p = Permutation(n, seed, epoch)
+    positions = np.arange(n, dtype=np.int64)
+    ids = p.map(positions)
+    assert np.array_equal(p.inverse(ids), positions)
+    assert np.array_equal(p.map(p.inverse(positions)), positions)
+
+
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(2, 2**62), seed=st.integers(0, 2**63), data=st.data())
+def test_inverse_at_any_size_on_both_paths(n, seed, data):
+    p = Permutation(n, seed, 5)
+    ids = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=80))
+    arr = np.array(ids, dtype=np.int64)
+    scalar = np.concatenate([p.inverse(arr[i : i + 1]) for i in range(arr.size)])
+    vector = p.inverse(arr)  # > 48 elements take the numpy path
+    assert np.array_equal(scalar, vector)
+    assert np.array_equal(p.map(vector), arr)
+
+
+def test_inverse_refuses_an_index_outside_the_domain():
+    p = Permutation(10, 1, 0)
+    with pytest.raises(IndexError, match=r"sample indices must lie in \[0, 10\)"):
+        p.inverse(np.array([3, 10]))

@@ -7,11 +7,17 @@ Invariant: for every (n, seed, epoch), ``Permutation(n, seed, epoch)`` is a
 bijection on ``[0, n)``; ``map``, ``__getitem__`` and ``map_many`` (several
 permutations evaluated together, for a mixture's sources) agree element for
 element, and the result depends only on (n, seed, epoch), never on the platform
-or on how the positions are batched.
+or on how the positions are batched. ``inverse`` is its inverse:
+``inverse(map(p)) == p`` and ``map(inverse(i)) == i`` for every p and i in
+``[0, n)``, so "at which position of the epoch does sample i come?" costs the
+same O(1) as the forward question, with no scan.
 
 Mechanics: an alternating (possibly unbalanced) Feistel network over the
 smallest power of two >= n, with cycle walking to stay inside ``[0, n)``.
-Round keys are derived from (n, seed, epoch) with blake2b.
+Round keys are derived from (n, seed, epoch) with blake2b. The inverse runs the
+rounds backwards (each round is undone by recomputing F from the half it kept)
+and walks the cycle backwards: the forward walk passes only through values
+>= n, so decrypting until the value is < n lands on the position it started from.
 """
 
 from __future__ import annotations
@@ -150,6 +156,52 @@ class Permutation:
             y[out] = self._encrypt(y[out])
             out = out[y[out] >= np.uint64(self.n)]
         return y.astype(np.int64).reshape(p.shape)
+
+    def _decrypt(self, y: np.ndarray) -> np.ndarray:
+        """``_encrypt`` undone: the rounds in reverse order, each one inverted."""
+        for key, right_shift, _, left_shift, left_mask in reversed(self._rounds):
+            right = y >> left_shift  # the half the round kept, moved up
+            left = y & left_mask
+            f = _mix(right ^ key)
+            f &= left_mask
+            left ^= f
+            left <<= right_shift
+            y = left | right
+        return y
+
+    def _decrypt_int(self, y: int) -> int:
+        """``_decrypt`` on one Python int."""
+        for key, right_shift, _, left_shift, left_mask in reversed(self._int_rounds):
+            right = y >> left_shift
+            y = (((y & left_mask) ^ (_mix_int(right ^ key) & left_mask)) << right_shift) | right
+        return y
+
+    def inverse(self, ids: np.ndarray) -> np.ndarray:
+        """The position of each sample index in ``ids`` (any integer dtype): the p with
+        ``self[p] == i``. Returns an int64 array of the same shape."""
+        q = np.asarray(ids)
+        if q.size and (q.min() < 0 or q.max() >= self.n):
+            raise IndexError(
+                f"Permutation sample indices must lie in [0, {self.n}), "
+                f"found values in [{q.min()}, {q.max()}]."
+            )
+        if self.n == 1:
+            return np.zeros(q.shape, dtype=np.int64)
+        n = self.n
+        if q.size <= _SCALAR_MAX:
+            out = []
+            for y in q.ravel().tolist():
+                x = self._decrypt_int(y)
+                while x >= n:  # the cycle walked backwards
+                    x = self._decrypt_int(x)
+                out.append(x)
+            return np.array(out, dtype=np.int64).reshape(q.shape)
+        x = self._decrypt(q.astype(np.uint64).ravel())
+        out = np.nonzero(x >= np.uint64(n))[0]
+        while out.size:
+            x[out] = self._decrypt(x[out])
+            out = out[x[out] >= np.uint64(n)]
+        return x.astype(np.int64).reshape(q.shape)
 
 
 def map_many(perms: list[Permutation], which: np.ndarray, positions: np.ndarray) -> np.ndarray:
