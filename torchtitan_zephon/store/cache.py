@@ -11,10 +11,12 @@ over, ``discard`` drops one that failed) and fetches it again when it is missing
 Invariants:
 - A unit's file is complete or absent: it is written under a temporary name in its
   folder (``.tmp-...``) and renamed into place (``os.replace``), and readers open final
-  names only, so a partly written file is never read; temporary files left by a crash
-  are removed by the next writer (writers hold the lock, so under it every temporary
-  file is a leftover). A truncated or garbage file under a final name (a disk fault, a
-  hand edit) fails the store's check on use, is discarded and fetched again.
+  names only, so a partly written file is never read. A temporary file left by a crash
+  was counted in ``.usage`` before it was written (so the bound still holds) and is
+  removed by the next writer that lists the folder (writers hold the lock, so under it
+  every temporary file is a leftover). A truncated or garbage file under a final name
+  (a disk fault, a hand edit) fails the store's check on use, is discarded and fetched
+  again.
 - A file can only serve the store it came from: the key is the store's fingerprint, the
   kind of unit (``blocks-512``, ``chunks-65536``) and the unit's index. The ETag is not
   part of it (a store uploaded again unchanged keeps its cache; another store, or
@@ -28,6 +30,8 @@ Invariants:
   ``limit`` less what it writes, and records the new total. Readers take no lock: a
   file removed under a reader is either already open (POSIX keeps its bytes) or not
   found (a miss).
+- Shared is what is cached: two processes that miss one block at the same moment both
+  fetch it (the second rename replaces the first file with the same bytes).
 - Hits do not count as fetched bytes (the store counts only object-storage reads); a
   cache that cannot be written (disk full, permissions) warns once and the job goes on
   fetching.
