@@ -93,22 +93,34 @@ def test_a_restart_fetches_only_what_is_not_cached(blocked_url, blocked, tmp_pat
 
 
 @settings(
-    max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(data=st.data(), seq_len=st.sampled_from([1, 7, 511, 512, 513, 1000]))
 def test_cached_windows_equal_local_reads(blocked_url, blocked, tmp_path_factory, data, seq_len):
-    """Any mix of cached and fetched blocks, at any seq_len, serves the local windows;
-    a second read of the same ids fetches nothing."""
+    """Property: any mix of cached, damaged and fetched blocks, at any seq_len, serves
+    the local windows; a second read of the same ids fetches nothing."""
     root = tmp_path_factory.mktemp("prop")
     local = TokenStore.open(blocked)
     remote = _open(blocked_url, root)
     n = local.num_samples(seq_len)
-    for _ in range(2):
+    for _ in range(3):
         ids = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12)))
         np.testing.assert_array_equal(remote.windows(ids, seq_len), local.windows(ids, seq_len))
         before = remote.fetched_bytes
         np.testing.assert_array_equal(remote.windows(ids, seq_len), local.windows(ids, seq_len))
         assert remote.fetched_bytes == before
+        for path in _unit_files(root):  # damage some cached files: cut, flipped, emptied
+            how = data.draw(st.sampled_from(["keep", "keep", "cut", "flip", "empty"]))
+            raw = path.read_bytes()
+            if not raw:  # damaged before and not read since
+                continue
+            if how == "cut":
+                path.write_bytes(raw[: data.draw(st.integers(0, len(raw) - 1))])
+            elif how == "flip":
+                at = data.draw(st.integers(0, len(raw) - 1))
+                path.write_bytes(raw[:at] + bytes([raw[at] ^ 1]) + raw[at + 1 :])
+            elif how == "empty":
+                path.write_bytes(b"")
     remote.close()
 
 

@@ -23,18 +23,27 @@ way. A step's buffer is freed once its windows were served (or, partly served, o
 later step is read: what a reset leaves); at most
 ``read_ahead_bytes`` are held (a step larger than that is still fetched, alone).
 
+Node cache (``options.cache_bytes`` > 0, ``store.cache``): the units of content check
+(blocks with their block checksum, or chunks) are looked up on local disk first, on the
+cache's own thread; only the runs of units it lacks are fetched, and each fetched unit,
+once checked, is written to the cache. A cached unit is checked again (against the
+checksum stored with it, or checksums.bin) every time it is read; one that fails is
+removed and fetched. Stores without content checks (or opened unverified) use no cache.
+
 Invariants:
 - Row k of ``windows(ids, seq_len)`` equals the local store's ``windows`` row for the
   same store content, and every token served was fetched with ``If-Match`` the ETag
-  recorded at open and checked against its block's (or chunk's) checksum before it is
-  served; a mismatch is a StoreError naming the store and the block (chunk), raised by
-  the read that needs it.
+  recorded at open (or read from the node cache of this fingerprint) and checked
+  against its block's (or chunk's) checksum before it is served; a mismatch of fetched
+  bytes is a StoreError naming the store and the block (chunk), raised by the read that
+  needs it (a bad cached file is a miss, not an error).
 - Opening reads the manifest and blocks.json (with block checksums; HEADs give the
   other files' sizes) or the manifest and checksums.bin (without), and nothing of
   tokens.bin, blocks.bin or doc_offsets.bin (fetched on first use, by range or, for
   ``check``, whole).
 - ``fetched_bytes`` counts every byte read from object storage (manifest and checksums
-  of either kind included); ``served_bytes`` the bytes of the windows served.
+  of either kind included), never a node-cache hit; ``served_bytes`` the bytes of the
+  windows served.
 """
 
 from __future__ import annotations
@@ -681,4 +690,4 @@ class RemoteTokenStore(TokenStore):
         """Stop the fetch thread (and the cache's)."""
         self._files.close()
         if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool.shutdown(wait=False)  # queued lookups end, failing their reads
