@@ -325,3 +325,26 @@ def test_cache_files_hold_no_credentials(blocked_url, tmp_path):
         data = p.read_bytes()
         assert SECRET.encode() not in data and SESSION.encode() not in data, p
         assert SECRET not in str(p) and SESSION not in str(p)
+
+
+def test_the_job_settings_put_the_cache_under_the_store_cache(monkeypatch, tmp_path):
+    """zephon.cache_bytes > 0: the node cache lives under $ZEPHON_CACHE, else
+    zephon.cache_dir (the store cache of raw inputs); 0: no cache folder at all."""
+    from types import SimpleNamespace
+
+    from torchtitan_zephon.job.settings import remote_options
+    from torchtitan_zephon.titan.config import Zephon
+
+    def job(**kw):
+        return SimpleNamespace(zephon=Zephon(**kw))
+
+    monkeypatch.delenv("ZEPHON_CACHE", raising=False)
+    assert Zephon().cache_bytes == 0 and remote_options(job()).cache_bytes == 0
+    assert remote_options(job()).cache_dir == ""
+    options = remote_options(job(cache_bytes=123, cache_dir=str(tmp_path / "c")))
+    assert (options.cache_bytes, options.cache_dir) == (123, str(tmp_path / "c"))
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "env"))
+    assert remote_options(job(cache_bytes=1, cache_dir="elsewhere")).cache_dir == str(
+        tmp_path / "env"
+    )
+    assert not (tmp_path / "env").exists()  # made when a remote store opens, not before
