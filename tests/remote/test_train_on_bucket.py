@@ -54,7 +54,7 @@ def _verify(a: Path, b: Path, capsys: pytest.CaptureFixture) -> dict:
 
 def _assert_no_secret(*texts: str, runs: tuple[Path, ...] = ()) -> None:
     """The marker credentials appear in no output and no file of the run folders
-    (checkpoints, sequence log, TensorBoard files, train.log)."""
+    (checkpoints, sequence log, TensorBoard files, train.log) or the node cache."""
     for text in texts:
         assert SECRET not in text and SESSION not in text
     for run in runs:
@@ -78,7 +78,10 @@ def test_a_bucket_run_killed_after_a_checkpoint_resumes_on_one_rank_from_the_buc
 ) -> None:
     url, fingerprint = bucket_store
     resumed = copy_run_until(bucket_run, tmp_path / "resumed", 4)  # died after step-4
-    job = train03(resumed, 1, "--zephon.store", url, *REMOTE).check()
+    cache = tmp_path / "node-cache"  # the resumed job reads through the node cache
+    node_cache = ("--zephon.cache_bytes", "4000000", "--zephon.cache_dir", str(cache))
+    job = train03(resumed, 1, "--zephon.store", url, *REMOTE, *node_cache).check()
+    assert list((cache / "remote-blocks" / fingerprint / "blocks-512").rglob("*.bin"))
     assert "Zephon: resuming at step 5 (position 32) under DP degree 1" in job.output
     assert not (REPO / "s3:").exists()  # the URL was read as a URL, never as a path
     (event,) = resume_events(resumed)
@@ -91,7 +94,7 @@ def test_a_bucket_run_killed_after_a_checkpoint_resumes_on_one_rank_from_the_buc
     for run in (bucket_run, resumed):
         report = _verify(recorded.RECORDED / "default", run, capsys)
         assert (report["steps_compared"], report["tokens_compared"], report["matches"]) == (8, 8, 8)
-    _assert_no_secret(job.output, runs=(bucket_run, resumed))
+    _assert_no_secret(job.output, runs=(bucket_run, resumed, cache))
 
 
 @pytest.mark.slow

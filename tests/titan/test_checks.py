@@ -178,3 +178,65 @@ def test_trainer_refuses_an_ep_degree_before_building_anything(tmp_path: Path):
         "divide data_parallel_shard 1 x context_parallel 1 x tensor_parallel 1 = 1 ranks",
     )
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    "name, value, allowed",
+    [
+        ("read_ahead_steps", "-1", "it must be a number of steps >= 0 (0: none)"),
+        ("read_ahead_bytes", "-5", "it must be bytes >= 0 (0: one step at a time)"),
+        ("cache_bytes", "-1", "it must be bytes >= 0 (0: no node cache)"),
+    ],
+)
+def test_remote_settings_out_of_range_are_refused_for_a_local_store(parse, name, value, allowed):
+    """Checked at start for every job (here the builtin, local store), not only when a
+    remote store opens."""
+    msg = _refused(parse(f"--zephon.{name}", value), 1)
+    assert msg == f"zephon.{name} = {value}: {allowed}. Set --zephon.{name} 0 or more."
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "nan", "inf"])
+def test_a_request_timeout_must_be_positive_and_finite(parse, value):
+    msg = _refused(parse("--zephon.request_timeout_s", value), 1)
+    assert msg == (
+        f"zephon.request_timeout_s = {float(value)}: it must be a finite number of seconds > 0 "
+        "(the default is 30). Set --zephon.request_timeout_s."
+    )
+
+
+def test_the_remote_settings_in_range_pass(parse):
+    from torchtitan_zephon.titan.checks import check_job_config
+
+    check_job_config(
+        parse(
+            "--zephon.read_ahead_steps", "0", "--zephon.read_ahead_bytes", "0",
+            "--zephon.request_timeout_s", "0.5", "--zephon.cache_bytes", "1000000",
+        ),
+        world_size=1,
+    )  # fmt: skip
+
+
+def test_a_cache_dir_url_is_refused_when_the_node_cache_is_on(parse):
+    msg = _refused(
+        parse("--zephon.cache_bytes", "1000", "--zephon.cache_dir", "s3://bucket/cache"), 1
+    )
+    assert "zephon.cache_dir" in msg and "s3://bucket/cache" in msg
+
+
+def test_trainer_refuses_a_remote_setting_and_leaves_the_run_folder_unchanged(tmp_path: Path):
+    """End to end, on the builtin (local) store: the job stops with the check's one-line
+    message, no traceback, and an existing run folder is left as it was."""
+    from tests.titan.expect import assert_unchanged, tree
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("kept\n")
+    before = tree(run)
+    job = train03(tmp_path / "log", 1, "--dump_folder", str(run),
+                  "--zephon.cache_bytes", "-1")  # fmt: skip
+    assert_refused(
+        job,
+        "Zephon refused to start: ValueError: zephon.cache_bytes = -1: it must be bytes >= 0 "
+        "(0: no node cache). Set --zephon.cache_bytes 0 or more.",
+    )
+    assert_unchanged(before, tree(run))

@@ -5,7 +5,8 @@ store itself. ``raw_inputs`` reads how a trainer job prepares a store value that
 names raw inputs (``hf_assets_path``, ``zephon.text_field``, ``zephon.split``,
 ``zephon.cache_dir``) from its job (``titan.job_view.JobView``: ``zephon`` and
 ``hf_assets_path``); ``remote_options`` how a store in object storage is read
-(``zephon.read_ahead_steps``, ``zephon.read_ahead_bytes``, ``zephon.request_timeout_s``);
+(``zephon.read_ahead_steps``, ``zephon.read_ahead_bytes``, ``zephon.request_timeout_s``,
+``zephon.cache_bytes``: the node cache under the store cache folder);
 ``open_store`` opens ``zephon.store`` (or the builtin store when it is empty; a URL is
 read by range); ``store_source`` is the job's one store
 with its held-out samples; ``builtin_tokenizer`` is the tokenizer the builtin
@@ -28,6 +29,7 @@ from typing import Any
 
 from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR, builtin_store_path
 from torchtitan_zephon.ingest.cache import RawInputs
+from torchtitan_zephon.ingest.cache_folder import cache_root
 from torchtitan_zephon.ingest.inputs import OptionNames
 from torchtitan_zephon.job.data import StoreData
 from torchtitan_zephon.job.stores import store_location
@@ -40,7 +42,12 @@ from torchtitan_zephon.order.layout import (
 )
 from torchtitan_zephon.store.location import REQUEST_TIMEOUT_S, redact, refuse_url
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.remote import READ_AHEAD_BYTES, READ_AHEAD_STEPS, RemoteOptions
+from torchtitan_zephon.store.remote import (
+    CACHE_BYTES,
+    READ_AHEAD_BYTES,
+    READ_AHEAD_STEPS,
+    RemoteOptions,
+)
 
 Log = Callable[[str], None]
 
@@ -80,14 +87,29 @@ def store_name(value: str) -> str:
 
 def remote_options(job_config: Any) -> RemoteOptions:
     """How this job reads a store in object storage (``zephon.store`` or a mixture
-    source): zephon.read_ahead_steps (default 4), zephon.read_ahead_bytes (256 MiB) and
-    zephon.request_timeout_s (30 s per attempt), read from the ``zephon`` section the
-    trainer hands over (``titan.job_view.JobView.zephon``)."""
+    source): zephon.read_ahead_steps (default 4), zephon.read_ahead_bytes (256 MiB),
+    zephon.request_timeout_s (30 s per attempt) and zephon.cache_bytes (0: no node
+    cache; else the cache lives under the store cache folder, ``$ZEPHON_CACHE`` else
+    zephon.cache_dir), read from the ``zephon`` section the trainer hands over
+    (``titan.job_view.JobView.zephon``). A value out of range is a ``ValueError`` naming
+    the setting (``RemoteOptions`` says what each allows): the trainer asks this at
+    start for every job."""
     zc = job_config.zephon
+    cache_bytes = int(getattr(zc, "cache_bytes", CACHE_BYTES))
+    cache_dir = ""
+    if cache_bytes > 0:
+        refuse_url(
+            getattr(zc, "cache_dir", ""),
+            "zephon.cache_dir",
+            "The node cache of remote stores is a local folder.",
+        )
+        cache_dir = str(cache_root(getattr(zc, "cache_dir", "")))
     return RemoteOptions(
         read_ahead_steps=int(getattr(zc, "read_ahead_steps", READ_AHEAD_STEPS)),
         read_ahead_bytes=int(getattr(zc, "read_ahead_bytes", READ_AHEAD_BYTES)),
         request_timeout_s=float(getattr(zc, "request_timeout_s", REQUEST_TIMEOUT_S)),
+        cache_bytes=cache_bytes,
+        cache_dir=cache_dir,
     )
 
 

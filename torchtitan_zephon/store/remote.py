@@ -23,33 +23,44 @@ way. A step's buffer is freed once its windows were served (or, partly served, o
 later step is read: what a reset leaves); at most
 ``read_ahead_bytes`` are held (a step larger than that is still fetched, alone).
 
+Node cache (``options.cache_bytes`` > 0, ``store.cache``): the units of content check
+(blocks with their block checksum, or chunks) are looked up on local disk first, on the
+cache's own thread; only the runs of units it lacks are fetched, and each fetched unit,
+once checked, is written to the cache. A cached unit is checked again (against the
+checksum stored with it, or checksums.bin) every time it is read; one that fails is
+removed and fetched. Stores without content checks (or opened unverified) use no cache.
+
 Invariants:
 - Row k of ``windows(ids, seq_len)`` equals the local store's ``windows`` row for the
   same store content, and every token served was fetched with ``If-Match`` the ETag
-  recorded at open and checked against its block's (or chunk's) checksum before it is
-  served; a mismatch is a StoreError naming the store and the block (chunk), raised by
-  the read that needs it.
+  recorded at open (or read from the node cache of this fingerprint) and checked
+  against its block's (or chunk's) checksum before it is served; a mismatch of fetched
+  bytes is a StoreError naming the store and the block (chunk), raised by the read that
+  needs it (a bad cached file is a miss, not an error).
 - Opening reads the manifest and blocks.json (with block checksums; HEADs give the
   other files' sizes) or the manifest and checksums.bin (without), and nothing of
   tokens.bin, blocks.bin or doc_offsets.bin (fetched on first use, by range or, for
   ``check``, whole).
 - ``fetched_bytes`` counts every byte read from object storage (manifest and checksums
-  of either kind included); ``served_bytes`` the bytes of the windows served.
+  of either kind included), never a node-cache hit; ``served_bytes`` the bytes of the
+  windows served.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import threading
 import warnings
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xxhash
 
+from torchtitan_zephon.store.cache import NodeCache
 from torchtitan_zephon.store.format import (
     BLOCKS,
     BLOCKS_INFO,
@@ -86,34 +97,52 @@ from torchtitan_zephon.store.reader import TokenStore
 
 READ_AHEAD_STEPS = 4
 READ_AHEAD_BYTES = 256 << 20
+CACHE_BYTES = 0
 
 
 @dataclass(frozen=True)
 class RemoteOptions:
     """How a remote store is read (the trainer's zephon.read_ahead_steps,
-    zephon.read_ahead_bytes, zephon.request_timeout_s)."""
+    zephon.read_ahead_bytes, zephon.request_timeout_s, zephon.cache_bytes and the folder
+    zephon.cache_dir names). The one owner of what these settings allow: constructing
+    one refuses a value out of range (``ValueError``, one line naming the setting), which
+    the trainer does at start for every job (``titan.checks``), remote store or not."""
 
     read_ahead_steps: int = READ_AHEAD_STEPS
     """Steps whose windows each rank fetches ahead of the step it trains (0: none)."""
     read_ahead_bytes: int = READ_AHEAD_BYTES
-    """Bytes of fetched windows a store holds at most, per process."""
+    """Bytes of fetched windows a store holds at most, per process (0: one step at a
+    time)."""
     request_timeout_s: float = REQUEST_TIMEOUT_S
     """Time limit of one attempt of a request (credential discovery included)."""
     max_requests: int = MAX_REQUESTS
     """Range requests in flight per store, at most."""
     retries: int = RETRIES
     """Attempts after the first for a transient failure (``location.RETRIES``)."""
+    cache_bytes: int = CACHE_BYTES
+    """Bound of the node-local cache (``store.cache``) in bytes; 0: no cache."""
+    cache_dir: str = ""
+    """The store cache folder the node cache lives under (its ``remote-blocks``
+    subfolder); needed when ``cache_bytes`` > 0."""
 
     def __post_init__(self) -> None:
-        if self.read_ahead_steps < 0 or self.read_ahead_bytes < 0:
-            raise StoreError(
-                "zephon.read_ahead_steps and zephon.read_ahead_bytes must be >= 0, got "
-                f"{self.read_ahead_steps} and {self.read_ahead_bytes}."
+        for name, value, allowed in (
+            ("read_ahead_steps", self.read_ahead_steps, "a number of steps >= 0 (0: none)"),
+            ("read_ahead_bytes", self.read_ahead_bytes, "bytes >= 0 (0: one step at a time)"),
+            ("cache_bytes", self.cache_bytes, "bytes >= 0 (0: no node cache)"),
+        ):
+            if value < 0:
+                raise ValueError(
+                    f"zephon.{name} = {value}: it must be {allowed}. Set --zephon.{name} 0 or more."
+                )
+        timeout = self.request_timeout_s
+        if not (timeout > 0 and math.isfinite(timeout)):
+            raise ValueError(
+                f"zephon.request_timeout_s = {timeout}: it must be a finite number of seconds "
+                f"> 0 (the default is {REQUEST_TIMEOUT_S:g}). Set --zephon.request_timeout_s."
             )
-        if not self.request_timeout_s > 0:
-            raise StoreError(
-                f"zephon.request_timeout_s must be > 0 seconds, got {self.request_timeout_s}."
-            )
+        if self.cache_bytes > 0 and not self.cache_dir:
+            raise ValueError("zephon.cache_bytes > 0 needs the cache folder (cache_dir).")
 
 
 class _Fetch:
@@ -283,6 +312,10 @@ class RemoteTokenStore(TokenStore):
         if blocks is not None:
             store.num_chunks = num_chunks(num_tokens, store.chunk_tokens)
             store.verifies = bool(verify)
+        if options.cache_bytes > 0 and store.verifies:  # unchecked units are never cached
+            kind = f"blocks-{blocks['block_tokens']}" if blocks else f"chunks-{store.chunk_tokens}"
+            store.cache = NodeCache(options.cache_dir, store.fingerprint, kind, options.cache_bytes)
+            store._pool = ThreadPoolExecutor(1, thread_name_prefix="zephon-cache")
         return store
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -293,6 +326,9 @@ class RemoteTokenStore(TokenStore):
         self._queued: deque[tuple[np.ndarray, int]] = deque()  # (ids, seq_len) not yet fetched
         self._held = 0  # bytes of the steps in self._steps
         self.served_bytes = 0
+        self.cache: NodeCache | None = None
+        """The node-local cache (``store.cache``; None: zephon.cache_bytes = 0)."""
+        self._pool: ThreadPoolExecutor | None = None  # the cache's disk work
 
     def __repr__(self) -> str:
         return (
@@ -393,6 +429,17 @@ class RemoteTokenStore(TokenStore):
             block_first, block_last = first[heads].tolist(), last[tails].tolist()
             reads.append((BLOCKS, [8 * x for x in block_first], [8 * (x + 1) for x in block_last]))
 
+        if self.cache is not None:
+            if blocks:
+                runs = list(zip(block_first, last[tails].tolist(), strict=True))
+            else:
+                runs = list(
+                    zip((req_a // unit).tolist(), ((req_b - 1) // unit).tolist(), strict=True)
+                )
+            future = self._cached(runs)
+            nbytes = int((req_b - req_a).sum()) * item
+            return _Fetch(ids, seq_len, request, offset, nbytes, future)
+
         def arrived(datas: list[list[memoryview]]) -> list[np.ndarray]:
             arrays = [np.frombuffer(d, dtype=self.dtype) for d in datas[0]]
             if blocks:
@@ -406,6 +453,131 @@ class RemoteTokenStore(TokenStore):
         future = self._files.submit_many(reads, then=arrived)
         nbytes = int((req_b - req_a).sum()) * item
         return _Fetch(ids, seq_len, request, offset, nbytes, future)
+
+    # ------------------------------------------------------------------ the node cache
+
+    def _unit(self) -> tuple[int, int]:
+        """(tokens per unit of content check, tokens a unit overlaps the next by)."""
+        if self.blocks:
+            return int(self.blocks["block_tokens"]), 1
+        return self.chunk_tokens, 0
+
+    def _span(self, unit: int) -> tuple[int, int]:
+        size, overlap = self._unit()
+        return unit * size, min(unit * size + size + overlap, self.num_tokens)
+
+    def _from_cache(self, unit: int) -> np.ndarray | None:
+        """Unit ``unit``'s tokens from the node cache, checked (None: not cached, or its
+        file was bad: then removed)."""
+        data = self.cache.get(unit)
+        if data is None:
+            return None
+        start, stop = self._span(unit)
+        want = (stop - start) * self.dtype.itemsize
+        if self.blocks:
+            good = len(data) == want + 8
+            if good:
+                tokens = np.frombuffer(data, dtype=self.dtype, count=stop - start)
+                expected = int(np.frombuffer(data, dtype="<u8", offset=want)[0])
+                good = xxhash.xxh3_64_intdigest(tokens, block_seed(self.fingerprint)) == expected
+        else:
+            good = len(data) == want
+            if good:
+                tokens = np.frombuffer(data, dtype=self.dtype)
+                good = xxhash.xxh3_64_intdigest(tokens) == int(self._sums[unit])
+        if not good:  # truncated or garbage: never served, fetched again
+            self.cache.discard(unit)
+            return None
+        self.cache.hit(len(data))
+        return tokens
+
+    def _cached(self, runs: list[tuple[int, int]]) -> Future:
+        """A Future of the tokens of each run of units (``first``, ``last`` inclusive):
+        the units the node cache holds (checked) read from disk, the rest fetched (one
+        request per run of missing units, checked on arrival) and then cached. The disk
+        work runs on the cache's thread, the fetches on the fetch thread."""
+        out: Future = Future()
+        size, overlap = self._unit()
+        item = self.dtype.itemsize
+        pieces: dict[int, np.ndarray] = {}
+        missing: list[list[int]] = []  # runs of units not cached: [first, last]
+
+        def assemble() -> list[np.ndarray]:
+            arrays = []
+            for first, last in runs:
+                parts = [pieces[u][:size] for u in range(first, last)] + [pieces[last]]
+                arrays.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+            return arrays
+
+        def finish(fetched: Future) -> None:
+            try:
+                units: list[tuple[int, np.ndarray, bytes]] = fetched.result()
+                for unit, tokens, _ in units:
+                    pieces[unit] = tokens
+                self.cache.put_many((unit, data) for unit, _, data in units)
+                out.set_result(assemble())
+            except BaseException as e:  # noqa: BLE001 - handed to the reader
+                out.set_exception(e)
+
+        def lookup() -> None:
+            try:
+                for first, last in runs:
+                    for u in range(first, last + 1):
+                        tokens = self._from_cache(u)
+                        if tokens is not None:
+                            pieces[u] = tokens
+                        elif missing and missing[-1][1] == u - 1:
+                            missing[-1][1] = u
+                        else:
+                            missing.append([u, u])
+                if not missing:
+                    out.set_result(assemble())
+                    return
+                spans = [(self._span(f)[0], self._span(lo)[1]) for f, lo in missing]
+                reads = [(TOKENS, [a * item for a, _ in spans], [b * item for _, b in spans])]
+                if self.blocks:
+                    reads.append(
+                        (BLOCKS, [8 * f for f, _ in missing], [8 * (lo + 1) for _, lo in missing])
+                    )
+                fetched = self._files.submit_many(reads, then=split)
+                fetched.add_done_callback(lambda f: self._submit(finish, f, out))
+            except BaseException as e:  # noqa: BLE001 - handed to the reader
+                out.set_exception(e)
+
+        def split(datas: list[list[memoryview]]) -> list[tuple[int, np.ndarray, bytes]]:
+            """Check each fetched run (fetch thread) and cut it into its units."""
+            units = []
+            for k, ((first, last), data) in enumerate(zip(missing, datas[0], strict=True)):
+                arr = np.frombuffer(data, dtype=self.dtype)
+                if self.blocks:
+                    sums = np.frombuffer(datas[1][k], dtype="<u8")
+                    self._check_blocks(arr, sums, first)
+                else:
+                    self._check_range(arr, first * size, size)
+                    sums = None
+                for u in range(first, last + 1):
+                    lo = (u - first) * size
+                    tokens = arr[lo : lo + size + overlap]
+                    raw = tokens.tobytes()
+                    if sums is not None:
+                        raw += sums[u - first : u - first + 1].tobytes()
+                    units.append((u, tokens, raw))
+            return units
+
+        self._submit(lookup, None, out)
+        return out
+
+    def _submit(self, fn: Any, arg: Any, out: Future) -> None:
+        """Run ``fn`` (with ``arg``) on the cache's thread; a store closed meanwhile fails
+        ``out``."""
+        try:
+            if arg is None:
+                self._pool.submit(fn)
+            else:
+                self._pool.submit(fn, arg)
+        except RuntimeError as e:
+            if not out.done():
+                out.set_exception(StoreError(f"token store {str(self.path)!r} was closed ({e})."))
 
     def _check_blocks(self, arr: np.ndarray, sums: np.ndarray, block: int) -> None:
         """Hash every block of ``arr`` (tokens from block ``block`` on, whole blocks)
@@ -515,5 +687,7 @@ class RemoteTokenStore(TokenStore):
         return out
 
     def close(self) -> None:
-        """Stop the fetch thread."""
+        """Stop the fetch thread (and the cache's)."""
         self._files.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)  # queued lookups end, failing their reads

@@ -6,7 +6,10 @@ or misleading ``AssertionError`` (stripped entirely under ``python -O``), a
 the model: the parallelism degrees against the world size, ``training.seq_len``
 against TP and CP, the TP degree against the model's attention heads, the EP
 degree against the model's routed experts and the ranks it borrows, and the step
-frequencies.
+frequencies; and the settings of remote stores (``zephon.read_ahead_steps``,
+``read_ahead_bytes``, ``request_timeout_s``, ``cache_bytes``), for every job, local store
+or not, by asking ``job.settings.remote_options`` (their owner) rather than at the
+first remote open.
 
 Invariant: ``check_job_config`` reads only the job's view (``titan.job_view``)
 and the world size; it changes nothing. A job it accepts passes these
@@ -19,6 +22,7 @@ from __future__ import annotations
 import math
 import os
 
+from torchtitan_zephon.job.settings import remote_options
 from torchtitan_zephon.titan.job_view import JobView
 
 
@@ -35,6 +39,7 @@ def check_job_config(job: JobView, world_size: int | None = None) -> None:
     _check_heads(job, tp)
     _check_experts(job, world, tp, cp)
     _check_frequencies(job)
+    remote_options(job)  # raises ValueError for a remote setting out of range
 
 
 def _check_parallelism(job: JobView, world: int) -> tuple[int, int]:

@@ -27,8 +27,8 @@ class Zephon:
     standard-library sources) with the tokenizer in
     torchtitan_zephon/assets/tokenizer (set hf_assets_path to it). A store in object
     storage is named by its URL (s3://BUCKET/PREFIX, gs://, az://; file:// is a local
-    path): read by byte range with zephon.read_ahead_steps, read_ahead_bytes and
-    request_timeout_s, same fingerprint as its local copy."""
+    path): read by byte range with zephon.read_ahead_steps, read_ahead_bytes,
+    request_timeout_s and cache_bytes, same fingerprint as its local copy."""
 
     text_field: str = "text"
     """The JSON / Parquet / dataset field holding a document's text, where
@@ -45,27 +45,39 @@ class Zephon:
 
     cache_dir: str = ""
     """Folder of the store cache (raw inputs prepared on first use, the builtin
-    store) when the environment variable ZEPHON_CACHE is unset. Empty:
-    ~/.cache/torchtitan_zephon. On a shared filesystem whose file locks work
+    store; with zephon.cache_bytes > 0 also the node cache of remote stores, in its
+    remote-blocks subfolder) when the environment variable ZEPHON_CACHE is unset.
+    Empty: ~/.cache/torchtitan_zephon. On a shared filesystem whose file locks work
     across machines, one node prepares and the others wait; on local disk each
-    node prepares once."""
+    node prepares once. A local folder (a URL is refused)."""
 
     read_ahead_steps: int = 4
     """Where zephon.store (or a mixture source) is in object storage (s3://, gs://,
     az://): the steps after the current one whose windows each rank fetches in the
     background, by byte range, as the plan names them (0: fetch each window when it
-    is read). Not part of the data config."""
+    is read; < 0 is refused at start). Not part of the data config."""
 
     read_ahead_bytes: int = 256 << 20
     """Bytes of fetched windows a remote store holds at most per process (a step
-    larger than that is still fetched, alone). Not part of the data config."""
+    larger than that is still fetched, alone; 0: one step at a time; < 0 is refused at
+    start). Not part of the data config."""
 
     request_timeout_s: float = 30.0
     """Time limit, in seconds, of ONE ATTEMPT of a request to object storage (credential
     discovery included). A transient failure (an attempt over this limit, 5xx,
     throttling, a reset, a body cut short) is retried 4 times with backoff, so a request
-    fails after 5 attempts at most, then a clear error naming the object. Not part of
-    the data config."""
+    fails after 5 attempts at most, then a clear error naming the object. Must be > 0
+    (checked at start). Not part of the data config."""
+
+    cache_bytes: int = 0
+    """Bound, in bytes, of the node-local cache of remote stores (0, the default: no
+    cache; each rank fetches what it reads). When > 0, the checked 512-token blocks (or
+    65,536-token chunks) a rank fetches are kept under <store cache folder>/remote-blocks/
+    <store fingerprint>/ (ZEPHON_CACHE, else zephon.cache_dir), shared by the ranks of
+    the node, by restarts and by other jobs using the same folder (the bound covers the
+    whole remote-blocks folder), least recently used files removed first; a cached block
+    is checked against its checksum each time it is used. < 0 is refused at start. Not
+    part of the data config."""
 
     mixture: str = ""
     """Path of a mixture file (TOML): several stores drawn in exact proportions that
