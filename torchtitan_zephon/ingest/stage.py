@@ -27,6 +27,7 @@ import numpy as np
 
 from torchtitan_zephon.ingest.encode import encode_in_order
 from torchtitan_zephon.ingest.inputs import PREPARE_OPTIONS, InputFile, OptionError, OptionNames
+from torchtitan_zephon.ingest.objects import fetch
 from torchtitan_zephon.ingest.parts import (
     PARTS,
     RANKS_FILE,
@@ -214,6 +215,7 @@ def _unit_chunks(
         chunk: list[str] = []
         chars = 0
         try:
+            fetch(src)  # an object in object storage: streamed to its spool file first
             hashes[u.index] = unit_input_hash(src, u)
             check_unchanged(src, stats[u.source])
             if reuse(u):
