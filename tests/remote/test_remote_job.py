@@ -138,9 +138,9 @@ def test_store_values_that_are_urls(fine_url) -> None:
     assert store_location(fine_url) == fine_url
     with pytest.raises(StoreError) as e:
         store_location("s3://corpus/raw/*.jsonl")
-    assert str(e.value).startswith(
-        "'s3://corpus/raw/*.jsonl' names raw inputs in object storage (a pattern or a list), "
-        "which zephon does not prepare yet"
+    assert str(e.value).startswith(  # raw inputs in a bucket: prepared as local ones are
+        "'s3://corpus/raw/*.jsonl' names raw inputs, not a token store, and no tokenizer was "
+        "given to prepare them."
     )
     with pytest.raises(MixtureError, match="mixture file 's3://b/mix.toml' is a URL"):
         MixtureConfig.load("s3://b/mix.toml")

@@ -275,3 +275,42 @@ def test_patterns_match_as_a_local_glob_does(tmp_path_factory, parts, pattern) -
         if Path(m).is_file()
     }
     assert _matches(parts, pattern) == ("/".join(parts) in found)
+
+
+def test_plan_from_raw_objects_uses_the_cache_keyed_by_etag_and_size(
+    capsys, s3, tmp_path: Path, tokenizer_dir: Path, corpus: Path, bucket_corpus: str
+) -> None:
+    """`zephon plan --store s3://.../*.jsonl.gz --tokenizer DIR` prepares the objects into
+    the cache as the trainer does: the plan of the local files; a second run finds the
+    entry without preparing (no object is fetched again); a replaced object (another ETag)
+    makes another entry."""
+    cache = tmp_path / "cache"
+    common = ["--tokenizer", str(tokenizer_dir), "--cache-dir", str(cache), "--seq-len", "16",
+              "--global-batch-size", "4", "--seed", "3", "--steps", "1:3", "--json"]  # fmt: skip
+    code, local, err = _cli(capsys, "plan", "--store", f"{corpus}/*.jsonl.gz", *common)
+    assert code == 0, err
+    url = f"s3://{s3.bucket}/plan/corpus"
+    for p in sorted(corpus.glob("*.jsonl.gz")):
+        s3.put(f"plan/corpus/{p.name}", p.read_bytes())
+    code, remote, err = _cli(capsys, "plan", "--store", f"{url}/*.jsonl.gz", *common)
+    assert code == 0, err
+    assert remote == local and remote.count('"ids"') == 3
+    entries = sorted(p.name for p in cache.iterdir() if p.name.startswith("raw-") and p.is_dir())
+    assert len(entries) == 2  # the local files' entry and the objects' entry
+    fingerprints = {json.loads((cache / f"{e}.json").read_text())["fingerprint"] for e in entries}
+    assert len(fingerprints) == 1  # the same store, from disk and from the bucket
+    assert not [p for p in (cache / "remote-inputs").rglob("*") if p.is_file()]
+    fetched = cache / "remote-inputs"
+    code, again, _ = _cli(capsys, "plan", "--store", f"{url}/*.jsonl.gz", *common)
+    assert code == 0 and again == local
+    assert not fetched.exists() or not any(fetched.rglob("*"))
+    assert len([p for p in cache.iterdir() if p.name.startswith("raw-") and p.is_dir()]) == 2
+    s3.put("plan/corpus/p0.jsonl.gz", gzip.compress(b'{"text": "replaced"}\n', mtime=0))
+    code, changed, _ = _cli(capsys, "plan", "--store", f"{url}/*.jsonl.gz", *common)
+    assert code == 0
+    assert len([p for p in cache.iterdir() if p.name.startswith("raw-") and p.is_dir()]) == 3
+    keys = [json.loads(p.read_text()) for p in cache.glob("raw-*.json")]
+    remote_keys = [k for k in keys if k["inputs"].startswith("s3://")]
+    assert len(remote_keys) == 2
+    for k in remote_keys:
+        assert [row[2] for row in k["files"]] == [f"{url}/p{j}.jsonl.gz" for j in range(3)]
