@@ -129,6 +129,7 @@ def test_prepare_writes_a_store_to_the_bucket_manifest_last(
     assert isinstance(store, RemoteTokenStore) and store.fingerprint == local.fingerprint
     assert main(["inspect", f"s3://{s3.bucket}/out/store", "--check"]) == 0
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing kept
+    assert list((tmp_path / "cache" / "remote-output").iterdir()) == []
     # a second prepare into the same prefix: refused, the store as it was
     before = _keys(s3, "out/")
     code, _, err = _cli(capsys, "prepare", bucket_corpus, "--tokenizer", str(tokenizer_dir),
@@ -272,7 +273,7 @@ def test_patterns_match_as_a_local_glob_does(tmp_path_factory, parts, pattern) -
     found = {
         Path(m).relative_to(root).as_posix()
         for m in glob.glob(str(root.joinpath(*pattern)), recursive=True)
-        if Path(m).is_file()
+        if os.path.isfile(m)  # not Path(m): it drops the "/" of "a/", a match of "a/**"
     }
     assert _matches(parts, pattern) == ("/".join(parts) in found)
 
@@ -314,3 +315,37 @@ def test_plan_from_raw_objects_uses_the_cache_keyed_by_etag_and_size(
     assert len(remote_keys) == 2
     for k in remote_keys:
         assert [row[2] for row in k["files"]] == [f"{url}/p{j}.jsonl.gz" for j in range(3)]
+
+
+def test_a_bad_object_is_named_by_its_url_and_a_query_string_never_shown(
+    capsys, s3, tmp_path: Path, tokenizer_dir: Path, monkeypatch
+) -> None:
+    """A corrupt object's error names its URL (not the spool file); a URL's query string
+    (a signature, a SAS token) appears in no message and no file."""
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    s3.put("bad/corpus/a.jsonl", b'{"text": "fine"}\n')
+    s3.put("bad/corpus/b.jsonl", b'{"body": "no text field"}\n')
+    code, _, err = _cli(capsys, "prepare", f"s3://{s3.bucket}/bad/corpus/*.jsonl", "--tokenizer",
+                        str(tokenizer_dir), "--output", str(tmp_path / "out"), "--quiet")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert f"s3://{s3.bucket}/bad/corpus/b.jsonl" in err and "remote-inputs" not in err, err
+    assert "--text-field" in err
+    assert not (tmp_path / "out").exists()
+    signed = f"s3://{s3.bucket}/nothing/*.jsonl?X-Amz-Signature={SECRET}"
+    code, _, err = _cli(capsys, "prepare", signed, "--tokenizer", str(tokenizer_dir),
+                        "--output", str(tmp_path / "out2"), "--quiet")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert SECRET not in err and "?<redacted>" in err, err
+    for p in tmp_path.rglob("*"):
+        if p.is_file():
+            assert SECRET.encode() not in p.read_bytes(), p
+
+
+def test_a_pattern_is_no_store_for_inspect_or_plan(capsys, s3) -> None:
+    code, _, err = _cli(capsys, "inspect", f"s3://{s3.bucket}/out/*")
+    assert code == 2 and err.count("\n") == 1
+    assert f"'s3://{s3.bucket}/out/*' is a pattern; a store is one prefix" in err
+    code, _, err = _cli(capsys, "plan", "--store", f"s3://{s3.bucket}/out/*", "--seq-len", "4",
+                        "--global-batch-size", "2", "--seed", "1", "--steps", "1:2")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
+    assert "is a pattern" in err and "--tokenizer" in err  # raw inputs need a tokenizer

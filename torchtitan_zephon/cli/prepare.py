@@ -3,6 +3,10 @@
 Of a Hugging Face DatasetDict folder it reads the ``train`` split unless ``--split``
 names another (or ``all``), and says which split it read.
 
+INPUTs and ``--output`` may be object-storage URLs (``ingest.objects``): raw objects
+are streamed to the node-local cache and read as local files; a store for a URL is
+uploaded with manifest.json last. The tokenizer and ``--report`` are local paths.
+
 Under torchrun (or any launcher setting RANK / WORLD_SIZE) the ranks share the
 work (``torchtitan_zephon.cli.prepare_ranks``); rank 0 prints the result and, after a
 failure, the one error every rank agrees on.

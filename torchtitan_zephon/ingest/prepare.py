@@ -24,8 +24,10 @@ relative to the given inputs, the tokenizer, ``text_field`` and ``split`` (which
 splits of a Hugging Face DatasetDict are read: ``inputs.select_splits``; the
 manifest records them for such sources only); never on the
 number of ranks or workers, the unit size, chunking, absolute paths, timing or
-how many earlier runs were interrupted. The output path holds either nothing
-or a complete store (renamed into place last). A prepare that fails or is
+how many earlier runs were interrupted, nor on whether the inputs are read from
+local disk or object storage (``objects``). The output path holds either nothing
+or a complete store (renamed into place last; an output URL: manifest.json
+uploaded last, so a prefix without it is no store). A prepare that fails or is
 interrupted keeps its finished parts in ``.<name>.prepare`` beside the output
 (its error names the folder); the same command run again reuses them. Two
 prepares of one output never run at once: rank 0 holds ``WriterLock`` (flock)
@@ -180,6 +182,11 @@ def prepare_store(
         raise PrepareFailed(f"{e}{' ' + note if note else ''}") from e
     finally:
         lock.release()
+        if remote is not None and ranks.rank == 0:
+            try:
+                out.parent.rmdir()  # empty once the store is uploaded (kept parts stay)
+            except OSError:
+                pass
     cpu = sum(ranks.all_gather_object(_cpu_seconds() - cpu0))
     if report is not None:
         report.update(

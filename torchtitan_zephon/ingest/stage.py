@@ -228,17 +228,29 @@ def _unit_chunks(
                     chunk, chars = [], 0
             check_unchanged(src, stats[u.source])
         except OSError as e:
-            err = unreadable(src, e)
+            err = _named(unreadable(src, e), src)
             err.unit_index = u.index  # type: ignore[attr-defined]
             raise err from None
         except OptionError as e:
-            err = e.spelled(names)
+            err = _named(e.spelled(names), src, names)
             err.unit_index = u.index  # type: ignore[attr-defined]
             raise err from None
         except StoreError as e:
-            e.unit_index = u.index  # type: ignore[attr-defined]
-            raise
+            err = _named(e, src)
+            err.unit_index = u.index  # type: ignore[attr-defined]
+            raise err from None
         yield (u.index, True), chunk
+
+
+def _named(err: StoreError, src: InputFile, names: OptionNames = PREPARE_OPTIONS) -> StoreError:
+    """``err`` naming an object in object storage by its URL, not its spool file."""
+    if src.remote is None or str(src.path) not in str(err):
+        return err
+    spool, url = str(src.path), src.shown
+    if isinstance(err, OptionError):
+        message = err.message
+        return OptionError(lambda o: message(o).replace(spool, url), err.option, names)
+    return type(err)(str(err).replace(spool, url))
 
 
 class _NoBar:
