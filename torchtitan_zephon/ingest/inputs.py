@@ -6,7 +6,9 @@ kind ``KINDS`` recognises (text, JSONL (.jsonl, .jsonl.gz, .ndjson), JSON,
 Parquet, HF) and read by the reader ``readers.READERS`` names for it; a new input
 kind is a new entry in both. ``select_splits`` says which splits of a Hugging Face
 ``DatasetDict`` folder are read: ``train`` unless asked (``all``: every split).
-``source_record`` is a source's manifest entry.
+``source_record`` is a source's manifest entry. Inputs that are object-storage URLs
+are listed by ``objects`` and become sources whose ``remote`` says where they are
+(read from a spool file once fetched), named by the same rule as local files.
 
 Invariants: the order of sources depends only on the inputs as given and the
 names and contents of the files: folders are walked sorted by name, hidden
