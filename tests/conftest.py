@@ -57,11 +57,20 @@ def copy_store(src: Path, dst: Path, *, chunk_tokens: int | None = None) -> Path
 
     shutil.copytree(src, dst)
     if chunk_tokens is not None:
+        drop_block_checksums(dst)  # they name the fingerprint the re-cut changes
         m = _manifest(dst)
         m["content"] = write_checksums(dst, m, chunk_tokens=chunk_tokens)
         m["fingerprint"] = manifest_fingerprint(m)
         _write_manifest(dst, m)
     return dst
+
+
+def drop_block_checksums(store: Path) -> Path:
+    """Remove the block checksums prepare writes (blocks.bin, blocks.json): the store as
+    it was before them, or before ``inspect --upgrade`` adds them."""
+    for name in ("blocks.bin", "blocks.json"):
+        (store / name).unlink(missing_ok=True)
+    return store
 
 
 def edit_token(store: Path, index: int, value: int | None = None) -> int:
@@ -88,6 +97,7 @@ def make_v1(store: Path) -> str:
     m["fingerprint"] = manifest_fingerprint(m)
     _write_manifest(store, m)
     (store / "checksums.bin").unlink()
+    drop_block_checksums(store)  # version 1 had none
     return m["fingerprint"]
 
 

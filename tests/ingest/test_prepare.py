@@ -33,6 +33,8 @@ def test_identical_bytes_for_any_worker_count(tmp_path, tokenizer_dir, corpus_di
         "tokens.bin",
         "doc_offsets.bin",
         "checksums.bin",
+        "blocks.bin",  # block checksums, written by prepare since issue 21 item 4
+        "blocks.json",
     }
     assert two.content == TokenStore.open(store_path).content  # checksums and max token id
 

@@ -138,9 +138,9 @@ def test_store_values_that_are_urls(fine_url) -> None:
     assert store_location(fine_url) == fine_url
     with pytest.raises(StoreError) as e:
         store_location("s3://corpus/raw/*.jsonl")
-    assert str(e.value).startswith(
-        "'s3://corpus/raw/*.jsonl' names raw inputs in object storage (a pattern or a list), "
-        "which zephon does not prepare yet"
+    assert str(e.value).startswith(  # raw inputs in a bucket: prepared as local ones are
+        "'s3://corpus/raw/*.jsonl' names raw inputs, not a token store, and no tokenizer was "
+        "given to prepare them."
     )
     with pytest.raises(MixtureError, match="mixture file 's3://b/mix.toml' is a URL"):
         MixtureConfig.load("s3://b/mix.toml")
@@ -252,10 +252,13 @@ def test_inspect_refusals(capsys, s3, store_path) -> None:
     assert code == 2 and "has the URL scheme 'gopher', which zephon does not read" in err
 
 
-def test_prepare_refuses_urls_and_writes_nothing(
-    capsys, tmp_path, monkeypatch, corpus_dir, tokenizer_dir
+def test_prepare_never_takes_a_url_as_a_path_and_writes_nothing(
+    capsys, s3, tmp_path, monkeypatch, corpus_dir, tokenizer_dir
 ) -> None:
+    """URL inputs and outputs are object storage (tests/remote/test_remote_prepare.py);
+    a bucket that does not exist is an error, never a local folder "s3:"."""
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
     code, _, err = _run(
         capsys,
         "prepare",
@@ -267,9 +270,8 @@ def test_prepare_refuses_urls_and_writes_nothing(
     )
     assert code == 2
     assert err.startswith(
-        "zephon prepare: error: --output 's3://bucket/store' is a URL; --output takes a local "
-        "path here (a URL is never taken as a path). Writing a store to object storage is not "
-        "supported yet."
+        "zephon prepare: error: the bucket of s3://bucket/store does not exist (or is not "
+        "visible with these credentials)"
     )
     code, _, err = _run(
         capsys,
@@ -281,9 +283,12 @@ def test_prepare_refuses_urls_and_writes_nothing(
         str(tmp_path / "out"),
     )
     assert code == 2
-    assert "INPUT 's3://bucket/raw/*.jsonl.gz' is a URL" in err
-    assert "Reading raw inputs from object storage is not supported yet" in err
-    assert list(tmp_path.iterdir()) == []  # no folder "s3:", no output, no parts
+    assert "the bucket of s3://bucket/raw does not exist" in err
+    code, _, err = _run(
+        capsys, "prepare", str(corpus_dir), "--tokenizer", "s3://bucket/tok", "--output", "o"
+    )
+    assert code == 2 and "--tokenizer 's3://bucket/tok' is a URL; --tokenizer takes a local" in err
+    assert list(tmp_path.iterdir()) == []  # no folder "s3:", no output, no parts, no cache
 
 
 def test_prepare_takes_file_urls_as_paths(capsys, tmp_path, corpus_dir, tokenizer_dir, store):

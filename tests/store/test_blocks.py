@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import xxhash
 
-from tests.conftest import copy_store, edit_token
+from tests.conftest import copy_store, drop_block_checksums, edit_token
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.store.format import BLOCK_TOKENS, StoreError, num_blocks
 from torchtitan_zephon.store.reader import TokenStore
@@ -34,7 +34,9 @@ def _expected_blocks(store: TokenStore) -> np.ndarray:
 
 
 def test_upgrade_adds_block_checksums_and_keeps_the_store(tmp_path: Path, store_path: Path):
-    path = copy_store(store_path, tmp_path / "s")
+    path = drop_block_checksums(
+        copy_store(store_path, tmp_path / "s")
+    )  # as before prepare wrote them
     before = {p.name: p.read_bytes() for p in path.iterdir()}
     old = TokenStore.open(path)
     up, changed = add_block_checksums(path)
@@ -62,7 +64,9 @@ def test_upgrade_adds_block_checksums_and_keeps_the_store(tmp_path: Path, store_
 
 
 def test_block_checksums_are_written_from_checked_tokens_only(tmp_path: Path, store_path: Path):
-    path = copy_store(store_path, tmp_path / "s")
+    path = drop_block_checksums(
+        copy_store(store_path, tmp_path / "s")
+    )  # as before prepare wrote them
     edit_token(path, 700)  # chunk 0 of 65,536 tokens no longer matches
     before = {p.name: p.read_bytes() for p in path.iterdir()}
     with pytest.raises(StoreError) as e:
@@ -76,7 +80,9 @@ def test_block_checksums_are_written_from_checked_tokens_only(tmp_path: Path, st
 
 
 def test_check_reports_bad_blocks_and_a_foreign_blocks_file(tmp_path: Path, store_path: Path):
-    path = copy_store(store_path, tmp_path / "s")
+    path = drop_block_checksums(
+        copy_store(store_path, tmp_path / "s")
+    )  # as before prepare wrote them
     add_block_checksums(path)
     blocks = bytearray((path / "blocks.bin").read_bytes())
     blocks[8 * 3] ^= 1  # block 3's checksum
@@ -104,7 +110,9 @@ def test_check_reports_bad_blocks_and_a_foreign_blocks_file(tmp_path: Path, stor
 
 
 def test_inspect_upgrade_adds_block_checksums(tmp_path: Path, store_path: Path, capsys):
-    path = copy_store(store_path, tmp_path / "s")
+    path = drop_block_checksums(
+        copy_store(store_path, tmp_path / "s")
+    )  # as before prepare wrote them
     fingerprint = TokenStore.open(path).fingerprint
     assert main(["inspect", str(path), "--upgrade", "--check"]) == 0
     out = capsys.readouterr().out
@@ -117,7 +125,9 @@ def test_inspect_upgrade_adds_block_checksums(tmp_path: Path, store_path: Path, 
 
 
 def test_a_blocks_file_that_is_not_text_is_said_not_a_traceback(tmp_path: Path, store_path: Path):
-    path = copy_store(store_path, tmp_path / "s")
+    path = drop_block_checksums(
+        copy_store(store_path, tmp_path / "s")
+    )  # as before prepare wrote them
     add_block_checksums(path)
     (path / "blocks.json").write_bytes(bytes(range(256)))
     problems = TokenStore.open(path).check().problems

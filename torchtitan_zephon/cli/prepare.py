@@ -3,6 +3,10 @@
 Of a Hugging Face DatasetDict folder it reads the ``train`` split unless ``--split``
 names another (or ``all``), and says which split it read.
 
+INPUTs and ``--output`` may be object-storage URLs (``ingest.objects``): raw objects
+are streamed to the node-local cache and read as local files; a store for a URL is
+uploaded with manifest.json last. The tokenizer and ``--report`` are local paths.
+
 Under torchrun (or any launcher setting RANK / WORLD_SIZE) the ranks share the
 work (``torchtitan_zephon.cli.prepare_ranks``); rank 0 prints the result and, after a
 failure, the one error every rank agrees on.
@@ -17,10 +21,11 @@ from typing import Any
 
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.ingest.inputs import ALL_SPLITS
+from torchtitan_zephon.ingest.objects import output_url
 from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.ingest.ranks import PrepareFailed
 from torchtitan_zephon.ingest.units import UNIT_BYTES
-from torchtitan_zephon.store.location import local_path, refuse_url
+from torchtitan_zephon.store.location import is_url, local_path, refuse_url
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -42,12 +47,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "inputs",
         nargs="+",
         metavar="INPUT",
-        help="files, folders, quoted glob patterns ('data/*.jsonl') or comma lists; sources "
+        help="files, folders, quoted glob patterns ('data/*.jsonl') or comma lists, or "
+        "object-storage URLs of the same ('s3://BUCKET/corpus/*.jsonl.gz'); sources "
         "are named relative to the deepest folder holding them all, so a folder and a glob "
         "of its files give the same store",
     )
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="folder with tokenizer.json")
-    p.add_argument("--output", required=True, metavar="STORE", help="new store folder")
+    p.add_argument(
+        "--output",
+        required=True,
+        metavar="STORE",
+        help="new store folder, or an object-storage prefix (s3://BUCKET/PREFIX; uploaded "
+        "with manifest.json last)",
+    )
     p.add_argument(
         "--workers",
         type=int,
@@ -89,27 +101,14 @@ def _check_report_path(path: str) -> None:
         )
 
 
-def _refuse_urls(args: argparse.Namespace) -> None:
-    """Refuse object-storage URLs before anything is written: prepare reads and writes
-    local paths only (a URL is never taken as a path: ``s3://b/x`` would become the
-    local folder ``s3:``); ``file://`` URLs become the paths they name."""
-    upload = (
-        "Prepare into a local folder, then upload it whole with manifest.json last (e.g. "
-        "`aws s3 sync STORE s3://BUCKET/PREFIX --exclude manifest.json` then `aws s3 cp "
-        "STORE/manifest.json s3://BUCKET/PREFIX/`); training and `zephon inspect` read the URL."
-    )
-    refuse_url(
-        args.output, "--output", f"Writing a store to object storage is not supported yet. {upload}"
-    )
+def _check_urls(args: argparse.Namespace) -> None:
+    """Check object-storage URLs before anything is read or written: INPUTs and --output
+    may be URLs (``ingest.objects``: an output URL is one prefix, no pattern); the
+    tokenizer and --report are local (a URL is never taken as a path: ``s3://b/x``
+    would become the local folder ``s3:``); ``file://`` URLs become the paths they name."""
+    if is_url(args.output) and not args.output.lower().startswith("file://"):
+        output_url(args.output)  # scheme, bucket, prefix, no pattern
     refuse_url(args.tokenizer, "--tokenizer", "Copy the tokenizer folder to local disk.")
-    for value in args.inputs:
-        for item in value.split(","):
-            refuse_url(
-                item.strip(),
-                "INPUT",
-                "Reading raw inputs from object storage is not supported yet: copy them to "
-                f"local disk first. {upload}",
-            )
     if args.report:
         refuse_url(args.report, "--report", "Name a local file.")
         args.report = local_path(args.report)
@@ -126,7 +125,7 @@ def _refuse_urls(args: argparse.Namespace) -> None:
 def run(args: argparse.Namespace) -> int:
     from torchtitan_zephon.cli.prepare_ranks import ranks_from_env
 
-    _refuse_urls(args)
+    _check_urls(args)
     if args.report:
         _check_report_path(args.report)
     ranks = ranks_from_env()

@@ -1,8 +1,12 @@
 """Phases 3 and 4 of a prepare: the parts become one token store at the output.
 
 Role: every rank copies its parts into the store's files at their offsets (in
-unit order) and hashes its share of the checksum chunks and of the sources; rank 0
-writes the manifest and renames the assembled store to the output.
+unit order) and hashes its share of the checksum chunks and of the sources; once
+rank 0 has the fingerprint, every rank writes the block checksums of its share of
+the blocks (``store.writer.write_block_range``: the seed of a block checksum is the
+fingerprint, which covers every chunk checksum, so they cannot be computed in the
+first pass); rank 0 writes blocks.json, then the manifest, and renames the
+assembled store to the output.
 
 Invariants: the store's bytes are every unit's part in input order, whatever rank
 made it; the output path holds either nothing or a complete store (renamed into
@@ -19,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.ingest.inputs import source_record
+from torchtitan_zephon.ingest.objects import fetch
 from torchtitan_zephon.ingest.parts import (
     ASSEMBLY,
     PARTS,
@@ -29,16 +34,25 @@ from torchtitan_zephon.ingest.ranks import Ranks, together
 from torchtitan_zephon.ingest.stage import Work, assign_units, check_unchanged, unreadable
 from torchtitan_zephon.ingest.units import Unit
 from torchtitan_zephon.store.format import (
+    DTYPES,
     FORMAT,
     FORMAT_VERSION,
     MANIFEST,
+    TOKENS,
     StoreError,
     content_section,
     manifest_fingerprint,
+    map_file,
+    num_blocks,
     num_chunks,
 )
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.writer import write_chunk_checksums
+from torchtitan_zephon.store.writer import (
+    create_block_file,
+    write_block_info,
+    write_block_range,
+    write_chunk_checksums,
+)
 
 
 class EmptyCorpus(StoreError):
@@ -127,6 +141,7 @@ def assemble(
         for k, src in enumerate(sources):
             if source_owner[k] == r:
                 try:
+                    fetch(src)  # there already, unless its part was an earlier run's
                     recs.append((k, source_record(src)))
                 except OSError as e:
                     raise unreadable(src, e) from None
@@ -143,12 +158,30 @@ def assemble(
         source_records[u.source]["tokens"] += int(records[u.index]["tokens"])
     manifest["sources"] = source_records
 
-    def finish() -> None:
+    def seal() -> str | None:
         if ranks.rank != 0:
-            return
+            return None
         top = max(t for t, _ in shares)
         manifest["content"] = content_section(assembly, top)
         manifest["fingerprint"] = manifest_fingerprint(manifest)
+        create_block_file(assembly, num_tokens)
+        return manifest["fingerprint"]
+
+    manifest["fingerprint"] = together(ranks, seal)[0]
+
+    def block_share() -> None:
+        r, w, blocks = ranks.rank, ranks.world_size, num_blocks(num_tokens)
+        tokens = map_file(assembly / TOKENS, DTYPES[work.dtype_name], num_tokens)
+        write_block_range(
+            assembly, tokens, manifest["fingerprint"], blocks * r // w, blocks * (r + 1) // w
+        )
+
+    together(ranks, block_share)
+
+    def finish() -> None:
+        if ranks.rank != 0:
+            return
+        write_block_info(assembly, manifest["fingerprint"], num_tokens)
         (assembly / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if out.exists():
             out.rmdir()  # an empty folder, checked at the start

@@ -15,7 +15,9 @@ Invariants:
   field and split: its fingerprint equals ``zephon prepare``'s, whatever the
   spelling of the inputs (names are canonical: ``inputs.resolve_inputs``).
 - Its entry is keyed by the inputs' canonical names, real paths, sizes and
-  mtimes (``os.stat`` only), the tokenizer.json's sha256, the text field, the
+  mtimes (``os.stat`` only; raw inputs in object storage, by URL, size and ETag,
+  from one listing: their objects are streamed to spool files in the cache's
+  ``remote-inputs`` folder only to build the entry, then removed), the tokenizer.json's sha256, the text field, the
   splits read of each DatasetDict (only where there is one: other keys are as
   before) and the store format version: a later run finds it without reading the
   corpus, and a changed file (size or mtime) makes another entry. On a hit the
@@ -42,9 +44,11 @@ from torchtitan_zephon.ingest.inputs import (
     InputFile,
     OptionNames,
     expand_input,
+    kind_of,
     resolve_inputs,
     select_splits,
 )
+from torchtitan_zephon.ingest.objects import SPOOL
 from torchtitan_zephon.store.format import (
     BUILTIN_PREFIX,
     CHECKSUMS,
@@ -55,6 +59,7 @@ from torchtitan_zephon.store.format import (
     StoreError,
     is_store,
 )
+from torchtitan_zephon.store.location import is_url, redact
 
 STORE_FILES = (
     MANIFEST,
@@ -106,10 +111,21 @@ def names_store(value: str) -> bool:
     return "," not in value and not GLOB_CHARS & set(value)
 
 
+def names_raw_objects(value: str) -> bool:
+    """True when the object-storage URL ``value`` names raw inputs rather than a store's
+    prefix: a glob pattern, a comma-separated list, or one object whose name is an
+    input kind's (.jsonl, .jsonl.gz, .ndjson, .json, .parquet)."""
+    path = value.split("?", 1)[0]
+    if "," in path or GLOB_CHARS & set(path.split("://", 1)[-1]):
+        return True
+    return kind_of(path.rstrip("/").rsplit("/", 1)[-1]) != "text"
+
+
 def raw_store(value: str, raw: RawInputs) -> Path:
     """The cache entry holding ``prepare_store([value], raw.tokenizer, ...)``, built
     on first use (once, under the entry's lock: ``cache_folder.build_once``)."""
     root = cache_root(raw.cache_dir)
+    shown = redact(value)  # a URL's query string (a SAS token) is never printed or stored
     tokenizer_json = Path(raw.tokenizer) / "tokenizer.json"
     if not tokenizer_json.is_file():
         found = (
@@ -118,18 +134,19 @@ def raw_store(value: str, raw: RawInputs) -> Path:
             else "it does not exist"
         )
         raise StoreError(
-            f"the store value {value!r} names raw inputs, which are tokenized with the "
+            f"the store value {shown!r} names raw inputs, which are tokenized with the "
             f"tokenizer.json in {raw.tokenizer_origin} = {raw.tokenizer!r}, but {found}. "
             "Point it at a folder holding a Hugging Face tokenizer.json, or name a store "
             "prepared with `zephon prepare`."
         )
-    sources = select_splits(resolve_inputs([value]), raw.split, raw.names)
+    sources = select_splits(resolve_inputs([value], root / SPOOL), raw.split, raw.names)
     if not sources:
         raise StoreError(
-            f"the raw inputs {value!r} hold no files (hidden names are skipped); expected "
+            f"the raw inputs {shown!r} hold no files (hidden names are skipped); expected "
             "text/JSONL/Parquet files or Hugging Face dataset folders."
         )
-    _check_cache_outside(value, root)
+    if not is_url(value):
+        _check_cache_outside(value, root)
     tokenizer_sha = hashlib.sha256(tokenizer_json.read_bytes()).hexdigest()
     listing = stat_listing(sources)
     key = {
@@ -155,7 +172,7 @@ def raw_store(value: str, raw: RawInputs) -> Path:
 
             if raw.log is not None:
                 raw.log(
-                    f"preparing the raw inputs {value!r} ({len(sources)} sources"
+                    f"preparing the raw inputs {shown!r} ({len(sources)} sources"
                     f"{_splits_note(sources)}) with {raw.workers} tokenizer process(es) into "
                     f"{out}"
                 )
@@ -170,28 +187,29 @@ def raw_store(value: str, raw: RawInputs) -> Path:
                 split=raw.split,
                 names=raw.names,
                 on_progress=tell,
+                cache_dir=raw.cache_dir,
             )
             if stat_listing(sources) != listing:
                 raise StoreError(
-                    f"the raw inputs {value!r} changed while they were being prepared (a "
+                    f"the raw inputs {shown!r} changed while they were being prepared (a "
                     "file's size or modification time); nothing was cached. Run again once "
                     "they stay put."
                 )
-            _check_entry(store.manifest, sources, listing, dest, value)
+            _check_entry(store.manifest, sources, listing, dest, shown)
             if raw.log is not None:
                 raw.log(
-                    f"prepared {value!r} in {time.monotonic() - start:.1f} s: "
+                    f"prepared {shown!r} in {time.monotonic() - start:.1f} s: "
                     f"{store.num_tokens} tokens, fingerprint {store.fingerprint[:16]}..."
                 )
 
-        build_once(out, build, what=f"the raw inputs {value!r}", log=raw.log, work=work)
+        build_once(out, build, what=f"the raw inputs {shown!r}", log=raw.log, work=work)
     manifest = read_manifest(out)
-    _check_entry(manifest, sources, listing, out, value)
+    _check_entry(manifest, sources, listing, out, shown)
     if manifest.get("tokenizer", {}).get("sha256") != tokenizer_sha or (
         manifest.get("text_field") != raw.text_field
     ):
         raise _stale(out, "its tokenizer or text field differs from its key")
-    _write_record(out, value, {**key, "work": work}, manifest)
+    _write_record(out, shown, {**key, "work": work}, manifest)
     return out
 
 
@@ -225,9 +243,14 @@ def _check_cache_outside(value: str, root: Path) -> None:
 
 def stat_listing(sources: list[InputFile]) -> list[list[Any]]:
     """[name, file within the source, real path, size, mtime_ns] of every file the
-    sources read (a dataset folder: each of its files), from ``os.stat`` only."""
+    sources read (a dataset folder: each of its files), from ``os.stat`` only; of an
+    object in object storage, [name, "", its URL (redacted), size, ETag], from the
+    listing."""
     out: list[list[Any]] = []
     for src in sources:
+        if src.remote is not None:
+            out.append([src.name, "", src.remote.shown, src.remote.size, src.remote.e_tag])
+            continue
         files = (
             sorted((p for p in src.path.rglob("*") if p.is_file()), key=lambda p: p.as_posix())
             if src.path.is_dir()

@@ -6,7 +6,9 @@ kind ``KINDS`` recognises (text, JSONL (.jsonl, .jsonl.gz, .ndjson), JSON,
 Parquet, HF) and read by the reader ``readers.READERS`` names for it; a new input
 kind is a new entry in both. ``select_splits`` says which splits of a Hugging Face
 ``DatasetDict`` folder are read: ``train`` unless asked (``all``: every split).
-``source_record`` is a source's manifest entry.
+``source_record`` is a source's manifest entry. Inputs that are object-storage URLs
+are listed by ``objects`` and become sources whose ``remote`` says where they are
+(read from a spool file once fetched), named by the same rule as local files.
 
 Invariants: the order of sources depends only on the inputs as given and the
 names and contents of the files: folders are walked sorted by name, hidden
@@ -25,6 +27,8 @@ import glob
 import hashlib
 import json
 import os
+import posixpath
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -34,15 +38,38 @@ from torchtitan_zephon.store.format import StoreError, is_store
 
 
 @dataclass(frozen=True)
+class RemoteObject:
+    """Where a source in object storage is (``objects.list_inputs``): its listing entry."""
+
+    scheme: str
+    bucket: str
+    prefix: str  # the URL's fixed prefix; ``name`` is below it
+    url: str  # the prefix's URL as given (may hold a query string: never printed)
+    shown: str  # the object's URL as messages print it (redacted)
+    name: str
+    size: int
+    e_tag: str | None
+    mtime_ns: int
+
+
+@dataclass(frozen=True)
 class InputFile:
     """One input file (or Hugging Face dataset folder) of a prepare, as resolved."""
 
     name: str  # relative, stable name recorded in the manifest
-    path: Path
+    path: Path  # for an object in object storage: its spool file (``objects.fetch``)
     kind: str  # a key of READERS
     splits: tuple[str, ...] | None = None
     """The splits read, for a Hugging Face DatasetDict folder (``select_splits``); None
     for any other source (a single Dataset folder is read whole)."""
+    remote: RemoteObject | None = None
+    """The object this source is, when it is in object storage (read from ``path`` once
+    ``objects.fetch`` has streamed it there); None for a local file."""
+
+    @property
+    def shown(self) -> str:
+        """How messages name the source: its path, or its object's URL."""
+        return self.remote.shown if self.remote is not None else str(self.path)
 
 
 @dataclass(frozen=True)
@@ -170,7 +197,12 @@ def select_splits(
 
 
 def _kind_of(path: Path) -> str:
-    name = path.name.lower()
+    return kind_of(path.name)
+
+
+def kind_of(name: str) -> str:
+    """The kind (a key of ``readers.READERS``) of a file or object named ``name``."""
+    name = name.lower()
     for suffixes, kind in KINDS:
         if name.endswith(suffixes):
             return kind
@@ -217,7 +249,7 @@ def expand_input(raw: str) -> list[str]:
     return out
 
 
-def resolve_inputs(inputs: list[str]) -> list[InputFile]:
+def resolve_inputs(inputs: list[str], spool: Path | None = None) -> list[InputFile]:
     """Expand inputs into sources, in the given order; folders walked sorted, hidden skipped.
 
     Every input is expanded (``expand_input``: a path, a glob pattern or a
@@ -235,9 +267,17 @@ def resolve_inputs(inputs: list[str]) -> list[InputFile]:
     Names are canonical: each entry is named by its path relative to the deepest
     folder that holds every entry (one file: its base name). So a folder, a glob of
     its files and a list of the same files give the same names, and the same store.
+
+    Inputs in object storage (URLs: ``objects.list_inputs``) are named the same way by
+    their keys, so the same files in a bucket give the same store; their spool files
+    lie under ``spool`` (the cache's ``remote-inputs`` folder when None). A prepare
+    reads either local inputs or object-storage ones, not both.
     """
     if not inputs:
         raise StoreError("no inputs given; pass at least one file or folder to prepare.")
+    urls = [raw for raw in inputs if _is_object_url(raw)]
+    if urls:
+        return _resolve_objects(inputs, urls, spool)
     entries: list[tuple[str, Path, str]] = []  # (absolute path as reached, path, kind)
     seen: set[Path] = set()
     for raw in inputs:
@@ -269,6 +309,37 @@ def resolve_inputs(inputs: list[str]) -> list[InputFile]:
         return []
     root = os.path.commonpath([os.path.dirname(a) for a, _, _ in entries])
     return [InputFile(Path(os.path.relpath(a, root)).as_posix(), p, k) for a, p, k in entries]
+
+
+def _is_object_url(value: str) -> bool:
+    return bool(re.match(r"^[A-Za-z][A-Za-z0-9+.\-]*://", value)) and not value.lower().startswith(
+        "file://"
+    )
+
+
+def _resolve_objects(inputs: list[str], urls: list[str], spool: Path | None) -> list[InputFile]:
+    """``resolve_inputs`` of inputs in object storage (every one of them a URL)."""
+    from torchtitan_zephon.ingest import objects
+    from torchtitan_zephon.ingest.cache_folder import cache_root
+    from torchtitan_zephon.store.location import redact
+
+    local = [raw for raw in inputs if raw not in urls]
+    if local:
+        raise StoreError(
+            f"the inputs mix local paths ({local[0]!r}) and object-storage URLs "
+            f"({redact(urls[0])!r}); a prepare reads one or the other. Copy the local "
+            "files to the bucket, or the objects to local disk."
+        )
+    spool = spool if spool is not None else cache_root() / objects.SPOOL
+    entries: list[tuple[str, InputFile]] = []
+    seen: set[str] = set()
+    for raw in inputs:
+        for place, src in objects.list_inputs(raw, spool):
+            if place not in seen:  # an object named twice is read once, at its first place
+                seen.add(place)
+                entries.append((place, src))
+    root = posixpath.commonpath([posixpath.dirname(p) for p, _ in entries])
+    return [replace(src, name=posixpath.relpath(p, root)) for p, src in entries]
 
 
 def _walk(folder: Path, at: str, seen: set[Path]) -> Iterator[tuple[str, Path, str]]:

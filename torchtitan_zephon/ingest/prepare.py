@@ -14,16 +14,20 @@ are refused. (2) Units go to ranks by ``assign_units``; each rank makes the
 parts of its units, reusing an earlier run's intact parts. (3) Rank 0 creates
 the store's files at their final sizes; every rank writes its parts at their
 offsets, then hashes a contiguous share of the checksum chunks and its share of
-the sources (sha256 records). (4) Rank 0 writes the manifest and renames the
-assembled store to the output; the staging folder is removed.
+the sources (sha256 records). (4) Rank 0 computes the fingerprint; every rank
+writes the block checksums of a contiguous share of the blocks (seeded with the
+fingerprint); rank 0 writes blocks.json, the manifest, and renames the assembled
+store to the output; the staging folder is removed.
 
 Invariants: the store's bytes depend only on the inputs' contents, their names
 relative to the given inputs, the tokenizer, ``text_field`` and ``split`` (which
 splits of a Hugging Face DatasetDict are read: ``inputs.select_splits``; the
 manifest records them for such sources only); never on the
 number of ranks or workers, the unit size, chunking, absolute paths, timing or
-how many earlier runs were interrupted. The output path holds either nothing
-or a complete store (renamed into place last). A prepare that fails or is
+how many earlier runs were interrupted, nor on whether the inputs are read from
+local disk or object storage (``objects``). The output path holds either nothing
+or a complete store (renamed into place last; an output URL: manifest.json
+uploaded last, so a prefix without it is no store). A prepare that fails or is
 interrupted keeps its finished parts in ``.<name>.prepare`` beside the output
 (its error names the folder); the same command run again reuses them. Two
 prepares of one output never run at once: rank 0 holds ``WriterLock`` (flock)
@@ -34,6 +38,7 @@ checked before and after each unit and at the end, the unit's bytes hashed).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import resource
 import shutil
@@ -43,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.ingest.assemble import EmptyCorpus, assemble
+from torchtitan_zephon.ingest.cache_folder import cache_root
 from torchtitan_zephon.ingest.encode import max_workers
 from torchtitan_zephon.ingest.inputs import (
     PREPARE_OPTIONS,
@@ -51,12 +57,21 @@ from torchtitan_zephon.ingest.inputs import (
     resolve_inputs,
     select_splits,
 )
+from torchtitan_zephon.ingest.objects import (
+    SPOOL,
+    check_output,
+    is_object_url,
+    output_url,
+    release,
+    upload_store,
+)
 from torchtitan_zephon.ingest.parts import WriterLock, finished_parts, staging_folder
 from torchtitan_zephon.ingest.ranks import OneProcess, PrepareFailed, Ranks, together
 from torchtitan_zephon.ingest.stage import Work, check_shared, open_staging, stage_parts
 from torchtitan_zephon.ingest.tokenizer import dtype_for_vocab, load_tokenizer_info
 from torchtitan_zephon.ingest.units import UNIT_BYTES, input_identity, plan_units
 from torchtitan_zephon.store.format import StoreError, fingerprint
+from torchtitan_zephon.store.location import ObjectURL
 from torchtitan_zephon.store.reader import TokenStore
 
 
@@ -78,6 +93,7 @@ def prepare_store(
     split: str = "",
     names: OptionNames = PREPARE_OPTIONS,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
+    cache_dir: str = "",
 ) -> TokenStore:
     """Tokenize ``inputs`` into a new token store at ``output`` and open it.
 
@@ -92,17 +108,32 @@ def prepare_store(
     ``units_done``, input ``bytes`` / ``bytes_done``, ``documents``), often: it
     should be cheap. A failed or interrupted prepare keeps its finished parts in
     the staging folder beside the output, and a second run reuses them.
+
+    Inputs and ``output`` may be object-storage URLs (``objects``): objects are
+    streamed to spool files in ``<cache>/remote-inputs`` and removed once the store
+    is written; a store for a URL is built in ``<cache>/remote-output/<digest>/store``
+    (staging beside it) and uploaded with manifest.json last, then the local copy is
+    removed. ``<cache>`` is ``cache_folder.cache_root(cache_dir)``; under torchrun the
+    ranks must share it when the output is a URL (they share the staging folder).
     """
     ranks = ranks or OneProcess()
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
-    # Absolute and without . or ..: ``.`` (an empty current folder) has a parent to stage
-    # beside, and the renames do not depend on the current folder, which is the output's.
-    out = Path(os.path.abspath(output))
+    remote = output_url(output) if is_object_url(output) else None
+    if remote is not None:
+        digest = hashlib.sha256(remote.text.encode()).hexdigest()[:24]
+        out = cache_root(cache_dir) / "remote-output" / digest / "store"
+    else:
+        # Absolute and without . or ..: ``.`` (an empty current folder) has a parent to
+        # stage beside, and the renames do not depend on the current folder, the output's.
+        out = Path(os.path.abspath(output))
     staging = staging_folder(out)
+    spool = cache_root(cache_dir) / SPOOL
     local: dict[str, Work] = {}
 
     def plan() -> str:
-        local["plan"] = _plan(inputs, tokenizer, out, workers, text_field, unit_bytes, split, names)
+        local["plan"] = _plan(
+            inputs, tokenizer, out, workers, text_field, unit_bytes, split, names, remote, spool
+        )
         return fingerprint(local["plan"].identity)
 
     digests = together(ranks, plan)
@@ -117,7 +148,14 @@ def prepare_store(
             "ranks share)."
         )
     lock = WriterLock(out)
-    together(ranks, lambda: lock.acquire() if ranks.rank == 0 else None)
+
+    def take() -> None:
+        if ranks.rank == 0:
+            lock.acquire()
+            if remote is not None and out.exists():  # left by an upload that failed
+                shutil.rmtree(out)
+
+    together(ranks, take)
     try:
         together(ranks, lambda: open_staging(ranks, mine, staging))
         together(ranks, lambda: check_shared(ranks, mine, staging))
@@ -127,6 +165,13 @@ def prepare_store(
         if on_progress is not None:
             on_progress({"phase": "assembling"})
         store = assemble(ranks, mine, out, staging, [s for st in stats for s in st[0]])
+        if remote is not None:
+            if on_progress is not None:
+                on_progress({"phase": "uploading"})
+            together(ranks, lambda: upload_store(out, remote) if ranks.rank == 0 else None)
+            together(ranks, lambda: shutil.rmtree(out) if ranks.rank == 0 else None)
+            store = TokenStore.open(remote.text)
+        together(ranks, lambda: release(mine.sources))
     except KeyboardInterrupt:
         note = _keep_or_remove(ranks, staging)
         raise PrepareInterrupted(note) from None
@@ -137,6 +182,11 @@ def prepare_store(
         raise PrepareFailed(f"{e}{' ' + note if note else ''}") from e
     finally:
         lock.release()
+        if remote is not None and ranks.rank == 0:
+            try:
+                out.parent.rmdir()  # empty once the store is uploaded (kept parts stay)
+            except OSError:
+                pass
     cpu = sum(ranks.all_gather_object(_cpu_seconds() - cpu0))
     if report is not None:
         report.update(
@@ -189,10 +239,14 @@ def _plan(
     unit_bytes: int,
     split: str,
     names: OptionNames,
+    remote: ObjectURL | None = None,
+    spool: Path | None = None,
 ) -> Work:
     """Phase 1 on each rank: check the arguments, identify the tokenizer, resolve the
     inputs and cut them into units."""
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())):
+    if remote is not None:
+        check_output(remote)
+    elif out.exists() and not (out.is_dir() and not any(out.iterdir())):
         raise StoreError(
             f"output {str(out)!r} already exists; choose another path or delete it first."
         )
@@ -206,10 +260,10 @@ def _plan(
         raise StoreError(f"unit_bytes must be >= 1, got {unit_bytes}.")
     info = load_tokenizer_info(tokenizer)
     dtype_name = dtype_for_vocab(info.vocab_size)
-    sources = select_splits(resolve_inputs(inputs), split, names)
+    sources = select_splits(resolve_inputs(inputs, spool), split, names)
     units = plan_units(sources, unit_bytes)
     identity = {
-        "output": str(out.resolve()),
+        "output": remote.shown if remote is not None else str(out.resolve()),
         "tokenizer": info.sha256,
         "text_field": text_field,
         "split": split,

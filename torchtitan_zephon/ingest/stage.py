@@ -27,6 +27,7 @@ import numpy as np
 
 from torchtitan_zephon.ingest.encode import encode_in_order
 from torchtitan_zephon.ingest.inputs import PREPARE_OPTIONS, InputFile, OptionError, OptionNames
+from torchtitan_zephon.ingest.objects import fetch
 from torchtitan_zephon.ingest.parts import (
     PARTS,
     RANKS_FILE,
@@ -214,6 +215,7 @@ def _unit_chunks(
         chunk: list[str] = []
         chars = 0
         try:
+            fetch(src)  # an object in object storage: streamed to its spool file first
             hashes[u.index] = unit_input_hash(src, u)
             check_unchanged(src, stats[u.source])
             if reuse(u):
@@ -226,17 +228,29 @@ def _unit_chunks(
                     chunk, chars = [], 0
             check_unchanged(src, stats[u.source])
         except OSError as e:
-            err = unreadable(src, e)
+            err = _named(unreadable(src, e), src)
             err.unit_index = u.index  # type: ignore[attr-defined]
             raise err from None
         except OptionError as e:
-            err = e.spelled(names)
+            err = _named(e.spelled(names), src, names)
             err.unit_index = u.index  # type: ignore[attr-defined]
             raise err from None
         except StoreError as e:
-            e.unit_index = u.index  # type: ignore[attr-defined]
-            raise
+            err = _named(e, src)
+            err.unit_index = u.index  # type: ignore[attr-defined]
+            raise err from None
         yield (u.index, True), chunk
+
+
+def _named(err: StoreError, src: InputFile, names: OptionNames = PREPARE_OPTIONS) -> StoreError:
+    """``err`` naming an object in object storage by its URL, not its spool file."""
+    if src.remote is None or str(src.path) not in str(err):
+        return err
+    spool, url = str(src.path), src.shown
+    if isinstance(err, OptionError):
+        message = err.message
+        return OptionError(lambda o: message(o).replace(spool, url), err.option, names)
+    return type(err)(str(err).replace(spool, url))
 
 
 class _NoBar:

@@ -5,7 +5,8 @@ alone: a plain JSON lines file into byte ranges of about ``UNIT_BYTES`` at line
 starts (boundary ``k`` is the first line start at or after ``k * unit_bytes``,
 found by reading a little near it), a Parquet file into runs of row groups of
 about ``UNIT_BYTES`` on disk, anything else (gzip JSON lines, JSON, a text file
-that is one document, a Hugging Face dataset folder) one unit per source. Also:
+that is one document, a Hugging Face dataset folder, an object in object storage:
+it is cut before it is fetched) one unit per source. Also:
 the identity of the inputs (names, kinds, sizes, modification times) that every
 rank of a distributed prepare must agree on, and the hash of the input bytes a
 unit reads, which tells whether a finished part still matches its input.
@@ -67,7 +68,10 @@ def _files(src: InputFile) -> list[Path]:
 
 
 def source_stat(src: InputFile) -> tuple[int, int]:
-    """(size in bytes, latest modification time in ns) of a source's file(s)."""
+    """(size in bytes, latest modification time in ns) of a source's file(s); of an
+    object in object storage, its listing's (its spool file is written once, whole)."""
+    if src.remote is not None:
+        return src.remote.size, src.remote.mtime_ns
     size = mtime = 0
     for f in _files(src):
         st = f.stat()
@@ -125,7 +129,9 @@ def plan_units(sources: list[InputFile], unit_bytes: int = UNIT_BYTES) -> list[U
 
     for s, src in enumerate(sources):
         size = source_stat(src)[0]
-        if src.kind == "jsonl" and not src.path.name.lower().endswith(".gz") and size:
+        if src.remote is not None:  # one unit: cut without reading it (it is fetched then)
+            add(s, None, (0, size), size)
+        elif src.kind == "jsonl" and not src.path.name.lower().endswith(".gz") and size:
             cuts = jsonl_boundaries(src.path, size, unit_bytes)
             for a, b in zip(cuts, cuts[1:], strict=False):
                 add(s, (a, b), (a, b), b - a)

@@ -9,8 +9,10 @@ folder; ``open_mixture_stores`` opens every source of a mixture.
 
 Invariant: a value that names no store and no raw inputs, or raw inputs when no
 tokenizer was given, is refused with what was expected and what to do; a URL is
-never taken as a local path (raw inputs in object storage are refused until remote
-preparation exists); a mixture's missing or broken store names its source.
+never taken as a local path: a URL of raw inputs (``cache.names_raw_objects``: a
+pattern, a list, a .jsonl/.json/.parquet object) is prepared into the same cache as
+local raw inputs, any other URL is a store's prefix; a mixture's missing or broken
+store names its source.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.ingest.builtin import builtin_store_path
-from torchtitan_zephon.ingest.cache import RawInputs, names_store, raw_store
+from torchtitan_zephon.ingest.cache import RawInputs, names_raw_objects, names_store, raw_store
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
 from torchtitan_zephon.store.format import BUILTIN_PREFIX, StoreError
 from torchtitan_zephon.store.location import is_url, parse_url, redact
@@ -32,21 +34,14 @@ def store_location(
 ) -> Path | str:
     """The token store folder a store value names, built on first use where it is a
     builtin part (with a progress bar when ``progress``) or raw inputs (as ``raw``
-    says; None: raw inputs are refused); an object-storage URL is returned as it is
-    (checked: scheme, bucket, prefix), for ``TokenStore.open``."""
-    if is_url(value):
-        if "," in value or set("*?[") & set(value.split("?")[0]):
-            raise StoreError(
-                f"{redact(value)!r} names raw inputs in object storage (a pattern or a list), "
-                "which zephon does not prepare yet: prepare them locally (`zephon prepare "
-                "INPUT... --tokenizer DIR --output STORE`), upload the store and name its URL "
-                "(s3://BUCKET/PREFIX)."
-            )
+    says; None: raw inputs are refused); an object-storage URL of a store is returned
+    as it is (checked: scheme, bucket, prefix), for ``TokenStore.open``."""
+    if is_url(value) and not names_raw_objects(value):
         found = parse_url(value, "the store")
         return Path(found) if isinstance(found, str) else value
     if value.startswith(BUILTIN_PREFIX):
         return builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :])
-    if names_store(value):
+    if not is_url(value) and names_store(value):
         if not os.path.lexists(value):
             raise StoreError(
                 f"token store {value!r} does not exist; expected a folder made by `zephon "
@@ -57,8 +52,9 @@ def store_location(
         return Path(value)
     if raw is None:
         raise StoreError(
-            f"{value!r} names raw inputs, not a token store, and no tokenizer was given to "
-            f"prepare them. Prepare them first (`zephon prepare {value} --tokenizer DIR "
+            f"{redact(value)!r} names raw inputs, not a token store, and no tokenizer was "
+            f"given to prepare them. Prepare them first (`zephon prepare {redact(value)} "
+            "--tokenizer DIR "
             "--output STORE`) and name the store, or train on them directly: the trainer "
             "prepares raw inputs with the tokenizer at hf_assets_path (TOML: model.hf_assets_path)."
         )

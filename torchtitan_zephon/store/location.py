@@ -6,7 +6,9 @@ never taken as a path: ``Path("s3://b/x")`` would silently become the folder ``s
 (query strings, which may hold an Azure SAS token, never are); ``refuse_url`` is what
 a command or setting that takes local paths only says to a URL. ``ObjectFiles`` reads
 the files of a store prefix through obstore: whole files, and byte ranges in batches
-with a bounded number of requests in flight, on one background thread.
+with a bounded number of requests in flight, on one background thread; for
+``zephon prepare`` it also lists a prefix (``listing``), streams an object to a local
+file (``download``) and writes one (``upload``: multipart for large files).
 
 Design:
 - One library, obstore (the Rust ``object_store`` crate behind a small Python API), for
@@ -73,6 +75,10 @@ BACKOFF_S = (0.1, 2.0)
 """First and largest wait before a retry (doubling, with jitter: obstore's backoff)."""
 MAX_REQUESTS = 16
 """Range requests in flight per store, at most."""
+DOWNLOAD_CHUNK = 8 << 20
+"""Bytes held in memory at a time while an object streams to a local file."""
+UPLOAD_PART = 16 << 20
+"""Part size of a multipart upload (files larger than this are uploaded in parts)."""
 
 CREDENTIAL_VARIABLES = {
     "s3": (
@@ -205,6 +211,14 @@ def local_path(value: str) -> str:
     return value
 
 
+def stamp_ns(stamp: Any) -> int:
+    """An object's modification time (a datetime) in whole nanoseconds (0: none given)."""
+    if stamp is None:
+        return 0
+    whole = int(stamp.timestamp())
+    return whole * 1_000_000_000 + stamp.microsecond * 1000
+
+
 def _loopback(url: str) -> bool:
     host = urlsplit(url).hostname or ""
     if host == "localhost":
@@ -283,6 +297,7 @@ class ObjectFiles:
             raise StoreError(f"cannot use {url.shown}: {scrub(str(e).splitlines()[0])}") from None
         self.etags: dict[str, str | None] = {}
         self.sizes: dict[str, int] = {}
+        self.mtimes: dict[str, int] = {}
         self.fetched_bytes = 0
         self.requests = 0
         self._lock = threading.Lock()
@@ -423,6 +438,7 @@ class ObjectFiles:
             raise self._failure(e, name, "reading") from None
         self.sizes[name] = int(meta["size"])
         self.etags[name] = meta.get("e_tag")
+        self.mtimes[name] = stamp_ns(meta.get("last_modified"))
         return self.sizes[name]
 
     def missing_store_reason(self) -> str:
@@ -442,6 +458,85 @@ class ObjectFiles:
         except Exception as e:
             raise self._failure(e, "", "listing") from None
         return f"it holds {', '.join(repr(n) for n in names[:8])}"
+
+    def listing(self, under: str = "") -> list[dict[str, Any]]:
+        """Every object under the prefix (and below ``under``, a name within it), in key
+        order: ``name`` (relative to the prefix), ``size``, ``e_tag``, ``mtime_ns``."""
+        import obstore
+
+        prefix = self.url.prefix
+
+        async def every() -> list[dict[str, Any]]:
+            found: list[dict[str, Any]] = []
+            stream = obstore.list(self._store, prefix=under or None, chunk_size=1000)
+            while True:
+                try:
+                    batch = await asyncio.wait_for(stream.__anext__(), self.limit_s)
+                except StopAsyncIteration:
+                    return found
+                for m in batch:
+                    path = str(m["path"])
+                    if prefix and path.startswith(prefix + "/"):  # some stores give full keys
+                        path = path[len(prefix) + 1 :]
+                    found.append({
+                        "name": path,
+                        "size": int(m["size"]),
+                        "e_tag": m.get("e_tag"),
+                        "mtime_ns": stamp_ns(m.get("last_modified")),
+                    })  # fmt: skip
+
+        try:
+            return sorted(self._run(every()).result(), key=lambda m: m["name"])
+        except Exception as e:
+            raise self._failure(e, under, "listing") from None
+
+    def download(self, name: str, dest: str | os.PathLike, size: int, e_tag: str | None) -> None:
+        """Stream the object ``name`` (of ``size`` bytes, ``If-Match`` ``e_tag``) into the
+        new local file ``dest``, a chunk at a time (memory: one chunk of
+        ``DOWNLOAD_CHUNK`` bytes)."""
+        import obstore
+
+        async def fetch() -> int:
+            options: dict[str, Any] = {"if_match": e_tag} if e_tag else {}
+            result = await asyncio.wait_for(
+                obstore.get_async(self._store, name, options=options), self.limit_s
+            )
+            written = 0
+            with open(dest, "wb") as fh:
+                async for chunk in result.stream(min_chunk_size=DOWNLOAD_CHUNK):
+                    fh.write(chunk)
+                    written += len(chunk)
+            return written
+
+        try:
+            written = self._run(fetch()).result()
+        except Exception as e:
+            raise self._failure(e, name, "reading") from None
+        with self._lock:
+            self.fetched_bytes += written
+            self.requests += 1
+        if written != size:
+            raise StoreError(
+                f"{self.url.child(name)}: received {written} bytes, the listing says {size}: "
+                "the object changed while it was read. Run again once it stays put."
+            )
+
+    def upload(self, name: str, source: str | os.PathLike | bytes) -> None:
+        """Write the object ``name`` from a local file (multipart, ``UPLOAD_PART`` bytes a
+        part, when larger) or bytes; an object is visible whole or not at all."""
+        from pathlib import Path
+
+        import obstore
+
+        body = Path(source) if isinstance(source, (str, os.PathLike)) else source
+
+        async def put() -> None:
+            await obstore.put_async(self._store, name, body, chunk_size=UPLOAD_PART)
+
+        try:
+            self._run(put()).result()
+        except Exception as e:
+            raise self._failure(e, name, "writing") from None
 
     async def _get(self, name: str, start: int, stop: int) -> memoryview:
         import obstore

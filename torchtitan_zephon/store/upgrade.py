@@ -20,7 +20,6 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_zephon.store.format import (
-    BLOCKS,
     BLOCKS_INFO,
     CHECKSUMS,
     CONTENT,
@@ -28,14 +27,11 @@ from torchtitan_zephon.store.format import (
     TOKENS,
     StoreError,
     UncheckedStoreWarning,
-    block_checksums,
-    block_section,
-    block_seed,
     content_checksums,
 )
 from torchtitan_zephon.store.opening import read_blocks_info
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.writer import write_checksums
+from torchtitan_zephon.store.writer import write_block_checksums, write_checksums
 
 
 def upgrade_store(path: str | os.PathLike) -> tuple[TokenStore, bool]:
@@ -100,12 +96,6 @@ def add_block_checksums(path: str | os.PathLike) -> tuple[TokenStore, bool]:
             f"block checksums would vouch for them. Nothing was changed. Run `zephon inspect "
             f"{root} --check` to list them. {REPREPARE}"
         )
-    blocks = block_checksums(store.tokens, block_seed(store.fingerprint))
-    tmp = root / f".{BLOCKS}.tmp"
-    tmp.write_bytes(blocks.tobytes())
-    os.replace(tmp, root / BLOCKS)
-    info = block_section(store.fingerprint, store.num_tokens, root / BLOCKS)
-    tmp = root / f".{BLOCKS_INFO}.tmp"
-    tmp.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, root / BLOCKS_INFO)  # last: blocks.bin is complete before it is named
+    (root / BLOCKS_INFO).unlink(missing_ok=True)  # a stale one never names the new blocks.bin
+    write_block_checksums(root, store.tokens, store.fingerprint)  # blocks.json last
     return TokenStore.open(root), True

@@ -2,13 +2,19 @@
 
 Role: the writes a store's files need beyond prepare's token and offset files:
 checksums.bin and the content section (whole, or a range of chunks per process),
-a store built from tokens already prepared (``write_derived_store``) and a slice
-of a store's whole documents for tests and benchmarks (``slice_store``).
+blocks.bin and blocks.json (``format``'s block checksums: whole, or a range of
+blocks per process; ``zephon prepare`` and ``upgrade.add_block_checksums`` both
+write them here), a store built from tokens already prepared
+(``write_derived_store``) and a slice of a store's whole documents for tests and
+benchmarks (``slice_store``).
 
 Invariant: checksums depend only on the bytes of tokens.bin and doc_offsets.bin
 (and ``chunk_tokens``): ``write_checksums`` and disjoint ``write_chunk_checksums``
-ranges completed by ``format.content_section`` write the same bytes; every store
-written here opens with ``reader.TokenStore.open``.
+ranges completed by ``format.content_section`` write the same bytes; block checksums
+depend only on tokens.bin and the fingerprint: disjoint ``write_block_range``
+ranges covering ``[0, num_blocks)`` write the bytes of one ``block_checksums`` call,
+and blocks.json (``write_block_info``) is written after them, naming a complete
+blocks.bin; every store written here opens with ``reader.TokenStore.open``.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.store.format import (
+    BLOCK_TOKENS,
+    BLOCKS,
+    BLOCKS_INFO,
     CHECKSUMS,
     CHUNK_TOKENS,
     DOC_OFFSETS,
@@ -31,10 +40,14 @@ from torchtitan_zephon.store.format import (
     MANIFEST,
     TOKENS,
     StoreError,
+    block_checksums,
+    block_section,
+    block_seed,
     content_checksums,
     content_section,
     manifest_fingerprint,
     map_file,
+    num_blocks,
 )
 from torchtitan_zephon.store.reader import TokenStore
 
@@ -82,6 +95,51 @@ def write_chunk_checksums(
     finally:
         os.close(fd)
     return int(maxima.max()) if maxima.size else -1
+
+
+def create_block_file(store_dir: str | os.PathLike, num_tokens: int) -> None:
+    """Create (or replace) blocks.bin at its final size (``num_blocks`` x 8 bytes, zeros)
+    for the ``write_block_range`` calls that fill it."""
+    with open(Path(store_dir) / BLOCKS, "wb") as fh:
+        fh.truncate(num_blocks(num_tokens) * 8)
+
+
+def write_block_range(
+    store_dir: str | os.PathLike, tokens: np.ndarray, fingerprint_: str, first: int, stop: int
+) -> None:
+    """Compute the checksums of blocks ``[first, stop)`` of the store whose tokens are
+    ``tokens`` and fingerprint ``fingerprint_`` and write them at their place in
+    blocks.bin (``create_block_file``). Reads only the tokens of those blocks (a block
+    ends one token into the next: ``format``)."""
+    if stop <= first:
+        return
+    lo = first * BLOCK_TOKENS
+    hi = min(stop * BLOCK_TOKENS + 1, int(tokens.size))
+    sums = block_checksums(tokens[lo:hi], block_seed(fingerprint_))
+    fd = os.open(Path(store_dir) / BLOCKS, os.O_WRONLY)
+    try:
+        pwrite_all(fd, sums.tobytes(), first * 8)
+    finally:
+        os.close(fd)
+
+
+def write_block_info(store_dir: str | os.PathLike, fingerprint_: str, num_tokens: int) -> None:
+    """Write blocks.json for the complete blocks.bin in ``store_dir`` (last: until then the
+    store has no block checksums)."""
+    root = Path(store_dir)
+    info = block_section(fingerprint_, num_tokens, root / BLOCKS)
+    tmp = root / f".{BLOCKS_INFO}.tmp"
+    tmp.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, root / BLOCKS_INFO)
+
+
+def write_block_checksums(
+    store_dir: str | os.PathLike, tokens: np.ndarray, fingerprint_: str
+) -> None:
+    """blocks.bin then blocks.json of a store, whole, in one process."""
+    create_block_file(store_dir, int(tokens.size))
+    write_block_range(store_dir, tokens, fingerprint_, 0, num_blocks(int(tokens.size)))
+    write_block_info(store_dir, fingerprint_, int(tokens.size))
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:

@@ -1,0 +1,125 @@
+"""prepare writes block checksums (store/format.py's blocks.bin, blocks.json) for every
+store, the bytes ``inspect --upgrade`` writes, whatever the number of ranks; the
+fingerprint stays what it was before prepare wrote them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import xxhash
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import drop_block_checksums
+from tests.ingest.test_prepare_distributed import _in_threads
+from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.ingest.prepare import prepare_store
+from torchtitan_zephon.store.format import num_blocks
+from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.upgrade import add_block_checksums
+from torchtitan_zephon.store.writer import create_block_file, write_block_info, write_block_range
+
+
+def _definition(tokens: np.ndarray, fingerprint: str) -> bytes:
+    """Block b: tokens [512 b, 512 b + 513), xxh3-64 seeded with the fingerprint's first
+    64 bits, one at a time (format.py's definition, written out)."""
+    seed = int(fingerprint[:16], 16)
+    n = max(1, -(-(tokens.size - 1) // 512))
+    return b"".join(
+        xxhash.xxh3_64_intdigest(tokens[512 * b : 512 * b + 513].tobytes(), seed).to_bytes(
+            8, "little"
+        )
+        for b in range(n)
+    )
+
+
+def _files(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
+
+
+def test_prepare_writes_the_block_checksums_upgrade_writes(
+    tmp_path: Path, store_path: Path, capsys
+) -> None:
+    store = TokenStore.open(store_path)
+    assert store.num_tokens > 3 * 512  # several blocks
+    files = _files(store_path)
+    assert files["blocks.bin"] == _definition(np.asarray(store.tokens), store.fingerprint)
+    again = tmp_path / "again"
+    again.mkdir()
+    for name, data in files.items():
+        (again / name).write_bytes(data)
+    drop_block_checksums(again)
+    assert add_block_checksums(again)[1] is True
+    assert _files(again) == files  # blocks.json included: one definition, shared code
+    assert main(["inspect", str(store_path), "--check"]) == 0
+    assert "check:       intact" in capsys.readouterr().out
+
+
+def test_the_fingerprint_is_the_one_before_block_checksums(tmp_path: Path) -> None:
+    """The pinned fingerprint of tests/ingest/test_prepare.py's corpus, with blocks written."""
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
+
+    (tmp_path / "c" / "sub").mkdir(parents=True)
+    (tmp_path / "c" / "a.txt").write_text("alpha beta gamma\n")
+    (tmp_path / "c" / "sub" / "b.jsonl").write_text(
+        '{"text": "delta epsilon"}\n{"text": "zeta eta theta"}\n'
+    )
+    s = prepare_store([str(tmp_path / "c")], str(TOKENIZER_DIR), str(tmp_path / "s"),
+                      progress=False)  # fmt: skip
+    assert s.fingerprint == "e70bb69c19bb2b565f31a26b2ecf3c32862c4a8ee29e0d682efe5eedf40b92b3"
+    assert (tmp_path / "s" / "blocks.json").is_file()
+    assert (tmp_path / "s" / "blocks.bin").read_bytes() == _definition(
+        np.asarray(s.tokens), s.fingerprint
+    )
+    assert s.check().ok
+
+
+def test_ranks_write_their_share_of_the_blocks(tmp_path: Path, store_path: Path) -> None:
+    """Three thread ranks (each writing a third of the blocks) write the store's files,
+    block checksums included, byte for byte as one process."""
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
+
+    corpus = tmp_path / "in"
+    corpus.mkdir()
+    for k in range(7):
+        (corpus / f"{k}.txt").write_text(" ".join(f"w{k}{j % 97}" for j in range(300 + 90 * k)))
+    one = prepare_store([str(corpus)], str(TOKENIZER_DIR), str(tmp_path / "one"), progress=False)
+    assert num_blocks(one.num_tokens) >= 6
+    out = tmp_path / "three"
+    results = _in_threads(
+        3,
+        lambda r: prepare_store(
+            [str(corpus)],
+            str(TOKENIZER_DIR),
+            str(out),
+            progress=False,
+            ranks=r,
+            workers=1,
+            unit_bytes=500,
+        ),  # fmt: skip
+    )
+    assert all(isinstance(x, TokenStore) for x in results), results
+    assert _files(out) == _files(one.path)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 4000),
+    cuts=st.lists(st.floats(0, 1), max_size=5),
+    fp=st.text("0123456789abcdef", min_size=16, max_size=16),
+)
+def test_disjoint_block_ranges_write_the_definition(n: int, cuts: list[float], fp: str) -> None:
+    """Any split of [0, num_blocks) into ranges, written in any order, gives the blocks
+    of the definition (one checksum per block, one at a time)."""
+    import tempfile
+
+    tokens = (np.arange(n, dtype=np.int64) * 2654435761 % 50_000).astype("<u2")
+    blocks = num_blocks(n)
+    edges = sorted({0, blocks, *(int(c * blocks) for c in cuts)})
+    with tempfile.TemporaryDirectory() as d:
+        create_block_file(d, n)
+        for lo, hi in reversed(list(zip(edges, edges[1:], strict=False))):
+            write_block_range(d, tokens, fp, lo, hi)
+        write_block_info(d, fp, n)
+        assert (Path(d) / "blocks.bin").read_bytes() == _definition(tokens, fp)
