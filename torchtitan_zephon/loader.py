@@ -46,10 +46,13 @@ window asks for them; a window whose bytes have not arrived waits for them, and 
 wait is the trainer's data wait. The effective lead is therefore the steps of the
 windows in production (``max(1, num_workers)`` windows of up to ``window``
 micro-batches, and the one being delivered) plus ``read_ahead_steps``
-(``lead_steps``). A reset or a resume drops what was announced and announces again from the first undelivered step,
-so the first step after a resume waits only for its own windows. Announcing costs one
-plan call per step in the caller's thread; the fetching and checking run on the
-store's fetch thread.
+(``lead_steps``). A reset or a resume drops what was announced and announces again from
+the first undelivered step. The first window after a start, a reset or a resume
+announces its own steps only, and the next window (started once the first was taken,
+with ``num_workers`` <= 1) the read-ahead beyond: so the first step after a resume waits
+only for its own windows, and the read-ahead of later steps runs behind it. Announcing
+costs one plan call per step in the caller's thread; the fetching and checking run on
+the store's fetch thread.
 
 The run's end (``last_step``: the trainer's training.steps): no step after it is
 announced, and no window holding one is started ahead of the caller asking for it, so
@@ -180,6 +183,7 @@ class ZephonLoader:
             raise ValueError(f"last_step must be >= 1 (or None: no end), got {last_step}.")
         self.last_step = None if last_step is None else int(last_step)
         self._announced = 1  # first step whose keys were not yet announced to the source
+        self._first_window = True  # the next window is the first since a start or reset
 
     # ------------------------------------------------------------------ batches
 
@@ -261,14 +265,16 @@ class ZephonLoader:
             stop = k + next(j for j, slot in enumerate(self._planned[k:stop]) if slot[0] > end)
         self._planned_at = stop
         if self.read_ahead_steps:  # every step of the window, and the next ones
-            self._read_ahead(self._planned[k][0], self._planned[stop - 1][0])
+            ahead = 0 if self._first_window else self.read_ahead_steps
+            self._read_ahead(self._planned[k][0], self._planned[stop - 1][0], ahead)
+        self._first_window = False
         self._window_size = min(2 * self._window_size, self.window)
         return self._planned[k:stop], self._planned_ids[k:stop]
 
-    def _read_ahead(self, first: int, last: int) -> None:
-        """Announce the rank's keys of steps ``first`` .. ``last + read_ahead_steps`` (at
-        most ``last_step``) not yet announced, in step order."""
-        end = last + self.read_ahead_steps + 1
+    def _read_ahead(self, first: int, last: int, ahead: int) -> None:
+        """Announce the rank's keys of steps ``first`` .. ``last + ahead`` (at most
+        ``last_step``) not yet announced, in step order."""
+        end = last + ahead + 1
         if self.last_step is not None:
             end = min(end, self.last_step + 1)
         for s in range(max(self._announced, first), end):
@@ -377,6 +383,7 @@ class ZephonLoader:
         if self.read_ahead_steps:
             self.source.drop_read_ahead()
         self._announced = self._delivered[0]
+        self._first_window = True
 
     def close(self) -> None:
         """Stop background threads and drop prefetched batches."""

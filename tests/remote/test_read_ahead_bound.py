@@ -30,11 +30,13 @@ class Recorded(StoreData):
         super().__init__(*args, **kwargs)
         self.announced: list[np.ndarray] = []
         self.read: list[np.ndarray] = []
+        self.events: list[str] = []  # "announce" / "read", in order
         self._lock = threading.Lock()
 
     def read_ahead(self, keys: np.ndarray, seq_len: int) -> None:
         with self._lock:
             self.announced.append(np.asarray(keys).copy())
+            self.events.append("announce")
 
     def drop_read_ahead(self) -> None:
         pass
@@ -42,6 +44,7 @@ class Recorded(StoreData):
     def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
         with self._lock:
             self.read.append(np.asarray(keys).copy())
+            self.events.append("read")
         return super().windows(keys, seq_len)
 
 
@@ -76,7 +79,8 @@ def test_nothing_past_the_last_step_is_read_ahead(
 ) -> None:
     """Whatever the layout, workers, prefetch and read-ahead: no step after ``last_step``
     is announced, no window of one is read before the caller asks for it, the lead is
-    within ``lead_steps``, and the batches equal those of a loader without an end."""
+    within ``lead_steps``, the first step after a (re)start is read before later steps
+    are announced, and the batches equal those of a loader without an end."""
     r = data.draw(st.integers(0, d - 1))
     gbs, seq = d * b * accum, 8
     kw = dict(d=d, r=r, b=b, gbs=gbs, num_workers=workers, prefetch=prefetch)
@@ -112,6 +116,10 @@ def test_nothing_past_the_last_step_is_read_ahead(
         read = {int(i) for keys in source.read for i in keys.tolist()}
         assert bounded.announced_through <= last_step
         assert announced <= within and read <= within
+        if read_ahead and start <= last_step and workers <= 1:
+            # the first window (one micro-batch of step ``start``) is announced alone and
+            # read before the read-ahead of later steps is announced: it runs behind
+            assert source.events[:2] == ["announce", "read"]
         if read_ahead:  # every step of the run was announced, in order
             assert bounded.announced_through == last_step
             assert [keys.tolist() for keys in source.announced] == [
