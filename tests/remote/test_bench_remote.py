@@ -123,3 +123,16 @@ def test_latency_proxy_adds_latency_and_passes_answers_on() -> None:
         server.shutdown()
     with socket.socket() as s:  # the proxy's port is closed once its stdin is
         assert s.connect_ex(("127.0.0.1", int(endpoint.rsplit(":", 1)[1]))) != 0
+
+
+def test_bench_remote_without_moto_says_what_to_install(capsys, monkeypatch) -> None:
+    """Asked for by name where moto or obstore is missing: one line naming the extra to
+    install, exit 1, no traceback; `zephon bench all` would show it as a table row."""
+    import torchtitan_zephon.bench.remote as remote
+
+    monkeypatch.setattr(remote, "_missing", lambda: "moto.server")
+    assert main(["bench", "remote"]) == 1
+    out = capsys.readouterr()
+    assert "zephon bench remote: not run: needs moto[server] and obstore" in out.err
+    assert "pip install -e '.[test]'" in out.err and "Traceback" not in out.err
+    assert "not run" in out.out  # the table's one row

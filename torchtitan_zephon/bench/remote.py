@@ -60,7 +60,7 @@ DEFAULTS = {
     "rounds": 3,
     "job": "llama3_debug",
     "job_steps": None,  # the job's training.steps
-    "repeats": 3,
+    "repeats": 2,
     "gets": 20,
 }
 QUICK = {
