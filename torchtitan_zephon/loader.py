@@ -22,6 +22,9 @@ Invariants:
   local_batch_size, num_workers or on batches prefetched but not yet returned.
   Loading it under any DP layout that divides the global batch size continues
   the global stream exactly where it stopped; restoring is O(1).
+- With ``last_step``, no key of a later step is announced to the source, and no
+  window holding one is made before the caller asks for that step; the batches
+  delivered do not depend on ``last_step``.
 - Every batch holds tokens the store checked against its content checksums
   (see ``store/reader.py``) and, given ``vocab_size``, only ids below it.
 
@@ -36,14 +39,26 @@ first batch waits for one micro-batch's work.
 Without either, each micro-batch is prepared on demand in the caller's thread.
 
 Read-ahead (stores in object storage): the loader announces to its source, step by
-step, the rank's keys of the current step and of the next ``read_ahead_steps``
-(``JobData.read_ahead``; default: the source's, 0 for local stores), so their byte
-ranges are fetched in the background (``store.remote``) before a window asks for them;
-a window whose bytes have not arrived waits for them, and that wait is the trainer's
-data wait. A reset or a resume drops what was announced and announces again from the
-first undelivered step, so the first step after a resume waits only for its own
-windows. Announcing costs one plan call per step in the caller's thread; the fetching
-and checking run on the store's fetch thread.
+step, the rank's keys of every step of a window it starts and of the ``read_ahead_steps``
+after the window's last step (``JobData.read_ahead``; default: the source's, 0 for local
+stores), so their byte ranges are fetched in the background (``store.remote``) before a
+window asks for them; a window whose bytes have not arrived waits for them, and that
+wait is the trainer's data wait. The effective lead is therefore the steps of the
+windows in production (``max(1, num_workers)`` windows of up to ``window``
+micro-batches, and the one being delivered) plus ``read_ahead_steps``
+(``lead_steps``). A reset or a resume drops what was announced and announces again from
+the first undelivered step. The first window after a start, a reset or a resume
+announces its own steps only, and the next window (started once the first was taken,
+with ``num_workers`` <= 1) the read-ahead beyond: so the first step after a resume waits
+only for its own windows, and the read-ahead of later steps runs behind it. Announcing
+costs one plan call per step in the caller's thread; the fetching and checking run on
+the store's fetch thread.
+
+The run's end (``last_step``: the trainer's training.steps): no step after it is
+announced, and no window holding one is started ahead of the caller asking for it, so
+a run fetches the windows of its own steps and no more (a caller that asks past
+``last_step`` gets its batches all the same, each made on demand). This bounds only
+what is read ahead: the micro-batches delivered are the same with or without it.
 """
 
 from __future__ import annotations
@@ -103,6 +118,7 @@ class ZephonLoader:
         extra_config: dict | None = None,
         vocab_size: int | None = None,
         read_ahead_steps: int | None = None,
+        last_step: int | None = None,
     ) -> None:
         if isinstance(source, TokenStore):  # the one-store case
             source = StoreData(
@@ -163,7 +179,11 @@ class ZephonLoader:
         if read_ahead_steps < 0:
             raise ValueError(f"read_ahead_steps must be >= 0, got {read_ahead_steps}.")
         self.read_ahead_steps = int(read_ahead_steps)
+        if last_step is not None and last_step < 1:
+            raise ValueError(f"last_step must be >= 1 (or None: no end), got {last_step}.")
+        self.last_step = None if last_step is None else int(last_step)
         self._announced = 1  # first step whose keys were not yet announced to the source
+        self._first_window = True  # the next window is the first since a start or reset
 
     # ------------------------------------------------------------------ batches
 
@@ -171,6 +191,24 @@ class ZephonLoader:
     def next_step(self) -> int:
         """First step not yet completely delivered to the caller."""
         return self._next_step
+
+    @property
+    def announced_through(self) -> int:
+        """Last step whose keys were announced to the source (the step before the first
+        undelivered one when none was since the start, a reset or a resume)."""
+        return self._announced - 1
+
+    def lead_steps(self, step: int) -> int:
+        """At most how many steps after ``step`` (the step being delivered) have their
+        windows announced, with ``step``'s micro-batches per step: the steps of the
+        window being delivered and of the windows in production, then
+        ``read_ahead_steps`` more (never past ``last_step``)."""
+        microbatches = self.window * (max(1, self.num_workers) + 1)
+        per_step = self.grad_accumulation_steps(step)
+        lead = -(-microbatches // per_step) + self.read_ahead_steps
+        if self.last_step is not None:
+            lead = max(0, min(lead, self.last_step - step))
+        return lead
 
     def grad_accumulation_steps(self, step: int) -> int:
         return check_batch_layout(
@@ -220,16 +258,25 @@ class ZephonLoader:
         if self._planned_at == len(self._planned):
             self._plan_ahead()
         k = self._planned_at
-        self._planned_at = stop = min(k + self._window_size, len(self._planned))
+        stop = min(k + self._window_size, len(self._planned))
+        end = self.last_step
+        if end is not None and self._planned[k][0] <= end < self._planned[stop - 1][0]:
+            # a window ends at the run's last step: the next one starts only when asked
+            stop = k + next(j for j, slot in enumerate(self._planned[k:stop]) if slot[0] > end)
+        self._planned_at = stop
         if self.read_ahead_steps:  # every step of the window, and the next ones
-            self._read_ahead(self._planned[k][0], self._planned[stop - 1][0])
+            ahead = 0 if self._first_window else self.read_ahead_steps
+            self._read_ahead(self._planned[k][0], self._planned[stop - 1][0], ahead)
+        self._first_window = False
         self._window_size = min(2 * self._window_size, self.window)
         return self._planned[k:stop], self._planned_ids[k:stop]
 
-    def _read_ahead(self, first: int, last: int) -> None:
-        """Announce the rank's keys of steps ``first`` .. ``last + read_ahead_steps`` not
-        yet announced, in step order."""
-        end = last + self.read_ahead_steps + 1
+    def _read_ahead(self, first: int, last: int, ahead: int) -> None:
+        """Announce the rank's keys of steps ``first`` .. ``last + ahead`` (at most
+        ``last_step``) not yet announced, in step order."""
+        end = last + ahead + 1
+        if self.last_step is not None:
+            end = min(end, self.last_step + 1)
         for s in range(max(self._announced, first), end):
             keys = self.plan.rank_ids(s, self.dp_rank, self.dp_degree)
             self.source.read_ahead(keys, self.seq_len)
@@ -263,12 +310,24 @@ class ZephonLoader:
                 return done, e
         return done, None
 
-    def _fill(self) -> None:
+    def _next_slot_step(self) -> int:
+        """The step of the next micro-batch to put in a window."""
+        if self._planned_at < len(self._planned):
+            return self._planned[self._planned_at][0]
+        return self._cursor[0]
+
+    def _fill(self, demand: bool = False) -> None:
+        """Keep ``max(1, num_workers)`` windows in production; past ``last_step``, only
+        the one the caller waits for (``demand``, none pending)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
                 max_workers=max(1, self.num_workers), thread_name_prefix="zephon-loader"
             )
+        end = self.last_step
         while len(self._pending) < max(1, self.num_workers):
+            asked = demand and not self._pending
+            if end is not None and not asked and self._next_slot_step() > end:
+                return
             self._pending.append(self._executor.submit(self._produce, *self._advance()))
 
     def _take_window(self) -> None:
@@ -278,7 +337,7 @@ class ZephonLoader:
             raise failure
         if self._threaded:
             if not self._pending:
-                self._fill()
+                self._fill(demand=True)
             done, failure = self._pending.popleft().result()
             if failure is None:
                 self._fill()
@@ -324,6 +383,7 @@ class ZephonLoader:
         if self.read_ahead_steps:
             self.source.drop_read_ahead()
         self._announced = self._delivered[0]
+        self._first_window = True
 
     def close(self) -> None:
         """Stop background threads and drop prefetched batches."""
@@ -373,6 +433,7 @@ class ZephonLoader:
         self.plan = self.source.plan(self.config, decision.anchor)
         self._next_step = saved.next_step
         self._cursor = self._delivered = (saved.next_step, 0)
+        self._announced = saved.next_step
         return decision
 
 

@@ -13,19 +13,20 @@ path holds ``path_part`` meet ``faults`` in order, one each, then pass again:
 - ``"hang"``: no answer until ``hang_s`` passed.
 
 ``seen`` lists (method, path, fault or None) of every request. A real socket server:
-the client under test speaks HTTP to it as to any endpoint.
+the client under test speaks HTTP to it as to any endpoint. The forwarding and the
+latency are ``torchtitan_zephon.bench.latency_proxy.LatencyProxy``'s (``zephon bench
+remote`` runs that one); this adds the faults.
 """
 
 from __future__ import annotations
 
-import http.client
 import socket
 import struct
-import threading
 import time
 from collections import deque
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import urlsplit
+from http.server import BaseHTTPRequestHandler
+
+from torchtitan_zephon.bench.latency_proxy import LatencyProxy
 
 _ERRORS = {
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
@@ -34,40 +35,15 @@ _ERRORS = {
 }
 
 
-class FaultProxy:
+class FaultProxy(LatencyProxy):
     def __init__(self, upstream: str, *, latency_s: float = 0.0, hang_s: float = 30.0) -> None:
-        self.upstream = urlsplit(upstream)
-        self.latency_s = latency_s
         self.hang_s = hang_s
-        self.seen: list[tuple[str, str, str | None]] = []
         self._faults: list[tuple[str, deque[str]]] = []
-        self._lock = threading.Lock()
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:  # quiet
-                pass
-
-            def _any(self) -> None:
-                proxy._handle(self)
-
-            do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _any
-
-        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
-        self.endpoint = f"http://127.0.0.1:{self._server.server_address[1]}"
+        super().__init__(upstream, latency_s=latency_s)
 
     def inject(self, path_part: str, *faults: str) -> None:
         with self._lock:
             self._faults.append((path_part, deque(faults)))
-
-    def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
 
     def faults_met(self) -> list[str]:
         return [f for *_, f in self.seen if f]
@@ -82,13 +58,8 @@ class FaultProxy:
         return None
 
     def _handle(self, h: BaseHTTPRequestHandler) -> None:
-        length = int(h.headers.get("Content-Length") or 0)
-        body = h.rfile.read(length) if length else None
         fault = self._next_fault(h.path)
-        with self._lock:
-            self.seen.append((h.command, h.path, fault))
-        if self.latency_s:
-            time.sleep(self.latency_s)
+        body = self.receive(h, fault)
         if fault == "reset":
             h.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             h.connection.close()
@@ -111,29 +82,10 @@ class FaultProxy:
             if h.command != "HEAD":
                 h.wfile.write(data)
             return
-        conn = http.client.HTTPConnection(self.upstream.hostname, self.upstream.port, timeout=60)
-        try:
-            headers = {k: v for k, v in h.headers.items()}
-            conn.request(h.command, h.path, body=body, headers=headers)
-            answer = conn.getresponse()
-            data = answer.read()
-        finally:
-            conn.close()
-        h.send_response(answer.status, answer.reason)
-        for k, v in answer.getheaders():
-            if k.lower() not in (
-                "transfer-encoding",
-                "connection",
-                "content-length",
-                "server",
-                "date",
-            ):
-                h.send_header(k, v)
+        answer, data = self.forward(h, body)
         if fault == "short" and len(data) > 1:
             data = data[: len(data) // 2]
-        declared = answer.getheader("Content-Length") if h.command == "HEAD" else None
-        h.send_header("Content-Length", declared or str(len(data)))
-        h.end_headers()
+        self.send_head(h, answer, len(data))
         if h.command == "HEAD":
             return
         if fault == "truncate" and len(data) > 1:

@@ -121,6 +121,7 @@ class ZephonDataLoader(BaseDataLoader):
             pin_memory=config.pin_memory,
             vocab_size=job.vocab_size,  # exact: refuses ids beyond the embedding
             extra_config=data_extra(skip_steps=zc.skip_steps),
+            last_step=job.steps if job.steps > 0 else None,  # read ahead no further
         )
         rank = int(os.environ.get("RANK", "0"))
         if isinstance(self.loader.plan, MixtureStream):
