@@ -17,7 +17,10 @@ passing over checkpoints whose files are incomplete or corrupt
   from ``hf_assets_path`` is refused naming the path and the tokenizer the
   store was prepared with), its size, the held-out samples validation reads
   (validation on), ``zephon.skip_steps`` (malformed: refused; an entry after
-  ``training.steps``: a warning), and the global batch layout;
+  ``training.steps``: a warning), ``zephon.exclude`` (a file that cannot be read or
+  parsed, ids outside the training samples, held-out ids, a source the data does not
+  have, a list that leaves a source empty: refused, naming the line), and the global
+  batch layout;
   where ``zephon.store`` (or a mixture source) names raw inputs they are prepared
   here, into the cache (``ingest.cache``), before TorchTitan initializes the process
   group: no collective waits on the tokenization, and a missing input or
