@@ -17,9 +17,10 @@ e -> exclusion map -> stream position q -> epoch / permutation -> sample id.
 The map. Entries are merged per (source, from_step) and then canonical: entry j of a
 source holds only the ids no earlier entry of that source left out (lists are unioned
 across entries: an id left out from an earlier step stays left out). Let t_j be the
-effective position of the first draw of step S_j from the source (the skip map applied
-to the source's count at the first position of step S_j, so a skip starting at S_j
-consumes its data before the entry takes effect) and A_j the ids of entries 1..j.
+source's effective position where step S_j starts: its count at the first position of
+step S_j plus what the skip entries with S <= S_j skip from it (so a skip at S_j or
+before consumes its data before the entry takes effect, a skip after S_j consumes
+data the entry already left out), and A_j the ids of entries 1..j.
 Effective positions e < t_1 are stream positions unchanged. For t_j <= e < t_{j+1},
 e maps to the (e - t_j + 1)-th stream position >= R_j whose sample is not in A_j,
 where R_j is one past the stream position of e = t_j - 1 (R_1 = t_1).
@@ -332,21 +333,32 @@ class ExclusionMap:
     def raw(self, effective: np.ndarray) -> np.ndarray:
         """Stream positions (int64) of the effective positions ``effective`` (any shape)."""
         e = np.asarray(effective, dtype=np.int64)
+        if not e.size:
+            return e.copy()
         level = np.searchsorted(self.thresholds, e, side="right")
+        lo, hi = int(level.min()), int(level.max())
+        if hi == 0:
+            return e.copy()
+        if lo == hi:  # the usual case: one level (and one epoch) for a whole step
+            return self._raw_at(lo, e)
         out = e.copy()
-        if not e.size or int(level.max()) == 0:
-            return out
-        for lv in np.unique(level).tolist():
-            if lv == 0:
-                continue
+        for lv in range(max(lo, 1), hi + 1):
             sel = level == lv
-            kept = self.n - int(self.left_out[lv])
-            m = self._m0[lv] + (e[sel] - self.thresholds[lv - 1])
-            epochs, r = np.divmod(m, kept)
-            z = np.empty_like(r)
-            for epoch in np.unique(epochs).tolist():
-                at = epochs == epoch
-                rr = r[at]
-                z[at] = rr + np.searchsorted(self.table(lv, epoch), rr, side="right")
-            out[sel] = epochs * self.n + z
+            if sel.any():
+                out[sel] = self._raw_at(lv, e[sel])
         return out
+
+    def _raw_at(self, level: int, e: np.ndarray) -> np.ndarray:
+        """``raw`` of effective positions that all lie in ``level``'s range."""
+        kept = self.n - int(self.left_out[level])
+        epochs, r = np.divmod(self._m0[level] + (e - self.thresholds[level - 1]), kept)
+        first, last = int(epochs.min()), int(epochs.max())
+        if first == last:
+            return first * self.n + r + np.searchsorted(self.table(level, first), r, "right")
+        z = np.empty_like(r)
+        for epoch in range(first, last + 1):
+            at = epochs == epoch
+            if at.any():
+                rr = r[at]
+                z[at] = rr + np.searchsorted(self.table(level, epoch), rr, side="right")
+        return epochs * self.n + z

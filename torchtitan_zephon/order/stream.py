@@ -163,8 +163,12 @@ class DataPlan(StreamPlan):
         if exclusions:  # thresholds: the effective position of each entry's first step
             whole = self.layout.whole_schedule()
             starts = np.array([whole.first_position(e.from_step) for e in exclusions])
-            if self.skip_map is not None:
-                starts = self.skip_map.shift(starts)
+            if self.skip_map is not None:  # past the skip entries with S <= from_step
+                k = [
+                    sum(1 for s, _ in self.layout.skips.entries if s <= e.from_step)
+                    for e in exclusions
+                ]
+                starts = starts + np.array([self.skip_map.skipped_by_first(j)[0] for j in k])
             self.exclusion_map = ExclusionMap(
                 self.num_samples,
                 self.seed,

@@ -119,10 +119,14 @@ class MixturePlan:
             entries = exclusions.for_source(name) if exclusions else []
             if not entries:
                 continue
-            slots = [self.schedule.first_position(e.from_step) for e in entries]
-            starts = np.array([int(self.counts_at_slot(q)[i]) for q in slots], dtype=np.int64)
-            if self.skip_map is not None:  # effective positions: past the skips before them
-                starts = self.skip_map.shift(starts, np.full(starts.size, i, dtype=np.int64))
+            starts = np.array(
+                [
+                    int(self.counts_at_slot(self.schedule.first_position(e.from_step))[i])
+                    + self._skipped_up_to(e.from_step)[i]
+                    for e in entries
+                ],
+                dtype=np.int64,
+            )
             self.exclusion_maps[i] = ExclusionMap(
                 int(self.num_samples[i]),
                 self.source_seeds[i],
@@ -130,6 +134,15 @@ class MixturePlan:
                 [e.ids for e in entries],
             )
         self._excluding = any(m is not None for m in self.exclusion_maps)
+
+    def _skipped_up_to(self, step: int) -> np.ndarray:
+        """Per source, what the skip entries with S <= ``step`` skip (zeros without):
+        with the count before ``step``, the effective position where an entry of
+        left-out samples from ``step`` takes effect (``order.exclusions``)."""
+        if self.skip_map is None:
+            return np.zeros(len(self.names), dtype=np.int64)
+        k = sum(1 for s, _ in self.layout.skips.entries if s <= step)
+        return self.skip_map.skipped_by_first(k)
 
     def stream_positions(self, counts: np.ndarray, sources: np.ndarray) -> np.ndarray:
         """Stream positions (int64) of the draws with counts ``counts`` (c_i(p), the
