@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.titan.expect import log_records, resume_events
+from tests.titan.expect import assert_refused, assert_unchanged, log_records, resume_events, tree
 from tests.titan.launch import copy_run_until, train, train03
 from tests.titan.test_preflight import data_job
 from torchtitan_zephon import runs
@@ -60,6 +60,23 @@ def test_left_out_ids_never_train_and_a_rollback_on_one_rank_matches(
     ]
     assert main(["verify", str(reference), str(fresh)]) == 1
     assert "where their left-out samples differ: at step 5" in capsys.readouterr().out
+
+
+def test_a_list_that_edits_a_trained_step_is_refused_with_the_folder_unchanged(
+    e2e_root: Path, reference: Path
+):
+    run = copy_run_until(reference, e2e_root / "exclude_past", 4)
+    exclude = e2e_root / "left_out_past.jsonl"
+    exclude.write_text(json.dumps({"ids": [1, 2], "from_step": 3}))
+    before = tree(run)
+    job = train(run, 1, "--zephon.exclude", str(exclude), log=e2e_root / "exclude_past.log")
+    assert_refused(
+        job,
+        "  exclude: the left-out entries at or before step 4 differ from step 3 on (saved: "
+        "(none); current: from step 3, 2 ids (sha256 ",
+        "allow_changes=['exclude']",
+    )
+    assert_unchanged(before, tree(run))
 
 
 @pytest.mark.parametrize(
