@@ -7,6 +7,7 @@ with the run folder unchanged."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -113,6 +114,16 @@ def test_a_held_out_id_is_refused_at_the_start(tmp_path: Path):
 
 
 def dataclass_with(view, **zephon):  # noqa: ANN001, ANN201 - a JobView
-    import dataclasses
-
     return dataclasses.replace(view, zephon=dataclasses.replace(view.zephon, **zephon))
+
+
+def test_an_entry_after_the_last_step_is_a_warning(tmp_path: Path):
+    path = tmp_path / "left_out.jsonl"
+    path.write_text(json.dumps({"ids": [1, 2], "from_step": 3}) + "\n")
+    run = tmp_path / "run"
+    view = data_job(run, exclude=str(path), dump_folder=str(run))
+    assert view.steps > 3 and not plan_start(view, writer=True).notes
+    assert plan_start(dataclasses.replace(view, steps=2), writer=True).notes == [
+        "zephon.exclude entry from step 3 (2 ids) starts after training.steps (2): it leaves "
+        "nothing out in this run (a run that trains past step 2 applies it)"
+    ]
