@@ -43,6 +43,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import threading
@@ -77,7 +78,7 @@ class SourceRange:
     total: int
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ExcludeEntry:
     """One canonical entry: ``ids`` (sorted, unique int64) left out of ``source`` (None:
     the only store) from step ``from_step`` on, none of them left out by an earlier entry."""
@@ -86,7 +87,7 @@ class ExcludeEntry:
     from_step: int
     ids: np.ndarray
 
-    @property
+    @functools.cached_property
     def sha256(self) -> str:
         return hashlib.sha256(b"zephon-exclude-v1:" + self.ids.astype("<i8").tobytes()).hexdigest()
 
