@@ -10,6 +10,9 @@ per-source counts and targets before any step, its worst deviation and the
 Invariants: see the package docstring (``order.mixture``): pure in the spec, the
 seed and the batch schedule; every source's ids within one of its epochs are a
 permutation of its training samples; the layout's invariants hold (``order.layout``).
+Skips (``order.skips``) and left-out samples (``order.exclusions``) move only each
+source's stream position (``stream_positions``), never the slot assignment: every
+step keeps its exact per-source counts.
 """
 
 from __future__ import annotations
