@@ -94,6 +94,12 @@ def test_scale(capsys):
     assert r["verify_steps_per_s"] == pytest.approx(1000 / r["verify_s"])
     rss = r["verify_rss_detail_mb"]  # the comparing process and twice the larger reader
     assert r["verify_peak_rss_mb"] == pytest.approx(rss["compare"] + 2 * rss["reader"])
+    left = r["left_out"]  # a step's plan at 10 and 10^9, without and with left-out ids
+    assert (left["samples"], left["ids"], left["skips"]) == (10**9, 10**4, 1000)
+    for name in ("baseline", "left_out"):
+        plan = left["plan_s"][name]
+        assert left[f"{name}_ratio"] == pytest.approx(plan["1000000000"] / plan["10"])
+    assert left["build_s"] > 0
 
 
 def test_prepare(capsys):

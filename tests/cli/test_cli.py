@@ -555,3 +555,35 @@ def test_prepare_refuses_a_report_it_could_not_write_before_preparing(
         err = capsys.readouterr().err
         assert err.startswith(f"zephon prepare: error: --report {report}: ") and "Errno" not in err
         assert not out.exists()
+
+
+def test_plan_leaves_out_the_ids_of_an_exclude_file_from_its_step(store_path, tmp_path, capsys):
+    args = ["plan", "--store", str(store_path), "--seq-len", "8", "--seed", "3", "--json"]
+    args += ["--global-batch-size", "4"]
+    assert main([*args, "--steps", "1:14"]) == 0
+    plain = [json.loads(x)["ids"] for x in capsys.readouterr().out.splitlines()]
+    left = plain[3][:2] + plain[6][1:2]  # two ids of step 4, one of step 7
+    exclude = tmp_path / "bad.jsonl"
+    exclude.write_text(json.dumps({"ids": left, "from_step": 3}) + "\n")
+    assert main([*args, "--steps", "1:12", "--exclude", str(exclude)]) == 0
+    out = capsys.readouterr()
+    got = [json.loads(x)["ids"] for x in out.out.splitlines()]
+    assert got[:2] == plain[:2]  # before from_step: unchanged
+    flat = [i for step in plain[2:] for i in step if i not in left]
+    assert [i for step in got[2:] for i in step] == flat[: 4 * 10]  # deleted, the rest moves up
+    assert (
+        f"zephon plan: exclude from step 3, leave out 3 sample ids ({', '.join(map(str, sorted(left)))})"
+        in out.err
+    )
+    for text, message in [
+        ('{"ids": [1], "from_step": 0}', f"--exclude file {exclude}, line 1: from_step is 0"),
+        ('{"ids": [10000000], "from_step": 2}', "line 1: id 10000000 is not a sample of the store"),
+        ('{"ids": [1], "from_step": 2, "source": "web"}', 'names "source": "web"'),
+        ("not json", "line 1 is not JSON"),
+    ]:
+        exclude.write_text(text)
+        assert main([*args, "--steps", "1:2", "--exclude", str(exclude)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    assert main([*args, "--steps", "1:2", "--exclude", str(tmp_path / "none.jsonl")]) == 2
+    assert "cannot read --exclude file" in capsys.readouterr().err

@@ -199,3 +199,32 @@ def test_plan_takes_raw_input_sources_with_the_trainers_tokenizer_options(
         "in the field 'text', --text-field F (the trainer's zephon.text_field): zephon plan "
         "then prepares them into the store cache as the trainer does.\n"
     )
+
+
+def test_plan_leaves_out_a_sources_ids_and_keeps_its_counts(mixture_file, tmp_path, capsys):
+    args = ["plan", "--mixture", str(mixture_file), "--seq-len", "8", "--seed", "3"]
+    args += ["--heldout-samples", "2", "--global-batch-size", "10", "--steps", "1:8", "--json"]
+    assert main(args) == 0
+    plain = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    web = [i for x in plain[1:] for i, n in zip(x["ids"], x["sources"], strict=True) if n == "web"]
+    exclude = tmp_path / "x.jsonl"
+    exclude.write_text(json.dumps({"source": "web", "ids": web[:3], "from_step": 2}))
+    assert main([*args, "--exclude", str(exclude)]) == 0
+    out = capsys.readouterr()
+    got = [json.loads(x) for x in out.out.splitlines()]
+    assert [x["sources"] for x in got] == [x["sources"] for x in plain]  # counts kept
+    assert got[0] == plain[0]
+    got_web = [
+        i for x in got[1:] for i, n in zip(x["ids"], x["sources"], strict=True) if n == "web"
+    ]
+    assert got_web[: len(web) - 3] == web[3:]  # deleted, the source's next ones move up
+    assert "exclude from step 2, leave out 3 sample ids of source 'web'" in out.err
+    for text, message in [
+        (json.dumps({"ids": [1], "from_step": 2}), 'has no "source"'),
+        (json.dumps({"ids": [1], "from_step": 2, "source": "wiki"}), "'wiki' is not a source"),
+        (json.dumps({"ids": [308], "from_step": 2, "source": "code"}), "held-out (validation)"),
+    ]:
+        exclude.write_text(text)
+        assert main([*args, "--exclude", str(exclude)]) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err

@@ -620,3 +620,59 @@ def test_an_edited_skip_event_breaks_the_log_at_the_step_it_precedes(tmp_path, c
         "verdict: BROKEN at step 3: line 4: a skip event for step 3 (from_step 1) that does "
         "not follow the log's step 2 before it (the event was edited or moved)"
     ) in out
+
+
+def exclude_log(run: Path, lines: str, steps: int = 8, *, resume: tuple[int, str] | None = None):
+    """``skip_log`` for left-out samples: ``lines`` is a zephon.exclude file's text."""
+    from torchtitan_zephon.job.plans import plan_of
+    from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, Exclusions
+
+    def config(text: str) -> tuple[DataConfig, Exclusions]:
+        exclusions = Exclusions.parse(text)
+        extra = {EXCLUDE_FIELD: exclusions.to_json()} if exclusions else {}
+        return DataConfig.make(
+            seq_len=8, seed=0, schedule=BatchSchedule.parse("8"), sample_offset=0,
+            num_samples=10_000, store_fingerprint="s" * 64, tokenizer_hash="t" * 64,
+            extra=extra,
+        ), exclusions  # fmt: skip
+
+    first, ex = config(lines if resume is None else "")
+    tracker = SequenceTracker(log_path(run), config=first, writer=True)
+    tracker.start(TOPO_2)
+    heads = {}
+    for s in range(1, steps + 1):
+        tracker.record(s, (s - 1) * 8, plan_of(first, exclusions=ex).global_ids(s))
+        heads[s] = tracker.head()
+    if resume is not None:
+        k, later = resume
+        tracker.config, ex = config(later)
+        tracker.resume(heads[k], TOPO_1)
+        for s in range(k + 1, steps + 1):
+            tracker.record(s, (s - 1) * 8, plan_of(tracker.config, exclusions=ex).global_ids(s))
+    return run
+
+
+def test_runs_that_leave_out_other_samples_differ_from_that_step_in_words(tmp_path, capsys):
+    from torchtitan_zephon.order.stream import DataPlan
+
+    ids = DataPlan(10_000, 0, BatchSchedule.parse("8")).global_ids(6)[:2].tolist()
+    entry = json.dumps({"ids": ids, "from_step": 5})
+    plain, left = exclude_log(tmp_path / "a", ""), exclude_log(tmp_path / "b", entry)
+    rc, out, _ = verify(capsys, plain, left)
+    assert rc == 1 and "matches:   4/8" in out
+    assert (
+        "   left out: at step 5, A leaves out no new sample there and B leaves out 2 ids (sha256 "
+    ) in out
+    assert "(exclude): the runs are meant to differ from step 5 on" in out
+    assert "verdict: MISMATCH: the runs saw different data from step 5 (where their left-out " in (
+        out
+    )
+    rc, report = verify_json(capsys, plain, left)
+    assert report["first_mismatch"]["exclusion_difference"]["step"] == 5
+    # rolled back to step 4 and resumed on 1 rank with the list: MATCH with a run that
+    # had it from the start
+    rolled = exclude_log(tmp_path / "rolled", "", resume=(4, entry))
+    rc, out, _ = verify(capsys, left, rolled)
+    assert rc == 0 and "matches:   8/8" in out and "verdict: MATCH" in out
+    rc, out, _ = verify(capsys, plain, exclude_log(tmp_path / "p2", ""))
+    assert rc == 0 and "left out:" not in out

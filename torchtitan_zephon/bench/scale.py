@@ -7,9 +7,13 @@ and the plan alone at a fixed global batch. It also times what the trainer's
 tracker does per step on every rank at audit level ``ids`` (the global ids of
 the step and their digest: O(global batch), not O(world size)), and measures
 how fast the sequence log grows, in bytes per step, at levels ids and tokens.
+With left-out samples (``order.exclusions``): a step's plan at step 10 and 10^9 with
+1 M left-out ids and 1,000 skip entries, beside the plain store's, and the cold build
+of one epoch's table of those ids.
 
 Invariant: per-rank work depends on the rank's own sample count, never on the
-DP degree; the simulated ranks are the middle rank of each degree.
+DP degree; the simulated ranks are the middle rank of each degree. A step's plan
+with left-out samples and skips costs about the same at step 10^9 as at step 10.
 """
 
 from __future__ import annotations
@@ -24,7 +28,9 @@ from torchtitan_zephon.bench import tracker as tracker_bench
 from torchtitan_zephon.bench.corpus import builtin_store
 from torchtitan_zephon.bench.measure import latency, paired_latency, ratio
 from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.order.exclusions import ExcludeEntry
 from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.tracker import SequenceTracker, ids_digest, sample_digests
 
@@ -32,8 +38,11 @@ DP_DEGREES = (8, 2048, 100_000)
 PER_RANK = 4
 FIXED_GLOBAL = 6_400_000  # the smallest global batch all three degrees divide
 STEP = 1000
-DEFAULTS = {"seq_len": 2048, "repeats": 200, "log_steps": 200}
-QUICK = {"seq_len": 256, "repeats": 3, "log_steps": 20}
+LEFT_OUT = {"samples": 10**9, "ids": 10**6, "skips": 1000, "gbs": 1024, "from_step": 5}
+"""The left-out case: a store of 10^9 samples, 1 M left-out ids, 1,000 skip entries."""
+LEFT_OUT_TARGETS = {"ratio": 1.5, "build_s": 2.0}
+DEFAULTS = {"seq_len": 2048, "repeats": 200, "log_steps": 200, "left_out_ids": 10**6}
+QUICK = {"seq_len": 256, "repeats": 3, "log_steps": 20, "left_out_ids": 10**4}
 
 
 def _rank_work(store: Any, plan: DataPlan, d: int, seq_len: int, windows: bool) -> None:
@@ -74,6 +83,38 @@ def log_growth(store: Any, seq_len: int, steps: int, gbs: int) -> dict[str, Any]
     out["bytes_per_million_steps"] = {
         k[: -len("_bytes_per_step")]: v * 1e6 for k, v in out.items() if k.endswith("_per_step")
     }
+    return out
+
+
+def left_out(repeats: int, num_ids: int = LEFT_OUT["ids"]) -> dict[str, Any]:
+    """One step's global ids at step 10 and 10^9 (``DataPlan.global_ids``), without and
+    with ``LEFT_OUT``'s left-out ids and skip entries (each plan warm: the epoch's table
+    built), and the cold build of one epoch's table of the left-out ids
+    (``order.exclusions.ExclusionMap.table``: the inverse permutation of 1 M ids, sorted)."""
+    c = {**LEFT_OUT, "ids": int(num_ids)}
+    ids = np.sort(np.random.default_rng(0).choice(c["samples"], c["ids"], replace=False))
+    skips = SkipSteps([(100 + 10**6 * k, 50) for k in range(c["skips"])])
+    schedule = BatchSchedule([(1, c["gbs"])])
+    base = DataPlan(c["samples"], 0, schedule)
+    plan = DataPlan(
+        c["samples"], 0, schedule, skips=skips,
+        exclusions=[ExcludeEntry(None, c["from_step"], ids)],
+    )  # fmt: skip
+    fns = {}
+    for step in (10, 10**9):
+        for name, p in (("baseline", base), ("left_out", plan)):
+            steps = iter(range(step, step + 10**9))
+            fns[(name, step)] = lambda p=p, steps=steps: p.global_ids(next(steps))
+    times = paired_latency(fns, repeats)
+    out: dict[str, Any] = {**c, "plan_s": {}}
+    for (name, step), t in times.items():
+        out["plan_s"].setdefault(name, {})[str(step)] = t["median_s"]
+    for name in ("baseline", "left_out"):
+        out[f"{name}_ratio"] = ratio(out["plan_s"][name]["1000000000"], out["plan_s"][name]["10"])
+    emap = plan.exclusion_map
+    assert emap is not None
+    epochs = iter(range(10**6, 10**7))
+    out["build_s"] = latency(lambda: emap.table(1, next(epochs)), 3)["median_s"]
     return out
 
 
@@ -129,6 +170,7 @@ def run(opts: dict) -> dict:
         "fixed_global": fixed,
         "tracker_ids_per_step_s": tracker_ids,
         "sequence_log": log_growth(store, seq_len, o["log_steps"], 64),
+        "left_out": left_out(max(5, repeats // 10), o["left_out_ids"]),
         **tracker_bench.run(bool(opts.get("quick")), bool(opts.get("slow"))),
     }
 
@@ -187,6 +229,26 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
                 f"tracker on the training thread, {int(n):,} samples/step",
                 f"{ms:.3f} ms",
                 "ids digest computed ahead; target < 1 ms",
+            )
+        )
+    x = r.get("left_out")
+    if x:
+        plan = x["plan_s"]
+        what = f"{x['ids']:,} left-out ids + {x['skips']:,} skips, global {x['gbs']:,}"
+        for name, label in (("baseline", "plain store"), ("left_out", what)):
+            out.append(
+                (
+                    f"plan a step of 10^9 samples, {label}: step 10 | 10^9",
+                    f"{plan[name]['10'] * 1e6:.0f} us | {plan[name]['1000000000'] * 1e6:.0f} us",
+                    f"ratio {x[f'{name}_ratio']:.2f}"
+                    + (f", target <= {LEFT_OUT_TARGETS['ratio']}" if name == "left_out" else ""),
+                )
+            )
+        out.append(
+            (
+                f"left-out ids: cold build of one epoch's table, {x['ids']:,} ids",
+                f"{x['build_s']:.2f} s",
+                f"target <= {LEFT_OUT_TARGETS['build_s']:.0f} s",
             )
         )
     log = r["sequence_log"]

@@ -2,8 +2,8 @@
 
 Invariant: the ids printed for a step are ``DataPlan.global_ids`` (or
 ``rank_ids``) of that step, the ones the trainer's loader reads (with
-``--skip-steps``, the trainer's ``zephon.skip_steps``: each entry is also said on
-stderr). They are
+``--skip-steps``, the trainer's ``zephon.skip_steps``, and ``--exclude FILE``, the
+trainer's ``zephon.exclude``: each entry is also said on stderr). They are
 computed and printed ``BLOCK`` ids at a time, so memory stays bounded whatever
 the batch size; a step with more than ``MAX_IDS_PER_STEP`` ids is refused
 before anything is printed. Bad arguments are refused before the store is read.
@@ -31,6 +31,7 @@ from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.ingest.cache import RawInputs, names_store
 from torchtitan_zephon.job.stores import store_location
 from torchtitan_zephon.order.data_config import SKIP_FIELD
+from torchtitan_zephon.order.exclusions import Exclusions, SourceRange
 from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
@@ -145,6 +146,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="S:N,...",
         help="the trainer's zephon.skip_steps: at step S, skip the data of N steps",
     )
+    p.add_argument(
+        "--exclude",
+        default="",
+        metavar="FILE",
+        help="the trainer's zephon.exclude: a JSON-lines list of sample ids left out from "
+        'a step on ({"source": NAME, "ids": [...], "from_step": S}; "source" only with '
+        "--mixture)",
+    )
     p.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="inclusive range")
     p.add_argument("--dp-degree", type=int_in(1), default=1, metavar="D")
     p.add_argument("--dp-rank", type=int_in(0), default=None, metavar="R")
@@ -203,8 +212,20 @@ def run(args: argparse.Namespace) -> int:
     warning = check_store_size(f"{what} (seq_len {args.seq_len})", num_samples, schedule, fix)
     if warning:
         print(f"zephon plan: warning: {warning}", file=sys.stderr)
-    plan = DataPlan(num_samples, args.seed, schedule, args.sample_offset, skips=args.skip_steps)
+    exclusions = None
+    if args.exclude:
+        exclusions = Exclusions.load(args.exclude, "--exclude")
+        exclusions.check({None: SourceRange(args.sample_offset, num_samples, available)})
+    plan = DataPlan(
+        num_samples,
+        args.seed,
+        schedule,
+        args.sample_offset,
+        skips=args.skip_steps,
+        exclusions=exclusions.for_source(None) if exclusions else (),
+    )
     _say_skips(args.skip_steps, last)
+    _say_exclusions(exclusions, last)
     out = sys.stdout
     for step in range(first, last + 1):
         if args.dp_rank is None:
@@ -225,6 +246,15 @@ def _say_skips(skips: SkipSteps, last: int) -> None:
     for (start, _), text in zip(skips.entries, skips.describe(), strict=True):
         later = f" (after the last step printed, {last})" if start > last else ""
         print(f"zephon plan: skip_steps {text}{later}.", file=sys.stderr)
+
+
+def _say_exclusions(exclusions: Exclusions | None, last: int) -> None:
+    """One stderr line per left-out entry (the ids printed are past them)."""
+    if not exclusions:
+        return
+    for entry, text in zip(exclusions.entries, exclusions.describe(), strict=True):
+        later = f" (after the last step printed, {last})" if entry.from_step > last else ""
+        print(f"zephon plan: exclude {text}{later}.", file=sys.stderr)
 
 
 def _raw_inputs(args: argparse.Namespace) -> RawInputs | None:
@@ -292,11 +322,15 @@ def run_mixture(
         path=args.mixture,
         raw=raw,
     )
+    exclusions = Exclusions.load(args.exclude, "--exclude") if args.exclude else None
+    if exclusions is not None:
+        source.leave_out(exclusions)
     extra = {SKIP_FIELD: args.skip_steps.to_json()} if args.skip_steps else {}
     plan = source.plan(source.data_config(seed=args.seed, schedule=schedule, extra=extra))
     assert isinstance(plan, MixtureStream)
     first, last = args.steps
     _say_skips(args.skip_steps, last)
+    _say_exclusions(exclusions, last)
     plan.mixture.check_max_epochs(last)
     for warning in source.warnings:
         print(f"zephon plan: warning: {warning}", file=sys.stderr)

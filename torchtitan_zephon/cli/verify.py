@@ -214,6 +214,8 @@ def format_report(r: dict[str, Any]) -> str:
             lines += [f"     {d}" for d in mm["config_difference"]]
         if mm.get("skip_difference"):
             lines.append(f"   skips: {mm['skip_difference']['text']}")
+        if mm.get("exclusion_difference"):
+            lines.append(f"   left out: {mm['exclusion_difference']['text']}")
     v = r["verdict"]
     if v == "match":
         verdict = f"verdict: MATCH: both runs saw identical data at all {n} common steps"
@@ -228,6 +230,9 @@ def format_report(r: dict[str, Any]) -> str:
         skip = mm.get("skip_difference")
         if skip and skip["step"] == mm["step"]:
             verdict += f" (where their skip_steps differ: {skip['text'].split(': ')[0]})"
+        excl = mm.get("exclusion_difference")
+        if excl and excl["step"] == mm["step"]:
+            verdict += f" (where their left-out samples differ: {excl['text'].split(': ')[0]})"
     elif v == "unbound":
         verdict = (
             f"verdict: UNBOUND: the digests agree at all {n} common steps, but steps "

@@ -24,6 +24,9 @@ Invariants:
   names, read from that sample's store.
 - A ``MixtureData`` keeps only its own last plan; nothing here keeps opened
   stores per process.
+- Left-out samples (``leave_out``: ``order.exclusions``) are checked against the
+  data once; from then on every ``data_config`` binds them (field ``exclude``) and
+  every ``plan`` maps past them.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import numpy as np
 from torchtitan_zephon.job.plans import plan_of
 from torchtitan_zephon.job.stores import open_mixture_stores
 from torchtitan_zephon.order.data_config import MIXTURE_FIELD, DataConfig
+from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, Exclusions, SourceRange
 from torchtitan_zephon.order.layout import BatchSchedule, no_sample_text, store_fix
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
 from torchtitan_zephon.order.mixture.spec import MixtureSpec, resolve_mixture
@@ -73,6 +77,7 @@ class JobData(Protocol):
         self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
     ) -> DataConfig: ...
     def plan(self, config: DataConfig, anchor: tuple[int, int] = (1, 0)) -> StreamPlan: ...
+    def leave_out(self, exclusions: Exclusions) -> None: ...
     def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray: ...
     def id_limit(self, vocab_size: int | None) -> int | None: ...
     def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str: ...
@@ -159,9 +164,18 @@ class StoreData:
         self.tokenizer_hash = store.tokenizer_hash
         self.fingerprint = store.fingerprint
         self.warnings: list[str] = []
+        self.exclusions: Exclusions | None = None
 
     def __repr__(self) -> str:
         return f"StoreData({self.store!r}, seq_len={self.seq_len})"
+
+    def leave_out(self, exclusions: Exclusions) -> None:
+        """Leave out ``exclusions`` (``order.exclusions``) from now on: checked against the
+        store's training and held-out ids (ValueError naming the line), then bound by
+        every data config this data makes."""
+        total = self.store.num_samples(self.seq_len)
+        exclusions.check({None: SourceRange(self.sample_offset, self.num_samples, total)})
+        self.exclusions = exclusions if exclusions else None
 
     def data_config(
         self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
@@ -174,11 +188,11 @@ class StoreData:
             num_samples=self.num_samples,
             store_fingerprint=self.store.fingerprint,
             tokenizer_hash=self.store.tokenizer_hash,
-            extra=extra,
+            extra=_with_exclusions(extra, self.exclusions),
         )
 
     def plan(self, config: DataConfig, anchor: tuple[int, int] = (1, 0)) -> DataPlan:
-        return plan_of(config, anchor)
+        return plan_of(config, anchor, exclusions=self.exclusions)
 
     def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
         return self.store.windows(keys, seq_len)
@@ -258,6 +272,20 @@ class MixtureData:
         self.warnings: list[str] = []
         self.group = StoreGroup(self.stores)
         self._plan: tuple[tuple[str, tuple[int, int]], MixtureStream] | None = None
+        self.exclusions: Exclusions | None = None
+
+    def leave_out(self, exclusions: Exclusions) -> None:
+        """Leave out ``exclusions`` (``order.exclusions``; each entry names a source) from
+        now on: checked against each source's training and held-out ids (ValueError
+        naming the line), then bound by every data config this data makes."""
+        exclusions.check(
+            {
+                s.name: SourceRange(0, int(s.num_samples), int(s.num_samples + s.heldout_samples))
+                for s in self.spec.sources
+            }
+        )
+        self.exclusions = exclusions if exclusions else None
+        self._plan = None
 
     @classmethod
     def open(
@@ -300,7 +328,7 @@ class MixtureData:
             num_samples=sum(int(s.num_samples) for s in self.spec.sources),
             store_fingerprint=self.fingerprint,
             tokenizer_hash=self.tokenizer_hash,
-            extra={**(extra or {}), MIXTURE_FIELD: self.spec.to_json()},
+            extra={**_with_exclusions(extra, self.exclusions), MIXTURE_FIELD: self.spec.to_json()},
         )
 
     def plan(self, config: DataConfig, anchor: tuple[int, int] = (1, 0)) -> MixtureStream:
@@ -318,7 +346,10 @@ class MixtureData:
             )
         key = (config.fingerprint, (int(anchor[0]), int(anchor[1])))
         if self._plan is None or self._plan[0] != key:
-            self._plan = (key, plan_of(config, anchor, spec=self.spec))
+            self._plan = (
+                key,
+                plan_of(config, anchor, spec=self.spec, exclusions=self.exclusions),
+            )
         stream = self._plan[1]
         if not self.warnings:
             self.warnings = list(stream.mixture.warnings)
@@ -361,6 +392,16 @@ class MixtureData:
             Heldout(s.name, st, int(s.num_samples), int(s.heldout_samples))
             for s, st in zip(self.spec.sources, self.stores, strict=True)
         ]
+
+
+def _with_exclusions(
+    extra: Mapping[str, Any] | None, exclusions: Exclusions | None
+) -> dict[str, Any]:
+    """``extra`` with the field ``exclude`` of the left-out list (absent without one)."""
+    out = dict(extra or {})
+    if exclusions:
+        out[EXCLUDE_FIELD] = exclusions.to_json()
+    return out
 
 
 def _job_tokenizer(raw: Any) -> tuple[str, str] | None:

@@ -23,6 +23,7 @@ from fractions import Fraction
 from typing import Any
 
 from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, Exclusions
 from torchtitan_zephon.order.layout import Layout
 from torchtitan_zephon.order.mixture.config import fraction_text
 from torchtitan_zephon.order.mixture.plan import MixturePlan
@@ -33,12 +34,28 @@ from torchtitan_zephon.order.stream import DataPlan
 
 
 def plan_of(
-    config: DataConfig, anchor: tuple[int, int] = (1, 0), *, spec: MixtureSpec | None = None
+    config: DataConfig,
+    anchor: tuple[int, int] = (1, 0),
+    *,
+    spec: MixtureSpec | None = None,
+    exclusions: Exclusions | None = None,
 ) -> DataPlan | MixtureStream:
     """The plan a data config governs, counted from ``anchor`` (no store opened).
 
     ``spec`` (a mixture's resolved spec, equal to the config's) keeps guards the
-    config does not record (``max_epochs``)."""
+    config does not record (``max_epochs``). ``exclusions``: the left-out list whose
+    canonical entries the config binds (field ``exclude``: only their sha256, so the
+    ids come from the list); ValueError when the config leaves samples out and no
+    list, or another one, is given."""
+    if config.exclude or exclusions:
+        given = exclusions.to_json() if exclusions else []
+        if given != config.exclude:
+            raise ValueError(
+                "the data config's left-out entries (exclude) are not those of the list "
+                f"given ({len(config.exclude)} entries in the config, {len(given)} given): "
+                "build the config with the job data's data_config, from the same "
+                "zephon.exclude file."
+            )
     schedule = config.batch_schedule()
     if config.mixture is None:
         return DataPlan(
@@ -49,11 +66,12 @@ def plan_of(
             anchor_step=anchor[0],
             anchor_position=anchor[1],
             skips=config.skip_steps,
+            exclusions=exclusions.for_source(None) if exclusions else (),
         )
     if spec is None:
         spec = MixtureSpec.from_json(config.mixture)
     layout = Layout(schedule, anchor, config.skip_steps)
-    return MixtureStream(MixturePlan(spec, config.seed, layout))
+    return MixtureStream(MixturePlan(spec, config.seed, layout, exclusions))
 
 
 def first_correction(config: DataConfig) -> int | None:
@@ -80,9 +98,15 @@ def weights_at(config: DataConfig, step: int) -> dict[str, str] | None:
 
 def mixture_progress(state: DataState) -> dict[str, Any] | None:
     """Per source of a mixture's data state: samples drawn by the steps before
-    ``next_step`` against the exact target, and the epoch the next sample is in.
-    None for one store. O(1) in the step (the plan is not replayed)."""
+    ``next_step`` against the exact target, and the epoch the next sample is in
+    (counted without left-out samples: the state binds only their sha256, and the
+    counts do not depend on them). None for one store. O(1) in the step (the plan
+    is not replayed)."""
     config = state.config
+    if config.exclude:
+        body = config.to_dict()
+        del body[EXCLUDE_FIELD]
+        config = DataConfig.from_dict(body)
     if config.mixture is None:
         return None
     stream = plan_of(config, state.position_anchor)

@@ -5,6 +5,7 @@ batch schedule, mixture) to sample keys: ``permutation`` (a keyed bijection per
 epoch), ``layout`` (steps over positions, rank slices, micro-batches), ``stream``
 (one store's stream, sample keys), ``mixture/`` (config, spec, rule, build, plan,
 stream), ``skips`` (skip ranges: the data of whole steps consumed, never trained),
+``exclusions`` (left-out samples: ids deleted from a source's stream from a step on),
 ``data_config`` (the data config), ``state`` (the data state) and ``resume`` (the
 resume rule).
 
@@ -19,7 +20,9 @@ Glossary (one word per concept, used across the package):
 - store: a prepared token corpus on disk (``store.reader.TokenStore``).
 - sample: a fixed window of ``seq_len + 1`` tokens of a store, named by its id.
 - position: an index in the global stream (0, 1, 2, ...; a mixture's "slot"); each
-  position reads its source's *stream position* (the same index without skips).
+  position reads its source's *stream position* (the same index without skips); past
+  the skips it is an *effective position*, which left-out samples map on to the
+  stream position (``exclusions``).
 - step: one optimizer step (1-based), covering ``gbs(step)`` consecutive positions.
 - slice: one DP rank's contiguous part of a step.
 - micro-batch: ``local_batch_size`` consecutive samples of a slice (one forward).

@@ -20,7 +20,9 @@ Invariants:
   steps changes no earlier step's record.
 - ``skip_steps`` is an extra field present only when a skip is set: a config
   without skips has the fingerprint, order key and step keys it had before skips
-  existed.
+  existed. The same holds for ``exclude`` (left-out samples, ``order.exclusions``:
+  the canonical entries, each with its ids' sha256), which ``step_key(s)`` binds for
+  the entries with from_step <= s.
 - A saved config of format 1 (no ``order_format``) reads as order format 1; a
   field that does not parse raises ``DataStateMismatch`` naming it.
 """
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.store.format import fingerprint
@@ -251,6 +254,7 @@ class DataConfig:
         body = self.to_dict()
         del body["schedule"]
         body.pop(SKIP_FIELD, None)
+        body.pop(EXCLUDE_FIELD, None)
         if self.mixture is not None:
             body[MIXTURE_FIELD] = {k: v for k, v in self.mixture.items() if k != "schedule"}
         return fingerprint(body)
@@ -261,29 +265,55 @@ class DataConfig:
         return tuple((int(e["from_step"]), e["weights"]) for e in entries)
 
     @functools.cached_property
-    def _starts(self) -> tuple[list[int], list[int]]:
-        """The skip entries' S and the weight entries' from_step, for bisection."""
-        return [s for s, _ in self.skip_steps.entries], [s for s, _ in self._weight_entries]
+    def exclude(self) -> list[dict[str, Any]]:
+        """The canonical left-out entries (``order.exclusions``; [] when the field is
+        absent); DataStateMismatch when the saved field does not parse."""
+        raw = dict(self.extra).get(EXCLUDE_FIELD)
+        if raw is None:
+            return []
+        try:
+            entries = [dict(e) for e in raw]
+            for e in entries:
+                int(e["from_step"]), int(e["ids"]), str(e["sha256"])
+            return entries
+        except (TypeError, ValueError, KeyError):
+            raise DataStateMismatch(
+                f"the saved data config has an invalid field {EXCLUDE_FIELD!r}: "
+                f"{config_text(raw)}; the checkpoint's data state is corrupt or was written "
+                "by another tool."
+            ) from None
 
     @functools.cached_property
-    def _step_keys(self) -> dict[tuple[int, int], str]:
-        """Step keys by (skip entries, weight entries) in effect: each computed once."""
+    def _starts(self) -> tuple[list[int], list[int], list[int]]:
+        """The skip entries' S, the weight entries' and the left-out entries' from_step,
+        for bisection."""
+        return (
+            [s for s, _ in self.skip_steps.entries],
+            [s for s, _ in self._weight_entries],
+            [int(e["from_step"]) for e in self.exclude],
+        )
+
+    @functools.cached_property
+    def _step_keys(self) -> dict[tuple[int, int, int], str]:
+        """Step keys by (skip, weight, left-out entries) in effect: each computed once."""
         return {}
 
     def step_key(self, step: int) -> str:
         """What step ``step``'s ids digest binds besides its ids and positions: the order
         key, for a mixture the weights in effect at that step (exact fractions), and the
-        skip entries with S <= ``step`` when there are any. O(log entries) per step."""
-        if not self._weight_entries and not self.skip_steps:
+        skip entries with S <= ``step`` and the left-out entries with from_step <=
+        ``step`` when there are any. O(log entries) per step."""
+        if not self._weight_entries and not self.skip_steps and not self.exclude:
             return self.order_key
-        skip_starts, weight_starts = self._starts
+        skip_starts, weight_starts, exclude_starts = self._starts
         which = (
             bisect.bisect_right(skip_starts, step),
             bisect.bisect_right(weight_starts, step),
+            bisect.bisect_right(exclude_starts, step),
         )
         key = self._step_keys.get(which)
         if key is None:
-            k, w = which
+            k, w, x = which
             if not self._weight_entries:
                 body: dict[str, Any] = {"order_key": self.order_key}
             else:
@@ -291,6 +321,8 @@ class DataConfig:
                 body = {"order_key": self.order_key, "weights": weights}
             if k:
                 body[SKIP_FIELD] = [list(e) for e in self.skip_steps.entries[:k]]
+            if x:
+                body[EXCLUDE_FIELD] = self.exclude[:x]
             key = self.order_key if len(body) == 1 else fingerprint(body)
             self._step_keys[which] = key
         return key

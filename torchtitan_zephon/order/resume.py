@@ -26,7 +26,10 @@ or dropped (``extended``, with a note per added entry); changing an entry at a
 trained step is the field ``skip_steps``. A skip at a trained step that covers
 untrained steps fixes their batch sizes and weights (what it skipped is what they
 draw): a schedule change before the end of its range is refused like a change of
-the past.
+the past. Left-out entries (``order.exclusions``) follow the skips' rule: entries
+with from_step >= next_step may be added, changed or dropped (``extended``, a note
+per added entry); changing one with from_step < next_step is the field ``exclude``
+(compared by its ids' sha256: the list's content, not its file).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from torchtitan_zephon.order.data_config import (
     DataStateMismatch,
     config_text,
 )
+from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, describe_saved, entries_up_to
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.config import MixtureError
 from torchtitan_zephon.order.mixture.spec import MixtureSpec, past_changes
@@ -61,7 +65,7 @@ def allowed_fields(allow_changes: Iterable[str] | str, config: DataConfig) -> se
     names = [allow_changes] if isinstance(allow_changes, str) else list(allow_changes)
     if "all" in names:
         return True
-    fields = set(config.to_dict()) | {SKIP_FIELD}  # also when the current config has none
+    fields = set(config.to_dict()) | {SKIP_FIELD, EXCLUDE_FIELD}  # also when none is set
     allowed: set[str] = set()
     for name in names:
         if name in ALIASES:
@@ -112,6 +116,24 @@ def skips_kept(saved: DataState, current: DataConfig) -> str | None:
         f"  {SKIP_FIELD}: {str(old) or '(none)'} -> {str(new) or '(none)'} (the entries at "
         f"or before step {trained} differ from step {first} on: this run trained step "
         f"{first} {how}; only entries at step {saved.next_step} or later are a continuation)"
+    )
+
+
+def exclusions_kept(saved: DataState, current: DataConfig) -> str | None:
+    """None when ``current`` keeps every left-out entry (``order.exclusions``) of ``saved``
+    with from_step < next_step (the trained steps drew the same samples); otherwise the
+    refusal line, naming the field."""
+    trained = saved.next_step - 1
+    old = entries_up_to(saved.config.exclude, trained)
+    new = entries_up_to(current.exclude, trained)
+    if old == new:
+        return None
+    first = min(int(e["from_step"]) for e in old + new if (e in old) != (e in new))
+    return (
+        f"  {EXCLUDE_FIELD}: the left-out entries at or before step {trained} differ from "
+        f"step {first} on (saved: {describe_saved(old)}; current: {describe_saved(new)}): "
+        f"this run trained steps from {first} with another list; only entries with "
+        f"from_step {saved.next_step} or later are a continuation"
     )
 
 
@@ -170,6 +192,17 @@ def check_resume(
         notes += [f"skip_steps gained {s}:{n}: {text}" for (s, n), text in zip(
             added, SkipSteps(added).describe(), strict=True
         )]  # fmt: skip
+    exclude_line = exclusions_kept(saved, current) if EXCLUDE_FIELD in differing else None
+    if EXCLUDE_FIELD in differing and exclude_line is None:
+        differing.remove(EXCLUDE_FIELD)
+        extended.append(EXCLUDE_FIELD)
+        old_entries = saved.config.exclude
+        notes += [
+            f"exclude gained an entry: {describe_saved([e])}: never trained from step "
+            f"{e['from_step']} on"
+            for e in current.exclude
+            if e not in old_entries
+        ]
     reach = skip_reach(saved)
     if "schedule" in differing and schedule_appended(
         saved.config.batch_schedule(), current.batch_schedule(), max(saved.next_step, reach)
@@ -221,6 +254,9 @@ def check_resume(
                 continue
             if k == SKIP_FIELD and skip_line is not None:
                 lines.append(skip_line)
+                continue
+            if k == EXCLUDE_FIELD and exclude_line is not None:
+                lines.append(exclude_line)
                 continue
             was, now = (config_text(d[k], 10**6) if k in d else "(absent)" for d in (old, new))
             line = f"  {k}: {was} -> {now}"

@@ -176,6 +176,10 @@ class SkipMap:
         """Per source, the stream positions all entries skip (int64)."""
         return self.prefix[:, -1].copy()
 
+    def skipped_by_first(self, k: int) -> np.ndarray:
+        """Per source, the stream positions the first ``k`` entries skip (int64)."""
+        return self.prefix[:, k].copy()
+
     def skipped_before(self, counts: np.ndarray) -> np.ndarray:
         """Per source i, what the entries skip before its count ``counts[i]``."""
         c = np.asarray(counts, dtype=np.int64)

@@ -14,7 +14,9 @@ Invariants:
   ranges before p skipped (``order.skips``; q = p without skips), which is sample
   ``sample_offset + Permutation(num_samples, seed, q // num_samples)[q %
   num_samples]``, so every sample appears at most once per epoch (exactly once
-  without skips) and epochs are reshuffled.
+  without skips) and epochs are reshuffled. With left-out samples
+  (``order.exclusions``) that skip-mapped position is an effective position, mapped
+  past the left-out samples to the stream position q first.
 - A stream's keys of a step, rank slice, micro-batch or window are its keys of the
   positions its ``Layout`` gives them, so the layout's invariants (rank slices
   concatenate to the step, micro-batches to the slice, a window of a rank's stream
@@ -24,9 +26,11 @@ Invariants:
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import numpy as np
 
+from torchtitan_zephon.order.exclusions import ExcludeEntry, ExclusionMap
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.permutation import Permutation
 from torchtitan_zephon.order.skips import SkipMap, SkipSteps
@@ -135,6 +139,7 @@ class DataPlan(StreamPlan):
         anchor_step: int = 1,
         anchor_position: int = 0,
         skips: SkipSteps | None = None,
+        exclusions: Sequence[ExcludeEntry] = (),
     ) -> None:
         if num_samples < 1:
             raise ValueError(
@@ -154,6 +159,22 @@ class DataPlan(StreamPlan):
             if ranges
             else None
         )
+        self.exclusion_map: ExclusionMap | None = None
+        if exclusions:  # thresholds: the effective position of each entry's first step
+            whole = self.layout.whole_schedule()
+            starts = np.array([whole.first_position(e.from_step) for e in exclusions])
+            if self.skip_map is not None:  # past the skip entries with S <= from_step
+                k = [
+                    sum(1 for s, _ in self.layout.skips.entries if s <= e.from_step)
+                    for e in exclusions
+                ]
+                starts = starts + np.array([self.skip_map.skipped_by_first(j)[0] for j in k])
+            self.exclusion_map = ExclusionMap(
+                self.num_samples,
+                self.seed,
+                starts.tolist(),
+                [e.ids - self.sample_offset for e in exclusions],
+            )
 
     def permutation(self, epoch: int) -> Permutation:
         """The epoch's permutation; the latest one is kept (consecutive steps share it)."""
@@ -167,7 +188,7 @@ class DataPlan(StreamPlan):
         """Sample ids (int64) of positions [first, first + count); may span epochs."""
         if first < 0 or count < 0:
             raise ValueError(f"positions must be >= 0, got first={first}, count={count}.")
-        if self.skip_map is not None:
+        if self.skip_map is not None or self.exclusion_map is not None:
             return self.ids_at(first + np.arange(count, dtype=np.int64))
         out = np.empty(count, dtype=np.int64)
         n = self.num_samples
@@ -189,6 +210,8 @@ class DataPlan(StreamPlan):
             raise ValueError(f"positions must be >= 0, found {p.min()}.")
         if self.skip_map is not None:
             p = self.skip_map.shift(p)
+        if self.exclusion_map is not None:
+            p = self.exclusion_map.raw(p)
         epochs, within = np.divmod(p, self.num_samples)
         if not p.size or epochs.min() == epochs.max():
             ids = self.permutation(int(epochs.flat[0]) if p.size else 0).map(within)

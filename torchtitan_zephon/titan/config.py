@@ -110,6 +110,19 @@ class Zephon:
     changing an entry at a trained step needs allow_changes = ["skip_steps"]. Part of
     the data config; a step's ids digest binds the entries with S <= that step."""
 
+    exclude: str = ""
+    """Path of a left-out list (JSON lines, one entry a line: {"source": NAME, "ids":
+    [...], "from_step": S}; "source" omitted for a single store, required for a
+    mixture). Default "": nothing left out. From step S on the ids are deleted from
+    their source's sample stream: never trained, the source's next sample fills their
+    slots (a mixture keeps its exact per-source counts); an id stays left out from the
+    first step that names it. Ids are training sample ids as `zephon plan` prints
+    them; an id out of range, a held-out id or a list that leaves a source empty is
+    refused. An entry for untrained steps resumes as a continuation; changing an entry
+    at a trained step needs allow_changes = ["exclude"]. Part of the data config (the
+    file's content, not its path); a step's ids digest binds the entries with
+    from_step <= that step."""
+
     heldout_samples: int = 0
     """Samples at the end of the store reserved for validation and never
     trained on. The validation loader reads them in order, so validation loss
@@ -128,8 +141,8 @@ class Zephon:
     resume, e.g. ["seed"]. Names: seed, seq_len, schedule, num_samples (changed
     by heldout_samples), store (its contents), tokenizer, mixture (a mixture's
     sources, or weights of steps already trained), skip_steps (an entry at a step
-    already trained), or "all". Without it such a
-    resume is refused, naming the differing fields."""
+    already trained), exclude (a left-out entry at a step already trained), or
+    "all". Without it such a resume is refused, naming the differing fields."""
 
     ignore_log_mismatch: bool = False
     """Resume even when the sequence log is missing or does not contain the

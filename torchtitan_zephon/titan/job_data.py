@@ -32,6 +32,7 @@ from torchtitan_zephon.job.settings import (
     store_source,
 )
 from torchtitan_zephon.order.data_config import DataConfig, data_extra
+from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.titan.job_view import JobView
@@ -163,6 +164,8 @@ def open_job_data(job: JobView, tokenizer: Any = None) -> tuple[JobData, DataCon
     once and hands the object to the dataloader and the validator (``with_job``).
     """
     source = resolve_source(job, tokenizer)
+    if job.zephon.exclude:  # checked against the data: ids, held-out ids, sources
+        source.leave_out(Exclusions.load(job.zephon.exclude))
     return source, source.data_config(
         seed=job.zephon.seed,
         schedule=batch_schedule(job),

@@ -17,6 +17,9 @@ passing over checkpoints whose files are incomplete or corrupt
   from ``hf_assets_path`` is refused naming the path and the tokenizer the
   store was prepared with), its size, the held-out samples validation reads
   (validation on), ``zephon.skip_steps`` (malformed: refused; an entry after
+  ``training.steps``: a warning), ``zephon.exclude`` (a file that cannot be read or
+  parsed, ids outside the training samples, held-out ids, a source the data does not
+  have, a list that leaves a source empty: refused, naming the line; an entry after
   ``training.steps``: a warning), and the global batch layout;
   where ``zephon.store`` (or a mixture source) names raw inputs they are prepared
   here, into the cache (``ingest.cache``), before TorchTitan initializes the process
@@ -258,6 +261,7 @@ def plan_start(
     chosen, plan, why_none = choose_checkpoint(job)
     plan.data = data
     plan.notes.extend(_skips_past_the_end(config, job.steps))
+    plan.notes.extend(_exclusions_past_the_end(config, job.steps))
     for info in plan.skipped:
         what = (
             "incomplete (no .metadata: the job died while writing it)"
@@ -324,6 +328,18 @@ def _skips_past_the_end(config: DataConfig, steps: int) -> list[str]:
         f"it takes no effect in this run (a run that trains past step {start - 1} applies it)"
         for start, count in config.skip_steps.entries
         if start > steps
+    ]
+
+
+def _exclusions_past_the_end(config: DataConfig, steps: int) -> list[str]:
+    """A warning per ``zephon.exclude`` entry whose from_step is after ``training.steps``:
+    valid (a later, longer run applies it), but it leaves nothing out in this run."""
+    return [
+        f"zephon.exclude entry from step {e['from_step']} ({e['ids']} id"
+        f"{'s' * (e['ids'] != 1)}) starts after training.steps ({steps}): it leaves "
+        f"nothing out in this run (a run that trains past step {e['from_step'] - 1} applies it)"
+        for e in config.exclude
+        if int(e["from_step"]) > steps
     ]
 
 

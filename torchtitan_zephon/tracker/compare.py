@@ -5,7 +5,8 @@ in step order; at every step both have, compare ``ids_digest`` (and
 ``tokens_digest`` where both logs have it); count the steps only one has, the
 records not bound to their data config (tracker format 1), and keep the first
 mismatch with the data-config fields that differ (and, when the runs' skip entries
-differ at or before it, the step where they do, in words). ``cli/verify.py`` turns the
+differ at or before it, the step where they do, in words; the same for their
+left-out entries). ``cli/verify.py`` turns the
 outcome into the report and the verdict.
 
 Invariant: memory is bounded by the number of events and gaps, never by the
@@ -22,6 +23,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from torchtitan_zephon.order.data_config import SKIP_FIELD
+from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, entries_up_to
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.tracker.blocks import RecordRun
 from torchtitan_zephon.tracker.reader import LogReader, record_of_row
@@ -137,6 +139,39 @@ def skip_difference(a: LogReader, b: LogReader, step: int) -> dict[str, Any] | N
     }
 
 
+def exclusion_difference(a: LogReader, b: LogReader, step: int) -> dict[str, Any] | None:
+    """Where the left-out entries (``order.exclusions``) of the jobs that wrote step
+    ``step`` in each log first differ: ``{"step": S, "text": words}``, or None (the
+    same lists, or unknown). Entries after ``step`` do not count."""
+    ca = ((a.event_for(step) or {}).get("data_config") or {}).get(EXCLUDE_FIELD)
+    cb = ((b.event_for(step) or {}).get("data_config") or {}).get(EXCLUDE_FIELD)
+    try:
+        ea, eb = entries_up_to(ca, step), entries_up_to(cb, step)
+        if ea == eb:
+            return None
+        first = min(int(e["from_step"]) for e in ea + eb if (e in ea) != (e in eb))
+    except (TypeError, ValueError, KeyError):
+        return None
+
+    def what(entries: list[Any]) -> str:
+        here = [e for e in entries if int(e["from_step"]) == first]
+        if not here:
+            return "leaves out no new sample there"
+        parts = [
+            f"{e['ids']} id{'s' * (e['ids'] != 1)}"
+            + (f" of source {e['source']!r}" if "source" in e else "")
+            + f" (sha256 {str(e['sha256'])[:12]})"
+            for e in here
+        ]
+        return "leaves out " + ", ".join(parts) + " from there"
+
+    return {
+        "step": first,
+        "text": f"at step {first}, A {what(ea)} and B {what(eb)} (exclude): the runs are "
+        f"meant to differ from step {first} on",
+    }
+
+
 class _Cursor:
     """The head of one log's stream of effective records, batch by batch."""
 
@@ -198,6 +233,7 @@ class Comparison:
                 "b": rb,
                 "config_difference": config_difference(a, b, step),
                 "skip_difference": skip_difference(a, b, step),
+                "exclusion_difference": exclusion_difference(a, b, step),
             }
 
     def one(self, a: LogReader, b: LogReader, ca: _Cursor, cb: _Cursor) -> None:

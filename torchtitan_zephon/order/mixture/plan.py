@@ -10,6 +10,9 @@ per-source counts and targets before any step, its worst deviation and the
 Invariants: see the package docstring (``order.mixture``): pure in the spec, the
 seed and the batch schedule; every source's ids within one of its epochs are a
 permutation of its training samples; the layout's invariants hold (``order.layout``).
+Skips (``order.skips``) and left-out samples (``order.exclusions``) move only each
+source's stream position (``stream_positions``), never the slot assignment: every
+step keeps its exact per-source counts.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from fractions import Fraction
 
 import numpy as np
 
+from torchtitan_zephon.order.exclusions import ExclusionMap, Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.build import SegmentBuilder, worst_of
 from torchtitan_zephon.order.mixture.config import MixtureError, fraction_text
@@ -67,7 +71,13 @@ class MixturePlan:
     from 1, as the rule counts their ends.
     """
 
-    def __init__(self, spec: MixtureSpec, seed: int, schedule: BatchSchedule | Layout) -> None:
+    def __init__(
+        self,
+        spec: MixtureSpec,
+        seed: int,
+        schedule: BatchSchedule | Layout,
+        exclusions: Exclusions | None = None,
+    ) -> None:
         self.spec = spec
         self.seed = int(seed)
         self.layout = schedule if isinstance(schedule, Layout) else Layout(schedule)
@@ -107,6 +117,52 @@ class MixturePlan:
             if ranges
             else None
         )
+        self.exclusion_maps: list[ExclusionMap | None] = [None] * n
+        for i, name in enumerate(self.names):
+            entries = exclusions.for_source(name) if exclusions else []
+            if not entries:
+                continue
+            starts = np.array(
+                [
+                    int(self.counts_at_slot(self.schedule.first_position(e.from_step))[i])
+                    + self._skipped_up_to(e.from_step)[i]
+                    for e in entries
+                ],
+                dtype=np.int64,
+            )
+            self.exclusion_maps[i] = ExclusionMap(
+                int(self.num_samples[i]),
+                self.source_seeds[i],
+                starts.tolist(),
+                [e.ids for e in entries],
+            )
+        self._excluding = any(m is not None for m in self.exclusion_maps)
+
+    def _skipped_up_to(self, step: int) -> np.ndarray:
+        """Per source, what the skip entries with S <= ``step`` skip (zeros without):
+        with the count before ``step``, the effective position where an entry of
+        left-out samples from ``step`` takes effect (``order.exclusions``)."""
+        if self.skip_map is None:
+            return np.zeros(len(self.names), dtype=np.int64)
+        k = sum(1 for s, _ in self.layout.skips.entries if s <= step)
+        return self.skip_map.skipped_by_first(k)
+
+    def stream_positions(self, counts: np.ndarray, sources: np.ndarray) -> np.ndarray:
+        """Stream positions (int64) of the draws with counts ``counts`` (c_i(p), the
+        source's draws before each) of ``sources``: past the skips (``order.skips``),
+        then past the left-out samples (``order.exclusions``)."""
+        positions = np.asarray(counts, dtype=np.int64)
+        src = np.asarray(sources, dtype=np.int64)
+        if self.skip_map is not None:
+            positions = self.skip_map.shift(positions, src)
+        if self._excluding:
+            positions = positions.copy()
+            for i, m in enumerate(self.exclusion_maps):
+                if m is not None:
+                    sel = src == i
+                    if sel.any():
+                        positions[sel] = m.raw(positions[sel])
+        return positions
 
     # ------------------------------------------------------------ accounting
 
@@ -152,11 +208,12 @@ class MixturePlan:
 
     def stream_positions_before(self, step: int) -> np.ndarray:
         """Per-source next stream position at ``step``: the samples steps 1 .. step-1
-        drew plus those the skip ranges starting at or before ``step`` skipped."""
+        drew plus those the skip ranges starting at or before ``step`` skipped (and,
+        with left-out samples, the stream position that next draw reads)."""
         counts = self.counts_before(step)
-        if self.skip_map is None:
+        if self.skip_map is None and not self._excluding:
             return counts
-        return counts + self.skip_map.skipped_before(counts)
+        return self.stream_positions(counts, np.arange(counts.size, dtype=np.int64))
 
     def step_counts(self, step: int) -> np.ndarray:
         """Per-source samples of step ``step``."""
@@ -219,10 +276,10 @@ class MixturePlan:
         """Per source, one past the stream position of its last draw before ``step``
         (its draws before it, without skips)."""
         counts = self.counts_before(step)
-        if self.skip_map is None:
+        if self.skip_map is None and not self._excluding:
             return counts
-        last = np.maximum(counts - 1, 0)
-        return np.where(counts > 0, counts + self.skip_map.skipped_before(last), 0)
+        last = self.stream_positions(np.maximum(counts - 1, 0), np.arange(counts.size))
+        return np.where(counts > 0, last + 1, 0)
 
     def _epoch_error(self, i: int, step: int | None) -> MixtureError:
         limit, n = self.max_epochs[i], int(self.num_samples[i])
@@ -284,8 +341,8 @@ class MixturePlan:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
         sources = np.concatenate(sources_parts)
         positions = np.concatenate(positions_parts)
-        if self.skip_map is not None:  # past what the skip ranges before each draw skipped
-            positions = self.skip_map.shift(positions, sources)
+        if self.skip_map is not None or self._excluding:  # past skips and left-out samples
+            positions = self.stream_positions(positions, sources)
         return sources, self._stream_ids(sources, positions, step)
 
     def _stream_ids(
