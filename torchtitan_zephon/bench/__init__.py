@@ -3,8 +3,9 @@
 One module per suite: ``loader`` (tokens/s, restore time, state size),
 ``step`` (training steps/s and data wait), ``resume`` (cold start to first
 batch), ``scale`` (per-rank plan cost vs world size, sequence log growth),
-``prepare`` (tokenization throughput vs workers) and ``mixture`` (tokens/s
-with 1, 10, 100 sources vs one store, plan cost at step 10 vs 10^9, state size). Each exposes
+``prepare`` (tokenization throughput vs workers), ``mixture`` (tokens/s
+with 1, 10, 100 sources vs one store, plan cost at step 10 vs 10^9, state size) and
+``accounting`` (the per-source accounting's cost on the training step). Each exposes
 ``run(opts: dict) -> dict`` (a JSON-able result) and ``rows(result)`` (the
 printed table). Beside them: ``corpus`` and ``measure`` (what the suites share), and
 the parts of ``loader``: ``contenders`` (the loaders compared), ``throughput`` and
@@ -15,4 +16,4 @@ same machine, side by side; ratios are computed from those measurements and
 never from remembered numbers.
 """
 
-SUITES = ["loader", "step", "resume", "scale", "prepare", "mixture"]
+SUITES = ["loader", "step", "resume", "scale", "prepare", "mixture", "accounting"]

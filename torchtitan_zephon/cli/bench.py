@@ -1,6 +1,7 @@
 """``zephon bench SUITE``: the data path measured side by side with stock TorchTitan.
 
-Suites: loader, step, resume, scale, prepare, mixture (see ``torchtitan_zephon.bench``),
+Suites: loader, step, resume, scale, prepare, mixture, accounting (see
+``torchtitan_zephon.bench``),
 or ``all``, which runs every suite and writes ``docs/bench_results.json``.
 Each suite prints a table (``--json``: one JSON object instead) and, with
 ``--out``, saves the JSON object.
@@ -33,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "this machine: loader tokens/s, restore time and state size (loader), training "
             "steps/s and data wait (step), cold start to first batch (resume), per-rank plan "
             "cost vs world size (scale), tokenization throughput (prepare), many sources vs "
-            f"one store (mixture). `all` runs every suite and writes {ALL_OUT}."
+            "one store (mixture), the per-source accounting's cost on a step (accounting). "
+            f"`all` runs every suite and writes {ALL_OUT}."
         ),
     )
     p.add_argument(
