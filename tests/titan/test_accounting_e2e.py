@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.titan.launch import train
 from torchtitan_zephon import runs
@@ -51,30 +52,34 @@ def test_tensorboard_holds_the_plans_accounting_and_the_log_warns_of_wraps(tmp_p
         "--metrics.log_freq", "3", "--validation.no-enable",
     ).check()  # fmt: skip
 
+    (events,) = runs.event_files(run)  # one job, one event file
+    board = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    board.Reload()
+
+    def scalars(tag: str) -> dict[int, float]:
+        return {e.step: e.value for e in board.Scalars(tag)}
+
     data = MixtureData.open(MixtureConfig.load(mixture), SEQ_LEN, default_heldout=HELDOUT)
     plan = data.plan(data.data_config(seed=0, schedule=BatchSchedule([(1, GBS)])))
     offsets = document_offsets(data)
     small = data.spec.sources[data.names.index("small")].num_samples
     assert 2 <= small < 12  # wraps within the job (2, then 4 samples a step)
-    wraps = []
-    for step in range(1, STEPS + 1):
-        a = step_account(plan, step, SEQ_LEN)
-        docs = documents_started(plan, step, offsets, SEQ_LEN)
-        wraps += [(name, e, step) for name, e in a.wraps]
-        for i, name in enumerate(a.names):
-            values = (
-                a.samples[i], a.tokens[i], a.cumulative[i], float(a.targets[i]),
-                a.deviations[i], a.epochs[i], docs[i],
-            )  # fmt: skip
-            for tag, want in zip(TAGS, values, strict=True):
-                got = runs.read_scalars(run, f"zephon/source/{name}/{tag}")
-                assert list(got) == list(range(1, STEPS + 1)), (name, tag)
-                assert got[step] == float(want), (name, tag, step)
+    accounts = [step_account(plan, step, SEQ_LEN) for step in range(1, STEPS + 1)]
+    docs = [documents_started(plan, step, offsets, SEQ_LEN) for step in range(1, STEPS + 1)]
+    wraps = [(name, e, a.step) for a in accounts for name, e in a.wraps]
+    for i, name in enumerate(data.names):
+        for k, tag in enumerate(TAGS):
+            want = [
+                (a.samples[i], a.tokens[i], a.cumulative[i], float(a.targets[i]),
+                 a.deviations[i], a.epochs[i], d[i])[k]
+                for a, d in zip(accounts, docs, strict=True)
+            ]  # fmt: skip
+            got = scalars(f"zephon/source/{name}/{tag}")
+            assert got == dict(zip(range(1, STEPS + 1), map(float, want), strict=True)), tag
     # a weight change at step 4: 2 then 4 samples of "small" per step, exact targets
-    sm = runs.read_scalars(run, "zephon/source/small/samples")
-    assert [sm[s] for s in range(1, STEPS + 1)] == [2, 2, 2, 4, 4, 4]
-    assert runs.read_scalars(run, "zephon/source/small/target_samples")[STEPS] == 18
-    assert sum(runs.read_scalars(run, "zephon/source/big/documents_started").values()) > 0
+    assert list(scalars("zephon/source/small/samples").values()) == [2, 2, 2, 4, 4, 4]
+    assert scalars("zephon/source/small/target_samples")[STEPS] == 18
+    assert sum(scalars("zephon/source/big/documents_started").values()) > 0
 
     # the log: the line at metrics.log_freq (steps 1, 3, 6), the wraps on rank 0 once each
     lines = [x for x in job.output.splitlines() if "Zephon: step " in x and " data | " in x]
