@@ -87,6 +87,20 @@ def test_scalars_each_step_the_line_at_log_steps_and_capped_wrap_warnings(caplog
     assert WRAP_WARNINGS == 3
 
 
+def test_without_tensorboard_rank_0_still_logs_the_lines_and_every_wrap(caplog):
+    """No scalars to write: the documents are counted for the log steps only, and the
+    wraps at the other steps (2, 4, 5) are still warned."""
+    acc = accounting(mixture(), None)
+    with caplog.at_level(logging.INFO):
+        for step in range(1, 7):
+            acc.ahead(step)
+            acc.record(step)
+        acc.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m.split()[2] for m in messages if " data | " in m] == ["1", "3", "6"]
+    assert [m.split(" at step ")[1][0] for m in messages if "wrapped into" in m] == ["2", "4", "5"]
+
+
 def test_a_rank_that_writes_nothing_accounts_nothing(caplog):
     acc = accounting(mixture(), None, writes_log=False)
     assert not acc.active

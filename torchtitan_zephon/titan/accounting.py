@@ -135,12 +135,19 @@ class StepAccounting:
             self._offsets = document_offsets(self.data)
         return documents_started(plan, step, self._offsets, self.seq_len)
 
+    def _needs_documents(self, step: int) -> bool:
+        """Scalars go out at every step, the log line only at log steps."""
+        return self.sink is not None or self.should_log(step)
+
     def ahead(self, step: int) -> None:
-        """Start counting the documents of ``step`` and ``step + 1`` in the background."""
+        """Start counting the documents of ``step`` and ``step + 1`` in the background
+        (those that are written: every step with scalars, else the log steps)."""
         if self._pool is None:
             return
         plan = self.plan()
         for s in (step, step + 1):
+            if not self._needs_documents(s):
+                continue
             known = self._pending.get(s)
             if known is None or known[0] != id(plan):
                 self._pending[s] = (id(plan), self._pool.submit(self._documents, plan, s))
@@ -168,11 +175,12 @@ class StepAccounting:
         plan = self.plan()
         self.ahead(step)
         account = step_account(plan, step, self.seq_len)
-        documents = self._pending.pop(step)[1].result()
-        if self.sink is not None:
+        pending = self._pending.pop(step, None)  # None: the step is written nowhere
+        documents = None if pending is None else pending[1].result()
+        if documents is not None and self.sink is not None:
             self._writes.append(self._pool.submit(self.sink, metrics_of(account, documents), step))
         if self.writes_log:
-            if self.should_log(step):
+            if documents is not None and self.should_log(step):
                 logger.info(log_line(account, documents))
             for name, epoch in account.wraps:
                 self._warn_wrap(name, epoch, step)

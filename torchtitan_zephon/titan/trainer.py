@@ -135,7 +135,9 @@ class ZephonTrainer(Trainer):
             plan=lambda: self.dataloader.plan,
             data=self.dataloader.loader.source,
             seq_len=config.training.seq_len,
-            sink=None if type(sink) is BaseLogger else sink.log,
+            sink=None
+            if type(sink) is BaseLogger or getattr(sink, "number_of_loggers", 1) == 0
+            else sink.log,
             should_log=self.metrics_processor.should_log,
             writes_log=int(os.environ.get("RANK", "0")) == 0,
         )
