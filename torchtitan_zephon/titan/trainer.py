@@ -98,6 +98,7 @@ class ZephonTrainer(Trainer):
     def __init__(self, config: Config) -> None:
         self._tracking = False
         self._lock: RunFolderLock | None = None
+        self.accounting: StepAccounting | None = None  # built at the first step
         try:  # before TorchTitan builds anything: clear errors
             _check_components(config)
             job = job_view(config)
@@ -120,7 +121,6 @@ class ZephonTrainer(Trainer):
                 parallelize_fn=topology_free_parallelize(config.model_spec.parallelize_fn, seed),
             )
         super().__init__(config)
-        self.accounting = self._build_accounting(config)
         if plan.old_run is not None:  # a 0.2.2 checkpoint: loaded through its key map
             old_runs.install(self.checkpointer, plan.old_run)
 
@@ -263,7 +263,7 @@ class ZephonTrainer(Trainer):
         self.gradient_accumulation_steps = gbs // (
             self.dataloader.loader.dp_degree * self.config.training.local_batch_size
         )
-        accounting = getattr(self, "accounting", None)
+        accounting = self.accounting
         if accounting is not None:
             accounting.ahead(step)
         super().train_step(data_iterator)
@@ -301,6 +301,7 @@ class ZephonTrainer(Trainer):
             dl.tracker.start(dl.topology)
         if self._lock is not None and getattr(self, "_abandoned", None):
             self._move_abandoned(*self._abandoned)  # every rank has loaded (the gather above)
+        self.accounting = self._build_accounting(self.config)
         self._tracking = True
 
     def _check_same_data_everywhere(self) -> None:
