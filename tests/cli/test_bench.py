@@ -146,3 +146,14 @@ def test_machine_names_the_torchtitan_the_figures_came_from():
 
     m = machine()
     assert m["torchtitan"] == version("torchtitan") and m["torch"]
+
+
+def test_accounting(capsys):
+    r = bench(capsys, "accounting")
+    assert (r["global_batch"], r["sources"]) == (4000, 3)
+    for key in ("step_path_ms", "baseline_ids_ms", "background_ms", "tensorboard_ms"):
+        assert r[key] > 0
+    assert r["baseline_ratio"] == pytest.approx(r["baseline_ids_ms"] / r["step_path_ms"])
+    assert r["scalars_per_step"] == 3 * 7
+    assert r["documents_per_step"] > 0
+    assert r["meets"] == {"step_path_ms": r["step_path_ms"] < 1.0}

@@ -7,7 +7,8 @@ batch), ``scale`` (per-rank plan cost vs world size, sequence log growth),
 with 1, 10, 100 sources vs one store, plan cost at step 10 vs 10^9, state size) and
 ``remote`` (a store in a loopback bucket at 0 / 20 / 50 ms per request vs local disk:
 tokens/s, data wait, first batch, bytes fetched per byte trained, the naive
-download; ``latency_proxy`` is its proxy). Each exposes
+download; ``latency_proxy`` is its proxy) and ``accounting`` (the per-source
+accounting's cost on the training step). Each exposes
 ``run(opts: dict) -> dict`` (a JSON-able result) and ``rows(result)`` (the
 printed table). Beside them: ``corpus`` and ``measure`` (what the suites share), and
 the parts of ``loader``: ``contenders`` (the loaders compared), ``throughput`` and
@@ -18,4 +19,4 @@ same machine, side by side; ratios are computed from those measurements and
 never from remembered numbers.
 """
 
-SUITES = ["loader", "step", "resume", "scale", "prepare", "mixture", "remote"]
+SUITES = ["loader", "step", "resume", "scale", "prepare", "mixture", "remote", "accounting"]

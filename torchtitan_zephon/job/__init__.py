@@ -13,7 +13,10 @@ package re-exports nothing):
   ``first_correction``, ``mixture_progress``), without opening a store;
 - ``settings``: the job's data as the trainer's settings name it (``raw_inputs``,
   ``open_store``, ``store_source``, ``builtin_tokenizer``): what ``titan`` asks
-  instead of ingesting or opening a store itself.
+  instead of ingesting or opening a store itself;
+- ``accounting``: what each trained step drew from each source (``step_account``:
+  O(sources) from the plan's counts; ``documents_started``: O(global batch), for a
+  background thread).
 
 Ownership: a job opens its data once (``StoreData`` / ``MixtureData.open``) and
 hands that object on; the trainer hands it to the preflight, the loader and the

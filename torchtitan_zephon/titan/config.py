@@ -155,6 +155,13 @@ class Zephon:
     steps; old checkpoints stay. Without it such a start is refused, except for a
     torchrun elastic restart of the same job."""
 
+    accounting: bool = True
+    """Per-source accounting (default on): at every step, per source, the samples,
+    tokens, cumulative samples beside the exact target, deviation, epoch and documents
+    started go to TensorBoard (zephon/source/<name>/..., with metrics.enable_tensorboard),
+    a line per step at metrics.log_freq to the log, and a warning when a source enters a
+    new epoch. Off: none of these. Not part of the data config."""
+
     prefetch: int = 2
     """Micro-batches prepared ahead of the trainer by a background thread (0: none)."""
 

@@ -22,7 +22,8 @@ step, once every rank has loaded K), and wraps the model spec's
 (2) sets the gradient accumulation of each step from the batch schedule; (3)
 after each completed step appends the step's record to the sequence log (global
 rank 0), combining the DP ranks' token digests in rank order at audit level
-``tokens``; (4) releases the run folder when the job ends cleanly (after a
+``tokens``, and logs the step's per-source accounting (``titan.accounting``, unless
+``zephon.accounting`` is off); (4) releases the run folder when the job ends cleanly (after a
 failure the lock stays, so an elastic restart of the same job recognises itself,
 and any other job takes over a dead holder's lock within one lease). What it
 refuses or stops for it raises as ``SettingRefused`` / ``JobStopped`` (or the
@@ -41,6 +42,7 @@ from typing import Any
 
 import torch.distributed as dist
 from torchtitan.components.dataloader import BaseDataLoader
+from torchtitan.components.metrics import BaseLogger
 from torchtitan.components.validate import BaseValidator
 from torchtitan.config.configs import DebugConfig
 from torchtitan.observability import structured_logger as sl
@@ -51,6 +53,7 @@ from torchtitan_zephon.ownership.lock import RunFolderLock
 from torchtitan_zephon.ownership.process import torchrun_agent
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.titan import old_runs, preflight
+from torchtitan_zephon.titan.accounting import StepAccounting
 from torchtitan_zephon.titan.attention import with_document_masks
 from torchtitan_zephon.titan.checks import check_job_config
 from torchtitan_zephon.titan.config import Zephon
@@ -95,6 +98,7 @@ class ZephonTrainer(Trainer):
     def __init__(self, config: Config) -> None:
         self._tracking = False
         self._lock: RunFolderLock | None = None
+        self.accounting: StepAccounting | None = None  # built at the first step
         try:  # before TorchTitan builds anything: clear errors
             _check_components(config)
             job = job_view(config)
@@ -119,6 +123,24 @@ class ZephonTrainer(Trainer):
         super().__init__(config)
         if plan.old_run is not None:  # a 0.2.2 checkpoint: loaded through its key map
             old_runs.install(self.checkpointer, plan.old_run)
+
+    def _build_accounting(self, config: Config) -> StepAccounting | None:
+        """Per-source accounting (``titan.accounting``), unless zephon.accounting is off:
+        scalars through the metrics processor's logger where it writes (the metrics
+        rank), the log line and the epoch warnings on global rank 0."""
+        if not config.zephon.accounting:
+            return None
+        sink = self.metrics_processor.logger
+        return StepAccounting(
+            plan=lambda: self.dataloader.plan,
+            data=self.dataloader.loader.source,
+            seq_len=config.training.seq_len,
+            sink=None
+            if type(sink) is BaseLogger or getattr(sink, "number_of_loggers", 1) == 0
+            else sink.log,
+            should_log=self.metrics_processor.should_log,
+            writes_log=int(os.environ.get("RANK", "0")) == 0,
+        )
 
     @staticmethod
     def _take_run_folder(job: JobView, config: Any) -> tuple[RunFolderLock | None, Any]:
@@ -241,8 +263,13 @@ class ZephonTrainer(Trainer):
         self.gradient_accumulation_steps = gbs // (
             self.dataloader.loader.dp_degree * self.config.training.local_batch_size
         )
+        accounting = self.accounting
+        if accounting is not None:
+            accounting.ahead(step)
         super().train_step(data_iterator)
         self._record_step(step)
+        if accounting is not None:
+            accounting.record(step)
 
     def post_dataloading_process(
         self, input_dict: dict[str, Any], labels: Any
@@ -274,6 +301,7 @@ class ZephonTrainer(Trainer):
             dl.tracker.start(dl.topology)
         if self._lock is not None and getattr(self, "_abandoned", None):
             self._move_abandoned(*self._abandoned)  # every rank has loaded (the gather above)
+        self.accounting = self._build_accounting(self.config)
         self._tracking = True
 
     def _check_same_data_everywhere(self) -> None:
@@ -326,6 +354,8 @@ class ZephonTrainer(Trainer):
         handled (TorchTitan's ``main`` closes from its ``except`` too)."""
         if getattr(self, "dataloader", None) is not None:
             self.dataloader.close()
+        if getattr(self, "accounting", None) is not None:
+            self.accounting.close()
         super().close()
         lock = getattr(self, "_lock", None)
         if lock is not None and sys.exc_info()[1] is None:

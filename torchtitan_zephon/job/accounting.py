@@ -1,0 +1,156 @@
+"""Per-source accounting: what each trained step drew from each source.
+
+Role: ``step_account(plan, step, seq_len)`` gives, for one trained step, per source
+(a mixture's sources in name order; one store is one source, named ``store``): the
+samples and tokens the step trains, the cumulative samples trained by steps 1..step
+beside the exact target, the deviation and the epoch. It asks the plan's O(sources)
+counts (``MixturePlan.step_counts`` / ``counts_before`` / ``targets_before``, and
+for one store the layout's positions), never the step's sample ids, so it costs the
+same at any global batch size and any step. ``documents_started`` counts the
+documents that start inside the step's samples: that needs the step's ids (O(global
+batch): the plan's global ids, then one ``searchsorted`` over each source's document
+offsets on the sorted sample starts), so the trainer computes it off its thread.
+
+Invariants (for every step s the plan trains):
+- ``samples[i]`` is the number of slots of step s whose sample comes from source i:
+  the count of i among the sources of ``plan.global_ids(s)``; they sum to GBS(s).
+  ``tokens[i] = samples[i] x seq_len`` (the input tokens; each label is the next one).
+- ``cumulative[i]`` = sum of ``samples[i]`` over steps 1..s: the *trained* count, so
+  a skip range (``order.skips``) leaves it unchanged, as it leaves the slot
+  assignment. ``targets[i]`` = sum over t <= s of w_i(t) x GBS(t), exact (one store:
+  the cumulative count itself); ``deviation = cumulative - target``.
+- ``epochs[i]`` is the epoch of source i's last trained sample (its stream position
+  // its training samples; skipped samples count, as the stream reads past them; 0
+  before its first draw). ``wraps`` lists the sources whose epoch grew at step s.
+- ``documents_started`` counts, per source and with multiplicity over the step's
+  samples, the document offsets d with ``id x seq_len <= d < (id + 1) x seq_len``
+  (a document starts at one of the sample's seq_len input tokens).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from torchtitan_zephon.order.mixture.stream import MixtureStream
+from torchtitan_zephon.order.stream import DataPlan, StreamPlan, split_keys
+
+STORE_NAME = "store"
+"""The source name of a job on one store (``zephon/source/store/...``)."""
+
+
+@dataclass(frozen=True)
+class StepAccount:
+    """One trained step, per source (``names`` order)."""
+
+    step: int
+    names: list[str]
+    samples: np.ndarray
+    tokens: np.ndarray
+    cumulative: np.ndarray
+    targets: list[Fraction]
+    epochs: np.ndarray
+    previous_epochs: np.ndarray
+    """Each source's epoch after step - 1."""
+    deviations: list[float]
+    """Per source: cumulative trained samples minus the exact target."""
+
+    @property
+    def wraps(self) -> list[tuple[str, int]]:
+        """(source, new epoch) of the sources that entered a new epoch at this step."""
+        grew = np.flatnonzero(self.epochs > self.previous_epochs).tolist()
+        return [(self.names[i], int(self.epochs[i])) for i in grew]
+
+
+def source_names(plan: StreamPlan) -> list[str]:
+    """The sources a plan draws from, in source-index order."""
+    return list(plan.names) if isinstance(plan, MixtureStream) else [STORE_NAME]
+
+
+def step_account(plan: StreamPlan, step: int, seq_len: int) -> StepAccount:
+    """The accounting of trained step ``step`` (see the module docstring); O(sources)."""
+    if isinstance(plan, MixtureStream):
+        mix = plan.mixture
+        samples = mix.step_counts(step)
+        cumulative = mix.counts_before(step + 1)
+        targets = mix.targets_before(step + 1)
+        epochs = _mixture_epochs(plan, cumulative)
+        previous = _mixture_epochs(plan, cumulative - samples)
+    elif isinstance(plan, DataPlan):
+        first, count = plan.step_positions(step)
+        samples = np.array([count], dtype=np.int64)
+        cumulative = np.array([first + count], dtype=np.int64)
+        targets = [Fraction(first + count)]
+        epochs = _store_epoch(plan, first + count)
+        previous = _store_epoch(plan, first)
+    else:
+        raise TypeError(f"no accounting for a {type(plan).__qualname__}")
+    deviations = [float(c - t) for c, t in zip(cumulative.tolist(), targets, strict=True)]
+    return StepAccount(
+        step=step,
+        names=source_names(plan),
+        samples=samples,
+        tokens=samples * int(seq_len),
+        cumulative=cumulative,
+        targets=list(targets),
+        epochs=epochs,
+        previous_epochs=previous,
+        deviations=deviations,
+    )
+
+
+def _store_epoch(plan: DataPlan, drawn: int) -> np.ndarray:
+    """Epoch of the last of the first ``drawn`` positions' samples (0 if none)."""
+    if drawn <= 0:
+        return np.zeros(1, dtype=np.int64)
+    last = np.array([drawn - 1], dtype=np.int64)
+    if plan.skip_map is not None:
+        last = plan.skip_map.shift(last)
+    return last // plan.num_samples
+
+
+def _mixture_epochs(plan: MixtureStream, drawn: np.ndarray) -> np.ndarray:
+    """Per source, the epoch of its ``drawn[i]``-th draw (0 if none)."""
+    mix = plan.mixture
+    last = np.maximum(np.asarray(drawn, dtype=np.int64) - 1, 0)
+    if mix.skip_map is not None:  # one count per source: the map's per-source lookup
+        last = last + mix.skip_map.skipped_before(last)
+    return np.where(drawn > 0, last // mix.num_samples, 0)
+
+
+def document_offsets(data: Any) -> list[np.ndarray]:
+    """Each source's document offsets (token index of every document's first token),
+    from the job's data (``job.data.StoreData`` / ``MixtureData``), in source order.
+    A store in object storage fetches its offsets file on the first call."""
+    stores = data.stores if hasattr(data, "stores") else [data.store]
+    return [np.asarray(st.doc_offsets, dtype=np.int64) for st in stores]
+
+
+def documents_started(
+    plan: StreamPlan, step: int, offsets: Sequence[np.ndarray], seq_len: int
+) -> np.ndarray:
+    """Per source, the documents that start inside step ``step``'s samples (module
+    docstring). O(global batch): the step's ids, sorted per source, then two
+    ``searchsorted`` over the source's offsets."""
+    keys = plan.global_ids(step)
+    if isinstance(plan, MixtureStream):
+        sources, ids = split_keys(keys)
+    else:
+        sources, ids = np.zeros(len(keys), dtype=np.int64), np.asarray(keys, dtype=np.int64)
+    out = np.zeros(len(offsets), dtype=np.int64)
+    order = np.argsort(sources, kind="stable")
+    bounds = np.searchsorted(sources[order], np.arange(len(offsets) + 1))
+    length = np.int64(seq_len)
+    for i, off in enumerate(offsets):
+        mine = ids[order[bounds[i] : bounds[i + 1]]]
+        if not mine.size:
+            continue
+        starts = np.sort(mine) * length  # sorted queries: the searches walk the offsets once
+        hi = np.searchsorted(off, starts + length, side="left")
+        lo = np.searchsorted(off, starts, side="left")
+        out[i] = int((hi - lo).sum())
+    return out
