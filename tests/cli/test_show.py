@@ -27,7 +27,7 @@ def write_run(
 ) -> Path:  # fmt: skip
     """A run folder as the trainer leaves it: a sequence log written by the real
     tracker (start event with the data config, records of steps 1..trained) and the
-    job config TorchTitan saves with --debug.save_config_file."""
+    job config TorchTitan 0.3 saves with --debug.save_config_file."""
     extra = {"skip_steps": SkipSteps.parse(skips).to_json()} if skips else {}
     config = source.data_config(seed=seed, schedule=BatchSchedule.parse(gbs), extra=extra)
     plan = source.plan(config)
@@ -37,7 +37,9 @@ def write_run(
     for step in range(1, trained + 1):
         tracker.record(step, plan.step_positions(step)[0], plan.global_ids(step))
     if saved is not None:
-        (folder / "config.json").write_text(json.dumps({"job": {}, "training": {}, **saved}))
+        # TorchTitan 0.3's layout (no "job" section; dump_folder at the top)
+        job = {"dump_folder": str(folder), "training": {}, **saved}
+        (folder / "config.json").write_text(json.dumps(job))
     return folder
 
 
