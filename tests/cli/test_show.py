@@ -214,3 +214,31 @@ def test_missing_flags_and_a_run_with_data_flags_are_refused(store_path, store, 
     assert "is a run folder: its sequence log's data config decides" in capsys.readouterr().err
     assert main(["show", str(tmp_path / "nothing"), *BASE, "--step", "1"]) == 2
     assert "does not exist: expected a run folder" in capsys.readouterr().err
+
+
+def test_a_mixture_run_finds_its_sources_from_the_saved_mixture_file(
+    mixture_file, tmp_path, tokenizer_dir, capsys
+):
+    source = MixtureData.open(MixtureConfig.load(mixture_file), 8)
+    saved = {"hf_assets_path": str(tokenizer_dir), "zephon": {"mixture": str(mixture_file)}}
+    run = write_run(tmp_path / "run", source, gbs="10", skips="2:1", trained=2, saved=saved)
+    plan = source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse("10"),
+                                          extra={"skip_steps": [[2, 1]]}))  # fmt: skip
+    info = show(capsys, str(run), "--step", "3")
+    names, ids = plan.decode(plan.global_ids(3))
+    assert [(s["source"], s["sample"]) for s in info["samples"]] == list(
+        zip(names, ids.tolist(), strict=True)
+    )
+    assert info["status"] == "planned" and all(
+        "text" in s and s["documents"] for s in info["samples"]
+    )
+    # another mixture file whose 'web' is another store: that source's data is left out, said so
+    other = tmp_path / "other.toml"
+    other.write_text(mixture_file.read_text().replace('store = "web"', 'store = "code"').replace(
+        'store = "code"', f'store = "{mixture_file.parent / "code"}"'))  # fmt: skip
+    (run / "config.json").unlink()
+    assert main(["show", str(run), "--step", "3", "--mixture", str(other), "--json"]) == 0
+    out = capsys.readouterr()
+    samples = json.loads(out.out)["samples"]
+    assert {s["source"] for s in samples if "documents" in s} == {"code"}
+    assert "the stores of mixture sources 'web' were not found" in out.err

@@ -222,6 +222,14 @@ def open_step_data(args: argparse.Namespace, command: str) -> StepData:
         raise ShowError(
             f"zephon {command} needs a run folder or a store (positional), or --mixture FILE."
         )
+    if (
+        target is not None
+        and not Path(target).exists()
+        and not target.startswith(("builtin:", "s3://", "gs://", "az://"))
+    ):
+        raise ShowError(
+            f"{target} does not exist: expected a run folder (TorchTitan dump folder) or a token store."
+        )
     missing = [f for f in ("seq_len", "global_batch_size", "seed") if getattr(args, f) is None]
     if missing:
         flags = ", ".join("--" + f.replace("_", "-") for f in missing)
@@ -232,25 +240,17 @@ def open_step_data(args: argparse.Namespace, command: str) -> StepData:
         )
     if target is not None and args.mixture:
         raise ShowError("give a store or --mixture FILE, not both.")
-    if (
-        target is not None
-        and not Path(target).exists()
-        and not target.startswith(("builtin:", "s3://", "gs://", "az://"))
-    ):
-        raise ShowError(
-            f"{target} does not exist: expected a run folder (TorchTitan dump folder) or a token store."
-        )
-    return _open_given(args)
+    return _open_given(args, command)
 
 
-def _open_given(args: argparse.Namespace) -> StepData:
+def _open_given(args: argparse.Namespace, command: str) -> StepData:
     from torchtitan_zephon.job.data import MixtureData
     from torchtitan_zephon.job.settings import store_source
     from torchtitan_zephon.order.mixture.config import MixtureConfig
 
     schedule: BatchSchedule = args.global_batch_size
     extra = {SKIP_FIELD: args.skip_steps.to_json()} if args.skip_steps else {}
-    raw = _raw_inputs(args)
+    raw = _raw_inputs(args, command)
     if args.mixture:
         data = MixtureData.open(
             MixtureConfig.load(args.mixture),
