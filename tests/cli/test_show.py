@@ -242,3 +242,23 @@ def test_a_mixture_run_finds_its_sources_from_the_saved_mixture_file(
     samples = json.loads(out.out)["samples"]
     assert {s["source"] for s in samples if "documents" in s} == {"code"}
     assert "the stores of mixture sources 'web' were not found" in out.err
+
+
+def test_trained_steps_end_where_the_effective_history_ends(store_path, store, tmp_path, capsys):
+    from torchtitan_zephon import runs
+
+    source = StoreData(store, 8)
+    run = write_run(
+        tmp_path / "run", source, trained=5, saved={"zephon": {"store": str(store_path)}}
+    )
+    log = run / "zephon" / LOG_NAME
+    chain3 = runs.sequence_log(run).records[3]["chain"]
+    config = source.data_config(seed=3, schedule=BatchSchedule.parse("4"))
+    SequenceTracker(log, config=config, writer=True).resume(
+        {"step": 3, "chain": chain3}, {"world_size": 1}
+    )
+    assert runs.sequence_log(run).steps() == [1, 2, 3]  # a rollback to 3: steps 4, 5 superseded
+    with open(log, "ab") as f:
+        f.write(b'{"v": 2, "step": 4, "first_pos')  # a line cut short by a crash
+    for step, status in ((3, "trained"), (4, "planned"), (5, "planned")):
+        assert show(capsys, str(run), "--step", str(step))["status"] == status

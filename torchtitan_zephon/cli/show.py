@@ -278,6 +278,33 @@ def _open_given(args: argparse.Namespace, command: str) -> StepData:
     return data
 
 
+def _last_trained(path: Path) -> int:
+    """The last step of the log's effective history, from its last whole line: a record
+    (its step) or an event (its from_step: the steps after it are superseded). Records
+    are appended in step order after the event they follow, so the tail decides; O(1)
+    in the log's length (the chain is ``zephon verify``'s to check)."""
+    with open(path, "rb") as f:
+        size = f.seek(0, 2)
+        block = 1 << 16
+        while True:
+            f.seek(max(0, size - block))
+            lines = f.read(block).split(b"\n")
+            if size > block:
+                lines = lines[1:]  # the first may be cut
+            for raw in reversed(lines):
+                try:
+                    entry = json.loads(raw)
+                except (ValueError, RecursionError):
+                    continue  # blank, or a last line cut short by a crash
+                if isinstance(entry, dict):
+                    key = "from_step" if "event" in entry else "step"
+                    if type(entry.get(key)) is int:
+                        return int(entry[key])
+            if block >= size:
+                return 0
+            block *= 4
+
+
 def _newest_event(run: Path) -> dict[str, Any]:
     reader = runs.log_reader(run)
     events = [e for e in reader.events if e.get("event") in ("start", "resume")]
@@ -289,7 +316,7 @@ def _newest_event(run: Path) -> dict[str, Any]:
             "(zephon.audit off?). Name the data instead: a store with --seq-len, "
             "--global-batch-size and --seed."
         )
-    return events[-1]
+    return {**events[-1], "_trained": _last_trained(reader.path)}
 
 
 def _anchor(run: Path, event: dict[str, Any], config: DataConfig) -> tuple[int, int]:
@@ -340,8 +367,6 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
     tokenizer, note = _tokenizer(config.tokenizer_hash, [args.tokenizer, assets])
     if note:
         notes.append(note)
-    contents = runs.sequence_log(run)
-    steps = contents.steps()
     dp = event.get("dp_degree")
     return StepData(
         f"the run {run}",
@@ -352,7 +377,7 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
         tokenizer,
         config.seq_len,
         dp_degree=dp if isinstance(dp, int) and dp >= 1 else 1,
-        trained_last=steps[-1] if steps else 0,
+        trained_last=event["_trained"],
         notes=notes,
     )
 
