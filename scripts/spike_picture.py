@@ -12,7 +12,7 @@ README's "When a loss spike hits" picture (docs/spike_rollback.png), from real r
 
     python scripts/spike_picture.py [--out outputs/spike_demo] [--png docs/spike_rollback.png]
 
-About 5 minutes on 2 CPU cores. The same run folders serve the README's walkthrough.
+A few minutes on 2 CPU cores. The same run folders serve the README's walkthrough.
 """
 
 from __future__ import annotations
