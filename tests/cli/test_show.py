@@ -262,3 +262,40 @@ def test_trained_steps_end_where_the_effective_history_ends(store_path, store, t
         f.write(b'{"v": 2, "step": 4, "first_pos')  # a line cut short by a crash
     for step, status in ((3, "trained"), (4, "planned"), (5, "planned")):
         assert show(capsys, str(run), "--step", str(step))["status"] == status
+
+
+def test_a_resume_that_accepted_a_schedule_change_anchors_the_plan(
+    store_path, store, tmp_path, capsys
+):
+    from torchtitan_zephon import runs
+
+    source = StoreData(store, 8)
+    run = write_run(
+        tmp_path / "run", source, gbs="4", trained=4, saved={"zephon": {"store": str(store_path)}}
+    )
+    log = run / "zephon" / LOG_NAME
+    head = {"step": 2, "chain": runs.sequence_log(run).records[2]["chain"]}
+    # resumed from step 2 with a global batch of 8 (accepted): step 3 starts at position 8
+    config = source.data_config(seed=3, schedule=BatchSchedule.parse("8"))
+    plan = DataPlan(
+        store.num_samples(8), 3, BatchSchedule.parse("8"), anchor_step=3, anchor_position=8
+    )
+    tracker = SequenceTracker(log, config=config, writer=True)
+    tracker.resume(head, {"world_size": 1}, details={"accepted_changes": ["schedule"]})
+    tracker.record(3, *plan.step_positions(3)[:1], plan.global_ids(3))
+    for step, status in ((3, "trained"), (4, "planned"), (10**6, "planned")):
+        info = show(capsys, str(run), "--step", str(step))
+        assert info["positions"] == [8 + 8 * (step - 3), 16 + 8 * (step - 3)]
+        assert [s["sample"] for s in info["samples"]] == plan.global_ids(step).tolist()
+        assert info["status"] == status
+    assert main(["show", str(run), "--step", "2"]) == 2  # before the anchor: not this plan's
+    err = capsys.readouterr().err
+    assert (
+        "step 2 is before the first step 3 of the run" in err
+        and "counts positions from step 3" in err
+    )
+    # a later rollback to step 1 (before the change): the start's plan again
+    head = {"step": 1, "chain": runs.sequence_log(run).records[1]["chain"]}
+    old = source.data_config(seed=3, schedule=BatchSchedule.parse("4"))
+    SequenceTracker(log, config=old, writer=True).resume(head, {"world_size": 1})
+    assert show(capsys, str(run), "--step", "2")["positions"] == [4, 8]

@@ -39,7 +39,7 @@ from torchtitan_zephon.cli.inspect_run import is_run
 from torchtitan_zephon.cli.plan import _open_store, _raw_inputs, _schedule, _skip_steps
 from torchtitan_zephon.job.plans import plan_of
 from torchtitan_zephon.order.data_config import SKIP_FIELD, DataConfig
-from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.stream import StreamPlan, split_keys
@@ -316,23 +316,35 @@ def _newest_event(run: Path) -> dict[str, Any]:
             "(zephon.audit off?). Name the data instead: a store with --seq-len, "
             "--global-batch-size and --seed."
         )
-    return {**events[-1], "_trained": _last_trained(reader.path)}
+    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
+    history = events[starts[-1] :] if starts else events  # a start begins a new history
+    return {**events[-1], "_trained": _last_trained(reader.path), "_anchor": _anchor(history)}
 
 
-def _anchor(run: Path, event: dict[str, Any], config: DataConfig) -> tuple[int, int]:
-    """The position anchor of the data config (a resume that accepted a schedule change
-    moves it): from the checkpoint the newest resume started from."""
-    step = event.get("from_step")
-    if event.get("event") != "resume" or not isinstance(step, int) or step < 1:
-        return (1, 0)
-    folder = run / _checkpoint_folder(run) / f"step-{step}"
-    if not (folder / ".metadata").is_file():
-        return (1, 0)
-    try:
-        state = runs.read_data_state(folder)
-    except (ValueError, OSError):
-        return (1, 0)
-    return state.position_anchor if state.config == config else (1, 0)
+def _anchor(history: list[dict[str, Any]]) -> tuple[int, int]:
+    """The position anchor of the newest job's data config, from the run's history (its
+    start and resume events from the last start on). Only a resume that accepted a batch
+    schedule change moves it (``accepted_changes`` names "schedule", ``order.resume``):
+    to (k + 1, the first position of step k + 1 under the job that trained step k), k
+    its from_step; any other resume keeps that job's anchor."""
+    anchors: list[tuple[int, int]] = []
+    for i, e in enumerate(history):
+        k = e.get("from_step")
+        if i == 0 or e.get("event") == "start" or not isinstance(k, int) or k < 1:
+            anchors.append((1, 0))
+            continue
+        j = max((j for j in range(i) if _int(history[j].get("from_step")) < k), default=0)
+        anchor = anchors[j]  # the job that trained step k
+        accepted = e.get("accepted_changes")
+        if isinstance(accepted, list) and "schedule" in accepted:
+            schedule = DataConfig.from_dict(history[j]["data_config"]).batch_schedule()
+            anchor = (k + 1, Layout(schedule, anchor).step_positions(k + 1)[0])
+        anchors.append(anchor)
+    return anchors[-1]
+
+
+def _int(value: Any) -> int:
+    return value if isinstance(value, int) else 0
 
 
 def _checkpoint_folder(run: Path) -> str:
@@ -352,7 +364,7 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
     saved = runs.saved_config(run)
     saved_job = saved[1] if saved else {}
     zephon = saved_job.get("zephon") if isinstance(saved_job.get("zephon"), dict) else {}
-    plan = plan_of(config, _anchor(run, event, config))
+    plan = plan_of(config, event["_anchor"])
     notes: list[str] = []
     if config.mixture is None:
         names = [""]
