@@ -337,12 +337,18 @@ def skips(contents: LogContents | LogReader) -> list[dict[str, Any]]:
 
 
 def saved_config(run: str | os.PathLike) -> tuple[Path, dict] | None:
-    """The job config a run saved (``--job.save_config_file NAME.json``), if any."""
+    """The job config a run saved, if any: TorchTitan 0.2.2's ``--job.save_config_file
+    NAME.json`` (sections ``job``, ``training``, ...) or 0.3's ``--debug.save_config_file``
+    (``dump_folder`` and ``hf_assets_path`` at the top, no ``job`` section)."""
     for f in sorted(Path(run).glob("*.json")):
         try:
             data = json.loads(f.read_text(encoding="utf-8"))
         except (OSError, ValueError, RecursionError):
             continue
-        if isinstance(data, dict) and "job" in data and "training" in data:
+        if (
+            isinstance(data, dict)
+            and "training" in data
+            and ("job" in data or "dump_folder" in data)
+        ):
             return f, data
     return None

@@ -197,6 +197,28 @@ def test_inspect_verify_compare_refuse_bad_input(zoo):
         assert_refused(argv, *words, code=code)
 
 
+def test_show_where_spikes_refuse_bad_input(zoo):
+    cases = [
+        (["show", zoo["missing"], "--step", "1"], ["does not exist: expected a run folder"]),
+        (["show", zoo["folder"], "--step", "1"], ["needs --seq-len, --global-batch-size, --seed"]),
+        (["show", zoo["log_garbage"], "--step", "1"], ["no start or resume event with a data config"]),
+        (["show", zoo["log_deep"], "--step", "1"], ["sequence log"]),
+        (["show", zoo["log_overflow"], "--step", "1"], ["no start or resume event with a data config"]),
+        (["show", zoo["store_garbage"], "--seq-len", "8", "--global-batch-size", "4",
+          "--seed", "1", "--step", "1"], ["manifest.json"]),
+        (["show", "--step", "1"], ["needs a run folder or a store"]),
+        (["where", zoo["log_garbage"], "--doc", "1"], ["no start or resume event"]),
+        (["where", zoo["store_fields"], "--seq-len", "8", "--global-batch-size", "4",
+          "--seed", "1", "--doc", "0"], ["invalid field"]),
+        (["spikes", zoo["missing"]], ["does not exist"]),
+        (["spikes", zoo["folder"]], ["no TensorBoard events under"]),
+        (["spikes", zoo["folder"], "--k", "0"], ["finite number > 0"]),
+        (["spikes", zoo["folder"], "--window", "2"], ["an integer >= 5"]),
+    ]  # fmt: skip
+    for argv, words in cases:
+        assert_refused(argv, *words)
+
+
 def test_plan_refuses_bad_input(zoo, store_path):
     def plan(store: str, *extra: str) -> list[str]:
         base = ["plan", "--store", store, "--seq-len", "8", "--seed", "1", "--steps", "1:2"]
@@ -386,6 +408,35 @@ def test_verify_and_inspect_random_logs(tmp_path, lines, cut, raw):
     assert code == 0 and json.loads(out)["kind"] == "run", (out, err)
 
 
+_configs = st.dictionaries(
+    st.sampled_from(["seq_len", "seed", "schedule", "num_samples", "store_fingerprint",
+                     "tokenizer_hash", "skip_steps", "mixture", "sample_offset", "order_format"]),
+    st.one_of(st.integers(-3, 10**20), st.text(max_size=5), st.none(),
+              st.lists(st.lists(st.integers(-2, 9), max_size=3), max_size=3),
+              st.dictionaries(st.sampled_from(["format", "sources", "schedule"]), st.integers())),
+)  # fmt: skip
+
+
+@FUZZ
+@given(config=_configs, step=st.integers(-2, 10**12))
+def test_show_and_where_random_data_configs(tmp_path, config, step):
+    """A start event holding a random data config: show and where refuse it in a line."""
+    base = {"seq_len": 8, "seed": 1, "schedule": [[1, 4]], "num_samples": 100,
+            "store_fingerprint": "f", "tokenizer_hash": "t"}  # fmt: skip
+    run_dir = Path(tempfile.mkdtemp(dir=tmp_path))
+    (run_dir / "zephon").mkdir()
+    event = {"event": "start", "from_step": 0, "chain": "x", "data_config": {**base, **config}}
+    (run_dir / "zephon" / "sequence_log.jsonl").write_text(json.dumps(event) + "\n")
+    for argv in (
+        ["show", str(run_dir), "--step", str(step)],
+        ["where", str(run_dir), "--doc", "0"],
+    ):
+        code, out, err = run(argv)
+        assert code in (0, 2), (code, out, err)
+        if code == 2:
+            assert err.startswith(f"zephon {argv[0]}: error: ") and err.count("\n") == 1, err
+
+
 _ints = st.one_of(st.integers(-3, 40), st.integers(-(10**30), 10**30))
 
 
@@ -421,7 +472,8 @@ def test_plan_random_integers(
 _words = st.one_of(
     st.sampled_from(
         ["--json", "--store", "--seq-len", "--steps", "--seed", "--global-batch-size", "--dp-rank",
-         "--dp-degree", "--rtol", "--atol", "--plot", "-h", "--", "-", "1:2", "0", "-1", "1e9", ""]
+         "--dp-degree", "--rtol", "--atol", "--plot", "-h", "--", "-", "1:2", "0", "-1", "1e9", "",
+         "--step", "--doc", "--epochs", "--sample", "--k", "--window", "--max-chars", "--mixture"]
     ),
     st.from_regex(r"[a-z0-9:,._-]{1,10}", fullmatch=True).filter(lambda w: not w.startswith("..")),
 )  # fmt: skip
@@ -429,7 +481,7 @@ _words = st.one_of(
 
 @FUZZ
 @given(
-    command=st.sampled_from(["inspect", "plan", "verify", "compare"]),
+    command=st.sampled_from(["inspect", "plan", "show", "where", "spikes", "verify", "compare"]),
     words=st.lists(_words, max_size=8),
 )
 def test_random_words(tmp_path_factory, command, words):

@@ -23,7 +23,7 @@ import sys
 from torchtitan_zephon import __version__
 
 # Subcommand modules under torchtitan_zephon.cli, in help order.
-COMMANDS = ["prepare", "inspect", "plan", "verify", "compare", "bench"]
+COMMANDS = ["prepare", "inspect", "plan", "show", "where", "spikes", "verify", "compare", "bench"]
 
 
 def build_parser() -> argparse.ArgumentParser:

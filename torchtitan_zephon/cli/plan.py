@@ -257,8 +257,9 @@ def _say_exclusions(exclusions: Exclusions | None, last: int) -> None:
         print(f"zephon plan: exclude {text}{later}.", file=sys.stderr)
 
 
-def _raw_inputs(args: argparse.Namespace) -> RawInputs | None:
-    """How raw inputs are prepared (None without --tokenizer): as the trainer does it."""
+def _raw_inputs(args: argparse.Namespace, command: str = "plan") -> RawInputs | None:
+    """How raw inputs are prepared (None without --tokenizer): as the trainer does it;
+    ``command`` names the ``zephon`` subcommand in what it logs."""
     if args.tokenizer is None:
         return None
     return RawInputs(
@@ -268,7 +269,7 @@ def _raw_inputs(args: argparse.Namespace) -> RawInputs | None:
         cache_dir=args.cache_dir,
         workers=args.workers,
         progress=sys.stderr.isatty(),
-        log=lambda message: print(f"zephon plan: {message}", file=sys.stderr),
+        log=lambda message: print(f"zephon {command}: {message}", file=sys.stderr),
         tokenizer_origin="--tokenizer",
     )
 

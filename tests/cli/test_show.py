@@ -1,0 +1,301 @@
+"""``zephon show``: a step's samples, documents and text, for runs, stores and mixtures."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.job.data import MixtureData, StoreData
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.order.skips import SkipSteps
+from torchtitan_zephon.order.stream import DataPlan
+from torchtitan_zephon.store.writer import slice_store
+from torchtitan_zephon.tracker import LOG_NAME
+from torchtitan_zephon.tracker.writer import SequenceTracker
+
+BASE = ["--seq-len", "8", "--global-batch-size", "4", "--seed", "3"]
+
+
+def write_run(
+    folder: Path, source, *, gbs: str = "4", seed: int = 3, skips: str = "", trained: int = 3,
+    saved: dict | None = None, dp_degree: int = 2,
+) -> Path:  # fmt: skip
+    """A run folder as the trainer leaves it: a sequence log written by the real
+    tracker (start event with the data config, records of steps 1..trained) and the
+    job config TorchTitan 0.3 saves with --debug.save_config_file."""
+    extra = {"skip_steps": SkipSteps.parse(skips).to_json()} if skips else {}
+    config = source.data_config(seed=seed, schedule=BatchSchedule.parse(gbs), extra=extra)
+    plan = source.plan(config)
+    (folder / "zephon").mkdir(parents=True)
+    tracker = SequenceTracker(folder / "zephon" / LOG_NAME, config=config, writer=True)
+    tracker.start({"world_size": dp_degree, "dp_degree": dp_degree, "nnodes": 1})
+    for step in range(1, trained + 1):
+        tracker.record(step, plan.step_positions(step)[0], plan.global_ids(step))
+    if saved is not None:
+        # TorchTitan 0.3's layout (no "job" section; dump_folder at the top)
+        job = {"dump_folder": str(folder), "training": {}, **saved}
+        (folder / "config.json").write_text(json.dumps(job))
+    return folder
+
+
+def show(capsys, *argv: str) -> dict:
+    assert main(["show", *argv, "--json"]) == 0, capsys.readouterr().err
+    return json.loads(capsys.readouterr().out)
+
+
+def test_a_store_step_is_the_plans_with_documents_and_text(
+    store_path, store, tokenizer_dir, capsys
+):
+    from tokenizers import Tokenizer
+
+    plan = DataPlan(store.num_samples(8), 3, BatchSchedule([(1, 4)]))
+    tok = Tokenizer.from_file(str(tokenizer_dir / "tokenizer.json"))
+    for step in (1, 7, 10**9):
+        info = show(
+            capsys,
+            str(store_path),
+            *BASE,
+            "--step",
+            str(step),
+            "--tokenizer",
+            str(tokenizer_dir),
+            "--max-chars",
+            "0",
+        )
+        assert [s["sample"] for s in info["samples"]] == plan.global_ids(step).tolist()
+        assert info["status"] == "planned" and info["positions"] == [4 * (step - 1), 4 * step]
+        for s in info["samples"]:
+            sid = s["sample"]
+            docs = store.document_ids(sid * 8, sid * 8 + 8)
+            assert [d["document"] for d in s["documents"]] == sorted(set(docs.tolist()))
+            for d in s["documents"]:  # the window's part of each document, by its tokens
+                first = int(store.doc_offsets[d["document"]])
+                inside = np.nonzero(docs == d["document"])[0] + sid * 8 - first
+                assert (d["start"], d["stop"]) == (int(inside[0]), int(inside[-1]) + 1)
+            tokens = np.asarray(store.window(sid, 8))[:-1].tolist()
+            assert s["text"] == tok.decode(tokens, skip_special_tokens=False)
+    # one rank's slice, one sample, a cut text
+    whole = show(capsys, str(store_path), *BASE, "--step", "5", "--tokenizer", str(tokenizer_dir))
+    part = show(capsys, str(store_path), *BASE, "--step", "5", "--dp-degree", "2", "--dp-rank", "1")
+    assert [s["sample"] for s in part["samples"]] == [s["sample"] for s in whole["samples"][2:]]
+    assert [s["dp_rank"] for s in part["samples"]] == [1, 1]
+    one = show(capsys, str(store_path), *BASE, "--step", "5", "--dp-degree", "2", "--dp-rank", "1",
+               "--sample", "1", "--tokenizer", str(tokenizer_dir), "--max-chars", "5")  # fmt: skip
+    assert one["samples"][0]["sample"] == whole["samples"][3]["sample"]
+    assert one["samples"][0]["text"] == whole["samples"][3]["text"][:5]
+
+
+def test_text_output_and_the_help_states_the_default(store_path, tokenizer_dir, capsys):
+    assert (
+        main(["show", str(store_path), *BASE, "--step", "2", "--tokenizer", str(tokenizer_dir)])
+        == 0
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(
+        f"step 2 of the store {store_path} (planned): positions 4..7, 4 samples"
+    )
+    assert out[1].startswith("  [0] rank 0  sample ") and " docs " in out[1]
+    assert main(["show", "--help"]) == 0
+    assert "(default 200; 0: all)" in " ".join(capsys.readouterr().out.split())
+
+
+def test_a_run_knows_its_config_its_skips_and_what_it_trained(
+    store_path, store, tokenizer_dir, tmp_path, capsys
+):
+    source = StoreData(store, 8, num_samples=store.num_samples(8) - 5)
+    run = write_run(tmp_path / "run", source, skips="2:3", trained=3,
+                    saved={"hf_assets_path": str(tokenizer_dir), "zephon": {"store": str(store_path)}})  # fmt: skip
+    plan = DataPlan(store.num_samples(8) - 5, 3, BatchSchedule([(1, 4)]), skips=SkipSteps([(2, 3)]))
+    for step, status in (
+        (1, "trained"),
+        (2, "trained"),
+        (3, "trained"),
+        (4, "planned"),
+        (5000, "planned"),
+    ):
+        info = show(capsys, str(run), "--step", str(step))
+        assert [s["sample"] for s in info["samples"]] == plan.global_ids(step).tolist()
+        assert info["status"] == status and info["dp_degree"] == 2  # the run's DP degree
+        assert "text" in info["samples"][0] and info["samples"][0]["documents"]
+    # without the saved config the store is not found: ids only, and a note saying what to pass
+    (run / "config.json").unlink()
+    assert main(["show", str(run), "--step", "2", "--json"]) == 0
+    out = capsys.readouterr()
+    assert [s["sample"] for s in json.loads(out.out)["samples"]] == plan.global_ids(2).tolist()
+    assert "was not found" in out.err and "pass --store STORE" in out.err
+    info = show(
+        capsys,
+        str(run),
+        "--step",
+        "2",
+        "--store",
+        str(store_path),
+        "--tokenizer",
+        str(tokenizer_dir),
+    )
+    assert "text" in info["samples"][0]
+
+
+@pytest.fixture(scope="module")
+def mixture_file(store, tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("mixture")
+    slice_store(store, 0, 2500, root / "code")
+    slice_store(store, 2500, store.num_tokens, root / "web")
+    (root / "mix.toml").write_text(
+        '[[source]]\nname = "web"\nstore = "web"\n'
+        '[[source]]\nname = "code"\nstore = "code"\nmax_epochs = 2\n'
+        "[[schedule]]\nfrom_step = 1\nweights = { web = 0.7, code = 0.3 }\n"
+        "[[schedule]]\nfrom_step = 3\nweights = { web = 0.25, code = 0.75 }\n"
+    )
+    return root / "mix.toml"
+
+
+def test_a_mixture_step_names_each_samples_source(mixture_file, capsys):
+    args = [
+        "--mixture",
+        str(mixture_file),
+        "--seq-len",
+        "8",
+        "--global-batch-size",
+        "10",
+        "--seed",
+        "3",
+    ]
+    source = MixtureData.open(MixtureConfig.load(mixture_file), 8)
+    plan = source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse("10")))
+    for step in (1, 4):
+        info = show(capsys, *args, "--step", str(step))
+        names, ids = plan.decode(plan.global_ids(step))
+        assert [s["source"] for s in info["samples"]] == names
+        assert [s["sample"] for s in info["samples"]] == ids.tolist()
+    # past a source's max_epochs: refused in one line
+    last = 2 * int(plan.mixture.num_samples[0]) // 7 + 10
+    assert main(["show", *args, "--step", str(last)]) == 2
+    err = capsys.readouterr().err
+    assert "mixture source 'code' runs past max_epochs=2" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--step", "0"], "step 0 is before the first step 1 of the store"),
+        (["--step", "-3"], "step -3 is before the first step 1"),
+        (
+            ["--step", "2", "--dp-degree", "2", "--dp-rank", "2"],
+            "--dp-rank 2 is out of range: DP degree 2 has ranks 0 .. 1",
+        ),
+        (
+            ["--step", "2", "--sample", "4"],
+            "--sample 4 is out of range: step 2 holds samples 0 .. 3",
+        ),
+        (
+            ["--step", "2", "--dp-degree", "2", "--dp-rank", "0", "--sample", "2"],
+            "DP rank 0's slice holds samples 0 .. 1",
+        ),
+    ],
+)
+def test_bad_steps_ranks_and_samples_are_one_line_errors(store_path, capsys, extra, message):
+    assert main(["show", str(store_path), *BASE, *extra]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("zephon show: error: ") and message in err, err
+    assert "Traceback" not in err and err.count("\n") == 1
+
+
+def test_missing_flags_and_a_run_with_data_flags_are_refused(store_path, store, tmp_path, capsys):
+    assert main(["show", str(store_path), "--step", "1"]) == 2
+    assert "needs --seq-len, --global-batch-size, --seed" in capsys.readouterr().err
+    run = write_run(tmp_path / "run", StoreData(store, 8))
+    assert main(["show", str(run), "--step", "1", "--seed", "4"]) == 2
+    assert "is a run folder: its sequence log's data config decides" in capsys.readouterr().err
+    assert main(["show", str(tmp_path / "nothing"), *BASE, "--step", "1"]) == 2
+    assert "does not exist: expected a run folder" in capsys.readouterr().err
+
+
+def test_a_mixture_run_finds_its_sources_from_the_saved_mixture_file(
+    mixture_file, tmp_path, tokenizer_dir, capsys
+):
+    source = MixtureData.open(MixtureConfig.load(mixture_file), 8)
+    saved = {"hf_assets_path": str(tokenizer_dir), "zephon": {"mixture": str(mixture_file)}}
+    run = write_run(tmp_path / "run", source, gbs="10", skips="2:1", trained=2, saved=saved)
+    plan = source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse("10"),
+                                          extra={"skip_steps": [[2, 1]]}))  # fmt: skip
+    info = show(capsys, str(run), "--step", "3")
+    names, ids = plan.decode(plan.global_ids(3))
+    assert [(s["source"], s["sample"]) for s in info["samples"]] == list(
+        zip(names, ids.tolist(), strict=True)
+    )
+    assert info["status"] == "planned" and all(
+        "text" in s and s["documents"] for s in info["samples"]
+    )
+    # another mixture file whose 'web' is another store: that source's data is left out, said so
+    other = tmp_path / "other.toml"
+    other.write_text(mixture_file.read_text().replace('store = "web"', 'store = "code"').replace(
+        'store = "code"', f'store = "{mixture_file.parent / "code"}"'))  # fmt: skip
+    (run / "config.json").unlink()
+    assert main(["show", str(run), "--step", "3", "--mixture", str(other), "--json"]) == 0
+    out = capsys.readouterr()
+    samples = json.loads(out.out)["samples"]
+    assert {s["source"] for s in samples if "documents" in s} == {"code"}
+    assert "the stores of mixture sources 'web' were not found" in out.err
+
+
+def test_trained_steps_end_where_the_effective_history_ends(store_path, store, tmp_path, capsys):
+    from torchtitan_zephon import runs
+
+    source = StoreData(store, 8)
+    run = write_run(
+        tmp_path / "run", source, trained=5, saved={"zephon": {"store": str(store_path)}}
+    )
+    log = run / "zephon" / LOG_NAME
+    chain3 = runs.sequence_log(run).records[3]["chain"]
+    config = source.data_config(seed=3, schedule=BatchSchedule.parse("4"))
+    SequenceTracker(log, config=config, writer=True).resume(
+        {"step": 3, "chain": chain3}, {"world_size": 1}
+    )
+    assert runs.sequence_log(run).steps() == [1, 2, 3]  # a rollback to 3: steps 4, 5 superseded
+    with open(log, "ab") as f:
+        f.write(b'{"v": 2, "step": 4, "first_pos')  # a line cut short by a crash
+    for step, status in ((3, "trained"), (4, "planned"), (5, "planned")):
+        assert show(capsys, str(run), "--step", str(step))["status"] == status
+
+
+def test_a_resume_that_accepted_a_schedule_change_anchors_the_plan(
+    store_path, store, tmp_path, capsys
+):
+    from torchtitan_zephon import runs
+
+    source = StoreData(store, 8)
+    run = write_run(
+        tmp_path / "run", source, gbs="4", trained=4, saved={"zephon": {"store": str(store_path)}}
+    )
+    log = run / "zephon" / LOG_NAME
+    head = {"step": 2, "chain": runs.sequence_log(run).records[2]["chain"]}
+    # resumed from step 2 with a global batch of 8 (accepted): step 3 starts at position 8
+    config = source.data_config(seed=3, schedule=BatchSchedule.parse("8"))
+    plan = DataPlan(
+        store.num_samples(8), 3, BatchSchedule.parse("8"), anchor_step=3, anchor_position=8
+    )
+    tracker = SequenceTracker(log, config=config, writer=True)
+    tracker.resume(head, {"world_size": 1}, details={"accepted_changes": ["schedule"]})
+    tracker.record(3, *plan.step_positions(3)[:1], plan.global_ids(3))
+    for step, status in ((3, "trained"), (4, "planned"), (10**6, "planned")):
+        info = show(capsys, str(run), "--step", str(step))
+        assert info["positions"] == [8 + 8 * (step - 3), 16 + 8 * (step - 3)]
+        assert [s["sample"] for s in info["samples"]] == plan.global_ids(step).tolist()
+        assert info["status"] == status
+    assert main(["show", str(run), "--step", "2"]) == 2  # before the anchor: not this plan's
+    err = capsys.readouterr().err
+    assert (
+        "step 2 is before the first step 3 of the run" in err
+        and "counts positions from step 3" in err
+    )
+    # a later rollback to step 1 (before the change): the start's plan again
+    head = {"step": 1, "chain": runs.sequence_log(run).records[1]["chain"]}
+    old = source.data_config(seed=3, schedule=BatchSchedule.parse("4"))
+    SequenceTracker(log, config=old, writer=True).resume(head, {"world_size": 1})
+    assert show(capsys, str(run), "--step", "2")["positions"] == [4, 8]

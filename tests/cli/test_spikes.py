@@ -1,0 +1,139 @@
+"""``zephon spikes``: the robust rule, the rollback it suggests, and the command on event
+files written by TensorBoard's own SummaryWriter (the one TorchTitan 0.3 uses)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.cli.test_show import write_run
+from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.cli.spikes import MIN_WINDOW, find_spikes, rollback
+from torchtitan_zephon.job.data import StoreData
+from torchtitan_zephon.order.skips import SkipSteps
+from torchtitan_zephon.runs import LOSS_TAG
+
+
+def write_events(
+    run: Path, losses: dict[int, float], tag: str = LOSS_TAG, when: str = "20261201-1200"
+) -> None:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(run / "tb" / when))
+    for step, loss in losses.items():
+        writer.add_scalar(tag, loss, step)
+    writer.close()
+
+
+def curve(n: int = 60, spike: int = 40, height: float = 3.0) -> dict[int, float]:
+    rng = np.random.default_rng(0)
+    out = {s: 5.0 + 0.05 * float(rng.standard_normal()) for s in range(1, n + 1)}
+    out[spike] += height
+    return out
+
+
+def test_the_rule_flags_the_spike_only():
+    losses = curve()
+    assert [s["step"] for s in find_spikes(losses)] == [40]
+    (s,) = find_spikes(losses)
+    window = np.array([losses[t] for t in range(1, 40)])
+    median = np.median(window)
+    assert s["median"] == pytest.approx(median)
+    assert s["sigma"] == pytest.approx(1.4826 * np.median(np.abs(window - median)))
+    assert find_spikes(losses, k=s["score"] * 1.001) == []  # just above the threshold: none
+    assert [x["step"] for x in find_spikes(losses, k=s["score"] * 0.999)] == [40]
+
+
+def test_the_first_steps_use_the_shorter_window_they_have():
+    losses = {1: 5.0, 2: 5.1, 3: 4.9, 4: 5.0, 5: 50.0, 6: 5.0, 7: 5.05, 8: 9.0}
+    # step 5 has 4 steps before it (< MIN_WINDOW = 5): never judged; step 8 uses steps 1..7
+    assert MIN_WINDOW == 5
+    assert [s["step"] for s in find_spikes(losses, window=50)] == [8]
+    flat = {s: 2.0 for s in range(1, 10)} | {10: 2.0001}  # MAD 0: any rise is a spike
+    assert [s["step"] for s in find_spikes(flat)] == [10]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    st.lists(st.floats(0.5, 10), min_size=1, max_size=80),
+    st.integers(MIN_WINDOW, 60),
+    st.floats(0.5, 10),
+)
+def test_the_rule_matches_its_formula(values, window, k):
+    losses = dict(enumerate(values, start=1))
+    expected = []
+    for t in range(len(values)):
+        w = np.array(values[max(0, t - window) : t])
+        if w.size < MIN_WINDOW:
+            continue
+        m = np.median(w)
+        if values[t] - m > max(k * 1.4826 * np.median(np.abs(w - m)), 0):
+            expected.append(t + 1)
+    assert [s["step"] for s in find_spikes(losses, k, window)] == expected
+
+
+def test_rollback_takes_the_newest_checkpoint_ten_steps_back():
+    assert rollback(40, [10, 20, 30, 35], SkipSteps()) == (30, "31:20")
+    assert rollback(40, [31, 35], SkipSteps()) is None
+    # the run's own entries up to C are kept; one still covering step C+1 is merged
+    assert rollback(40, [20, 30], SkipSteps([(5, 2), (33, 4)])) == (30, "5:2,31:20")
+    assert rollback(40, [20, 30], SkipSteps([(28, 5)])) == (30, "28:23")
+
+
+def test_spikes_on_a_run_lists_the_spike_its_data_and_the_rollback(
+    store_path, store, tmp_path, capsys
+):
+    run = write_run(
+        tmp_path / "run",
+        StoreData(store, 8),
+        trained=60,
+        saved={"zephon": {"store": str(store_path)}},
+    )
+    write_events(run, curve(60, 40))
+    for step in (10, 20, 30, 35):
+        (run / "checkpoint" / f"step-{step}").mkdir(parents=True)
+        (run / "checkpoint" / f"step-{step}" / ".metadata").write_bytes(b"")
+    (run / "checkpoint" / "step-31").mkdir()  # incomplete (no .metadata): never suggested
+    assert main(["spikes", str(run)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith(
+        f"{run}: 60 logged steps (1..60), 1 spike above median + 6 x 1.4826 x MAD"
+    )
+    assert out[1].startswith("step 40: loss 8.")
+    assert out[2].startswith("    [0] rank 0  sample ")  # show's summary of step 40
+    assert out[-1] == "  roll back: --checkpoint.load_step 30 --zephon.skip_steps 31:20"
+    assert main(["spikes", str(run), "--json"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    spike = json.loads(line)
+    assert spike["rollback"] == {"load_step": 30, "skip_steps": "31:20"}
+    assert main(["show", str(run), "--step", "40", "--json"]) == 0
+    assert spike["data"] == json.loads(capsys.readouterr().out) | {
+        "samples": spike["data"]["samples"]
+    }
+    write_events(run, {40: 99.0}, when="20261201-1300")  # a resumed job rewrote step 40
+    assert main(["spikes", str(run)]) == 0
+    assert "step 40: loss 99.0000" in capsys.readouterr().out
+    for step in (10, 20, 30):  # no complete checkpoint early enough
+        (run / "checkpoint" / f"step-{step}" / ".metadata").unlink()
+    assert main(["spikes", str(run)]) == 0
+    assert "  no complete checkpoint at or before step 30 in " in capsys.readouterr().out
+
+
+def test_no_events_and_no_loss_scalar_are_clear_errors(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    assert main(["spikes", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "no TensorBoard events under" in err and "--metrics.enable_tensorboard" in err
+    write_events(run, {1: 1.0, 2: 2.0}, tag="lr")
+    assert main(["spikes", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert f"hold no '{LOSS_TAG}' scalar" in err and "Traceback" not in err
+    assert main(["spikes", "--help"]) == 0
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "(default 6)" in help_text and "(default 50)" in help_text

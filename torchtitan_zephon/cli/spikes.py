@@ -1,0 +1,205 @@
+"""``zephon spikes``: loss spikes of a run, the data of each spiking step and a rollback.
+
+Role: reads the run's training loss (TensorBoard scalar
+``loss_metrics/global_avg_loss``, which TorchTitan 0.3 writes under
+``<dump_folder>/<metrics.save_tb_folder>/<time>/events.out.tfevents.*``; the value
+written last wins, as in ``runs.read_scalars``) and flags step P when
+
+    loss(P) > median(W) + k * 1.4826 * MAD(W)
+
+where W is the trailing window: the losses of the ``--window`` logged steps before P
+(fewer at the start of the run: every logged step before P, judged only once
+``MIN_WINDOW`` are there; steps before that are never flagged). MAD is the median of
+|loss - median(W)|; a window of equal losses (MAD 0) flags any rise above them.
+For each spike it prints ``zephon show``'s summary of step P and a rollback: the
+newest complete checkpoint C <= P - ``ROLLBACK_MARGIN`` of the run's checkpoint
+folder, and ``--checkpoint.load_step C --zephon.skip_steps (C+1):(P-C+10)``
+(the run's own skip entries up to C kept, an overlapping one merged).
+
+Invariant: reading only; no events, no loss scalar, no checkpoint early enough each
+get a clear message (exit 2 for the first two; the third is said per spike).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchtitan_zephon import runs
+from torchtitan_zephon.cli.args import int_in, positive_float
+from torchtitan_zephon.cli.show import (
+    ShowError,
+    StepData,
+    _checkpoint_folder,
+    format_sample,
+    open_step_data,
+    say_notes,
+    step_samples,
+)
+from torchtitan_zephon.order.skips import SkipSteps
+
+K = 6.0
+WINDOW = 50
+MIN_WINDOW = 5
+"""Logged steps the trailing window needs before a step is judged."""
+ROLLBACK_MARGIN = 10
+"""The checkpoint rolled back to is at least this many steps before the spike, and the
+skip reaches this many steps past it."""
+SUMMARY_CHARS = 80
+
+
+def find_spikes(
+    losses: dict[int, float], k: float = K, window: int = WINDOW
+) -> list[dict[str, Any]]:
+    """The spikes of ``losses`` (step -> loss) under the module's rule, in step order:
+    ``{"step", "loss", "median", "sigma", "score"}`` (score: robust sigmas above the median)."""
+    steps = sorted(losses)
+    values = np.array([losses[s] for s in steps], dtype=np.float64)
+    out = []
+    for t in range(len(steps)):
+        w = values[max(0, t - window) : t]
+        w = w[np.isfinite(w)]
+        if w.size < MIN_WINDOW:
+            continue
+        median = float(np.median(w))
+        sigma = 1.4826 * float(np.median(np.abs(w - median)))
+        loss = float(values[t])
+        excess = loss - median  # nan for a nan loss: a nan loss is a spike too
+        if not np.isfinite(loss) or excess > k * sigma and excess > 0:
+            score = float("inf") if sigma == 0 or not np.isfinite(loss) else excess / sigma
+            out.append(
+                {"step": steps[t], "loss": loss, "median": median, "sigma": sigma, "score": score}
+            )
+    return out
+
+
+def rollback(spike: int, checkpoints: list[int], skips: SkipSteps) -> tuple[int, str] | None:
+    """(C, the skip_steps value) for a spike at step ``spike``: C the newest checkpoint
+    step <= spike - ROLLBACK_MARGIN; None when there is none."""
+    early = [c for c in checkpoints if c <= spike - ROLLBACK_MARGIN]
+    if not early:
+        return None
+    c = max(early)
+    start, count = c + 1, spike - c + ROLLBACK_MARGIN
+    kept = [(s, n) for s, n in skips.entries if s <= c]
+    if kept and kept[-1][0] + kept[-1][1] > start:  # an entry covering step C+1: merge
+        s, n = kept.pop()
+        start, count = s, max(s + n, start + count) - s
+    return c, str(SkipSteps([*kept, (start, count)]))
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "spikes",
+        help="loss spikes of a run, their data and a rollback with a skip",
+        description="List the steps whose training loss (TensorBoard "
+        f"{runs.LOSS_TAG}) exceeds the median of the trailing window by more than k robust "
+        "standard deviations (1.4826 x MAD). The first steps, with fewer than --window "
+        f"before them, use those they have once there are {MIN_WINDOW}. For each spike P: "
+        "zephon show's summary of step P and a rollback to the newest checkpoint C <= "
+        f"P - {ROLLBACK_MARGIN}: --checkpoint.load_step C --zephon.skip_steps "
+        f"(C+1):(P-C+{ROLLBACK_MARGIN}).",
+    )
+    p.add_argument("run", metavar="RUN", help="a run folder (TorchTitan dump folder)")
+    p.add_argument("--k", type=positive_float, default=K, help=f"robust sigmas (default {K:g})")
+    p.add_argument(
+        "--window", type=int_in(MIN_WINDOW), default=WINDOW, metavar="W",
+        help=f"trailing window in logged steps (default {WINDOW})",
+    )  # fmt: skip
+    p.add_argument(
+        "--store", metavar="STORE", help="where the run's store is (as zephon show --store)"
+    )
+    p.add_argument(
+        "--mixture", metavar="FILE", help="the run's mixture file (as zephon show --mixture)"
+    )
+    p.add_argument("--tokenizer", metavar="DIR", help="decode with this tokenizer (as zephon show)")
+    p.add_argument(
+        "--max-chars", type=int_in(0), default=SUMMARY_CHARS, metavar="C",
+        help=f"characters of text per sample in the summary (default {SUMMARY_CHARS}; 0: all)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="one JSON object per spike")
+    return p
+
+
+def _losses(run: Path) -> dict[int, float]:
+    files = runs.event_files(run)
+    if not files:
+        raise ShowError(
+            f"no TensorBoard events under {run}/tb/: zephon spikes reads the training loss "
+            "from them; train with --metrics.enable_tensorboard (TOML: [metrics] "
+            "enable_tensorboard = true)."
+        )
+    losses = runs.read_scalars(run)
+    if not losses:
+        raise ShowError(
+            f"the TensorBoard events under {run}/tb/ ({len(files)} file"
+            f"{'s' * (len(files) != 1)}) hold no {runs.LOSS_TAG!r} scalar: no training step "
+            "was logged yet (metrics.log_freq?)."
+        )
+    return losses
+
+
+def run(args: argparse.Namespace) -> int:
+    run_dir = runs.require_run(args.run)
+    losses = _losses(run_dir)
+    spikes = find_spikes(losses, args.k, args.window)
+    ns = argparse.Namespace(
+        target=str(run_dir), store=args.store, mixture=args.mixture, tokenizer=args.tokenizer,
+        seq_len=None, global_batch_size=None, seed=None, skip_steps=SkipSteps(), heldout_samples=0,
+    )  # fmt: skip
+    data: StepData | None = None
+    problem = None
+    if spikes:
+        try:
+            data = open_step_data(ns, "spikes")
+        except ValueError as e:  # the losses are still worth listing
+            problem = str(e)
+    folder = _checkpoint_folder(run_dir)
+    ckpts = [c.step for c in runs.checkpoints(run_dir, folder) if c.complete]
+    skips = data.skips if data is not None else SkipSteps()
+    if not args.json:
+        first, last = min(losses), max(losses)
+        print(
+            f"{run_dir}: {len(losses)} logged steps ({first}..{last}), {len(spikes)} spike"
+            f"{'s' * (len(spikes) != 1)} above median + {args.k:g} x 1.4826 x MAD of the "
+            f"trailing {args.window} steps"
+        )
+    if data is not None:
+        say_notes(data, "spikes")
+    if problem:
+        print(
+            f"zephon spikes: note: the data of the spikes is not shown: {problem}", file=sys.stderr
+        )
+    for spike in spikes:
+        p = spike["step"]
+        back = rollback(p, ckpts, skips)
+        if back is None:
+            spike["rollback"] = None
+            advice = (
+                f"no complete checkpoint at or before step {p - ROLLBACK_MARGIN} in "
+                f"{run_dir / folder} (checkpoints: {', '.join(map(str, ckpts)) or 'none'}): "
+                "no rollback to suggest"
+            )
+        else:
+            c, value = back
+            spike["rollback"] = {"load_step": c, "skip_steps": value}
+            advice = f"roll back: --checkpoint.load_step {c} --zephon.skip_steps {value}"
+        if data is not None:
+            spike["data"] = step_samples(data, p, max_chars=args.max_chars)
+        if args.json:
+            print(json.dumps(spike, ensure_ascii=False))
+            continue
+        print(
+            f"step {p}: loss {spike['loss']:.4f}, {spike['score']:.1f} sigmas above the "
+            f"trailing median {spike['median']:.4f} (sigma {spike['sigma']:.4f})"
+        )
+        if "data" in spike:
+            for s in spike["data"]["samples"]:
+                print("\n".join(format_sample(s, "    ")))
+        print(f"  {advice}")
+    return 0

@@ -1,0 +1,313 @@
+"""``zephon where``: the steps whose samples contain a document, trained or planned.
+
+Role: for document D of a store (of one source of a mixture: ``--source``), lists
+every step, in the epochs asked (default the first two), whose global batch holds
+a sample containing D: a sample contains D when any of its ``seq_len`` input
+tokens belongs to D. The data is opened as ``zephon show`` opens it (a run with
+its skips, a store, a mixture).
+
+The way back, with no scan of the stream:
+  D -> the sample ids whose input windows overlap D's tokens (contiguous ids)
+  -> per epoch e, each id's position in the epoch: the inverse of the keyed
+     permutation (``Permutation.inverse``) -> stream position e * N + that
+  -> the draw that reads it: the skip map inverted (a stream position inside a
+     skipped range is consumed and never trained: reported as ``skipped``)
+  -> the training position: the draw itself for one store; for a mixture the
+     slot holding the source's k-th draw (a binary search over steps on the
+     rule's counts, then the step's slots)
+  -> the step holding that position (a binary search over the layout's steps).
+An exclusion list (``zephon.exclude``) maps stream positions to effective
+positions before the skip map; its inverse plugs in at ``draw_of`` (see there).
+
+Invariants:
+- A hit (epoch, step, index) is exactly an occurrence of a sample containing D
+  in ``plan.global_ids(step)`` at ``index``: ``where`` agrees with ``plan`` at
+  every step, with skips and for mixtures (tests/cli/test_where.py checks it
+  against a scan).
+- The cost is O(samples of D x epochs x log(steps)), independent of where the
+  steps lie in the stream.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from torchtitan_zephon.cli.args import int_in
+from torchtitan_zephon.cli.show import (
+    ShowError,
+    StepData,
+    add_data_arguments,
+    document_span,
+    open_step_data,
+    say_notes,
+)
+from torchtitan_zephon.order.mixture.stream import MixtureStream
+from torchtitan_zephon.order.permutation import Permutation
+from torchtitan_zephon.order.skips import SkipMap
+from torchtitan_zephon.order.stream import DataPlan
+
+DEFAULT_EPOCHS = (0, 1)
+MAX_STEP = 1 << 40
+"""Steps searched for a mixture source's draw: a draw not reached by then is ``not drawn``."""
+
+
+@dataclass(frozen=True)
+class Hit:
+    """One occurrence of a sample containing the document in the stream."""
+
+    epoch: int
+    sample: int
+    stream_position: int
+    status: str  # trained | planned | skipped (consumed by a skip, never trained) | not drawn
+    step: int | None = None
+    index: int | None = None  # position in the step's global batch
+    dp_rank: int | None = None
+    rank_index: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+def _epochs(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected FIRST:LAST epochs (inclusive, from 0) like 0:1, got {text!r}"
+        ) from None
+    if not 0 <= a <= b:
+        raise argparse.ArgumentTypeError(f"expected 0 <= FIRST <= LAST, got {text!r}")
+    return a, b
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "where",
+        help="the steps whose samples contain a document",
+        description="List the steps (trained or planned) whose samples contain document D "
+        "(any of a sample's seq_len input tokens belongs to D), per epoch: the step, the "
+        "sample's index in the global batch, its DP rank and index in the rank's slice, "
+        "the sample id. Computed backwards through the inverse permutation, no scan.",
+    )
+    add_data_arguments(p, target="STORE_OR_RUN")
+    p.add_argument("--doc", type=int_in(0), required=True, metavar="D", help="document id")
+    p.add_argument(
+        "--source", metavar="NAME", default=None,
+        help="with a mixture: the source whose document D is meant",
+    )  # fmt: skip
+    p.add_argument(
+        "--epochs", type=_epochs, default=DEFAULT_EPOCHS, metavar="A:B",
+        help="epochs of the source's stream to search, inclusive, from 0 (default 0:1: the first two)",
+    )  # fmt: skip
+    p.add_argument(
+        "--dp-degree", type=int_in(1), default=None, metavar="D",
+        help="DP degree for the rank of each hit (default: the run's newest, else 1)",
+    )  # fmt: skip
+    p.add_argument("--json", action="store_true", help="one JSON object per hit")
+    return p
+
+
+def source_index(data: StepData, name: str | None) -> int:
+    """The source ``--source`` names (index in name order); 0 for one store."""
+    if not isinstance(data.plan, MixtureStream):
+        if name:
+            raise ShowError(f"--source {name!r} is for a mixture; {data.what} is one store.")
+        return 0
+    if name is None:
+        raise ShowError(
+            f"{data.what} is a mixture of {', '.join(data.names)}: name the source of the "
+            "document with --source NAME."
+        )
+    if name not in data.names:
+        raise ShowError(
+            f"--source {name!r} is not a source of {data.what}; its sources are "
+            f"{', '.join(data.names)}."
+        )
+    return data.names.index(name)
+
+
+def _source_shape(data: StepData, i: int) -> tuple[int, int, int, int | None, SkipMap | None]:
+    """(first training id, training samples, permutation seed, max_epochs, skip map)."""
+    plan = data.plan
+    if isinstance(plan, MixtureStream):
+        m = plan.mixture
+        return 0, int(m.num_samples[i]), m.source_seeds[i], m.max_epochs[i], m.skip_map
+    assert isinstance(plan, DataPlan)
+    return plan.sample_offset, plan.num_samples, plan.seed, None, plan.skip_map
+
+
+def draw_of(skip_map: SkipMap | None, source: int, stream_position: int) -> int | None:
+    """The draw count (c_i of ``order.skips``) of source ``source`` that reads
+    ``stream_position``, or None when a skip range consumed it (never trained).
+
+    The skip map sends draw k to k + prefix[m] where m counts the entries whose start
+    count is <= k; entry j's skipped stream positions are [starts_j + prefix_j,
+    starts_j + prefix_{j+1}). (Exclusions, once they exist, map a stream position to
+    its effective position first: an excluded one is never drawn; the effective
+    position is then looked up here as the stream position is now.)"""
+    if skip_map is None:
+        return stream_position
+    starts, prefix = skip_map.starts[source], skip_map.prefix[source]
+    ends = starts + prefix[1:]  # first stream position after entry j's skipped block
+    m = int(np.searchsorted(ends, stream_position, side="right"))
+    if m < len(starts) and starts[m] + prefix[m] <= stream_position:
+        return None
+    return stream_position - int(prefix[m])
+
+
+def _mixture_slot(data: StepData, source: int, draw: int) -> tuple[int, int] | None:
+    """(step, index in the step) of the slot holding source ``source``'s ``draw``-th draw
+    (0-based), or None when no step up to MAX_STEP draws it."""
+    assert isinstance(data.plan, MixtureStream)
+    m = data.plan.mixture
+
+    def before(step: int) -> int:  # the source's draws in steps < step
+        return int(m.counts_before(step)[source])
+
+    hi = 1
+    while before(hi + 1) <= draw:
+        if hi >= MAX_STEP:
+            return None
+        hi = min(2 * hi, MAX_STEP)
+    lo = 1
+    while lo < hi:  # the first step whose end passes the draw
+        mid = (lo + hi) // 2
+        if before(mid + 1) > draw:
+            hi = mid
+        else:
+            lo = mid + 1
+    first, gbs = m.step_slots(lo)
+    slots = np.nonzero(m.slot_sources(first, gbs) == source)[0]
+    return lo, int(slots[draw - before(lo)])
+
+
+def _store_step(data: StepData, position: int) -> tuple[int, int] | None:
+    """(step, index in the step) of a position of one store's layout (None: before the
+    resume anchor)."""
+    layout = data.plan.layout
+    if position < layout.anchor_position:
+        return None
+    lo = hi = layout.anchor_step
+    while sum(layout.step_positions(hi)) <= position:
+        hi = lo + 2 * (hi - lo) + 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(layout.step_positions(mid)) > position:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo, position - layout.step_positions(lo)[0]
+
+
+def where(
+    data: StepData,
+    doc: int,
+    *,
+    source: str | None = None,
+    epochs: tuple[int, int] = DEFAULT_EPOCHS,
+    dp_degree: int | None = None,
+) -> tuple[list[Hit], list[str]]:
+    """The hits of document ``doc`` in ``epochs`` (sorted by epoch, then stream order)
+    and notes (samples of the document that are held out, epochs past max_epochs)."""
+    i = source_index(data, source)
+    store = data.stores[i]
+    if store is None:
+        raise ShowError(
+            f"the store of {data.what}{f' (source {source!r})' if source else ''} was not "
+            "found, so its documents are unknown: pass --store STORE (or --mixture FILE)."
+        )
+    first_id, n, seed, max_epochs, skip_map = _source_shape(data, i)
+    d0, d1 = document_span(store, doc)
+    seq_len = data.seq_len
+    lo_id, hi_id = d0 // seq_len, (d1 - 1) // seq_len  # input windows overlapping [d0, d1)
+    ids = np.arange(max(lo_id, first_id), min(hi_id, first_id + n - 1) + 1, dtype=np.int64)
+    notes = []
+    if ids.size < hi_id - lo_id + 1:
+        notes.append(
+            f"document {doc} lies in samples {lo_id}..{hi_id}; only {ids.size} of them are "
+            f"training samples ({first_id}..{first_id + n - 1}); the rest are held out or "
+            "past the last whole sample."
+        )
+    degree = dp_degree or data.dp_degree
+    hits: list[Hit] = []
+    for epoch in range(epochs[0], epochs[1] + 1):
+        if max_epochs is not None and epoch >= max_epochs:
+            notes.append(
+                f"source {source!r} has max_epochs={max_epochs}: epochs {epoch}.. are never drawn."
+            )
+            break
+        if not ids.size:
+            break
+        within = Permutation(n, seed, epoch).inverse(ids - first_id)
+        for sid, w in sorted(zip(ids.tolist(), within.tolist(), strict=True), key=lambda t: t[1]):
+            hits.append(_hit(data, i, epoch, sid, epoch * n + w, degree, skip_map))
+    return hits, notes
+
+
+def _hit(
+    data: StepData,
+    source: int,
+    epoch: int,
+    sample: int,
+    q: int,
+    degree: int,
+    skip_map: SkipMap | None,
+) -> Hit:
+    draw = draw_of(skip_map, source, q)
+    if draw is None:
+        return Hit(epoch, sample, q, "skipped")
+    if isinstance(data.plan, MixtureStream):
+        found = _mixture_slot(data, source, draw)
+        if found is None:
+            return Hit(epoch, sample, q, "not drawn")
+        if found[0] < data.plan.anchor_step:
+            return Hit(epoch, sample, q, "trained", None)
+    else:
+        found = _store_step(data, draw)
+        if found is None:
+            return Hit(epoch, sample, q, "trained", None)
+    step, index = found
+    gbs = data.plan.schedule.gbs(step)
+    per_rank = gbs // degree if gbs % degree == 0 else gbs
+    return Hit(
+        epoch, sample, q, data.status(step), step, index, index // per_rank, index % per_rank
+    )
+
+
+def format_hit(h: Hit) -> str:
+    if h.step is None:
+        why = {
+            "skipped": "consumed by a skip range, never trained",
+            "not drawn": f"not drawn by step {MAX_STEP}",
+            "trained": "before the resume anchor",
+        }[h.status]
+        return f"epoch {h.epoch}  sample {h.sample}  stream position {h.stream_position}: {why}"
+    return (
+        f"epoch {h.epoch}  step {h.step}  index {h.index} (rank {h.dp_rank} #{h.rank_index})  "
+        f"sample {h.sample}  {h.status}"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    data = open_step_data(args, "where")
+    hits, notes = where(
+        data, args.doc, source=args.source, epochs=args.epochs, dp_degree=args.dp_degree
+    )
+    say_notes(data, "where")
+    for note in notes:
+        print(f"zephon where: note: {note}", file=sys.stderr)
+    a, b = args.epochs
+    if not args.json:
+        print(
+            f"document {args.doc}{f' of source {args.source}' if args.source else ''} in "
+            f"{data.what}, epochs {a}..{b}: {len(hits)} occurrence{'s' * (len(hits) != 1)}"
+        )
+    for h in hits:
+        print(json.dumps(h.to_dict()) if args.json else "  " + format_hit(h))
+    return 0
