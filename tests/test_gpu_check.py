@@ -90,6 +90,7 @@ def test_without_gpu_it_says_how_to_run_on_cpu(tmp_path: Path):
     assert not (tmp_path / "engine_check.json").exists()
 
 
+@pytest.mark.slow  # two torchrun jobs: `scripts/test.sh -m slow`
 def test_full_check_dry_run_parses_both_runs(tmp_path: Path):
     r = _run(["--dry-run", "--mode", "full"], tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]

@@ -22,14 +22,18 @@ from torchtitan_zephon import runs
 from torchtitan_zephon.tracker import read_log
 
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
+SLOW = pytest.mark.slow  # torchrun jobs of a minute or more: `scripts/test.sh -m slow`
 
 
 @pytest.mark.parametrize(
     "name, nproc, overrides, dp_degree",
     [
         ("2_to_1", 1, (), 1),
-        ("2_to_4_local_batch_1", 4, ("--training.local_batch_size", "1"), 4),
-        ("fsdp_to_fsdp_x_tp", 4, TP2, 2),
+        # long (4 ranks): -m slow; test_resume_fsdp_x_tp_to_fsdp keeps TP in the default suite
+        pytest.param(
+            "2_to_4_local_batch_1", 4, ("--training.local_batch_size", "1"), 4, marks=SLOW
+        ),
+        pytest.param("fsdp_to_fsdp_x_tp", 4, TP2, 2, marks=SLOW),
     ],
 )
 def test_resume_from_two_ranks(e2e_root: Path, reference: Path, name, nproc, overrides, dp_degree):
@@ -84,8 +88,9 @@ def other_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     "name, overrides, expected",
     [
         ("seed", ("--zephon.seed", "5"), ["seed: 0 -> 5"]),
-        ("seq_len", ("--training.seq_len", "32"), ["seq_len: 64 -> 32"]),
-        ("store", None, ["store_fingerprint"]),
+        # the resume rule's refusals are unit-tested field by field (tests/order); -m slow
+        pytest.param("seq_len", ("--training.seq_len", "32"), ["seq_len: 64 -> 32"], marks=SLOW),
+        pytest.param("store", None, ["store_fingerprint"], marks=SLOW),
     ],
 )
 def test_changed_data_config_is_refused(
@@ -107,6 +112,7 @@ def test_changed_seed_accepted_with_explicit_opt_in(e2e_root: Path, reference: P
     assert event["from_step"] == 4
 
 
+@pytest.mark.slow
 def test_log_from_another_run_is_refused_unless_ignored(e2e_root: Path, reference: Path):
     other = (
         train(e2e_root / "other_seed", 1, "--zephon.seed", "9", "--training.steps", "4").check().run
@@ -128,6 +134,7 @@ def test_log_from_another_run_is_refused_unless_ignored(e2e_root: Path, referenc
     assert_same_data(reference, run, range(5, 9))
 
 
+@pytest.mark.slow
 def test_incomplete_last_checkpoint_is_skipped_with_a_warning(e2e_root: Path, reference: Path):
     """A job died while writing checkpoint 8: resume from 4, warn, same data."""
     run = copy_run_until(reference, e2e_root / "incomplete_checkpoint", 8)
@@ -138,6 +145,7 @@ def test_incomplete_last_checkpoint_is_skipped_with_a_warning(e2e_root: Path, re
     assert_same_data(reference, run, range(1, 9))
 
 
+@pytest.mark.slow
 def test_batch_schedule_changes_gradient_accumulation_and_resumes(e2e_root: Path):
     """GBS 8 for steps 1-4, 16 from step 5: positions are accounted exactly, the trainer
     accumulates 2x the micro-batches, and a 2 -> 1 rank resume inside it continues."""
