@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from tests.cli.test_show import write_run
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.cli.spikes import MIN_WINDOW, find_spikes, rollback
+from torchtitan_zephon.cli.spikes import MIN_WINDOW, ROLLBACK_MARGIN, find_spikes, rollback
 from torchtitan_zephon.job.data import StoreData
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.runs import LOSS_TAG
@@ -80,9 +80,81 @@ def test_the_rule_matches_its_formula(values, window, k):
 def test_rollback_takes_the_newest_checkpoint_ten_steps_back():
     assert rollback(40, [10, 20, 30, 35], SkipSteps()) == (30, "31:20")
     assert rollback(40, [31, 35], SkipSteps()) is None
-    # the run's own entries up to C are kept; one still covering step C+1 is merged
+    # the run's own entries up to C are kept (a continuation from C); later ones that
+    # overlap the new entry are dropped, those after it kept
     assert rollback(40, [20, 30], SkipSteps([(5, 2), (33, 4)])) == (30, "5:2,31:20")
-    assert rollback(40, [20, 30], SkipSteps([(28, 5)])) == (30, "28:23")
+    assert rollback(40, [20, 30], SkipSteps([(5, 2), (33, 4), (60, 3)])) == (
+        30,
+        "5:2,31:20,60:3",
+    )
+    # an entry trained from before C still covers step C+1: the new one starts after it
+    assert rollback(40, [20, 30], SkipSteps([(28, 5)])) == (30, "28:5,33:18")
+    # the spike lies inside such a range: an older checkpoint, before the range
+    assert rollback(30, [15, 20], SkipSteps([(16, 20)])) == (15, "16:25")
+    # a checkpoint before the range replaces it; none before it: no skip can help
+    assert rollback(60, [40, 50], SkipSteps([(45, 100)])) == (40, "41:30")
+    assert rollback(60, [50], SkipSteps([(45, 100)])) is None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    entries=st.lists(st.tuples(st.integers(1, 80), st.integers(1, 30)), max_size=4),
+    checkpoints=st.lists(st.integers(1, 120), max_size=6),
+    spike=st.integers(1, 130),
+)
+def test_a_suggested_rollback_is_a_continuation_that_changes_the_spikes_data(
+    entries, checkpoints, spike
+):
+    """What the resume rule accepts from C (the entries with S <= C unchanged:
+    order.resume.skips_kept) and a new entry that starts after C, at or before the
+    spike, reaching ROLLBACK_MARGIN steps past it; None only when no checkpoint allows
+    one."""
+    skips = SkipSteps()
+    for s, n in sorted(entries):  # non-overlapping, increasing entries
+        if not skips.entries or s >= skips.entries[-1][0] + skips.entries[-1][1]:
+            skips = SkipSteps([*skips.entries, (s, n)])
+    early = [c for c in checkpoints if c <= spike - ROLLBACK_MARGIN]
+    got = rollback(spike, checkpoints, skips)
+    if got is None:
+        assert all(skips.reach(c) > spike for c in early)
+        return
+    c, value = got
+    new = SkipSteps.parse(value)
+    assert c in early and all(skips.reach(d) > spike for d in early if d > c)
+    assert new.up_to(c) == skips.up_to(c)
+    (added,) = [(s, n) for s, n in new.entries if c < s <= spike]
+    assert added[0] + added[1] - 1 == spike + ROLLBACK_MARGIN
+
+
+def test_a_spike_inside_a_trained_skip_range_gets_the_left_out_list_of_its_samples(
+    store_path, store, tmp_path, capsys
+):
+    """The run skipped 31:30 from step 31 (trained); a spike at step 45 lies inside that
+    range and the only checkpoint before it is 35: no skip from 35 changes step 45's
+    data, so spikes suggests leaving its samples out, and the lines it prints are a
+    zephon.exclude file whose ids are step 45's."""
+    run = write_run(
+        tmp_path / "run",
+        StoreData(store, 8),
+        skips="31:30",
+        trained=60,
+        saved={"zephon": {"store": str(store_path)}},
+    )
+    write_events(run, curve(60, 45))
+    (run / "checkpoint" / "step-35").mkdir(parents=True)
+    (run / "checkpoint" / "step-35" / ".metadata").write_bytes(b"")
+    assert main(["spikes", str(run), "--json"]) == 0
+    spike = json.loads(capsys.readouterr().out)
+    assert spike["rollback"] is None
+    assert spike["exclude"]["load_step"] == 35
+    (line,) = spike["exclude"]["lines"]
+    entry = json.loads(line)
+    ids = sorted(s["sample"] for s in spike["data"]["samples"])
+    assert entry == {"ids": ids, "from_step": 36}
+    assert main(["spikes", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "no skip from a checkpoint at or before step 35 changes step 45's data" in out
+    assert f"--checkpoint.load_step 35 --zephon.exclude FILE, FILE holding {line}" in out
 
 
 def test_spikes_on_a_run_lists_the_spike_its_data_and_the_rollback(

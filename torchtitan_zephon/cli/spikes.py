@@ -14,7 +14,10 @@ where W is the trailing window: the losses of the ``--window`` logged steps befo
 For each spike it prints ``zephon show``'s summary of step P and a rollback: the
 newest complete checkpoint C <= P - ``ROLLBACK_MARGIN`` of the run's checkpoint
 folder, and ``--checkpoint.load_step C --zephon.skip_steps (C+1):(P-C+10)``
-(the run's own skip entries up to C kept, an overlapping one merged).
+(the run's own skip entries up to C kept; when one of them still covers step C+1, the
+new entry starts after it, and an older checkpoint is taken when the spike lies inside
+it; ``rollback``). When no checkpoint allows a skip, it suggests leaving the step's
+samples out instead (``zephon.exclude``).
 
 Invariant: reading only; no events, no loss scalar, no checkpoint early enough each
 get a clear message (exit 2 for the first two; the third is said per spike).
@@ -41,6 +44,7 @@ from torchtitan_zephon.cli.show import (
     say_notes,
     step_samples,
 )
+from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
 
 K = 6.0
@@ -79,18 +83,40 @@ def find_spikes(
 
 
 def rollback(spike: int, checkpoints: list[int], skips: SkipSteps) -> tuple[int, str] | None:
-    """(C, the skip_steps value) for a spike at step ``spike``: C the newest checkpoint
-    step <= spike - ROLLBACK_MARGIN; None when there is none."""
-    early = [c for c in checkpoints if c <= spike - ROLLBACK_MARGIN]
-    if not early:
-        return None
-    c = max(early)
-    start, count = c + 1, spike - c + ROLLBACK_MARGIN
-    kept = [(s, n) for s, n in skips.entries if s <= c]
-    if kept and kept[-1][0] + kept[-1][1] > start:  # an entry covering step C+1: merge
-        s, n = kept.pop()
-        start, count = s, max(s + n, start + count) - s
-    return c, str(SkipSteps([*kept, (start, count)]))
+    """(C, the skip_steps value) for a spike at step ``spike``, or None when no skip can
+    leave out that step's data from any checkpoint C <= spike - ROLLBACK_MARGIN.
+
+    The value is what the resume rule accepts as a continuation from C (``order.resume``:
+    the run's entries with S <= C unchanged) and what changes step ``spike``'s data: one
+    new entry from the first step no kept entry covers, ``skips.reach(C)`` (C + 1 unless
+    a trained entry's range runs past C), through spike + ROLLBACK_MARGIN. Entries the
+    run had after C are dropped where they overlap it and kept after it. C is the
+    newest checkpoint for which that first step is at or before the spike (a spike
+    inside a range trained from before C cannot be skipped from C: its data was drawn
+    past that range's skip already)."""
+    for c in sorted((c for c in checkpoints if c <= spike - ROLLBACK_MARGIN), reverse=True):
+        start = skips.reach(c)
+        if start > spike:
+            continue
+        stop = spike + ROLLBACK_MARGIN  # the last step whose data the new entry skips
+        kept = [(s, n) for s, n in skips.entries if s <= c or s > stop]
+        return c, str(SkipSteps(sorted([*kept, (start, stop - start + 1)])))
+    return None
+
+
+def _left_out_lines(data: StepData, step: int, from_step: int) -> list[str]:
+    """The ``zephon.exclude`` lines that leave out step ``step``'s samples from
+    ``from_step`` on: one per source (``source`` named only for a mixture)."""
+    ids: dict[str, list[int]] = {}
+    for s in step_samples(data, step, max_chars=1)["samples"]:
+        ids.setdefault(s["source"], []).append(int(s["sample"]))
+    mixture = isinstance(data.plan, MixtureStream)
+    return [
+        json.dumps(
+            ({"source": name} if mixture else {}) | {"ids": sorted(v), "from_step": from_step}
+        )
+        for name, v in ids.items()
+    ]
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -178,19 +204,37 @@ def run(args: argparse.Namespace) -> int:
     for spike in spikes:
         p = spike["step"]
         back = rollback(p, ckpts, skips)
-        if back is None:
+        early = [c for c in ckpts if c <= p - ROLLBACK_MARGIN]
+        if data is not None:
+            spike["data"] = step_samples(data, p, max_chars=args.max_chars)
+        if back is not None:
+            c, value = back
+            spike["rollback"] = {"load_step": c, "skip_steps": value}
+            advice = f"roll back: --checkpoint.load_step {c} --zephon.skip_steps {value}"
+        elif early:  # every early checkpoint lies before a trained skip covering step P
+            spike["rollback"] = None
+            c = max(early)
+            lines = _left_out_lines(data, p, c + 1) if data is not None else None
+            spike["exclude"] = {"load_step": c, "lines": lines}
+            advice = (
+                f"no skip from a checkpoint at or before step {p - ROLLBACK_MARGIN} changes "
+                f"step {p}'s data: it lies inside the trained skip range up to step "
+                f"{skips.reach(c) - 1}; leave its samples out instead: --checkpoint.load_step "
+                f"{c} --zephon.exclude FILE, FILE holding "
+                + (
+                    " and ".join(lines)
+                    if lines is not None
+                    else f"the ids `zephon show {run_dir} --step {p} --json` lists, with "
+                    f'"from_step": {c + 1}'
+                )
+            )
+        else:
             spike["rollback"] = None
             advice = (
                 f"no complete checkpoint at or before step {p - ROLLBACK_MARGIN} in "
                 f"{run_dir / folder} (checkpoints: {', '.join(map(str, ckpts)) or 'none'}): "
                 "no rollback to suggest"
             )
-        else:
-            c, value = back
-            spike["rollback"] = {"load_step": c, "skip_steps": value}
-            advice = f"roll back: --checkpoint.load_step {c} --zephon.skip_steps {value}"
-        if data is not None:
-            spike["data"] = step_samples(data, p, max_chars=args.max_chars)
         if args.json:
             print(json.dumps(spike, ensure_ascii=False))
             continue
