@@ -61,6 +61,7 @@ PATH_OPTIONS = frozenset(
         "zephon.store",
         "zephon.mixture",
         "zephon.cache_dir",
+        "zephon.exclude",
     }
 )
 """Options whose value is a path TorchTitan or Zephon opens relative to the working

@@ -42,6 +42,15 @@ def test_relative_path_options_are_joined_to_the_launch_folder(tmp_path: Path):
     ]  # fmt: skip
 
 
+def test_a_relative_left_out_list_is_joined_to_the_launch_folder(tmp_path: Path):
+    """zephon.exclude names a file the trainer opens: from the user's folder, as the store."""
+    argv = ["--zephon.exclude", "left_out.jsonl", "--zephon.exclude=", "--training.steps", "3"]
+    assert resolve_paths(argv, tmp_path) == [
+        "--zephon.exclude", str(tmp_path / "left_out.jsonl"),
+        "--zephon.exclude=", "--training.steps", "3",
+    ]  # fmt: skip
+
+
 def test_absolute_empty_and_dump_relative_values_stay(tmp_path: Path):
     argv = [
         "--job.dump_folder", "/abs/run",
