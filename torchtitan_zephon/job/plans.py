@@ -51,7 +51,8 @@ def plan_of(
     problem = exclusions_problem(config, exclusions)
     if problem:
         raise ValueError(
-            f"{problem}: build the config with the job data's data_config, from the same "
+            "the data config's left-out entries (exclude) are not those of the list given "
+            f"({problem}): build the config with the job data's data_config, from the same "
             "zephon.exclude file."
         )
     schedule = config.batch_schedule()
