@@ -3,7 +3,8 @@
 Invariant: the ids printed for a step are ``DataPlan.global_ids`` (or
 ``rank_ids``) of that step, the ones the trainer's loader reads (with
 ``--skip-steps``, the trainer's ``zephon.skip_steps``, and ``--exclude FILE``, the
-trainer's ``zephon.exclude``: each entry is also said on stderr). They are
+trainer's ``zephon.exclude``: each entry is also said on stderr; ``load_exclude``
+and ``leave_out`` read that flag for ``show``, ``where`` and ``spikes`` too). They are
 computed and printed ``BLOCK`` ids at a time, so memory stays bounded whatever
 the batch size; a step with more than ``MAX_IDS_PER_STEP`` ids is refused
 before anything is printed. Bad arguments are refused before the store is read.

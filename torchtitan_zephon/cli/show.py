@@ -4,7 +4,8 @@ Role: opens the data a step reads (``StepData``: a plan, the stores it names, th
 tokenizer) from a run folder (its sequence log's newest start or resume event
 holds the data config, skips included; its stores and tokenizer are found from the
 job config it saved, the command line or the builtin data, each checked against
-the config's fingerprints), or from a store or a mixture file with ``--seq-len``,
+the config's fingerprints; its left-out list, ``zephon.exclude``, from ``--exclude
+FILE`` or the saved job config, checked against the sha256 the config binds), or from a store or a mixture file with ``--seq-len``,
 ``--global-batch-size`` and ``--seed``. For each sample of the step (or of one DP
 rank's slice, or one sample) it prints its source, sample id, the documents its
 ``seq_len`` input tokens belong to (id, the window's offsets within the document,
@@ -18,7 +19,8 @@ Invariants:
 - The cost is O(1) in the step number: one plan lookup of the step's positions
   and the step's samples read from the store; nothing is replayed.
 - A step before the first, past a mixture source's ``max_epochs``, a DP rank or
-  a sample out of range is a one-line error (exit status 2), never a traceback.
+  a sample out of range, a run's left-out list not found or not the one its data
+  config binds, is a one-line error (exit status 2), never a traceback.
 """
 
 from __future__ import annotations
