@@ -1,6 +1,7 @@
 """job.accounting: the per-source counts of a step against the plan's ids (a slow
 per-sample reference), cumulative = the sum of the steps, exact targets from the
-weights, epochs past skip ranges, documents started against a per-sample count."""
+weights, epochs past skip ranges and left-out samples (a whole-stream walk),
+documents started against a per-sample count."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.order.test_exclusions import exclusion_entries, file_text, reference
 from tests.order.test_mixture import batch_schedules, mixtures
 from tests.order.test_skips import skip_steps
 from torchtitan_zephon.job.accounting import (
@@ -20,6 +22,7 @@ from torchtitan_zephon.job.accounting import (
     step_account,
 )
 from torchtitan_zephon.job.data import MixtureData, StoreData
+from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.mixture.plan import MixturePlan
@@ -40,26 +43,29 @@ def step_sources(plan, step: int, n: int) -> np.ndarray:
     return out
 
 
-def reference_epochs(plan, steps: int, skips: SkipSteps, sizes: list[int]) -> list[list[int]]:
-    """Per step, each source's epoch of its last trained sample: its k-th trained draw
-    reads stream position k plus what the skip ranges starting at or before its step
-    drew from it (each range's steps counted sample by sample)."""
+def reference_epochs(plan, steps, skips, sizes, seeds, entries=()) -> list[list[int]]:
+    """Per step, each source's epoch of its last trained sample, walking the whole
+    streams (tests/order/test_exclusions.py's reference): a skip range's steps read
+    their draws, a left-out sample is deleted from its step on, so the stream reads
+    past both."""
     n = len(sizes)
-    skipped_by = [
-        (s, sum(step_sources(plan, t, n) for t in range(s, s + k))) for s, k in skips.entries
-    ]
-    drawn = np.zeros(n, dtype=np.int64)
+    read: list[list[int]] = []
+    walk = reference(lambda u: rule_sources(plan, u), sizes, seeds, skips, entries, steps, read)
     last = [None] * n
     out = []
-    for step in range(1, steps + 1):
-        shift = sum((c for s, c in skipped_by if s <= step), np.zeros(n, dtype=np.int64))
-        per = step_sources(plan, step, n)
-        for i in range(n):
-            if per[i]:
-                last[i] = int(drawn[i] + per[i] - 1 + shift[i])
-        drawn += per
+    for (src, _), positions in zip(walk, read, strict=True):
+        for i, q in zip(src.tolist(), positions, strict=True):
+            last[i] = q
         out.append([0 if last[i] is None else last[i] // sizes[i] for i in range(n)])
     return out
+
+
+def rule_sources(plan, step: int) -> np.ndarray:
+    """The source of each slot of a step (no skips: the rule indexes slots by step)."""
+    if isinstance(plan, MixtureStream):
+        m = plan.mixture
+        return m.slot_sources(*m.step_slots(step))
+    return np.zeros(plan.schedule.gbs(step), dtype=np.int64)
 
 
 def weights_at(spec: MixtureSpec, step: int) -> list[Fraction]:
@@ -73,13 +79,16 @@ def weights_at(spec: MixtureSpec, step: int) -> list[Fraction]:
     seed=st.integers(0, 2**40),
     schedule=batch_schedules(max_gbs=12),
     skips=skip_steps(),
+    data=st.data(),
 )
-def test_mixture_accounting_equals_the_steps_ids(spec, seed, schedule, skips):
+def test_mixture_accounting_equals_the_steps_ids(spec, seed, schedule, skips, data):
     steps = 30
-    plan = MixtureStream(MixturePlan(spec, seed, Layout(schedule, skips=skips)))
+    sizes = [int(s.num_samples) for s in spec.sources]
+    entries = data.draw(exclusion_entries(sizes))
+    exclusions = Exclusions.parse(file_text(entries, spec.names))
+    plan = MixtureStream(MixturePlan(spec, seed, Layout(schedule, skips=skips), exclusions))
     n = len(spec.names)
-    sizes = [s.num_samples for s in spec.sources]
-    epochs = reference_epochs(plan, steps, skips, sizes)
+    epochs = reference_epochs(plan, steps, skips, sizes, plan.mixture.source_seeds, entries)
     cumulative = np.zeros(n, dtype=np.int64)
     target = [Fraction(0)] * n
     previous = [0] * n
@@ -111,12 +120,19 @@ def test_mixture_accounting_equals_the_steps_ids(spec, seed, schedule, skips):
     seed=st.integers(0, 2**40),
     schedule=batch_schedules(max_gbs=12),
     skips=skip_steps(),
+    data=st.data(),
 )
 def test_one_store_is_one_source_whose_target_is_what_it_trained(
-    size, offset, seed, schedule, skips
+    size, offset, seed, schedule, skips, data
 ):
-    plan = DataPlan(size, seed, schedule, offset, skips=skips)
-    epochs = reference_epochs(plan, 30, skips, [size])
+    entries = data.draw(exclusion_entries([size]))
+    exclusions = Exclusions.parse(
+        file_text([(i, s, [x + offset for x in ids]) for i, s, ids in entries])
+    )
+    plan = DataPlan(
+        size, seed, schedule, offset, skips=skips, exclusions=exclusions.for_source(None)
+    )
+    epochs = reference_epochs(plan, 30, skips, [size], [seed], entries)
     total = 0
     for step in range(1, 31):
         a = step_account(plan, step, seq_len=3)

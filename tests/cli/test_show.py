@@ -299,3 +299,107 @@ def test_a_resume_that_accepted_a_schedule_change_anchors_the_plan(
     old = source.data_config(seed=3, schedule=BatchSchedule.parse("4"))
     SequenceTracker(log, config=old, writer=True).resume(head, {"world_size": 1})
     assert show(capsys, str(run), "--step", "2")["positions"] == [4, 8]
+
+
+# ---------------------------------------------------------------- left-out samples
+
+
+def _folder(path: Path) -> dict[str, bytes]:
+    return {str(p): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def test_show_and_where_on_a_run_that_leaves_samples_out(store_path, store, tmp_path, capsys):
+    """The run's list comes from its saved zephon.exclude (or --exclude FILE), checked
+    against the sha256 its data config binds; show prints the plan with the samples
+    left out, where reports them ``left out from step S``; any other list, or none, is
+    a one-line refusal naming --exclude FILE, the run folder unchanged."""
+    from torchtitan_zephon.order.exclusions import Exclusions
+
+    plain = DataPlan(store.num_samples(8), 3, BatchSchedule([(1, 4)]))
+    gone = plain.global_ids(3)[:2].tolist()  # what step 3 would train
+    left = tmp_path / "left.jsonl"
+    left.write_text(json.dumps({"ids": gone, "from_step": 3}) + "\n")
+    source = StoreData(store, 8)
+    source.leave_out(Exclusions.load(str(left)))
+    plan = source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse("4")))
+    zephon = {"store": str(store_path), "exclude": str(left)}
+    run = write_run(tmp_path / "run", source, trained=5, saved={"zephon": zephon})
+    for step in (1, 3, 4, 9):
+        info = show(capsys, str(run), "--step", str(step))
+        assert [s["sample"] for s in info["samples"]] == plan.global_ids(step).tolist()
+    assert not set(gone) & {s["sample"] for s in show(capsys, str(run), "--step", "3")["samples"]}
+    doc = int(store.document_ids(gone[0] * 8, gone[0] * 8 + 8)[0])
+    assert main(["where", str(run), "--doc", str(doc), "--json"]) == 0
+    hits = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    mine = [h for h in hits if h["sample"] == gone[0] and h["epoch"] == 0]
+    assert mine == [{"epoch": 0, "sample": gone[0], "stream_position": mine[0]["stream_position"],
+                     "status": "left out", "step": None, "index": None, "dp_rank": None,
+                     "rank_index": None, "left_out_from": 3}]  # fmt: skip
+    assert main(["where", str(run), "--doc", str(doc)]) == 0
+    assert (
+        f"sample {gone[0]}  stream position {mine[0]['stream_position']}: left out from "
+        "step 3 (zephon.exclude), never trained" in capsys.readouterr().out
+    )
+    # --exclude FILE where the saved config names none (or elsewhere)
+    bare = write_run(tmp_path / "bare", source, trained=5, saved={"zephon": {"store": str(store_path)}})  # fmt: skip
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"ids": gone[:1], "from_step": 3}) + "\n")
+    moved = write_run(tmp_path / "moved", source, trained=5,
+                      saved={"zephon": {"exclude": str(tmp_path / "gone.jsonl")}})  # fmt: skip
+    plain_run = write_run(tmp_path / "plain", StoreData(store, 8), trained=2)
+    before = {r: _folder(r) for r in (run, bare, moved, plain_run)}
+    for target, extra, fragments in [
+        (bare, [], ["leaves samples out (from step 3, 2 ids (sha256",
+                    "and no left-out list was given (its saved job config names no zephon.exclude)",
+                    "pass --exclude FILE, the zephon.exclude list the run was trained with"]),
+        (run, ["--exclude", str(other)], [f"but --exclude file {other} holds from step 3, 1 id",
+                                         "pass --exclude FILE"]),
+        (moved, [], [f"names zephon.exclude {tmp_path / 'gone.jsonl'}, which is not a file here",
+                     "pass --exclude FILE"]),
+        (plain_run, ["--exclude", str(left)], ["leaves no samples out, but --exclude file",
+                                               "drop --exclude"]),
+    ]:  # fmt: skip
+        for command in (["show", "--step", "3"], ["where", "--doc", str(doc)]):
+            assert main([command[0], str(target), *command[1:], *extra]) == 2
+            err = capsys.readouterr().err
+            assert err.count("\n") == 1 and "Traceback" not in err, err
+            assert all(f in err for f in fragments), err
+    assert {r: _folder(r) for r in before} == before
+    info = show(capsys, str(bare), "--step", "3", "--exclude", str(left))
+    assert [s["sample"] for s in info["samples"]] == plan.global_ids(3).tolist()
+
+
+def test_a_store_or_mixture_takes_exclude_as_plan_does(store_path, store, mixture_file, tmp_path, capsys):  # fmt: skip
+    left = tmp_path / "left.jsonl"
+    left.write_text(json.dumps({"ids": [0, 5, 9], "from_step": 2}) + "\n")
+    plan = DataPlan(store.num_samples(8), 3, BatchSchedule([(1, 4)]))
+    from torchtitan_zephon.order.exclusions import Exclusions
+
+    kept = DataPlan(store.num_samples(8), 3, BatchSchedule([(1, 4)]),
+                    exclusions=Exclusions.load(str(left)).for_source(None))  # fmt: skip
+    for step in (1, 2, 50):
+        info = show(capsys, str(store_path), *BASE, "--step", str(step), "--exclude", str(left))
+        assert [s["sample"] for s in info["samples"]] == kept.global_ids(step).tolist()
+    assert plan.global_ids(50).tolist() != kept.global_ids(50).tolist()
+    assert main(["plan", "--store", str(store_path), *BASE, "--steps", "50:50", "--json",
+                 "--exclude", str(left)]) == 0  # fmt: skip
+    assert json.loads(capsys.readouterr().out)["ids"] == kept.global_ids(50).tolist()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"ids": [1], "from_step": 2, "source": "web"}\n')
+    for argv in (["show", str(store_path), *BASE, "--step", "2"],
+                 ["where", str(store_path), *BASE, "--doc", "1"]):  # fmt: skip
+        assert main([*argv, "--exclude", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert f'--exclude file {bad}, line 1 names "source"' in err and "Traceback" not in err
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(json.dumps({"ids": [1, 2, 3], "from_step": 1, "source": "code"}) + "\n")
+    args = ["--mixture", str(mixture_file), "--seq-len", "8", "--global-batch-size", "10",
+            "--seed", "3"]  # fmt: skip
+    info = show(capsys, *args, "--step", "2", "--exclude", str(mixed))
+    source = MixtureData.open(MixtureConfig.load(mixture_file), 8)
+    source.leave_out(Exclusions.load(str(mixed)))
+    want = source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse("10")))
+    names, ids = want.decode(want.global_ids(2))
+    assert [(s["source"], s["sample"]) for s in info["samples"]] == list(
+        zip(names, ids.tolist(), strict=True)
+    )

@@ -209,3 +209,26 @@ def test_no_events_and_no_loss_scalar_are_clear_errors(tmp_path, capsys):
     assert main(["spikes", "--help"]) == 0
     help_text = " ".join(capsys.readouterr().out.split())
     assert "(default 6)" in help_text and "(default 50)" in help_text
+
+
+def test_spikes_of_a_run_that_leaves_samples_out_shows_the_step_without_them(
+    store_path, store, tmp_path, capsys
+):
+    from torchtitan_zephon.order.exclusions import Exclusions
+    from torchtitan_zephon.order.layout import BatchSchedule
+
+    left = tmp_path / "left.jsonl"
+    left.write_text(json.dumps({"ids": list(range(0, 400, 3)), "from_step": 20}) + "\n")
+    source = StoreData(store, 8)
+    source.leave_out(Exclusions.load(str(left)))
+    plan = source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse("4")))
+    run = write_run(tmp_path / "run", source, trained=60, saved={"zephon": {"store": str(store_path)}})  # fmt: skip
+    write_events(run, curve(60, 40))
+    assert main(["spikes", str(run), "--json"]) == 0  # the losses, and why no data
+    captured = capsys.readouterr()
+    assert "data" not in json.loads(captured.out)
+    assert "the data of the spikes is not shown: the run " in captured.err
+    assert "pass --exclude FILE" in captured.err
+    assert main(["spikes", str(run), "--json", "--exclude", str(left)]) == 0
+    samples = json.loads(capsys.readouterr().out)["data"]["samples"]
+    assert [s["sample"] for s in samples] == plan.global_ids(40).tolist()

@@ -15,6 +15,7 @@ from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.cli.show import StepData
 from torchtitan_zephon.cli.where import where
 from torchtitan_zephon.job.data import MixtureData, StoreData
+from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
 from torchtitan_zephon.order.mixture.stream import MixtureStream
@@ -24,8 +25,14 @@ SEQ = 8
 
 
 def step_data(
-    source, *, seed: int, gbs: str, skips: str = "", trained: int | None = None
+    source, *, seed: int, gbs: str, skips: str = "", trained: int | None = None, exclude=()
 ) -> StepData:
+    """``exclude``: left-out entries (from_step, ids[, source name]) of a zephon.exclude."""
+    if exclude:
+        source.leave_out(Exclusions.parse("\n".join(
+            json.dumps({"from_step": e[0], "ids": e[1], **({"source": e[2]} if e[2:] else {})})
+            for e in exclude
+        )))  # fmt: skip
     extra = {"skip_steps": SkipSteps.parse(skips).to_json()} if skips else {}
     config = source.data_config(seed=seed, schedule=BatchSchedule.parse(gbs), extra=extra)
     plan = source.plan(config)
@@ -56,7 +63,7 @@ def scan(data: StepData, store, doc: int, source: int, first_id: int, n: int, dp
         if isinstance(plan, MixtureStream):
             reach = int(plan.mixture.stream_positions_before(step)[source])
         else:
-            reach = int(plan.skip_map.shift(np.array([first]))[0]) if plan.skip_map else first
+            reach = int(plan.stream_positions(np.array([first]))[0])
         if reach >= n:
             return out, step
         try:
@@ -84,12 +91,15 @@ def found(hits, stop: int):
     doc=st.integers(0, 79),
     dp=st.sampled_from([1, 2, 4]),
     trained=st.integers(0, 200),
+    data=st.data(),
 )
-def test_where_agrees_with_plan_for_one_store(store, seed, gbs, skips, doc, dp, trained):
+def test_where_agrees_with_plan_for_one_store(store, seed, gbs, skips, doc, dp, trained, data):
     n = store.num_samples(SEQ) - 3
+    exclude = data.draw(left_out_entries(sorted(doc_samples(store, doc, 0, n)) + [0, n - 1]))
     data = step_data(
-        StoreData(store, SEQ, num_samples=n), seed=seed, gbs=gbs, skips=skips, trained=trained
-    )
+        StoreData(store, SEQ, num_samples=n), seed=seed, gbs=gbs, skips=skips, trained=trained,
+        exclude=exclude,
+    )  # fmt: skip
     expected, stop = scan(data, store, doc, 0, 0, n, dp)
     hits, _ = where(data, doc, epochs=(0, 1), dp_degree=dp)
     assert found(hits, stop) == expected
@@ -101,6 +111,34 @@ def test_where_agrees_with_plan_for_one_store(store, seed, gbs, skips, doc, dp, 
         (e, s) for e in range(2) for s in wanted
     )
     assert any(h.status == "skipped" for h in hits) <= bool(skips)
+    check_left_out(hits, exclude)
+
+
+@st.composite
+def left_out_entries(draw, ids: list[int], source: str | None = None):
+    """0-3 zephon.exclude entries (from_step, ids[, source]) leaving out some of ``ids``
+    (a document's samples, so that where meets them)."""
+    entries = []
+    for _ in range(draw(st.integers(0, 3))):
+        chosen = draw(st.lists(st.sampled_from(ids), max_size=4, unique=True))
+        entries.append((draw(st.integers(1, 60)), chosen, *([source] if source else [])))
+    return entries
+
+
+def check_left_out(hits, exclude) -> None:
+    """A hit ``left out from step S`` is a sample of an entry of step S (its first), and
+    has no step; a plan with no entries has no such hit."""
+    first = {}
+    for e in sorted(exclude):
+        for x in e[1]:
+            first.setdefault(x, e[0])
+    for h in hits:
+        if h.status == "left out":
+            assert h.step is None and first[h.sample] == h.left_out_from
+            assert h.to_dict()["left_out_from"] == h.left_out_from
+        else:
+            assert "left_out_from" not in h.to_dict()
+    assert any(h.status == "left out" for h in hits) <= bool(first)
 
 
 @settings(
@@ -112,16 +150,19 @@ def test_where_agrees_with_plan_for_one_store(store, seed, gbs, skips, doc, dp, 
     skips=st.sampled_from(["", "2:2", "4:1,8:3"]),
     name=st.sampled_from(["code", "web"]),
     doc=st.integers(0, 30),
+    data=st.data(),
 )
-def test_where_agrees_with_plan_for_a_mixture(mixture_file, seed, gbs, skips, name, doc):  # noqa: F811
+def test_where_agrees_with_plan_for_a_mixture(mixture_file, seed, gbs, skips, name, doc, data):  # noqa: F811
     source = MixtureData.open(MixtureConfig.load(mixture_file), SEQ)
-    data = step_data(source, seed=seed, gbs=gbs, skips=skips)
-    i = data.names.index(name)
-    store, n = source.stores[i], int(data.plan.mixture.num_samples[i])
+    i = source.names.index(name)
+    store, n = source.stores[i], int(source.spec.sources[i].num_samples)
     doc = doc % store.num_documents
+    exclude = data.draw(left_out_entries(sorted(doc_samples(store, doc, 0, n)) + [0], name))
+    data = step_data(source, seed=seed, gbs=gbs, skips=skips, exclude=exclude)
     expected, stop = scan(data, store, doc, i, 0, n, 1)
     hits, _ = where(data, doc, source=name, epochs=(0, 1))
     assert found(hits, stop) == expected
+    check_left_out(hits, exclude)
     if name == "code":  # max_epochs = 2: epoch 2 is never drawn
         _, notes = where(data, doc, source=name, epochs=(0, 3))
         assert "source 'code' has max_epochs=2: epochs 2.. are never drawn." in notes

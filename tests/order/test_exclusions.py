@@ -24,11 +24,17 @@ from tests.order.test_mixture import batch_schedules, mixtures
 from tests.order.test_skips import check_against, skip_steps
 from torchtitan_zephon.job.plans import plan_of
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch, data_extra
-from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, Exclusions, SourceRange
+from torchtitan_zephon.order.exclusions import (
+    EXCLUDE_FIELD,
+    ExclusionMap,
+    Exclusions,
+    SourceRange,
+)
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.plan import MixturePlan
 from torchtitan_zephon.order.mixture.spec import MixtureSpec
 from torchtitan_zephon.order.mixture.stream import MixtureStream
+from torchtitan_zephon.order.permutation import Permutation
 from torchtitan_zephon.order.resume import allowed_fields, check_resume
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.state import DataState
@@ -37,10 +43,11 @@ from torchtitan_zephon.order.stream import DataPlan, make_keys
 # ---------------------------------------------------------------- the reference
 
 
-def reference(sources_of_step, sizes, seeds, skips, entries, steps):
+def reference(sources_of_step, sizes, seeds, skips, entries, steps, positions=None):
     """(source, index) of every draw of steps 1..steps, walking the whole streams.
 
-    ``entries``: (source, from_step, indices) with indices in [0, size)."""
+    ``entries``: (source, from_step, indices) with indices in [0, size). ``positions``
+    (a list) gets, per step, the stream position each of its draws read."""
     n = len(sizes)
     perms: dict[tuple[int, int], np.ndarray] = {}
     raw = [0] * n
@@ -67,7 +74,13 @@ def reference(sources_of_step, sizes, seeds, skips, entries, steps):
             if from_step == step:
                 left_out[i] |= set(ids)
         src = sources_of_step(step)
-        out.append((src, np.array([draw(i) for i in src.tolist()], dtype=np.int64)))
+        drawn, read = [], []
+        for i in src.tolist():
+            drawn.append(draw(i))
+            read.append(raw[i] - 1)
+        out.append((src, np.array(drawn, dtype=np.int64)))
+        if positions is not None:
+            positions.append(read)
     return out
 
 
@@ -195,6 +208,35 @@ def test_an_entry_spans_epochs_and_each_epoch_trains_every_kept_sample_once():
         assert sorted(part.tolist()) == sorted(set(range(n)) - set(left))
         perm = plan.permutation(epoch).map(np.arange(n))
         assert part.tolist() == [x for x in perm.tolist() if x not in left]
+
+
+@settings(max_examples=80, deadline=None)
+@given(n=st.integers(2, 30), seed=st.integers(0, 2**40), data=st.data())
+def test_the_inverse_gives_each_effective_position_back_and_says_what_is_left_out(n, seed, data):
+    """ExclusionMap.effective inverts raw: effective(raw(e)) == (e, 0), and every stream
+    position raw passes over holds a sample of the entry it names, past that entry's start."""
+    k = data.draw(st.integers(1, 4))
+    thresholds = sorted(data.draw(st.lists(st.integers(0, 3 * n), min_size=k, max_size=k)))
+    steps = sorted(data.draw(st.lists(st.integers(1, 50), min_size=k, max_size=k, unique=True)))
+    pool = np.array(data.draw(st.permutations(range(n))), dtype=np.int64)
+    pool = pool[: data.draw(st.integers(0, n - 1))]
+    cuts = sorted(data.draw(st.lists(st.integers(0, pool.size), min_size=k - 1, max_size=k - 1)))
+    new_ids = [np.sort(x) for x in np.split(pool, cuts)]
+    m = ExclusionMap(n, seed, thresholds, new_ids, steps)
+    e = np.arange(thresholds[-1] + 3 * n, dtype=np.int64)
+    q = m.raw(e)
+    assert np.all(np.diff(q) > 0)
+    back, by = m.effective(q)
+    assert back.tolist() == e.tolist() and not by.any()
+    assert m.effective(q.reshape(-1, 1))[0].ravel().tolist() == e.tolist()  # any shape
+    gaps = np.setdiff1d(np.arange(int(q[-1]) + 1), q)
+    back, by = m.effective(gaps)
+    assert (back == -1).all() and (by > 0).all()
+    for g, s in zip(gaps.tolist(), by.tolist(), strict=True):
+        j = steps.index(s)
+        assert int(Permutation(n, seed, g // n).map(np.array([g % n]))[0]) in new_ids[j]
+        start = int(m.raw(np.array([thresholds[j] - 1]))[0]) + 1 if thresholds[j] else 0
+        assert g >= start  # left out only once its entry has taken effect
 
 
 def test_a_large_list_at_a_late_step_is_exact_without_a_scan():

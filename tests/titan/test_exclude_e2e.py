@@ -33,7 +33,10 @@ def test_left_out_ids_never_train_and_a_rollback_on_one_rank_matches(
     left = reference_plan.global_ids(6)[:3].tolist() + reference_plan.global_ids(7)[-1:].tolist()
     exclude = e2e_root / "left_out.jsonl"
     exclude.write_text(json.dumps({"ids": left, "from_step": 5}) + "\n")
-    fresh = train03(e2e_root / "exclude_fresh", 2, "--zephon.exclude", str(exclude)).check().run
+    fresh = train03(
+        e2e_root / "exclude_fresh", 2, "--zephon.exclude", str(exclude),
+        "--debug.save_config_file", "config.json",
+    ).check().run  # fmt: skip
     rolled = copy_run_until(reference, e2e_root / "exclude_rolled", 4)
     train(rolled, 1, "--zephon.exclude", str(exclude)).check()
     (event,) = resume_events(rolled)
@@ -61,6 +64,18 @@ def test_left_out_ids_never_train_and_a_rollback_on_one_rank_matches(
     ]
     assert main(["verify", str(reference), str(fresh)]) == 1
     assert "where their left-out samples differ: at step 5" in capsys.readouterr().out
+    # show and where read the list from the job config the run saved (zephon.exclude)
+    assert main(["show", str(fresh), "--step", "6", "--json"]) == 0, capsys.readouterr().err
+    shown = json.loads(capsys.readouterr().out)["samples"]
+    assert [s["sample"] for s in shown] == plan.global_ids(6).tolist()
+    assert main(["show", str(reference), "--step", "6", "--sample", "0", "--json"]) == 0
+    (was,) = json.loads(capsys.readouterr().out)["samples"]  # left[0], trained there before
+    assert was["sample"] == left[0]
+    doc = was["documents"][0]["document"]
+    assert main(["where", str(fresh), "--doc", str(doc), "--json"]) == 0
+    hits = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    (mine,) = [h for h in hits if h["sample"] == left[0] and h["epoch"] == 0]
+    assert (mine["status"], mine["left_out_from"], mine["step"]) == ("left out", 5, None)
 
 
 def test_a_list_that_edits_a_trained_step_is_refused_with_the_folder_unchanged(

@@ -3,7 +3,8 @@
 Invariant: the ids printed for a step are ``DataPlan.global_ids`` (or
 ``rank_ids``) of that step, the ones the trainer's loader reads (with
 ``--skip-steps``, the trainer's ``zephon.skip_steps``, and ``--exclude FILE``, the
-trainer's ``zephon.exclude``: each entry is also said on stderr). They are
+trainer's ``zephon.exclude``: each entry is also said on stderr; ``load_exclude``
+and ``leave_out`` read that flag for ``show``, ``where`` and ``spikes`` too). They are
 computed and printed ``BLOCK`` ids at a time, so memory stays bounded whatever
 the batch size; a step with more than ``MAX_IDS_PER_STEP`` ids is refused
 before anything is printed. Bad arguments are refused before the store is read.
@@ -26,12 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.ingest.cache import RawInputs, names_store
 from torchtitan_zephon.job.stores import store_location
 from torchtitan_zephon.order.data_config import SKIP_FIELD
-from torchtitan_zephon.order.exclusions import Exclusions, SourceRange
+from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import (
     MIN_STORE_SAMPLES,
     BatchSchedule,
@@ -43,6 +45,9 @@ from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
+
+if TYPE_CHECKING:
+    from torchtitan_zephon.job.data import JobData
 
 BLOCK = 1 << 20  # ids computed and written at a time
 MAX_IDS_PER_STEP = 10**9  # about 10 GB of output for one step
@@ -146,14 +151,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         metavar="S:N,...",
         help="the trainer's zephon.skip_steps: at step S, skip the data of N steps",
     )
-    p.add_argument(
-        "--exclude",
-        default="",
-        metavar="FILE",
-        help="the trainer's zephon.exclude: a JSON-lines list of sample ids left out from "
-        'a step on ({"source": NAME, "ids": [...], "from_step": S}; "source" only with '
-        "--mixture)",
-    )
+    add_exclude_argument(p)
     p.add_argument("--steps", type=_steps, required=True, metavar="A:B", help="inclusive range")
     p.add_argument("--dp-degree", type=int_in(1), default=1, metavar="D")
     p.add_argument("--dp-rank", type=int_in(0), default=None, metavar="R")
@@ -162,6 +160,34 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--num-samples", type=int_in(1), default=None)
     p.add_argument("--json", action="store_true", help='one JSON object per line: {"step", "ids"}')
     return p
+
+
+def add_exclude_argument(p: argparse.ArgumentParser, extra: str = "") -> None:
+    """``--exclude FILE``, the trainer's ``zephon.exclude`` (``zephon plan``, ``show``,
+    ``where``, ``spikes``: read by ``load_exclude``)."""
+    p.add_argument(
+        "--exclude",
+        default="",
+        metavar="FILE",
+        help="the trainer's zephon.exclude: a JSON-lines list of sample ids left out from "
+        'a step on ({"source": NAME, "ids": [...], "from_step": S}; "source" only with '
+        f"a mixture){extra}",
+    )
+
+
+def load_exclude(path: str | None, setting: str = "--exclude") -> Exclusions | None:
+    """The left-out list of ``path`` (None without one): ValueError, one line naming the
+    file's line, when it cannot be read or parsed."""
+    return Exclusions.load(path, setting) if path else None
+
+
+def leave_out(data: JobData, path: str | None) -> Exclusions | None:
+    """``--exclude FILE`` loaded and checked against ``data`` (``JobData.leave_out``),
+    which then binds it in every data config and plan it makes."""
+    exclusions = load_exclude(path)
+    if exclusions is not None:
+        data.leave_out(exclusions)
+    return exclusions
 
 
 def _largest_step(schedule: BatchSchedule, first: int, last: int) -> tuple[int, int]:
@@ -212,10 +238,10 @@ def run(args: argparse.Namespace) -> int:
     warning = check_store_size(f"{what} (seq_len {args.seq_len})", num_samples, schedule, fix)
     if warning:
         print(f"zephon plan: warning: {warning}", file=sys.stderr)
-    exclusions = None
-    if args.exclude:
-        exclusions = Exclusions.load(args.exclude, "--exclude")
-        exclusions.check({None: SourceRange(args.sample_offset, num_samples, available)})
+    from torchtitan_zephon.job.data import StoreData
+
+    data = StoreData(store, args.seq_len, sample_offset=args.sample_offset, num_samples=num_samples)
+    exclusions = leave_out(data, args.exclude)
     plan = DataPlan(
         num_samples,
         args.seed,
@@ -323,9 +349,7 @@ def run_mixture(
         path=args.mixture,
         raw=raw,
     )
-    exclusions = Exclusions.load(args.exclude, "--exclude") if args.exclude else None
-    if exclusions is not None:
-        source.leave_out(exclusions)
+    exclusions = leave_out(source, args.exclude)
     extra = {SKIP_FIELD: args.skip_steps.to_json()} if args.skip_steps else {}
     plan = source.plan(source.data_config(seed=args.seed, schedule=schedule, extra=extra))
     assert isinstance(plan, MixtureStream)

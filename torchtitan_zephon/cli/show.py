@@ -4,7 +4,8 @@ Role: opens the data a step reads (``StepData``: a plan, the stores it names, th
 tokenizer) from a run folder (its sequence log's newest start or resume event
 holds the data config, skips included; its stores and tokenizer are found from the
 job config it saved, the command line or the builtin data, each checked against
-the config's fingerprints), or from a store or a mixture file with ``--seq-len``,
+the config's fingerprints; its left-out list, ``zephon.exclude``, from ``--exclude
+FILE`` or the saved job config, checked against the sha256 the config binds), or from a store or a mixture file with ``--seq-len``,
 ``--global-batch-size`` and ``--seed``. For each sample of the step (or of one DP
 rank's slice, or one sample) it prints its source, sample id, the documents its
 ``seq_len`` input tokens belong to (id, the window's offsets within the document,
@@ -18,7 +19,8 @@ Invariants:
 - The cost is O(1) in the step number: one plan lookup of the step's positions
   and the step's samples read from the store; nothing is replayed.
 - A step before the first, past a mixture source's ``max_epochs``, a DP rank or
-  a sample out of range is a one-line error (exit status 2), never a traceback.
+  a sample out of range, a run's left-out list not found or not the one its data
+  config binds, is a one-line error (exit status 2), never a traceback.
 """
 
 from __future__ import annotations
@@ -36,9 +38,18 @@ import numpy as np
 from torchtitan_zephon import runs
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.cli.inspect_run import is_run
-from torchtitan_zephon.cli.plan import _open_store, _raw_inputs, _schedule, _skip_steps
-from torchtitan_zephon.job.plans import plan_of
+from torchtitan_zephon.cli.plan import (
+    _open_store,
+    _raw_inputs,
+    _schedule,
+    _skip_steps,
+    add_exclude_argument,
+    leave_out,
+    load_exclude,
+)
+from torchtitan_zephon.job.plans import exclusions_problem, plan_of
 from torchtitan_zephon.order.data_config import SKIP_FIELD, DataConfig
+from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
@@ -199,6 +210,10 @@ def add_data_arguments(p: argparse.ArgumentParser, *, target: str = "TARGET") ->
         "--heldout-samples", type=int_in(0), default=0, metavar="N",
         help="with a store or mixture: the job's zephon.heldout_samples (default 0)",
     )  # fmt: skip
+    add_exclude_argument(
+        p, "; with a run: the list it was trained with, when its saved job config does not "
+        "name it (checked against the sha256 its data config binds)",
+    )  # fmt: skip
 
 
 def open_step_data(args: argparse.Namespace, command: str) -> StepData:
@@ -259,6 +274,7 @@ def _open_given(args: argparse.Namespace, command: str) -> StepData:
             path=args.mixture,
             raw=raw,
         )
+        leave_out(data, args.exclude)
         config = data.data_config(seed=args.seed, schedule=schedule, extra=extra)
         plan: StreamPlan = data.plan(config)
         stores: list[TokenStore | None] = list(data.stores)
@@ -268,6 +284,7 @@ def _open_given(args: argparse.Namespace, command: str) -> StepData:
         store = _open_store(args.target, raw)
         what = f"the store {args.target}"
         source = store_source(store, args.seq_len, args.heldout_samples, schedule, what=what)
+        leave_out(source, args.exclude)
         config = source.data_config(seed=args.seed, schedule=schedule, extra=extra)
         plan = source.plan(config)
         stores, names = [store], [""]
@@ -364,7 +381,8 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
     saved = runs.saved_config(run)
     saved_job = saved[1] if saved else {}
     zephon = saved_job.get("zephon") if isinstance(saved_job.get("zephon"), dict) else {}
-    plan = plan_of(config, event["_anchor"])
+    exclusions = _run_exclusions(run, config, args.exclude, zephon.get("exclude"))
+    plan = plan_of(config, event["_anchor"], exclusions=exclusions)
     notes: list[str] = []
     if config.mixture is None:
         names = [""]
@@ -391,6 +409,36 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
         dp_degree=dp if isinstance(dp, int) and dp >= 1 else 1,
         trained_last=event["_trained"],
         notes=notes,
+    )
+
+
+def _run_exclusions(
+    run: Path, config: DataConfig, given: str | None, saved: Any
+) -> Exclusions | None:
+    """The left-out list the run's data config binds (only its entries' sha256): from
+    ``--exclude FILE``, else the saved job config's zephon.exclude (read only when the
+    config leaves samples out); ShowError, one line, when it is not that list."""
+    what = f"the run {run}'s data config"
+    if given:
+        exclusions = load_exclude(given)
+    elif config.exclude and isinstance(saved, str) and saved:
+        if not Path(saved).is_file():
+            raise ShowError(
+                f"{exclusions_problem(config, None, what)}; its saved job config names "
+                f"zephon.exclude {saved}, which is not a file here: pass --exclude FILE, the "
+                "zephon.exclude list the run was trained with."
+            )
+        exclusions = load_exclude(saved, "the run's saved zephon.exclude")
+    else:
+        exclusions = None
+    problem = exclusions_problem(config, exclusions, what)
+    if problem is None:
+        return exclusions
+    if not config.exclude:
+        raise ShowError(f"{problem}: drop --exclude.")
+    where = "" if exclusions else " (its saved job config names no zephon.exclude)"
+    raise ShowError(
+        f"{problem}{where}: pass --exclude FILE, the zephon.exclude list the run was trained with."
     )
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from torchtitan_zephon import runs
 from torchtitan_zephon.cli.args import int_in, positive_float
+from torchtitan_zephon.cli.plan import add_exclude_argument
 from torchtitan_zephon.cli.show import (
     ShowError,
     StepData,
@@ -144,6 +145,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--mixture", metavar="FILE", help="the run's mixture file (as zephon show --mixture)"
     )
     p.add_argument("--tokenizer", metavar="DIR", help="decode with this tokenizer (as zephon show)")
+    add_exclude_argument(p, " (as zephon show --exclude)")
     p.add_argument(
         "--max-chars", type=int_in(0), default=SUMMARY_CHARS, metavar="C",
         help=f"characters of text per sample in the summary (default {SUMMARY_CHARS}; 0: all)",
@@ -177,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
     ns = argparse.Namespace(
         target=str(run_dir), store=args.store, mixture=args.mixture, tokenizer=args.tokenizer,
         seq_len=None, global_batch_size=None, seed=None, skip_steps=SkipSteps(), heldout_samples=0,
+        exclude=args.exclude,
     )  # fmt: skip
     data: StepData | None = None
     problem = None

@@ -10,20 +10,21 @@ The way back, with no scan of the stream:
   D -> the sample ids whose input windows overlap D's tokens (contiguous ids)
   -> per epoch e, each id's position in the epoch: the inverse of the keyed
      permutation (``Permutation.inverse``) -> stream position e * N + that
+  -> the effective position: the left-out map inverted (``ExclusionMap.effective``;
+     a stream position whose sample a ``zephon.exclude`` entry deletes there is never
+     trained: reported as ``left out``, with the entry's from_step)
   -> the draw that reads it: the skip map inverted (a stream position inside a
      skipped range is consumed and never trained: reported as ``skipped``)
   -> the training position: the draw itself for one store; for a mixture the
      slot holding the source's k-th draw (a binary search over steps on the
      rule's counts, then the step's slots)
   -> the step holding that position (a binary search over the layout's steps).
-An exclusion list (``zephon.exclude``) maps stream positions to effective
-positions before the skip map; its inverse plugs in at ``draw_of`` (see there).
 
 Invariants:
 - A hit (epoch, step, index) is exactly an occurrence of a sample containing D
   in ``plan.global_ids(step)`` at ``index``: ``where`` agrees with ``plan`` at
-  every step, with skips and for mixtures (tests/cli/test_where.py checks it
-  against a scan).
+  every step, with skips, left-out samples and for mixtures (tests/cli/test_where.py
+  checks it against a scan).
 - The cost is O(samples of D x epochs x log(steps)), independent of where the
   steps lie in the stream.
 """
@@ -47,6 +48,7 @@ from torchtitan_zephon.cli.show import (
     open_step_data,
     say_notes,
 )
+from torchtitan_zephon.order.exclusions import ExclusionMap
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.permutation import Permutation
 from torchtitan_zephon.order.skips import SkipMap
@@ -64,14 +66,15 @@ class Hit:
     epoch: int
     sample: int
     stream_position: int
-    status: str  # trained | planned | skipped (consumed by a skip, never trained) | not drawn
+    status: str  # trained | planned | skipped (consumed by a skip) | left out | not drawn
     step: int | None = None
     index: int | None = None  # position in the step's global batch
     dp_rank: int | None = None
     rank_index: int | None = None
+    left_out_from: int | None = None  # status "left out": the entry's from_step
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
+        return {k: v for k, v in self.__dict__.items() if k != "left_out_from" or v is not None}
 
 
 def _epochs(text: str) -> tuple[int, int]:
@@ -132,33 +135,61 @@ def source_index(data: StepData, name: str | None) -> int:
     return data.names.index(name)
 
 
-def _source_shape(data: StepData, i: int) -> tuple[int, int, int, int | None, SkipMap | None]:
-    """(first training id, training samples, permutation seed, max_epochs, skip map)."""
+@dataclass(frozen=True)
+class SourceShape:
+    """What the way back needs of one source's stream."""
+
+    first_id: int  # the first training id
+    num_samples: int  # training samples
+    seed: int  # its permutation's seed
+    max_epochs: int | None
+    skip_map: SkipMap | None
+    exclusion_map: ExclusionMap | None
+
+
+def _source_shape(data: StepData, i: int) -> SourceShape:
     plan = data.plan
     if isinstance(plan, MixtureStream):
         m = plan.mixture
-        return 0, int(m.num_samples[i]), m.source_seeds[i], m.max_epochs[i], m.skip_map
+        return SourceShape(
+            0,
+            int(m.num_samples[i]),
+            m.source_seeds[i],
+            m.max_epochs[i],
+            m.skip_map,
+            m.exclusion_maps[i],
+        )
     assert isinstance(plan, DataPlan)
-    return plan.sample_offset, plan.num_samples, plan.seed, None, plan.skip_map
+    return SourceShape(
+        plan.sample_offset, plan.num_samples, plan.seed, None, plan.skip_map, plan.exclusion_map
+    )
 
 
-def draw_of(skip_map: SkipMap | None, source: int, stream_position: int) -> int | None:
+def draw_of(shape: SourceShape, source: int, stream_position: int) -> int | tuple[str, int | None]:
     """The draw count (c_i of ``order.skips``) of source ``source`` that reads
-    ``stream_position``, or None when a skip range consumed it (never trained).
+    ``stream_position``; ``("skipped", None)`` when a skip range consumed it, or
+    ``("left out", S)`` when the left-out entry of from_step S deleted its sample
+    there (never trained either way).
 
-    The skip map sends draw k to k + prefix[m] where m counts the entries whose start
-    count is <= k; entry j's skipped stream positions are [starts_j + prefix_j,
-    starts_j + prefix_{j+1}). (Exclusions, once they exist, map a stream position to
-    its effective position first: an excluded one is never drawn; the effective
-    position is then looked up here as the stream position is now.)"""
+    First the left-out map inverted (``ExclusionMap.effective``) gives the effective
+    position. Then the skip map: it sends draw k to k + prefix[m] where m counts the
+    entries whose start count is <= k; entry j's skipped effective positions are
+    [starts_j + prefix_j, starts_j + prefix_{j+1})."""
+    e = stream_position
+    if shape.exclusion_map is not None:
+        back, by = shape.exclusion_map.effective(np.array([stream_position]))
+        if by[0]:
+            return "left out", int(by[0])
+        e = int(back[0])
+    skip_map = shape.skip_map
     if skip_map is None:
-        return stream_position
+        return e
     starts, prefix = skip_map.starts[source], skip_map.prefix[source]
-    ends = starts + prefix[1:]  # first stream position after entry j's skipped block
-    m = int(np.searchsorted(ends, stream_position, side="right"))
-    if m < len(starts) and starts[m] + prefix[m] <= stream_position:
-        return None
-    return stream_position - int(prefix[m])
+    ends = starts + prefix[1:]  # first effective position after entry j's skipped block
+    m = int(np.searchsorted(ends, e, side="right"))
+    if m < len(starts) and starts[m] + prefix[m] <= e:
+        return "skipped", None
+    return e - int(prefix[m])
 
 
 def _mixture_slot(data: StepData, source: int, draw: int) -> tuple[int, int] | None:
@@ -222,7 +253,8 @@ def where(
             f"the store of {data.what}{f' (source {source!r})' if source else ''} was not "
             "found, so its documents are unknown: pass --store STORE (or --mixture FILE)."
         )
-    first_id, n, seed, max_epochs, skip_map = _source_shape(data, i)
+    shape = _source_shape(data, i)
+    first_id, n, seed, max_epochs = shape.first_id, shape.num_samples, shape.seed, shape.max_epochs
     d0, d1 = document_span(store, doc)
     seq_len = data.seq_len
     lo_id, hi_id = d0 // seq_len, (d1 - 1) // seq_len  # input windows overlapping [d0, d1)
@@ -246,7 +278,7 @@ def where(
             break
         within = Permutation(n, seed, epoch).inverse(ids - first_id)
         for sid, w in sorted(zip(ids.tolist(), within.tolist(), strict=True), key=lambda t: t[1]):
-            hits.append(_hit(data, i, epoch, sid, epoch * n + w, degree, skip_map))
+            hits.append(_hit(data, i, epoch, sid, epoch * n + w, degree, shape))
     return hits, notes
 
 
@@ -257,11 +289,11 @@ def _hit(
     sample: int,
     q: int,
     degree: int,
-    skip_map: SkipMap | None,
+    shape: SourceShape,
 ) -> Hit:
-    draw = draw_of(skip_map, source, q)
-    if draw is None:
-        return Hit(epoch, sample, q, "skipped")
+    draw = draw_of(shape, source, q)
+    if isinstance(draw, tuple):  # never trained: skipped, or left out from a step
+        return Hit(epoch, sample, q, draw[0], left_out_from=draw[1])
     if isinstance(data.plan, MixtureStream):
         found = _mixture_slot(data, source, draw)
         if found is None:
@@ -284,6 +316,7 @@ def format_hit(h: Hit) -> str:
     if h.step is None:
         why = {
             "skipped": "consumed by a skip range, never trained",
+            "left out": f"left out from step {h.left_out_from} (zephon.exclude), never trained",
             "not drawn": f"not drawn by step {MAX_STEP}",
             "trained": "before the resume anchor",
         }[h.status]

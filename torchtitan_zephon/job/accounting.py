@@ -20,8 +20,8 @@ Invariants (for every step s the plan trains):
   assignment. ``targets[i]`` = sum over t <= s of w_i(t) x GBS(t), exact (one store:
   the cumulative count itself); ``deviation = cumulative - target``.
 - ``epochs[i]`` is the epoch of source i's last trained sample (its stream position
-  // its training samples; skipped samples count, as the stream reads past them; 0
-  before its first draw). ``wraps`` lists the sources whose epoch grew at step s.
+  // its training samples, the plan's ``stream_positions``: skipped and left-out
+  samples count, as the stream reads past them; 0 before its first draw). ``wraps`` lists the sources whose epoch grew at step s.
 - ``documents_started`` counts, per source and with multiplicity over the step's
   samples, the document offsets d with ``id x seq_len <= d < (id + 1) x seq_len``
   (a document starts at one of the sample's seq_len input tokens).
@@ -107,19 +107,15 @@ def _store_epoch(plan: DataPlan, drawn: int) -> np.ndarray:
     """Epoch of the last of the first ``drawn`` positions' samples (0 if none)."""
     if drawn <= 0:
         return np.zeros(1, dtype=np.int64)
-    last = np.array([drawn - 1], dtype=np.int64)
-    if plan.skip_map is not None:
-        last = plan.skip_map.shift(last)
-    return last // plan.num_samples
+    return plan.stream_positions(np.array([drawn - 1], dtype=np.int64)) // plan.num_samples
 
 
 def _mixture_epochs(plan: MixtureStream, drawn: np.ndarray) -> np.ndarray:
     """Per source, the epoch of its ``drawn[i]``-th draw (0 if none)."""
     mix = plan.mixture
     last = np.maximum(np.asarray(drawn, dtype=np.int64) - 1, 0)
-    if mix.skip_map is not None:  # one count per source: the map's per-source lookup
-        last = last + mix.skip_map.skipped_before(last)
-    return np.where(drawn > 0, last // mix.num_samples, 0)
+    stream = mix.stream_positions(last, np.arange(last.size, dtype=np.int64))
+    return np.where(drawn > 0, stream // mix.num_samples, 0)
 
 
 def document_offsets(data: Any) -> list[np.ndarray]:

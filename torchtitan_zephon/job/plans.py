@@ -5,7 +5,8 @@ Role: ``plan_of(config, anchor)`` rebuilds the plan a data config governs (a
 here, never in the engine's resume rule: ``first_correction(config)`` is what
 ``order.resume.check_resume`` asks of a mixture saved under another rule.
 ``weights_at`` and ``mixture_progress`` are what ``zephon inspect`` tells of a
-mixture's data state.
+mixture's data state. ``exclusions_problem`` is the check that a left-out list is
+the one a config binds (``plan_of`` refuses a plan without it).
 
 Invariants:
 - ``plan_of(config, anchor)`` gives the same keys as the job data's plan
@@ -23,7 +24,7 @@ from fractions import Fraction
 from typing import Any
 
 from torchtitan_zephon.order.data_config import DataConfig
-from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, Exclusions
+from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, Exclusions, describe_saved
 from torchtitan_zephon.order.layout import Layout
 from torchtitan_zephon.order.mixture.config import fraction_text
 from torchtitan_zephon.order.mixture.plan import MixturePlan
@@ -47,15 +48,13 @@ def plan_of(
     canonical entries the config binds (field ``exclude``: only their sha256, so the
     ids come from the list); ValueError when the config leaves samples out and no
     list, or another one, is given."""
-    if config.exclude or exclusions:
-        given = exclusions.to_json() if exclusions else []
-        if given != config.exclude:
-            raise ValueError(
-                "the data config's left-out entries (exclude) are not those of the list "
-                f"given ({len(config.exclude)} entries in the config, {len(given)} given): "
-                "build the config with the job data's data_config, from the same "
-                "zephon.exclude file."
-            )
+    problem = exclusions_problem(config, exclusions)
+    if problem:
+        raise ValueError(
+            "the data config's left-out entries (exclude) are not those of the list given "
+            f"({problem}): build the config with the job data's data_config, from the same "
+            "zephon.exclude file."
+        )
     schedule = config.batch_schedule()
     if config.mixture is None:
         return DataPlan(
@@ -72,6 +71,24 @@ def plan_of(
         spec = MixtureSpec.from_json(config.mixture)
     layout = Layout(schedule, anchor, config.skip_steps)
     return MixtureStream(MixturePlan(spec, config.seed, layout, exclusions))
+
+
+def exclusions_problem(
+    config: DataConfig, exclusions: Exclusions | None, what: str = "the data config"
+) -> str | None:
+    """None when ``exclusions`` is the left-out list ``config`` binds (field ``exclude``,
+    per entry its sha256; no list for none), else what differs, in words (``what``
+    names the config): the check ``plan_of`` makes, for callers that say their own fix."""
+    given = exclusions.to_json() if exclusions else []
+    if given == config.exclude:
+        return None
+    origin = exclusions.origin if exclusions else ""
+    if not config.exclude:
+        return f"{what} leaves no samples out, but {origin} holds {describe_saved(given)}"
+    saved = describe_saved(config.exclude)
+    if not exclusions:
+        return f"{what} leaves samples out ({saved}) and no left-out list was given"
+    return f"{what} leaves samples out ({saved}), but {origin} holds {describe_saved(given)}"
 
 
 def first_correction(config: DataConfig) -> int | None:

@@ -39,6 +39,14 @@ Invariants:
 - Cost: per (entry level, epoch) the sorted in-epoch positions of the left-out ids,
   through ``Permutation.inverse`` (O(|A| log |A|), cached); a lookup is one
   ``searchsorted`` (O(log |A|)), whatever the step: no scan of the stream.
+- The way back (``ExclusionMap.effective``, what ``zephon where`` asks): the map is
+  strictly increasing, and every stream position q it does not reach holds a sample
+  left out there. Stream position q lies in level j when R_j <= q < R_{j+1} (level 0:
+  q < R_1 = t_1, where e = q). ``effective(raw(e)) == (e, 0)`` for every effective
+  position e, and a q that ``raw`` never gives is ``(-1, S)``: its sample is in A_j,
+  and S is the from_step of the one entry (of 1..j) that holds it ("left out from
+  step S"). Same cost: one ``searchsorted`` per position (plus one permutation
+  lookup for a left-out one).
 """
 
 from __future__ import annotations
@@ -284,16 +292,25 @@ class ExclusionMap:
     """One source's map from effective positions to stream positions (module docstring).
 
     ``thresholds[j]`` is t_j (non-decreasing), ``new_ids[j]`` the permutation indices
-    (``[0, n)``) entry j adds; ``n`` and ``seed`` are the source's permutation's."""
+    (``[0, n)``) entry j adds, ``from_steps[j]`` its from_step S_j; ``n`` and ``seed``
+    are the source's permutation's."""
 
     def __init__(
-        self, n: int, seed: int, thresholds: Sequence[int], new_ids: Sequence[np.ndarray]
+        self,
+        n: int,
+        seed: int,
+        thresholds: Sequence[int],
+        new_ids: Sequence[np.ndarray],
+        from_steps: Sequence[int],
     ) -> None:
         self.n, self.seed = int(n), int(seed)
         self.thresholds = np.asarray(thresholds, dtype=np.int64)
         if np.any(np.diff(self.thresholds) < 0):
             raise ValueError("exclusion thresholds must be non-decreasing.")
         self._ids = [np.asarray(x, dtype=np.int64) for x in new_ids]
+        self.from_steps = [int(s) for s in from_steps]
+        if len(self.from_steps) != len(self._ids) or len(self._ids) != self.thresholds.size:
+            raise ValueError("an exclusion map needs one threshold and from_step per entry.")
         self.left_out = np.concatenate([[0], np.cumsum([x.size for x in self._ids])])
         if self.left_out[-1] >= self.n:
             raise ValueError(f"an exclusion map leaves none of {self.n} samples.")
@@ -301,9 +318,11 @@ class ExclusionMap:
         self._lock = threading.Lock()
         k = len(self._ids)
         self._m0 = np.zeros(k + 1, dtype=np.int64)  # level L's index, among kept, of R_L
+        self._starts = np.zeros(k, dtype=np.int64)  # R_1 .. R_k
         for level in range(1, k + 1):
             t = int(self.thresholds[level - 1])
             start = 0 if t == 0 else int(self.raw(np.array([t - 1]))[0]) + 1
+            self._starts[level - 1] = start
             self._m0[level] = self._kept_before(level, start)
 
     def table(self, level: int, epoch: int) -> np.ndarray:
@@ -363,3 +382,40 @@ class ExclusionMap:
                 rr = r[at]
                 z[at] = rr + np.searchsorted(self.table(level, epoch), rr, side="right")
         return epochs * self.n + z
+
+    def effective(self, stream: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The inverse of ``raw`` (module docstring, the way back): per stream position
+        in ``stream`` (any shape), (its effective position, 0), or (-1, S) when its
+        sample is left out there by the entry with from_step S."""
+        q = np.asarray(stream, dtype=np.int64)
+        e, by = q.copy(), np.zeros(q.shape, dtype=np.int64)
+        level = np.searchsorted(self._starts, q, side="right")
+        for lv in np.unique(level[level > 0]).tolist():
+            sel = level == lv
+            epochs, within = np.divmod(q[sel], self.n)
+            out, left = np.empty_like(within), np.zeros_like(within)
+            for epoch in np.unique(epochs).tolist():
+                at = epochs == epoch
+                w = within[at]
+                d = self.table(lv, epoch)
+                positions = d + np.arange(d.size, dtype=np.int64)  # left-out, in the epoch
+                below = np.searchsorted(positions, w, side="left")
+                hit = below < positions.size
+                hit[hit] = positions[below[hit]] == w[hit]
+                out[at] = epoch * (self.n - int(self.left_out[lv])) + w - below
+                if hit.any():
+                    left[np.flatnonzero(at)[hit]] = self._left_out_by(
+                        lv, Permutation(self.n, self.seed, epoch).map(w[hit])
+                    )
+            kept = self.thresholds[lv - 1] + out - self._m0[lv]
+            e[sel] = np.where(left == 0, kept, -1)
+            by[sel] = left
+        return e, by
+
+    def _left_out_by(self, level: int, indices: np.ndarray) -> np.ndarray:
+        """The from_step of the entry (of 1..``level``) holding each permutation index."""
+        out = np.zeros(indices.shape, dtype=np.int64)
+        for j in range(level):
+            found = (out == 0) & np.isin(indices, self._ids[j])
+            out[found] = self.from_steps[j]
+        return out

@@ -174,6 +174,7 @@ class DataPlan(StreamPlan):
                 self.seed,
                 starts.tolist(),
                 [e.ids - self.sample_offset for e in exclusions],
+                [e.from_step for e in exclusions],
             )
 
     def permutation(self, epoch: int) -> Permutation:
@@ -202,16 +203,24 @@ class DataPlan(StreamPlan):
             done += take
         return out + self.sample_offset
 
+    def stream_positions(self, positions: np.ndarray) -> np.ndarray:
+        """Stream positions (int64; epoch ``q // num_samples``) of the training positions
+        ``positions``: past the skips (``order.skips``), then past the left-out samples
+        (``order.exclusions``)."""
+        p = np.asarray(positions, dtype=np.int64)
+        if self.skip_map is not None:
+            p = self.skip_map.shift(p)
+        if self.exclusion_map is not None:
+            p = self.exclusion_map.raw(p)
+        return p
+
     def ids_at(self, positions: np.ndarray) -> np.ndarray:
         """Sample ids (int64) of the positions ``positions`` (any shape, order and
         epochs), past the skip ranges: one permutation call per epoch touched."""
         p = np.asarray(positions, dtype=np.int64)
         if p.size and p.min() < 0:
             raise ValueError(f"positions must be >= 0, found {p.min()}.")
-        if self.skip_map is not None:
-            p = self.skip_map.shift(p)
-        if self.exclusion_map is not None:
-            p = self.exclusion_map.raw(p)
+        p = self.stream_positions(p)
         epochs, within = np.divmod(p, self.num_samples)
         if not p.size or epochs.min() == epochs.max():
             ids = self.permutation(int(epochs.flat[0]) if p.size else 0).map(within)

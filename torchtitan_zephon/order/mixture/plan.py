@@ -135,6 +135,7 @@ class MixturePlan:
                 self.source_seeds[i],
                 starts.tolist(),
                 [e.ids for e in entries],
+                [e.from_step for e in entries],
             )
         self._excluding = any(m is not None for m in self.exclusion_maps)
 
