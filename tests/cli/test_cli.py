@@ -587,3 +587,35 @@ def test_plan_leaves_out_the_ids_of_an_exclude_file_from_its_step(store_path, tm
         assert message in err and "Traceback" not in err
     assert main([*args, "--steps", "1:2", "--exclude", str(tmp_path / "none.jsonl")]) == 2
     assert "cannot read --exclude file" in capsys.readouterr().err
+
+
+def test_plan_of_a_store_holds_out_its_last_samples_as_the_trainer_does(
+    store_path, tmp_path, capsys
+):
+    """--heldout-samples H with --store: the ids of a job with zephon.heldout_samples H
+    (job.settings.store_source: the store's last H samples held out), and a left-out id
+    among those held out is refused, as the trainer refuses it."""
+    from torchtitan_zephon.job.settings import store_source
+
+    store = TokenStore.open(store_path)
+    held = 24
+    args = ["plan", "--store", str(store_path), "--seq-len", "8", "--seed", "3", "--json"]
+    args += ["--global-batch-size", "4", "--steps", "1:6"]
+    assert main([*args, "--heldout-samples", str(held)]) == 0
+    got = [json.loads(x)["ids"] for x in capsys.readouterr().out.splitlines()]
+    schedule = BatchSchedule.parse("4")
+    source = store_source(store, 8, held, schedule, what="the store")
+    plan = source.plan(source.data_config(seed=3, schedule=schedule))
+    assert got == [plan.global_ids(s).tolist() for s in range(1, 7)]
+    assert got != [
+        DataPlan(store.num_samples(8), 3, schedule).global_ids(s).tolist() for s in range(1, 7)
+    ]
+    exclude = tmp_path / "held.jsonl"
+    exclude.write_text(json.dumps({"ids": [store.num_samples(8) - 1], "from_step": 2}))
+    assert main([*args, "--heldout-samples", str(held), "--exclude", str(exclude)]) == 2
+    err = capsys.readouterr().err
+    assert "held-out" in err and "Traceback" not in err
+    assert main([*args, "--heldout-samples", "2", "--num-samples", "10"]) == 2
+    assert "both set how many samples train: give one" in capsys.readouterr().err
+    assert main([*args, "--heldout-samples", str(store.num_samples(8))]) == 2
+    assert "leaves no training sample" in capsys.readouterr().err

@@ -133,7 +133,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=int_in(0),
         default=0,
         metavar="N",
-        help="with --mixture: the job's zephon.heldout_samples (default of each source's)",
+        help="the job's zephon.heldout_samples: a store's last N samples are held out "
+        "(validation), as the trainer holds them out (default 0, the trainer's default); "
+        "with --mixture: the default of each source's",
     )
     p.add_argument("--seq-len", type=int_in(1), required=True, metavar="L")
     p.add_argument(
@@ -226,7 +228,23 @@ def run(args: argparse.Namespace) -> int:
     fix = store_fix(store.num_tokens, wanted, "--seq-len")
     if available == 0:
         raise ValueError(f"{no_sample_text(what, store.num_tokens, args.seq_len)}. {fix}")
-    num_samples = available - args.sample_offset if args.num_samples is None else args.num_samples
+    if args.heldout_samples and args.num_samples is not None:
+        raise ValueError(
+            f"--heldout-samples {args.heldout_samples} and --num-samples {args.num_samples} "
+            "both set how many samples train: give one (--heldout-samples holds out the "
+            "store's last N samples, as zephon.heldout_samples does)."
+        )
+    held = args.heldout_samples
+    if args.num_samples is None:
+        num_samples = available - args.sample_offset - held
+    else:
+        num_samples = args.num_samples
+    if held and num_samples < 1:
+        raise ValueError(
+            f"--heldout-samples {held} leaves no training sample: {what} holds {available} "
+            f"samples of seq_len {args.seq_len}; hold out fewer than "
+            f"{available - args.sample_offset}."
+        )
     if num_samples < 1 or args.sample_offset + num_samples > available:
         raise ValueError(
             f"samples [{args.sample_offset}, {args.sample_offset + num_samples}) do not fit the "
