@@ -383,6 +383,8 @@ def test_rolling_back_and_leaving_out_samples_resumes_with_a_note():
         ('{"ids": [true], "from_step": 5}', ["ids holds true"]),
         ('{"id": [1], "from_step": 5}', ["unknown key(s) ['id']"]),
         ('{"ids": [1], "from_step": 5, "source": 7}', ["source is 7"]),
+        ('{"ids": [1], "from_step": 9000000000000000000}', ["past the largest step"]),
+        ("[" * 100_000, ["line 1 is not JSON", "nested too deeply"]),
     ],
 )
 def test_a_malformed_line_says_which_and_what_was_expected(text, fragments):

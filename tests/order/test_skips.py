@@ -60,6 +60,8 @@ def test_parse_reads_entries_and_nothing():
         ("5", ["'5' is not S:N", "expected 'S:N,S:N,...'"]),
         ("5:x", ["'5:x' is not S:N"]),
         ("5:2:1", ["'5:2:1' is not S:N"]),
+        ("1:99999999999999999999", ["reaches step 99999999999999999999", "largest step"]),
+        (f"{2**40}:2", [f"reaches step {2**40 + 1}", f"largest step a plan takes ({2**40})"]),
     ],
 )
 def test_bad_skip_steps_say_what_was_expected(text, fragments):

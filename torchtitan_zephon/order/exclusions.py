@@ -63,6 +63,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.order.permutation import Permutation
+from torchtitan_zephon.order.skips import MAX_STEP
 
 EXCLUDE_FIELD = "exclude"
 """The extra config field holding the canonical left-out entries (``Exclusions.to_json``);
@@ -158,6 +159,10 @@ class Exclusions:
                 obj = json.loads(raw)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{where} is not JSON ({e.msg}); {EXCLUDE_HELP}.") from None
+            except RecursionError:
+                raise ValueError(
+                    f"{where} is not JSON this reader takes (nested too deeply); {EXCLUDE_HELP}."
+                ) from None
             if not isinstance(obj, dict):
                 raise ValueError(
                     f"{where} is {raw.strip()[:60]}, not a JSON object; {EXCLUDE_HELP}."
@@ -176,6 +181,11 @@ class Exclusions:
                 raise ValueError(
                     f"{where}: from_step is {step}; steps are 1-based, so from_step must be "
                     f">= 1; {EXCLUDE_HELP}."
+                )
+            if step > MAX_STEP:
+                raise ValueError(
+                    f"{where}: from_step is {step}, past the largest step a plan takes "
+                    f"({MAX_STEP}); {EXCLUDE_HELP}."
                 )
             source = obj.get("source")
             if "source" in obj and (not isinstance(source, str) or not source):

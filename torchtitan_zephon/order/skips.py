@@ -48,6 +48,12 @@ SKIP_HELP = (
 )
 
 
+MAX_STEP = 1 << 40
+"""The largest step a skip entry or a left-out entry may name (about 10^12 steps, past
+any run): it keeps every stream position they move within int64 at any global batch
+size up to 2**22."""
+
+
 class SkipSteps:
     """The skip entries (S, N): the data of steps S .. S + N - 1 is consumed, never trained."""
 
@@ -77,6 +83,11 @@ class SkipSteps:
                 raise ValueError(
                     f"skip entry {start}:{count} skips {count} steps; N must be >= 1 (drop the "
                     f"entry to skip nothing); {SKIP_HELP}."
+                )
+            if start + count - 1 > MAX_STEP:
+                raise ValueError(
+                    f"skip entry {start}:{count} reaches step {start + count - 1}, past the "
+                    f"largest step a plan takes ({MAX_STEP}); {SKIP_HELP}."
                 )
         for (s0, n0), (s1, n1) in zip(out, out[1:], strict=False):
             if s1 <= s0:
