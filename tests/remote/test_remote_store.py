@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import copy_store, edit_token
 from tests.remote.conftest import SECRET, SESSION
+from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.location import parse_url, redact, scrub
 from torchtitan_zephon.store.reader import TokenStore
@@ -193,6 +194,36 @@ def test_query_strings_are_redacted() -> None:
     with pytest.raises(StoreError) as e:
         parse_url("ftp://h/s?sig=SASMARKER")
     assert "SASMARKER" not in str(e.value) and "ftp://h/s?<redacted>" in str(e.value)
+
+
+def test_credentials_in_a_url_are_refused_and_never_printed(capsys, tmp_path) -> None:
+    """user:password@ in a URL: redacted wherever the URL is printed, and refused as a
+    store or as raw inputs (zephon reads credentials from the environment only)."""
+    from torchtitan_zephon.cli.main import main
+
+    url = "s3://AKIAMARKER:SECRETMARKER@bucket/store"
+    assert redact(f"see {url} now") == "see s3://<redacted>@bucket/store now"
+    with pytest.raises(StoreError) as e:
+        TokenStore.open(url)
+    assert "holds credentials" in str(e.value) and "AWS_ACCESS_KEY_ID" in str(e.value)
+    assert "MARKER" not in str(e.value)
+    assert main(["inspect", url]) != 0
+    inspected = capsys.readouterr()
+    assert "MARKER" not in inspected.out + inspected.err and "holds credentials" in inspected.err
+    tok = ["--tokenizer", str(TOKENIZER_DIR)]
+    assert main(["prepare", f"{url}/*.jsonl", "--output", str(tmp_path / "out"), *tok]) != 0
+    out = capsys.readouterr()
+    assert "MARKER" not in out.out + out.err and "holds credentials" in out.err
+    assert "Traceback" not in out.err and not (tmp_path / "out").exists()
+
+
+def test_raw_inputs_without_a_bucket_name_the_value_given(capsys, tmp_path) -> None:
+    from torchtitan_zephon.cli.main import main
+
+    out = str(tmp_path / "out")
+    assert main(["prepare", "s3://", "--output", out, "--tokenizer", str(TOKENIZER_DIR)]) != 0
+    err = capsys.readouterr().err
+    assert "'s3://' names no bucket" in err and "/x" not in err
 
 
 def test_scrub_removes_secret_values(s3) -> None:

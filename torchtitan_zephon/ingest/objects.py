@@ -74,7 +74,7 @@ def _split(value: str) -> tuple[ObjectURL, str]:
     base = base.strip("/")
     if cut >= 0:
         pattern = path[len(base) :].lstrip("/")
-    checked = parse_url(f"{scheme}://{bucket}/{base or 'x'}", "input")  # scheme, bucket
+    checked = parse_url(value, "input", pattern=True)  # scheme, credentials, bucket
     assert isinstance(checked, ObjectURL)
     url = f"{scheme}://{bucket}/{base}" + (f"?{query}" if query else "")
     return ObjectURL(checked.scheme, bucket, base, url), pattern

@@ -120,7 +120,9 @@ def is_url(value: str | os.PathLike) -> bool:
 
 def redact(value: str) -> str:
     """``value`` as it may be printed: the query string of any URL in it (a SAS token,
-    a signature) replaced by ``?<redacted>``."""
+    a signature) replaced by ``?<redacted>``, and any user info (``user:password@``)
+    by ``<redacted>@``."""
+    value = re.sub(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://)[^\s/?@'\"]*@", r"\1<redacted>@", value)
     return re.sub(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s?'\"]*)\?[^\s'\"]*", r"\1?<redacted>", value)
 
 
@@ -153,9 +155,10 @@ class ObjectURL:
         return f"{self.shown.split('?')[0]}/{name}"
 
 
-def parse_url(value: str, what: str = "a store") -> ObjectURL | str:
+def parse_url(value: str, what: str = "a store", *, pattern: bool = False) -> ObjectURL | str:
     """The object URL ``value`` names, or the local path of a ``file://`` URL; a
-    StoreError for an unknown scheme or a URL without bucket or prefix."""
+    StoreError for an unknown scheme, credentials in the URL, or a URL without bucket
+    or (unless ``pattern``: raw inputs, a glob or a whole bucket allowed) prefix."""
     m = URL_RE.match(value)
     if m is None:
         raise StoreError(f"{redact(value)!r} is not a URL.")
@@ -175,10 +178,19 @@ def parse_url(value: str, what: str = "a store") -> ObjectURL | str:
         return parts.path
     bucket, prefix = parts.netloc, parts.path.strip("/")
     kind = "container" if scheme == "az" else "bucket"
+    if "@" in bucket:
+        raise StoreError(
+            f"{what} {redact(value)!r} holds credentials (user info before '@'): zephon never "
+            f"reads them from a URL. Set them in the cloud's environment "
+            f"({CREDENTIAL_VARIABLES[scheme]}) and name it "
+            f"{scheme}://{kind.upper()}/PREFIX."
+        )
     if not bucket:
         raise StoreError(
             f"{what} {redact(value)!r} names no {kind}: expected {scheme}://{kind.upper()}/PREFIX."
         )
+    if pattern:
+        return ObjectURL(scheme, bucket, prefix, value)
     if not prefix:
         raise StoreError(
             f"{what} {redact(value)!r} names a whole {kind}, not a store in it: expected "
