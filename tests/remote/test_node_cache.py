@@ -348,3 +348,15 @@ def test_the_job_settings_put_the_cache_under_the_store_cache(monkeypatch, tmp_p
         tmp_path / "env"
     )
     assert not (tmp_path / "env").exists()  # made when a remote store opens, not before
+
+
+def test_a_bound_below_one_unit_warns_that_the_cache_holds_nothing(blocked_url, tmp_path):
+    """cache_bytes smaller than one cached unit (a 513-token block and its sum) is a
+    cache that can never hold anything: said once at open, naming the setting."""
+    with pytest.warns(UserWarning, match=r"zephon.cache_bytes = 1 is smaller than one cached"):
+        _open(blocked_url, tmp_path / "tiny", limit=1).close()
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _open(blocked_url, tmp_path / "enough", limit=1 << 20).close()

@@ -314,6 +314,15 @@ class RemoteTokenStore(TokenStore):
             store.verifies = bool(verify)
         if options.cache_bytes > 0 and store.verifies:  # unchecked units are never cached
             kind = f"blocks-{blocks['block_tokens']}" if blocks else f"chunks-{store.chunk_tokens}"
+            unit_tokens = int(blocks["block_tokens"]) + 1 if blocks else store.chunk_tokens
+            unit = unit_tokens * store.dtype.itemsize + 8  # the largest unit file, and its sum
+            if options.cache_bytes < unit:
+                warnings.warn(
+                    f"zephon.cache_bytes = {options.cache_bytes} is smaller than one cached "
+                    f"unit of {url.shown!r} ({unit} bytes: a {kind} unit): the node cache "
+                    "will hold nothing. Raise --zephon.cache_bytes, or set 0 to turn it off.",
+                    stacklevel=3,
+                )
             store.cache = NodeCache(options.cache_dir, store.fingerprint, kind, options.cache_bytes)
             store._pool = ThreadPoolExecutor(1, thread_name_prefix="zephon-cache")
         return store
