@@ -191,6 +191,8 @@ def test_where_cli_on_a_run_with_a_skip(store_path, store, tmp_path, capsys):
         (["--doc", "100000"], "document 100000 is not in the store"),
         (["--doc", "1", "--source", "web"], "--source 'web' is for a mixture"),
         (["--doc", "1", "--epochs", "2:1"], "expected 0 <= FIRST <= LAST, got '2:1'"),
+        (["--doc", "1", "--epochs", "0:99999999999"], "spans 100000000000 epochs; search at most"),
+        (["--doc", "1", "--dp-degree", "3"], "--dp-degree 3 does not divide the global batch of 4"),
     ],
 )
 def test_bad_documents_sources_and_epochs(store_path, capsys, extra, message):

@@ -55,6 +55,8 @@ from torchtitan_zephon.order.skips import SkipMap
 from torchtitan_zephon.order.stream import DataPlan
 
 DEFAULT_EPOCHS = (0, 1)
+MAX_EPOCHS = 10_000
+"""Epochs one ``where`` searches at most (each costs one inverse per sample of D)."""
 MAX_STEP = 1 << 40
 """Steps searched for a mixture source's draw: a draw not reached by then is ``not drawn``."""
 
@@ -86,6 +88,11 @@ def _epochs(text: str) -> tuple[int, int]:
         ) from None
     if not 0 <= a <= b:
         raise argparse.ArgumentTypeError(f"expected 0 <= FIRST <= LAST, got {text!r}")
+    if b - a + 1 > MAX_EPOCHS:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} spans {b - a + 1} epochs; search at most {MAX_EPOCHS} at a time "
+            f"(e.g. {a}:{a + MAX_EPOCHS - 1})"
+        )
     return a, b
 
 
@@ -306,7 +313,13 @@ def _hit(
             return Hit(epoch, sample, q, "trained", None)
     step, index = found
     gbs = data.plan.schedule.gbs(step)
-    per_rank = gbs // degree if gbs % degree == 0 else gbs
+    if gbs % degree:
+        raise ShowError(
+            f"--dp-degree {degree} does not divide the global batch of {gbs} samples of step "
+            f"{step} (document hit: sample {sample}); pass a DP degree that divides every "
+            "global batch size of the job."
+        )
+    per_rank = gbs // degree
     return Hit(
         epoch, sample, q, data.status(step), step, index, index // per_rank, index % per_rank
     )
