@@ -186,3 +186,34 @@ def test_windows_of_seq_len_from_blocks_of_seq_len_fetch_their_own_bytes(sized_s
     np.testing.assert_array_equal(
         a.windows(ids, 128), TokenStore.open(sized_stores[128][1]).windows(ids, 128)
     )
+
+
+def test_a_block_size_that_does_not_divide_seq_len_is_said_once(
+    sized_stores, tmp_path: Path, caplog
+) -> None:
+    """Opening a job's store whose blocks do not divide seq_len logs one info line with
+    the cost and the fix; blocks that divide it (or a local store) log nothing."""
+    import logging
+
+    from tests.titan.test_dataloader import job
+    from torchtitan_zephon.titan.job_data import block_rounding_note, resolve_source
+
+    (url512, local512), (url128, _) = sized_stores[512], sized_stores[128]
+    with caplog.at_level(logging.INFO):
+        data = resolve_source(job(tmp_path, store=url512))  # seq_len 32
+    notes = [r.getMessage() for r in caplog.records if "block checksums of" in r.getMessage()]
+    ratio = 513 / 33  # a window in [32 k, 32 k + 33) lies in one block: [512 b, 512 b + 513)
+    assert notes == [
+        f"Zephon: the store {url512} has block checksums of 512 tokens and seq_len 32 is not "
+        f"a multiple of it: each 33-token sample window fetches {ratio:.2f}x its bytes (whole "
+        "blocks). To fetch only its own, rewrite them on the local copy (`zephon inspect STORE "
+        "--upgrade --block-tokens 32`, or `zephon prepare ... --block-tokens 32`) and upload it "
+        "again: the fingerprint stays."
+    ]
+    assert data.windows(np.array([3]), 32).shape == (1, 33)  # reads still work
+    remote128 = TokenStore.open(url128)
+    assert remote128.window_fetch_ratio(128) == remote128.window_fetch_ratio(384) == 1.0
+    assert remote128.window_fetch_ratio(64) == 129 / 65  # half a block and its overlap
+    assert block_rounding_note(remote128, 256) is None  # 128 divides 256
+    assert "--block-tokens 96" in block_rounding_note(remote128, 96)
+    assert block_rounding_note(TokenStore.open(local512), 32) is None  # local: reads chunks
