@@ -163,6 +163,9 @@ def test_upgrade_switches_the_block_size_and_keeps_the_fingerprint(
         "blocks.json), fingerprint unchanged" in out
     )
     assert "check:       intact" in out and f"fingerprint: {store.fingerprint}" in out
+    assert (
+        f"blocks:      {num_blocks(store.num_tokens, 128):,} block checksums of 128 tokens" in out
+    )
     info = json.loads((path / "blocks.json").read_text())
     assert info["block_tokens"] == 128 and info["num_blocks"] == num_blocks(store.num_tokens, 128)
     assert (path / "blocks.bin").read_bytes() == _blocks_of(store, 128)

@@ -37,6 +37,7 @@ from torchtitan_zephon.store.format import (
     StoreError,
     UncheckedStoreWarning,
     is_store,
+    num_blocks,
 )
 from torchtitan_zephon.store.location import is_url, parse_url, redact
 from torchtitan_zephon.store.opening import read_blocks_info
@@ -62,6 +63,19 @@ def _content_line(info: dict[str, Any]) -> str:
     )
 
 
+def _block_line(info: dict[str, Any]) -> str:
+    size = info["block_tokens"]
+    if size is None:
+        return (
+            "none: reads from object storage check whole chunks; add block checksums with "
+            f"`zephon inspect {info['path']} --upgrade`"
+        )
+    return (
+        f"{num_blocks(info['num_tokens'], size):,} block checksums of {size:,} tokens (reads "
+        "from object storage fetch whole blocks: best when seq_len is a multiple)"
+    )
+
+
 def _format_store(info: dict[str, Any]) -> str:
     lines = [
         f"token store: {info['path']}",
@@ -71,6 +85,7 @@ def _format_store(info: dict[str, Any]) -> str:
         f"  dtype:       {info['dtype']}",
         f"  vocab size:  {info['vocab_size']:,} (eos id {info['eos_id']})",
         f"  checksums:   {_content_line(info)}",
+        *([f"  blocks:      {_block_line(info)}"] if "block_tokens" in info else []),
         f"  tokenizer:   sha256 {info['tokenizer_sha256']}",
         f"  text field:  {info['text_field']}",
         f"  sources ({len(info['sources'])}):",
@@ -233,6 +248,7 @@ def _store_actions(path: Path, args: argparse.Namespace) -> int:
                 )
         upgrade = "; ".join(done) or "nothing to do"
     info = _describe_store(path)
+    info["block_tokens"] = _block_tokens(path)
     if upgrade:
         info["upgrade"] = upgrade
     report = None
@@ -249,7 +265,9 @@ def _block_tokens(path: Path) -> int | None:
     """The block size of the store's block checksums (None: it has none, or unusable ones,
     which ``--upgrade`` writes afresh)."""
     try:
-        info = read_blocks_info(path, TokenStore.open(path).manifest)
+        with warnings.catch_warnings():  # a format-1 store: said in the summary instead
+            warnings.simplefilter("ignore", UncheckedStoreWarning)
+            info = read_blocks_info(path, TokenStore.open(path).manifest)
     except StoreError:
         return None
     return None if info is None else int(info["block_tokens"])
@@ -267,6 +285,7 @@ def _remote_store(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", UncheckedStoreWarning)
         store = TokenStore.open(args.path)
     info = store.describe()
+    info["block_tokens"] = int(store.blocks["block_tokens"]) if store.blocks else None
     info["fetched_bytes"] = store.fetched_bytes
     info["requests"] = store.requests
     report = None
