@@ -237,3 +237,23 @@ def test_disjoint_ranges_of_any_block_size_write_the_definition(
         write_block_info(d, fp, n, size)
         assert (Path(d) / "blocks.bin").read_bytes() == _definition_of(tokens, fp, size)
         assert json.loads((Path(d) / "blocks.json").read_text())["num_blocks"] == blocks
+
+
+def test_two_ranks_under_torchrun_write_blocks_of_the_size_asked(
+    tmp_path: Path, corpus_dir: Path, tokenizer_dir: Path
+) -> None:
+    """`torchrun --nproc-per-node 2 -m torchtitan_zephon prepare --block-tokens 128`:
+    each rank writes its share of the 128-token blocks; the store is byte for byte the
+    one process's with the same size."""
+    from tests.ingest.test_prepare_distributed import _torchrun
+
+    one = prepare_store([str(corpus_dir)], str(tokenizer_dir), str(tmp_path / "one"),
+                        progress=False, block_tokens=128)  # fmt: skip
+    assert num_blocks(one.num_tokens, 128) >= 20
+    res = _torchrun(2, str(corpus_dir), "--tokenizer", str(tokenizer_dir), "--output",
+                    str(tmp_path / "two"), "--workers", "1", "--quiet", "--unit-bytes", "2000",
+                    "--block-tokens", "128")  # fmt: skip
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "(2 ranks)" in res.stdout, res.stdout
+    assert _files(tmp_path / "two") == _files(one.path)
+    assert json.loads((tmp_path / "two" / "blocks.json").read_text())["block_tokens"] == 128
