@@ -78,6 +78,12 @@ def test_bench_remote_quick(capsys, tmp_path) -> None:
         assert part in labels, part
     notes = "\n".join(c for _, _, c in table)
     assert "target <= 1.1" in notes and "target < 1.0 %" in notes and "target <= 1 s" in notes
+    # the default job from blocks of its seq_len, beside prepare's default 512
+    assert r["job_block_tokens"] == r["job"]["seq_len"] and r["job"]["seq_len"] % 512
+    j, j512 = r["job_remote"]["fetched_per_trained"], r["job_remote_512"]["fetched_per_trained"]
+    assert 1.0 <= j < j512 and r["meets_default_job"] == {"fetched_per_trained": j <= 1.1}
+    assert f"{r['job_block_tokens']}-token blocks (= its seq_len)" in labels
+    assert "512-token blocks (prepare's default)" in labels
 
 
 def test_latency_proxy_adds_latency_and_passes_answers_on() -> None:

@@ -153,8 +153,9 @@ def blocks_store(store, s3, tmp_path_factory: pytest.TempPathFactory) -> tuple[s
     return s3.upload(folder, "bound/blocks"), folder
 
 
-def _fetched_per_trained(url: str, local: Path, steps: int, last_step: int | None) -> float:
-    seq_len, batch = 512, 2
+def _fetched_per_trained(
+    url: str, local: Path, steps: int, last_step: int | None, *, seq_len: int = 512, batch: int = 2
+) -> float:
     remote = TokenStore.open(url)
     here = TokenStore.open(local)
     kw = dict(d=1, r=0, b=batch, gbs=batch, seq_len=seq_len, prefetch=2)  # the trainer's prefetch

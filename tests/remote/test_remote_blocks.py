@@ -137,3 +137,83 @@ def test_blocks_of_another_store_version_are_refused(s3, blocked: Path, tmp_path
 def test_inspect_check_of_a_url_with_blocks(capsys, blocked_url: str) -> None:
     assert main(["inspect", blocked_url, "--check"]) == 0
     assert "check:       intact" in capsys.readouterr().out
+
+
+@pytest.fixture(scope="module")
+def sized_stores(
+    store, s3, tmp_path_factory: pytest.TempPathFactory
+) -> dict[int, tuple[str, Path]]:
+    """A synthetic store of 2**18 random tokens (documents of 1,000), with block checksums
+    of 128 tokens (the default job's seq_len) and, as a copy, of 512 (the default), each
+    in the bucket; block size -> (URL, local copy)."""
+    from torchtitan_zephon.store.writer import write_derived_store
+
+    num_tokens = 1 << 18
+    rng = np.random.default_rng(2)
+    tokens = rng.integers(0, store.eos_id, size=num_tokens, dtype=np.uint16)
+    starts = np.arange(0, num_tokens, 1000, dtype=np.int64)
+    tokens[np.append(starts[1:], num_tokens) - 1] = store.eos_id
+    root = tmp_path_factory.mktemp("sized")
+    out = {}
+    for size in (128, 512):
+        folder = root / f"b{size}"
+        folder.mkdir()
+        write_derived_store(folder, store, tokens.tobytes(), starts, {"name": "s", "kind": "test"})
+        assert add_block_checksums(folder, size)[1]
+        out[size] = (s3.upload(folder, f"sized/b{size}"), folder)
+    return out
+
+
+def test_windows_of_seq_len_from_blocks_of_seq_len_fetch_their_own_bytes(sized_stores) -> None:
+    """The default job's shape (seq_len 128, local batch 4, the trainer's prefetch,
+    read_ahead_steps 4, 40 steps, last_step 40) from a store whose blocks are 128 tokens:
+    each 129-token window is one block and its overlap, so bytes fetched (opening and
+    block checksums included) are at most 1.1 per byte trained; 512-token blocks fetch
+    a whole block per window (about 4)."""
+    from tests.remote.test_read_ahead_bound import _fetched_per_trained
+
+    ratios = {
+        size: _fetched_per_trained(url, local, 40, 40, seq_len=128, batch=4)
+        for size, (url, local) in sized_stores.items()
+    }
+    assert ratios[128] <= 1.1, ratios
+    assert ratios[512] > 3, ratios  # what the block size saves
+    # same fingerprint, same windows, whatever the block size
+    a, b = (TokenStore.open(sized_stores[s][0]) for s in (128, 512))
+    assert a.fingerprint == b.fingerprint and a.blocks["block_tokens"] == 128
+    ids = np.array([0, 5, 6, 1000, 2046])
+    np.testing.assert_array_equal(a.windows(ids, 128), b.windows(ids, 128))
+    np.testing.assert_array_equal(
+        a.windows(ids, 128), TokenStore.open(sized_stores[128][1]).windows(ids, 128)
+    )
+
+
+def test_a_block_size_that_does_not_divide_seq_len_is_said_once(
+    sized_stores, tmp_path: Path, caplog
+) -> None:
+    """Opening a job's store whose blocks do not divide seq_len logs one info line with
+    the cost and the fix; blocks that divide it (or a local store) log nothing."""
+    import logging
+
+    from tests.titan.test_dataloader import job
+    from torchtitan_zephon.titan.job_data import block_rounding_note, resolve_source
+
+    (url512, local512), (url128, _) = sized_stores[512], sized_stores[128]
+    with caplog.at_level(logging.INFO):
+        data = resolve_source(job(tmp_path, store=url512))  # seq_len 32
+    notes = [r.getMessage() for r in caplog.records if "block checksums of" in r.getMessage()]
+    ratio = 513 / 33  # a window in [32 k, 32 k + 33) lies in one block: [512 b, 512 b + 513)
+    assert notes == [
+        f"Zephon: the store {url512} has block checksums of 512 tokens and seq_len 32 is not "
+        f"a multiple of it: each 33-token sample window fetches {ratio:.2f}x its bytes (whole "
+        "blocks). To fetch only its own, rewrite them on the local copy (`zephon inspect STORE "
+        "--upgrade --block-tokens 32`, or `zephon prepare ... --block-tokens 32`) and upload it "
+        "again: the fingerprint stays."
+    ]
+    assert data.windows(np.array([3]), 32).shape == (1, 33)  # reads still work
+    remote128 = TokenStore.open(url128)
+    assert remote128.window_fetch_ratio(128) == remote128.window_fetch_ratio(384) == 1.0
+    assert remote128.window_fetch_ratio(64) == 129 / 65  # half a block and its overlap
+    assert block_rounding_note(remote128, 256) is None  # 128 divides 256
+    assert "--block-tokens 96" in block_rounding_note(remote128, 96)
+    assert block_rounding_note(TokenStore.open(local512), 32) is None  # local: reads chunks

@@ -44,7 +44,9 @@ def test_upgrade_adds_block_checksums_and_keeps_the_store(tmp_path: Path, store_
     after = {p.name: p.read_bytes() for p in path.iterdir()}
     assert sorted(set(after) - set(before)) == ["blocks.bin", "blocks.json"]
     assert all(after[name] == data for name, data in before.items())  # manifest included
-    assert BLOCK_TOKENS == 512 and num_blocks(old.num_tokens) == -(-(old.num_tokens - 1) // 512)
+    assert BLOCK_TOKENS == 512 and num_blocks(old.num_tokens, 512) == -(
+        -(old.num_tokens - 1) // 512
+    )
     assert after["blocks.bin"] == _expected_blocks(old).tobytes()
     info = json.loads(after["blocks.json"])
     assert info == {
@@ -54,7 +56,7 @@ def test_upgrade_adds_block_checksums_and_keeps_the_store(tmp_path: Path, store_
         "block_tokens": 512,
         "seed": "fingerprint[:16]",
         "fingerprint": old.fingerprint,
-        "num_blocks": num_blocks(old.num_tokens),
+        "num_blocks": num_blocks(old.num_tokens, 512),
         "blocks_xxh3_128": xxhash.xxh3_128_hexdigest(after["blocks.bin"]),
     }
     ids = np.arange(old.num_samples(16))
@@ -134,3 +136,92 @@ def test_a_blocks_file_that_is_not_text_is_said_not_a_traceback(tmp_path: Path, 
     assert len(problems) == 1 and problems[0].startswith(
         f"cannot read '{path / 'blocks.json'}': 'utf-8' codec can't decode byte 0x80"
     )
+
+
+def _blocks_of(store: TokenStore, size: int) -> bytes:
+    """Block b of ``size``: tokens [size b, size b + size + 1), seeded as above."""
+    tokens, seed = np.asarray(store.tokens), int(store.fingerprint[:16], 16)
+    n = max(1, -(-(store.num_tokens - 1) // size))
+    return b"".join(
+        xxhash.xxh3_64_intdigest(tokens[size * b : size * b + size + 1].tobytes(), seed).to_bytes(
+            8, "little"
+        )
+        for b in range(n)
+    )
+
+
+def test_upgrade_switches_the_block_size_and_keeps_the_fingerprint(
+    tmp_path: Path, store_path: Path, capsys
+):
+    path = copy_store(store_path, tmp_path / "s")  # blocks of 512, as prepare writes them
+    store = TokenStore.open(path)
+    kept = {p.name: p.read_bytes() for p in path.iterdir() if not p.name.startswith("blocks.")}
+    assert main(["inspect", str(path), "--upgrade", "--block-tokens", "128", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "upgrade:     block checksums rewritten: blocks of 128 tokens, were 512 (blocks.bin, "
+        "blocks.json), fingerprint unchanged" in out
+    )
+    assert "check:       intact" in out and f"fingerprint: {store.fingerprint}" in out
+    assert (
+        f"blocks:      {num_blocks(store.num_tokens, 128):,} block checksums of 128 tokens" in out
+    )
+    info = json.loads((path / "blocks.json").read_text())
+    assert info["block_tokens"] == 128 and info["num_blocks"] == num_blocks(store.num_tokens, 128)
+    assert (path / "blocks.bin").read_bytes() == _blocks_of(store, 128)
+    assert {n: (path / n).read_bytes() for n in kept} == kept  # manifest included
+    up = TokenStore.open(path)
+    assert up.fingerprint == store.fingerprint
+    ids = np.arange(up.num_samples(128))
+    np.testing.assert_array_equal(up.windows(ids, 128), store.windows(ids, 128))
+    # the same size, or none asked: the blocks are kept as they are
+    blocks = (path / "blocks.bin").read_bytes(), (path / "blocks.json").read_bytes()
+    assert add_block_checksums(path, 128)[1] is False
+    assert main(["inspect", str(path), "--upgrade"]) == 0
+    assert "upgrade:     nothing to do" in capsys.readouterr().out
+    assert ((path / "blocks.bin").read_bytes(), (path / "blocks.json").read_bytes()) == blocks
+    # and back to the default size: the bytes prepare writes
+    assert add_block_checksums(path, 512)[1] is True
+    assert (path / "blocks.bin").read_bytes() == (store_path / "blocks.bin").read_bytes()
+    assert (path / "blocks.json").read_bytes() == (store_path / "blocks.json").read_bytes()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "65537", "2.5", "many"])
+def test_a_bad_block_size_is_refused_and_nothing_written(
+    tmp_path: Path, store_path: Path, capsys, value: str
+):
+    path = copy_store(store_path, tmp_path / "s")
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    assert main(["inspect", str(path), "--upgrade", "--block-tokens", value]) == 2
+    err = capsys.readouterr().err
+    assert (
+        f"argument --block-tokens: expected an integer in [1, 65536], got {value!r}"
+        in err.splitlines()[-1]
+    )
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+def test_the_block_size_is_checked_by_upgrade_itself(tmp_path: Path, store_path: Path):
+    path = copy_store(store_path, tmp_path / "s")
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    for bad, shown in ((0, "0"), (65537, "65537"), (True, "True"), (2.0, "2.0")):
+        with pytest.raises(StoreError) as e:
+            add_block_checksums(path, bad)
+        assert str(e.value) == (
+            "--block-tokens must be an integer in [1, 65536] (tokens per block checksum; pick "
+            f"seq_len or a divisor of it), got {shown}; nothing was written."
+        )
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
+def test_block_tokens_without_upgrade_is_said(tmp_path: Path, store_path: Path, capsys):
+    path = copy_store(store_path, tmp_path / "s")
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    assert main(["inspect", str(path), "--block-tokens", "128"]) != 0
+    err = capsys.readouterr().err
+    assert (
+        f"--block-tokens 128 chooses the block size --upgrade writes; add --upgrade "
+        f"(`zephon inspect {path} --upgrade --block-tokens 128`)." in err
+    )
+    assert "Traceback" not in err
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before

@@ -14,7 +14,7 @@ PATH may be the URL of a store in object storage (``s3://BUCKET/PREFIX``, ``gs:/
 A store also takes ``--check`` (hash all its content; list each bad chunk; exit
 1 when anything is wrong, 0 when intact) and ``--upgrade`` (add content
 checksums to a format-1 store, and block checksums to any store, in place, keeping
-its fingerprint).
+its fingerprint; ``--block-tokens N`` rewrites block checksums of another size).
 """
 
 from __future__ import annotations
@@ -26,10 +26,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.cli.inspect_run import RUN_KINDS
 from torchtitan_zephon.ingest.cache_contents import describe_cache, is_cache
-from torchtitan_zephon.store.format import BLOCKS, BLOCKS_INFO, UncheckedStoreWarning, is_store
+from torchtitan_zephon.store.format import (
+    BLOCK_TOKENS,
+    BLOCKS,
+    BLOCKS_INFO,
+    MAX_BLOCK_TOKENS,
+    StoreError,
+    UncheckedStoreWarning,
+    is_store,
+    num_blocks,
+)
 from torchtitan_zephon.store.location import is_url, parse_url, redact
+from torchtitan_zephon.store.opening import read_blocks_info
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.upgrade import add_block_checksums, upgrade_store
 
@@ -52,6 +63,19 @@ def _content_line(info: dict[str, Any]) -> str:
     )
 
 
+def _block_line(info: dict[str, Any]) -> str:
+    size = info["block_tokens"]
+    if size is None:
+        return (
+            "none: reads from object storage check whole chunks; add block checksums with "
+            f"`zephon inspect {info['path']} --upgrade`"
+        )
+    return (
+        f"{num_blocks(info['num_tokens'], size):,} block checksums of {size:,} tokens (reads "
+        "from object storage fetch whole blocks: best when seq_len is a multiple)"
+    )
+
+
 def _format_store(info: dict[str, Any]) -> str:
     lines = [
         f"token store: {info['path']}",
@@ -61,6 +85,7 @@ def _format_store(info: dict[str, Any]) -> str:
         f"  dtype:       {info['dtype']}",
         f"  vocab size:  {info['vocab_size']:,} (eos id {info['eos_id']})",
         f"  checksums:   {_content_line(info)}",
+        *([f"  blocks:      {_block_line(info)}"] if "block_tokens" in info else []),
         f"  tokenizer:   sha256 {info['tokenizer_sha256']}",
         f"  text field:  {info['text_field']}",
         f"  sources ({len(info['sources'])}):",
@@ -192,6 +217,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="store: add content checksums (format 1) and block checksums (for reads from "
         "object storage) in place; the fingerprint stays",
     )
+    p.add_argument(
+        "--block-tokens",
+        type=int_in(1, MAX_BLOCK_TOKENS),
+        metavar="N",
+        help="with --upgrade: block checksums of N tokens (pick the jobs' seq_len or a "
+        "divisor of it); blocks of another size are rewritten, the fingerprint stays "
+        f"(default: keep the store's blocks; {BLOCK_TOKENS} for a store without)",
+    )
     return p
 
 
@@ -202,10 +235,20 @@ def _store_actions(path: Path, args: argparse.Namespace) -> int:
         done = []
         if upgrade_store(path)[1]:
             done.append("content checksums added, fingerprint unchanged")
-        if add_block_checksums(path)[1]:
-            done.append(f"block checksums added ({BLOCKS}, {BLOCKS_INFO}), fingerprint unchanged")
+        before = _block_tokens(path)
+        if add_block_checksums(path, args.block_tokens)[1]:
+            if before is None:
+                done.append(
+                    f"block checksums added ({BLOCKS}, {BLOCKS_INFO}), fingerprint unchanged"
+                )
+            else:
+                done.append(
+                    f"block checksums rewritten: blocks of {args.block_tokens} tokens, were "
+                    f"{before} ({BLOCKS}, {BLOCKS_INFO}), fingerprint unchanged"
+                )
         upgrade = "; ".join(done) or "nothing to do"
     info = _describe_store(path)
+    info["block_tokens"] = _block_tokens(path)
     if upgrade:
         info["upgrade"] = upgrade
     report = None
@@ -216,6 +259,18 @@ def _store_actions(path: Path, args: argparse.Namespace) -> int:
         info["check"] = report.to_dict()
     print(json.dumps(info, indent=2) if args.json else _format_store(info))
     return 1 if report is not None and not report.ok else 0
+
+
+def _block_tokens(path: Path) -> int | None:
+    """The block size of the store's block checksums (None: it has none, or unusable ones,
+    which ``--upgrade`` writes afresh)."""
+    try:
+        with warnings.catch_warnings():  # a format-1 store: said in the summary instead
+            warnings.simplefilter("ignore", UncheckedStoreWarning)
+            info = read_blocks_info(path, TokenStore.open(path).manifest)
+    except StoreError:
+        return None
+    return None if info is None else int(info["block_tokens"])
 
 
 def _remote_store(args: argparse.Namespace) -> int:
@@ -230,6 +285,7 @@ def _remote_store(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", UncheckedStoreWarning)
         store = TokenStore.open(args.path)
     info = store.describe()
+    info["block_tokens"] = int(store.blocks["block_tokens"]) if store.blocks else None
     info["fetched_bytes"] = store.fetched_bytes
     info["requests"] = store.requests
     report = None
@@ -241,6 +297,12 @@ def _remote_store(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.block_tokens is not None and not args.upgrade:
+        raise ValueError(
+            f"--block-tokens {args.block_tokens} chooses the block size --upgrade writes; "
+            f"add --upgrade (`zephon inspect {args.path} --upgrade --block-tokens "
+            f"{args.block_tokens}`)."
+        )
     if is_url(args.path):
         found = parse_url(args.path, "PATH")
         if not isinstance(found, str):

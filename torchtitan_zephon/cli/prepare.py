@@ -25,6 +25,7 @@ from torchtitan_zephon.ingest.objects import output_url
 from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.ingest.ranks import PrepareFailed
 from torchtitan_zephon.ingest.units import UNIT_BYTES
+from torchtitan_zephon.store.format import BLOCK_TOKENS, MAX_BLOCK_TOKENS
 from torchtitan_zephon.store.location import is_url, local_path, refuse_url
 
 
@@ -80,6 +81,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         default=UNIT_BYTES,
         metavar="N",
         help=f"input bytes per work unit (default {UNIT_BYTES}; the store does not depend on it)",
+    )
+    p.add_argument(
+        "--block-tokens",
+        type=int_in(1, MAX_BLOCK_TOKENS),
+        default=BLOCK_TOKENS,
+        metavar="N",
+        help=f"tokens per block checksum, for reads from object storage (default "
+        f"{BLOCK_TOKENS}): pick the jobs' seq_len or a divisor of it, so a sample is read as "
+        "exactly its own blocks; the fingerprint does not depend on it",
     )
     p.add_argument(
         "--report", metavar="FILE.json", help="write a summary (tokens, parts reused, seconds)"
@@ -142,6 +152,7 @@ def run(args: argparse.Namespace) -> int:
             unit_bytes=args.unit_bytes,
             report=report,
             split=args.split,
+            block_tokens=args.block_tokens,
         )
     except PrepareFailed:
         if ranks.rank != 0:  # rank 0 prints the same message

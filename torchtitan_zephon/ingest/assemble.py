@@ -79,10 +79,11 @@ def assemble(
     out: Path,
     staging: Path,
     gathered: list[tuple[int, dict[str, Any]]],
+    block_tokens: int,
 ) -> TokenStore:
     """Phase 3: every rank copies its parts into the store's files at their offsets and
     hashes its share of the checksum chunks and of the sources; rank 0 writes the
-    manifest and renames the store to ``out``."""
+    manifest and renames the store to ``out``; block checksums of ``block_tokens``."""
     records = dict(gathered)
     units, sources = work.units, work.sources
     token_starts, doc_starts, num_tokens, num_docs = _layout(records, units)
@@ -164,16 +165,21 @@ def assemble(
         top = max(t for t, _ in shares)
         manifest["content"] = content_section(assembly, top)
         manifest["fingerprint"] = manifest_fingerprint(manifest)
-        create_block_file(assembly, num_tokens)
+        create_block_file(assembly, num_tokens, block_tokens)
         return manifest["fingerprint"]
 
     manifest["fingerprint"] = together(ranks, seal)[0]
 
     def block_share() -> None:
-        r, w, blocks = ranks.rank, ranks.world_size, num_blocks(num_tokens)
+        r, w, blocks = ranks.rank, ranks.world_size, num_blocks(num_tokens, block_tokens)
         tokens = map_file(assembly / TOKENS, DTYPES[work.dtype_name], num_tokens)
         write_block_range(
-            assembly, tokens, manifest["fingerprint"], blocks * r // w, blocks * (r + 1) // w
+            assembly,
+            tokens,
+            manifest["fingerprint"],
+            blocks * r // w,
+            blocks * (r + 1) // w,
+            block_tokens,
         )
 
     together(ranks, block_share)
@@ -181,7 +187,7 @@ def assemble(
     def finish() -> None:
         if ranks.rank != 0:
             return
-        write_block_info(assembly, manifest["fingerprint"], num_tokens)
+        write_block_info(assembly, manifest["fingerprint"], num_tokens, block_tokens)
         (assembly / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if out.exists():
             out.rmdir()  # an empty folder, checked at the start

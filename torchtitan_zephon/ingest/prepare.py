@@ -70,7 +70,12 @@ from torchtitan_zephon.ingest.ranks import OneProcess, PrepareFailed, Ranks, tog
 from torchtitan_zephon.ingest.stage import Work, check_shared, open_staging, stage_parts
 from torchtitan_zephon.ingest.tokenizer import dtype_for_vocab, load_tokenizer_info
 from torchtitan_zephon.ingest.units import UNIT_BYTES, input_identity, plan_units
-from torchtitan_zephon.store.format import StoreError, fingerprint
+from torchtitan_zephon.store.format import (
+    BLOCK_TOKENS,
+    StoreError,
+    check_block_tokens,
+    fingerprint,
+)
 from torchtitan_zephon.store.location import ObjectURL
 from torchtitan_zephon.store.reader import TokenStore
 
@@ -94,6 +99,7 @@ def prepare_store(
     names: OptionNames = PREPARE_OPTIONS,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     cache_dir: str = "",
+    block_tokens: int = BLOCK_TOKENS,
 ) -> TokenStore:
     """Tokenize ``inputs`` into a new token store at ``output`` and open it.
 
@@ -108,6 +114,10 @@ def prepare_store(
     ``units_done``, input ``bytes`` / ``bytes_done``, ``documents``), often: it
     should be cheap. A failed or interrupted prepare keeps its finished parts in
     the staging folder beside the output, and a second run reuses them.
+    ``block_tokens``: tokens per block checksum (``store.format``: pick the jobs'
+    seq_len or a divisor of it); an integer in [1, ``MAX_BLOCK_TOKENS``], checked before
+    anything is read or written. Blocks are not part of the manifest: the fingerprint
+    does not depend on it.
 
     Inputs and ``output`` may be object-storage URLs (``objects``): objects are
     streamed to spool files in ``<cache>/remote-inputs`` and removed once the store
@@ -116,6 +126,7 @@ def prepare_store(
     removed. ``<cache>`` is ``cache_folder.cache_root(cache_dir)``; under torchrun the
     ranks must share it when the output is a URL (they share the staging folder).
     """
+    block_tokens = check_block_tokens(block_tokens)
     ranks = ranks or OneProcess()
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
     remote = output_url(output) if is_object_url(output) else None
@@ -164,7 +175,9 @@ def prepare_store(
         )
         if on_progress is not None:
             on_progress({"phase": "assembling"})
-        store = assemble(ranks, mine, out, staging, [s for st in stats for s in st[0]])
+        store = assemble(
+            ranks, mine, out, staging, [s for st in stats for s in st[0]], block_tokens
+        )
         if remote is not None:
             if on_progress is not None:
                 on_progress({"phase": "uploading"})

@@ -26,7 +26,7 @@ Layout on disk::
     <store>/doc_offsets.bin  num_documents int64 start offsets, one per document
     <store>/checksums.bin    one little-endian uint64 xxh3-64 per chunk of tokens.bin
     <store>/content.json     only in a version-1 store upgraded in place: its content section
-    <store>/blocks.bin       optional (``inspect --upgrade``): one uint64 per block of tokens.bin
+    <store>/blocks.bin       optional (prepare, ``inspect --upgrade``): one uint64 per block
     <store>/blocks.json      optional, written after blocks.bin: what blocks.bin is (below)
 
 The content section: ``algorithm`` ("xxh3_64"), ``chunk_tokens``,
@@ -34,18 +34,28 @@ The content section: ``algorithm`` ("xxh3_64"), ``chunk_tokens``,
 ``check`` only: training does not read document offsets) and ``max_token_id``.
 
 Block checksums (the finer check level, for stores read by range from object storage):
-block ``b`` is ``tokens[b * BLOCK_TOKENS : (b + 1) * BLOCK_TOKENS + 1]`` (512 tokens and
-the next block's first: blocks overlap by one token, so the window of ``seq_len + 1``
-tokens of a sample whose start is a multiple of 512, with ``seq_len`` a multiple of 512,
-is covered by exactly its own tokens: no label token costs a whole block); the last
-block ends at the last token; a store of ``n`` tokens has ``max(1, ceil((n - 1) / 512))``
-blocks. Its checksum is the xxh3-64 of its little-endian bytes with the seed
-``block_seed(fingerprint)`` (the first 16 hex digits of the store's fingerprint), and
-blocks.bin holds them in block order, little-endian uint64. blocks.json
+with ``B`` the store's ``block_tokens`` (chosen when the blocks are written: ``zephon
+prepare --block-tokens B``, ``zephon inspect STORE --upgrade --block-tokens B``; default
+``BLOCK_TOKENS`` = 512; an integer in [1, ``MAX_BLOCK_TOKENS``]), block ``b`` is
+``tokens[b * B : (b + 1) * B + 1]`` (B tokens and the next block's first: blocks overlap
+by one token); the last block ends at the last token; a store of ``n`` tokens has
+``max(1, ceil((n - 1) / B))`` blocks. Its checksum is the xxh3-64 of its little-endian
+bytes with the seed ``block_seed(fingerprint)`` (the first 16 hex digits of the store's
+fingerprint), and blocks.bin holds them in block order, little-endian uint64. blocks.json
 (``block_section``) records the format, ``block_tokens``, the algorithm, the store's
 fingerprint, ``num_blocks`` and ``blocks_xxh3_128`` (of blocks.bin, checked by
-``check``). Neither file is part of the manifest, so adding them leaves the
-fingerprint, and every checkpoint and sequence log that names it, unchanged.
+``check``). Neither file is part of the manifest, so adding or rewriting them (any
+``B``) leaves the fingerprint, and every checkpoint and sequence log that names it,
+unchanged.
+
+The rule for choosing ``B``: pick ``B = seq_len`` or a divisor of it. Sample ``i`` is
+the window ``tokens[i * seq_len : i * seq_len + seq_len + 1]``; when ``B`` divides
+``seq_len`` it starts on a block boundary and is exactly ``seq_len / B`` blocks, its
+label token the last block's overlap, so a read by range fetches exactly its own tokens
+(plus 8 bytes of checksum per block). Otherwise reads round out to whole blocks: a
+window of 129 tokens (seq_len 128) read from 512-token blocks fetches 513 tokens.
+Smaller ``B`` means a larger blocks.bin (8 bytes per ``B`` tokens: 6 % of tokens.bin at
+``B`` = 64 with uint16 tokens).
 
 How block checksums are trusted, without reading a checksum file whole: blocks.json must
 name the fingerprint of the manifest beside it (a stale or foreign one is refused at
@@ -85,7 +95,10 @@ BLOCKS = "blocks.bin"
 BLOCKS_INFO = "blocks.json"
 BLOCKS_FORMAT = "zephon-block-checksums"
 BLOCK_TOKENS = 512
-"""Tokens a block checksum covers (plus the next block's first: blocks overlap by one)."""
+"""The default ``block_tokens``: tokens a block checksum covers (plus the next block's
+first: blocks overlap by one); a store records its own in blocks.json."""
+MAX_BLOCK_TOKENS = CHUNK_TOKENS
+"""The largest ``block_tokens`` (a chunk: beyond it, blocks check no finer than chunks)."""
 BUILTIN_PREFIX = "builtin:"
 """A store value starting with this names a part of the builtin corpus (``ingest.builtin``),
 not a path."""
@@ -204,8 +217,24 @@ def content_section(
     }
 
 
-def num_blocks(num_tokens: int, block_tokens: int = BLOCK_TOKENS) -> int:
-    """How many block checksums cover ``num_tokens`` tokens (see the module docstring)."""
+def check_block_tokens(value: Any, what: str = "block_tokens") -> int:
+    """``value`` as a block size (an integer in [1, ``MAX_BLOCK_TOKENS``]), or a StoreError
+    naming ``what`` (how the caller spells the setting), the range and the value."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        found = repr(value)
+    elif 1 <= int(value) <= MAX_BLOCK_TOKENS:
+        return int(value)
+    else:
+        found = str(int(value))
+    raise StoreError(
+        f"{what} must be an integer in [1, {MAX_BLOCK_TOKENS}] (tokens per block checksum; "
+        f"pick seq_len or a divisor of it), got {found}; nothing was written."
+    )
+
+
+def num_blocks(num_tokens: int, block_tokens: int) -> int:
+    """How many block checksums of ``block_tokens`` cover ``num_tokens`` tokens (see the
+    module docstring)."""
     return max(1, -(-(num_tokens - 1) // block_tokens))
 
 
@@ -214,15 +243,16 @@ def block_seed(store_fingerprint: str) -> int:
     return int(store_fingerprint[:16], 16)
 
 
-def block_span(block: int, num_tokens: int, block_tokens: int = BLOCK_TOKENS) -> tuple[int, int]:
+def block_span(block: int, num_tokens: int, block_tokens: int) -> tuple[int, int]:
     """Tokens [start, stop) of block ``block`` (overlapping the next block by one)."""
     start = block * block_tokens
     return start, min(start + block_tokens + 1, num_tokens)
 
 
-def block_checksums(tokens: np.ndarray, seed: int, block_tokens: int = BLOCK_TOKENS) -> np.ndarray:
-    """The checksums (uint64) of the blocks of ``tokens``: a store's tokens from a block's
-    start to a block's end or the store's end (a store's whole tokens, or a range read)."""
+def block_checksums(tokens: np.ndarray, seed: int, block_tokens: int) -> np.ndarray:
+    """The checksums (uint64) of the blocks of ``block_tokens`` of ``tokens``: a store's
+    tokens from a block's start to a block's end or the store's end (a store's whole
+    tokens, or a range read)."""
     tokens = np.ascontiguousarray(tokens)
     n = max(1, -(-(tokens.size - 1) // block_tokens)) if tokens.size else 0
     sums = np.empty(n, dtype="<u8")
@@ -233,17 +263,19 @@ def block_checksums(tokens: np.ndarray, seed: int, block_tokens: int = BLOCK_TOK
     return sums
 
 
-def block_section(fingerprint_: str, num_tokens: int, blocks_file: Path) -> dict[str, Any]:
-    """The content of blocks.json for the complete ``blocks_file`` of the store whose
-    fingerprint is ``fingerprint_``."""
+def block_section(
+    fingerprint_: str, num_tokens: int, blocks_file: Path, block_tokens: int
+) -> dict[str, Any]:
+    """The content of blocks.json for the complete ``blocks_file`` (blocks of
+    ``block_tokens``) of the store whose fingerprint is ``fingerprint_``."""
     return {
         "format": BLOCKS_FORMAT,
         "version": 1,
         "algorithm": CHECKSUM_ALGORITHM,
-        "block_tokens": BLOCK_TOKENS,
+        "block_tokens": int(block_tokens),
         "seed": "fingerprint[:16]",
         "fingerprint": fingerprint_,
-        "num_blocks": num_blocks(num_tokens),
+        "num_blocks": num_blocks(num_tokens, block_tokens),
         "blocks_xxh3_128": file_xxh3_128(blocks_file),
     }
 

@@ -12,9 +12,11 @@ samples a rank reads at every future step; it hands them here step by step
 (``read_ahead``), and each step's windows are fetched in the background: rounded out to
 the unit of the content check, neighbouring and overlapping ranges coalesced into one
 request, at most ``max_requests`` requests in flight (``location.ObjectFiles``). A store
-with block checksums (blocks.json, ``format``; ``zephon inspect STORE --upgrade`` adds
-them) rounds to 512-token blocks and reads each run's block checksums from blocks.bin
-by range with its tokens (8 bytes per block, counted as fetched); one without rounds to
+with block checksums (blocks.json, ``format``: written by prepare, ``--block-tokens``)
+rounds to whole blocks of the store's block_tokens (a window is exactly its own blocks
+when block_tokens divides seq_len; ``window_fetch_ratio`` says what rounding costs
+otherwise) and reads each run's block checksums from blocks.bin by range with its
+tokens (8 bytes per block, counted as fetched); one without rounds to
 whole 65,536-token chunks and reads checksums.bin whole at open. Every block (chunk) is
 hashed on arrival, on the fetch thread, before its future resolves. A
 ``windows`` call takes its rows from the steps read ahead and waits for those not yet
@@ -411,12 +413,7 @@ class RemoteTokenStore(TokenStore):
         blocks = self.blocks if self.verifies else None
         unit = self.chunk_tokens if self.verifies and blocks is None else None
         if blocks:
-            size = int(blocks["block_tokens"])
-            first = start // size
-            last = np.minimum(
-                np.maximum(first, -(-(stop - 1) // size) - 1), int(blocks["num_blocks"]) - 1
-            )
-            a, b = first * size, np.minimum((last + 1) * size + 1, self.num_tokens)
+            first, last, a, b = self._block_cover(start, stop)
         elif unit:
             a = start // unit * unit
             b = np.minimum(((stop - 1) // unit + 1) * unit, self.num_tokens)
@@ -462,6 +459,31 @@ class RemoteTokenStore(TokenStore):
         future = self._files.submit_many(reads, then=arrived)
         nbytes = int((req_b - req_a).sum()) * item
         return _Fetch(ids, seq_len, request, offset, nbytes, future)
+
+    def _block_cover(
+        self, start: np.ndarray, stop: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(first block, last block, first token, stop token) that a read of tokens
+        ``[start, stop)`` rounds out to: whole blocks of the store's block_tokens."""
+        size = int(self.blocks["block_tokens"])
+        first = start // size
+        last = np.minimum(
+            np.maximum(first, -(-(stop - 1) // size) - 1), int(self.blocks["num_blocks"]) - 1
+        )
+        return first, last, first * size, np.minimum((last + 1) * size + 1, self.num_tokens)
+
+    def window_fetch_ratio(self, seq_len: int) -> float:
+        """Tokens fetched per token of a ``seq_len + 1``-token sample window read alone
+        (the mean over window positions; 1.0 without block checksums or when
+        block_tokens divides seq_len: then a window is exactly its own blocks)."""
+        if not self.blocks or seq_len % int(self.blocks["block_tokens"]) == 0:
+            return 1.0
+        size = int(self.blocks["block_tokens"])
+        period = size // math.gcd(seq_len, size)  # window starts repeat mod size after it
+        n = min(period, max(1, (self.num_tokens - 1) // seq_len))
+        start = np.arange(n, dtype=np.int64) * seq_len
+        _, _, a, b = self._block_cover(start, start + seq_len + 1)
+        return float((b - a).mean()) / (seq_len + 1)
 
     # ------------------------------------------------------------------ the node cache
 

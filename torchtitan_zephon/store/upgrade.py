@@ -3,7 +3,8 @@
 Role: ``zephon inspect STORE --upgrade`` runs both: ``upgrade_store`` adds checksums.bin
 and content.json to a store written before checksums (format version 1);
 ``add_block_checksums`` adds blocks.bin and blocks.json (the finer check level that
-reads from object storage use, ``format``) to a store that has content checksums.
+reads from object storage use, ``format``) to a store that has content checksums, or
+rewrites them for another block size (``--block-tokens``).
 
 Invariant: the manifest, hence the fingerprint and every checkpoint and sequence
 log that names it, stays byte for byte the same; a store whose content is already
@@ -20,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from torchtitan_zephon.store.format import (
+    BLOCK_TOKENS,
     BLOCKS_INFO,
     CHECKSUMS,
     CONTENT,
@@ -27,6 +29,7 @@ from torchtitan_zephon.store.format import (
     TOKENS,
     StoreError,
     UncheckedStoreWarning,
+    check_block_tokens,
     content_checksums,
 )
 from torchtitan_zephon.store.opening import read_blocks_info
@@ -63,17 +66,25 @@ def upgrade_store(path: str | os.PathLike) -> tuple[TokenStore, bool]:
     return TokenStore.open(store.path), True
 
 
-def add_block_checksums(path: str | os.PathLike) -> tuple[TokenStore, bool]:
-    """Add block checksums (blocks.bin, then blocks.json: ``format``) to a store that has
-    content checksums; (the store, whether it changed). The manifest, hence the
-    fingerprint, stays byte for byte the same, and so do reads of the local store (its
-    reads check whole chunks, as before).
+def add_block_checksums(
+    path: str | os.PathLike, block_tokens: int | None = None
+) -> tuple[TokenStore, bool]:
+    """Add block checksums (blocks.bin, then blocks.json: ``format``) of ``block_tokens``
+    to a store that has content checksums; (the store, whether it changed). The
+    manifest, hence the fingerprint, stays byte for byte the same, and so do reads of the
+    local store (its reads check whole chunks, as before).
+
+    ``block_tokens`` None: a store with block checksums for its fingerprint keeps them
+    (whatever their size); one without gets blocks of ``BLOCK_TOKENS``. Given: blocks
+    of another size are rewritten, blocks of that size kept. It must be an integer in
+    [1, ``MAX_BLOCK_TOKENS``] (checked before anything is read or written).
 
     Block checksums are written only from tokens that matched every chunk checksum: a
-    store with a bad chunk is refused and left as it was. A store with block checksums
-    for its fingerprint is left alone; blocks.json naming another fingerprint (left by
-    an earlier version of the store) is replaced.
+    store with a bad chunk is refused and left as it was. blocks.json naming another
+    fingerprint (left by an earlier version of the store) is replaced.
     """
+    if block_tokens is not None:
+        block_tokens = check_block_tokens(block_tokens, "--block-tokens")
     store = TokenStore.open(path)
     root = Path(store.path)
     if store.checksums is None:
@@ -83,10 +94,12 @@ def add_block_checksums(path: str | os.PathLike) -> tuple[TokenStore, bool]:
             f"(`zephon inspect {root} --upgrade` does both)."
         )
     try:
-        if read_blocks_info(root, store.manifest) is not None:
-            return store, False
+        info = read_blocks_info(root, store.manifest)
     except StoreError:
-        pass  # blocks of another version of the store, or broken: written afresh
+        info = None  # blocks of another version of the store, or broken: written afresh
+    if info is not None and block_tokens in (None, int(info["block_tokens"])):
+        return store, False
+    size = BLOCK_TOKENS if block_tokens is None else block_tokens
     sums = content_checksums(store.tokens, store.chunk_tokens)[0]
     bad = np.flatnonzero(sums != np.asarray(store.checksums))
     if bad.size:
@@ -97,5 +110,5 @@ def add_block_checksums(path: str | os.PathLike) -> tuple[TokenStore, bool]:
             f"{root} --check` to list them. {REPREPARE}"
         )
     (root / BLOCKS_INFO).unlink(missing_ok=True)  # a stale one never names the new blocks.bin
-    write_block_checksums(root, store.tokens, store.fingerprint)  # blocks.json last
+    write_block_checksums(root, store.tokens, store.fingerprint, size)  # blocks.json last
     return TokenStore.open(root), True

@@ -11,8 +11,9 @@ benchmarks (``slice_store``).
 Invariant: checksums depend only on the bytes of tokens.bin and doc_offsets.bin
 (and ``chunk_tokens``): ``write_checksums`` and disjoint ``write_chunk_checksums``
 ranges completed by ``format.content_section`` write the same bytes; block checksums
-depend only on tokens.bin and the fingerprint: disjoint ``write_block_range``
-ranges covering ``[0, num_blocks)`` write the bytes of one ``block_checksums`` call,
+depend only on tokens.bin, the fingerprint and ``block_tokens`` (always passed
+explicitly: no writer assumes a size): disjoint ``write_block_range`` ranges covering
+``[0, num_blocks)`` write the bytes of one ``block_checksums`` call,
 and blocks.json (``write_block_info``) is written after them, naming a complete
 blocks.bin; every store written here opens with ``reader.TokenStore.open``.
 """
@@ -28,7 +29,6 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.store.format import (
-    BLOCK_TOKENS,
     BLOCKS,
     BLOCKS_INFO,
     CHECKSUMS,
@@ -97,25 +97,30 @@ def write_chunk_checksums(
     return int(maxima.max()) if maxima.size else -1
 
 
-def create_block_file(store_dir: str | os.PathLike, num_tokens: int) -> None:
+def create_block_file(store_dir: str | os.PathLike, num_tokens: int, block_tokens: int) -> None:
     """Create (or replace) blocks.bin at its final size (``num_blocks`` x 8 bytes, zeros)
-    for the ``write_block_range`` calls that fill it."""
+    for the ``write_block_range`` calls that fill it with blocks of ``block_tokens``."""
     with open(Path(store_dir) / BLOCKS, "wb") as fh:
-        fh.truncate(num_blocks(num_tokens) * 8)
+        fh.truncate(num_blocks(num_tokens, block_tokens) * 8)
 
 
 def write_block_range(
-    store_dir: str | os.PathLike, tokens: np.ndarray, fingerprint_: str, first: int, stop: int
+    store_dir: str | os.PathLike,
+    tokens: np.ndarray,
+    fingerprint_: str,
+    first: int,
+    stop: int,
+    block_tokens: int,
 ) -> None:
-    """Compute the checksums of blocks ``[first, stop)`` of the store whose tokens are
-    ``tokens`` and fingerprint ``fingerprint_`` and write them at their place in
-    blocks.bin (``create_block_file``). Reads only the tokens of those blocks (a block
-    ends one token into the next: ``format``)."""
+    """Compute the checksums of blocks ``[first, stop)`` (of ``block_tokens``) of the store
+    whose tokens are ``tokens`` and fingerprint ``fingerprint_`` and write them at their
+    place in blocks.bin (``create_block_file``). Reads only the tokens of those blocks (a
+    block ends one token into the next: ``format``)."""
     if stop <= first:
         return
-    lo = first * BLOCK_TOKENS
-    hi = min(stop * BLOCK_TOKENS + 1, int(tokens.size))
-    sums = block_checksums(tokens[lo:hi], block_seed(fingerprint_))
+    lo = first * block_tokens
+    hi = min(stop * block_tokens + 1, int(tokens.size))
+    sums = block_checksums(tokens[lo:hi], block_seed(fingerprint_), block_tokens)
     fd = os.open(Path(store_dir) / BLOCKS, os.O_WRONLY)
     try:
         pwrite_all(fd, sums.tobytes(), first * 8)
@@ -123,23 +128,27 @@ def write_block_range(
         os.close(fd)
 
 
-def write_block_info(store_dir: str | os.PathLike, fingerprint_: str, num_tokens: int) -> None:
-    """Write blocks.json for the complete blocks.bin in ``store_dir`` (last: until then the
-    store has no block checksums)."""
+def write_block_info(
+    store_dir: str | os.PathLike, fingerprint_: str, num_tokens: int, block_tokens: int
+) -> None:
+    """Write blocks.json for the complete blocks.bin (blocks of ``block_tokens``) in
+    ``store_dir`` (last: until then the store has no block checksums)."""
     root = Path(store_dir)
-    info = block_section(fingerprint_, num_tokens, root / BLOCKS)
+    info = block_section(fingerprint_, num_tokens, root / BLOCKS, block_tokens)
     tmp = root / f".{BLOCKS_INFO}.tmp"
     tmp.write_text(json.dumps(info, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, root / BLOCKS_INFO)
 
 
 def write_block_checksums(
-    store_dir: str | os.PathLike, tokens: np.ndarray, fingerprint_: str
+    store_dir: str | os.PathLike, tokens: np.ndarray, fingerprint_: str, block_tokens: int
 ) -> None:
-    """blocks.bin then blocks.json of a store, whole, in one process."""
-    create_block_file(store_dir, int(tokens.size))
-    write_block_range(store_dir, tokens, fingerprint_, 0, num_blocks(int(tokens.size)))
-    write_block_info(store_dir, fingerprint_, int(tokens.size))
+    """blocks.bin then blocks.json of a store (blocks of ``block_tokens``), whole, in one
+    process."""
+    n = int(tokens.size)
+    create_block_file(store_dir, n, block_tokens)
+    write_block_range(store_dir, tokens, fingerprint_, 0, num_blocks(n, block_tokens), block_tokens)
+    write_block_info(store_dir, fingerprint_, n, block_tokens)
 
 
 def pwrite_all(fd: int, data: bytes | memoryview, offset: int) -> None:

@@ -7,6 +7,8 @@ on a Zephon dataloader or validator config, and ``trainer_handoff`` gives them b
 to the component (refusing, naming the trainer to use, when it was built another
 way); ``batch_schedule``, ``eos_id_of`` and ``heldout_parts`` (held-out samples
 validation reads, checked by the preflight too) are what both components read of them.
+Opening logs one info line per store read by range whose block checksums do not divide
+seq_len (``block_rounding_note``: what the rounding costs, and ``--block-tokens``).
 
 Invariant: a component reads the object the preflight opened, never a store of its
 own, so each store is opened once per process; every check that needs only the job
@@ -35,6 +37,7 @@ from torchtitan_zephon.order.data_config import DataConfig, data_extra
 from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.store.format import MAX_BLOCK_TOKENS
 from torchtitan_zephon.titan.job_view import JobView
 
 
@@ -90,7 +93,31 @@ def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
             "store prepared with a smaller tokenizer"
         )
     check_tokenizer(source, tokenizer)
+    stores = source.stores if isinstance(source, MixtureData) else [store]
+    for st in stores:
+        note = block_rounding_note(st, seq_len)
+        if note:
+            _log(note)
     return source
+
+
+def block_rounding_note(store: Any, seq_len: int) -> str | None:
+    """One line when ``store`` is read by range with block checksums whose block_tokens
+    does not divide ``seq_len`` (each window then fetches whole blocks beyond its own
+    tokens): what that costs and the fix; None otherwise (nothing is wrong either way:
+    reads round out to whole blocks)."""
+    ratio = getattr(store, "window_fetch_ratio", None)
+    if ratio is None or ratio(seq_len) <= 1.0:
+        return None
+    size = int(store.blocks["block_tokens"])
+    fit = next(d for d in range(min(seq_len, MAX_BLOCK_TOKENS), 0, -1) if seq_len % d == 0)
+    return (
+        f"the store {store.path} has block checksums of {size} tokens and seq_len {seq_len} "
+        f"is not a multiple of it: each {seq_len + 1}-token sample window fetches "
+        f"{ratio(seq_len):.2f}x its bytes (whole blocks). To fetch only its own, rewrite them "
+        f"on the local copy (`zephon inspect STORE --upgrade --block-tokens {fit}`, or "
+        f"`zephon prepare ... --block-tokens {fit}`) and upload it again: the fingerprint stays."
+    )
 
 
 def check_tokenizer(source: JobData, tokenizer: Any) -> None:
