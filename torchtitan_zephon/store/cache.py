@@ -1,8 +1,8 @@
 """The node-local cache of remote stores: their checked blocks (or chunks), one file each.
 
 Role: ``NodeCache`` keeps the units of content check that ``remote.RemoteTokenStore``
-fetched (512-token blocks with their block checksum, or 65,536-token chunks for a store
-without block checksums) under ``<root>/remote-blocks/<fingerprint>/<kind>/`` (``root``:
+fetched (blocks of the store's block_tokens, 512 by default, with their block checksum,
+or 65,536-token chunks for a store without block checksums) under ``<root>/remote-blocks/<fingerprint>/<kind>/`` (``root``:
 the store cache folder, ``$ZEPHON_CACHE`` else ``zephon.cache_dir``), so that another rank
 of the node, a restart or a later job reads them from local disk instead of object
 storage. The cache holds bytes only: the store checks each unit on use (``get`` hands it

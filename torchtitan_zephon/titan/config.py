@@ -71,8 +71,9 @@ class Zephon:
 
     cache_bytes: int = 0
     """Bound, in bytes, of the node-local cache of remote stores (0, the default: no
-    cache; each rank fetches what it reads). When > 0, the checked 512-token blocks (or
-    65,536-token chunks) a rank fetches are kept under <store cache folder>/remote-blocks/
+    cache; each rank fetches what it reads). When > 0, the checked blocks (of the
+    store's block_tokens, or 65,536-token chunks) a rank fetches are kept under
+    <store cache folder>/remote-blocks/
     <store fingerprint>/ (ZEPHON_CACHE, else zephon.cache_dir), shared by the ranks of
     the node, by restarts and by other jobs using the same folder (the bound covers the
     whole remote-blocks folder), least recently used files removed first; a cached block
