@@ -9,7 +9,10 @@ second of the process (the work per token, whatever the machine's load).
 
 from __future__ import annotations
 
+import json
+import os
 import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -92,3 +95,22 @@ def first_batch_after_restore(loader: Any, state: object) -> None:
         next(loader)
     finally:
         loader.close()
+
+
+def child_times(
+    argv: list[str], what: str, env: dict[str, str] | None = None
+) -> tuple[float, dict[str, Any]]:
+    """Run ``argv`` (a fresh Python process) and return (its start time, the JSON object
+    its last stdout line holds: the timestamps it took); a RuntimeError naming ``what``
+    with the end of its stderr when it fails."""
+    t0 = time.time()
+    out = subprocess.run(
+        argv,
+        capture_output=True,
+        text=True,
+        check=False,
+        env=None if env is None else {**os.environ, **env},
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{what} child failed:\n{out.stderr[-3000:]}")
+    return t0, json.loads(out.stdout.strip().splitlines()[-1])

@@ -48,7 +48,8 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon.bench.measure import ratio
+from torchtitan_zephon.bench.measure import child_times, ratio
+from torchtitan_zephon.store.format import STORE_FILES
 
 LATENCIES_MS = (0, 20, 50)
 JOB_LATENCY_MS = 20
@@ -77,15 +78,6 @@ QUICK = {
     "repeats": 1,
     "gets": 3,
 }
-# Every file a store may have, as the naive way downloads them (missing ones skipped).
-STORE_FILES = (
-    "manifest.json",
-    "tokens.bin",
-    "doc_offsets.bin",
-    "checksums.bin",
-    "blocks.bin",
-    "blocks.json",
-)
 
 
 # ---------------------------------------------------------------- the bucket
@@ -453,17 +445,7 @@ print(json.dumps({"import": t_import, "open": t_open, "load": t_load, "first": t
 
 
 def _child(args: dict[str, Any], env: dict[str, str]) -> dict[str, float]:
-    t0 = time.time()
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(args)],
-        capture_output=True,
-        text=True,
-        check=False,
-        env={**os.environ, **env},
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"remote bench child failed:\n{out.stderr[-3000:]}")
-    t = json.loads(out.stdout.strip().splitlines()[-1])
+    t0, t = child_times([sys.executable, "-c", CHILD, json.dumps(args)], "remote bench", env)
     return {
         "to_first_batch_s": t["first"] - t0,
         "imports_s": t["import"] - t0,

@@ -14,16 +14,13 @@ affects both alike; nothing in a child depends on the step but the state.
 
 from __future__ import annotations
 
-import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.bench.measure import ratio
+from torchtitan_zephon.bench.measure import child_times, ratio
 
 STEPS = (10, 10_000_000)
 DP_DEGREES = (1, 8, 1024)
@@ -55,16 +52,8 @@ print(json.dumps({"import": t_import, "open": t_open, "load": t_load, "first": t
 
 
 def _child(store: str, seq_len: int, batch: int, record: str) -> dict[str, float]:
-    t0 = time.time()
-    out = subprocess.run(
-        [sys.executable, "-c", CHILD, store, str(seq_len), str(batch), record],
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    if out.returncode != 0:
-        raise RuntimeError(f"resume benchmark child failed:\n{out.stderr[-3000:]}")
-    t = json.loads(out.stdout.strip().splitlines()[-1])
+    argv = [sys.executable, "-c", CHILD, store, str(seq_len), str(batch), record]
+    t0, t = child_times(argv, "resume benchmark")
     return {
         "to_first_batch_s": t["first"] - t0,
         "python_and_imports_s": t["import"] - t0,

@@ -37,22 +37,11 @@ import uuid
 from pathlib import Path
 
 from torchtitan_zephon.ingest.inputs import GLOB_CHARS, InputFile, RemoteObject, kind_of
-from torchtitan_zephon.store.format import (
-    BLOCKS,
-    BLOCKS_INFO,
-    CHECKSUMS,
-    CONTENT,
-    DOC_OFFSETS,
-    MANIFEST,
-    TOKENS,
-    StoreError,
-)
+from torchtitan_zephon.store.format import MANIFEST, STORE_FILES, StoreError
 from torchtitan_zephon.store.location import ObjectFiles, ObjectURL, parse_url, redact
 
 SPOOL = "remote-inputs"
 """The cache's folder of spool files (objects being read by a prepare)."""
-UPLOAD_ORDER = (TOKENS, DOC_OFFSETS, CHECKSUMS, CONTENT, BLOCKS, BLOCKS_INFO, MANIFEST)
-"""A store's files in the order they are uploaded: manifest.json last."""
 _HF_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 
@@ -258,7 +247,7 @@ def check_output(url: ObjectURL) -> None:
             f"output {url.shown} already holds a token store (manifest.json); choose another "
             "prefix or delete it first."
         )
-    other = [n for n in names if n not in UPLOAD_ORDER]
+    other = [n for n in names if n not in STORE_FILES]
     if other:
         shown = ", ".join(repr(n) for n in other[:5])
         raise StoreError(
@@ -271,7 +260,7 @@ def upload_store(folder: Path, url: ObjectURL) -> None:
     """Upload the store files of ``folder`` under ``url``, manifest.json last."""
     files = ObjectFiles(url)
     try:
-        for name in UPLOAD_ORDER:
+        for name in STORE_FILES:
             if (folder / name).is_file():
                 files.upload(name, folder / name)
     finally:

@@ -102,6 +102,9 @@ MAX_BLOCK_TOKENS = CHUNK_TOKENS
 BUILTIN_PREFIX = "builtin:"
 """A store value starting with this names a part of the builtin corpus (``ingest.builtin``),
 not a path."""
+STORE_FILES = (TOKENS, DOC_OFFSETS, CHECKSUMS, CONTENT, BLOCKS, BLOCKS_INFO, MANIFEST)
+"""Every file a store may hold, the manifest last: the order a copy writes them in (a
+copy cut before its manifest is no store)."""
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 REPREPARE = "Re-run `zephon prepare` to rebuild the store."
