@@ -242,3 +242,48 @@ def test_a_silent_endpoint_fails_the_read_waited_for_within_the_bound(
         assert len(proxy.faults_met()) < 200  # the queued requests were never sent
     finally:
         store.close()
+
+
+def test_a_request_unanswered_on_every_attempt_fails_the_reads_queued(
+    proxy, small_blocks: tuple[Path, str]
+) -> None:
+    """One slot, a read in it that the endpoint never answers, 8 reads queued: once it
+    failed twice (its attempts), the queued reads fail with its error, never sent."""
+    small, url = small_blocks
+    proxy.hang_s = 20.0
+    files = _open(url, request_timeout_s=0.5, retries=1, max_requests=1)._files
+    try:
+        proxy.inject("tokens.bin", *["hang"] * 100)
+        first = files.submit("tokens.bin", [0], [64])
+        time.sleep(0.2)  # it holds the slot
+        queued = [files.submit("tokens.bin", [64 * k], [64 * k + 64]) for k in range(1, 9)]
+        t0 = time.monotonic()
+        for future in (first, *queued):
+            with pytest.raises(StoreError) as e:
+                future.result(timeout=3 * files.limit_s)
+            assert str(e.value).startswith(
+                f"reading {url}/tokens.bin took longer than request_timeout_s=0.5 s, 2 times"
+            )
+        assert time.monotonic() - t0 < 2 * files.limit_s
+        assert proxy.faults_met() == ["hang", "hang"]  # the first read's attempts only
+    finally:
+        files.close()
+
+
+def test_a_failed_request_cancels_the_rest_of_its_read(
+    proxy, small_blocks: tuple[Path, str]
+) -> None:
+    """A read of 3 ranges through one slot: the first is denied (403), so the read
+    fails and its 2 other requests are never sent."""
+    small, url = small_blocks
+    files = _open(url, max_requests=1)._files
+    try:
+        proxy.inject("tokens.bin", "403")
+        before = len(proxy.seen)
+        with pytest.raises(StoreError) as e:
+            files.submit("tokens.bin", [0, 64, 128], [32, 96, 160]).result(timeout=30)
+        assert str(e.value).startswith(f"access to {url}/tokens.bin was denied (403)")
+        time.sleep(0.5)  # what would still be sent is sent by now
+        assert len(proxy.seen) - before == 1
+    finally:
+        files.close()

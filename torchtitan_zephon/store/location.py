@@ -362,7 +362,7 @@ class ObjectFiles:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._gate: _Gate | None = None
-        self._reads: dict[asyncio.Task, StoreError | None] = {}  # pending: why failed early
+        self._reads: dict[asyncio.Task, list[StoreError | None]] = {}  # pending: why failed
 
     # ------------------------------------------------------------------ the thread
 
@@ -597,7 +597,9 @@ class ObjectFiles:
         except Exception as e:
             raise self._failure(e, name, "writing") from None
 
-    async def _get(self, name: str, start: int, stop: int, urgent: bool) -> memoryview:
+    async def _get(
+        self, name: str, start: int, stop: int, urgent: bool, read: list[StoreError | None]
+    ) -> memoryview:
         import obstore
 
         options: dict[str, Any] = {"range": (int(start), int(stop))}
@@ -612,10 +614,18 @@ class ObjectFiles:
 
         for attempt in range(self.retries + 1):
             await self._gate.acquire(urgent)  # a wait bounded by _gather's early failures
+            if read[0] is not None:  # its read failed meanwhile: never sent
+                self._gate.release()
+                raise asyncio.CancelledError
             try:
                 data = await asyncio.wait_for(get(), self.limit_s)
             except Exception as e:
-                raise self._failure(e, name, "reading") from None
+                failed = self._failure(e, name, "reading")
+                read[0] = read[0] or failed  # before the slot is freed: marks the read,
+                if isinstance(failed, _Unanswered):  # and every read pending, failed
+                    for why in self._reads.values():
+                        why[0] = why[0] or failed
+                raise failed from None
             finally:
                 self._gate.release()
             if len(data) == stop - start:
@@ -643,9 +653,10 @@ class ObjectFiles:
         endpoint (``_Unanswered``) also fails every other read pending, at once."""
         me = asyncio.current_task()
         assert me is not None
-        self._reads[me] = None
+        read: list[StoreError | None] = [None]
+        self._reads[me] = read
         tasks = [
-            asyncio.ensure_future(self._get(name, a, b, urgent))
+            asyncio.ensure_future(self._get(name, a, b, urgent, read))
             for name, starts, stops in reads
             for a, b in zip(starts, stops, strict=True)
         ]
@@ -653,21 +664,18 @@ class ObjectFiles:
             if tasks:
                 await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
             for task in tasks:
+                failed = task.exception() if task.done() and not task.cancelled() else None
+                if failed is not None:
+                    for other, why in self._reads.items():
+                        if other is not me and why[0] is not None:
+                            other.cancel()  # failed by this request (_get)
+                    raise failed
                 if task.cancelled():
                     raise asyncio.CancelledError
-                failed = task.exception() if task.done() else None
-                if isinstance(failed, _Unanswered):
-                    for other, why in self._reads.items():
-                        if other is not me and why is None:
-                            self._reads[other] = failed
-                            other.cancel()
-                if failed is not None:
-                    raise failed
         except asyncio.CancelledError:
-            why = self._reads.get(me)
-            if why is None:  # closed
+            if read[0] is None:  # closed
                 raise
-            raise type(why)(str(why)) from None  # failed early, with the request's error
+            raise type(read[0])(str(read[0])) from None  # failed early: a request's error
         finally:
             self._reads.pop(me, None)
             for task in tasks:
