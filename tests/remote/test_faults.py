@@ -5,6 +5,7 @@ the others stop with an error naming the object and what to do, and no secret.""
 
 from __future__ import annotations
 
+import threading
 import time
 from pathlib import Path
 
@@ -159,3 +160,130 @@ def test_a_missing_object_and_a_changed_one_stop(s3, proxy, blocked: Path) -> No
         "recorded when the store was opened)"
     )
     assert not [f for f in proxy.faults_met()]
+
+
+@pytest.fixture(scope="module")
+def small_blocks(s3, blocked: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """The store with blocks of 16 tokens (a request per sample of seq_len 16), uploaded."""
+    small = copy_store(blocked, tmp_path_factory.mktemp("small") / "store")
+    add_block_checksums(small, 16)
+    return small, s3.upload(small, "faults/small")
+
+
+def test_a_read_waited_for_goes_before_the_reads_ahead(
+    proxy, small_blocks: tuple[Path, str]
+) -> None:
+    """Samples not read ahead (validation, a reset) are fetched before the requests of
+    the steps read ahead still queued: they wait for a slot, not for the queue."""
+    small, url = small_blocks
+    proxy.latency_s = 0.02
+    store = _open(url, max_requests=2, read_ahead_bytes=1 << 30)
+    seq = 16
+    n = store.num_samples(seq)
+    rng = np.random.default_rng(1)
+    before = len(proxy.seen)
+    try:
+        for _ in range(6):
+            store.read_ahead(np.sort(rng.choice(n, 16, replace=False)), seq)
+        queued = sum(2 * (int(x.fetch.request.max()) + 1) for x in store._steps)
+        ids = np.array([n - 1, 0])
+        got = store.windows(ids, seq)
+        sent = len(proxy.seen) - before  # requests sent until the read returned
+        np.testing.assert_array_equal(got, TokenStore.open(small).windows(ids, seq))
+        assert queued > 150 and sent <= 2 + 2 + 4, (queued, sent)  # in flight, the read's
+    finally:
+        store.close()
+
+
+def test_a_silent_endpoint_fails_the_read_waited_for_within_the_bound(
+    proxy, small_blocks: tuple[Path, str]
+) -> None:
+    """The endpoint stops answering (as under kill -STOP) after 2 steps, with 12 more
+    steps read ahead (hundreds of requests queued behind 16 slots): the read a step
+    waits for raises the timeout error within limit_s, not (requests queued / 16) x
+    limit_s, and so do the steps read ahead; nothing hangs."""
+    small, url = small_blocks
+    proxy.hang_s = 20.0
+    store = _open(url, request_timeout_s=0.5, retries=1, read_ahead_bytes=1 << 30)
+    limit = store._files.limit_s  # 2 x (0.5 + 2) + 1 = 6 s
+    seq = 16
+    n = store.num_samples(seq)
+    rng = np.random.default_rng(0)
+    steps = [np.sort(rng.choice(n, 16, replace=False)) for _ in range(14)]
+    local = TokenStore.open(small)
+    for ids in steps[:2]:
+        store.read_ahead(ids, seq)
+    for ids in steps[:2]:
+        np.testing.assert_array_equal(store.windows(ids, seq), local.windows(ids, seq))
+    proxy.inject("/", *["hang"] * 100_000)
+    for ids in steps[2:]:
+        store.read_ahead(ids, seq)
+    outcome: dict[str, object] = {}
+
+    def read(ids: np.ndarray) -> None:
+        t0 = time.monotonic()
+        try:
+            store.windows(ids, seq)
+        except StoreError as e:
+            outcome["error"] = str(e)
+        outcome["s"] = time.monotonic() - t0
+
+    try:
+        for ids in (np.array([n - 1, 3]), steps[-1]):  # a read on the spot, the last step
+            outcome.clear()
+            thread = threading.Thread(target=read, args=(ids,), daemon=True)
+            thread.start()
+            thread.join(3 * limit)
+            assert not thread.is_alive(), f"the read still waits after {3 * limit:g} s"
+            assert outcome["s"] < 2 * limit, outcome  # the bound, x2 for a loaded machine
+            assert str(outcome["error"]).startswith(f"reading {url}/"), outcome
+            assert "took longer than request_timeout_s=0.5 s, 2 times" in str(outcome["error"])
+            _no_secret(str(outcome["error"]))
+        assert len(proxy.faults_met()) < 200  # the queued requests were never sent
+    finally:
+        store.close()
+
+
+def test_a_request_unanswered_on_every_attempt_fails_the_reads_queued(
+    proxy, small_blocks: tuple[Path, str]
+) -> None:
+    """One slot, a read in it that the endpoint never answers, 8 reads queued: once it
+    failed twice (its attempts), the queued reads fail with its error, never sent."""
+    small, url = small_blocks
+    proxy.hang_s = 20.0
+    files = _open(url, request_timeout_s=0.5, retries=1, max_requests=1)._files
+    try:
+        proxy.inject("tokens.bin", *["hang"] * 100)
+        first = files.submit("tokens.bin", [0], [64])
+        time.sleep(0.2)  # it holds the slot
+        queued = [files.submit("tokens.bin", [64 * k], [64 * k + 64]) for k in range(1, 9)]
+        t0 = time.monotonic()
+        for future in (first, *queued):
+            with pytest.raises(StoreError) as e:
+                future.result(timeout=3 * files.limit_s)
+            assert str(e.value).startswith(
+                f"reading {url}/tokens.bin took longer than request_timeout_s=0.5 s, 2 times"
+            )
+        assert time.monotonic() - t0 < 2 * files.limit_s
+        assert proxy.faults_met() == ["hang", "hang"]  # the first read's attempts only
+    finally:
+        files.close()
+
+
+def test_a_failed_request_cancels_the_rest_of_its_read(
+    proxy, small_blocks: tuple[Path, str]
+) -> None:
+    """A read of 3 ranges through one slot: the first is denied (403), so the read
+    fails and its 2 other requests are never sent."""
+    small, url = small_blocks
+    files = _open(url, max_requests=1)._files
+    try:
+        proxy.inject("tokens.bin", "403")
+        before = len(proxy.seen)
+        with pytest.raises(StoreError) as e:
+            files.submit("tokens.bin", [0, 64, 128], [32, 96, 160]).result(timeout=30)
+        assert str(e.value).startswith(f"access to {url}/tokens.bin was denied (403)")
+        time.sleep(0.5)  # what would still be sent is sent by now
+        assert len(proxy.seen) - before == 1
+    finally:
+        files.close()

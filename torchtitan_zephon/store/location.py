@@ -43,7 +43,14 @@ Design:
 Invariant: a read returns exactly the bytes asked for of the object as it was at open,
 or raises a StoreError naming the object (redacted) and what to do; no attempt waits
 longer than ``request_timeout_s``, no request longer than ``limit_s`` (every attempt
-and the backoff between them).
+and the backoff between them). A read that the endpoint stops answering fails within
+``limit_s`` of when the endpoint went silent or the read was submitted, whichever is
+later, however many requests are queued ahead of it: a request that fails on every
+attempt (no answer, an endpoint failing or refusing) fails at once, with its error,
+every read of the store pending at that moment (their requests in flight cancelled,
+the queued ones never started), and the other requests of its own read are cancelled.
+Requests wait for one of ``max_requests`` slots in order, an ``urgent`` read's (what
+a step waits for now, not read ahead) before the others: read-ahead never starves it.
 """
 
 from __future__ import annotations
@@ -111,6 +118,45 @@ SECRET_VARIABLES = (
 
 class MissingObject(StoreError):
     """An object (or its bucket) that does not exist."""
+
+
+class _Unanswered(StoreError):
+    """A request that failed on every attempt for want of a working endpoint (no answer,
+    failing or throttling answers, a refused or reset connection): it fails the other
+    reads pending (``ObjectFiles``)."""
+
+
+class _Gate:
+    """``size`` slots for requests, on the fetch thread's loop: a slot freed goes to the
+    oldest urgent waiter, else to the oldest other one."""
+
+    def __init__(self, size: int) -> None:
+        from collections import deque
+
+        self.free = size
+        self.waiting: tuple[Any, Any] = (deque(), deque())  # urgent, read ahead
+
+    async def acquire(self, urgent: bool) -> None:
+        if self.free and not any(self.waiting):
+            self.free -= 1
+            return
+        slot = asyncio.get_running_loop().create_future()
+        self.waiting[0 if urgent else 1].append(slot)
+        try:
+            await slot
+        except asyncio.CancelledError:  # a cancelled waiter's slot is skipped by release
+            if slot.done() and not slot.cancelled():  # given the slot, then cancelled
+                self.release()
+            raise
+
+    def release(self) -> None:
+        for queue in self.waiting:
+            while queue:
+                slot = queue.popleft()
+                if not slot.done():
+                    slot.set_result(None)
+                    return
+        self.free += 1
 
 
 def is_url(value: str | os.PathLike) -> bool:
@@ -315,7 +361,8 @@ class ObjectFiles:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._gate: asyncio.Semaphore | None = None
+        self._gate: _Gate | None = None
+        self._reads: dict[asyncio.Task, list[StoreError | None]] = {}  # pending: why failed
 
     # ------------------------------------------------------------------ the thread
 
@@ -327,7 +374,7 @@ class ObjectFiles:
 
                 def run() -> None:
                     asyncio.set_event_loop(loop)
-                    self._gate = asyncio.Semaphore(self.max_requests)
+                    self._gate = _Gate(self.max_requests)
                     ready.set()
                     loop.run_forever()
 
@@ -411,7 +458,7 @@ class ObjectFiles:
                 "none that works."
             )
         if isinstance(e, (asyncio.TimeoutError, TimeoutError)) or "kind: Timeout" in text:
-            return StoreError(
+            return _Unanswered(
                 f"{doing} {where} took longer than request_timeout_s={self.timeout_s:g} s, "
                 f"{self.retries + 1 if not retried else attempts} times (retried with backoff): "
                 "the endpoint, or the credential source, does not answer. Check the network "
@@ -422,13 +469,13 @@ class ObjectFiles:
         if status:
             code = re.search(r"<Code>(\w+)</Code>", text)
             said = f"{status.group(1)} {code.group(1)}" if code else status.group(1)
-            return StoreError(
+            return _Unanswered(
                 f"{doing} {where} failed {attempts} times (retried with backoff): the "
                 f"endpoint answered {said}. The service is failing or throttling this job: "
                 "try again later, or read less at once (lower zephon.read_ahead_steps)."
             )
         if "error sending request" in text or "body error" in text or "connection" in text.lower():
-            return StoreError(
+            return _Unanswered(
                 f"{doing} {where} failed {attempts} times (retried with backoff): the "
                 "connection was refused or reset, or an answer was cut short. Check the "
                 "network and the endpoint (AWS_ENDPOINT_URL for an S3-compatible one)."
@@ -550,7 +597,9 @@ class ObjectFiles:
         except Exception as e:
             raise self._failure(e, name, "writing") from None
 
-    async def _get(self, name: str, start: int, stop: int) -> memoryview:
+    async def _get(
+        self, name: str, start: int, stop: int, urgent: bool, read: list[StoreError | None]
+    ) -> memoryview:
         import obstore
 
         options: dict[str, Any] = {"range": (int(start), int(stop))}
@@ -564,11 +613,21 @@ class ObjectFiles:
             return memoryview(await result.bytes_async())
 
         for attempt in range(self.retries + 1):
+            await self._gate.acquire(urgent)  # a wait bounded by _gather's early failures
+            if read[0] is not None:  # its read failed meanwhile: never sent
+                self._gate.release()
+                raise asyncio.CancelledError
             try:
-                async with self._gate:  # the time limit starts when the request does
-                    data = await asyncio.wait_for(get(), self.limit_s)
+                data = await asyncio.wait_for(get(), self.limit_s)
             except Exception as e:
-                raise self._failure(e, name, "reading") from None
+                failed = self._failure(e, name, "reading")
+                read[0] = read[0] or failed  # before the slot is freed: marks the read,
+                if isinstance(failed, _Unanswered):  # and every read pending, failed
+                    for why in self._reads.values():
+                        why[0] = why[0] or failed
+                raise failed from None
+            finally:
+                self._gate.release()
             if len(data) == stop - start:
                 break
             with self._lock:  # a short body (a well-formed answer, too short): retried
@@ -587,33 +646,74 @@ class ObjectFiles:
             self.requests += 1
         return data
 
-    async def _gather(self, reads: list[tuple[str, list[int], list[int]]], then: Any) -> Any:
-        found = await asyncio.gather(
-            *(
-                asyncio.gather(*(self._get(name, a, b) for a, b in zip(starts, stops, strict=True)))
-                for name, starts, stops in reads
-            )
-        )
-        found = [list(x) for x in found]
+    async def _gather(
+        self, reads: list[tuple[str, list[int], list[int]]], then: Any, urgent: bool
+    ) -> Any:
+        """One read's requests: the first failure cancels the others; one for want of an
+        endpoint (``_Unanswered``) also fails every other read pending, at once."""
+        me = asyncio.current_task()
+        assert me is not None
+        read: list[StoreError | None] = [None]
+        self._reads[me] = read
+        tasks = [
+            asyncio.ensure_future(self._get(name, a, b, urgent, read))
+            for name, starts, stops in reads
+            for a, b in zip(starts, stops, strict=True)
+        ]
+        try:
+            if tasks:
+                await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for task in tasks:
+                failed = task.exception() if task.done() and not task.cancelled() else None
+                if failed is not None:
+                    for other, why in self._reads.items():
+                        if other is not me and why[0] is not None:
+                            other.cancel()  # failed by this request (_get)
+                    raise failed
+                if task.cancelled():
+                    raise asyncio.CancelledError
+        except asyncio.CancelledError:
+            if read[0] is None:  # closed
+                raise
+            raise type(read[0])(str(read[0])) from None  # failed early: a request's error
+        finally:
+            self._reads.pop(me, None)
+            for task in tasks:
+                task.cancel()
+        found, k = [], 0
+        for _, starts, _ in reads:
+            found.append([t.result() for t in tasks[k : k + len(starts)]])
+            k += len(starts)
         return found if then is None else then(found)
 
     def submit_many(
-        self, reads: Sequence[tuple[str, Sequence[int], Sequence[int]]], then: Any = None
+        self,
+        reads: Sequence[tuple[str, Sequence[int], Sequence[int]]],
+        then: Any = None,
+        *,
+        urgent: bool = False,
     ) -> Future:
         """Start reading, for each ``(name, starts, stops)`` of ``reads``, the byte ranges
         ``[starts[k], stops[k])`` of ``name`` (one request each, all at once); a Future of
         their bytes (per read, a list of memoryviews in order), or of ``then(bytes)`` (run
-        on the background thread: a content check, say)."""
+        on the background thread: a content check, say). ``urgent``: a read waited for
+        now, whose requests get free slots before those of reads ahead."""
         listed = [(name, list(a), list(b)) for name, a, b in reads]
-        return self._run(self._gather(listed, then))
+        return self._run(self._gather(listed, then, urgent))
 
     def submit(
-        self, name: str, starts: Sequence[int], stops: Sequence[int], then: Any = None
+        self,
+        name: str,
+        starts: Sequence[int],
+        stops: Sequence[int],
+        then: Any = None,
+        *,
+        urgent: bool = False,
     ) -> Future:
         """``submit_many`` of one file: a Future of its ranges' bytes (or of ``then`` of
         them)."""
         done = None if then is None else (lambda found: then(found[0]))
-        future = self.submit_many([(name, starts, stops)], then=done)
+        future = self.submit_many([(name, starts, stops)], then=done, urgent=urgent)
         if then is not None:
             return future
         out: Future = Future()
@@ -629,4 +729,4 @@ class ObjectFiles:
         size = self.sizes[name] if name in self.sizes else self.open_file(name)
         if size == 0:
             return memoryview(b"")
-        return self.submit(name, [0], [size]).result()[0]
+        return self.submit(name, [0], [size], urgent=True).result()[0]

@@ -174,7 +174,8 @@ class _Fetch:
 
     def fill(self, out: np.ndarray, rows: np.ndarray, pos: np.ndarray) -> None:
         """Write the windows of samples ``self.ids[pos]`` into ``out[rows]`` (waits for
-        their bytes; raises what the fetch or its content check raised)."""
+        their bytes, a wait ``location.ObjectFiles`` bounds when the endpoint stops
+        answering; raises what the fetch or its content check raised)."""
         arrays = self.future.result()
         width = self.seq_len + 1
         for row, r, o in zip(
@@ -403,10 +404,11 @@ class RemoteTokenStore(TokenStore):
 
     # ------------------------------------------------------------------ fetching
 
-    def _fetch(self, ids: np.ndarray, seq_len: int) -> _Fetch:
+    def _fetch(self, ids: np.ndarray, seq_len: int, urgent: bool = False) -> _Fetch:
         """Start fetching the windows of samples ``ids``: one request per run of
         overlapping or adjacent ranges, each rounded out to the unit of the content
-        check (whole blocks, with their block checksums; else whole chunks)."""
+        check (whole blocks, with their block checksums; else whole chunks). ``urgent``:
+        waited for now (``ObjectFiles.submit_many``)."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         start = ids * seq_len
         stop = start + seq_len + 1
@@ -442,7 +444,7 @@ class RemoteTokenStore(TokenStore):
                 runs = list(
                     zip((req_a // unit).tolist(), ((req_b - 1) // unit).tolist(), strict=True)
                 )
-            future = self._cached(runs)
+            future = self._cached(runs, urgent)
             nbytes = int((req_b - req_a).sum()) * item
             return _Fetch(ids, seq_len, request, offset, nbytes, future)
 
@@ -456,7 +458,7 @@ class RemoteTokenStore(TokenStore):
                     self._check_range(arr, x, unit)
             return arrays
 
-        future = self._files.submit_many(reads, then=arrived)
+        future = self._files.submit_many(reads, then=arrived, urgent=urgent)
         nbytes = int((req_b - req_a).sum()) * item
         return _Fetch(ids, seq_len, request, offset, nbytes, future)
 
@@ -522,7 +524,7 @@ class RemoteTokenStore(TokenStore):
         self.cache.hit(len(data))
         return tokens
 
-    def _cached(self, runs: list[tuple[int, int]]) -> Future:
+    def _cached(self, runs: list[tuple[int, int]], urgent: bool = False) -> Future:
         """A Future of the tokens of each run of units (``first``, ``last`` inclusive):
         the units the node cache holds (checked) read from disk, the rest fetched (one
         request per run of missing units, checked on arrival) and then cached. The disk
@@ -570,7 +572,7 @@ class RemoteTokenStore(TokenStore):
                     reads.append(
                         (BLOCKS, [8 * f for f, _ in missing], [8 * (lo + 1) for _, lo in missing])
                     )
-                fetched = self._files.submit_many(reads, then=split)
+                fetched = self._files.submit_many(reads, then=split, urgent=urgent)
                 fetched.add_done_callback(lambda f: self._submit(finish, f, out))
             except BaseException as e:  # noqa: BLE001 - handed to the reader
                 out.set_exception(e)
@@ -697,7 +699,7 @@ class RemoteTokenStore(TokenStore):
                     parts.append((step.fetch, rest[hit], pos[hit], step))
                     rest = rest[~hit]
         if rest.size:
-            fetch = self._fetch(ids[rest], seq_len)
+            fetch = self._fetch(ids[rest], seq_len, urgent=True)
             parts.append((fetch, rest, fetch.find(ids[rest])[0], None))
         for fetch, rows, pos, _ in parts:
             fetch.fill(out, rows, pos)

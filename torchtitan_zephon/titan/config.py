@@ -66,8 +66,11 @@ class Zephon:
     """Time limit, in seconds, of ONE ATTEMPT of a request to object storage (credential
     discovery included). A transient failure (an attempt over this limit, 5xx,
     throttling, a reset, a body cut short) is retried 4 times with backoff, so a request
-    fails after 5 attempts at most, then a clear error naming the object. Must be > 0
-    (checked at start). Not part of the data config."""
+    fails after 5 attempts at most, then a clear error naming the object. A read the
+    step waits for fails within 5 x (request_timeout_s + 2) + 1 s of when it was needed
+    or the endpoint went silent, however much is read ahead (a request failing on every
+    attempt fails the reads pending with it). Must be > 0 (checked at start). Not part
+    of the data config."""
 
     cache_bytes: int = 0
     """Bound, in bytes, of the node-local cache of remote stores (0, the default: no
