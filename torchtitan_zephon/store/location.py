@@ -53,6 +53,7 @@ import ipaddress
 import os
 import re
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -260,6 +261,38 @@ def _client_options(url: ObjectURL, timeout_s: float) -> dict[str, Any]:
     return options
 
 
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The body of an ``ObjectFiles`` thread: run ``loop`` until stopped, then let its
+    cancelled tasks finish and close it (on this thread, where it ran)."""
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        try:
+            pending = asyncio.all_tasks(loop)
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
+def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Cancel the tasks of an ``ObjectFiles`` loop, stop it, and wait for its thread."""
+
+    def shut() -> None:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.call_soon(loop.stop)  # after the cancelled tasks ran their handlers
+
+    try:
+        loop.call_soon_threadsafe(shut)
+    except RuntimeError:  # already closed
+        return
+    if thread is not threading.current_thread():
+        thread.join(timeout=5)
+
+
 class ObjectFiles:
     """The files of one store prefix in object storage, read through obstore.
 
@@ -268,7 +301,9 @@ class ObjectFiles:
     ``submit(name, starts, stops)`` starts range reads on the background thread and
     returns a Future of their bytes (one request each, at most ``max_requests`` in
     flight, ``If-Match`` the recorded ETag). ``fetched_bytes`` / ``requests`` count
-    what was read."""
+    what was read. ``close()`` stops the thread and closes its loop, on that thread;
+    so does collecting the object, or interpreter exit (before modules are torn down),
+    so a command ends with nothing of it left running."""
 
     def __init__(
         self,
@@ -316,6 +351,7 @@ class ObjectFiles:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._gate: asyncio.Semaphore | None = None
+        self._stop: weakref.finalize | None = None
 
     # ------------------------------------------------------------------ the thread
 
@@ -323,41 +359,25 @@ class ObjectFiles:
         with self._lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                ready = threading.Event()
-
-                def run() -> None:
-                    asyncio.set_event_loop(loop)
-                    self._gate = asyncio.Semaphore(self.max_requests)
-                    ready.set()
-                    loop.run_forever()
-
-                self._thread = threading.Thread(target=run, name="zephon-fetch", daemon=True)
+                self._gate = asyncio.Semaphore(self.max_requests)  # bound to loop on first use
+                # The thread holds no reference to self, so an unused ObjectFiles is
+                # collected (its finalizer stops the thread); at interpreter exit the
+                # finalizer runs too, before modules are torn down.
+                self._thread = threading.Thread(
+                    target=_serve, args=(loop,), name="zephon-fetch", daemon=True
+                )
                 self._thread.start()
-                ready.wait()
+                self._stop = weakref.finalize(self, _stop, loop, self._thread)
                 self._loop = loop
             return self._loop
 
     def close(self) -> None:
-        """Stop the background thread; requests in flight are cancelled (their futures
-        raise CancelledError)."""
+        """Stop the background thread and close its loop; requests in flight are
+        cancelled (their futures raise CancelledError). Idempotent."""
         with self._lock:
-            loop, self._loop = self._loop, None
-        if loop is not None:
-
-            def shut() -> None:
-                for task in asyncio.all_tasks(loop):
-                    task.cancel()
-                loop.call_soon(loop.stop)  # after the cancelled tasks ran their handlers
-
-            loop.call_soon_threadsafe(shut)
-            if self._thread is not None:
-                self._thread.join(timeout=5)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+            stop, self._loop = self._stop, None
+        if stop is not None:
+            stop()
 
     def _run(self, coro: Any) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self._start())
@@ -460,7 +480,10 @@ class ObjectFiles:
 
         async def first() -> list[str]:
             stream = obstore.list(self._store, chunk_size=8)
-            batch = await asyncio.wait_for(stream.__anext__(), self.limit_s)
+            try:
+                batch = await asyncio.wait_for(stream.__anext__(), self.limit_s)
+            finally:
+                del stream  # dropped here, on the loop, not left to interpreter exit
             return [str(m["path"]) for m in batch]
 
         try:

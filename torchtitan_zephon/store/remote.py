@@ -251,6 +251,16 @@ class RemoteTokenStore(TokenStore):
             retries=options.retries,
         )
         try:
+            return cls._open_files(files, url, verify, options)
+        except BaseException:  # a refused store leaves no thread behind
+            files.close()
+            raise
+
+    @classmethod
+    def _open_files(
+        cls, files: ObjectFiles, url: ObjectURL, verify: bool, options: RemoteOptions
+    ) -> RemoteTokenStore:
+        try:
             files.open_file(MANIFEST)
         except MissingObject as e:
             if "does not exist." not in str(e):  # the bucket itself is missing
@@ -299,7 +309,7 @@ class RemoteTokenStore(TokenStore):
                 "1): changed or corrupt tokens cannot be detected when it is read. Upgrade "
                 "the local copy with `zephon inspect STORE --upgrade` and upload it again.",
                 UncheckedStoreWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         else:
             chunk_tokens, recorded = check_content(content, where)
@@ -323,7 +333,7 @@ class RemoteTokenStore(TokenStore):
                     f"zephon.cache_bytes = {options.cache_bytes} is smaller than one cached "
                     f"unit of {url.shown!r} ({unit} bytes: a {kind} unit): the node cache "
                     "will hold nothing. Raise --zephon.cache_bytes, or set 0 to turn it off.",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
             store.cache = NodeCache(options.cache_dir, store.fingerprint, kind, options.cache_bytes)
             store._pool = ThreadPoolExecutor(1, thread_name_prefix="zephon-cache")
