@@ -28,9 +28,12 @@ later step is read: what a reset leaves); at most
 Node cache (``options.cache_bytes`` > 0, ``store.cache``): the units of content check
 (blocks with their block checksum, or chunks) are looked up on local disk first, on the
 cache's own thread; only the runs of units it lacks are fetched, and each fetched unit,
-once checked, is written to the cache. A cached unit is checked again (against the
-checksum stored with it, or checksums.bin) every time it is read; one that fails is
-removed and fetched. Stores without content checks (or opened unverified) use no cache.
+once checked, is written to the cache. A cached unit is checked again every time it is
+read: a block against the check value stored with it (its block checksum keyed by its
+place, ``_place``: the store's seed, the cache kind and its index), a chunk against
+checksums.bin at its index; so one that fails, a file under another unit's name
+included, is removed and fetched. Stores without content checks (or opened unverified)
+use no cache.
 
 Invariants:
 - Row k of ``windows(ids, seq_len)`` equals the local store's ``windows`` row for the
@@ -519,18 +522,26 @@ class RemoteTokenStore(TokenStore):
             good = len(data) == want + 8
             if good:
                 tokens = np.frombuffer(data, dtype=self.dtype, count=stop - start)
-                expected = int(np.frombuffer(data, dtype="<u8", offset=want)[0])
-                good = xxhash.xxh3_64_intdigest(tokens, block_seed(self.fingerprint)) == expected
+                stored = int(np.frombuffer(data, dtype="<u8", offset=want)[0])
+                digest = xxhash.xxh3_64_intdigest(tokens, block_seed(self.fingerprint))
+                good = digest ^ self._place(unit) == stored
         else:
             good = len(data) == want
             if good:
                 tokens = np.frombuffer(data, dtype=self.dtype)
                 good = xxhash.xxh3_64_intdigest(tokens) == int(self._sums[unit])
-        if not good:  # truncated or garbage: never served, fetched again
+        if not good:  # truncated, garbage or another unit's: never served, fetched again
             self.cache.discard(unit)
             return None
         self.cache.hit(len(data))
         return tokens
+
+    def _place(self, unit: int) -> int:
+        """What a cached block's check value is keyed by: its place (the store's seed,
+        the cache kind and the unit index). The file holds the block checksum XOR this,
+        so a file under another unit's name (or kind, or store) fails its check."""
+        place = f"{self.cache.kind}/{unit}".encode()
+        return xxhash.xxh3_64_intdigest(place, block_seed(self.fingerprint))
 
     def _cached(self, runs: list[tuple[int, int]]) -> Future:
         """A Future of the tokens of each run of units (``first``, ``last`` inclusive):
@@ -600,8 +611,8 @@ class RemoteTokenStore(TokenStore):
                     lo = (u - first) * size
                     tokens = arr[lo : lo + size + overlap]
                     raw = tokens.tobytes()
-                    if sums is not None:
-                        raw += sums[u - first : u - first + 1].tobytes()
+                    if sums is not None:  # the block checksum, keyed by the unit's place
+                        raw += np.array([int(sums[u - first]) ^ self._place(u)], "<u8").tobytes()
                     units.append((u, tokens, raw))
             return units
 
