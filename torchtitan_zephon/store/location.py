@@ -114,6 +114,10 @@ class MissingObject(StoreError):
     """An object (or its bucket) that does not exist."""
 
 
+class MissingBucket(MissingObject):
+    """The bucket (container) itself does not exist."""
+
+
 def is_url(value: str | os.PathLike) -> bool:
     """True when ``value`` is written as a URL (``scheme://...``), whatever the scheme."""
     return isinstance(value, str) and URL_RE.match(value) is not None
@@ -407,7 +411,7 @@ class ObjectFiles:
         if isinstance(e, (FileNotFoundError, NotFoundError)) or "NoSuchBucket" in text:
             if "NoSuchBucket" in text or "ContainerNotFound" in text:
                 kind = "container" if self.url.scheme == "az" else "bucket"
-                return MissingObject(
+                return MissingBucket(
                     f"the {kind} of {self.url.shown} does not exist (or is not visible with "
                     f"these credentials): check the URL, and AWS_ENDPOINT_URL for an "
                     "S3-compatible endpoint."
@@ -525,11 +529,21 @@ class ObjectFiles:
         except Exception as e:
             raise self._failure(e, under, "listing") from None
 
-    def download(self, name: str, dest: str | os.PathLike, size: int, e_tag: str | None) -> None:
+    def download(
+        self,
+        name: str,
+        dest: str | os.PathLike,
+        size: int,
+        e_tag: str | None,
+        *,
+        redo: str = "Run again once it stays put.",
+    ) -> None:
         """Stream the object ``name`` (of ``size`` bytes, ``If-Match`` ``e_tag``) into the
         new local file ``dest``, a chunk at a time (memory: one chunk of
-        ``DOWNLOAD_CHUNK`` bytes)."""
+        ``DOWNLOAD_CHUNK`` bytes). ``redo``: what the error of an object changed since it
+        was listed tells the user to do (the caller's words)."""
         import obstore
+        from obstore.exceptions import PreconditionError
 
         async def fetch() -> int:
             options: dict[str, Any] = {"if_match": e_tag} if e_tag else {}
@@ -543,8 +557,13 @@ class ObjectFiles:
                     written += len(chunk)
             return written
 
+        changed = f"{self.url.child(name)} changed while it was read"
         try:
             written = self._run(fetch()).result()
+        except PreconditionError:
+            raise StoreError(
+                f"{changed} (its ETag is no longer the one it had when listed). {redo}"
+            ) from None
         except Exception as e:
             raise self._failure(e, name, "reading") from None
         with self._lock:
@@ -552,8 +571,7 @@ class ObjectFiles:
             self.requests += 1
         if written != size:
             raise StoreError(
-                f"{self.url.child(name)}: received {written} bytes, the listing says {size}: "
-                "the object changed while it was read. Run again once it stays put."
+                f"{changed}: received {written} bytes, the listing says {size}. {redo}"
             )
 
     def upload(self, name: str, source: str | os.PathLike | bytes) -> None:

@@ -88,6 +88,7 @@ from torchtitan_zephon.store.location import (
     MAX_REQUESTS,
     REQUEST_TIMEOUT_S,
     RETRIES,
+    MissingBucket,
     MissingObject,
     ObjectFiles,
     ObjectURL,
@@ -265,14 +266,16 @@ class RemoteTokenStore(TokenStore):
     ) -> RemoteTokenStore:
         try:
             files.open_file(MANIFEST)
-        except MissingObject as e:
-            if "does not exist." not in str(e):  # the bucket itself is missing
-                raise
+        except MissingBucket:
+            raise
+        except MissingObject:
             raise StoreError(
                 f"{url.shown} holds no token store: it has no {MANIFEST} "
-                f"({files.missing_store_reason()}). Expected the prefix of a store made by "
-                "`zephon prepare` and uploaded whole (e.g. `aws s3 sync STORE "
-                f"{url.shown}`), {MANIFEST} last; if an upload is under way, wait for it."
+                f"({files.missing_store_reason()}). Expected the prefix of a store written "
+                f"by `zephon prepare --output {url.shown}`, or a local store uploaded with "
+                f"{MANIFEST} last (`aws s3 cp --recursive STORE {url.shown} --exclude "
+                f"{MANIFEST}`, then `aws s3 cp STORE/{MANIFEST} {url.shown}/`); if an upload "
+                "is under way, wait for it; if one was cut, run it again."
             ) from None
         mshown = url.child(MANIFEST)
         try:
