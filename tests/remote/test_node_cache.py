@@ -109,12 +109,15 @@ def test_cached_windows_equal_local_reads(blocked_url, blocked, tmp_path_factory
         before = remote.fetched_bytes
         np.testing.assert_array_equal(remote.windows(ids, seq_len), local.windows(ids, seq_len))
         assert remote.fetched_bytes == before
-        for path in _unit_files(root):  # damage some cached files: cut, flipped, emptied
-            how = data.draw(st.sampled_from(["keep", "keep", "cut", "flip", "empty"]))
+        files = _unit_files(root)
+        for path in files:  # damage some cached files: cut, flipped, emptied, misplaced
+            how = data.draw(st.sampled_from(["keep", "keep", "cut", "flip", "empty", "other"]))
             raw = path.read_bytes()
             if not raw:  # damaged before and not read since
                 continue
-            if how == "cut":
+            if how == "other":  # another unit's file under this one's name
+                path.write_bytes(data.draw(st.sampled_from(files)).read_bytes())
+            elif how == "cut":
                 path.write_bytes(raw[: data.draw(st.integers(0, len(raw) - 1))])
             elif how == "flip":
                 at = data.draw(st.integers(0, len(raw) - 1))
@@ -161,6 +164,31 @@ def test_a_bad_cache_file_is_refetched_never_served(blocked_url, blocked, tmp_pa
     assert again.fetched_bytes - opened == 513 * 2 + 8  # the bad block, fetched again
     assert again.cache.discarded == 1 and again.cache.hits == 1
     assert bad.read_bytes() == data  # and cached again, whole
+    again.close()
+
+
+@pytest.mark.parametrize("kind", ["blocks", "chunks"])
+def test_a_file_under_another_units_name_is_refetched_never_served(
+    blocked_url, blocked, fine_url, fine_store, tmp_path, kind
+):
+    """0.bin copied over 1.bin (a whole, well-formed file of the same size, checked
+    good as unit 0): read as unit 1 it fails its check, is discarded and fetched."""
+    url, path, seq = (blocked_url, blocked, SEQ) if kind == "blocks" else (fine_url, fine_store, 63)
+    local = TokenStore.open(path)
+    ids = np.array([0, 1, 2])
+    first = _open(url, tmp_path)
+    first.windows(ids, seq)
+    first.close()
+    zero, one = first.cache.path(0), first.cache.path(1)
+    assert zero.stat().st_size == one.stat().st_size
+    unit = one.stat().st_size
+    one.write_bytes(zero.read_bytes())
+    again = _open(url, tmp_path)
+    opened = again.fetched_bytes
+    np.testing.assert_array_equal(again.windows(ids, seq), local.windows(ids, seq))
+    assert again.cache.discarded == 1 and again.cache.hits == len(_unit_files(tmp_path)) - 1
+    assert again.fetched_bytes - opened == unit  # unit 1 alone, fetched again
+    assert one.read_bytes() != zero.read_bytes()  # and cached again as itself
     again.close()
 
 

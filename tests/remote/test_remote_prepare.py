@@ -349,3 +349,68 @@ def test_a_pattern_is_no_store_for_inspect_or_plan(capsys, s3) -> None:
                         "--global-batch-size", "2", "--seed", "1", "--steps", "1:2")  # fmt: skip
     assert code == 2 and err.count("\n") == 1 and "Traceback" not in err, err
     assert "is a pattern" in err and "--tokenizer" in err  # raw inputs need a tokenizer
+
+
+def test_an_input_replaced_after_listing_says_run_prepare_again(s3, tmp_path: Path) -> None:
+    """The ETag listed is sent as If-Match: a replaced input object is refused with
+    prepare's words (not the trainer's "a store must not be rewritten in place")."""
+    from torchtitan_zephon.ingest.objects import fetch, list_inputs
+    from torchtitan_zephon.store.format import StoreError
+
+    s3.put("moving/a.jsonl", b'{"text": "before"}\n')
+    [(_, src)] = list_inputs(f"s3://{s3.bucket}/moving/a.jsonl", tmp_path / "spool")
+    s3.put("moving/a.jsonl", b'{"text": "after, and longer"}\n')
+    with pytest.raises(StoreError) as e:
+        fetch(src)
+    assert str(e.value) == (
+        f"s3://{s3.bucket}/moving/a.jsonl changed while it was read (its ETag is no longer "
+        "the one it had when listed). An input object must stay put while prepare reads "
+        "it: run the same command again once it does (finished parts are reused; the "
+        "object is read as it is then)."
+    )
+    assert "rewritten in place" not in str(e.value)
+    assert not [p for p in (tmp_path / "spool").rglob("*") if p.is_file()]  # nothing kept
+
+
+@pytest.mark.parametrize("key", ["edge/bucketlist.jsonl", "edge/container.jsonl", "edge/x.jsonl"])
+def test_a_missing_object_is_told_from_a_missing_bucket_by_its_kind(
+    capsys, s3, tmp_path, tokenizer_dir, monkeypatch, key
+) -> None:
+    """A key holding "bucket" or "container" is a missing object like any other."""
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    s3.put("edge/present.jsonl", b'{"text": "here"}\n')
+    code, _, err = _cli(capsys, "prepare", f"s3://{s3.bucket}/{key}", "--tokenizer",
+                        str(tokenizer_dir), "--output", str(tmp_path / "out"))  # fmt: skip
+    assert code == 2 and err == (
+        f"zephon prepare: error: input 's3://{s3.bucket}/{key}' holds no object (nothing is "
+        "stored under it); expected a text/JSONL/Parquet object, a prefix of them or a glob "
+        "pattern.\n"
+    )
+    code, _, err = _cli(capsys, "prepare", "s3://no-such-bucket-zephon/edge/bucketlist.jsonl",
+                        "--tokenizer", str(tokenizer_dir), "--output", str(tmp_path / "out"))  # fmt: skip
+    assert code == 2 and err.startswith("zephon prepare: error: the bucket of s3://no-such-")
+    assert "does not exist (or is not visible with these credentials)" in err
+
+
+def test_prepare_cache_dir_holds_the_spool_and_the_upload_staging(
+    capsys, s3, tmp_path, tokenizer_dir, bucket_corpus, monkeypatch
+) -> None:
+    """--cache-dir (ZEPHON_CACHE unset) is where a URL --output is built and inputs are
+    spooled, as plan's --cache-dir and the trainer's zephon.cache_dir are."""
+    monkeypatch.delenv("ZEPHON_CACHE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    cache = tmp_path / "given"
+    url = f"s3://{s3.bucket}/cachedir/store"
+    code, out, err = _cli(capsys, "prepare", f"{bucket_corpus}/plain.jsonl", "--tokenizer",
+                          str(tokenizer_dir), "--output", url, "--quiet",
+                          "--cache-dir", str(cache))  # fmt: skip
+    assert code == 0, err
+    assert TokenStore.open(url).num_documents == 7
+    assert sorted(p.name for p in cache.iterdir()) == ["remote-inputs", "remote-output"]
+    assert not [p for p in cache.rglob("*") if p.is_file() and not p.name.startswith(".")]
+    assert not (tmp_path / "home").exists()  # not the default ~/.cache
+    code, _, err = _cli(capsys, "prepare", f"{bucket_corpus}/plain.jsonl", "--tokenizer",
+                        str(tokenizer_dir), "--output", str(tmp_path / "o"),
+                        "--cache-dir", f"s3://{s3.bucket}/c")  # fmt: skip
+    assert code == 2 and "--cache-dir 's3://" in err and "is a URL" in err
+    assert not (tmp_path / "o").exists()

@@ -311,3 +311,14 @@ def test_no_secret_in_any_error(s3, store_path: Path, monkeypatch) -> None:
     for text in texts:
         _no_secret(text)
     assert os.environ["AWS_SECRET_ACCESS_KEY"] == SECRET
+
+
+def test_a_prefix_without_a_manifest_says_how_to_upload_manifest_last(s3, store_path) -> None:
+    url = s3.upload(store_path, "stores/cut", skip=("manifest.json",))
+    with pytest.raises(StoreError) as e:
+        TokenStore.open(url)
+    text = str(e.value)
+    assert f"`zephon prepare --output {url}`" in text
+    assert f"`aws s3 cp --recursive STORE {url} --exclude manifest.json`" in text
+    assert f"then `aws s3 cp STORE/manifest.json {url}/`" in text
+    assert "sync" not in text and "if one was cut, run it again" in text

@@ -92,6 +92,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "exactly its own blocks; the fingerprint does not depend on it",
     )
     p.add_argument(
+        "--cache-dir",
+        default="",
+        metavar="DIR",
+        help="the store cache when ZEPHON_CACHE is unset (the trainer's zephon.cache_dir): "
+        "where objects of URL INPUTs are spooled and a store for a URL --output is built "
+        "before its upload (under torchrun the ranks must share it for a URL --output)",
+    )
+    p.add_argument(
         "--report", metavar="FILE.json", help="write a summary (tokens, parts reused, seconds)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -119,6 +127,8 @@ def _check_urls(args: argparse.Namespace) -> None:
     if is_url(args.output) and not args.output.lower().startswith("file://"):
         output_url(args.output)  # scheme, bucket, prefix, no pattern
     refuse_url(args.tokenizer, "--tokenizer", "Copy the tokenizer folder to local disk.")
+    refuse_url(args.cache_dir, "--cache-dir", "The store cache is a local folder.")
+    args.cache_dir = local_path(args.cache_dir)
     if args.report:
         refuse_url(args.report, "--report", "Name a local file.")
         args.report = local_path(args.report)
@@ -153,6 +163,7 @@ def run(args: argparse.Namespace) -> int:
             report=report,
             split=args.split,
             block_tokens=args.block_tokens,
+            cache_dir=args.cache_dir,
         )
     except PrepareFailed:
         if ranks.rank != 0:  # rank 0 prints the same message

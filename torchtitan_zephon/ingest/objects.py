@@ -43,6 +43,10 @@ from torchtitan_zephon.store.location import ObjectFiles, ObjectURL, parse_url, 
 SPOOL = "remote-inputs"
 """The cache's folder of spool files (objects being read by a prepare)."""
 _HF_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
+CHANGED_INPUT = (
+    "An input object must stay put while prepare reads it: run the same command again "
+    "once it does (finished parts are reused; the object is read as it is then)."
+)
 
 
 def is_object_url(value: str) -> bool:
@@ -95,15 +99,15 @@ def _listing(url: ObjectURL) -> list[dict]:
 
 def _head(url: ObjectURL, name: str) -> dict | None:
     """The listing entry of the one object ``name`` under ``url`` (None: there is none)."""
-    from torchtitan_zephon.store.location import MissingObject
+    from torchtitan_zephon.store.location import MissingBucket, MissingObject
 
     files = ObjectFiles(url)
     try:
         size = files.open_file(name)
-    except MissingObject as e:
-        if "does not exist." in str(e) and "bucket" not in str(e) and "container" not in str(e):
-            return None
+    except MissingBucket:
         raise
+    except MissingObject:
+        return None
     finally:
         files.close()
     return {
@@ -211,7 +215,7 @@ def fetch(src: InputFile) -> None:
     tmp = src.path.parent / f".{src.path.name}.{uuid.uuid4().hex}.tmp"
     files = ObjectFiles(ObjectURL(obj.scheme, obj.bucket, obj.prefix, obj.url))
     try:
-        files.download(obj.name, tmp, obj.size, obj.e_tag)
+        files.download(obj.name, tmp, obj.size, obj.e_tag, redo=CHANGED_INPUT)
         os.utime(tmp, ns=(obj.mtime_ns, obj.mtime_ns))
         os.replace(tmp, src.path)
     finally:

@@ -17,10 +17,17 @@ Invariants:
   every temporary file is a leftover). A truncated or garbage file under a final name
   (a disk fault, a hand edit) fails the store's check on use, is discarded and fetched
   again.
-- A file can only serve the store it came from: the key is the store's fingerprint, the
-  kind of unit (``blocks-512``, ``chunks-65536``) and the unit's index. The ETag is not
-  part of it (a store uploaded again unchanged keeps its cache; another store, or
-  another version under the same prefix, has another fingerprint, so other files).
+- A file can only serve the unit it was written for: the key is the store's
+  fingerprint, the kind of unit (``blocks-512``, ``chunks-65536``) and the unit's index,
+  and the store's check on use binds the bytes to that key (a block's file holds its
+  block checksum XOR a hash of the store's seed, the kind and the index; a chunk is
+  checked against checksums.bin by its index). So a file under another unit's name,
+  kind or store folder (copied there by hand or by a bug) fails its check and is
+  fetched again. A file crafted to pass (tokens and check value rewritten together) is
+  outside this boundary, as tokens.bin and blocks.bin rewritten together in the bucket
+  are. The ETag is not part of the key (a store uploaded again unchanged keeps its
+  cache; another store, or another version under the same prefix, has another
+  fingerprint, so other files).
 - Bounded: every write happens under an exclusive ``flock`` on ``<root>/remote-blocks/
   .lock``, and after it the files under ``remote-blocks`` (every store's, every job's:
   the bound is shared) total at most ``limit`` bytes. ``.usage`` holds an upper bound of
@@ -75,6 +82,7 @@ class NodeCache:
             raise ValueError(f"the node cache needs a bound > 0 bytes, got {limit}.")
         self.top = Path(root) / FOLDER
         self.folder = self.top / fingerprint / kind
+        self.kind = kind
         self.limit = int(limit)
         try:
             self.folder.mkdir(parents=True, exist_ok=True)

@@ -60,6 +60,7 @@ import ipaddress
 import os
 import re
 import threading
+import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -157,6 +158,10 @@ class _Gate:
                     slot.set_result(None)
                     return
         self.free += 1
+
+
+class MissingBucket(MissingObject):
+    """The bucket (container) itself does not exist."""
 
 
 def is_url(value: str | os.PathLike) -> bool:
@@ -306,6 +311,38 @@ def _client_options(url: ObjectURL, timeout_s: float) -> dict[str, Any]:
     return options
 
 
+def _serve(loop: asyncio.AbstractEventLoop) -> None:
+    """The body of an ``ObjectFiles`` thread: run ``loop`` until stopped, then let its
+    cancelled tasks finish and close it (on this thread, where it ran)."""
+    asyncio.set_event_loop(loop)
+    try:
+        loop.run_forever()
+    finally:
+        try:
+            pending = asyncio.all_tasks(loop)
+            if pending:
+                loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        finally:
+            loop.close()
+
+
+def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+    """Cancel the tasks of an ``ObjectFiles`` loop, stop it, and wait for its thread."""
+
+    def shut() -> None:
+        for task in asyncio.all_tasks(loop):
+            task.cancel()
+        loop.call_soon(loop.stop)  # after the cancelled tasks ran their handlers
+
+    try:
+        loop.call_soon_threadsafe(shut)
+    except RuntimeError:  # already closed
+        return
+    if thread is not threading.current_thread():
+        thread.join(timeout=5)
+
+
 class ObjectFiles:
     """The files of one store prefix in object storage, read through obstore.
 
@@ -314,7 +351,9 @@ class ObjectFiles:
     ``submit(name, starts, stops)`` starts range reads on the background thread and
     returns a Future of their bytes (one request each, at most ``max_requests`` in
     flight, ``If-Match`` the recorded ETag). ``fetched_bytes`` / ``requests`` count
-    what was read."""
+    what was read. ``close()`` stops the thread and closes its loop, on that thread;
+    so does collecting the object, or interpreter exit (before modules are torn down),
+    so a command ends with nothing of it left running."""
 
     def __init__(
         self,
@@ -363,6 +402,7 @@ class ObjectFiles:
         self._thread: threading.Thread | None = None
         self._gate: _Gate | None = None
         self._reads: dict[asyncio.Task, list[StoreError | None]] = {}  # pending: why failed
+        self._stop: weakref.finalize | None = None
 
     # ------------------------------------------------------------------ the thread
 
@@ -370,41 +410,25 @@ class ObjectFiles:
         with self._lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                ready = threading.Event()
-
-                def run() -> None:
-                    asyncio.set_event_loop(loop)
-                    self._gate = _Gate(self.max_requests)
-                    ready.set()
-                    loop.run_forever()
-
-                self._thread = threading.Thread(target=run, name="zephon-fetch", daemon=True)
+                self._gate = _Gate(self.max_requests)  # used on the loop only
+                # The thread holds no reference to self, so an unused ObjectFiles is
+                # collected (its finalizer stops the thread); at interpreter exit the
+                # finalizer runs too, before modules are torn down.
+                self._thread = threading.Thread(
+                    target=_serve, args=(loop,), name="zephon-fetch", daemon=True
+                )
                 self._thread.start()
-                ready.wait()
+                self._stop = weakref.finalize(self, _stop, loop, self._thread)
                 self._loop = loop
             return self._loop
 
     def close(self) -> None:
-        """Stop the background thread; requests in flight are cancelled (their futures
-        raise CancelledError)."""
+        """Stop the background thread and close its loop; requests in flight are
+        cancelled (their futures raise CancelledError). Idempotent."""
         with self._lock:
-            loop, self._loop = self._loop, None
-        if loop is not None:
-
-            def shut() -> None:
-                for task in asyncio.all_tasks(loop):
-                    task.cancel()
-                loop.call_soon(loop.stop)  # after the cancelled tasks ran their handlers
-
-            loop.call_soon_threadsafe(shut)
-            if self._thread is not None:
-                self._thread.join(timeout=5)
-
-    def __del__(self) -> None:
-        try:
-            self.close()
-        except Exception:
-            pass
+            stop, self._loop = self._stop, None
+        if stop is not None:
+            stop()
 
     def _run(self, coro: Any) -> Future:
         return asyncio.run_coroutine_threadsafe(coro, self._start())
@@ -434,7 +458,7 @@ class ObjectFiles:
         if isinstance(e, (FileNotFoundError, NotFoundError)) or "NoSuchBucket" in text:
             if "NoSuchBucket" in text or "ContainerNotFound" in text:
                 kind = "container" if self.url.scheme == "az" else "bucket"
-                return MissingObject(
+                return MissingBucket(
                     f"the {kind} of {self.url.shown} does not exist (or is not visible with "
                     f"these credentials): check the URL, and AWS_ENDPOINT_URL for an "
                     "S3-compatible endpoint."
@@ -507,7 +531,10 @@ class ObjectFiles:
 
         async def first() -> list[str]:
             stream = obstore.list(self._store, chunk_size=8)
-            batch = await asyncio.wait_for(stream.__anext__(), self.limit_s)
+            try:
+                batch = await asyncio.wait_for(stream.__anext__(), self.limit_s)
+            finally:
+                del stream  # dropped here, on the loop, not left to interpreter exit
             return [str(m["path"]) for m in batch]
 
         try:
@@ -549,11 +576,21 @@ class ObjectFiles:
         except Exception as e:
             raise self._failure(e, under, "listing") from None
 
-    def download(self, name: str, dest: str | os.PathLike, size: int, e_tag: str | None) -> None:
+    def download(
+        self,
+        name: str,
+        dest: str | os.PathLike,
+        size: int,
+        e_tag: str | None,
+        *,
+        redo: str = "Run again once it stays put.",
+    ) -> None:
         """Stream the object ``name`` (of ``size`` bytes, ``If-Match`` ``e_tag``) into the
         new local file ``dest``, a chunk at a time (memory: one chunk of
-        ``DOWNLOAD_CHUNK`` bytes)."""
+        ``DOWNLOAD_CHUNK`` bytes). ``redo``: what the error of an object changed since it
+        was listed tells the user to do (the caller's words)."""
         import obstore
+        from obstore.exceptions import PreconditionError
 
         async def fetch() -> int:
             options: dict[str, Any] = {"if_match": e_tag} if e_tag else {}
@@ -567,8 +604,13 @@ class ObjectFiles:
                     written += len(chunk)
             return written
 
+        changed = f"{self.url.child(name)} changed while it was read"
         try:
             written = self._run(fetch()).result()
+        except PreconditionError:
+            raise StoreError(
+                f"{changed} (its ETag is no longer the one it had when listed). {redo}"
+            ) from None
         except Exception as e:
             raise self._failure(e, name, "reading") from None
         with self._lock:
@@ -576,8 +618,7 @@ class ObjectFiles:
             self.requests += 1
         if written != size:
             raise StoreError(
-                f"{self.url.child(name)}: received {written} bytes, the listing says {size}: "
-                "the object changed while it was read. Run again once it stays put."
+                f"{changed}: received {written} bytes, the listing says {size}. {redo}"
             )
 
     def upload(self, name: str, source: str | os.PathLike | bytes) -> None:

@@ -28,9 +28,12 @@ later step is read: what a reset leaves); at most
 Node cache (``options.cache_bytes`` > 0, ``store.cache``): the units of content check
 (blocks with their block checksum, or chunks) are looked up on local disk first, on the
 cache's own thread; only the runs of units it lacks are fetched, and each fetched unit,
-once checked, is written to the cache. A cached unit is checked again (against the
-checksum stored with it, or checksums.bin) every time it is read; one that fails is
-removed and fetched. Stores without content checks (or opened unverified) use no cache.
+once checked, is written to the cache. A cached unit is checked again every time it is
+read: a block against the check value stored with it (its block checksum keyed by its
+place, ``_place``: the store's seed, the cache kind and its index), a chunk against
+checksums.bin at its index; so one that fails, a file under another unit's name
+included, is removed and fetched. Stores without content checks (or opened unverified)
+use no cache.
 
 Invariants:
 - Row k of ``windows(ids, seq_len)`` equals the local store's ``windows`` row for the
@@ -85,6 +88,7 @@ from torchtitan_zephon.store.location import (
     MAX_REQUESTS,
     REQUEST_TIMEOUT_S,
     RETRIES,
+    MissingBucket,
     MissingObject,
     ObjectFiles,
     ObjectURL,
@@ -252,15 +256,27 @@ class RemoteTokenStore(TokenStore):
             retries=options.retries,
         )
         try:
+            return cls._open_files(files, url, verify, options)
+        except BaseException:  # a refused store leaves no thread behind
+            files.close()
+            raise
+
+    @classmethod
+    def _open_files(
+        cls, files: ObjectFiles, url: ObjectURL, verify: bool, options: RemoteOptions
+    ) -> RemoteTokenStore:
+        try:
             files.open_file(MANIFEST)
-        except MissingObject as e:
-            if "does not exist." not in str(e):  # the bucket itself is missing
-                raise
+        except MissingBucket:
+            raise
+        except MissingObject:
             raise StoreError(
                 f"{url.shown} holds no token store: it has no {MANIFEST} "
-                f"({files.missing_store_reason()}). Expected the prefix of a store made by "
-                "`zephon prepare` and uploaded whole (e.g. `aws s3 sync STORE "
-                f"{url.shown}`), {MANIFEST} last; if an upload is under way, wait for it."
+                f"({files.missing_store_reason()}). Expected the prefix of a store written "
+                f"by `zephon prepare --output {url.shown}`, or a local store uploaded with "
+                f"{MANIFEST} last (`aws s3 cp --recursive STORE {url.shown} --exclude "
+                f"{MANIFEST}`, then `aws s3 cp STORE/{MANIFEST} {url.shown}/`); if an upload "
+                "is under way, wait for it; if one was cut, run it again."
             ) from None
         mshown = url.child(MANIFEST)
         try:
@@ -300,7 +316,7 @@ class RemoteTokenStore(TokenStore):
                 "1): changed or corrupt tokens cannot be detected when it is read. Upgrade "
                 "the local copy with `zephon inspect STORE --upgrade` and upload it again.",
                 UncheckedStoreWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
         else:
             chunk_tokens, recorded = check_content(content, where)
@@ -324,7 +340,7 @@ class RemoteTokenStore(TokenStore):
                     f"zephon.cache_bytes = {options.cache_bytes} is smaller than one cached "
                     f"unit of {url.shown!r} ({unit} bytes: a {kind} unit): the node cache "
                     "will hold nothing. Raise --zephon.cache_bytes, or set 0 to turn it off.",
-                    stacklevel=3,
+                    stacklevel=4,
                 )
             store.cache = NodeCache(options.cache_dir, store.fingerprint, kind, options.cache_bytes)
             store._pool = ThreadPoolExecutor(1, thread_name_prefix="zephon-cache")
@@ -511,18 +527,26 @@ class RemoteTokenStore(TokenStore):
             good = len(data) == want + 8
             if good:
                 tokens = np.frombuffer(data, dtype=self.dtype, count=stop - start)
-                expected = int(np.frombuffer(data, dtype="<u8", offset=want)[0])
-                good = xxhash.xxh3_64_intdigest(tokens, block_seed(self.fingerprint)) == expected
+                stored = int(np.frombuffer(data, dtype="<u8", offset=want)[0])
+                digest = xxhash.xxh3_64_intdigest(tokens, block_seed(self.fingerprint))
+                good = digest ^ self._place(unit) == stored
         else:
             good = len(data) == want
             if good:
                 tokens = np.frombuffer(data, dtype=self.dtype)
                 good = xxhash.xxh3_64_intdigest(tokens) == int(self._sums[unit])
-        if not good:  # truncated or garbage: never served, fetched again
+        if not good:  # truncated, garbage or another unit's: never served, fetched again
             self.cache.discard(unit)
             return None
         self.cache.hit(len(data))
         return tokens
+
+    def _place(self, unit: int) -> int:
+        """What a cached block's check value is keyed by: its place (the store's seed,
+        the cache kind and the unit index). The file holds the block checksum XOR this,
+        so a file under another unit's name (or kind, or store) fails its check."""
+        place = f"{self.cache.kind}/{unit}".encode()
+        return xxhash.xxh3_64_intdigest(place, block_seed(self.fingerprint))
 
     def _cached(self, runs: list[tuple[int, int]], urgent: bool = False) -> Future:
         """A Future of the tokens of each run of units (``first``, ``last`` inclusive):
@@ -592,8 +616,8 @@ class RemoteTokenStore(TokenStore):
                     lo = (u - first) * size
                     tokens = arr[lo : lo + size + overlap]
                     raw = tokens.tobytes()
-                    if sums is not None:
-                        raw += sums[u - first : u - first + 1].tobytes()
+                    if sums is not None:  # the block checksum, keyed by the unit's place
+                        raw += np.array([int(sums[u - first]) ^ self._place(u)], "<u8").tobytes()
                     units.append((u, tokens, raw))
             return units
 
