@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
+from typing import NoReturn
 
 from torchtitan_zephon import __version__
 
@@ -61,5 +63,24 @@ def main(argv: list[str] | None = None) -> int:
         return 130
 
 
+def run() -> NoReturn:
+    """The ``zephon`` process (console script, ``python -m torchtitan_zephon``): exit
+    with ``main``'s status. A process that used object storage exits without the
+    interpreter's teardown (streams flushed, then ``os._exit``): obstore's runtime
+    threads can still be running then, and tearing the interpreter down under them
+    aborted about one such exit in ten (SIGABRT, after the command's own output)."""
+    rc = main()
+    from torchtitan_zephon.store.location import object_storage_used
+
+    if object_storage_used():
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):  # a closed pipe or stream: nothing to flush
+                pass
+        os._exit(rc)
+    sys.exit(rc)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

@@ -311,6 +311,17 @@ def _client_options(url: ObjectURL, timeout_s: float) -> dict[str, Any]:
     return options
 
 
+_USED = False
+"""Whether this process started an ``ObjectFiles`` thread (``object_storage_used``)."""
+
+
+def object_storage_used() -> bool:
+    """Whether this process has read or written object storage: obstore's runtime
+    threads may then still run at interpreter exit (``cli.main.run`` leaves without
+    tearing the interpreter down under them)."""
+    return _USED
+
+
 def _serve(loop: asyncio.AbstractEventLoop) -> None:
     """The body of an ``ObjectFiles`` thread: run ``loop`` until stopped, then let its
     cancelled tasks finish and close it (on this thread, where it ran)."""
@@ -419,6 +430,8 @@ class ObjectFiles:
                 )
                 self._thread.start()
                 self._stop = weakref.finalize(self, _stop, loop, self._thread)
+                global _USED
+                _USED = True
                 self._loop = loop
             return self._loop
 
