@@ -307,3 +307,24 @@ def test_prepare_takes_file_urls_as_paths(capsys, tmp_path, corpus_dir, tokenize
     )
     assert code == 0, text
     assert TokenStore.open(out).fingerprint == store.fingerprint
+
+
+def test_the_accounting_fetches_a_remote_stores_offsets_only_up_to_its_limit(s3, store_path):
+    """A store in object storage: its document offsets (8 bytes a document) are fetched
+    whole for the accounting only when at most the limit; above it, not fetched at all
+    (a store of 10^10 documents holds 80 GB of offsets) and not counted (None)."""
+    from torchtitan_zephon.job.accounting import document_offsets
+    from torchtitan_zephon.job.data import StoreData
+
+    local = TokenStore.open(store_path)
+    url = s3.upload(store_path, "accounting/store")
+    size = local.num_documents * 8
+    remote = TokenStore.open(url)
+    (got,) = document_offsets(StoreData(remote, 64), fetch_limit=size)
+    assert np.array_equal(got, local.doc_offsets)
+    remote = TokenStore.open(url)
+    before = remote.fetched_bytes
+    assert document_offsets(StoreData(remote, 64), fetch_limit=size - 1) == [None]
+    assert remote.fetched_bytes == before
+    (mapped,) = document_offsets(StoreData(local, 64), fetch_limit=0)  # local: mapped, any size
+    assert np.array_equal(mapped, local.doc_offsets)

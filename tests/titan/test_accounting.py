@@ -149,3 +149,23 @@ def test_the_switch_is_on_by_default_and_off_builds_nothing():
 def test_a_plan_of_no_known_kind_is_a_type_error(bad):
     with pytest.raises(TypeError, match="no accounting for a SimpleNamespace"):
         step_account(bad, 1, SEQ_LEN)
+
+
+def test_a_source_whose_documents_are_not_counted_has_no_documents_tag_or_text():
+    """documents_started is -1 for a source without offsets (a store in object storage
+    with more offsets than the accounting fetches: job.accounting.document_offsets):
+    its scalar and the line's 'new documents' are left out, the rest is as before."""
+    from torchtitan_zephon.titan.accounting import log_line, metrics_of
+
+    plan = mixture()
+    offsets = [DATA.stores[0].doc_offsets, None]
+    docs = documents_started(plan, 1, offsets, SEQ_LEN)
+    assert docs[1] == -1 and docs[0] == documents_started(plan, 1, [offsets[0]] * 2, SEQ_LEN)[0]
+    a = step_account(plan, 1, SEQ_LEN)
+    metrics = metrics_of(a, docs)
+    assert "zephon/source/b/documents_started" not in metrics
+    assert metrics["zephon/source/a/documents_started"] == int(docs[0])
+    assert set(metrics) == {f"zephon/source/{n}/{t}" for n in ("a", "b") for t in TAGS} - {
+        "zephon/source/b/documents_started"
+    }
+    assert log_line(a, docs).endswith("| b: 2 samples, 2 in total (target 2.00, +0.00), epoch 0")

@@ -118,20 +118,36 @@ def _mixture_epochs(plan: MixtureStream, drawn: np.ndarray) -> np.ndarray:
     return np.where(drawn > 0, stream // mix.num_samples, 0)
 
 
-def document_offsets(data: Any) -> list[np.ndarray]:
+OFFSETS_FETCH_LIMIT = 64 << 20
+"""The largest document-offsets file (8 bytes a document: 8 M documents) the accounting
+fetches from a store in object storage, whole, once; a larger one is not fetched and
+that source's documents started are not counted (None)."""
+
+
+def document_offsets(data: Any, fetch_limit: int = OFFSETS_FETCH_LIMIT) -> list[np.ndarray | None]:
     """Each source's document offsets (token index of every document's first token),
     from the job's data (``job.data.StoreData`` / ``MixtureData``), in source order.
-    A store in object storage fetches its offsets file on the first call."""
+    A local store's are mapped; a store in object storage fetches its offsets file
+    whole, on the first call, only when it is at most ``fetch_limit`` bytes (None
+    otherwise: a store of 10^10 documents holds 80 GB of offsets)."""
     stores = data.stores if hasattr(data, "stores") else [data.store]
-    return [np.asarray(st.doc_offsets, dtype=np.int64) for st in stores]
+    out: list[np.ndarray | None] = []
+    for st in stores:
+        remote = getattr(st, "url", None) is not None  # store.remote.RemoteTokenStore
+        if remote and int(st.num_documents) * 8 > fetch_limit:
+            out.append(None)
+        else:
+            out.append(np.asarray(st.doc_offsets, dtype=np.int64))
+    return out
 
 
 def documents_started(
-    plan: StreamPlan, step: int, offsets: Sequence[np.ndarray], seq_len: int
+    plan: StreamPlan, step: int, offsets: Sequence[np.ndarray | None], seq_len: int
 ) -> np.ndarray:
     """Per source, the documents that start inside step ``step``'s samples (module
-    docstring). O(global batch): the step's ids, sorted per source, then two
-    ``searchsorted`` over the source's offsets."""
+    docstring); -1 for a source whose offsets are None (not counted). O(global batch):
+    the step's ids, sorted per source, then two ``searchsorted`` over the source's
+    offsets."""
     keys = plan.global_ids(step)
     if isinstance(plan, MixtureStream):
         sources, ids = split_keys(keys)
@@ -142,6 +158,9 @@ def documents_started(
     bounds = np.searchsorted(sources[order], np.arange(len(offsets) + 1))
     length = np.int64(seq_len)
     for i, off in enumerate(offsets):
+        if off is None:
+            out[i] = -1
+            continue
         mine = ids[order[bounds[i] : bounds[i + 1]]]
         if not mine.size:
             continue

@@ -13,6 +13,9 @@ elsewhere) at every step, under the tags
     zephon/source/<name>/deviation           cumulative - target
     zephon/source/<name>/epoch               epoch of its last trained sample
     zephon/source/<name>/documents_started   documents starting in the step's samples
+                                             (not for a store in object storage with
+                                             more than 8 M documents: its offsets are
+                                             not fetched, job.accounting)
 
 (``<name>``: the mixture source's name, ``store`` for one store), logs one line on
 global rank 0 at TorchTitan's log frequency (``metrics.log_freq``: step 1 and every
@@ -79,6 +82,8 @@ def metrics_of(account: StepAccount, documents: np.ndarray) -> dict[str, float]:
     out: dict[str, float] = {}
     for i, name in enumerate(account.names):
         for tag, column in zip(TAGS, columns, strict=True):
+            if tag == "documents_started" and column[i] < 0:
+                continue  # not counted (job.accounting.document_offsets)
             out[f"zephon/source/{name}/{tag}"] = column[i]
     return out
 
@@ -87,8 +92,8 @@ def log_line(account: StepAccount, documents: np.ndarray) -> str:
     """The compact per-step line (module docstring)."""
     parts = [
         f"{name}: {int(account.samples[i]):,} samples, {int(account.cumulative[i]):,} in total "
-        f"(target {float(account.targets[i]):,.2f}, {dev:+.2f}), epoch {int(account.epochs[i])}, "
-        f"{int(documents[i]):,} new documents"
+        f"(target {float(account.targets[i]):,.2f}, {dev:+.2f}), epoch {int(account.epochs[i])}"
+        + (f", {int(documents[i]):,} new documents" if documents[i] >= 0 else "")
         for i, (name, dev) in enumerate(zip(account.names, account.deviations, strict=True))
     ]
     return f"Zephon: step {account.step} data | " + " | ".join(parts)
@@ -120,7 +125,7 @@ class StepAccounting:
         self.should_log = should_log
         self.writes_log = writes_log
         self.active = writes_log or sink is not None
-        self._offsets: list[np.ndarray] | None = None
+        self._offsets: list[np.ndarray | None] | None = None
         self._pending: dict[int, tuple[int, Future]] = {}
         self._pool = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-accounting")
