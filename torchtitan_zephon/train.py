@@ -20,7 +20,9 @@ Order: every relative path option on the command line is made absolute
 run from) or the working directory; the platform layer runs (on a machine without
 an accelerator it switches TorchTitan to CPU + gloo); the registry function's
 config becomes Zephon's (``trainer.zephon_config``) and gets the CPU defaults
-(``platform.cpu_config_defaults``) *before* tyro parses, so an explicit flag wins.
+(``platform.cpu_config_defaults``) *before* tyro parses, so an explicit flag wins;
+after it, the chunked loss's chunk count is fitted to ``training.seq_len``
+(``titan.loss_chunks``: refused only when ``--loss.num_chunks`` is given).
 
 Invariant: a refused start or a stopped job (the Zephon errors whose message says
 it all, and an unknown ``--module`` / ``--config``) ends the worker with exit
@@ -251,6 +253,7 @@ def main() -> None:
     from torchtitan_zephon.order.data_config import DataStateMismatch
     from torchtitan_zephon.ownership.lock import FolderInUse
     from torchtitan_zephon.store.format import StoreError
+    from torchtitan_zephon.titan.loss_chunks import fit_loss_chunks
     from torchtitan_zephon.titan.start_plan import StartRefused
     from torchtitan_zephon.titan.trainer import JobStopped, SettingRefused
     from torchtitan_zephon.tracker import TrackerError
@@ -260,6 +263,10 @@ def main() -> None:
     init_logger()
     try:
         config = parse_toml(argv) if toml_front_end(argv) else parse_config(argv)
+        explicit = any(_option(a) == "loss.num_chunks" for a in argv)
+        note = fit_loss_chunks(config, explicit=explicit)  # after --training.seq_len
+        if note:
+            logger.info(f"Zephon: {note}")
     except (ValueError, ImportError) as e:  # a TOML key 0.3 cannot carry (LegacyConfigError),
         stop(f"Zephon refused to start: {e}")  # an unknown --module / --config
     trainer = None

@@ -7,7 +7,8 @@ section (``--zephon.*``), with Zephon's dataloader and validator as defaults and
 ``debug.seed`` 0 (TorchTitan's default, None, draws a random seed per job).
 
 Invariant: the training loop is TorchTitan's own; this subclass only (1) checks
-the job (``checks.check_job_config`` on the job's view), checks the start
+the job (``checks.check_job_config`` on the job's view, after fitting the chunked
+loss's chunk count to ``training.seq_len``: ``loss_chunks``), checks the start
 (``preflight.plan_start``) and takes the run folder
 (``ownership.lock.RunFolderLock``, global rank 0) before TorchTitan builds or
 writes anything, so a refused start changes nothing on disk; it then hands the
@@ -61,6 +62,7 @@ from torchtitan_zephon.titan.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.init import topology_free_parallelize
 from torchtitan_zephon.titan.job_data import with_job
 from torchtitan_zephon.titan.job_view import JobView, job_view
+from torchtitan_zephon.titan.loss_chunks import fit_loss_chunks
 from torchtitan_zephon.titan.validate import ZephonValidator
 from torchtitan_zephon.tracker import TrackerError
 
@@ -101,6 +103,9 @@ class ZephonTrainer(Trainer):
         self.accounting: StepAccounting | None = None  # built at the first step
         try:  # before TorchTitan builds anything: clear errors
             _check_components(config)
+            note = fit_loss_chunks(config, explicit=False)  # train.py fits it first
+            if note:
+                logger.info(f"Zephon: {note}")
             job = job_view(config)
             check_job_config(job)
         except ValueError as e:
