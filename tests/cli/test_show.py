@@ -403,3 +403,53 @@ def test_a_store_or_mixture_takes_exclude_as_plan_does(store_path, store, mixtur
     assert [(s["source"], s["sample"]) for s in info["samples"]] == list(
         zip(names, ids.tolist(), strict=True)
     )
+
+
+def test_each_step_is_shown_at_the_dp_degree_it_was_trained_at(store_path, store, tmp_path, capsys):
+    """Steps 1-4 trained on 2 ranks, then resumed on 1 from step 4 (steps 5, 6): a step
+    is shown at the degree of the job that trained it (show, where, in text and JSON);
+    a step not trained yet at the run's current one, and said so."""
+    from torchtitan_zephon import runs
+    from torchtitan_zephon.cli.show import open_step_data, step_samples
+    from torchtitan_zephon.cli.where import where
+
+    source = StoreData(store, 8)
+    run = write_run(tmp_path / "run", source, trained=4, dp_degree=2,
+                    saved={"zephon": {"store": str(store_path)}})  # fmt: skip
+    config = source.data_config(seed=3, schedule=BatchSchedule.parse("4"))
+    plan = source.plan(config)
+    head = {"step": 4, "chain": runs.sequence_log(run).records[4]["chain"]}
+    tracker = SequenceTracker(run / "zephon" / LOG_NAME, config=config, writer=True)
+    tracker.resume(head, {"world_size": 1, "dp_degree": 1, "nnodes": 1})
+    for step in (5, 6):
+        tracker.record(step, plan.step_positions(step)[0], plan.global_ids(step))
+    for step, degree, status, said in (
+        (2, 2, "trained", "trained"), (4, 2, "trained", "trained"),
+        (5, 1, "trained", "trained"), (7, 1, "planned", "current"),
+    ):  # fmt: skip
+        info = show(capsys, str(run), "--step", str(step))
+        assert (info["dp_degree"], info["status"], info["dp_degree_from"]) == (degree, status, said)
+        assert [s["dp_rank"] for s in info["samples"]] == [i * degree // 4 for i in range(4)]
+    assert main(["show", str(run), "--step", "2"]) == 0
+    assert "4 samples, DP degree 2 (as trained)" in capsys.readouterr().out.splitlines()[0]
+    assert main(["show", str(run), "--step", "7"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "DP degree 1 (not trained yet: the run's current layout)" in first
+    # --dp-degree still wins
+    info = show(capsys, str(run), "--step", "2", "--dp-degree", "4")
+    assert (info["dp_degree"], info["dp_degree_from"]) == (4, "option")
+    assert [s["dp_rank"] for s in info["samples"]] == [0, 1, 2, 3]
+    # where: a hit's rank at its step's trained degree
+    args = _where_args(run)
+    data = open_step_data(args, "where")
+    for step in (2, 5):
+        (sample,) = step_samples(data, step, sample=3, max_chars=1)["samples"]
+        hits, _ = where(data, sample["documents"][0]["document"])
+        (hit,) = [h for h in hits if h.step == step and h.index == 3]
+        assert hit.dp_rank == (1 if step == 2 else 0)
+
+
+def _where_args(run: Path):
+    from torchtitan_zephon.cli.main import build_parser
+
+    return build_parser().parse_args(["where", str(run), "--doc", "0"])

@@ -3,6 +3,9 @@ stream under another (DP degree, local batch size, TP), and bad resumes are refu
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -20,6 +23,20 @@ from tests.titan.expect import (
 from tests.titan.launch import copy_run_until, train
 from torchtitan_zephon import runs
 from torchtitan_zephon.tracker import read_log
+
+
+def show_json(run: Path, step: int) -> dict:
+    """``zephon show RUN --step N --json``, as a user runs it."""
+    from tests.titan.launch import REPO, job_env
+
+    out = subprocess.run(
+        [sys.executable, "-m", "torchtitan_zephon", "show", str(run), "--step", str(step),
+         "--json"],
+        cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
 
 TP2 = ("--parallelism.tensor_parallel_degree", "2")
 SLOW = pytest.mark.slow  # torchrun jobs of a minute or more: `scripts/test.sh -m slow`
@@ -43,6 +60,11 @@ def test_resume_from_two_ranks(e2e_root: Path, reference: Path, name, nproc, ove
     assert_losses(reference, run, range(5, 9), rtol=TOPOLOGY_RTOL)
     (event,) = resume_events(run)
     assert (event["from_step"], event["world_size"], event["dp_degree"]) == (4, nproc, dp_degree)
+    # zephon show: each step at the DP degree it was trained at (issue 28, item 2)
+    for step, degree in ((2, 2), (6, dp_degree)):
+        info = show_json(run, step)
+        assert (info["dp_degree"], info["dp_degree_from"]) == (degree, "trained"), info
+        assert [s["dp_rank"] for s in info["samples"]] == [i * degree // 8 for i in range(8)]
     val_ref = runs.read_scalars(reference, "validation_metrics/loss")
     val = runs.read_scalars(run, "validation_metrics/loss")
     assert abs(val[8] - val_ref[8]) <= TOPOLOGY_RTOL * val_ref[8], (val, val_ref)

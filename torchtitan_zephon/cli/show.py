@@ -29,6 +29,7 @@ import argparse
 import hashlib
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,8 @@ class StepData:
     dp_degree: int = 1
     trained_last: int | None = None
     notes: list[str] = field(default_factory=list)
+    trained_degree: Callable[[int], int | None] | None = None
+    """A run's: the DP degree of the job (start or resume event) that trained a step."""
 
     @property
     def skips(self) -> SkipSteps:
@@ -103,6 +106,19 @@ class StepData:
             )
         if isinstance(self.plan, MixtureStream):
             self.plan.mixture.check_max_epochs(step)
+
+    def degree_at(self, step: int) -> tuple[int, str]:
+        """The DP degree ``step``'s samples are shown at, and where it comes from:
+        "trained" (a run's trained step: the degree of the job that trained it),
+        "current" (a run's step not trained yet: the run's newest job's degree) or
+        "default" (a store or mixture: ``dp_degree``)."""
+        if self.trained_degree is None:
+            return self.dp_degree, "default"
+        if self.status(step) == "trained":
+            degree = self.trained_degree(step)
+            if degree is not None:
+                return degree, "trained"
+        return self.dp_degree, "current"
 
     def status(self, step: int) -> str:
         """``trained`` (a run's step at or before its last) or ``planned``."""
@@ -335,7 +351,12 @@ def _newest_event(run: Path) -> dict[str, Any]:
         )
     starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
     history = events[starts[-1] :] if starts else events  # a start begins a new history
-    return {**events[-1], "_trained": _last_trained(reader.path), "_anchor": _anchor(history)}
+    return {
+        **events[-1],
+        "_trained": _last_trained(reader.path),
+        "_anchor": _anchor(history),
+        "_reader": reader,
+    }
 
 
 def _anchor(history: list[dict[str, Any]]) -> tuple[int, int]:
@@ -397,7 +418,11 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
     tokenizer, note = _tokenizer(config.tokenizer_hash, [args.tokenizer, assets])
     if note:
         notes.append(note)
-    dp = event.get("dp_degree")
+    reader = event["_reader"]
+
+    def trained_degree(step: int) -> int | None:
+        return _degree(reader.event_for(step))
+
     return StepData(
         f"the run {run}",
         plan,
@@ -406,10 +431,17 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
         stores,
         tokenizer,
         config.seq_len,
-        dp_degree=dp if isinstance(dp, int) and dp >= 1 else 1,
+        dp_degree=_degree(event) or 1,
         trained_last=event["_trained"],
         notes=notes,
+        trained_degree=trained_degree,
     )
+
+
+def _degree(event: dict[str, Any] | None) -> int | None:
+    """The DP degree a start or resume event records (None: not recorded)."""
+    dp = None if event is None else event.get("dp_degree")
+    return dp if type(dp) is int and dp >= 1 else None
 
 
 def _run_exclusions(
@@ -537,7 +569,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--step", type=int, required=True, metavar="N", help="the step (1-based)")
     p.add_argument(
         "--dp-degree", type=int_in(1), default=None, metavar="D",
-        help="DP degree for --dp-rank (default: the run's newest, else 1)",
+        help="DP degree for --dp-rank (default: for a run, the degree the step was trained "
+        "at, or the run's newest for a step not trained yet; else 1)",
     )  # fmt: skip
     p.add_argument(
         "--dp-rank", type=int_in(0), default=None, metavar="R", help="one DP rank's slice"
@@ -565,7 +598,7 @@ def step_samples(
 ) -> dict[str, Any]:
     """The step's samples (all, one rank's slice, or one) as ``show`` prints them."""
     data.check_step(step)
-    degree = dp_degree or data.dp_degree
+    degree, degree_from = (dp_degree, "option") if dp_degree else data.degree_at(step)
     first, gbs = data.plan.step_positions(step)
     if dp_rank is not None:
         if dp_rank >= degree:
@@ -602,6 +635,7 @@ def step_samples(
         "positions": [first, first + gbs],
         "global_batch_size": gbs,
         "dp_degree": degree,
+        "dp_degree_from": degree_from,
         "samples": samples,
     }
 
@@ -620,11 +654,21 @@ def format_sample(s: dict[str, Any], indent: str = "  ") -> list[str]:
     return lines
 
 
+DEGREE_FROM = {
+    "trained": " (as trained)",
+    "current": " (not trained yet: the run's current layout)",
+    "option": " (--dp-degree)",
+    "default": "",
+}
+"""How ``show`` says where a step's DP degree comes from (``StepData.degree_at``)."""
+
+
 def format_step(info: dict[str, Any], what: str) -> list[str]:
     first, end = info["positions"]
     lines = [
         f"step {info['step']} of {what} ({info['status']}): positions {first}..{end - 1}, "
         f"{info['global_batch_size']} samples, DP degree {info['dp_degree']}"
+        + DEGREE_FROM[info["dp_degree_from"]]
     ]
     for s in info["samples"]:
         lines += format_sample(s)

@@ -117,7 +117,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )  # fmt: skip
     p.add_argument(
         "--dp-degree", type=int_in(1), default=None, metavar="D",
-        help="DP degree for the rank of each hit (default: the run's newest, else 1)",
+        help="DP degree for the rank of each hit (default: for a run, the degree the hit's "
+        "step was trained at, or the run's newest for a step not trained yet; else 1)",
     )  # fmt: skip
     p.add_argument("--json", action="store_true", help="one JSON object per hit")
     return p
@@ -273,7 +274,6 @@ def where(
             f"training samples ({first_id}..{first_id + n - 1}); the rest are held out or "
             "past the last whole sample."
         )
-    degree = dp_degree or data.dp_degree
     hits: list[Hit] = []
     for epoch in range(epochs[0], epochs[1] + 1):
         if max_epochs is not None and epoch >= max_epochs:
@@ -285,7 +285,7 @@ def where(
             break
         within = Permutation(n, seed, epoch).inverse(ids - first_id)
         for sid, w in sorted(zip(ids.tolist(), within.tolist(), strict=True), key=lambda t: t[1]):
-            hits.append(_hit(data, i, epoch, sid, epoch * n + w, degree, shape))
+            hits.append(_hit(data, i, epoch, sid, epoch * n + w, dp_degree, shape))
     return hits, notes
 
 
@@ -295,9 +295,12 @@ def _hit(
     epoch: int,
     sample: int,
     q: int,
-    degree: int,
+    dp_degree: int | None,
     shape: SourceShape,
 ) -> Hit:
+    """The hit of stream position ``q``: its step, and its DP rank at ``dp_degree``, else
+    at the degree the step was trained at (a run's step not trained yet: the run's
+    current one; ``StepData.degree_at``)."""
     draw = draw_of(shape, source, q)
     if isinstance(draw, tuple):  # never trained: skipped, or left out from a step
         return Hit(epoch, sample, q, draw[0], left_out_from=draw[1])
@@ -313,9 +316,11 @@ def _hit(
             return Hit(epoch, sample, q, "trained", None)
     step, index = found
     gbs = data.plan.schedule.gbs(step)
+    degree = dp_degree or data.degree_at(step)[0]
     if gbs % degree:
+        given = "--dp-degree" if dp_degree else "the run's DP degree"
         raise ShowError(
-            f"--dp-degree {degree} does not divide the global batch of {gbs} samples of step "
+            f"{given} {degree} does not divide the global batch of {gbs} samples of step "
             f"{step} (document hit: sample {sample}); pass a DP degree that divides every "
             "global batch size of the job."
         )
