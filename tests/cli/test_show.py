@@ -453,3 +453,31 @@ def _where_args(run: Path):
     from torchtitan_zephon.cli.main import build_parser
 
     return build_parser().parse_args(["where", str(run), "--doc", "0"])
+
+
+def test_the_run_folder_alone_finds_the_runs_store_and_tokenizer(
+    store_path, store, tokenizer_dir, tmp_path, capsys
+):
+    """No saved job config (TorchTitan's --debug.save_config_file): show, where and
+    inspect find the store and tokenizer from what the trainer recorded at its start."""
+    from types import SimpleNamespace
+
+    from torchtitan_zephon.job.run_data import record_job
+
+    source = StoreData(store, 8)
+    run = write_run(tmp_path / "run", source, trained=2)
+    config = source.data_config(seed=3, schedule=BatchSchedule.parse("4"))
+    assert main(["show", str(run), "--step", "1"]) == 0
+    assert "was not found" in capsys.readouterr().err  # nothing tells where the store is
+    zephon = SimpleNamespace(store=str(store_path), mixture="", exclude="")
+    record_job(run, zephon, tokenizer=str(tokenizer_dir), checkpoint_folder="checkpoint",
+               data=source, data_config=config.to_dict())  # fmt: skip
+    info = show(capsys, str(run), "--step", "1")
+    assert capsys.readouterr().err == ""
+    assert all(s["documents"] and s["text"] for s in info["samples"])
+    doc = info["samples"][0]["documents"][0]["document"]
+    assert main(["where", str(run), "--doc", str(doc)]) == 0
+    assert main(["inspect", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"    store:     {store_path}\n" in out
+    assert f"    tokenizer: {tokenizer_dir}\n" in out

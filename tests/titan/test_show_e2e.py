@@ -53,3 +53,37 @@ def test_show_where_and_spikes_on_a_trained_run(reference: Path, capsys):
     out = capsys.readouterr().out
     assert out.startswith(f"{reference}: 8 logged steps (1..8), ")
     assert len(runs.read_scalars(reference)) == 8
+
+
+def test_the_run_folder_alone_is_enough_for_the_tools(tmp_path: Path):
+    """A run on a prepared store, without TorchTitan's saved job config: `zephon show`
+    finds the store and tokenizer from the run folder (zephon/run_data.json, written at
+    the start), as a user runs it."""
+    import subprocess
+    import sys
+
+    from tests.titan.launch import REPO, job_env, train
+    from tests.titan.test_raw_inputs import write_jsonl
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
+
+    data = write_jsonl(tmp_path / "docs.jsonl", topics=40)
+    store = tmp_path / "store"
+    argv = ["prepare", str(data), "--tokenizer", str(TOKENIZER_DIR), "--output", str(store)]
+    assert main([*argv, "--quiet", "--workers", "1"]) == 0
+    run = tmp_path / "run"
+    train(run, 1, "--zephon.store", str(store), "--training.steps", "2",
+          "--validation.no-enable").check()  # fmt: skip
+    assert not list(run.glob("*.json"))  # no saved job config
+    recorded = json.loads((run / "zephon" / "run_data.json").read_text())
+    assert recorded["store"] == {"given": str(store), "opened": str(store)}
+    outputs = {}
+    for command in (["show", str(run), "--step", "2", "--json"], ["inspect", str(run)]):
+        out = subprocess.run(
+            [sys.executable, "-m", "torchtitan_zephon", *command],
+            cwd=REPO, env=job_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert out.returncode == 0 and out.stderr == "", out.stderr  # no "not found" note
+        outputs[command[0]] = out.stdout
+    assert f"    store:     {store}\n" in outputs["inspect"]
+    info = json.loads(outputs["show"])
+    assert len(info["samples"]) == 8 and all(s["documents"] and s["text"] for s in info["samples"])

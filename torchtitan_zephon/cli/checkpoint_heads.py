@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon import runs
+from torchtitan_zephon.job.run_data import read_run_data, recorded
 from torchtitan_zephon.tracker import LOG_NAME, LogReader
 from torchtitan_zephon.tracker.blocks import RecordRun
 from torchtitan_zephon.tracker.reader import BLOCK_BYTES
@@ -150,7 +151,11 @@ class CheckpointHeads:
 
 
 def _checkpoint_folder(run: Path) -> str:
-    """``checkpoint.folder`` of the job config the run saved, else TorchTitan's default."""
+    """``checkpoint.folder`` of the run's newest start (``zephon/run_data.json``), else of
+    the job config the run saved, else TorchTitan's default."""
+    folder = recorded(read_run_data(run), "checkpoint_folder")
+    if folder:
+        return folder
     saved = runs.saved_config(run)
     section = saved[1].get("checkpoint") if saved else None
     folder = section.get("folder") if isinstance(section, dict) else None

@@ -1,8 +1,9 @@
 """``zephon inspect`` for run folders and DCP checkpoint folders.
 
 A run folder (TorchTitan ``job.dump_folder``) is summarised from what it holds:
-the saved job config if any (TorchTitan saves it only with
-``--job.save_config_file``), its checkpoints (complete when DCP wrote
+the saved job config if any (TorchTitan 0.3 saves it only with
+``--debug.save_config_file``), what Zephon recorded of the job's data at its newest
+start (``zephon/run_data.json``: store, tokenizer, left-out list), its checkpoints (complete when DCP wrote
 ``.metadata``, which it writes last; corrupt when a shard is missing or shorter
 than ``.metadata`` says; model-only), the Zephon data state of the latest
 complete one, the sequence log (effective records, resume history with
@@ -23,6 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon import runs
+from torchtitan_zephon.job.run_data import read_run_data, recorded, run_data_path
+from torchtitan_zephon.order.exclusions import describe_saved
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.ownership.holder import lock_path, read_holder
 
@@ -126,6 +129,24 @@ def _config(run: Path) -> dict[str, Any] | None:
     return {"path": str(path), "summary": summary}
 
 
+def _recorded(run: Path) -> dict[str, Any] | None:
+    """What Zephon recorded of the job's data at the run's newest start."""
+    data = read_run_data(run)
+    if not data:
+        return None
+    sources = data["mixture"].get("sources") if recorded(data, "mixture", "given") else None
+    return {
+        "path": str(run_data_path(run)),
+        "store": recorded(data, "store", "given"),
+        "store_opened": recorded(data, "store", "opened"),
+        "mixture": recorded(data, "mixture", "given"),
+        "mixture_sources": sources if isinstance(sources, dict) else {},
+        "tokenizer": recorded(data, "tokenizer"),
+        "exclude": recorded(data, "exclude"),
+        "checkpoint_folder": recorded(data, "checkpoint_folder") or "checkpoint",
+    }
+
+
 def _sequence_log(run: Path) -> dict[str, Any]:
     try:
         log = runs.sequence_log(run)
@@ -186,7 +207,9 @@ def _owner(run: Path) -> dict[str, Any] | None:
 
 
 def describe_run(path: Path) -> dict[str, Any]:
-    cks = runs.checkpoints(path, verify=True)
+    record = _recorded(path)
+    folder = record["checkpoint_folder"] if record else "checkpoint"
+    cks = runs.checkpoints(path, folder, verify=True)
     complete = [c for c in cks if c.status == "complete"]
     latest = complete[-1] if complete else None
     data_state = _data_state(latest.path) if latest else None
@@ -194,6 +217,7 @@ def describe_run(path: Path) -> dict[str, Any]:
         "kind": "run",
         "path": str(path),
         "config": _config(path),
+        "recorded": record,
         "owner": _owner(path),
         "checkpoints": [
             {
@@ -241,6 +265,8 @@ def _format_data_state(state: dict[str, Any] | None, indent: str = "  ") -> list
         f"{cfg.num_samples} samples, schedule {cfg.batch_schedule()}",
         f"{indent}  data config fingerprint: {cfg.fingerprint}",
     ]
+    lines.append(f"{indent}  skip_steps:         {cfg.skip_steps or '(none)'}")
+    lines.append(f"{indent}  left out:           {describe_saved(cfg.exclude)}")
     if ds.tracker:
         lines.append(
             f"{indent}  tracker head:       step {ds.tracker['step']}, chain {ds.tracker['chain']}"
@@ -311,7 +337,21 @@ def format_run(info: dict[str, Any]) -> str:
         lines.append(f"  config: {cfg['path']}")
         lines += [f"    {k} = {v!r}" for k, v in cfg["summary"].items()]
     else:
-        lines.append("  config: not saved (TorchTitan saves it only with --job.save_config_file)")
+        lines.append("  config: not saved (TorchTitan saves it only with --debug.save_config_file)")
+    rec = info.get("recorded")
+    if rec:
+        lines.append(f"  data recorded at the newest start: {rec['path']}")
+        if rec["mixture"]:
+            lines.append(f"    mixture:   {rec['mixture']}")
+            lines += [f"      {n}: {loc}" for n, loc in rec["mixture_sources"].items()]
+        else:
+            given = rec["store"] or "(the builtin store)"
+            opened = f" (opened: {rec['store_opened']})" if rec["store_opened"] != given else ""
+            lines.append(f"    store:     {given}{opened}")
+        lines.append(f"    tokenizer: {rec['tokenizer'] or '(none)'}")
+        lines.append(f"    exclude:   {rec['exclude'] or '(none)'}")
+    else:
+        lines.append("  data recorded: none (no zephon/run_data.json: written at each start)")
     owner = info["owner"]
     if owner and "error" in owner:
         lines.append(f"  owner: {owner['error']}")

@@ -49,6 +49,7 @@ from torchtitan_zephon.cli.plan import (
     load_exclude,
 )
 from torchtitan_zephon.job.plans import exclusions_problem, plan_of
+from torchtitan_zephon.job.run_data import read_run_data, recorded
 from torchtitan_zephon.order.data_config import SKIP_FIELD, DataConfig
 from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
@@ -402,20 +403,30 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
     saved = runs.saved_config(run)
     saved_job = saved[1] if saved else {}
     zephon = saved_job.get("zephon") if isinstance(saved_job.get("zephon"), dict) else {}
-    exclusions = _run_exclusions(run, config, args.exclude, zephon.get("exclude"))
+    record = read_run_data(run)  # what Zephon recorded at the run's newest start
+    exclude = recorded(record, "exclude") or zephon.get("exclude")
+    exclusions = _run_exclusions(run, config, args.exclude, exclude)
     plan = plan_of(config, event["_anchor"], exclusions=exclusions)
     notes: list[str] = []
     if config.mixture is None:
         names = [""]
-        stores = [_run_store(config, [args.store, zephon.get("store")], notes)]
+        given = [
+            args.store,
+            recorded(record, "store", "opened"),
+            recorded(record, "store", "given"),
+        ]
+        stores = [_run_store(config, [*given, zephon.get("store")], notes)]
     else:
         assert isinstance(plan, MixtureStream)
         names = list(plan.names)
-        stores = _run_mixture_stores(config, [args.mixture, zephon.get("mixture")], notes)
+        mixtures = [args.mixture, recorded(record, "mixture", "given"), zephon.get("mixture")]
+        sources = record["mixture"].get("sources") if recorded(record, "mixture", "given") else {}
+        stores = _run_mixture_stores(config, mixtures, notes, sources)
     assets = saved_job.get("hf_assets_path")
     if assets is None and isinstance(saved_job.get("model"), dict):
         assets = saved_job["model"].get("hf_assets_path")
-    tokenizer, note = _tokenizer(config.tokenizer_hash, [args.tokenizer, assets])
+    folders = [args.tokenizer, recorded(record, "tokenizer"), assets]
+    tokenizer, note = _tokenizer(config.tokenizer_hash, folders)
     if note:
         notes.append(note)
     reader = event["_reader"]
@@ -475,8 +486,9 @@ def _run_exclusions(
 
 
 def _run_store(config: DataConfig, candidates: list[Any], notes: list[str]) -> TokenStore | None:
-    """The run's store: the first of the candidates (a --store, the saved zephon.store,
-    then the builtin store) whose fingerprint is the run's."""
+    """The run's store: the first of the candidates (a --store, the store the run
+    recorded, opened then as given, the saved zephon.store, then the builtin store)
+    whose fingerprint is the run's."""
     from torchtitan_zephon.ingest.builtin import builtin_store_path
 
     tried = []
@@ -501,10 +513,12 @@ def _run_store(config: DataConfig, candidates: list[Any], notes: list[str]) -> T
 
 
 def _run_mixture_stores(
-    config: DataConfig, candidates: list[Any], notes: list[str]
+    config: DataConfig, candidates: list[Any], notes: list[str], opened: Any = None
 ) -> list[TokenStore | None]:
-    """Each source's store of a run's mixture, from a mixture file (--mixture, the saved
-    zephon.mixture) whose source of that name has the run's fingerprint."""
+    """Each source's store of a run's mixture, from a mixture file (--mixture, the
+    recorded or saved zephon.mixture) whose source of that name has the run's
+    fingerprint, else from the store the run opened for it (``opened``: name ->
+    location, ``zephon/run_data.json``)."""
     from torchtitan_zephon.job.stores import open_mixture_stores
     from torchtitan_zephon.order.mixture.config import MixtureConfig
 
@@ -520,6 +534,15 @@ def _run_mixture_stores(
             continue
         for name, store in stores.items():
             if name not in found and wanted.get(name) == store.fingerprint:
+                found[name] = store
+    for name in [n for n in names if n not in found]:
+        location = opened.get(name) if isinstance(opened, dict) else None
+        if isinstance(location, str) and location:
+            try:
+                store = _open_store(location, None)
+            except (ValueError, OSError):
+                continue
+            if store.fingerprint == wanted[name]:
                 found[name] = store
     lost = [n for n in names if n not in found]
     if lost:

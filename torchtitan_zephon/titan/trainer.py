@@ -24,7 +24,9 @@ step, once every rank has loaded K), and wraps the model spec's
 after each completed step appends the step's record to the sequence log (global
 rank 0), combining the DP ranks' token digests in rank order at audit level
 ``tokens``, and logs the step's per-source accounting (``titan.accounting``, unless
-``zephon.accounting`` is off); (4) releases the run folder when the job ends cleanly (after a
+``zephon.accounting`` is off), and at the first step of an accepted start writes
+``zephon/run_data.json`` (global rank 0: ``job.run_data``, what Zephon's tools need
+to find the run's data); (4) releases the run folder when the job ends cleanly (after a
 failure the lock stays, so an elastic restart of the same job recognises itself,
 and any other job takes over a dead holder's lock within one lease). What it
 refuses or stops for it raises as ``SettingRefused`` / ``JobStopped`` (or the
@@ -50,6 +52,7 @@ from torchtitan.observability import structured_logger as sl
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
+from torchtitan_zephon.job.run_data import record_job, run_data_path
 from torchtitan_zephon.ownership.lock import RunFolderLock
 from torchtitan_zephon.ownership.process import torchrun_agent
 from torchtitan_zephon.store.format import StoreError
@@ -304,10 +307,22 @@ class ZephonTrainer(Trainer):
             )
         if dl.resumed_from is None:
             dl.tracker.start(dl.topology)
+        if self._lock is not None:  # global rank 0: the start is accepted
+            self._record_run_data()
         if self._lock is not None and getattr(self, "_abandoned", None):
             self._move_abandoned(*self._abandoned)  # every rank has loaded (the gather above)
         self.accounting = self._build_accounting(self.config)
         self._tracking = True
+
+    def _record_run_data(self) -> None:
+        """``zephon/run_data.json``: what Zephon's tools need to find the run's data."""
+        config, loader = self.config, self.dataloader.loader
+        try:
+            record_job(config.dump_folder, config.zephon, tokenizer=config.hf_assets_path,
+                       checkpoint_folder=config.checkpoint.folder, data=loader.source,
+                       data_config=loader.config.to_dict())  # fmt: skip
+        except OSError as e:  # the tools fall back to the saved job config
+            logger.warning(f"Zephon: could not write {run_data_path(config.dump_folder)}: {e}")
 
     def _check_same_data_everywhere(self) -> None:
         """Ranks that opened different stores (node-local copies that differ, another
