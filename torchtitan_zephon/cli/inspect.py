@@ -39,7 +39,7 @@ from torchtitan_zephon.store.format import (
     is_store,
     num_blocks,
 )
-from torchtitan_zephon.store.location import is_url, parse_url, redact
+from torchtitan_zephon.store.location import is_url, parse_url, redact, refuse_mistyped_url
 from torchtitan_zephon.store.opening import read_blocks_info
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.upgrade import add_block_checksums, upgrade_store
@@ -303,6 +303,7 @@ def run(args: argparse.Namespace) -> int:
             f"add --upgrade (`zephon inspect {args.path} --upgrade --block-tokens "
             f"{args.block_tokens}`)."
         )
+    refuse_mistyped_url(args.path, "PATH")
     if is_url(args.path):
         found = parse_url(args.path, "PATH")
         if not isinstance(found, str):

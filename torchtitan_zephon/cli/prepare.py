@@ -26,7 +26,12 @@ from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.ingest.ranks import PrepareFailed
 from torchtitan_zephon.ingest.units import UNIT_BYTES
 from torchtitan_zephon.store.format import BLOCK_TOKENS, MAX_BLOCK_TOKENS
-from torchtitan_zephon.store.location import is_url, local_path, refuse_url
+from torchtitan_zephon.store.location import (
+    is_url,
+    local_path,
+    refuse_mistyped_url,
+    refuse_url,
+)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -124,6 +129,10 @@ def _check_urls(args: argparse.Namespace) -> None:
     may be URLs (``ingest.objects``: an output URL is one prefix, no pattern); the
     tokenizer and --report are local (a URL is never taken as a path: ``s3://b/x``
     would become the local folder ``s3:``); ``file://`` URLs become the paths they name."""
+    refuse_mistyped_url(args.output, "--output")
+    for value in args.inputs:
+        for item in value.split(","):
+            refuse_mistyped_url(item.strip(), "INPUT")
     if is_url(args.output) and not args.output.lower().startswith("file://"):
         output_url(args.output)  # scheme, bucket, prefix, no pattern
     refuse_url(args.tokenizer, "--tokenizer", "Copy the tokenizer folder to local disk.")

@@ -25,7 +25,7 @@ from torchtitan_zephon.ingest.builtin import builtin_store_path
 from torchtitan_zephon.ingest.cache import RawInputs, names_raw_objects, names_store, raw_store
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
 from torchtitan_zephon.store.format import BUILTIN_PREFIX, StoreError
-from torchtitan_zephon.store.location import is_url, parse_url, redact
+from torchtitan_zephon.store.location import is_url, parse_url, redact, refuse_mistyped_url
 from torchtitan_zephon.store.reader import TokenStore
 
 
@@ -35,7 +35,10 @@ def store_location(
     """The token store folder a store value names, built on first use where it is a
     builtin part (with a progress bar when ``progress``) or raw inputs (as ``raw``
     says; None: raw inputs are refused); an object-storage URL of a store is returned
-    as it is (checked: scheme, bucket, prefix), for ``TokenStore.open``."""
+    as it is (checked: scheme, bucket, prefix), for ``TokenStore.open``. A URL written
+    with one slash (``s3:/b/q``) is refused, never taken as a local path."""
+    for item in value.split(","):
+        refuse_mistyped_url(item.strip(), "the store")
     if is_url(value) and not names_raw_objects(value):
         found = parse_url(value, "the store")
         return Path(found) if isinstance(found, str) else value

@@ -169,6 +169,32 @@ def is_url(value: str | os.PathLike) -> bool:
     return isinstance(value, str) and URL_RE.match(value) is not None
 
 
+_ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):/(?!/)")
+
+
+def mistyped_url(value: Any) -> str | None:
+    """The URL meant by a location written as a URL of a scheme zephon reads with one
+    slash (``s3:/bucket/q`` -> ``s3://bucket/q``), else None."""
+    m = _ONE_SLASH.match(value) if isinstance(value, str) else None
+    if m is None or m.group(1).lower() not in SCHEMES:
+        return None
+    scheme = m.group(1)
+    return f"{scheme}://{'/' if scheme.lower() == 'file' else ''}{value[m.end() :]}"
+
+
+def refuse_mistyped_url(value: Any, what: str) -> None:
+    """A StoreError for a ``mistyped_url``, which would otherwise be taken as the local
+    path ``./s3:/bucket/q``; ``what`` names the option or argument."""
+    fixed = mistyped_url(value)
+    if fixed is None:
+        return
+    scheme = fixed.split(":", 1)[0]
+    raise StoreError(
+        f"{what} {redact(value)!r} starts with the URL scheme {scheme}: and one slash; a URL "
+        f"has two, and zephon never takes it as a local path. Did you mean {redact(fixed)!r}?"
+    )
+
+
 def redact(value: str) -> str:
     """``value`` as it may be printed: the query string of any URL in it (a SAS token,
     a signature) replaced by ``?<redacted>``, and any user info (``user:password@``)
@@ -265,8 +291,10 @@ def refuse_url(value: str, what: str, instead: str) -> None:
         )
 
 
-def local_path(value: str) -> str:
-    """The local path of a ``file://`` URL, ``value`` itself otherwise."""
+def local_path(value: str, what: str = "the path") -> str:
+    """The local path of a ``file://`` URL, ``value`` itself otherwise (a StoreError for a
+    URL with one slash: ``refuse_mistyped_url``)."""
+    refuse_mistyped_url(value, what)
     if value.lower().startswith("file://"):
         found = parse_url(value)
         assert isinstance(found, str)

@@ -71,7 +71,7 @@ from torchtitan_zephon.store.format import (
     file_xxh3_128,
     map_file,
 )
-from torchtitan_zephon.store.location import is_url, parse_url
+from torchtitan_zephon.store.location import is_url, parse_url, refuse_mistyped_url
 from torchtitan_zephon.store.opening import (
     map_checksums,
     open_manifest,
@@ -148,6 +148,7 @@ class TokenStore:
         ``remote.RemoteTokenStore``, read by range with ``remote``, a
         ``remote.RemoteOptions``) or a ``file://`` URL (a local folder).
         """
+        refuse_mistyped_url(path, "the store")
         if is_url(path):
             found = parse_url(str(path))
             if not isinstance(found, str):

@@ -25,7 +25,7 @@ from typing import Any
 
 from torchtitan_zephon.order.data_config import config_text
 from torchtitan_zephon.store.format import BUILTIN_PREFIX
-from torchtitan_zephon.store.location import is_url, redact
+from torchtitan_zephon.store.location import is_url, mistyped_url, redact
 
 MAX_PATTERN = 10**6
 """Largest common denominator of one schedule entry's normalized weights: the
@@ -314,8 +314,11 @@ def rebase(value: str, base: Path) -> str:
     never taken as a path)."""
     if value.startswith(BUILTIN_PREFIX) or os.path.isabs(value) or is_url(value):
         return value
+    if mistyped_url(value):  # refused where it is opened, as written
+        return value
     if os.path.lexists(base / value) or "," not in value:
         return str(base / value)
     return ",".join(
-        p if os.path.isabs(p.strip()) else str(base / p.strip()) for p in value.split(",")
+        p if os.path.isabs(p.strip()) or mistyped_url(p.strip()) else str(base / p.strip())
+        for p in value.split(",")
     )
