@@ -403,3 +403,26 @@ def test_a_trained_skip_fixes_the_mixture_weights_of_the_steps_it_covers():
     for step in range(1, 11):
         assert np.array_equal(a.global_ids(step), b.global_ids(step))
         assert state.config.step_key(step) == later.step_key(step)
+
+
+def test_the_skip_sentence_says_which_part_of_a_step_of_another_batch_size_is_trained():
+    """--global-batch-size 1:8,4:16 --skip-steps 3:2: step 3 trains 8 samples from the first
+    of step 5's 16, not 'what step 5 would have trained' (issue 28, item 6)."""
+    gbs = BatchSchedule.parse("1:8,4:16").gbs
+    (text,) = SkipSteps.parse("3:2").describe(gbs)
+    assert text == (
+        "at step 3, skip the data of 2 steps (3..4): step 3 trains the first 8 of the 16 "
+        "samples step 5 would have trained, and steps 3..4 of the original order are never "
+        "trained"
+    )
+    (larger,) = SkipSteps.parse("5:2").describe(BatchSchedule.parse("1:16,6:8").gbs)
+    assert (
+        "step 5 trains 16 samples from the first that step 7 would have trained (it "
+        "would have trained 8; the rest are those of the steps after it)" in larger
+    )
+    (same,) = SkipSteps.parse("3:2").describe(gbs=BatchSchedule.parse("1:8,10:16").gbs)
+    assert "step 3 trains what step 5 would have trained," in same
+    # and the plan the sentence describes: step 3's ids are the first 8 of step 5's unskipped
+    plan = DataPlan(1000, 0, BatchSchedule.parse("1:8,4:16"))
+    skipped = DataPlan(1000, 0, BatchSchedule.parse("1:8,4:16"), skips=SkipSteps.parse("3:2"))
+    assert skipped.global_ids(3).tolist() == plan.global_ids(5)[:8].tolist()

@@ -30,7 +30,13 @@ SKIP = ("--zephon.skip_steps", "5:3")
 def test_a_rollback_with_a_skip_matches_a_fresh_run_with_the_skip(
     e2e_root: Path, reference: Path, capsys
 ):
-    fresh = train03(e2e_root / "skip_fresh", 2, *SKIP).check().run
+    fresh_job = train03(e2e_root / "skip_fresh", 2, *SKIP).check()
+    fresh = fresh_job.run
+    # a fresh run says the skip as a resume does (issue 28, item 13)
+    assert (
+        "Zephon: skip_steps 5:3: at step 5, skip the data of 3 steps (5..7): step 5 trains "
+        "what step 8 would have trained" in fresh_job.output
+    )
     # The finished reference, rolled back in place: load step 4, skip, train 5..8 again.
     rolled = copy_run_until(reference, e2e_root / "skip_rolled", 8)
     old_8 = (rolled / "checkpoint" / "step-8" / ".metadata").read_bytes()

@@ -268,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
         skips=args.skip_steps,
         exclusions=exclusions.for_source(None) if exclusions else (),
     )
-    _say_skips(args.skip_steps, last)
+    _say_skips(args.skip_steps, last, schedule)
     _say_exclusions(exclusions, last)
     out = sys.stdout
     for step in range(first, last + 1):
@@ -285,9 +285,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _say_skips(skips: SkipSteps, last: int) -> None:
+def _say_skips(skips: SkipSteps, last: int, schedule: BatchSchedule) -> None:
     """One stderr line per skip entry: what it skips (the ids printed are past it)."""
-    for (start, _), text in zip(skips.entries, skips.describe(), strict=True):
+    for (start, _), text in zip(skips.entries, skips.describe(schedule.gbs), strict=True):
         later = f" (after the last step printed, {last})" if start > last else ""
         print(f"zephon plan: skip_steps {text}{later}.", file=sys.stderr)
 
@@ -372,7 +372,7 @@ def run_mixture(
     plan = source.plan(source.data_config(seed=args.seed, schedule=schedule, extra=extra))
     assert isinstance(plan, MixtureStream)
     first, last = args.steps
-    _say_skips(args.skip_steps, last)
+    _say_skips(args.skip_steps, last, schedule)
     _say_exclusions(exclusions, last)
     plan.mixture.check_max_epochs(last)
     for warning in source.warnings:

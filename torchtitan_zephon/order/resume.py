@@ -190,7 +190,7 @@ def check_resume(
         extended.append(SKIP_FIELD)
         added = [e for e in current.skip_steps.entries if e not in saved.config.skip_steps.entries]
         notes += [f"skip_steps gained {s}:{n}: {text}" for (s, n), text in zip(
-            added, SkipSteps(added).describe(), strict=True
+            added, SkipSteps(added).describe(current.batch_schedule().gbs), strict=True
         )]  # fmt: skip
     exclude_line = exclusions_kept(saved, current) if EXCLUDE_FIELD in differing else None
     if EXCLUDE_FIELD in differing and exclude_line is None:

@@ -36,7 +36,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -157,14 +157,29 @@ class SkipSteps:
         decide what those entries skip."""
         return max([step + 1] + [s + n for s, n in self.entries if s <= step])
 
-    def describe(self) -> list[str]:
-        """One sentence per entry, for ``zephon plan`` and the resume log."""
-        return [
-            f"at step {s}, skip the data of {n} step{'s' * (n != 1)} ({s}..{s + n - 1}): "
-            f"step {s} trains what step {s + n} would have trained, and steps {s}..{s + n - 1} "
-            "of the original order are never trained"
-            for s, n in self.entries
-        ]
+    def describe(self, gbs: Callable[[int], int] | None = None) -> list[str]:
+        """One sentence per entry, for ``zephon plan``, the sequence log and the start
+        and resume logs. ``gbs``: the global batch size of a step (the batch schedule's);
+        where step S's differs from step S + N's, the sentence says which part of step
+        S + N's data step S trains (its positions start at step S + N's first)."""
+        out = []
+        for s, n in self.entries:
+            size, later = (gbs(s), gbs(s + n)) if gbs is not None else (0, 0)
+            if size == later:
+                what = f"what step {s + n} would have trained"
+            elif size < later:
+                what = f"the first {size} of the {later} samples step {s + n} would have trained"
+            else:
+                what = (
+                    f"{size} samples from the first that step {s + n} would have trained (it "
+                    f"would have trained {later}; the rest are those of the steps after it)"
+                )
+            out.append(
+                f"at step {s}, skip the data of {n} step{'s' * (n != 1)} ({s}..{s + n - 1}): "
+                f"step {s} trains {what}, and steps {s}..{s + n - 1} of the original order "
+                "are never trained"
+            )
+        return out
 
 
 class SkipMap:

@@ -309,6 +309,10 @@ class ZephonTrainer(Trainer):
             dl.tracker.start(dl.topology)
         if self._lock is not None:  # global rank 0: the start is accepted
             self._record_run_data()
+            if dl.resumed_from is None:  # a resume says the entries it gained
+                skips, gbs = dl.loader.config.skip_steps, dl.loader.config.batch_schedule().gbs
+                for (s, n), text in zip(skips.entries, skips.describe(gbs), strict=True):
+                    logger.info(f"Zephon: skip_steps {s}:{n}: {text}")
         if self._lock is not None and getattr(self, "_abandoned", None):
             self._move_abandoned(*self._abandoned)  # every rank has loaded (the gather above)
         self.accounting = self._build_accounting(self.config)

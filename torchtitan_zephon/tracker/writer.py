@@ -294,7 +294,7 @@ class SequenceTracker:
         """The skip entry (step, count) takes effect: its event goes just before the
         record of ``step``, naming the record it follows (``from_step`` = step - 1 and
         that record's chain), so it supersedes nothing and links like the records do."""
-        (text,) = SkipSteps([(step, count)]).describe()
+        (text,) = SkipSteps([(step, count)]).describe(self.config.batch_schedule().gbs)
         self._event(
             {
                 "event": "skip",
