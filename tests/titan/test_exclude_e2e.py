@@ -64,6 +64,10 @@ def test_left_out_ids_never_train_and_a_rollback_on_one_rank_matches(
     ]
     assert main(["verify", str(reference), str(fresh)]) == 1
     assert "where their left-out samples differ: at step 5" in capsys.readouterr().out
+    assert main(["inspect", str(fresh)]) == 0  # the left-out list the data config binds
+    out = capsys.readouterr().out
+    assert "    left out:           from step 5, 4 ids (sha256 " in out
+    assert "    skip_steps:         (none)\n" in out
     # show and where read the list from the job config the run saved (zephon.exclude)
     assert main(["show", str(fresh), "--step", "6", "--json"]) == 0, capsys.readouterr().err
     shown = json.loads(capsys.readouterr().out)["samples"]

@@ -71,6 +71,10 @@ def test_a_rollback_with_a_skip_matches_a_fresh_run_with_the_skip(
     out = capsys.readouterr().out
     assert "verdict: MISMATCH: the runs saw different data from step 5 (where their " in out
     assert "at step 5, A does not skip there and B skips the data of 3 steps there" in out
+    # zephon inspect RUN shows the skips and left-out list the data config binds (item 9)
+    assert main(["inspect", str(fresh)]) == 0
+    out = capsys.readouterr().out
+    assert "    skip_steps:         5:3\n" in out and "    left out:           (none)\n" in out
 
 
 def test_a_skip_inside_the_trained_steps_is_refused(e2e_root: Path, reference: Path):
