@@ -35,7 +35,10 @@ torchrun's summary). Any other exception propagates as it is.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import fcntl
+import io
 import json
 import os
 import sys
@@ -156,17 +159,78 @@ def parse_config(argv: list[str]) -> Any:
 
     from torchtitan_zephon.titan.trainer import zephon_config
 
+    loaded: list[Any] = []
+
     class ZephonConfigManager(ConfigManager):
         def _load_config(self, args: list[str]) -> tuple[object, list[str]]:
-            loaded, rest = super()._load_config(args)
-            config, notes = zephon_config(loaded)
+            base, rest = super()._load_config(args)
+            config, notes = zephon_config(base)
             for note in notes:
                 logger.info(f"Zephon: {note}")
             for change in platform.cpu_config_defaults(config):
                 logger.info(f"CPU platform: {change}")
+            loaded.append(config)
             return config, rest
 
-    return ZephonConfigManager().parse_args(argv)
+    told = io.StringIO()  # tyro's words, shown unless an unknown option is told in one line
+    try:
+        with contextlib.redirect_stderr(told):
+            config = ZephonConfigManager().parse_args(argv)
+    except SystemExit as e:
+        unknown = unknown_options(argv, loaded[0]) if e.code and loaded else None
+        if unknown is None:  # not an unknown option (a bad value, --help)
+            sys.stderr.write(told.getvalue())
+            raise
+        raise ValueError(unknown) from None
+    except BaseException:
+        sys.stderr.write(told.getvalue())
+        raise
+    sys.stderr.write(told.getvalue())
+    return config
+
+
+def _leaf_paths(node: Any, prefix: str = "") -> set[str]:
+    """Every settable leaf path of a config (``section.key``; nested dataclasses walked)."""
+    if not dataclasses.is_dataclass(node) or isinstance(node, type):
+        return {prefix[:-1]}
+    out: set[str] = set()
+    for f in dataclasses.fields(node):
+        if f.init and f.name != "model_spec":
+            out |= _leaf_paths(getattr(node, f.name, None), f"{prefix}{f.name}.")
+    return out
+
+
+def unknown_options(argv: list[str], config: Any) -> str | None:
+    """One line naming the first ``--section.key`` of ``argv`` that ``config`` has no
+    field for, with the closest valid spelling (TorchTitan 0.2.2's spelling of a 0.3
+    path through ``legacy_config.TABLE``, else the closest path); None when every
+    option names a field (tyro failed for another reason)."""
+    import difflib
+
+    from torchtitan_zephon.titan.legacy_config import TABLE
+
+    paths = _leaf_paths(config)
+    sections = {p.split(".", 1)[0] for p in paths}
+    for arg in argv:
+        key = _option(arg)
+        if not key or key in ("module", "config", "help", "h") or key in paths:
+            continue
+        head, _, leaf = key.rpartition(".")
+        if leaf.startswith("no_") and f"{head}.{leaf[3:]}".lstrip(".") in paths:
+            continue  # a boolean flag's negation
+        if key in sections or any(p.startswith(f"{key}.") for p in paths):
+            continue  # a whole section (tyro's subcommand-like options)
+        entry = TABLE.get(key)
+        if entry is not None and entry.kind == "map" and entry.path in paths:
+            close = [entry.path]
+        else:
+            close = difflib.get_close_matches(key, sorted(paths), n=1, cutoff=0.6)
+        hint = f"; did you mean --{close[0]}?" if close else "; `--help` lists the options."
+        return (
+            f"unknown option {arg.split('=', 1)[0]}: the job's config has no {key}{hint} "
+            "(TorchTitan 0.3 spellings with --module / --config)"
+        )
+    return None
 
 
 def toml_front_end(argv: list[str]) -> bool:

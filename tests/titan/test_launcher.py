@@ -134,6 +134,37 @@ def test_run_train_refusal_is_the_last_line_with_the_users_folder(tmp_path: Path
     assert not (me / "rel_out").exists() and not (REPO / "rel_out").exists()  # nothing written
 
 
+def test_an_unknown_option_is_one_line_with_the_spelling_that_works(tmp_path: Path):
+    """--job.save_config_file (0.2.2's) with a Python config: one line naming the 0.3
+    spelling, printed last after torchrun's summary, no tyro box, nothing written."""
+    proc = run_train_sh(tmp_path, "--module", "torchtitan_zephon.configs", "--config",
+                        "llama3_tiny", "--dump_folder", "run", "--job.save_config_file",
+                        "config.json", nproc=1)  # fmt: skip
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert "ChildFailedError" in proc.stdout and "Unrecognized options" not in proc.stdout
+    assert last_line(proc.stdout) == (
+        "Zephon refused to start: unknown option --job.save_config_file: the job's config has "
+        "no job.save_config_file; did you mean --debug.save_config_file? (TorchTitan 0.3 "
+        "spellings with --module / --config)"
+    )
+    assert not (tmp_path / "run").exists()
+
+
+def test_unknown_options_name_the_closest_spelling():
+    from torchtitan_zephon.configs import llama3_tiny
+    from torchtitan_zephon.train import unknown_options
+
+    config = llama3_tiny()
+    assert unknown_options(["--training.steps", "3", "--debug.no-deterministic",
+                            "--zephon.store=x", "--dump-folder", "d"], config) is None  # fmt: skip
+    msg = unknown_options(["--training.steps", "3", "--trainning.seq_len", "9"], config)
+    assert msg is not None and msg.startswith("unknown option --trainning.seq_len: ")
+    assert msg.endswith("did you mean --training.seq_len? (TorchTitan 0.3 spellings with "
+                        "--module / --config)")  # fmt: skip
+    msg = unknown_options(["--zzz.qqq=1"], config)
+    assert msg is not None and "`--help` lists the options" in msg
+
+
 def test_run_train_missing_config_file_names_the_path_it_looked_at(tmp_path: Path):
     proc = run_train_sh(tmp_path, nproc=1, CONFIG_FILE="nope.toml")
     assert proc.returncode == 1, proc.stdout[-3000:]

@@ -192,7 +192,8 @@ def _normalise(spelling: str) -> tuple[str, bool]:
 # --- the spellings in the repository --------------------------------------------
 
 PLACEHOLDERS = {"--section.key", "--zephon.KEY"}  # README prose, not keys
-MISSPELLED = {"--training.stepz"}  # test_toml_front.py's deliberate unknown key
+# deliberate unknown keys: test_toml_front.py's, test_launcher.py's
+MISSPELLED = {"--training.stepz", "--trainning.seq_len", "--zzz.qqq"}
 # 0.3 paths with no 0.2.2 key: registry jobs (--module/--config) only; the TOML front end
 # refuses them as unknown keys (test_a_03_only_option_is_refused_by_the_toml_front_end)
 ONLY_03 = {"--loss.num_chunks"}
