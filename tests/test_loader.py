@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 from tests.conftest import copy_store, edit_token, make_v1
 from torchtitan_zephon.loader import MAX_WINDOW, DataStateMismatch, ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning, fingerprint
+from torchtitan_zephon.store.format import (
+    DataUnreadable,
+    StoreError,
+    UncheckedStoreWarning,
+    error_kind,
+    fingerprint,
+)
 from torchtitan_zephon.store.reader import TokenStore
 
 SEQ = 8
@@ -368,9 +374,13 @@ def test_retry_after_a_mid_step_failure_resumes_at_the_failed_micro_batch(
         for _, ids in upcoming[:k_bad]:
             x, _ = next(ld)
             assert np.array_equal(x["input"].numpy(), store.windows(ids, SEQ)[:, :-1])
-        with pytest.raises(StoreError, match=f"chunk {bad} of tokens.bin"):
+        with pytest.raises(StoreError, match=f"chunk {bad} of tokens.bin") as failed:
             next(ld)
         step = upcoming[k_bad][0]
+        # named by the step whose data could not be read (issue 28, item 11)
+        assert isinstance(failed.value, DataUnreadable)
+        assert (failed.value.step, failed.value.what) == (step, f"the data of step {step}")
+        assert failed.value.kind == "StoreError"
         assert ld.next_step == step  # the step is not complete
         edit_token(path, token, value=original)  # the fault is gone (say, a bad read)
         for _, ids in upcoming[k_bad:]:  # the retry starts at the failed micro-batch
@@ -378,3 +388,17 @@ def test_retry_after_a_mid_step_failure_resumes_at_the_failed_micro_batch(
             assert np.array_equal(x["input"].numpy(), store.windows(ids, SEQ)[:, :-1])
             assert np.array_equal(y.numpy(), store.windows(ids, SEQ)[:, 1:])
         assert ld.next_step == upcoming[-1][0] + 1
+
+
+def test_an_internal_error_class_is_shown_by_its_public_name():
+    """An outage's internal ``_Unanswered`` reads as StoreError in every message."""
+    from torchtitan_zephon.store.location import MissingObject, _Unanswered
+
+    assert error_kind(_Unanswered("reading s3://b/x took longer")) == "StoreError"
+    assert error_kind(MissingObject("gone")) == "MissingObject"
+    failed = DataUnreadable(_Unanswered("reading s3://b/x took longer"), 9, "the data of step 9")
+    assert (failed.kind, str(failed), failed.step) == (
+        "StoreError",
+        "reading s3://b/x took longer",
+        9,
+    )

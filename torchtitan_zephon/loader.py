@@ -77,7 +77,7 @@ from torchtitan_zephon.order.data_config import DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
 from torchtitan_zephon.order.resume import ResumeDecision, check_resume
 from torchtitan_zephon.order.state import DataState
-from torchtitan_zephon.store.format import StoreError
+from torchtitan_zephon.store.format import DataUnreadable, StoreError
 from torchtitan_zephon.store.reader import TokenStore
 
 __all__ = ["DataStateMismatch", "MicroBatch", "ZephonLoader", "document_positions"]
@@ -355,8 +355,14 @@ class ZephonLoader:
         if not self._ready:
             try:
                 self._take_window()
-            except BaseException:
+            except StoreError as e:
                 self._reset()  # rewind to the first undelivered micro-batch: never skip one
+                if isinstance(e, DataUnreadable):
+                    raise
+                step = self._delivered[0]
+                raise DataUnreadable(e, step, f"the data of step {step}") from e
+            except BaseException:
+                self._reset()
                 raise
         (step, index, last), batch = self._ready.popleft()
         if last:  # the step's final micro-batch is handed over by this return

@@ -316,7 +316,7 @@ def main() -> None:
 
     from torchtitan_zephon.order.data_config import DataStateMismatch
     from torchtitan_zephon.ownership.lock import FolderInUse
-    from torchtitan_zephon.store.format import StoreError
+    from torchtitan_zephon.store.format import StoreError, error_kind
     from torchtitan_zephon.titan.loss_chunks import fit_loss_chunks
     from torchtitan_zephon.titan.start_plan import StartRefused
     from torchtitan_zephon.titan.trainer import JobStopped, SettingRefused
@@ -352,7 +352,7 @@ def main() -> None:
     except refusals as e:  # a refused start: the message says it all, no traceback
         if trainer is not None:
             trainer.close()
-        stop(f"Zephon refused to start: {type(e).__name__}: {e}")
+        stop(f"Zephon refused to start: {error_kind(e)}: {e}")
     except JobStopped as e:
         if trainer is not None:
             trainer.close()

@@ -230,6 +230,7 @@ def test_store_changed_mid_run_stops_with_one_line_even_from_a_filtered_rank(tmp
     assert shown and not any("Zephon stopped" in line for line in shown)  # rank 1 failed
     last = last_line(proc.stdout)
     assert last.startswith("Zephon stopped at step 1: StoreError: token store "), last
+    assert last.endswith("(the data of step 1 could not be read)"), last
     assert f"chunk {token // CHUNK_TOKENS} of tokens.bin" in last and str(store) in last
     assert f'File "{PACKAGE}' not in proc.stdout.split("Root Cause")[-1]
 

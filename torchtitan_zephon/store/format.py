@@ -114,6 +114,25 @@ class StoreError(ValueError):
     """A token store (or the input to build one) is missing, incomplete or invalid."""
 
 
+class DataUnreadable(StoreError):
+    """A read of the store failed while ``what`` was read (the loader: "the data of step
+    S"; the validator: "the held-out samples of the validation at step S"); ``kind`` is
+    the failed read's error as a user is shown it (``error_kind``), the message its own."""
+
+    def __init__(self, error: BaseException, step: int, what: str) -> None:
+        super().__init__(str(error))
+        self.step, self.what, self.kind = step, what, error_kind(error)
+
+
+def error_kind(error: BaseException) -> str:
+    """The name of ``error``'s class as messages show it: the first public one of its
+    classes (an internal ``_Unanswered`` reads as ``StoreError``)."""
+    for cls in type(error).__mro__:
+        if not cls.__name__.startswith("_"):
+            return cls.__name__
+    return "Error"
+
+
 class UncheckedStoreWarning(UserWarning):
     """A store without content checksums (format version 1) was opened: its reads are unchecked."""
 

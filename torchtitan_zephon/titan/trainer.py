@@ -55,7 +55,7 @@ from torchtitan.trainer import Trainer
 from torchtitan_zephon.job.run_data import record_job, run_data_path
 from torchtitan_zephon.ownership.lock import RunFolderLock
 from torchtitan_zephon.ownership.process import torchrun_agent
-from torchtitan_zephon.store.format import StoreError
+from torchtitan_zephon.store.format import DataUnreadable, StoreError, error_kind
 from torchtitan_zephon.titan import old_runs, preflight
 from torchtitan_zephon.titan.accounting import StepAccounting
 from torchtitan_zephon.titan.attention import with_document_masks
@@ -253,7 +253,9 @@ class ZephonTrainer(Trainer):
         except (StoreError, TrackerError) as e:
             if not self._tracking:
                 raise
-            raise JobStopped(self.step, f"{type(e).__name__}: {e}") from e
+            if isinstance(e, DataUnreadable):  # named by the step whose data it was
+                raise JobStopped(e.step, f"{e.kind}: {e} ({e.what} could not be read)") from e
+            raise JobStopped(self.step, f"{error_kind(e)}: {e}") from e
 
     # -- per step --------------------------------------------------------
     def train_step(self, data_iterator: Any) -> None:

@@ -47,6 +47,7 @@ from torchtitan.tools.logging import logger
 from torchtitan_zephon.loader import document_positions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
+from torchtitan_zephon.store.format import DataUnreadable, StoreError
 from torchtitan_zephon.titan.attention import with_document_masks
 from torchtitan_zephon.titan.job_data import (
     batch_schedule,
@@ -270,7 +271,12 @@ class ZephonValidator(Validator):
         for model in model_parts:
             model.eval()
         pd = self.parallel_dims
-        totals = torch.stack([self.pass_totals(model_parts, ld) for _, ld in self.heldout_loaders])
+        try:
+            totals = [self.pass_totals(model_parts, ld) for _, ld in self.heldout_loaders]
+        except StoreError as e:
+            what = f"the held-out samples of the validation at step {step}"
+            raise DataUnreadable(e, step, what) from e
+        totals = torch.stack(totals)
         if pd.dp_cp_enabled:
             dist.all_reduce(totals, group=pd.get_optional_mesh("loss").get_group())
         per_source: dict[str, float] = {}
