@@ -414,3 +414,30 @@ def test_prepare_cache_dir_holds_the_spool_and_the_upload_staging(
                         "--cache-dir", f"s3://{s3.bucket}/c")  # fmt: skip
     assert code == 2 and "--cache-dir 's3://" in err and "is a URL" in err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_failed_prepare_of_objects_leaves_no_spool_file_and_inspect_names_the_folders(
+    capsys, s3, tmp_path, tokenizer_dir, bucket_corpus, monkeypatch
+) -> None:
+    """An empty corpus (every object holds no text) fails in one line and leaves no spool
+    file; `zephon inspect CACHE` says what remote-inputs and remote-output hold (issue
+    28, item 12)."""
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("ZEPHON_CACHE", str(cache))
+    s3.put("hollow/a.jsonl", b"")
+    s3.put("hollow/b.jsonl", b"\n")
+    code, _, err = _cli(capsys, "prepare", f"s3://{s3.bucket}/hollow/*.jsonl", "--tokenizer",
+                        str(tokenizer_dir), "--output", str(tmp_path / "out"), "--quiet")  # fmt: skip
+    assert code == 2 and err.count("\n") == 1, err
+    assert not (tmp_path / "out").exists()
+    assert not [p for p in (cache / "remote-inputs").rglob("*") if p.is_file()]
+    url = f"s3://{s3.bucket}/inspected/store"  # leaves remote-output beside it
+    code, _, err = _cli(capsys, "prepare", f"{bucket_corpus}/plain.jsonl", "--tokenizer",
+                        str(tokenizer_dir), "--output", url, "--quiet")  # fmt: skip
+    assert code == 0, err
+    code, out, err = _cli(capsys, "inspect", str(cache))
+    assert code == 0, err
+    assert "not made by zephon's cache" not in out
+    assert "  object storage (2):\n" in out
+    assert "remote-inputs  0 bytes, 0 files: spool files of raw objects a prepare is reading" in out
+    assert "remote-output  0 bytes, 0 files: stores `zephon prepare --output URL` built here" in out

@@ -184,6 +184,11 @@ def _format_cache(info: dict[str, Any]) -> str:
     group("stores of raw inputs", info["raw"], raw)
     group("builds", info["building"], building)
     group("locks", info["locks"], lock)
+    group(
+        "object storage",
+        info.get("remote", []),
+        lambda i: f"{i['files']} file{'s' * (i['files'] != 1)}: {i['what']}",
+    )
     group("other", info["other"], lambda i: "not made by zephon's cache")
     if len(lines) == 1:
         lines.append("  empty")

@@ -3,7 +3,9 @@
 Role: tell a cache folder from any other folder (``is_cache``) and list what it holds
 (``describe_cache``): its stores (builtin parts, raw-input entries with what they were
 prepared from), builds in progress or kept after a failure (with their finished parts),
-lock files (held or free) and anything else, each with its size in bytes. It reads the
+lock files (held or free), the folders object storage keeps there (the node cache
+``remote-blocks``, prepare's ``remote-inputs`` spool and ``remote-output`` stores) and
+anything else, each with its size in bytes. It reads the
 names ``cache_folder.build_once`` and ``cache.raw_store`` give what they write
 (``builtin-*``, ``raw-*`` and its ``raw-*.json`` record, ``.<work>.building``,
 ``<work>.lock``).
@@ -38,8 +40,26 @@ def is_cache(path: Path) -> bool:
         return False
 
 
+def _remote_folders() -> dict[str, str]:
+    """The folders object storage keeps in the store cache, and what each holds."""
+    from torchtitan_zephon.ingest.objects import OUTPUT, SPOOL
+    from torchtitan_zephon.store.cache import FOLDER
+
+    return {
+        FOLDER: "the node cache of blocks read from object storage (zephon.cache_bytes), "
+        "one folder per store fingerprint and block size; bounded by cache_bytes, safe to "
+        "delete when no job reads through it",
+        SPOOL: "spool files of raw objects a prepare is reading; removed when it ends, left "
+        "only by one killed: safe to delete when no prepare runs",
+        OUTPUT: "stores `zephon prepare --output URL` built here to upload; removed once "
+        "uploaded, left by a failed upload: safe to delete when no prepare runs",
+    }
+
+
 def _cache_kind(p: Path) -> str:
     name = p.name
+    if p.is_dir() and name in _remote_folders():
+        return "remote"
     if p.is_dir() and name.startswith(("builtin-", "raw-")) and is_store(p):
         return "builtin" if name.startswith("builtin-") else "raw"
     if p.is_dir() and name.startswith(".") and ".building" in name:
@@ -93,7 +113,7 @@ def describe_cache(root: Path) -> dict[str, Any]:
     from torchtitan_zephon.ingest.parts import finished_parts, staging_folder
 
     items: dict[str, list[dict[str, Any]]] = {
-        "builtin": [], "raw": [], "building": [], "locks": [], "other": []
+        "builtin": [], "raw": [], "building": [], "locks": [], "remote": [], "other": []
     }  # fmt: skip
     children = sorted(root.iterdir(), key=lambda p: p.name)
     names = {p.name for p in children}
@@ -133,6 +153,9 @@ def describe_cache(root: Path) -> dict[str, Any]:
             )
         elif kind == "lock":
             item["holder"] = _holder_of(p)
+        elif kind == "remote":
+            item["what"] = _remote_folders()[p.name]
+            item["files"] = sum(len(files) for _, _, files in os.walk(p))
         items["locks" if kind == "lock" else kind].append(item)
     return {
         "kind": "cache",

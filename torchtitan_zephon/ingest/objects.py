@@ -42,6 +42,8 @@ from torchtitan_zephon.store.location import ObjectFiles, ObjectURL, parse_url, 
 
 SPOOL = "remote-inputs"
 """The cache's folder of spool files (objects being read by a prepare)."""
+OUTPUT = "remote-output"
+"""The store cache's folder of stores ``prepare --output URL`` builds before uploading."""
 _HF_FILES = ("dataset_info.json", "state.json", "dataset_dict.json")
 CHANGED_INPUT = (
     "An input object must stay put while prepare reads it: run the same command again "

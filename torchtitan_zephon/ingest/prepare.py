@@ -58,6 +58,7 @@ from torchtitan_zephon.ingest.inputs import (
     select_splits,
 )
 from torchtitan_zephon.ingest.objects import (
+    OUTPUT,
     SPOOL,
     check_output,
     is_object_url,
@@ -120,8 +121,8 @@ def prepare_store(
     does not depend on it.
 
     Inputs and ``output`` may be object-storage URLs (``objects``): objects are
-    streamed to spool files in ``<cache>/remote-inputs`` and removed once the store
-    is written; a store for a URL is built in ``<cache>/remote-output/<digest>/store``
+    streamed to spool files in ``<cache>/remote-inputs`` and removed when the prepare
+    ends (written, failed or interrupted); a store for a URL is built in ``<cache>/remote-output/<digest>/store``
     (staging beside it) and uploaded with manifest.json last, then the local copy is
     removed. ``<cache>`` is ``cache_folder.cache_root(cache_dir)``; under torchrun the
     ranks must share it when the output is a URL (they share the staging folder).
@@ -132,7 +133,7 @@ def prepare_store(
     remote = output_url(output) if is_object_url(output) else None
     if remote is not None:
         digest = hashlib.sha256(remote.text.encode()).hexdigest()[:24]
-        out = cache_root(cache_dir) / "remote-output" / digest / "store"
+        out = cache_root(cache_dir) / OUTPUT / digest / "store"
     else:
         # Absolute and without . or ..: ``.`` (an empty current folder) has a parent to
         # stage beside, and the renames do not depend on the current folder, the output's.
@@ -195,6 +196,7 @@ def prepare_store(
         raise PrepareFailed(f"{e}{' ' + note if note else ''}") from e
     finally:
         lock.release()
+        release(mine.sources)  # this rank's spool files, whether the prepare ended well or not
         if remote is not None and ranks.rank == 0:
             try:
                 out.parent.rmdir()  # empty once the store is uploaded (kept parts stay)
