@@ -4,6 +4,7 @@ and mixture sources that are URLs, and the `zephon` commands (real S3 API on loo
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -235,6 +236,17 @@ def test_inspect_a_store_url(capsys, fine_url, fine_store) -> None:
     assert "requests (the manifest and checksums: opening reads no tokens)" in out
     code, out, _ = _run(capsys, "inspect", fine_url, "--check")
     assert code == 0 and "check:       intact" in out
+    # the check fetched every token, and says so (issue 28, item 13)
+    fetched = int(re.search(r"fetched:     ([\d,]+) bytes", out).group(1).replace(",", ""))
+    assert fetched >= (Path(fine_store) / "tokens.bin").stat().st_size, out
+    assert "(the manifest, the checksums and, for --check, every token)" in out
+    # a store's file named instead of its prefix: the prefix to name (not a prepare)
+    for name in ("manifest.json", "tokens.bin"):
+        code, _, err = _run(capsys, "inspect", f"{fine_url}/{name}")
+        assert code == 2 and err == (
+            f"zephon inspect: error: {fine_url}/{name} names the store file {name}, not a "
+            f"store: a store in object storage is named by its prefix, {fine_url}\n"
+        )
     code, _, err = _run(capsys, "inspect", fine_url, "--upgrade")
     assert code == 2 and err.startswith(
         f"zephon inspect: error: --upgrade writes into a store; '{fine_url}' is in object storage."

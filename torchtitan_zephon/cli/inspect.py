@@ -99,9 +99,14 @@ def _format_store(info: dict[str, Any]) -> str:
     if len(info["sources"]) > len(shown):
         lines.append(f"    ... and {len(info['sources']) - len(shown)} more (see --json)")
     if "fetched_bytes" in info:
+        what = (
+            "the manifest, the checksums and, for --check, every token"
+            if "check" in info
+            else "the manifest and checksums: opening reads no tokens"
+        )
         lines.append(
             f"  fetched:     {info['fetched_bytes']:,} bytes in {info['requests']} requests "
-            "(the manifest and checksums: opening reads no tokens)"
+            f"({what})"
         )
     if "upgrade" in info:
         lines.append(f"  upgrade:     {info['upgrade']}")
@@ -297,6 +302,7 @@ def _remote_store(args: argparse.Namespace) -> int:
     if args.check:  # one pass over the whole store, fetched into memory
         report = store.check()
         info["check"] = report.to_dict()
+        info["fetched_bytes"], info["requests"] = store.fetched_bytes, store.requests
     print(json.dumps(info, indent=2) if args.json else _format_store(info))
     return 1 if report is not None and not report.ok else 0
 

@@ -75,6 +75,7 @@ from torchtitan_zephon.store.format import (
     DTYPES,
     MANIFEST,
     REPREPARE,
+    STORE_FILES,
     TOKENS,
     ContentReport,
     StoreError,
@@ -270,6 +271,13 @@ class RemoteTokenStore(TokenStore):
         except MissingBucket:
             raise
         except MissingObject:
+            name = url.prefix.rpartition("/")[2]
+            if name in STORE_FILES:  # a store's file named, not its prefix
+                prefix = url.shown.split("?")[0].rsplit("/", 1)[0]
+                raise StoreError(
+                    f"{url.shown} names the store file {name}, not a store: a store in "
+                    f"object storage is named by its prefix, {prefix}"
+                ) from None
             raise StoreError(
                 f"{url.shown} holds no token store: it has no {MANIFEST} "
                 f"({files.missing_store_reason()}). Expected the prefix of a store written "
