@@ -232,3 +232,56 @@ def test_spikes_of_a_run_that_leaves_samples_out_shows_the_step_without_them(
     assert main(["spikes", str(run), "--json", "--exclude", str(left)]) == 0
     samples = json.loads(capsys.readouterr().out)["data"]["samples"]
     assert [s["sample"] for s in samples] == plan.global_ids(40).tolist()
+
+
+def test_a_spike_the_weight_schedule_put_there_gets_a_weight_entry_not_a_skip(
+    store, tmp_path, capsys
+):
+    """All samples of the spike step come from the source whose weight just rose (issue
+    28, item 4): a skip would leave that source there; spikes says so and suggests the
+    weight entry that takes it out, which does."""
+    from torchtitan_zephon.job.data import MixtureData
+    from torchtitan_zephon.order.layout import BatchSchedule
+    from torchtitan_zephon.order.mixture.config import MixtureConfig
+    from torchtitan_zephon.store.writer import slice_store
+
+    root = tmp_path / "mix"
+    slice_store(store, 0, 2500, root / "code")
+    slice_store(store, 2500, store.num_tokens, root / "web")
+    head = '[[source]]\nname = "web"\nstore = "web"\n[[source]]\nname = "code"\nstore = "code"\n'
+    mix = root / "mix.toml"
+    mix.write_text(head + "[[schedule]]\nfrom_step = 1\nweights = { web = 0.75, code = 0.25 }\n"
+                   "[[schedule]]\nfrom_step = 30\nweights = { web = 0, code = 1 }\n")  # fmt: skip
+    source = MixtureData.open(MixtureConfig.load(mix), 8)
+    run = write_run(tmp_path / "run", source, trained=45,
+                    saved={"zephon": {"mixture": str(mix)}})  # fmt: skip
+    write_events(run, curve(45, 40))
+    for step in (20, 35):
+        (run / "checkpoint" / f"step-{step}").mkdir(parents=True)
+        (run / "checkpoint" / f"step-{step}" / ".metadata").write_bytes(b"")
+    assert main(["spikes", str(run), "--json"]) == 0
+    (spike,) = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert {s["source"] for s in spike["data"]["samples"]} == {"code"}
+    assert spike["rollback"] is None
+    assert spike["schedule"] == {
+        "source": "code", "from_step": 30, "share": "1", "share_before": "1/4",
+        "load_step": 35, "entry": {"from_step": 36, "weights": {"code": 1, "web": 3}},
+    }  # fmt: skip
+    assert main(["spikes", str(run)]) == 0
+    advice = capsys.readouterr().out.splitlines()[-1]
+    assert advice == (
+        "  all 4 samples of step 40 come from source 'code', whose share the mixture's weight "
+        "schedule raised from 1/4 to 1 at step 30: a skip moves each source's stream, but the "
+        "weights would still fill these slots from 'code'; change the weights instead: "
+        "--checkpoint.load_step 35 with, in the mixture file, the [[schedule]] entries at or "
+        "before step 35 kept and then from_step = 36, weights = { code = 1, web = 3 } (the "
+        "weights before step 30)"
+    )
+    # the suggested entry changes step 40's data: 'code' no longer fills all its slots
+    mix.write_text(head + "[[schedule]]\nfrom_step = 1\nweights = { web = 0.75, code = 0.25 }\n"
+                   "[[schedule]]\nfrom_step = 30\nweights = { web = 0, code = 1 }\n"
+                   "[[schedule]]\nfrom_step = 36\nweights = { code = 1, web = 3 }\n")  # fmt: skip
+    fixed = MixtureData.open(MixtureConfig.load(mix), 8)
+    plan = fixed.plan(fixed.data_config(seed=3, schedule=BatchSchedule.parse("4")))
+    names, _ = plan.decode(plan.global_ids(40))
+    assert set(names) != {"code"} and "web" in names

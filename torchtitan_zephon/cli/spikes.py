@@ -27,7 +27,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +105,65 @@ def rollback(spike: int, checkpoints: list[int], skips: SkipSteps) -> tuple[int,
         kept = [(s, n) for s, n in skips.entries if s <= c or s > stop]
         return c, str(SkipSteps(sorted([*kept, (start, stop - start + 1)])))
     return None
+
+
+def schedule_cause(
+    data: StepData, step: int, samples: list[dict[str, Any]], checkpoints: list[int]
+) -> dict[str, Any] | None:
+    """When the mixture's weight schedule put the spike there: every sample of ``step``
+    comes from one source whose weight the schedule entry in effect at ``step`` (from
+    step F) raised. A skip cannot help then (the weights still fill those slots from
+    that source); the fix is a weight entry: from the newest complete checkpoint C before
+    ``step``, keep the entries at or before C and give the steps after C the weights in
+    effect before F. Returns that advice (None otherwise)."""
+    mixture = data.config.mixture if isinstance(data.plan, MixtureStream) else None
+    names = {s.get("source") for s in samples}
+    if not mixture or len(names) != 1 or not samples:
+        return None
+    (source,) = names
+    entries = sorted(mixture.get("schedule") or [], key=lambda e: int(e["from_step"]))
+    now = [e for e in entries if int(e["from_step"]) <= step]
+    if len(now) < 2:
+        return None
+    before, current = now[-2]["weights"], now[-1]["weights"]
+
+    def share(weights: dict[str, Any], name: str) -> Fraction:
+        total = sum((Fraction(str(v)) for v in weights.values()), Fraction(0))
+        return Fraction(str(weights.get(name, 0))) / total if total else Fraction(0)
+
+    if share(current, source) <= share(before, source):
+        return None
+    early = [c for c in checkpoints if c < step]
+    c = max(early) if early else None
+    scale = math.lcm(*(Fraction(str(v)).denominator for v in before.values()))
+    weights = {n: int(Fraction(str(v)) * scale) for n, v in sorted(before.items())}
+    return {
+        "source": source,
+        "from_step": int(now[-1]["from_step"]),
+        "share": str(share(current, source)),
+        "share_before": str(share(before, source)),
+        "load_step": c,
+        "entry": {"from_step": None if c is None else c + 1, "weights": weights},
+    }
+
+
+def _schedule_advice(cause: dict[str, Any], step: int, count: int) -> str:
+    f, source = cause["from_step"], cause["source"]
+    said = (
+        f"all {count} samples of step {step} come from source {source!r}, whose share the "
+        f"mixture's weight schedule raised from {cause['share_before']} to {cause['share']} at "
+        f"step {f}: a skip moves each source's stream, but the weights would still fill these "
+        f"slots from {source!r}; change the weights instead"
+    )
+    c = cause["load_step"]
+    if c is None:
+        return f"{said} (no complete checkpoint before step {step} to roll back to)"
+    weights = ", ".join(f"{n} = {w}" for n, w in cause["entry"]["weights"].items())
+    return (
+        f"{said}: --checkpoint.load_step {c} with, in the mixture file, the [[schedule]] "
+        f"entries at or before step {c} kept and then from_step = {c + 1}, weights = "
+        f"{{ {weights} }} (the weights before step {f})"
+    )
 
 
 def _left_out_lines(data: StepData, step: int, from_step: int) -> list[str]:
@@ -210,7 +271,14 @@ def run(args: argparse.Namespace) -> int:
         early = [c for c in ckpts if c <= p - ROLLBACK_MARGIN]
         if data is not None:
             spike["data"] = step_samples(data, p, max_chars=args.max_chars)
-        if back is not None:
+        cause = (
+            schedule_cause(data, p, spike["data"]["samples"], ckpts) if data is not None else None
+        )
+        if cause is not None:  # a skip would not change the source: the weights would
+            spike["rollback"] = None
+            spike["schedule"] = cause
+            advice = _schedule_advice(cause, p, len(spike["data"]["samples"]))
+        elif back is not None:
             c, value = back
             spike["rollback"] = {"load_step": c, "skip_steps": value}
             advice = f"roll back: --checkpoint.load_step {c} --zephon.skip_steps {value}"
