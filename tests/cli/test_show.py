@@ -68,7 +68,7 @@ def test_a_store_step_is_the_plans_with_documents_and_text(
             "0",
         )
         assert [s["sample"] for s in info["samples"]] == plan.global_ids(step).tolist()
-        assert info["status"] == "planned" and info["positions"] == [4 * (step - 1), 4 * step]
+        assert info["status"] == "planned" and info["slots"] == [4 * (step - 1), 4 * step]
         for s in info["samples"]:
             sid = s["sample"]
             docs = store.document_ids(sid * 8, sid * 8 + 8)
@@ -96,9 +96,7 @@ def test_text_output_and_the_help_states_the_default(store_path, tokenizer_dir, 
         == 0
     )
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(
-        f"step 2 of the store {store_path} (planned): positions 4..7, 4 samples"
-    )
+    assert out[0].startswith(f"step 2 of the store {store_path} (planned): slots 4..7, 4 samples")
     assert out[1].startswith("  [0] rank 0  sample ") and " docs " in out[1]
     assert main(["show", "--help"]) == 0
     assert "(default 200; 0: all)" in " ".join(capsys.readouterr().out.split())
@@ -285,7 +283,7 @@ def test_a_resume_that_accepted_a_schedule_change_anchors_the_plan(
     tracker.record(3, *plan.step_positions(3)[:1], plan.global_ids(3))
     for step, status in ((3, "trained"), (4, "planned"), (10**6, "planned")):
         info = show(capsys, str(run), "--step", str(step))
-        assert info["positions"] == [8 + 8 * (step - 3), 16 + 8 * (step - 3)]
+        assert info["slots"] == [8 + 8 * (step - 3), 16 + 8 * (step - 3)]
         assert [s["sample"] for s in info["samples"]] == plan.global_ids(step).tolist()
         assert info["status"] == status
     assert main(["show", str(run), "--step", "2"]) == 2  # before the anchor: not this plan's
@@ -298,7 +296,7 @@ def test_a_resume_that_accepted_a_schedule_change_anchors_the_plan(
     head = {"step": 1, "chain": runs.sequence_log(run).records[1]["chain"]}
     old = source.data_config(seed=3, schedule=BatchSchedule.parse("4"))
     SequenceTracker(log, config=old, writer=True).resume(head, {"world_size": 1})
-    assert show(capsys, str(run), "--step", "2")["positions"] == [4, 8]
+    assert show(capsys, str(run), "--step", "2")["slots"] == [4, 8]
 
 
 # ---------------------------------------------------------------- left-out samples
@@ -481,3 +479,35 @@ def test_the_run_folder_alone_finds_the_runs_store_and_tokenizer(
     out = capsys.readouterr().out
     assert f"    store:     {store_path}\n" in out
     assert f"    tokenizer: {tokenizer_dir}\n" in out
+
+
+@pytest.mark.parametrize("kind", ["store", "mixture"])
+def test_a_step_has_slots_and_each_sample_the_position_where_names(
+    kind, store_path, store, mixture_file, tmp_path, capsys
+):
+    """With skip_steps 3:2 (issue 28, item 5): step 3's slots are its place in the batch
+    schedule (8..11 at GBS 4: what the sequence log calls first_position), and each
+    sample's position is its index in its source's stream, the stream_position `where`
+    gives for it (past the skip)."""
+    if kind == "store":
+        source, saved = StoreData(store, 8), {"zephon": {"store": str(store_path)}}
+    else:
+        source = MixtureData.open(MixtureConfig.load(mixture_file), 8)
+        saved = {"zephon": {"mixture": str(mixture_file)}}
+    run = write_run(tmp_path / "run", source, skips="3:2", trained=4, saved=saved)
+    info = show(capsys, str(run), "--step", "3")
+    assert info["slots"] == [8, 12] and "positions" not in info
+    assert main(["show", str(run), "--step", "3"]) == 0
+    text = capsys.readouterr().out.splitlines()
+    assert text[0].startswith(f"step 3 of the run {run} (trained): slots 8..11, 4 samples")
+    for s in info["samples"]:
+        assert f"sample {s['sample']}  position {s['position']}" in "\n".join(text)
+        name = s["source"] or None
+        doc = s["documents"][0]["document"]
+        argv = ["where", str(run), "--doc", str(doc), "--json", "--epochs", "0:3"]
+        assert main(argv + (["--source", name] if name else [])) == 0
+        hits = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+        (hit,) = [h for h in hits if h["step"] == 3 and h["index"] == s["index"]]
+        assert hit["stream_position"] == s["position"] and hit["sample"] == s["sample"]
+    if kind == "store":  # one store at GBS 4: the skip moved step 3 by 2 steps' samples
+        assert [s["position"] for s in info["samples"]] == [16, 17, 18, 19]

@@ -28,7 +28,7 @@ def test_show_where_and_spikes_on_a_trained_run(reference: Path, capsys):
     for step, record in sorted(log.records.items()):
         (info,) = _json(capsys, "show", str(reference), "--step", str(step), "--json")
         ids = np.array([s["sample"] for s in info["samples"]], dtype=np.int64)
-        assert info["positions"][0] == record["first_position"]
+        assert info["slots"][0] == record["first_position"]
         assert (
             ids_digest(ids, config.step_key(step), record["first_position"]) == record["ids_digest"]
         )

@@ -2,12 +2,18 @@
 
 Role: opens the data a step reads (``StepData``: a plan, the stores it names, the
 tokenizer) from a run folder (its sequence log's newest start or resume event
-holds the data config, skips included; its stores and tokenizer are found from the
-job config it saved, the command line or the builtin data, each checked against
-the config's fingerprints; its left-out list, ``zephon.exclude``, from ``--exclude
-FILE`` or the saved job config, checked against the sha256 the config binds), or from a store or a mixture file with ``--seq-len``,
-``--global-batch-size`` and ``--seed``. For each sample of the step (or of one DP
-rank's slice, or one sample) it prints its source, sample id, the documents its
+holds the data config, skips included; its stores and tokenizer are found from what
+the run recorded (``job.run_data``), the job config it saved, the command line or the
+builtin data, each checked against the config's fingerprints; its left-out list,
+``zephon.exclude``, from ``--exclude FILE``, the record or the saved job config,
+checked against the sha256 the config binds), or from a store or a mixture file with
+``--seq-len``, ``--global-batch-size`` and ``--seed``. Words: a step's **slots** are
+its place in the batch schedule (``[first, first + GBS)``, the sequence log's
+``first_position``; skips and left-out samples never move them); a sample's
+**position** is its index in its source's stream (past the skips and the left-out
+samples: epoch = position // the source's samples), as ``where`` says
+``stream_position``. For each sample of the step (or of one DP
+rank's slice, or one sample) it prints its source, sample id, position, the documents its
 ``seq_len`` input tokens belong to (id, the window's offsets within the document,
 the document's length) and the decoded text. ``zephon where`` and ``zephon
 spikes`` open their data here too.
@@ -16,7 +22,7 @@ Invariants:
 - The sample ids shown for a step are the plan's (``job.plans.plan_of`` of the
   run's data config, or ``StoreData`` / ``MixtureData.plan``): those ``zephon
   plan`` prints and the trainer's loader reads, at any DP degree.
-- The cost is O(1) in the step number: one plan lookup of the step's positions
+- The cost is O(1) in the step number: one plan lookup of the step's slots
   and the step's samples read from the store; nothing is replayed.
 - A step before the first, past a mixture source's ``max_epochs``, a DP rank or
   a sample out of range, a run's left-out list not found or not the one its data
@@ -643,19 +649,21 @@ def step_samples(
             )
         lo, count = lo + sample, 1
     keys = data.plan.ids_for_positions(lo, count)
+    positions = data.plan.positions_of(lo, count)
     samples = []
-    for k, key in enumerate(keys.tolist()):
+    for k, (key, position) in enumerate(zip(keys.tolist(), positions.tolist(), strict=True)):
         index = lo - first + k
         entry = {
             "index": index,
             "dp_rank": index // per_rank,
             **data.sample(key, max_chars=max_chars),
+            "position": position,
         }
         samples.append(entry)
     return {
         "step": step,
         "status": data.status(step),
-        "positions": [first, first + gbs],
+        "slots": [first, first + gbs],
         "global_batch_size": gbs,
         "dp_degree": degree,
         "dp_degree_from": degree_from,
@@ -668,7 +676,8 @@ def format_sample(s: dict[str, Any], indent: str = "  ") -> list[str]:
     docs = ", ".join(
         f"{d['document']}[{d['start']}:{d['stop']})/{d['length']}" for d in s.get("documents", [])
     )
-    head = f"{indent}[{s['index']}] rank {s['dp_rank']}  {source}sample {s['sample']}"
+    at = f"  position {s['position']}" if "position" in s else ""
+    head = f"{indent}[{s['index']}] rank {s['dp_rank']}  {source}sample {s['sample']}{at}"
     lines = [head + (f"  docs {docs}" if docs else "")]
     if "text" in s:
         lines.append(
@@ -687,9 +696,9 @@ DEGREE_FROM = {
 
 
 def format_step(info: dict[str, Any], what: str) -> list[str]:
-    first, end = info["positions"]
+    first, end = info["slots"]
     lines = [
-        f"step {info['step']} of {what} ({info['status']}): positions {first}..{end - 1}, "
+        f"step {info['step']} of {what} ({info['status']}): slots {first}..{end - 1}, "
         f"{info['global_batch_size']} samples, DP degree {info['dp_degree']}"
         + DEGREE_FROM[info["dp_degree_from"]]
     ]

@@ -22,7 +22,9 @@ Glossary (one word per concept, used across the package):
 - position: an index in the global stream (0, 1, 2, ...; a mixture's "slot"); each
   position reads its source's *stream position* (the same index without skips); past
   the skips it is an *effective position*, which left-out samples map on to the
-  stream position (``exclusions``).
+  stream position (``exclusions``). What users read (``zephon show`` / ``where``, the
+  README) says it the design's way: a step's places are its *slots*, and a sample's
+  *position* is its stream position (the code's names follow in issue 29's renaming).
 - step: one optimizer step (1-based), covering ``gbs(step)`` consecutive positions.
 - slice: one DP rank's contiguous part of a step.
 - micro-batch: ``local_batch_size`` consecutive samples of a slice (one forward).

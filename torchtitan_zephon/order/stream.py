@@ -63,6 +63,11 @@ class StreamPlan(ABC):
     def ids_for_positions(self, first: int, count: int) -> np.ndarray:
         """Keys (int64) of positions [first, first + count)."""
 
+    @abstractmethod
+    def positions_of(self, first: int, count: int) -> np.ndarray:
+        """The stream position (int64) each of the layout's places [first, first + count)
+        reads, in its source's stream: past the skips and the left-out samples."""
+
     def _keys(self, first: int, count: int, step: int) -> np.ndarray:
         """Keys of positions [first, first + count) of step ``step`` (named in errors)."""
         return self.ids_for_positions(first, count)
@@ -202,6 +207,9 @@ class DataPlan(StreamPlan):
             p += take
             done += take
         return out + self.sample_offset
+
+    def positions_of(self, first: int, count: int) -> np.ndarray:
+        return self.stream_positions(first + np.arange(count, dtype=np.int64))
 
     def stream_positions(self, positions: np.ndarray) -> np.ndarray:
         """Stream positions (int64; epoch ``q // num_samples``) of the training positions

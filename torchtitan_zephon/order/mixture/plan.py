@@ -322,6 +322,15 @@ class MixturePlan:
         source's stream from the counts before its range; the ids are then looked up
         with one permutation call per source and epoch for the whole window.
         """
+        sources, positions = self.slot_positions(ranges)
+        if not sources.size:
+            return sources, positions
+        return sources, self._stream_ids(sources, positions, step)
+
+    def slot_positions(self, ranges: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, position in that source's stream) of the slots of ``ranges``,
+        concatenated in order; positions are past the skips and the left-out samples
+        (a source's epoch is its position // its num_samples)."""
         merged: list[tuple[int, int]] = []
         for first, count in ranges:  # adjacent ranges (one DP rank of one) as one
             if merged and merged[-1][0] + merged[-1][1] == first:
@@ -344,7 +353,7 @@ class MixturePlan:
         positions = np.concatenate(positions_parts)
         if self.skip_map is not None or self._excluding:  # past skips and left-out samples
             positions = self.stream_positions(positions, sources)
-        return sources, self._stream_ids(sources, positions, step)
+        return sources, positions
 
     def _stream_ids(
         self, sources: np.ndarray, positions: np.ndarray, step: int | None

@@ -37,6 +37,10 @@ class MixtureStream(StreamPlan):
         ranges = list(zip(starts.tolist(), counts.tolist(), strict=True))
         return make_keys(*self.mixture.ids_for_ranges(ranges))
 
+    def positions_of(self, first: int, count: int) -> np.ndarray:
+        """The stream position of each slot [first, first + count) in its source's stream."""
+        return self.mixture.slot_positions([(first, count)])[1]
+
     def decode(self, keys: np.ndarray) -> tuple[list[str], np.ndarray]:
         """(source name, per-source sample id) of each key."""
         sources, ids = split_keys(keys)
