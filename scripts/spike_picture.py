@@ -1,5 +1,5 @@
 """A loss spike caused by bad data, found, shown and rolled back with a skip: the
-README's "When a loss spike hits" picture (docs/spike_rollback.png), from real runs.
+"When a loss spike hits" picture of docs/operating.md (docs/spike_rollback.png), from real runs.
 
 1. A store with bad data: the builtin store with the samples that steps BAD_STEPS
    train on overwritten by repeated n-grams of random tokens (same size, so the same
@@ -12,7 +12,7 @@ README's "When a loss spike hits" picture (docs/spike_rollback.png), from real r
 
     python scripts/spike_picture.py [--out outputs/spike_demo] [--png docs/spike_rollback.png]
 
-A few minutes on 2 CPU cores. The same run folders serve the README's walkthrough.
+A few minutes on 2 CPU cores. The same run folders serve that guide's walkthrough.
 """
 
 from __future__ import annotations

@@ -173,7 +173,7 @@ def _suggest(key: str, prefix: str = "") -> str:
     )
     close = [k for r, k in scored[:3] if r >= 0.6 and r >= scored[0][0] - 0.05]  # the nearest only
     if not close:
-        return "No known key is spelled like it; TorchTitan 0.2.2 keys are [section] key names (see README)."
+        return "No known key is spelled like it; TorchTitan 0.2.2 keys are [section] key names (see docs/configs.md)."
     return "Did you mean " + " or ".join(prefix + c for c in close) + "?"
 
 
