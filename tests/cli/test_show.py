@@ -408,7 +408,8 @@ def test_each_step_is_shown_at_the_dp_degree_it_was_trained_at(store_path, store
     is shown at the degree of the job that trained it (show, where, in text and JSON);
     a step not trained yet at the run's current one, and said so."""
     from torchtitan_zephon import runs
-    from torchtitan_zephon.cli.show import open_step_data, step_samples
+    from torchtitan_zephon.cli.open_data import open_step_data
+    from torchtitan_zephon.cli.show import step_samples
     from torchtitan_zephon.cli.where import where
 
     source = StoreData(store, 8)

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from tests.cli.test_show import mixture_file, write_run  # noqa: F401 - a fixture
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.cli.show import StepData
+from torchtitan_zephon.cli.step_data import StepData
 from torchtitan_zephon.cli.where import where
 from torchtitan_zephon.job.data import MixtureData, StoreData
 from torchtitan_zephon.order.exclusions import Exclusions

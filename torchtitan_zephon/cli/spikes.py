@@ -37,16 +37,10 @@ import numpy as np
 
 from torchtitan_zephon import runs
 from torchtitan_zephon.cli.args import int_in, positive_float
+from torchtitan_zephon.cli.open_data import _checkpoint_folder, open_step_data
 from torchtitan_zephon.cli.plan import add_exclude_argument
-from torchtitan_zephon.cli.show import (
-    ShowError,
-    StepData,
-    _checkpoint_folder,
-    format_sample,
-    open_step_data,
-    say_notes,
-    step_samples,
-)
+from torchtitan_zephon.cli.show import format_sample, step_samples
+from torchtitan_zephon.cli.step_data import ShowError, StepData, say_notes
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
 

@@ -40,14 +40,8 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.cli.args import int_in
-from torchtitan_zephon.cli.show import (
-    ShowError,
-    StepData,
-    add_data_arguments,
-    document_span,
-    open_step_data,
-    say_notes,
-)
+from torchtitan_zephon.cli.open_data import add_data_arguments, open_step_data
+from torchtitan_zephon.cli.step_data import ShowError, StepData, document_span, say_notes
 from torchtitan_zephon.order.exclusions import ExclusionMap
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.permutation import Permutation

@@ -1,0 +1,155 @@
+"""What a step reads, for ``zephon show``, ``where`` and ``spikes``: ``StepData`` (a
+plan, the stores it names, the tokenizer, and for a run its last trained step and the
+DP degree each step was trained at), the documents a window of tokens belongs to, and
+``ShowError``, bad input to these commands (reported by ``cli.main`` in one line).
+
+Invariant: ``StepData`` only reads: the plan gives a step's sample keys, the stores
+their tokens and documents; nothing is replayed, so a step is O(1) to show.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.order.mixture.stream import MixtureStream
+from torchtitan_zephon.order.skips import SkipSteps
+from torchtitan_zephon.order.stream import StreamPlan, split_keys
+from torchtitan_zephon.store.reader import TokenStore
+
+MAX_CHARS = 200
+"""Default --max-chars: characters of decoded text shown per sample."""
+
+
+class ShowError(ValueError):
+    """Bad input to show / where / spikes (reported by ``cli.main`` in one line)."""
+
+
+@dataclass
+class StepData:
+    """What a step reads: the plan, the store of each source (None: not found), the
+    tokenizer (None: not found) and, for a run, its last trained step."""
+
+    what: str
+    plan: StreamPlan
+    config: DataConfig
+    names: list[str]
+    stores: list[TokenStore | None]
+    tokenizer: Any
+    seq_len: int
+    dp_degree: int = 1
+    trained_last: int | None = None
+    notes: list[str] = field(default_factory=list)
+    trained_degree: Callable[[int], int | None] | None = None
+    """A run's: the DP degree of the job (start or resume event) that trained a step."""
+
+    @property
+    def skips(self) -> SkipSteps:
+        return self.config.skip_steps
+
+    @property
+    def first_step(self) -> int:
+        return self.plan.anchor_step
+
+    def check_step(self, step: int) -> None:
+        """Refuse a step the plan does not define (before the first step, past a
+        mixture source's max_epochs)."""
+        if step < self.first_step:
+            after = (
+                f" (the run's data config counts positions from step {self.first_step})"
+                if self.first_step > 1
+                else " (steps are 1-based)"
+            )
+            raise ShowError(
+                f"step {step} is before the first step {self.first_step} of {self.what}{after}; "
+                f"pass --step {self.first_step} or later."
+            )
+        if isinstance(self.plan, MixtureStream):
+            self.plan.mixture.check_max_epochs(step)
+
+    def degree_at(self, step: int) -> tuple[int, str]:
+        """The DP degree ``step``'s samples are shown at, and where it comes from:
+        "trained" (a run's trained step: the degree of the job that trained it),
+        "current" (a run's step not trained yet: the run's newest job's degree) or
+        "default" (a store or mixture: ``dp_degree``)."""
+        if self.trained_degree is None:
+            return self.dp_degree, "default"
+        if self.status(step) == "trained":
+            degree = self.trained_degree(step)
+            if degree is not None:
+                return degree, "trained"
+        return self.dp_degree, "current"
+
+    def status(self, step: int) -> str:
+        """``trained`` (a run's step at or before its last) or ``planned``."""
+        if self.trained_last is not None and step <= self.trained_last:
+            return "trained"
+        return "planned"
+
+    def sample(self, key: int, *, max_chars: int = MAX_CHARS) -> dict[str, Any]:
+        """Source, sample id, documents and decoded text of the sample ``key``."""
+        sources, ids = split_keys(np.array([key], dtype=np.int64))
+        i, sid = int(sources[0]), int(ids[0])
+        out: dict[str, Any] = {"source": self.names[i], "sample": sid}
+        store = self.stores[i]
+        if store is None:
+            return out
+        start, stop = sid * self.seq_len, (sid + 1) * self.seq_len  # the input tokens
+        out["tokens"] = [start, stop]
+        out["documents"] = window_documents(store, start, stop)
+        if self.tokenizer is not None:
+            tokens = np.asarray(store.window(sid, self.seq_len))[:-1]
+            text = self.tokenizer.decode(tokens.tolist(), skip_special_tokens=False)
+            out["text"] = text if max_chars == 0 or len(text) <= max_chars else text[:max_chars]
+            out["text_cut"] = max_chars != 0 and len(text) > max_chars
+        return out
+
+
+def window_documents(store: TokenStore, start: int, stop: int) -> list[dict[str, int]]:
+    """The documents tokens [start, stop) belong to: id, the window's [start, stop)
+    within the document, and the document's length."""
+    offsets = store.doc_offsets
+    if offsets is None:
+        return []
+    first = int(np.searchsorted(offsets, start, side="right")) - 1
+    last = int(np.searchsorted(offsets, stop - 1, side="right")) - 1
+    out = []
+    for d in range(first, last + 1):
+        d0 = int(offsets[d])
+        d1 = int(offsets[d + 1]) if d + 1 < len(offsets) else store.num_tokens
+        out.append(
+            {
+                "document": d,
+                "start": max(d0, start) - d0,
+                "stop": min(d1, stop) - d0,
+                "length": d1 - d0,
+            }
+        )
+    return out
+
+
+def document_span(store: TokenStore, doc: int) -> tuple[int, int]:
+    """Tokens [first, end) of document ``doc``; ShowError when there is no such document."""
+    if store.doc_offsets is None:
+        raise ShowError(f"the store {store.path} does not expose its document offsets.")
+    n = store.num_documents
+    if not 0 <= doc < n:
+        raise ShowError(
+            f"document {doc} is not in the store {store.path}, which holds documents 0 .. {n - 1}."
+        )
+    first = int(store.doc_offsets[doc])
+    end = int(store.doc_offsets[doc + 1]) if doc + 1 < n else store.num_tokens
+    return first, end
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def say_notes(data: StepData, command: str) -> None:
+    for note in data.notes:
+        print(f"zephon {command}: note: {note}", file=sys.stderr)
