@@ -6,8 +6,6 @@ several) into an infinite iterator of
 DP rank, prefetched in the background, and save/restore its position as one
 small record that is the same on every rank. The plan yields sample keys
 (sample ids for one store); ``source.windows`` gathers their tokens.
-``document_positions`` is the per-document position of each input token, a
-pure function of the window (the TorchTitan adapter adds it to each batch).
 
 Invariants:
 - For steps s = next_step, next_step + 1, ... the loader yields exactly the
@@ -80,7 +78,7 @@ from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import DataUnreadable, StoreError
 from torchtitan_zephon.store.reader import TokenStore
 
-__all__ = ["DataStateMismatch", "MicroBatch", "ZephonLoader", "document_positions"]
+__all__ = ["DataStateMismatch", "MicroBatch", "ZephonLoader"]
 
 MicroBatch = tuple[dict[str, torch.Tensor], torch.Tensor]
 # A micro-batch slot of the rank's stream: (step, index within the step, last of the step).
@@ -447,17 +445,3 @@ def _out_of_vocab(
     source: JobData, keys: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
 ) -> str:
     return source.out_of_vocab(keys, tokens, limit)
-
-
-def document_positions(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Per-document positions of a micro-batch's inputs ``[b, L]``: a pure function of
-    the sample windows. Each row counts 0, 1, 2, ... from its first token and again
-    from 0 at the token after each ``eos_id``; document offsets are not read.
-    TorchTitan 0.3 builds block-causal masks (and RoPE positions) from them."""
-    length = inputs.shape[-1]
-    index = torch.arange(length, dtype=torch.int64).expand_as(inputs)
-    starts = torch.zeros_like(inputs, dtype=torch.bool)
-    starts[..., 0] = True
-    starts[..., 1:] = inputs[..., :-1] == eos_id
-    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
-    return index - last_start

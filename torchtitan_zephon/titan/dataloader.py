@@ -14,7 +14,7 @@ next step, consumed positions, anchor) with the sequence tracker's chain head. I
 replaces TorchTitan's per-DP-rank pickles, so DCP saves it once (under
 ``dataloader``) and any world size can load it. Every batch is
 ``({"input": [b, L], "positions": [b, L]}, labels [b, L])``; the positions restart at
-each window's first token and after each EOS (``loader.document_positions``).
+each window's first token and after each EOS (``attention.document_positions``).
 """
 
 from __future__ import annotations
@@ -31,11 +31,12 @@ import tyro
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.loader import ZephonLoader, document_positions
+from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.data_config import DataStateMismatch, data_extra
 from torchtitan_zephon.order.mixture.plan import deviation_warning
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
+from torchtitan_zephon.titan.attention import document_positions
 from torchtitan_zephon.titan.job_data import (
     batch_schedule,
     check_tokenizer,

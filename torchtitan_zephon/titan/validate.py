@@ -44,11 +44,10 @@ from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.loader import document_positions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import DataUnreadable, StoreError
-from torchtitan_zephon.titan.attention import with_document_masks
+from torchtitan_zephon.titan.attention import document_positions, with_document_masks
 from torchtitan_zephon.titan.job_data import (
     batch_schedule,
     eos_id_of,
