@@ -18,13 +18,12 @@ from typing import Any
 
 from torchtitan_zephon.tracker.blocks import RecordRun
 from torchtitan_zephon.tracker.reader import (
-    LogProblem,
     LogReader,
     record_of_row,
     resolve,
     rows_of_batches,
 )
-from torchtitan_zephon.tracker.records import TrackerError
+from torchtitan_zephon.tracker.records import LogProblem, TrackerError
 
 _BLOCK = 4096
 

@@ -47,6 +47,7 @@ from torchtitan_zephon.tracker.pieces import has_event, pieces, regions, split_l
 from torchtitan_zephon.tracker.records import (
     LOG_NAME,
     RECORD_LINE,
+    LogProblem,
     TrackerError,
     chain_next,
     chain_of_line,
@@ -59,19 +60,6 @@ FIELDS = ("step", "first_position", "num_samples", "ids_digest", "tokens_digest"
 """A record's fields in the order ``LogReader.rows()`` gives them."""
 MAX_PROBLEMS = 100
 """Problems kept in detail; the rest are counted."""
-
-
-@dataclass
-class LogProblem:
-    """The first place where a log stops being its own proof."""
-
-    line: int
-    step: int | None
-    kind: str
-    """``chain`` (a record's chain does not follow), ``order`` (a gap, a repeated or
-    reordered step), ``event`` (a start, resume or skip event that does not link up),
-    ``orphan`` (a step record before any start event)."""
-    message: str
 
 
 def resolve(path: str | os.PathLike) -> Path:

@@ -1,4 +1,6 @@
-"""What the sequence log is made of: its path, record and event formats, digests, chain.
+"""What the sequence log is made of: its path, record and event formats, digests, chain,
+and ``LogProblem``, the first place a log stops being its own proof (the reader finds
+them; ``step_order`` and ``links`` report them through it).
 
 Invariant: a step record's line is ``canonical_json(body)`` with ``,"chain":"<hex>"``
 spliced in before the closing brace, where ``chain = sha256(previous chain +
@@ -12,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +114,16 @@ def fields_of_line(line: bytes) -> dict[str, Any] | None:
     if tokens is not None:
         out["tokens_digest"] = tokens.decode()
     return out
+
+
+@dataclass
+class LogProblem:
+    """The first place where a log stops being its own proof."""
+
+    line: int
+    step: int | None
+    kind: str
+    """``chain`` (a record's chain does not follow), ``order`` (a gap, a repeated or
+    reordered step), ``event`` (a start, resume or skip event that does not link up),
+    ``orphan`` (a step record before any start event)."""
+    message: str

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from torchtitan_zephon.tracker.reader import LogProblem
+from torchtitan_zephon.tracker.records import LogProblem
 
 Report = Callable[[int, "int | None", str, str], "LogProblem | None"]
 """``LogReader._problem``: count a problem (line, step, kind, message), return it if kept."""
