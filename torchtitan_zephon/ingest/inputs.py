@@ -34,42 +34,13 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from torchtitan_zephon.ingest import objects
+from torchtitan_zephon.ingest.input_file import (
+    GLOB_CHARS,
+    InputFile,
+    kind_of,
+)
 from torchtitan_zephon.store.format import StoreError, is_store
-
-
-@dataclass(frozen=True)
-class RemoteObject:
-    """Where a source in object storage is (``objects.list_inputs``): its listing entry."""
-
-    scheme: str
-    bucket: str
-    prefix: str  # the URL's fixed prefix; ``name`` is below it
-    url: str  # the prefix's URL as given (may hold a query string: never printed)
-    shown: str  # the object's URL as messages print it (redacted)
-    name: str
-    size: int
-    e_tag: str | None
-    mtime_ns: int
-
-
-@dataclass(frozen=True)
-class InputFile:
-    """One input file (or Hugging Face dataset folder) of a prepare, as resolved."""
-
-    name: str  # relative, stable name recorded in the manifest
-    path: Path  # for an object in object storage: its spool file (``objects.fetch``)
-    kind: str  # a key of READERS
-    splits: tuple[str, ...] | None = None
-    """The splits read, for a Hugging Face DatasetDict folder (``select_splits``); None
-    for any other source (a single Dataset folder is read whole)."""
-    remote: RemoteObject | None = None
-    """The object this source is, when it is in object storage (read from ``path`` once
-    ``objects.fetch`` has streamed it there); None for a local file."""
-
-    @property
-    def shown(self) -> str:
-        """How messages name the source: its path, or its object's URL."""
-        return self.remote.shown if self.remote is not None else str(self.path)
 
 
 @dataclass(frozen=True)
@@ -107,13 +78,6 @@ DEFAULT_SPLIT = "train"
 
 
 # (name suffixes, kind), tried in order; anything else is read as text.
-KINDS: list[tuple[tuple[str, ...], str]] = [
-    ((".jsonl", ".jsonl.gz", ".ndjson"), "jsonl"),
-    ((".json",), "json"),
-    ((".parquet",), "parquet"),
-]
-
-
 def _is_hf_dataset(path: Path) -> bool:
     return path.is_dir() and any(
         (path / f).is_file() for f in ("dataset_info.json", "state.json", "dataset_dict.json")
@@ -198,18 +162,6 @@ def select_splits(
 
 def _kind_of(path: Path) -> str:
     return kind_of(path.name)
-
-
-def kind_of(name: str) -> str:
-    """The kind (a key of ``readers.READERS``) of a file or object named ``name``."""
-    name = name.lower()
-    for suffixes, kind in KINDS:
-        if name.endswith(suffixes):
-            return kind
-    return "text"
-
-
-GLOB_CHARS = frozenset("*?[")
 
 
 def expand_input(raw: str) -> list[str]:
@@ -319,7 +271,6 @@ def _is_object_url(value: str) -> bool:
 
 def _resolve_objects(inputs: list[str], urls: list[str], spool: Path | None) -> list[InputFile]:
     """``resolve_inputs`` of inputs in object storage (every one of them a URL)."""
-    from torchtitan_zephon.ingest import objects
     from torchtitan_zephon.ingest.cache_folder import cache_root
     from torchtitan_zephon.store.location import redact
 

@@ -36,7 +36,7 @@ import posixpath
 import uuid
 from pathlib import Path
 
-from torchtitan_zephon.ingest.inputs import GLOB_CHARS, InputFile, RemoteObject, kind_of
+from torchtitan_zephon.ingest.input_file import GLOB_CHARS, InputFile, RemoteObject, kind_of
 from torchtitan_zephon.store.format import MANIFEST, STORE_FILES, StoreError
 from torchtitan_zephon.store.location import ObjectFiles, ObjectURL, parse_url, redact
 
