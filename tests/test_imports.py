@@ -286,3 +286,35 @@ def test_lint_imports_fails_on_an_unplaced_top_level_module(tmp_path: Path) -> N
     out = re.sub(r"\s+", " ", result.stdout + result.stderr)
     assert result.returncode == 1, out
     assert "torchtitan_zephon.extras" in out
+
+
+def _package_imports() -> list[tuple[str, int, str, str]]:
+    """Every ``from torchtitan_zephon... import NAME`` of the package, the tests and the
+    scripts, at module level or inside a function: (file, line, module, name)."""
+    out = []
+    for root in (PACKAGE, REPO / "tests", REPO / "scripts"):
+        for path in sorted(root.rglob("*.py")):
+            tree = ast.parse(path.read_text(), str(path))
+            for node in ast.walk(tree):
+                if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                    if node.module.split(".")[0] == "torchtitan_zephon":
+                        for alias in node.names:
+                            out.append((str(path.relative_to(REPO)), node.lineno, node.module,
+                                        alias.name))  # fmt: skip
+    return out
+
+
+def test_every_name_imported_from_the_package_exists():
+    """A name moved to another module (a refactor) leaves no import behind, also one
+    inside a function that no test runs."""
+    import importlib
+
+    missing = []
+    for where, line, module, name in _package_imports():
+        mod = importlib.import_module(module)
+        if name != "*" and not hasattr(mod, name):
+            try:
+                importlib.import_module(f"{module}.{name}")
+            except ImportError:
+                missing.append(f"{where}:{line}: {module} has no {name}")
+    assert not missing, "\n".join(missing)

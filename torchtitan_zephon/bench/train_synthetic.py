@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from torchtitan_zephon import configs as _configs
-from torchtitan_zephon.loader import document_positions
+from torchtitan_zephon.titan.attention import document_positions
 from torchtitan_zephon.titan.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.trainer import ZephonTrainer
 
