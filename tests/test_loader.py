@@ -392,7 +392,7 @@ def test_retry_after_a_mid_step_failure_resumes_at_the_failed_micro_batch(
 
 def test_an_internal_error_class_is_shown_by_its_public_name():
     """An outage's internal ``_Unanswered`` reads as StoreError in every message."""
-    from torchtitan_zephon.store.location import MissingObject, _Unanswered
+    from torchtitan_zephon.store.object_faults import MissingObject, _Unanswered
 
     assert error_kind(_Unanswered("reading s3://b/x took longer")) == "StoreError"
     assert error_kind(MissingObject("gone")) == "MissingObject"

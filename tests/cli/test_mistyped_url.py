@@ -15,7 +15,7 @@ from tests.titan.expect import assert_refused
 from tests.titan.launch import train03
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
-from torchtitan_zephon.store.location import mistyped_url
+from torchtitan_zephon.store.urls import mistyped_url
 
 TOK = str(TOKENIZER_DIR)
 

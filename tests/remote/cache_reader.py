@@ -8,8 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_zephon.store.location import parse_url
 from torchtitan_zephon.store.remote import RemoteOptions, RemoteTokenStore
+from torchtitan_zephon.store.urls import parse_url
 
 
 def read(url: str, root: str, ids: list[int], seq_len: int, endpoint: str, out) -> None:  # noqa: ANN001

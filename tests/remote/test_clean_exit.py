@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 
 from torchtitan_zephon.store.format import StoreError
-from torchtitan_zephon.store.location import ObjectFiles, parse_url
+from torchtitan_zephon.store.location import ObjectFiles
 from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.urls import parse_url
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -18,9 +18,9 @@ from tests.conftest import copy_store, edit_token
 from tests.remote.conftest import SECRET, SESSION
 from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
 from torchtitan_zephon.store.format import StoreError
-from torchtitan_zephon.store.location import parse_url, redact, scrub
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.remote import RemoteOptions, RemoteTokenStore
+from torchtitan_zephon.store.urls import parse_url, redact, scrub
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.store.location import _Gate
+from torchtitan_zephon.store.object_client import _Gate
 
 OPS = st.lists(
     st.one_of(

@@ -202,7 +202,9 @@ def _boto_keys() -> dict[str, str]:
 def download_store(url: str, folder: Path) -> int:
     """The naive way: every file of the store at ``url`` downloaded whole into
     ``folder`` (one GET each); the bytes fetched."""
-    from torchtitan_zephon.store.location import MissingObject, ObjectFiles, parse_url
+    from torchtitan_zephon.store.location import ObjectFiles
+    from torchtitan_zephon.store.object_faults import MissingObject
+    from torchtitan_zephon.store.urls import parse_url
 
     files = ObjectFiles(parse_url(url))
     folder.mkdir(parents=True, exist_ok=True)
@@ -221,7 +223,8 @@ def download_store(url: str, folder: Path) -> int:
 def request_ms(url: str, gets: int) -> float:
     """Median time of ``gets`` single range GETs of 4 KiB of tokens.bin at ``url``, one
     at a time (what one request costs: the added latency plus the server's own time)."""
-    from torchtitan_zephon.store.location import ObjectFiles, parse_url
+    from torchtitan_zephon.store.location import ObjectFiles
+    from torchtitan_zephon.store.urls import parse_url
 
     files = ObjectFiles(parse_url(url))
     try:
@@ -345,8 +348,7 @@ def _model_step(config: Any) -> Any:
     kind and clipping; attention as the trainer runs it on CPU: DocumentSDPA)."""
     import torch
 
-    from torchtitan_zephon.loader import document_positions
-    from torchtitan_zephon.titan.attention import document_mask
+    from torchtitan_zephon.titan.attention import document_mask, document_positions
     from torchtitan_zephon.titan.platform import cpu_config_defaults
 
     cpu_config_defaults(config)

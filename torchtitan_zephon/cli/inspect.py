@@ -39,10 +39,10 @@ from torchtitan_zephon.store.format import (
     is_store,
     num_blocks,
 )
-from torchtitan_zephon.store.location import is_url, parse_url, redact, refuse_mistyped_url
 from torchtitan_zephon.store.opening import read_blocks_info
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.upgrade import add_block_checksums, upgrade_store
+from torchtitan_zephon.store.urls import is_url, parse_url, redact, refuse_mistyped_url
 
 
 def _describe_store(path: Path) -> dict[str, Any]:

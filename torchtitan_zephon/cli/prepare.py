@@ -26,12 +26,7 @@ from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.ingest.ranks import PrepareFailed
 from torchtitan_zephon.ingest.units import UNIT_BYTES
 from torchtitan_zephon.store.format import BLOCK_TOKENS, MAX_BLOCK_TOKENS
-from torchtitan_zephon.store.location import (
-    is_url,
-    local_path,
-    refuse_mistyped_url,
-    refuse_url,
-)
+from torchtitan_zephon.store.urls import is_url, local_path, refuse_mistyped_url, refuse_url
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

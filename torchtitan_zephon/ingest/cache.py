@@ -59,7 +59,7 @@ from torchtitan_zephon.store.format import (
     StoreError,
     is_store,
 )
-from torchtitan_zephon.store.location import is_url, redact
+from torchtitan_zephon.store.urls import is_url, redact
 
 STORE_FILES = (
     MANIFEST,

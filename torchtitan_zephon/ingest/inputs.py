@@ -272,7 +272,7 @@ def _is_object_url(value: str) -> bool:
 def _resolve_objects(inputs: list[str], urls: list[str], spool: Path | None) -> list[InputFile]:
     """``resolve_inputs`` of inputs in object storage (every one of them a URL)."""
     from torchtitan_zephon.ingest.cache_folder import cache_root
-    from torchtitan_zephon.store.location import redact
+    from torchtitan_zephon.store.urls import redact
 
     local = [raw for raw in inputs if raw not in urls]
     if local:

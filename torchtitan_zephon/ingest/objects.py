@@ -4,7 +4,7 @@ Role: an input URL (``s3://bucket/corpus/*.jsonl.gz``, a prefix, one object, a
 comma-separated list of them) becomes sources (``inputs.InputFile`` with ``remote``
 set) by one listing: ``list_inputs``. An object is read by the local readers from a
 spool file on node-local disk (``fetch``: streamed there a chunk at a time, so
-memory stays bounded by ``location.DOWNLOAD_CHUNK``; the disk holds the objects a
+memory stays bounded by ``object_client.DOWNLOAD_CHUNK``; the disk holds the objects a
 rank reads, removed by ``release`` once the store is written). ``check_output`` and
 ``upload_store`` are ``prepare --output URL``'s: the prefix must hold no store, and
 the store's files are uploaded with manifest.json last.
@@ -38,7 +38,8 @@ from pathlib import Path
 
 from torchtitan_zephon.ingest.input_file import GLOB_CHARS, InputFile, RemoteObject, kind_of
 from torchtitan_zephon.store.format import MANIFEST, STORE_FILES, StoreError
-from torchtitan_zephon.store.location import ObjectFiles, ObjectURL, parse_url, redact
+from torchtitan_zephon.store.location import ObjectFiles
+from torchtitan_zephon.store.urls import ObjectURL, parse_url, redact
 
 SPOOL = "remote-inputs"
 """The cache's folder of spool files (objects being read by a prepare)."""
@@ -53,7 +54,7 @@ CHANGED_INPUT = (
 
 def is_object_url(value: str) -> bool:
     """True for an object-storage URL (``file://`` URLs are local paths)."""
-    from torchtitan_zephon.store.location import is_url
+    from torchtitan_zephon.store.urls import is_url
 
     return is_url(value) and not value.lower().startswith("file://")
 
@@ -101,7 +102,7 @@ def _listing(url: ObjectURL) -> list[dict]:
 
 def _head(url: ObjectURL, name: str) -> dict | None:
     """The listing entry of the one object ``name`` under ``url`` (None: there is none)."""
-    from torchtitan_zephon.store.location import MissingBucket, MissingObject
+    from torchtitan_zephon.store.object_faults import MissingBucket, MissingObject
 
     files = ObjectFiles(url)
     try:

@@ -77,8 +77,8 @@ from torchtitan_zephon.store.format import (
     check_block_tokens,
     fingerprint,
 )
-from torchtitan_zephon.store.location import ObjectURL
 from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.urls import ObjectURL
 
 
 class PrepareInterrupted(KeyboardInterrupt):

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.store.location import scrub
+from torchtitan_zephon.store.urls import scrub
 
 RUN_DATA = "run_data.json"
 """The file's name in the run folder's ``zephon/`` (beside the sequence log)."""

@@ -40,7 +40,7 @@ from torchtitan_zephon.order.layout import (
     no_sample_text,
     store_fix,
 )
-from torchtitan_zephon.store.location import REQUEST_TIMEOUT_S, redact, refuse_url
+from torchtitan_zephon.store.object_client import REQUEST_TIMEOUT_S
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.remote import (
     CACHE_BYTES,
@@ -48,6 +48,7 @@ from torchtitan_zephon.store.remote import (
     READ_AHEAD_STEPS,
     RemoteOptions,
 )
+from torchtitan_zephon.store.urls import redact, refuse_url
 
 Log = Callable[[str], None]
 

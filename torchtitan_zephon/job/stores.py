@@ -25,8 +25,8 @@ from torchtitan_zephon.ingest.builtin import builtin_store_path
 from torchtitan_zephon.ingest.cache import RawInputs, names_raw_objects, names_store, raw_store
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
 from torchtitan_zephon.store.format import BUILTIN_PREFIX, StoreError
-from torchtitan_zephon.store.location import is_url, parse_url, redact, refuse_mistyped_url
 from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.urls import is_url, parse_url, redact, refuse_mistyped_url
 
 
 def store_location(

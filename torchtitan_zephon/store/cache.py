@@ -55,7 +55,7 @@ from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from torchtitan_zephon.store.location import refuse_url
+from torchtitan_zephon.store.urls import refuse_url
 
 FOLDER = "remote-blocks"
 """The cache's subfolder of the store cache folder."""

@@ -1,10 +1,7 @@
 """Where a store's bytes come from: a local folder, or a prefix in object storage.
 
-Role: the one owner of locations. ``is_url`` tells a URL from a local path (a URL is
-never taken as a path: ``Path("s3://b/x")`` would silently become the folder ``s3:``);
-``parse_url`` checks one (scheme, bucket, prefix); ``redact`` is how a URL is printed
-(query strings, which may hold an Azure SAS token, never are); ``refuse_url`` is what
-a command or setting that takes local paths only says to a URL. ``ObjectFiles`` reads
+Role: reading and writing object storage (how a location is named, parsed and printed
+is ``store.urls``'). ``ObjectFiles`` reads
 the files of a store prefix through obstore: whole files, and byte ranges in batches
 with a bounded number of requests in flight, on one background thread; for
 ``zephon prepare`` it also lists a prefix (``listing``), streams an object to a local
@@ -18,22 +15,8 @@ Design:
   metadata) is built in. fsspec (s3fs, gcsfs, adlfs) was the alternative: three
   separately maintained back ends with their own options and credential rules, and
   Python-level asyncio per request. ``file://`` URLs are local folders (memory-mapped).
-- Credentials: each cloud's standard environment (``AWS_*``, ``GOOGLE_*``,
-  ``AZURE_*``) read by obstore; an S3-compatible endpoint is ``AWS_ENDPOINT_URL``.
-  Plain http is allowed for a loopback endpoint (127.0.0.1, ::1, localhost) without
-  opt-in, elsewhere only with ``AWS_ALLOW_HTTP=true``. Credential discovery and every
-  request are time-limited (``request_timeout_s`` per attempt); the first request of a
-  store is its credential check, and a failure there names the variables looked for.
-- Faults: transient failures (500/502/503/504, throttling, an attempt over its time
-  limit, a reset connection, a body cut short) are retried by obstore, with exponential
-  backoff and jitter, ``RETRIES`` times after the first attempt (obstore knows each
-  cloud's transient answers); a well-formed answer shorter than asked is retried here the
-  same number of times. What cannot get better by waiting stops at once with an error
-  naming the object and what to do: 403, a missing object or bucket, an object changed
-  since open (412 on ``If-Match``), missing credentials.
-- Secrets never reach a message: obstore's error texts (which print request URLs) are
-  not passed on; messages are written here from the error's kind, with URLs redacted
-  and the values of the secret variables scrubbed.
+- Credentials and the client's options: ``object_client``.
+- Faults and their messages: ``object_faults``.
 - Integrity of a remote read: the ETag of every file is recorded when the store is
   opened and sent as ``If-Match`` on every read, so an object replaced while a job
   reads it is an error (naming the object), never a mix of two versions. ETags are
@@ -56,288 +39,36 @@ a step waits for now, not read ahead) before the others: read-ahead never starve
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
-import re
 import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
-from urllib.parse import urlsplit
 
 from torchtitan_zephon.store.format import StoreError
-
-URL_RE = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
-OBJECT_SCHEMES = ("s3", "gs", "az")
-SCHEMES = (*OBJECT_SCHEMES, "file")
-REQUEST_TIMEOUT_S = 30.0
-"""Time limit of one attempt of a request (credential discovery included)."""
-RETRIES = 4
-"""Attempts after the first for a transient failure: 500 / 502 / 503 / 504, throttling
-(429, S3's 503 SlowDown), an attempt over its time limit, a reset or refused connection,
-a body cut short."""
-BACKOFF_S = (0.1, 2.0)
-"""First and largest wait before a retry (doubling, with jitter: obstore's backoff)."""
-MAX_REQUESTS = 16
-"""Range requests in flight per store, at most."""
-DOWNLOAD_CHUNK = 8 << 20
-"""Bytes held in memory at a time while an object streams to a local file."""
-UPLOAD_PART = 16 << 20
-"""Part size of a multipart upload (files larger than this are uploaded in parts)."""
-
-CREDENTIAL_VARIABLES = {
-    "s3": (
-        "AWS_ACCESS_KEY_ID + AWS_SECRET_ACCESS_KEY (+ AWS_SESSION_TOKEN), "
-        "AWS_WEB_IDENTITY_TOKEN_FILE + AWS_ROLE_ARN, AWS_CONTAINER_CREDENTIALS_RELATIVE_URI "
-        "or _FULL_URI, then the instance metadata service (AWS_ENDPOINT_URL for an "
-        "S3-compatible endpoint; AWS_SKIP_SIGNATURE=true for a public bucket)"
-    ),
-    "gs": (
-        "GOOGLE_SERVICE_ACCOUNT (or GOOGLE_SERVICE_ACCOUNT_PATH / GOOGLE_SERVICE_ACCOUNT_KEY), "
-        "GOOGLE_APPLICATION_CREDENTIALS, then the instance metadata service"
-    ),
-    "az": (
-        "AZURE_STORAGE_ACCOUNT_NAME with AZURE_STORAGE_ACCOUNT_KEY, AZURE_STORAGE_SAS_KEY, "
-        "or AZURE_CLIENT_ID + AZURE_CLIENT_SECRET + AZURE_TENANT_ID (or a federated token "
-        "file), then the instance metadata service"
-    ),
-}
-SECRET_VARIABLES = (
-    "AWS_SECRET_ACCESS_KEY",
-    "AWS_SESSION_TOKEN",
-    "AWS_ACCESS_KEY_ID",
-    "GOOGLE_SERVICE_ACCOUNT_KEY",
-    "AZURE_STORAGE_ACCOUNT_KEY",
-    "AZURE_STORAGE_SAS_KEY",
-    "AZURE_STORAGE_SAS_TOKEN",
-    "AZURE_CLIENT_SECRET",
+from torchtitan_zephon.store.object_client import (
+    BACKOFF_S,
+    DOWNLOAD_CHUNK,
+    MAX_REQUESTS,
+    REQUEST_TIMEOUT_S,
+    RETRIES,
+    UPLOAD_PART,
+    _client_options,
+    _Gate,
+    _serve,
+    _stop,
+    stamp_ns,
 )
-
-
-class MissingObject(StoreError):
-    """An object (or its bucket) that does not exist."""
-
-
-class _Unanswered(StoreError):
-    """A request that failed on every attempt for want of a working endpoint (no answer,
-    failing or throttling answers, a refused or reset connection): it fails the other
-    reads pending (``ObjectFiles``)."""
-
-
-class _Gate:
-    """``size`` slots for requests, on the fetch thread's loop: a slot freed goes to the
-    oldest urgent waiter, else to the oldest other one."""
-
-    def __init__(self, size: int) -> None:
-        from collections import deque
-
-        self.free = size
-        self.waiting: tuple[Any, Any] = (deque(), deque())  # urgent, read ahead
-
-    async def acquire(self, urgent: bool) -> None:
-        if self.free and not any(self.waiting):
-            self.free -= 1
-            return
-        slot = asyncio.get_running_loop().create_future()
-        self.waiting[0 if urgent else 1].append(slot)
-        try:
-            await slot
-        except asyncio.CancelledError:  # a cancelled waiter's slot is skipped by release
-            if slot.done() and not slot.cancelled():  # given the slot, then cancelled
-                self.release()
-            raise
-
-    def release(self) -> None:
-        for queue in self.waiting:
-            while queue:
-                slot = queue.popleft()
-                if not slot.done():
-                    slot.set_result(None)
-                    return
-        self.free += 1
-
-
-class MissingBucket(MissingObject):
-    """The bucket (container) itself does not exist."""
-
-
-def is_url(value: str | os.PathLike) -> bool:
-    """True when ``value`` is written as a URL (``scheme://...``), whatever the scheme."""
-    return isinstance(value, str) and URL_RE.match(value) is not None
-
-
-_ONE_SLASH = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*):/(?!/)")
-
-
-def mistyped_url(value: Any) -> str | None:
-    """The URL meant by a location written as a URL of a scheme zephon reads with one
-    slash (``s3:/bucket/q`` -> ``s3://bucket/q``), else None."""
-    m = _ONE_SLASH.match(value) if isinstance(value, str) else None
-    if m is None or m.group(1).lower() not in SCHEMES:
-        return None
-    scheme = m.group(1)
-    return f"{scheme}://{'/' if scheme.lower() == 'file' else ''}{value[m.end() :]}"
-
-
-def refuse_mistyped_url(value: Any, what: str) -> None:
-    """A StoreError for a ``mistyped_url``, which would otherwise be taken as the local
-    path ``./s3:/bucket/q``; ``what`` names the option or argument."""
-    fixed = mistyped_url(value)
-    if fixed is None:
-        return
-    scheme = fixed.split(":", 1)[0]
-    raise StoreError(
-        f"{what} {redact(value)!r} starts with the URL scheme {scheme}: and one slash; a URL "
-        f"has two, and zephon never takes it as a local path. Did you mean {redact(fixed)!r}?"
-    )
-
-
-def redact(value: str) -> str:
-    """``value`` as it may be printed: the query string of any URL in it (a SAS token,
-    a signature) replaced by ``?<redacted>``, and any user info (``user:password@``)
-    by ``<redacted>@``."""
-    value = re.sub(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://)[^\s/?@'\"]*@", r"\1<redacted>@", value)
-    return re.sub(r"(\b[A-Za-z][A-Za-z0-9+.\-]*://[^\s?'\"]*)\?[^\s'\"]*", r"\1?<redacted>", value)
-
-
-def scrub(text: str) -> str:
-    """``text`` with URLs redacted and the value of every secret variable removed."""
-    text = redact(text)
-    for name in SECRET_VARIABLES:
-        secret = os.environ.get(name, "")
-        if len(secret) >= 4:
-            text = text.replace(secret, f"<{name}>")
-    return text
-
-
-@dataclass(frozen=True)
-class ObjectURL:
-    """A checked object-storage URL: ``scheme://bucket/prefix`` (no trailing slash)."""
-
-    scheme: str
-    bucket: str
-    prefix: str
-    text: str  # as given, for obstore (may hold a query string: never printed)
-
-    @property
-    def shown(self) -> str:
-        """The URL as messages print it (redacted)."""
-        return redact(self.text.rstrip("/"))
-
-    def child(self, name: str) -> str:
-        """The shown URL of the file ``name`` under the prefix."""
-        return f"{self.shown.split('?')[0]}/{name}"
-
-
-def parse_url(value: str, what: str = "a store", *, pattern: bool = False) -> ObjectURL | str:
-    """The object URL ``value`` names, or the local path of a ``file://`` URL; a
-    StoreError for an unknown scheme, credentials in the URL, or a URL without bucket
-    or (unless ``pattern``: raw inputs, a glob or a whole bucket allowed) prefix."""
-    m = URL_RE.match(value)
-    if m is None:
-        raise StoreError(f"{redact(value)!r} is not a URL.")
-    scheme = m.group(1).lower()
-    if scheme not in SCHEMES:
-        raise StoreError(
-            f"{what} {redact(value)!r} has the URL scheme {scheme!r}, which zephon does not "
-            f"read: expected one of {', '.join(s + '://' for s in SCHEMES)}, or a local path."
-        )
-    parts = urlsplit(value)
-    if scheme == "file":
-        if parts.netloc not in ("", "localhost") or not parts.path:
-            raise StoreError(
-                f"{what} {redact(value)!r}: a file:// URL names a local absolute path, "
-                "file:///path/to/store; found none."
-            )
-        return parts.path
-    bucket, prefix = parts.netloc, parts.path.strip("/")
-    kind = "container" if scheme == "az" else "bucket"
-    if "@" in bucket:
-        raise StoreError(
-            f"{what} {redact(value)!r} holds credentials (user info before '@'): zephon never "
-            f"reads them from a URL. Set them in the cloud's environment "
-            f"({CREDENTIAL_VARIABLES[scheme]}) and name it "
-            f"{scheme}://{kind.upper()}/PREFIX."
-        )
-    if not bucket:
-        raise StoreError(
-            f"{what} {redact(value)!r} names no {kind}: expected {scheme}://{kind.upper()}/PREFIX."
-        )
-    if pattern:
-        return ObjectURL(scheme, bucket, prefix, value)
-    if not prefix:
-        raise StoreError(
-            f"{what} {redact(value)!r} names a whole {kind}, not a store in it: expected "
-            f"{scheme}://{bucket}/PREFIX, the prefix the store's files were uploaded under."
-        )
-    if set("*?[") & set(prefix):
-        raise StoreError(
-            f"{what} {redact(value)!r} is a pattern; a store is one prefix: name it without "
-            "wildcards."
-        )
-    return ObjectURL(scheme, bucket, prefix, value)
-
-
-def refuse_url(value: str, what: str, instead: str) -> None:
-    """Raise a StoreError when ``value`` is a URL where only a local path is read:
-    ``what`` names the option, ``instead`` says what to do."""
-    if is_url(value) and not value.lower().startswith("file://"):
-        raise StoreError(
-            f"{what} {redact(value)!r} is a URL; {what} takes a local path here (a URL is "
-            f"never taken as a path). {instead}"
-        )
-
-
-def local_path(value: str, what: str = "the path") -> str:
-    """The local path of a ``file://`` URL, ``value`` itself otherwise (a StoreError for a
-    URL with one slash: ``refuse_mistyped_url``)."""
-    refuse_mistyped_url(value, what)
-    if value.lower().startswith("file://"):
-        found = parse_url(value)
-        assert isinstance(found, str)
-        return found
-    return value
-
-
-def stamp_ns(stamp: Any) -> int:
-    """An object's modification time (a datetime) in whole nanoseconds (0: none given)."""
-    if stamp is None:
-        return 0
-    whole = int(stamp.timestamp())
-    return whole * 1_000_000_000 + stamp.microsecond * 1000
-
-
-def _loopback(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-def _client_options(url: ObjectURL, timeout_s: float) -> dict[str, Any]:
-    # Each attempt is limited to timeout_s by obstore (then retried, see RETRIES).
-    options: dict[str, Any] = {
-        "timeout": timedelta(seconds=timeout_s),
-        "connect_timeout": timedelta(seconds=min(5.0, timeout_s)),
-    }
-    endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL", "")
-    if url.scheme == "s3" and endpoint.lower().startswith("http://"):
-        allowed = os.environ.get("AWS_ALLOW_HTTP", "").lower() == "true"
-        if not (allowed or _loopback(endpoint)):
-            raise StoreError(
-                f"AWS_ENDPOINT_URL {redact(endpoint)!r} is plain http on a host that is not "
-                "loopback: the store would be read unencrypted. Use https, or set "
-                "AWS_ALLOW_HTTP=true to accept it."
-            )
-        options["allow_http"] = True
-    return options
-
+from torchtitan_zephon.store.object_faults import (
+    _Unanswered,
+    request_failure,
+)
+from torchtitan_zephon.store.urls import (
+    ObjectURL,
+    scrub,
+)
 
 _USED = False
 """Whether this process started an ``ObjectFiles`` thread (``object_storage_used``)."""
@@ -348,38 +79,6 @@ def object_storage_used() -> bool:
     threads may then still run at interpreter exit (``cli.main.run`` leaves without
     tearing the interpreter down under them)."""
     return _USED
-
-
-def _serve(loop: asyncio.AbstractEventLoop) -> None:
-    """The body of an ``ObjectFiles`` thread: run ``loop`` until stopped, then let its
-    cancelled tasks finish and close it (on this thread, where it ran)."""
-    asyncio.set_event_loop(loop)
-    try:
-        loop.run_forever()
-    finally:
-        try:
-            pending = asyncio.all_tasks(loop)
-            if pending:
-                loop.run_until_complete(asyncio.wait(pending, timeout=1.0))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-        finally:
-            loop.close()
-
-
-def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
-    """Cancel the tasks of an ``ObjectFiles`` loop, stop it, and wait for its thread."""
-
-    def shut() -> None:
-        for task in asyncio.all_tasks(loop):
-            task.cancel()
-        loop.call_soon(loop.stop)  # after the cancelled tasks ran their handlers
-
-    try:
-        loop.call_soon_threadsafe(shut)
-    except RuntimeError:  # already closed
-        return
-    if thread is not threading.current_thread():
-        thread.join(timeout=5)
 
 
 class ObjectFiles:
@@ -477,77 +176,11 @@ class ObjectFiles:
     # ------------------------------------------------------------------ requests
 
     def _failure(self, e: BaseException, name: str, doing: str) -> StoreError:
-        """A StoreError for a failed request: written here from the error's kind."""
-        from obstore.exceptions import (
-            NotFoundError,
-            PermissionDeniedError,
-            PreconditionError,
-            UnauthenticatedError,
-        )
-
-        where = self.url.child(name)
-        text = str(e)
-        retried = re.search(r"after (\d+) retries", text)
-        attempts = int(retried.group(1)) + 1 if retried else 1
-        variables = CREDENTIAL_VARIABLES[self.url.scheme]
-        if isinstance(e, PreconditionError):
-            return StoreError(
-                f"{where} changed while this job reads it (its ETag is no longer the one "
-                "recorded when the store was opened): a store must not be rewritten in "
-                "place. Restart the job to read the new version; its fingerprint is checked."
-            )
-        if isinstance(e, (FileNotFoundError, NotFoundError)) or "NoSuchBucket" in text:
-            if "NoSuchBucket" in text or "ContainerNotFound" in text:
-                kind = "container" if self.url.scheme == "az" else "bucket"
-                return MissingBucket(
-                    f"the {kind} of {self.url.shown} does not exist (or is not visible with "
-                    f"these credentials): check the URL, and AWS_ENDPOINT_URL for an "
-                    "S3-compatible endpoint."
-                )
-            if name in self.sizes:  # it was there when the store was opened
-                return MissingObject(
-                    f"{where} does not exist any more: it was deleted after the store was "
-                    "opened. Upload the whole store again (manifest.json last) and restart "
-                    "the job."
-                )
-            return MissingObject(f"{where} does not exist.")
-        if isinstance(e, (PermissionDeniedError, UnauthenticatedError)) or " 403 " in text:
-            return StoreError(
-                f"access to {where} was denied (403): the credentials found do not allow "
-                f"reading it. Grant them read access to the store's prefix, or give others "
-                f"(looked for {variables})."
-            )
-        if "metadata" in text.lower() or "169.254.169.254" in text or "credential" in text.lower():
-            return StoreError(
-                f"no credentials to read {self.url.shown}: looked for {variables}, and found "
-                "none that works."
-            )
-        if isinstance(e, (asyncio.TimeoutError, TimeoutError)) or "kind: Timeout" in text:
-            return _Unanswered(
-                f"{doing} {where} took longer than request_timeout_s={self.timeout_s:g} s, "
-                f"{self.retries + 1 if not retried else attempts} times (retried with backoff): "
-                "the endpoint, or the credential source, does not answer. Check the network "
-                "and the endpoint (AWS_ENDPOINT_URL for an S3-compatible one), and the "
-                f"credentials: looked for {variables}; or raise zephon.request_timeout_s."
-            )
-        status = re.search(r"status code: (\d{3})", text)
-        if status:
-            code = re.search(r"<Code>(\w+)</Code>", text)
-            said = f"{status.group(1)} {code.group(1)}" if code else status.group(1)
-            return _Unanswered(
-                f"{doing} {where} failed {attempts} times (retried with backoff): the "
-                f"endpoint answered {said}. The service is failing or throttling this job: "
-                "try again later, or read less at once (lower zephon.read_ahead_steps)."
-            )
-        if "error sending request" in text or "body error" in text or "connection" in text.lower():
-            return _Unanswered(
-                f"{doing} {where} failed {attempts} times (retried with backoff): the "
-                "connection was refused or reset, or an answer was cut short. Check the "
-                "network and the endpoint (AWS_ENDPOINT_URL for an S3-compatible one)."
-            )
-        first = scrub(text.splitlines()[0] if text else type(e).__name__)
-        first = re.sub(r"https?://\S+", "<endpoint>", first)
-        return StoreError(f"{doing} {where} failed: {first}")
+        """A StoreError for a failed request (``object_faults.request_failure``)."""
+        return request_failure(
+            e, self.url, name, doing, opened=name in self.sizes, timeout_s=self.timeout_s,
+            retries=self.retries,
+        )  # fmt: skip
 
     async def _head(self, name: str) -> dict[str, Any]:
         import obstore

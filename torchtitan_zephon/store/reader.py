@@ -71,13 +71,13 @@ from torchtitan_zephon.store.format import (
     file_xxh3_128,
     map_file,
 )
-from torchtitan_zephon.store.location import is_url, parse_url, refuse_mistyped_url
 from torchtitan_zephon.store.opening import (
     map_checksums,
     open_manifest,
     read_blocks_info,
     read_content,
 )
+from torchtitan_zephon.store.urls import is_url, parse_url, refuse_mistyped_url
 
 
 class TokenStore:

@@ -85,15 +85,9 @@ from torchtitan_zephon.store.format import (
     check_file_size,
     num_chunks,
 )
-from torchtitan_zephon.store.location import (
-    MAX_REQUESTS,
-    REQUEST_TIMEOUT_S,
-    RETRIES,
-    MissingBucket,
-    MissingObject,
-    ObjectFiles,
-    ObjectURL,
-)
+from torchtitan_zephon.store.location import ObjectFiles
+from torchtitan_zephon.store.object_client import MAX_REQUESTS, REQUEST_TIMEOUT_S, RETRIES
+from torchtitan_zephon.store.object_faults import MissingBucket, MissingObject
 from torchtitan_zephon.store.opening import (
     check_blocks_info,
     check_checksums,
@@ -101,6 +95,7 @@ from torchtitan_zephon.store.opening import (
     check_manifest,
 )
 from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.urls import ObjectURL
 
 READ_AHEAD_STEPS = 4
 READ_AHEAD_BYTES = 256 << 20

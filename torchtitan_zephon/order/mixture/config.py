@@ -25,7 +25,7 @@ from typing import Any
 
 from torchtitan_zephon.order.data_config import config_text
 from torchtitan_zephon.store.format import BUILTIN_PREFIX
-from torchtitan_zephon.store.location import is_url, mistyped_url, redact
+from torchtitan_zephon.store.urls import is_url, mistyped_url, redact
 
 MAX_PATTERN = 10**6
 """Largest common denominator of one schedule entry's normalized weights: the
