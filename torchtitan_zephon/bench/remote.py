@@ -36,26 +36,40 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
-from torchtitan_zephon.bench.measure import child_times, ratio
-from torchtitan_zephon.store.format import STORE_FILES
+from torchtitan_zephon.bench.bucket import (
+    MOTO,
+    _bucket_env,
+    _environ,
+    _free_port,
+    _process,
+    _upload,
+    _wait_in_flight,
+    download_store,
+    make_store,
+    rank_loader,
+    request_ms,
+    with_block_tokens,
+)
+from torchtitan_zephon.bench.measure import ratio
+from torchtitan_zephon.bench.remote_job import (
+    LATE_STEP,
+    _job_config,
+    _job_shape,
+    _model_step,
+    first_batches,
+    train,
+)
 
 LATENCIES_MS = (0, 20, 50)
 JOB_LATENCY_MS = 20
-LATE_STEP = 1_000_000
 TARGETS = {"data_wait_pct": 1.0, "fetched_per_trained": 1.1, "first_batch_extra_s": 1.0}
-BUCKET = "zephon-bench"
 DEFAULTS = {
     "tokens": 1 << 22,
     "seq_len": 2048,
@@ -78,197 +92,6 @@ QUICK = {
     "repeats": 1,
     "gets": 3,
 }
-
-
-# ---------------------------------------------------------------- the bucket
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-MOTO = r"""
-import logging, sys
-from moto.server import ThreadedMotoServer
-logging.getLogger("werkzeug").setLevel(logging.WARNING)
-server = ThreadedMotoServer(ip_address="127.0.0.1", port=int(sys.argv[1]), verbose=False)
-server.start()
-print("ready", flush=True)
-sys.stdin.read()
-server.stop()
-"""
-
-
-@contextlib.contextmanager
-def _process(argv: list[str]) -> Iterator[str]:
-    """A child process that prints one line when ready and stops when its stdin closes;
-    that line."""
-    proc = subprocess.Popen(
-        argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        line = proc.stdout.readline().strip() if proc.stdout else ""
-        if not line:
-            raise RuntimeError(f"{argv[1:3]} did not start: {proc.stderr.read()[-2000:]}")
-        yield line
-    finally:
-        if proc.stdin:
-            proc.stdin.close()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-@contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _bucket_env(endpoint: str) -> dict[str, str]:
-    """The standard AWS variables for the loopback server (marker credentials)."""
-    return {
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_REGION": "us-east-1",
-        "AWS_ACCESS_KEY_ID": "zephon-bench",
-        "AWS_SECRET_ACCESS_KEY": "zephon-bench",
-    }
-
-
-def make_store(folder: Path, num_tokens: int, block_tokens: int = 512) -> Path:
-    """The builtin store's tokens (and documents) repeated to ``num_tokens`` tokens, in
-    ``folder``, with block checksums of ``block_tokens``."""
-    from torchtitan_zephon.bench.corpus import builtin_store
-    from torchtitan_zephon.store.upgrade import add_block_checksums
-    from torchtitan_zephon.store.writer import write_derived_store
-
-    base = builtin_store()
-    n = base.num_tokens
-    tokens = np.resize(np.asarray(base.tokens), num_tokens)
-    reps = -(-num_tokens // n)
-    starts = np.concatenate([np.asarray(base.doc_offsets) + k * n for k in range(reps)])
-    starts = starts[starts < num_tokens]
-    folder.mkdir(parents=True, exist_ok=True)
-    source = {"name": f"builtin x{num_tokens / n:.1f}", "kind": "bench"}
-    write_derived_store(folder, base, tokens.tobytes(), starts, source)
-    add_block_checksums(folder, block_tokens)
-    return folder
-
-
-def with_block_tokens(store: Path, folder: Path, block_tokens: int) -> Path:
-    """A copy of ``store`` in ``folder`` whose block checksums are rewritten for
-    ``block_tokens`` (``inspect --upgrade --block-tokens``): same fingerprint, same tokens."""
-    import shutil
-
-    from torchtitan_zephon.store.upgrade import add_block_checksums
-
-    shutil.copytree(store, folder)
-    add_block_checksums(folder, block_tokens)
-    return folder
-
-
-def _upload(endpoint: str, folder: Path, prefix: str) -> str:
-    import boto3
-
-    client = boto3.client("s3", endpoint_url=endpoint, **_boto_keys())
-    client.create_bucket(Bucket=BUCKET)
-    files = sorted(p for p in folder.iterdir() if p.is_file())
-    files.sort(key=lambda p: p.name == "manifest.json")  # the manifest last
-    for p in files:
-        client.put_object(Bucket=BUCKET, Key=f"{prefix}/{p.name}", Body=p.read_bytes())
-    return f"s3://{BUCKET}/{prefix}"
-
-
-def _boto_keys() -> dict[str, str]:
-    return {
-        "region_name": "us-east-1",
-        "aws_access_key_id": "zephon-bench",
-        "aws_secret_access_key": "zephon-bench",
-    }
-
-
-def download_store(url: str, folder: Path) -> int:
-    """The naive way: every file of the store at ``url`` downloaded whole into
-    ``folder`` (one GET each); the bytes fetched."""
-    from torchtitan_zephon.store.location import ObjectFiles
-    from torchtitan_zephon.store.object_faults import MissingObject
-    from torchtitan_zephon.store.urls import parse_url
-
-    files = ObjectFiles(parse_url(url))
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        for name in STORE_FILES:
-            try:
-                data = files.read(name)
-            except MissingObject:
-                continue
-            (folder / name).write_bytes(data)
-        return files.fetched_bytes
-    finally:
-        files.close()
-
-
-def request_ms(url: str, gets: int) -> float:
-    """Median time of ``gets`` single range GETs of 4 KiB of tokens.bin at ``url``, one
-    at a time (what one request costs: the added latency plus the server's own time)."""
-    from torchtitan_zephon.store.location import ObjectFiles
-    from torchtitan_zephon.store.urls import parse_url
-
-    files = ObjectFiles(parse_url(url))
-    try:
-        size = files.open_file("tokens.bin")
-        times = []
-        for k in range(gets):
-            a = (k * 7919 * 4096) % max(1, size - 4096)
-            t0 = time.perf_counter()
-            files.submit("tokens.bin", [a], [a + 4096]).result()
-            times.append(time.perf_counter() - t0)
-        return 1e3 * statistics.median(times)
-    finally:
-        files.close()
-
-
-# ---------------------------------------------------------------- one rank's stream
-
-
-def rank_loader(store: Any, seq_len: int, batch: int, **kw: Any) -> Any:
-    from torchtitan_zephon.loader import ZephonLoader
-    from torchtitan_zephon.order.layout import BatchSchedule
-
-    d = kw.pop("dp_degree", 1)
-    return ZephonLoader(
-        store,
-        seq_len=seq_len,
-        seed=kw.pop("seed", 0),
-        schedule=BatchSchedule.parse(f"1:{kw.pop('gbs', batch * d)}"),
-        dp_rank=kw.pop("dp_rank", 0),
-        dp_degree=d,
-        local_batch_size=batch,
-        **kw,
-    )
-
-
-def _wait_in_flight(store: Any) -> None:
-    """Let what the store has in flight land (it counts as fetched)."""
-    deadline = time.time() + 120
-    while getattr(store, "_queued", None) or any(
-        not s.fetch.future.done() for s in getattr(store, "_steps", ())
-    ):
-        if time.time() > deadline:
-            raise RuntimeError("remote bench: read-ahead still in flight after 120 s")
-        time.sleep(0.005)
 
 
 def stream(where: str, o: dict, seed: int, mode: str, tmp: Path) -> dict[str, Any]:
@@ -310,204 +133,6 @@ def stream(where: str, o: dict, seed: int, mode: str, tmp: Path) -> dict[str, An
         "fetched_per_trained": fetched / trained if fetched else 0.0,
         "first": first[0].tolist(),
     }
-
-
-# ---------------------------------------------------------------- the default job
-
-
-def _job_config(name: str) -> Any:
-    """The registry job ``name``'s config (TorchTitan's warnings about its checkpoint
-    options, irrelevant here, silenced)."""
-    import logging
-
-    from torchtitan_zephon import configs
-
-    logging.disable(logging.WARNING)
-    try:
-        return getattr(configs, name)()
-    finally:
-        logging.disable(logging.NOTSET)
-
-
-def _job_shape(config: Any) -> dict[str, int]:
-    from torchtitan_zephon.titan.config import Zephon
-
-    t = config.training
-    return {
-        "seq_len": t.seq_len,
-        "batch": t.local_batch_size,
-        "gbs": t.global_batch_size,
-        "dp": t.global_batch_size // t.local_batch_size,
-        "steps": t.steps,
-        "prefetch": Zephon().prefetch,
-    }
-
-
-def _model_step(config: Any) -> Any:
-    """A CPU training step of the job's model on one micro-batch (the job's optimizer
-    kind and clipping; attention as the trainer runs it on CPU: DocumentSDPA)."""
-    import torch
-
-    from torchtitan_zephon.titan.attention import document_mask, document_positions
-    from torchtitan_zephon.titan.platform import cpu_config_defaults
-
-    cpu_config_defaults(config)
-    torch.manual_seed(0)
-    model = config.model_spec.model.build()
-    with torch.no_grad():
-        model.init_states()
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, eps=1e-8)
-
-    def step(inputs: torch.Tensor, labels: torch.Tensor) -> None:
-        positions = document_positions(inputs, 0)
-        out = model(inputs, positions=positions, attention_masks=document_mask(positions))
-        loss = torch.nn.functional.cross_entropy(out.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad()
-
-    return step
-
-
-def train(where: str, job: dict[str, int], steps: int, step_fn: Any) -> dict[str, Any]:
-    """Rank 0 of the default job for ``steps`` steps from ``where``: per step, the wait
-    for its micro-batches, then a training step on each."""
-    from torchtitan_zephon.store.reader import TokenStore
-
-    store = TokenStore.open(where)
-    loader = rank_loader(
-        store,
-        job["seq_len"],
-        job["batch"],
-        dp_degree=job["dp"],
-        gbs=job["gbs"],
-        prefetch=job["prefetch"],
-        last_step=steps,
-    )
-    per_step = job["gbs"] // (job["dp"] * job["batch"])
-    waits, totals = [], []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        wait = 0.0
-        for _ in range(per_step):
-            a = time.perf_counter()
-            inputs, labels = next(loader)
-            wait += time.perf_counter() - a
-            step_fn(inputs["input"], labels)
-        waits.append(wait)
-        totals.append(time.perf_counter() - t0)
-    loader.close()
-    fetched = 0
-    if not store.mapped:
-        _wait_in_flight(store)
-        fetched = store.fetched_bytes
-        store.close()
-    trained = steps * per_step * job["batch"] * (job["seq_len"] + 1) * store.dtype.itemsize
-    return {
-        "data_wait_pct": 100 * sum(waits[1:]) / sum(totals[1:]),
-        "first_step_wait_s": waits[0],
-        "step_s_median": statistics.median(totals[1:]),
-        "max_wait_s": max(waits[1:]),
-        "fetched_per_trained": fetched / trained if fetched else 0.0,
-        "steps": steps,
-    }
-
-
-# ---------------------------------------------------------------- first batch
-
-
-CHILD = r"""
-import json, sys, time
-from pathlib import Path
-from torchtitan_zephon.bench.remote import download_store, rank_loader
-from torchtitan_zephon.loader import ZephonLoader
-from torchtitan_zephon.order.state import DataState
-from torchtitan_zephon.store.reader import TokenStore
-import obstore
-a = json.loads(sys.argv[1])
-t_import = time.time()
-where, fetched = a["where"], 0
-if a["mode"] == "download":
-    fetched = download_store(where, Path(a["folder"]))
-    where = a["folder"]
-store = TokenStore.open(where)
-t_open = time.time()
-loader = rank_loader(store, a["seq_len"], a["batch"], dp_degree=a["dp"], gbs=a["gbs"],
-                 prefetch=a["prefetch"])
-loader.load_state_dict(DataState.from_json(a["record"]))
-t_load = time.time()
-inputs, labels = next(loader)
-t_first = time.time()
-requests = getattr(store, "requests", 0)
-loader.close()
-print(json.dumps({"import": t_import, "open": t_open, "load": t_load, "first": t_first,
-                  "requests_by_first": requests, "next_step": loader.next_step}))
-"""
-
-
-def _child(args: dict[str, Any], env: dict[str, str]) -> dict[str, float]:
-    t0, t = child_times([sys.executable, "-c", CHILD, json.dumps(args)], "remote bench", env)
-    return {
-        "to_first_batch_s": t["first"] - t0,
-        "imports_s": t["import"] - t0,
-        "open_s": t["open"] - t["import"],
-        "build_and_load_s": t["load"] - t["open"],
-        "next_s": t["first"] - t["load"],
-        "requests_by_first": t["requests_by_first"],
-    }
-
-
-def first_batches(
-    local: str, url: str, env20: dict[str, str], job: dict[str, int], o: dict, tmp: Path
-) -> dict[str, Any]:
-    """Process start to first batch, resuming the default job (rank 0) at step 10 and
-    at LATE_STEP: local, the bucket at 20 ms, the naive download (step 10)."""
-    from torchtitan_zephon.bench.contenders import state_at
-    from torchtitan_zephon.store.reader import TokenStore
-
-    store = TokenStore.open(local)
-    probe = rank_loader(store, job["seq_len"], job["batch"], dp_degree=job["dp"], gbs=job["gbs"])
-    records = {
-        s: state_at(probe, s).with_tracker({"step": s - 1, "chain": "0" * 64}).to_json()
-        for s in (10, LATE_STEP)
-    }
-    probe.close()
-    cases = {
-        "local_10": (local, 10, "range", {}),
-        "remote_10": (url, 10, "range", env20),
-        "local_late": (local, LATE_STEP, "range", {}),
-        "remote_late": (url, LATE_STEP, "range", env20),
-        "download_10": (url, 10, "download", env20),
-    }
-    runs: dict[str, list[dict[str, float]]] = {k: [] for k in cases}
-    for r in range(o["repeats"]):
-        for name, (where, step, mode, env) in cases.items():
-            args = {
-                "where": where,
-                "mode": mode,
-                "folder": str(tmp / f"child-{name}-{r}"),
-                "record": records[step],
-                "seq_len": job["seq_len"],
-                "batch": job["batch"],
-                "dp": job["dp"],
-                "gbs": job["gbs"],
-                "prefetch": job["prefetch"],
-            }
-            runs[name].append(_child(args, env))
-    out: dict[str, Any] = {
-        name: {k: statistics.median(x[k] for x in v) for k in v[0]} for name, v in runs.items()
-    }
-    # remote minus local, pair by pair (each pair ran back to back), whole and after imports
-    pairs = list(zip(runs["remote_10"], runs["local_10"], strict=True))
-    out["extra_s"] = statistics.median(
-        a["to_first_batch_s"] - b["to_first_batch_s"] for a, b in pairs
-    )
-    out["extra_after_imports_s"] = statistics.median(
-        (a["to_first_batch_s"] - a["imports_s"]) - (b["to_first_batch_s"] - b["imports_s"])
-        for a, b in pairs
-    )
-    return out
 
 
 # ---------------------------------------------------------------- the suite
