@@ -132,3 +132,46 @@ def test_both_streams_refuse_a_step_before_the_anchor_alike(kind):
             "step 4 lies before the resume anchor (step 5 at position 33); its positions "
             "are not defined under the current schedule."
         )
+
+
+# ---------------------------------------------------------------- torchft parts (issue 30)
+
+
+@given(
+    first=st.integers(0, 10**12),
+    gbs=st.integers(1, 4096),
+    parts=st.integers(1, 64),
+    step=st.integers(1, 10**6),
+)
+def test_the_parts_of_a_step_partition_it_contiguously_and_evenly(first, gbs, parts, step):
+    """Participant i of n trains part i: the parts concatenate, in order, to B(s);
+    sizes differ by at most one, the larger first; one part is the whole step."""
+    from torchtitan_zephon.order.layout import part_slice
+
+    if parts > gbs:
+        with pytest.raises(ValueError, match=f"cannot be cut into {parts} parts"):
+            part_slice(first, gbs, step, 0, parts)
+        return
+    cut = [part_slice(first, gbs, step, i, parts) for i in range(parts)]
+    assert cut[0][0] == first
+    for (a, n), (b, _) in zip(cut, cut[1:], strict=False):
+        assert b == a + n  # contiguous, in part order
+    assert cut[-1][0] + cut[-1][1] == first + gbs  # the whole step, nothing left
+    sizes = [n for _, n in cut]
+    assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+    assert sizes == sorted(sizes, reverse=True)
+    assert part_slice(first, gbs, step, 0, 1) == (first, gbs)
+
+
+def test_three_parts_of_eight_and_a_layout_step():
+    """n = 3 at GBS 8 (issue 30's uneven case): 3, 3, 2 samples; the layout's step
+    (after a batch-size change and a resume anchor) is what is cut."""
+    from torchtitan_zephon.order.layout import BatchSchedule, part_slice
+
+    assert [part_slice(16, 8, 3, i, 3) for i in range(3)] == [(16, 3), (19, 3), (22, 2)]
+    layout = Layout(BatchSchedule.parse("1:8,4:16"), anchor=(3, 100))
+    first, gbs = layout.step_positions(5)
+    assert (first, gbs) == (124, 16)
+    assert [layout.part_positions(5, i, 3) for i in range(3)] == [(124, 6), (130, 5), (135, 5)]
+    with pytest.raises(ValueError, match=r"part must be in \[0, 3\), got 3"):
+        layout.part_positions(5, 3, 3)

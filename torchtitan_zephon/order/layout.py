@@ -5,7 +5,8 @@ the global batch schedule (``BatchSchedule``: step -> its positions
 ``[first_position(s), + gbs(s))``), the layout check (``check_batch_layout``: global
 batch = DP degree x local batch x accumulation), what a single store must hold for a
 schedule (``check_store_size``), and ``Layout``: a schedule placed on the stream by
-its anchor, which cuts a step into DP rank slices (``rank_slice``) and micro-batches
+its anchor, which cuts a step into replica groups' parts (``part_slice``), DP rank
+slices (``rank_slice``) and micro-batches
 and walks one rank's stream as position ranges (``Layout.rank_window``). A stream
 only maps positions to sample keys; every rank, micro-batch and window it serves is
 a ``Layout`` answer composed with that map, so a slicing change is made here once.
@@ -27,6 +28,9 @@ Invariants:
 - Step s (1-based, at or after the anchor) covers positions
   ``[first, first + gbs(s))`` with consecutive steps adjacent: schedule changes
   never skip or repeat a position.
+- For any number of parts n <= gbs(s), the n parts (``part_slice``: a replica group's
+  share of the step under torchft) in part order concatenate to the step, their sizes
+  differ by at most one, and one part is the whole step.
 - For any DP degree D dividing gbs(s), the D rank slices in rank order
   concatenate to the step; the micro-batches of a slice, for any local batch size
   b dividing it, concatenate to the slice. Nothing depends on D, the rank or b
@@ -155,6 +159,22 @@ def rank_slice(first: int, gbs: int, step: int, dp_rank: int, dp_degree: int) ->
         raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
     per_rank = gbs // dp_degree
     return first + dp_rank * per_rank, per_rank
+
+
+def part_slice(first: int, gbs: int, step: int, part: int, parts: int) -> tuple[int, int]:
+    """(first, count) of part ``part`` of ``parts`` of a step covering ``[first, first +
+    gbs)``: the step cut into ``parts`` contiguous parts as evenly as possible, in part
+    order, the first ``gbs % parts`` one sample larger. Under torchft, participant i of
+    n (in the quorum's order) trains part i of n; one part is the whole step."""
+    if not 1 <= parts <= gbs:
+        raise ValueError(
+            f"step {step}'s global batch of {gbs} samples cannot be cut into {parts} parts "
+            f"(1 to {gbs}): every part must hold at least one sample."
+        )
+    if not 0 <= part < parts:
+        raise ValueError(f"part must be in [0, {parts}), got {part}.")
+    size, larger = divmod(gbs, parts)
+    return first + part * size + min(part, larger), size + (part < larger)
 
 
 class BatchSchedule:
@@ -296,6 +316,11 @@ class Layout:
     def rank_positions(self, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:
         """(first position, count) of DP rank ``dp_rank``'s contiguous slice of ``step``."""
         return rank_slice(*self.step_positions(step), step, dp_rank, dp_degree)
+
+    def part_positions(self, step: int, part: int, parts: int) -> tuple[int, int]:
+        """(first position, count) of part ``part`` of ``parts`` of ``step`` (``part_slice``:
+        a replica group's share under torchft)."""
+        return part_slice(*self.step_positions(step), step, part, parts)
 
     def microbatch_positions(
         self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
