@@ -53,3 +53,32 @@ def tiny_model() -> torch.nn.Module:
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     return model
+
+
+@pytest.fixture
+def lighthouse():
+    """A real ``torchft_lighthouse`` (torchft's Rust binary, installed with the package)
+    on a free loopback port; yields its ``TORCHFT_LIGHTHOUSE`` address (the loopback IP:
+    the lighthouse itself advertises the host name), stopped afterwards."""
+    import subprocess
+    import sys
+
+    from tests.titan.launch import free_port, wait_for_port
+
+    binary = Path(sys.executable).parent / "torchft_lighthouse"
+    port = free_port()
+    proc = subprocess.Popen(
+        [str(binary), "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_for_port(port, timeout=30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -166,10 +166,14 @@ def _paths(node: Any, prefix: str = "") -> set[str]:
 
 def _tree_03() -> set[str]:
     """The 0.3 paths: the stock registry config's tree, each activation-checkpoint
-    class's fields, the zephon section."""
+    class's fields, and the sections Zephon's trainer config adds: zephon and
+    fault_tolerance (TorchTitan's torchft section)."""
+    from torchtitan.experiments.torchft.config.job_config import FaultTolerance
+
     paths = _paths(llama3_debugmodel()) | {"activation_checkpoint"}
     for ac in (SelectiveAC.Config(), FullAC.Config(), MemoryBudgetAC.Config()):
         paths |= _paths(ac, "activation_checkpoint.")
+    paths |= {f"fault_tolerance.{f.name}" for f in dataclasses.fields(FaultTolerance)}
     return paths | {f"zephon.{f.name}" for f in dataclasses.fields(Zephon)}
 
 

@@ -6,7 +6,7 @@ or misleading ``AssertionError`` (stripped entirely under ``python -O``), a
 the model: the parallelism degrees against the world size, ``training.seq_len``
 against TP and CP, the TP degree against the model's attention heads, the EP
 degree against the model's routed experts and the ranks it borrows, and the step
-frequencies; and the settings of remote stores (``zephon.read_ahead_steps``,
+frequencies; the ``--fault_tolerance.*`` settings (``ft.settings``); and the settings of remote stores (``zephon.read_ahead_steps``,
 ``read_ahead_bytes``, ``request_timeout_s``, ``cache_bytes``), for every job, local store
 or not, by asking ``job.settings.remote_options`` (their owner) rather than at the
 first remote open.
@@ -23,6 +23,7 @@ import math
 import os
 
 from torchtitan_zephon.job.settings import remote_options
+from torchtitan_zephon.titan.ft.settings import check_fault_tolerance
 from torchtitan_zephon.titan.job_view import JobView
 
 
@@ -40,6 +41,7 @@ def check_job_config(job: JobView, world_size: int | None = None) -> None:
     _check_experts(job, world, tp, cp)
     _check_frequencies(job)
     remote_options(job)  # raises ValueError for a remote setting out of range
+    check_fault_tolerance(job, world)
 
 
 def _check_parallelism(job: JobView, world: int) -> tuple[int, int]:

@@ -44,6 +44,18 @@ class ValidationView:
 
 
 @dataclass(frozen=True)
+class FaultToleranceView:
+    """TorchTitan's ``fault_tolerance`` section (torchft replica groups), as Zephon reads it."""
+
+    enable: bool = False
+    replica_id: int = 0
+    group_size: int = 0
+    min_replica_size: int = 1
+    semi_sync_method: str | None = None
+    process_group: str = "gloo"
+
+
+@dataclass(frozen=True)
 class JobView:
     dump_folder: str
     hf_assets_path: str
@@ -72,6 +84,7 @@ class JobView:
     zephon: Zephon = field(default_factory=Zephon)
     num_experts: int | None = None
     """Routed experts per MoE layer (None: the model has no MoE layer)."""
+    fault_tolerance: FaultToleranceView = field(default_factory=FaultToleranceView)
 
     @property
     def model(self) -> str:
@@ -129,6 +142,21 @@ def job_view(config: Any) -> JobView:
         pin_memory=getattr(dl, "pin_memory", False),
         zephon=getattr(config, "zephon", None) or Zephon(),
         num_experts=_num_experts(model),
+        fault_tolerance=_fault_tolerance(getattr(config, "fault_tolerance", None)),
+    )
+
+
+def _fault_tolerance(ft: Any) -> FaultToleranceView:
+    """The view of a ``fault_tolerance`` section (None, a stock config without one: off)."""
+    if ft is None:
+        return FaultToleranceView()
+    return FaultToleranceView(
+        enable=bool(ft.enable),
+        replica_id=int(ft.replica_id),
+        group_size=int(ft.group_size),
+        min_replica_size=int(ft.min_replica_size),
+        semi_sync_method=ft.semi_sync_method or None,
+        process_group=str(ft.process_group),
     )
 
 

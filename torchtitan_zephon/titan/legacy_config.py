@@ -71,7 +71,7 @@ def _refuse(key: str, why: str, noop: Any = NO_NOOP, value: str = "scalar") -> E
 
 _OPT = "optimizer.param_groups.0"
 _QUANT = "quantization moved into the model: a config registry function passes converters to model_registry"
-_FT = "TorchFT fault tolerance was removed; Zephon's elastic resume needs no replica groups"
+_FT = "Zephon's data state is one record, the same for every replica group: no per-replica dataloader checkpoints"
 
 # The 0.2.2 key -> 0.3 path table. Keys are 0.2.2 JobConfig paths plus Zephon's
 # [zephon] section; paths are fields of the 0.3 Trainer.Config tree, where
@@ -280,18 +280,14 @@ TABLE: dict[str, Entry] = {
             noop=False,
             value="flag",
         ),
-        _refuse("fault_tolerance.enable", _FT, noop=False, value="flag"),
-        *[
-            _refuse(f"fault_tolerance.{k}", _FT, noop=d)
-            for k, d in [
-                ("process_group", "gloo"),
-                ("process_group_timeout_ms", 10000),
-                ("replica_id", 0),
-                ("group_size", 0),
-                ("min_replica_size", 1),
-                ("semi_sync_method", NO_NOOP),
-            ]
-        ],
+        # [fault_tolerance]: TorchTitan 0.3's torchft section on Zephon's trainer (its
+        # checks: titan.ft.settings)
+        *_flags("fault_tolerance", "enable"),
+        *_map(
+            "fault_tolerance",
+            "process_group process_group_timeout_ms replica_id group_size min_replica_size "
+            "semi_sync_method",
+        ),
         _refuse(
             "experimental.custom_import",
             "0.3 imports the module named by --module (a config registry) instead",

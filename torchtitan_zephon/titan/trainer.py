@@ -48,6 +48,7 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.metrics import BaseLogger
 from torchtitan.components.validate import BaseValidator
 from torchtitan.config.configs import DebugConfig
+from torchtitan.experiments.torchft.config.job_config import FaultTolerance
 from torchtitan.observability import structured_logger as sl
 from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
@@ -62,6 +63,7 @@ from torchtitan_zephon.titan.attention import with_document_masks
 from torchtitan_zephon.titan.checks import check_job_config
 from torchtitan_zephon.titan.config import Zephon
 from torchtitan_zephon.titan.dataloader import ZephonDataLoader
+from torchtitan_zephon.titan.ft.settings import lighthouse_url, refuse_until_built
 from torchtitan_zephon.titan.init import topology_free_parallelize
 from torchtitan_zephon.titan.job_data import with_job
 from torchtitan_zephon.titan.job_view import JobView, job_view
@@ -99,6 +101,9 @@ class ZephonTrainer(Trainer):
         validator: BaseValidator.Config = field(default_factory=ZephonValidator.Config)
         debug: DebugConfig = field(default_factory=zephon_debug)
         zephon: Zephon = field(default_factory=Zephon)
+        fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
+        """TorchTitan 0.3's torchft section (``--fault_tolerance.*``), checked by
+        ``titan.ft.settings`` at start."""
 
     def __init__(self, config: Config) -> None:
         self._tracking = False
@@ -111,6 +116,8 @@ class ZephonTrainer(Trainer):
                 logger.info(f"Zephon: {note}")
             job = job_view(config)
             check_job_config(job)
+            if job.fault_tolerance.enable:
+                refuse_until_built(lighthouse_url())
         except ValueError as e:
             raise SettingRefused(str(e)) from e
         # Everything that can refuse the start runs before TorchTitan writes anything

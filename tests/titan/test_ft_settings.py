@@ -1,0 +1,130 @@
+"""--fault_tolerance.* (issue 30 part a1): torchft is installed with its lighthouse, the
+settings parse on both front ends, and a fault-tolerant start that cannot keep the rule
+(every committed step trains exactly B(s)) is refused before anything is written."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.titan.expect import assert_refused, assert_unchanged, tree
+from tests.titan.launch import TINY, free_port, train03
+
+FT = ("--fault_tolerance.enable", "--fault_tolerance.group_size", "2",
+      "--fault_tolerance.replica_id", "1")  # fmt: skip
+
+
+def _view(*argv: str):
+    from torchtitan_zephon.titan import platform
+
+    platform.apply()
+    from torchtitan_zephon.titan.job_view import job_view
+    from torchtitan_zephon.train import parse_config, parse_toml, toml_front_end
+
+    args = list(argv)
+    return job_view(parse_toml(args) if toml_front_end(args) else parse_config(args))
+
+
+def _registry(*overrides: str):
+    return _view("--module", "torchtitan_zephon.configs", "--config", "llama3_tiny", *overrides)
+
+
+def _refused(job, world: int = 1) -> str:
+    from torchtitan_zephon.titan.checks import check_job_config
+
+    with pytest.raises(ValueError) as e:
+        check_job_config(job, world_size=world)
+    return str(e.value)
+
+
+def test_torchft_and_its_lighthouse_are_installed():
+    import torchft
+
+    assert torchft.Manager is not None
+    assert (Path(sys.executable).parent / "torchft_lighthouse").is_file()
+
+
+def test_the_settings_parse_on_both_front_ends():
+    for job in (
+        _registry(*FT, "--fault_tolerance.min_replica_size", "1"),
+        _view("--job.config_file", str(TINY), *FT, "--fault_tolerance.min_replica_size", "1"),
+    ):
+        ft = job.fault_tolerance
+        assert (ft.enable, ft.group_size, ft.replica_id, ft.min_replica_size) == (True, 2, 1, 1)
+    assert not _registry().fault_tolerance.enable  # off by default
+
+
+def test_a_job_that_keeps_the_rule_passes_the_checks():
+    from torchtitan_zephon.titan.checks import check_job_config
+
+    check_job_config(_registry(*FT), world_size=2)  # GBS 8 >= 2 groups x DP 2
+    check_job_config(_registry(), world_size=2)  # no fault tolerance: nothing asked
+
+
+@pytest.mark.parametrize(
+    "overrides, world, message",
+    [
+        (("--fault_tolerance.semi_sync_method", "diloco"), 1,
+         "fault_tolerance.semi_sync_method = 'diloco': Zephon trains every committed step on "
+         "exactly its global batch"),
+        (("--fault_tolerance.group_size", "0"), 1,
+         "fault_tolerance.group_size = 0: with --fault_tolerance.enable it is the number of "
+         "replica groups"),
+        (("--fault_tolerance.replica_id", "2"), 1,
+         "fault_tolerance.replica_id = 2 is outside [0, 2) (fault_tolerance.group_size 2): give "
+         "each group its own id 0 .. 1."),
+        (("--fault_tolerance.min_replica_size", "3"), 1,
+         "fault_tolerance.min_replica_size = 3: the fewest groups a step may train with must be "
+         "in [1, 2]"),
+        (("--fault_tolerance.process_group", "mpi"), 1, "fault_tolerance.process_group = 'mpi'"),
+        (("--parallelism.data_parallel_replicate_degree", "2"), 2,
+         "parallelism.data_parallel_replicate_degree = 2 with --fault_tolerance.enable"),
+        (("--fault_tolerance.group_size", "3"), 4,
+         "global batch size 8 (from step 1) is smaller than fault_tolerance.group_size 3 x this "
+         "group's DP degree 4 = 12"),
+    ],
+)  # fmt: skip
+def test_settings_that_break_the_rule_are_refused(overrides, world, message):
+    assert message in _refused(_registry(*FT, *overrides), world)
+
+
+def test_the_lighthouse_address_is_checked(lighthouse, monkeypatch: pytest.MonkeyPatch):
+    from torchtitan_zephon.titan.ft.settings import LIGHTHOUSE_TIMEOUT_S, lighthouse_url
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ValueError, match=r"^--fault_tolerance.enable needs TORCHFT_LIGHTHOUSE="):
+        lighthouse_url()
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "127.0.0.1:29510")
+    with pytest.raises(ValueError, match=r"expected http://HOST:PORT"):
+        lighthouse_url()
+    silent = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", silent)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"the torchft lighthouse at {silent} does not answer"):
+        lighthouse_url()
+    assert time.monotonic() - t0 <= LIGHTHOUSE_TIMEOUT_S + 1
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse)
+    assert lighthouse_url() == lighthouse  # a real lighthouse answers
+
+
+def test_a_fault_tolerant_start_is_refused_before_anything_is_written(
+    lighthouse, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """End to end (torchrun, a real lighthouse): the settings and the lighthouse pass, and
+    the start is refused in one line (training with replica groups is not built yet),
+    the run folder unchanged; a bad setting is refused the same way, named."""
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse)  # the jobs inherit it
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "notes.txt").write_text("kept\n")
+    before = tree(run)
+    job = train03(tmp_path / "log", 1, "--dump_folder", str(run), *FT)
+    assert_refused(job, f"the settings and the lighthouse at {lighthouse} are fine, but this "
+                   "version does not train with torchft replica groups yet")  # fmt: skip
+    job = train03(tmp_path / "log", 1, "--dump_folder", str(run), *FT,
+                  "--fault_tolerance.replica_id", "5")  # fmt: skip
+    assert_refused(job, "fault_tolerance.replica_id = 5 is outside [0, 2)")
+    assert_unchanged(before, tree(run))

@@ -1,0 +1,3 @@
+"""torchft on Zephon's side: replica groups that join and leave a running job, each step
+training exactly its global batch (issue 30). ``settings``: the ``--fault_tolerance.*``
+settings checked at start, and the lighthouse's address."""
