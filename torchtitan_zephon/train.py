@@ -19,7 +19,7 @@ Order: every relative path option on the command line is made absolute
 (``resolve_paths``) against ``$ZEPHON_LAUNCH_DIR`` (the folder ``run_train.sh`` was
 run from) or the working directory; the platform layer runs (on a machine without
 an accelerator it switches TorchTitan to CPU + gloo); the registry function's
-config becomes Zephon's (``trainer.zephon_config``) and gets the CPU defaults
+config becomes Zephon's (``titan.stock_config.zephon_config``) and gets the CPU defaults
 (``platform.cpu_config_defaults``) *before* tyro parses, so an explicit flag wins;
 after it, the chunked loss's chunk count is fitted to ``training.seq_len``
 (``titan.loss_chunks``: refused only when ``--loss.num_chunks`` is given).
@@ -157,7 +157,7 @@ def parse_config(argv: list[str]) -> Any:
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import logger
 
-    from torchtitan_zephon.titan.trainer import zephon_config
+    from torchtitan_zephon.titan.stock_config import zephon_config
 
     loaded: list[Any] = []
 
