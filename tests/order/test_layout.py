@@ -175,3 +175,18 @@ def test_three_parts_of_eight_and_a_layout_step():
     assert [layout.part_positions(5, i, 3) for i in range(3)] == [(124, 6), (130, 5), (135, 5)]
     with pytest.raises(ValueError, match=r"part must be in \[0, 3\), got 3"):
         layout.part_positions(5, 3, 3)
+
+
+@given(gbs=st.integers(1, 512), degree=st.integers(1, 16), first=st.integers(0, 10**9))
+def test_a_samples_rank_is_the_rank_whose_slice_holds_it(gbs, degree, first):
+    """slice_index inverts rank_slice: the sample at index i of the step lies in the
+    slice of the rank it names, at the index it names."""
+    from torchtitan_zephon.order.layout import rank_slice, slice_index
+
+    for i in range(gbs):
+        rank, within = slice_index(i, gbs, degree)
+        if gbs % degree:
+            assert (rank, within) == (0, i)  # a degree that does not divide: one slice
+            continue
+        start, count = rank_slice(first, gbs, 1, rank, degree)
+        assert start + within == first + i and 0 <= within < count

@@ -38,6 +38,7 @@ from typing import Any
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.cli.open_data import add_data_arguments, open_step_data
 from torchtitan_zephon.cli.step_data import MAX_CHARS, ShowError, StepData, say_notes
+from torchtitan_zephon.order.layout import rank_slice, slice_index
 
 # ---------------------------------------------------------------- the command
 
@@ -95,8 +96,7 @@ def step_samples(
             raise ShowError(
                 f"step {step}'s global batch of {gbs} does not split over DP degree {degree}."
             )
-    per_rank = gbs // degree if gbs % degree == 0 else gbs
-    lo, count = (first, gbs) if dp_rank is None else (first + dp_rank * per_rank, per_rank)
+    lo, count = (first, gbs) if dp_rank is None else rank_slice(first, gbs, step, dp_rank, degree)
     if sample is not None:
         if sample >= count:
             what = f"DP rank {dp_rank}'s slice" if dp_rank is not None else f"step {step}"
@@ -111,7 +111,7 @@ def step_samples(
         index = lo - first + k
         entry = {
             "index": index,
-            "dp_rank": index // per_rank,
+            "dp_rank": slice_index(index, gbs, degree)[0],
             **data.sample(key, max_chars=max_chars),
             "position": position,
         }

@@ -43,6 +43,7 @@ from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.cli.open_data import add_data_arguments, open_step_data
 from torchtitan_zephon.cli.step_data import ShowError, StepData, document_span, say_notes
 from torchtitan_zephon.order.exclusions import ExclusionMap
+from torchtitan_zephon.order.layout import slice_index
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.permutation import Permutation
 from torchtitan_zephon.order.skips import SkipMap
@@ -318,10 +319,7 @@ def _hit(
             f"{step} (document hit: sample {sample}); pass a DP degree that divides every "
             "global batch size of the job."
         )
-    per_rank = gbs // degree
-    return Hit(
-        epoch, sample, q, data.status(step), step, index, index // per_rank, index % per_rank
-    )
+    return Hit(epoch, sample, q, data.status(step), step, index, *slice_index(index, gbs, degree))
 
 
 def format_hit(h: Hit) -> str:

@@ -177,6 +177,14 @@ def part_slice(first: int, gbs: int, step: int, part: int, parts: int) -> tuple[
     return first + part * size + min(part, larger), size + (part < larger)
 
 
+def slice_index(index: int, gbs: int, dp_degree: int) -> tuple[int, int]:
+    """(DP rank, index within its slice) of the sample at ``index`` of a step of ``gbs``
+    samples cut into ``dp_degree`` rank slices (``rank_slice``); a degree that does not
+    divide the step leaves it whole: rank 0."""
+    per_rank = gbs // dp_degree if dp_degree >= 1 and gbs % dp_degree == 0 else gbs
+    return divmod(index, per_rank)
+
+
 class BatchSchedule:
     """Global batch size per step: piecewise constant, starting at step 1."""
 

@@ -171,8 +171,7 @@ class ZephonDataLoader(BaseDataLoader):
                 step, delivered = step + 1, 0
 
     def _microbatches_per_step(self, step: int) -> int:
-        gbs = self.loader.plan.schedule.gbs(step)
-        return gbs // (self.loader.dp_degree * self.loader.local_batch_size)
+        return self.loader.grad_accumulation_steps(step)
 
     def step_token_digests(self, step: int) -> bytes:
         """This rank's per-sample digests of ``step``, in delivery order (then forgotten)."""

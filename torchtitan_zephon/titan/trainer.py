@@ -276,10 +276,7 @@ class ZephonTrainer(Trainer):
             )
         if not self._tracking:
             self._begin_tracking()
-        gbs = self.dataloader.plan.schedule.gbs(step)
-        self.gradient_accumulation_steps = gbs // (
-            self.dataloader.loader.dp_degree * self.config.training.local_batch_size
-        )
+        self.gradient_accumulation_steps = self.dataloader.loader.grad_accumulation_steps(step)
         accounting = self.accounting
         if accounting is not None:
             accounting.ahead(step)
