@@ -1,62 +1,59 @@
 """The Zephon loader: one DP rank's micro-batches, with world-size-free state.
 
-Role: turn the job data's plan (``job``: one TokenStore, or a mixture of
-several) into an infinite iterator of
-``({"input": LongTensor[b, seq_len]}, labels LongTensor[b, seq_len])`` for one
-DP rank, prefetched in the background, and save/restore its position as one
-small record that is the same on every rank. The plan yields sample keys
-(sample ids for one store); ``source.windows`` gathers their tokens.
+Role: turn the job data's plan (``job``: one TokenStore, or a mixture of several) into
+an infinite iterator of ``({"input": LongTensor[b, seq_len]}, labels LongTensor[b,
+seq_len])`` for one DP rank, prefetched in the background, and save/restore its position
+as one small record that is the same on every rank. The plan yields sample keys (sample
+ids for one store); ``source.windows`` gathers their tokens. ``document_positions`` is
+the per-document position of each input token, a pure function of the window (the
+TorchTitan side adds it to each batch).
 
 Invariants:
-- For steps s = next_step, next_step + 1, ... the loader yields exactly the
-  rank's micro-batches of ``plan.microbatch_ids(s, ...)`` in order, whatever
-  ``num_workers`` and ``prefetch`` are.
-- A failure (a changed store chunk, an id beyond the vocabulary, an interrupt)
-  is raised at the first micro-batch it concerns; every micro-batch before it
-  is delivered, and the next call retries that same micro-batch: none is ever
-  skipped or delivered twice.
-- ``state_dict()`` depends only on the data config and on how many whole steps
-  have been *delivered* to the caller: never on dp_rank, dp_degree,
-  local_batch_size, num_workers or on batches prefetched but not yet returned.
-  Loading it under any DP layout that divides the global batch size continues
-  the global stream exactly where it stopped; restoring is O(1).
-- With ``last_step``, no key of a later step is announced to the source, and no
-  window holding one is made before the caller asks for that step; the batches
-  delivered do not depend on ``last_step``.
-- Every batch holds tokens the store checked against its content checksums
-  (see ``store/reader.py``) and, given ``vocab_size``, only ids below it.
+- For steps s = next_step, next_step + 1, ... the loader yields exactly the rank's
+  micro-batches of ``plan.microbatch_ids(s, ...)`` in order, whatever ``num_workers``
+  and ``prefetch`` are.
+- A failure (a changed store chunk, an id beyond the vocabulary, an interrupt) is raised
+  at the first micro-batch it concerns; every micro-batch before it is delivered, and
+  the next call retries that same micro-batch: none is ever skipped or delivered twice.
+- ``state_dict()`` depends only on the data config and on how many whole steps have been
+  *delivered* to the caller: never on dp_rank, dp_degree, local_batch_size, num_workers
+  or on batches prefetched but not yet returned. Loading it under any DP layout that
+  divides the global batch size continues the global stream exactly where it stopped;
+  restoring is O(1).
+- With ``last_step``, no key of a later step is announced to the source, and no window
+  holding one is made before the caller asks for that step; the batches delivered do not
+  depend on ``last_step``.
+- Every batch holds tokens the store checked against its content checksums (see
+  ``store/reader.py``) and, given ``vocab_size``, only ids below it.
 
 Mechanics: the loader plans ahead: the next micro-batches (``Layout.microbatch_slots``)
 and their sample ids come from one vectorized plan call (``StreamPlan.rank_stream_ids``,
-the layout's window of the rank's stream) per few hundred micro-batches. With ``prefetch`` or ``num_workers``, ``max(1, num_workers)``
-background threads each prepare a *window* of consecutive micro-batches
-(``window``: about 64K tokens, at least ``prefetch`` micro-batches) with one
-gather and one int64 conversion; its micro-batches are views of two buffers.
-Plans and windows grow from one micro-batch after a start or a reset, so the
-first batch waits for one micro-batch's work.
-Without either, each micro-batch is prepared on demand in the caller's thread.
+the layout's window of the rank's stream) per few hundred micro-batches. With
+``prefetch`` or ``num_workers``, ``max(1, num_workers)`` background threads each prepare
+a *window* of consecutive micro-batches (``window``: about 64K tokens, at least
+``prefetch`` micro-batches) with one gather and one int64 conversion; its micro-batches
+are views of two buffers. Plans and windows grow from one micro-batch after a start or a
+reset, so the first batch waits for one micro-batch's work. Without either, each micro-
+batch is prepared on demand in the caller's thread.
 
-Read-ahead (stores in object storage): the loader announces to its source, step by
-step, the rank's keys of every step of a window it starts and of the ``read_ahead_steps``
+Read-ahead (stores in object storage): the loader announces to its source, step by step,
+the rank's keys of every step of a window it starts and of the ``read_ahead_steps``
 after the window's last step (``JobData.read_ahead``; default: the source's, 0 for local
 stores), so their byte ranges are fetched in the background (``store.remote``) before a
 window asks for them; a window whose bytes have not arrived waits for them, and that
 wait is the trainer's data wait. The effective lead is therefore the steps of the
-windows in production (``max(1, num_workers)`` windows of up to ``window``
-micro-batches, and the one being delivered) plus ``read_ahead_steps``
-(``lead_steps``). A reset or a resume drops what was announced and announces again from
-the first undelivered step. The first window after a start, a reset or a resume
-announces its own steps only, and the next window (started once the first was taken,
-with ``num_workers`` <= 1) the read-ahead beyond: so the first step after a resume waits
-only for its own windows, and the read-ahead of later steps runs behind it. Announcing
-costs one plan call per step in the caller's thread; the fetching and checking run on
-the store's fetch thread.
+windows in production (``max(1, num_workers)`` windows of up to ``window`` micro-
+batches, and the one being delivered) plus ``read_ahead_steps`` (``lead_steps``). A
+reset or a resume drops what was announced and announces again from the first
+undelivered step. The first window after a start, a reset or a resume announces its own
+steps only, and the next window (started once the first was taken, with ``num_workers``
+<= 1) the read-ahead beyond: so the first step after a resume waits only for its own
+windows, and the read-ahead of later steps runs behind it. Announcing costs one plan
+call per step in the caller's thread; the fetching and checking run on the store's fetch
+thread.
 
-The run's end (``last_step``: the trainer's training.steps): no step after it is
-announced, and no window holding one is started ahead of the caller asking for it, so
-a run fetches the windows of its own steps and no more (a caller that asks past
-``last_step`` gets its batches all the same, each made on demand). This bounds only
-what is read ahead: the micro-batches delivered are the same with or without it.
+The run's end (``last_step``: the trainer's training.steps) bounds only what is read
+ahead (see the invariant): a caller that asks past it gets its batches, made on demand.
 """
 
 from __future__ import annotations
@@ -78,21 +75,19 @@ from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import DataUnreadable, StoreError
 from torchtitan_zephon.store.reader import TokenStore
 
-__all__ = ["DataStateMismatch", "MicroBatch", "ZephonLoader"]
+__all__ = ["DataStateMismatch", "MicroBatch", "ZephonLoader", "document_positions"]
 
 MicroBatch = tuple[dict[str, torch.Tensor], torch.Tensor]
 # A micro-batch slot of the rank's stream: (step, index within the step, last of the step).
 Slot = tuple[int, int, bool]
-# What a window job returns: its micro-batches in order, then the failure that stopped it.
-Window = tuple[list[tuple[Slot, MicroBatch]], Exception | None]
+Window = tuple[list[tuple[Slot, MicroBatch]], Exception | None]  # then the failure that stopped it
 
 # Tokens a prefetch window aims at (512 KiB of int64 inputs, as much of labels): enough
 # micro-batches that a thread hand-off per window costs little per micro-batch, few
 # enough that the window's buffers stay in cache; at most MAX_WINDOW micro-batches.
 WINDOW_TOKENS = 1 << 16
 MAX_WINDOW = 64
-# Sample ids planned at once, at most: one plan call per this many ids.
-PLAN_IDS = 1 << 12
+PLAN_IDS = 1 << 12  # sample ids planned at once, at most: one plan call per this many ids
 
 
 class ZephonLoader:
@@ -222,7 +217,7 @@ class ZephonLoader:
     def _tensors(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         tokens = self.store.windows(ids, self.seq_len)  # the store checks the chunks it reads
         if self._id_limit is not None and tokens.size and int(tokens.max()) >= self._id_limit:
-            raise StoreError(_out_of_vocab(self.store, ids, tokens, self.seq_len, self._id_limit))
+            raise StoreError(self.store.out_of_vocab(ids, tokens, self._id_limit))
         # One pass each, straight from the store dtype into contiguous int64 buffers.
         inputs = torch.from_numpy(tokens[:, :-1].astype(np.int64, order="C"))
         labels = torch.from_numpy(tokens[:, 1:].astype(np.int64, order="C"))
@@ -441,7 +436,15 @@ class ZephonLoader:
         return decision
 
 
-def _out_of_vocab(
-    source: JobData, keys: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
-) -> str:
-    return source.out_of_vocab(keys, tokens, limit)
+def document_positions(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Per-document positions of a micro-batch's inputs ``[b, L]``: a pure function of
+    the sample windows. Each row counts 0, 1, 2, ... from its first token and again
+    from 0 at the token after each ``eos_id``; document offsets are not read.
+    TorchTitan 0.3 builds block-causal masks (and RoPE positions) from them."""
+    length = inputs.shape[-1]
+    index = torch.arange(length, dtype=torch.int64).expand_as(inputs)
+    starts = torch.zeros_like(inputs, dtype=torch.bool)
+    starts[..., 0] = True
+    starts[..., 1:] = inputs[..., :-1] == eos_id
+    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - last_start

@@ -9,8 +9,8 @@ import torch
 
 pytest.importorskip("torchtitan.trainer", reason="TorchTitan 0.3 (torchtitan.trainer)")
 
+from torchtitan_zephon.loader import document_positions  # noqa: E402
 from torchtitan_zephon.titan import platform  # noqa: E402
-from torchtitan_zephon.titan.attention import document_positions  # noqa: E402
 
 platform.apply()
 

@@ -8,15 +8,8 @@ with a bounded number of requests in flight, on one background thread; for
 file (``download``) and writes one (``upload``: multipart for large files).
 
 Design:
-- One library, obstore (the Rust ``object_store`` crate behind a small Python API), for
-  ``s3://``, ``gs://`` and ``az://``: its reads release the GIL, it batches and
-  parallelises range requests natively, and each cloud's standard credential chain
-  (environment variables, web identity / workload identity, container and instance
-  metadata) is built in. fsspec (s3fs, gcsfs, adlfs) was the alternative: three
-  separately maintained back ends with their own options and credential rules, and
-  Python-level asyncio per request. ``file://`` URLs are local folders (memory-mapped).
-- Credentials and the client's options: ``object_client``.
-- Faults and their messages: ``object_faults``.
+- The library (obstore), credentials and the client's options: ``object_client``;
+  faults and their messages: ``object_faults``.
 - Integrity of a remote read: the ETag of every file is recorded when the store is
   opened and sent as ``If-Match`` on every read, so an object replaced while a job
   reads it is an error (naming the object), never a mix of two versions. ETags are
@@ -70,8 +63,7 @@ from torchtitan_zephon.store.urls import (
     scrub,
 )
 
-_USED = False
-"""Whether this process started an ``ObjectFiles`` thread (``object_storage_used``)."""
+_USED = False  # whether this process started an ``ObjectFiles`` thread (object_storage_used)
 
 
 def object_storage_used() -> bool:
@@ -445,3 +437,14 @@ class ObjectFiles:
         if size == 0:
             return memoryview(b"")
         return self.submit(name, [0], [size], urgent=True).result()[0]
+
+
+def __getattr__(name: str) -> Any:
+    """Names held here before ``urls``, ``object_client`` and ``object_faults`` were split
+    out (``parse_url``, ``redact``, ``MissingObject``, ...): still importable from here."""
+    from torchtitan_zephon.store import object_client, object_faults, urls
+
+    for module in (urls, object_faults, object_client):
+        if hasattr(module, name):
+            return getattr(module, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

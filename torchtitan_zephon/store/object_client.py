@@ -3,6 +3,14 @@ loopback endpoint or with AWS_ALLOW_HTTP), the background thread its event loop 
 on (started and stopped by ``location.ObjectFiles``), and the gate that bounds the
 requests in flight, a step's own reads first.
 
+One library, obstore (the Rust ``object_store`` crate behind a small Python API), for
+``s3://``, ``gs://`` and ``az://``: its reads release the GIL, it batches and
+parallelises range requests natively, and each cloud's standard credential chain
+(environment variables, web identity / workload identity, container and instance
+metadata) is built in. fsspec (s3fs, gcsfs, adlfs) was the alternative: three
+separately maintained back ends with their own options and credential rules, and
+Python-level asyncio per request. ``file://`` URLs are local folders (memory-mapped).
+
 Credentials: each cloud's standard environment (``AWS_*``, ``GOOGLE_*``,
 ``AZURE_*``) read by obstore; an S3-compatible endpoint is ``AWS_ENDPOINT_URL``.
 Plain http is allowed for a loopback endpoint (127.0.0.1, ::1, localhost) without

@@ -1,7 +1,8 @@
 """Document-causal attention where FlexAttention cannot train: SDPA with a dense mask.
 
-Role: ``document_positions`` gives each input token its position within its
-document (the batch's ``positions``, which the dataloader and the validator add).
+Role: ``document_positions`` (the loader's: a pure function of a batch's inputs) gives
+each input token its position within its document (the batch's ``positions``, which the
+dataloader and the validator add).
 TorchTitan 0.3's default inner attention (FlexAttention, or varlen) masks
 attention across the documents of a packed sample, from those ``positions``; neither has a backward on CPU. The platform layer puts
 ``DocumentSDPA`` in their place there (``platform.cpu_config_defaults``), and the
@@ -25,19 +26,9 @@ import torch
 import torch.nn.functional as F
 from torchtitan.models.common.attention import ScaledDotProductAttention
 
+from torchtitan_zephon.loader import document_positions
 
-def document_positions(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Per-document positions of a micro-batch's inputs ``[b, L]``: a pure function of
-    the sample windows. Each row counts 0, 1, 2, ... from its first token and again
-    from 0 at the token after each ``eos_id``; document offsets are not read.
-    TorchTitan 0.3 builds block-causal masks (and RoPE positions) from them."""
-    length = inputs.shape[-1]
-    index = torch.arange(length, dtype=torch.int64).expand_as(inputs)
-    starts = torch.zeros_like(inputs, dtype=torch.bool)
-    starts[..., 0] = True
-    starts[..., 1:] = inputs[..., :-1] == eos_id
-    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
-    return index - last_start
+__all__ = ["DocumentSDPA", "document_mask", "document_positions", "with_document_masks"]
 
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:
