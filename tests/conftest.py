@@ -135,3 +135,31 @@ def store(store_path: Path):
     from torchtitan_zephon.store.reader import TokenStore
 
     return TokenStore.open(store_path)
+
+
+# ---------------------------------------------------------------- shared torchrun runs
+# One training run serves every test that reads it (tests/titan and tests/cli): a run
+# folder is never written by a test that did not make it (they copy it first).
+
+
+@pytest.fixture(scope="session")
+def e2e_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="session")
+def reference(e2e_root: Path) -> Path:
+    """2 CPU ranks, FSDP, 8 steps, checkpoints at 4 and 8: the uninterrupted run."""
+    from tests.titan.launch import train
+
+    return train(e2e_root / "ref", 2).check().run  # "ref": compare names runs by folder
+
+
+@pytest.fixture(scope="session")
+def resumed_on_one_rank(e2e_root: Path, reference: Path) -> Path:
+    """The reference as a job that died after checkpoint 4, resumed on 1 rank (DP 2 -> 1):
+    steps 5-8 trained again there."""
+    from tests.titan.launch import copy_run_until, train
+
+    run = copy_run_until(reference, e2e_root / "resumed", 4)
+    return train(run, 1).check().run

@@ -7,7 +7,6 @@ test_compare.py and test_inspect_run.py through ``real_runs``.
 
 from __future__ import annotations
 
-import functools
 import json
 import subprocess
 import sys
@@ -229,22 +228,15 @@ class RealRuns:
     """1 rank, 2 steps, --zephon.seed 1."""
 
 
-@functools.cache
-def build_real_runs(base: Path) -> RealRuns:
-    from tests.titan.launch import copy_run_until, train
-
-    root = base / "zephon_real_runs"
-    ref, resumed, other = root / "ref", root / "resumed", root / "other_seed"
-    train(ref, 2).check()
-    copy_run_until(ref, resumed, 4)
-    train(resumed, 1).check()
-    train(other, 1, "--zephon.seed", "1", "--training.steps", "2").check()
-    return RealRuns(ref, resumed, other)
-
-
 @pytest.fixture(scope="session")
-def real_runs(tmp_path_factory) -> RealRuns:
-    return build_real_runs(tmp_path_factory.getbasetemp())
+def real_runs(e2e_root: Path, reference: Path, resumed_on_one_rank: Path) -> RealRuns:
+    """The shared reference and its resume on one rank (tests/conftest.py), and a run with
+    another seed."""
+    from tests.titan.launch import train
+
+    other = e2e_root / "zephon_real_runs" / "other_seed"
+    train(other, 1, "--zephon.seed", "1", "--training.steps", "2").check()
+    return RealRuns(reference, resumed_on_one_rank, other)
 
 
 def test_real_resume_on_fewer_ranks_verifies(real_runs, capsys):

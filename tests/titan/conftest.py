@@ -1,5 +1,6 @@
-"""Shared end-to-end runs: uninterrupted references that several tests compare against;
-the tiny model the validator tests evaluate."""
+"""Shared end-to-end runs: uninterrupted references that several tests compare against
+(the 2-rank ``reference`` and its resume on one rank are tests/conftest.py's, shared
+with tests/cli); the tiny model the validator tests evaluate."""
 
 from __future__ import annotations
 
@@ -9,17 +10,6 @@ import pytest
 import torch
 
 from tests.titan.launch import train
-
-
-@pytest.fixture(scope="session")
-def e2e_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("e2e")
-
-
-@pytest.fixture(scope="session")
-def reference(e2e_root: Path) -> Path:
-    """2 CPU ranks, FSDP, 8 steps, checkpoints at 4 and 8: the uninterrupted run."""
-    return train(e2e_root / "reference", 2).check().run
 
 
 @pytest.fixture(scope="session")

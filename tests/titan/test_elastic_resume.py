@@ -53,9 +53,14 @@ SLOW = pytest.mark.slow  # torchrun jobs of a minute or more: `scripts/test.sh -
         pytest.param("fsdp_to_fsdp_x_tp", 4, TP2, 2, marks=SLOW),
     ],
 )
-def test_resume_from_two_ranks(e2e_root: Path, reference: Path, name, nproc, overrides, dp_degree):
-    run = copy_run_until(reference, e2e_root / name, 4)
-    train(run, nproc, *overrides).check()
+def test_resume_from_two_ranks(
+    e2e_root: Path, reference: Path, request, name, nproc, overrides, dp_degree
+):
+    if name == "2_to_1":  # the shared run (tests/conftest.py): tests/cli reads it too
+        run = request.getfixturevalue("resumed_on_one_rank")
+    else:
+        run = copy_run_until(reference, e2e_root / name, 4)
+        train(run, nproc, *overrides).check()
     assert_same_data(reference, run, range(1, 9))
     assert_losses(reference, run, range(5, 9), rtol=TOPOLOGY_RTOL)
     (event,) = resume_events(run)
