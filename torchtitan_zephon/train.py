@@ -220,6 +220,8 @@ def unknown_options(argv: list[str], config: Any) -> str | None:
             continue  # a boolean flag's negation
         if key in sections or any(p.startswith(f"{key}.") for p in paths):
             continue  # a whole section (tyro's subcommand-like options)
+        if any(key.startswith(f"{p}.") for p in paths):
+            continue  # under a field whose type a subcommand picks (activation_checkpoint)
         entry = TABLE.get(key)
         if entry is not None and entry.kind == "map" and entry.path in paths:
             close = [entry.path]

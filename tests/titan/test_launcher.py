@@ -163,6 +163,10 @@ def test_unknown_options_name_the_closest_spelling():
                         "--module / --config)")  # fmt: skip
     msg = unknown_options(["--zzz.qqq=1"], config)
     assert msg is not None and "`--help` lists the options" in msg
+    # an option of a subcommand-chosen type (activation_checkpoint is None here): not ours
+    # to call unknown
+    assert config.activation_checkpoint is None
+    assert unknown_options(["--activation-checkpoint.mode", "full"], config) is None
 
 
 def test_run_train_missing_config_file_names_the_path_it_looked_at(tmp_path: Path):
