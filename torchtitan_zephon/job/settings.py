@@ -42,7 +42,7 @@ from torchtitan_zephon.order.layout import (
 )
 from torchtitan_zephon.store.object_client import REQUEST_TIMEOUT_S
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.remote import (
+from torchtitan_zephon.store.remote_options import (
     CACHE_BYTES,
     READ_AHEAD_BYTES,
     READ_AHEAD_STEPS,
