@@ -22,9 +22,7 @@ from typing import Any
 
 from torchtitan.components.loss import ChunkedLossWrapper
 
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+from torchtitan_zephon.titan.checks import _divisors  # the job checks' divisor list
 
 
 def largest_divisor_up_to(n: int, limit: int) -> int:
