@@ -9,4 +9,11 @@ written (``writer``: checksums, derived stores, slices), gathered across stores
 Invariant: the bottom layer. Pure Python + numpy; imports nothing else of the
 package (no ingest, order, job, torch.distributed or torchtitan). Import the
 modules directly: this package re-exports nothing.
+
+``reader.TokenStore.open`` opens local folders and, for an object-storage URL, hands
+it to the subclass that reads by range (``remote.RemoteTokenStore``, declared with
+``reads_object_urls=True``). The package imports ``remote`` here so that subclass is
+always known, and ``reader`` never imports ``remote`` (which builds on it).
 """
+
+from torchtitan_zephon.store import remote as _remote  # noqa: F401  (see above)

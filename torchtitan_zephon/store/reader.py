@@ -83,6 +83,14 @@ from torchtitan_zephon.store.urls import is_url, parse_url, refuse_mistyped_url
 class TokenStore:
     """A validated, memory-mapped token store. Build one with ``TokenStore.open``."""
 
+    # Opens object-storage URLs: the subclass declared reads_object_urls (store/__init__).
+    _object_url_class: type[TokenStore] | None = None
+
+    def __init_subclass__(cls, *, reads_object_urls: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if reads_object_urls:
+            TokenStore._object_url_class = cls
+
     def __init__(
         self,
         path: Path | str,
@@ -152,9 +160,8 @@ class TokenStore:
         if is_url(path):
             found = parse_url(str(path))
             if not isinstance(found, str):
-                from torchtitan_zephon.store.remote import RemoteTokenStore
-
-                return RemoteTokenStore.open_url(found, verify=verify, options=remote)
+                opener: Any = TokenStore._object_url_class
+                return opener.open_url(found, verify=verify, options=remote)
             path = found
         root = Path(path)
         manifest = open_manifest(root)

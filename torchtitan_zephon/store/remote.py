@@ -103,7 +103,7 @@ __all__ = [
 ]
 
 
-class RemoteTokenStore(_RemoteUnits, TokenStore):
+class RemoteTokenStore(_RemoteUnits, TokenStore, reads_object_urls=True):
     """A token store under an object-storage prefix; open it with ``open_url`` (or
     ``TokenStore.open(URL)``). See the module docstring."""
 
