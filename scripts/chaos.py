@@ -33,7 +33,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchtitan_zephon.ownership import process
+from torchtitan_zephon.run import process
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "train_configs" / "debug_model.toml"

@@ -101,7 +101,7 @@ def engine_check(opts: argparse.Namespace, out: Path) -> dict[str, Any]:
     from torch import nn
 
     from torchtitan_zephon.bench.corpus import builtin_store
-    from torchtitan_zephon.loader import ZephonLoader
+    from torchtitan_zephon.job.loader import ZephonLoader
     from torchtitan_zephon.order.layout import BatchSchedule
 
     device = torch.device("cpu" if os.environ.get("ZEPHON_DEVICE") == "cpu" else "cuda")
@@ -273,7 +273,7 @@ def describe_config(args: list[str]) -> str:
 def full_check(out: Path, run: Path) -> int:
     import shutil
 
-    from torchtitan_zephon import runs
+    from torchtitan_zephon.run import recorded as runs
 
     env = dict(os.environ, PYTHONUNBUFFERED="1")
 

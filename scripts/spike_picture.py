@@ -30,12 +30,12 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from torchtitan_zephon import runs  # noqa: E402
 from torchtitan_zephon.cli.spikes import find_spikes, rollback  # noqa: E402
 from torchtitan_zephon.ingest.builtin import builtin_store_path  # noqa: E402
 from torchtitan_zephon.order.layout import BatchSchedule  # noqa: E402
 from torchtitan_zephon.order.skips import SkipSteps  # noqa: E402
 from torchtitan_zephon.order.stream import DataPlan  # noqa: E402
+from torchtitan_zephon.run import recorded as runs  # noqa: E402
 from torchtitan_zephon.store.reader import TokenStore  # noqa: E402
 from torchtitan_zephon.store.writer import write_derived_store  # noqa: E402
 

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from tests.conftest import copy_store, edit_token
 from tests.order.test_mixture import batch_schedules, mixtures
 from torchtitan_zephon.job.data import MixtureData, StoreData
+from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.job.plans import mixture_progress, plan_of
-from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.config import MixtureConfig

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import copy_store, edit_token, make_v1
-from torchtitan_zephon.loader import MAX_WINDOW, DataStateMismatch, ZephonLoader
+from torchtitan_zephon.job.loader import MAX_WINDOW, DataStateMismatch, ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.store.format import (
     DataUnreadable,

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 
 from tests.titan.expect import tree
-from torchtitan_zephon.ownership.holder import (
+from torchtitan_zephon.run.holder import (
     LEASE_ENV,
     Holder,
     lease_seconds,
     lock_path,
     read_holder,
 )
-from torchtitan_zephon.ownership.lock import FolderInUse, RunFolderLock
-from torchtitan_zephon.ownership.process import Process
+from torchtitan_zephon.run.lock import FolderInUse, RunFolderLock
+from torchtitan_zephon.run.process import Process
 
 REPO = Path(__file__).resolve().parents[1]
 # Slack for a loaded 2-core machine: takeovers must happen within one lease, plus this.
@@ -39,8 +39,8 @@ def hold(run: Path, lease: float, host: str | None = None) -> subprocess.Popen:
     who = f"Process({host!r}, 'another-machine', os.getpid(), '1')" if host else "None"
     code = (
         "import os, sys\n"
-        "from torchtitan_zephon.ownership.lock import RunFolderLock\n"
-        "from torchtitan_zephon.ownership.process import Process\n"
+        "from torchtitan_zephon.run.lock import RunFolderLock\n"
+        "from torchtitan_zephon.run.process import Process\n"
         f"lock = RunFolderLock({str(run)!r}, lease_s={lease}, process={who})\n"
         "lock.acquire()\n"
         "print('held', flush=True)\n"

@@ -8,9 +8,9 @@ dataloader and validator are replaced by Zephon's (the log says so). tyro
 parses the overrides into ``ZephonTrainer.Config``.
 
 Without ``--module`` / ``--config``, the command line is TorchTitan 0.2.2's (the
-TOML front end, what ``run_train.sh`` runs): ``titan.legacy_translate`` translates
+TOML front end, what ``run_train.sh`` runs): ``titan.configs.legacy_translate`` translates
 the TOML file and the ``--section.key`` overrides (0.2.2 spellings, or the 0.3
-spelling of a mapped path) through one table (``titan.legacy_config``);
+spelling of a mapped path) through one table (``titan.configs.legacy_config``);
 ``model.name`` / ``model.flavor`` pick the job they are set on (``configs.TOML_JOBS``),
 the command line wins over the file, and a key without a 0.3 equivalent is refused
 before anything runs.
@@ -19,10 +19,10 @@ Order: every relative path option on the command line is made absolute
 (``resolve_paths``) against ``$ZEPHON_LAUNCH_DIR`` (the folder ``run_train.sh`` was
 run from) or the working directory; the platform layer runs (on a machine without
 an accelerator it switches TorchTitan to CPU + gloo); the registry function's
-config becomes Zephon's (``titan.stock_config.zephon_config``) and gets the CPU defaults
+config becomes Zephon's (``titan.configs.stock_config.zephon_config``) and gets the CPU defaults
 (``platform.cpu_config_defaults``) *before* tyro parses, so an explicit flag wins;
 after it, the chunked loss's chunk count is fitted to ``training.seq_len``
-(``titan.loss_chunks``: refused only when ``--loss.num_chunks`` is given).
+(``titan.configs.loss_chunks``: refused only when ``--loss.num_chunks`` is given).
 
 Invariant: a refused start or a stopped job (the Zephon errors whose message says
 it all, and an unknown ``--module`` / ``--config``) ends the worker with exit
@@ -157,7 +157,7 @@ def parse_config(argv: list[str]) -> Any:
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import logger
 
-    from torchtitan_zephon.titan.stock_config import zephon_config
+    from torchtitan_zephon.titan.configs.stock_config import zephon_config
 
     loaded: list[Any] = []
 
@@ -207,7 +207,7 @@ def unknown_options(argv: list[str], config: Any) -> str | None:
     option names a field (tyro failed for another reason)."""
     import difflib
 
-    from torchtitan_zephon.titan.legacy_config import TABLE
+    from torchtitan_zephon.titan.configs.legacy_config import TABLE
 
     paths = _leaf_paths(config)
     sections = {p.split(".", 1)[0] for p in paths}
@@ -249,8 +249,8 @@ def parse_toml(argv: list[str]) -> Any:
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import logger
 
-    from torchtitan_zephon.configs import TOML_JOBS
-    from torchtitan_zephon.titan.legacy_translate import (
+    from torchtitan_zephon.titan.configs.config_registry import TOML_JOBS
+    from torchtitan_zephon.titan.configs.legacy_translate import (
         LegacyConfigError,
         check_against,
         translate,
@@ -317,11 +317,11 @@ def main() -> None:
     from torchtitan.tools.logging import init_logger, logger
 
     from torchtitan_zephon.order.data_config import DataStateMismatch
-    from torchtitan_zephon.ownership.lock import FolderInUse
+    from torchtitan_zephon.run.lock import FolderInUse
     from torchtitan_zephon.store.format import StoreError, error_kind
-    from torchtitan_zephon.titan.loss_chunks import fit_loss_chunks
-    from torchtitan_zephon.titan.start_plan import StartRefused
-    from torchtitan_zephon.titan.trainer import JobStopped, SettingRefused
+    from torchtitan_zephon.titan.components.trainer import JobStopped, SettingRefused
+    from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
+    from torchtitan_zephon.titan.start.start_plan import StartRefused
     from torchtitan_zephon.tracker import TrackerError
 
     refusals = (StartRefused, FolderInUse, DataStateMismatch, TrackerError, StoreError)

@@ -11,7 +11,7 @@ import pytest
 from tests.cli.test_verify import real_runs, write_log  # noqa: F401 (fixture)
 from torchtitan_zephon.cli.compare import PLOT_DPI, PLOT_SIZE
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.runs import LOSS_TAG
+from torchtitan_zephon.run.recorded import LOSS_TAG
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -69,8 +69,8 @@ def test_corrupt_checkpoint_and_the_folder_owner(real_runs, capsys, tmp_path):  
     import subprocess
     import sys
 
-    from torchtitan_zephon.ownership.holder import Holder, lock_path
-    from torchtitan_zephon.ownership.process import Process
+    from torchtitan_zephon.run.holder import Holder, lock_path
+    from torchtitan_zephon.run.process import Process
 
     run = tmp_path / "run"
     shutil.copytree(real_runs.ref, run)

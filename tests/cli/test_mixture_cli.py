@@ -10,7 +10,7 @@ import pytest
 
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.job.data import MixtureData
-from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.state import RECORD_KEY, DataState

@@ -243,7 +243,7 @@ def test_a_mixture_run_finds_its_sources_from_the_saved_mixture_file(
 
 
 def test_trained_steps_end_where_the_effective_history_ends(store_path, store, tmp_path, capsys):
-    from torchtitan_zephon import runs
+    from torchtitan_zephon.run import recorded as runs
 
     source = StoreData(store, 8)
     run = write_run(
@@ -265,7 +265,7 @@ def test_trained_steps_end_where_the_effective_history_ends(store_path, store, t
 def test_a_resume_that_accepted_a_schedule_change_anchors_the_plan(
     store_path, store, tmp_path, capsys
 ):
-    from torchtitan_zephon import runs
+    from torchtitan_zephon.run import recorded as runs
 
     source = StoreData(store, 8)
     run = write_run(
@@ -407,10 +407,10 @@ def test_each_step_is_shown_at_the_dp_degree_it_was_trained_at(store_path, store
     """Steps 1-4 trained on 2 ranks, then resumed on 1 from step 4 (steps 5, 6): a step
     is shown at the degree of the job that trained it (show, where, in text and JSON);
     a step not trained yet at the run's current one, and said so."""
-    from torchtitan_zephon import runs
     from torchtitan_zephon.cli.open_data import open_step_data
     from torchtitan_zephon.cli.show import step_samples
     from torchtitan_zephon.cli.where import where
+    from torchtitan_zephon.run import recorded as runs
 
     source = StoreData(store, 8)
     run = write_run(tmp_path / "run", source, trained=4, dp_degree=2,

@@ -16,7 +16,7 @@ from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.cli.spikes import MIN_WINDOW, ROLLBACK_MARGIN, find_spikes, rollback
 from torchtitan_zephon.job.data import StoreData
 from torchtitan_zephon.order.skips import SkipSteps
-from torchtitan_zephon.runs import LOSS_TAG
+from torchtitan_zephon.run.recorded import LOSS_TAG
 
 
 def write_events(

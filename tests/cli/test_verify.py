@@ -16,10 +16,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from torchtitan_zephon import runs
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.tracker import SequenceTracker, log_path, read_log
 
 TOPO_2 = {"world_size": 2, "dp_degree": 2, "nnodes": 2, "tp_degree": 1, "local_batch_size": 2}

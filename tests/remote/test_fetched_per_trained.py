@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.upgrade import add_block_checksums

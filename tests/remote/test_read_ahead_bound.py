@@ -15,7 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchtitan_zephon.job.data import StoreData
-from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.reader import TokenStore

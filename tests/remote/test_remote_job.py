@@ -17,9 +17,9 @@ from tests.conftest import copy_store
 from tests.remote.conftest import SECRET, SESSION
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.job.data import MixtureData, StoreData
+from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.job.settings import open_store
 from torchtitan_zephon.job.stores import store_location
-from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
 from torchtitan_zephon.store.format import StoreError
@@ -148,10 +148,10 @@ def test_store_values_that_are_urls(fine_url) -> None:
 
 
 def _job(tmp: Path, **zephon: Any):
-    """The view Zephon's trainer hands the job layer (``titan.job_view.JobView``) of the
+    """The view Zephon's trainer hands the job layer (``titan.configs.job_view.JobView``) of the
     tiny registry job with these ``--zephon.*`` values."""
-    from torchtitan_zephon.configs import llama3_tiny
-    from torchtitan_zephon.titan.job_view import job_view
+    from torchtitan_zephon.titan.configs.config_registry import llama3_tiny
+    from torchtitan_zephon.titan.configs.job_view import job_view
 
     config = llama3_tiny()
     config.dump_folder = str(tmp)
@@ -180,10 +180,10 @@ def test_the_trainer_settings_open_a_store_url(fine_url, tmp_path) -> None:
 
 
 def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, tmp_path):
-    """The trainer's data of a mixture job (titan.job_data.resolve_source): a source in
+    """The trainer's data of a mixture job (titan.components.job_data.resolve_source): a source in
     the bucket is read with the job's zephon.read_ahead_steps / read_ahead_bytes /
     request_timeout_s, not the store defaults."""
-    from torchtitan_zephon.titan.job_data import resolve_source
+    from torchtitan_zephon.titan.components.job_data import resolve_source
 
     a = slice_store(store, 0, 1800, tmp_path / "a")
     b = slice_store(store, 1800, store.num_tokens, tmp_path / "b")
@@ -207,7 +207,7 @@ def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, 
 def test_a_store_url_with_a_query_string_is_redacted_in_the_job_messages(fine_url, tmp_path):
     """A store URL carrying a signature (an Azure SAS token, say) is named redacted where
     the trainer's checks name the store."""
-    from torchtitan_zephon.titan.job_data import resolve_source
+    from torchtitan_zephon.titan.components.job_data import resolve_source
 
     job = _job(tmp_path, store=f"{fine_url}?sv=2024&sig=SASMARKER", heldout_samples=10**9)
     with pytest.raises(ValueError) as e:

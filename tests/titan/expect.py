@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from torchtitan_zephon import runs
+from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.tracker import read_log
 
 # Loss tolerance when the topology changes. Same data, same math, but fp32 sums

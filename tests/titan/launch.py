@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_zephon.ownership.process import kill_tree
+from torchtitan_zephon.run.process import kill_tree
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = REPO / "tests" / "titan" / "tiny.toml"

@@ -1,4 +1,4 @@
-"""titan.accounting: the trainer's per-source accounting (scalars to the metrics
+"""titan.components.accounting: the trainer's per-source accounting (scalars to the metrics
 logger, the log line at log steps, capped epoch-wrap warnings) and its switch."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.plan import MixturePlan
 from torchtitan_zephon.order.mixture.spec import MixtureSpec
 from torchtitan_zephon.order.mixture.stream import MixtureStream
-from torchtitan_zephon.titan.accounting import TAGS, WRAP_WARNINGS, StepAccounting
-from torchtitan_zephon.titan.config import Zephon
-from torchtitan_zephon.titan.trainer import ZephonTrainer
+from torchtitan_zephon.titan.components.accounting import TAGS, WRAP_WARNINGS, StepAccounting
+from torchtitan_zephon.titan.components.trainer import ZephonTrainer
+from torchtitan_zephon.titan.configs.zephon_section import Zephon
 
 SEQ_LEN = 4
 
@@ -155,7 +155,7 @@ def test_a_source_whose_documents_are_not_counted_has_no_documents_tag_or_text()
     """documents_started is -1 for a source without offsets (a store in object storage
     with more offsets than the accounting fetches: job.accounting.document_offsets):
     its scalar and the line's 'new documents' are left out, the rest is as before."""
-    from torchtitan_zephon.titan.accounting import log_line, metrics_of
+    from torchtitan_zephon.titan.components.accounting import log_line, metrics_of
 
     plan = mixture()
     offsets = [DATA.stores[0].doc_offsets, None]

@@ -10,15 +10,15 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.titan.launch import train
-from torchtitan_zephon import runs
 from torchtitan_zephon.ingest.builtin import builtin_store_path
 from torchtitan_zephon.job.accounting import document_offsets, documents_started, step_account
 from torchtitan_zephon.job.data import MixtureData
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.writer import slice_store
-from torchtitan_zephon.titan.accounting import TAGS
+from torchtitan_zephon.titan.components.accounting import TAGS
 
 SEQ_LEN, GBS, STEPS, HELDOUT = 64, 8, 6, 2
 

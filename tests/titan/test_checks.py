@@ -17,13 +17,19 @@ def parse():
     from torchtitan_zephon.titan import platform
 
     platform.apply()
-    from torchtitan_zephon.titan.job_view import job_view
+    from torchtitan_zephon.titan.configs.job_view import job_view
     from torchtitan_zephon.train import parse_config
 
     def job(*overrides: str):
         return job_view(
             parse_config(
-                ["--module", "torchtitan_zephon.configs", "--config", "llama3_tiny", *overrides]
+                [
+                    "--module",
+                    "torchtitan_zephon.configs",
+                    "--config",
+                    "llama3_tiny",
+                    *overrides,
+                ]
             )
         )
 
@@ -31,7 +37,7 @@ def parse():
 
 
 def _refused(job, world: int) -> str:
-    from torchtitan_zephon.titan.checks import check_job_config
+    from torchtitan_zephon.titan.start.checks import check_job_config
 
     with pytest.raises(ValueError) as e:
         check_job_config(job, world_size=world)
@@ -39,7 +45,7 @@ def _refused(job, world: int) -> str:
 
 
 def test_accepts_the_test_and_example_layouts(parse):
-    from torchtitan_zephon.titan.checks import check_job_config
+    from torchtitan_zephon.titan.start.checks import check_job_config
 
     for world in (1, 2, 4, 8):
         check_job_config(parse(), world_size=world)
@@ -51,7 +57,7 @@ def test_accepts_the_test_and_example_layouts(parse):
 def test_seq_len_must_split_over_tp_and_cp(parse):
     """TorchTitan 0.3's trainer asserts seq_len % (TP x (2 x CP when CP > 1)) == 0 (0.2.2's
     llama3 parallelize asked for TP x 2 x CP even at TP = CP = 1: an odd seq_len trains now)."""
-    from torchtitan_zephon.titan.checks import check_job_config
+    from torchtitan_zephon.titan.start.checks import check_job_config
 
     check_job_config(parse("--training.seq_len", "63"), world_size=1)
     msg = _refused(parse("--training.seq_len", "0"), 1)
@@ -112,7 +118,7 @@ def parse_moe():
     from torchtitan_zephon.titan import platform
 
     platform.apply()
-    from torchtitan_zephon.titan.job_view import job_view
+    from torchtitan_zephon.titan.configs.job_view import job_view
     from torchtitan_zephon.train import parse_config
 
     def job(*overrides: str):
@@ -132,7 +138,7 @@ def parse_moe():
 
 
 def test_ep_must_divide_the_experts_and_the_ranks_it_borrows(parse_moe, parse):
-    from torchtitan_zephon.titan.checks import check_job_config
+    from torchtitan_zephon.titan.start.checks import check_job_config
 
     ep = "--parallelism.expert_parallel_degree"
     assert parse_moe().num_experts == 4 and parse().num_experts is None
@@ -205,7 +211,7 @@ def test_a_request_timeout_must_be_positive_and_finite(parse, value):
 
 
 def test_the_remote_settings_in_range_pass(parse):
-    from torchtitan_zephon.titan.checks import check_job_config
+    from torchtitan_zephon.titan.start.checks import check_job_config
 
     check_job_config(
         parse(

@@ -11,13 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from torchtitan_zephon.loader import DataStateMismatch
+from torchtitan_zephon.job.loader import DataStateMismatch
 from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning
-from torchtitan_zephon.titan.dataloader import ZephonDataLoader
-from torchtitan_zephon.titan.job_data import batch_schedule, open_job_data, with_job
-from torchtitan_zephon.titan.job_view import JobView, job_view
+from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
+from torchtitan_zephon.titan.components.job_data import batch_schedule, open_job_data, with_job
+from torchtitan_zephon.titan.configs.job_view import JobView, job_view
 from torchtitan_zephon.tracker import sample_digests
 
 
@@ -29,7 +29,7 @@ def job(
     **zephon: Any,
 ) -> JobView:
     """The view of the tiny registry job (seq_len 32, local batch 2), run folder ``tmp``."""
-    from torchtitan_zephon.configs import llama3_tiny
+    from torchtitan_zephon.titan.configs.config_registry import llama3_tiny
 
     config = llama3_tiny()
     config.dump_folder = str(tmp)

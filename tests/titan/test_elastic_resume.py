@@ -21,7 +21,7 @@ from tests.titan.expect import (
     tree,
 )
 from tests.titan.launch import copy_run_until, train
-from torchtitan_zephon import runs
+from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.tracker import read_log
 
 

@@ -16,12 +16,12 @@ import pytest
 from tests.titan.expect import assert_refused, assert_unchanged, log_records, resume_events, tree
 from tests.titan.launch import copy_run_until, train, train03
 from tests.titan.test_preflight import data_job
-from torchtitan_zephon import runs
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.job.plans import plan_of
 from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, Exclusions
-from torchtitan_zephon.titan.preflight import plan_start
-from torchtitan_zephon.titan.start_plan import StartRefused
+from torchtitan_zephon.run import recorded as runs
+from torchtitan_zephon.titan.start.preflight import plan_start
+from torchtitan_zephon.titan.start.start_plan import StartRefused
 from torchtitan_zephon.tracker import ids_digest
 
 

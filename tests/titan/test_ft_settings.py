@@ -21,7 +21,7 @@ def _view(*argv: str):
     from torchtitan_zephon.titan import platform
 
     platform.apply()
-    from torchtitan_zephon.titan.job_view import job_view
+    from torchtitan_zephon.titan.configs.job_view import job_view
     from torchtitan_zephon.train import parse_config, parse_toml, toml_front_end
 
     args = list(argv)
@@ -33,7 +33,7 @@ def _registry(*overrides: str):
 
 
 def _refused(job, world: int = 1) -> str:
-    from torchtitan_zephon.titan.checks import check_job_config
+    from torchtitan_zephon.titan.start.checks import check_job_config
 
     with pytest.raises(ValueError) as e:
         check_job_config(job, world_size=world)
@@ -58,7 +58,7 @@ def test_the_settings_parse_on_both_front_ends():
 
 
 def test_a_job_that_keeps_the_rule_passes_the_checks():
-    from torchtitan_zephon.titan.checks import check_job_config
+    from torchtitan_zephon.titan.start.checks import check_job_config
 
     check_job_config(_registry(*FT), world_size=2)  # GBS 8 >= 2 groups x DP 2
     check_job_config(_registry(), world_size=2)  # no fault tolerance: nothing asked

@@ -29,13 +29,13 @@ from torchtitan_zephon.titan import platform  # noqa: E402
 
 platform.apply()
 
-from torchtitan_zephon import configs  # noqa: E402
-from torchtitan_zephon.titan.init import (  # noqa: E402
+from torchtitan_zephon.titan.configs import config_registry as configs  # noqa: E402
+from torchtitan_zephon.titan.weights.init import (  # noqa: E402
     init_weights_topology_free,
     topology_free_parallelize,
 )
-from torchtitan_zephon.titan.init_coverage import NotTopologyFree  # noqa: E402
-from torchtitan_zephon.titan.init_draw import (  # noqa: E402
+from torchtitan_zephon.titan.weights.init_coverage import NotTopologyFree  # noqa: E402
+from torchtitan_zephon.titan.weights.init_draw import (  # noqa: E402
     canonical_name,
     draw_flat,
     parameter_seed,
@@ -291,7 +291,7 @@ def _shapes(spec) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
 def test_a_toml_of_the_model_of_each_config_function_starts_from_that_model(fn: str) -> None:
     """configs.TOML_JOBS, the one table a TOML's [model] name / flavor select a job
     from, has every family and flavor the registry trains, and builds that model."""
-    from torchtitan_zephon.titan.legacy_config import MODEL_FAMILIES
+    from torchtitan_zephon.titan.configs.legacy_config import MODEL_FAMILIES
 
     spec = getattr(configs, fn)().model_spec
     assert spec.name in MODEL_FAMILIES.values() and spec.name in configs.TOML_JOBS, fn
@@ -304,7 +304,7 @@ def test_a_toml_of_the_model_of_each_config_function_starts_from_that_model(fn: 
 def test_every_registry_function_builds(fn: str) -> None:
     """Every config function of ``torchtitan_zephon.configs`` returns a Zephon job whose
     model builds (on the meta device) under its own model config."""
-    from torchtitan_zephon.titan.trainer import ZephonTrainer
+    from torchtitan_zephon.titan.components.trainer import ZephonTrainer
 
     config = getattr(configs, fn)()
     assert isinstance(config, ZephonTrainer.Config)

@@ -23,7 +23,7 @@ platform.apply()  # before torchtitan is imported (CPU, no triton)
 
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 
-from torchtitan_zephon.titan.start_plan import titan_load_step  # noqa: E402
+from torchtitan_zephon.titan.start.start_plan import titan_load_step  # noqa: E402
 
 NAMES = st.one_of(
     st.integers(0, 10**6).map(lambda n: f"step-{n}"),

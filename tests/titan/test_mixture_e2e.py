@@ -22,8 +22,8 @@ from tests.titan.expect import (
     tree,
 )
 from tests.titan.launch import copy_run_until, train
-from torchtitan_zephon import runs
 from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.run import recorded as runs
 
 SOURCES = """
 [[source]]

@@ -14,9 +14,9 @@ from torchtitan_zephon.job.data import MixtureData
 from torchtitan_zephon.order.mixture.config import MixtureError
 from torchtitan_zephon.order.stream import split_keys
 from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.job_data import resolve_source
-from torchtitan_zephon.titan.job_view import JobView
-from torchtitan_zephon.titan.validate import ZephonValidator
+from torchtitan_zephon.titan.components.job_data import resolve_source
+from torchtitan_zephon.titan.components.validate import ZephonValidator
+from torchtitan_zephon.titan.configs.job_view import JobView
 
 platform.apply()
 

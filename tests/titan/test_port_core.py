@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("torchtitan.trainer", reason="TorchTitan 0.3 (torchtitan.trainer)")
 
-from torchtitan_zephon.loader import document_positions  # noqa: E402
+from torchtitan_zephon.job.loader import document_positions  # noqa: E402
 from torchtitan_zephon.titan import platform  # noqa: E402
 
 platform.apply()
@@ -21,9 +21,9 @@ from torchtitan.models.common.attention import (  # noqa: E402
     get_efficient_causal_mask_mod_for_packed_document,
 )
 
-from torchtitan_zephon.titan.attention import DocumentSDPA, document_mask  # noqa: E402
-from torchtitan_zephon.titan.dataloader import ZephonDataLoader  # noqa: E402
-from torchtitan_zephon.titan.validate import ZephonValidator  # noqa: E402
+from torchtitan_zephon.titan.components.attention import DocumentSDPA, document_mask  # noqa: E402
+from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader  # noqa: E402
+from torchtitan_zephon.titan.components.validate import ZephonValidator  # noqa: E402
 from torchtitan_zephon.train import parse_config  # noqa: E402
 
 
@@ -97,8 +97,8 @@ def test_the_zephon_dataloader_refuses_to_be_built_without_zephons_trainer() -> 
 
 
 def _tiny_initial_weights(seed: int) -> dict[str, torch.Tensor]:
-    from torchtitan_zephon.titan.init import topology_free_parallelize
-    from torchtitan_zephon.titan.models import llama3_model
+    from torchtitan_zephon.titan.configs.models import llama3_model
+    from torchtitan_zephon.titan.weights.init import topology_free_parallelize
 
     spec = llama3_model("tiny")  # built only: the attention backend is never run
     with torch.device("meta"):

@@ -54,7 +54,7 @@ def test_a_start_that_would_supersede_history_changes_nothing(fresh: Path) -> No
 
 @pytest.mark.slow
 def test_fresh_runs_at_one_and_two_ranks_follow_one_loss_curve(fresh: Path, tmp_path: Path) -> None:
-    """Topology-free initial weights (TorchTitan 0.3's init_states under titan/init.py):
+    """Topology-free initial weights (TorchTitan 0.3's init_states under titan/weights/init.py):
     the same data and the same start, so the same losses up to reduction order."""
     one = tmp_path / "one_rank"
     train03(one, 1).check()

@@ -15,13 +15,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.titan.expect import assert_unchanged, tree
-from torchtitan_zephon import runs
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.state import DataState
-from torchtitan_zephon.titan import preflight
-from torchtitan_zephon.titan.preflight import plan_start
-from torchtitan_zephon.titan.start_plan import StartRefused, choose_checkpoint
+from torchtitan_zephon.run import recorded as runs
+from torchtitan_zephon.titan.start import preflight
+from torchtitan_zephon.titan.start.preflight import plan_start
+from torchtitan_zephon.titan.start.start_plan import StartRefused, choose_checkpoint
 from torchtitan_zephon.tracker import SequenceTracker, log_path
 
 CONFIG = DataConfig.make(
@@ -50,7 +50,7 @@ def job(run: Path, **checkpoint) -> SimpleNamespace:
     zephon = SimpleNamespace(
         allow_changes=[], ignore_log_mismatch=False, start_over=False, audit="ids"
     )
-    return SimpleNamespace(  # the fields of titan.job_view.JobView the preflight reads
+    return SimpleNamespace(  # the fields of titan.configs.job_view.JobView the preflight reads
         dump_folder=str(run),
         steps=8,
         checkpoint=SimpleNamespace(**ck),
@@ -357,7 +357,7 @@ def build_tokenizer(view):  # noqa: ANN001, ANN201
 
 
 def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_store, tmp_path):
-    from torchtitan_zephon.titan.job_data import resolve_source
+    from torchtitan_zephon.titan.components.job_data import resolve_source
 
     short = small_store(lines_store, tmp_path / "short", 0)
     tokens = open_store(short).num_tokens
@@ -404,7 +404,7 @@ def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_s
 def test_builtin_and_raw_stores_get_the_same_size_checks(lines_store, tmp_path, monkeypatch):
     """The builtin store and raw inputs reach the same check, named as the user named them."""
     from torchtitan_zephon.ingest.builtin import builtin_store_path
-    from torchtitan_zephon.titan.job_data import resolve_source
+    from torchtitan_zephon.titan.components.job_data import resolve_source
 
     builtin = open_store(builtin_store_path())
     seq_len = (builtin.num_tokens - 1) // 19  # 19 samples: 3 to train on
@@ -579,7 +579,7 @@ def test_a_mixture_tokenizer_mismatch_names_the_source_without_the_jobs_tokenize
     is the odd one out (here the second in name order, not simply 'the other one')."""
     from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
     from torchtitan_zephon.order.mixture.config import MixtureError
-    from torchtitan_zephon.titan.job_data import resolve_source
+    from torchtitan_zephon.titan.components.job_data import resolve_source
 
     own, store = own_store
     mixture = tmp_path / "mixed.toml"
@@ -604,8 +604,8 @@ def test_a_misspelt_allow_changes_is_refused_at_every_start(tmp_path: Path):
     """A typo in --zephon.allow_changes was accepted on a fresh start and ended the
     resume it was meant for in a traceback: it is a refusal naming the option and every
     accepted value, before anything is written."""
-    from torchtitan_zephon.titan.preflight import plan_start
-    from torchtitan_zephon.titan.start_plan import StartRefused
+    from torchtitan_zephon.titan.start.preflight import plan_start
+    from torchtitan_zephon.titan.start.start_plan import StartRefused
 
     cfg = data_job(tmp_path, allow_changes=["sed"], dump_folder=str(tmp_path / "run"))
     with pytest.raises(StartRefused) as e:

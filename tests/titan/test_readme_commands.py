@@ -141,11 +141,11 @@ def _parse(args: list[str]):
 def test_each_training_command_passes_the_trainers_checks(
     command: Command, monkeypatch: pytest.MonkeyPatch
 ):
-    from torchtitan_zephon.titan.checks import check_job_config
-    from torchtitan_zephon.titan.job_data import batch_schedule
-    from torchtitan_zephon.titan.job_view import job_view
-    from torchtitan_zephon.titan.loss_chunks import fit_loss_chunks
-    from torchtitan_zephon.titan.preflight import _dp_degree
+    from torchtitan_zephon.titan.components.job_data import batch_schedule
+    from torchtitan_zephon.titan.configs.job_view import job_view
+    from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
+    from torchtitan_zephon.titan.start.checks import check_job_config
+    from torchtitan_zephon.titan.start.preflight import _dp_degree
 
     t = training(command)
     assert t is not None

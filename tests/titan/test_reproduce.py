@@ -1,7 +1,7 @@
 """Fresh runs of one config at different topologies follow the same loss curve.
 
 1 rank, 2 ranks (FSDP) and 4 ranks (FSDP 2 x TP 2) start from bitwise the same
-initial weights (titan/init.py) and see the same data, so they differ only by
+initial weights (titan/weights/init.py) and see the same data, so they differ only by
 floating-point reduction order; validation uses a different micro-batch layout
 in each (1 rank: micro-batches of 3, 3, 2) and still reports the same loss.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from tests.titan.expect import TOPOLOGY_RTOL, assert_losses, assert_same_data
-from torchtitan_zephon import runs
 from torchtitan_zephon.cli.main import main as zephon
+from torchtitan_zephon.run import recorded as runs
 
 
 def test_fresh_runs_at_1_2_and_4_ranks_follow_the_same_curve(

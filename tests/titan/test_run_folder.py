@@ -24,8 +24,8 @@ from tests.titan.expect import (
 )
 from tests.titan.launch import REPO, Job, copy_run_until, job_env, train, train_command
 from torchtitan_zephon.cli.inspect_run import describe_run
-from torchtitan_zephon.ownership.holder import Holder, lock_path, read_holder
-from torchtitan_zephon.ownership.process import Process
+from torchtitan_zephon.run.holder import Holder, lock_path, read_holder
+from torchtitan_zephon.run.process import Process
 from torchtitan_zephon.tracker import read_log
 
 
@@ -41,7 +41,7 @@ def test_second_job_is_refused_while_the_folder_is_in_use(e2e_root: Path, refere
     run = copy_run_until(reference, e2e_root / "in_use", 4)
     code = (
         "import sys\n"
-        "from torchtitan_zephon.ownership.lock import RunFolderLock\n"
+        "from torchtitan_zephon.run.lock import RunFolderLock\n"
         f"lock = RunFolderLock({str(run)!r}, lease_s=600)\n"
         "lock.acquire(); print('held', flush=True); sys.stdin.read(); lock.release()\n"
     )

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_zephon import runs
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.tracker import read_log
 from torchtitan_zephon.tracker.records import ids_digest
 

@@ -20,8 +20,8 @@ from tests.titan.expect import (
     tree,
 )
 from tests.titan.launch import copy_run_until, train, train03
-from torchtitan_zephon import runs
 from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.tracker import read_log
 
 SKIP = ("--zephon.skip_steps", "5:3")

@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("torchtitan.config.configurable", reason="needs TorchTitan 0.3")
 
-from torchtitan_zephon import configs  # noqa: E402
 from torchtitan_zephon.titan import platform  # noqa: E402
-from torchtitan_zephon.titan.legacy_translate import LegacyConfigError  # noqa: E402
+from torchtitan_zephon.titan.configs import config_registry as configs  # noqa: E402
+from torchtitan_zephon.titan.configs.legacy_translate import LegacyConfigError  # noqa: E402
 from torchtitan_zephon.train import parse_toml, toml_front_end  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from tests.titan.expect import assert_losses, assert_same_data, log_records, resume_events
 from tests.titan.launch import copy_run_until, train
-from torchtitan_zephon import runs
+from torchtitan_zephon.run import recorded as runs
 
 
 def assert_trained(run: Path, steps: int = 8) -> None:

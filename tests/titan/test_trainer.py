@@ -21,9 +21,9 @@ from torchtitan.components.loss import CrossEntropyLoss  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
 from tests.titan.test_mixture_job import HALVES  # noqa: E402
-from torchtitan_zephon.titan.dataloader import ZephonDataLoader  # noqa: E402
-from torchtitan_zephon.titan.trainer import ZephonTrainer  # noqa: E402
-from torchtitan_zephon.titan.validate import ZephonValidator  # noqa: E402
+from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader  # noqa: E402
+from torchtitan_zephon.titan.components.trainer import ZephonTrainer  # noqa: E402
+from torchtitan_zephon.titan.components.validate import ZephonValidator  # noqa: E402
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> Counter:
 def trainer_config(run: Path, **zephon: Any) -> ZephonTrainer.Config:
     """The tiny registry job (CPU defaults applied, as train.py does), run folder ``run``,
     no checkpoints, validation on."""
-    from torchtitan_zephon.configs import llama3_tiny
+    from torchtitan_zephon.titan.configs.config_registry import llama3_tiny
 
     config = llama3_tiny()
     platform.cpu_config_defaults(config)

@@ -15,9 +15,13 @@ from hypothesis import strategies as st
 
 from tests.titan.test_dataloader import job
 from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.job_data import open_job_data, with_job
-from torchtitan_zephon.titan.job_view import JobView
-from torchtitan_zephon.titan.validate import HeldoutLoader, ZephonValidator, microbatch_size
+from torchtitan_zephon.titan.components.job_data import open_job_data, with_job
+from torchtitan_zephon.titan.components.validate import (
+    HeldoutLoader,
+    ZephonValidator,
+    microbatch_size,
+)
+from torchtitan_zephon.titan.configs.job_view import JobView
 
 platform.apply()
 

@@ -3,7 +3,7 @@
 A mixture of 3 sources (one weight change, one skip range) at 400,000 samples per
 step (``--quick``: 4,000), each source with synthetic document offsets (about one
 document start per sample). It measures, side by side in one run: (1) the step path:
-``titan.accounting.StepAccounting.record`` of a step whose background count is done
+``titan.components.accounting.StepAccounting.record`` of a step whose background count is done
 (``ready``): its counts, targets, epochs and deviations, the log line formatted, its
 scalars handed to the background thread (target: under 1 ms); (2) the baseline
 a per-sample accounting would put on the step path: the step's ids from the plan,
@@ -72,7 +72,7 @@ def run(opts: dict[str, Any]) -> dict[str, Any]:
     from torchtitan.components.metrics import TensorBoardLogger
     from torchtitan.tools.logging import logger
 
-    from torchtitan_zephon.titan.accounting import StepAccounting, metrics_of
+    from torchtitan_zephon.titan.components.accounting import StepAccounting, metrics_of
 
     p = dict(QUICK if opts.get("quick") else DEFAULTS)
     gbs, seq_len, repeats = p["gbs"], p["seq_len"], p["repeats"]

@@ -189,7 +189,7 @@ def request_ms(url: str, gets: int) -> float:
 
 
 def rank_loader(store: Any, seq_len: int, batch: int, **kw: Any) -> Any:
-    from torchtitan_zephon.loader import ZephonLoader
+    from torchtitan_zephon.job.loader import ZephonLoader
     from torchtitan_zephon.order.layout import BatchSchedule
 
     d = kw.pop("dp_degree", 1)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from torchtitan_zephon.bench.corpus import TOKENIZER_DIR
-from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.order.stream import DataPlan

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.bench.measure import paired_latency, ratio
-from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.store.reader import TokenStore
 

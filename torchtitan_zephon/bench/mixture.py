@@ -48,8 +48,8 @@ from torchtitan_zephon.bench.measure import (
     round_rate,
 )
 from torchtitan_zephon.job.data import MixtureData
+from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.job.plans import mixture_progress
-from torchtitan_zephon.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import parse_schedule
 from torchtitan_zephon.order.mixture.spec import MixtureSpec, ResolvedSource

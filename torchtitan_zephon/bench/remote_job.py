@@ -30,7 +30,7 @@ def _job_config(name: str) -> Any:
     options, irrelevant here, silenced)."""
     import logging
 
-    from torchtitan_zephon import configs
+    from torchtitan_zephon.titan.configs import config_registry as configs
 
     logging.disable(logging.WARNING)
     try:
@@ -40,7 +40,7 @@ def _job_config(name: str) -> Any:
 
 
 def _job_shape(config: Any) -> dict[str, int]:
-    from torchtitan_zephon.titan.config import Zephon
+    from torchtitan_zephon.titan.configs.zephon_section import Zephon
 
     t = config.training
     return {
@@ -58,7 +58,7 @@ def _model_step(config: Any) -> Any:
     kind and clipping; attention as the trainer runs it on CPU: DocumentSDPA)."""
     import torch
 
-    from torchtitan_zephon.titan.attention import document_mask, document_positions
+    from torchtitan_zephon.titan.components.attention import document_mask, document_positions
     from torchtitan_zephon.titan.platform import cpu_config_defaults
 
     cpu_config_defaults(config)
@@ -131,7 +131,7 @@ CHILD = r"""
 import json, sys, time
 from pathlib import Path
 from torchtitan_zephon.bench.bucket import download_store, rank_loader
-from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.reader import TokenStore
 import obstore

@@ -31,7 +31,7 @@ QUICK = {"repeats": 1, "seq_len": 256, "batch": 2, "max_docs": 20}
 
 CHILD = r"""
 import json, sys, time
-from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.store.reader import TokenStore
 t_import = time.time()

@@ -101,7 +101,7 @@ class TrainJob:
         )
 
     def result(self) -> dict:
-        from torchtitan_zephon.runs import read_scalars
+        from torchtitan_zephon.run.recorded import read_scalars
 
         output, _ = self.proc.communicate()
         wall = time.perf_counter() - self.t0

@@ -20,8 +20,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon import runs
 from torchtitan_zephon.job.run_data import read_run_data, recorded
+from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.tracker import LOG_NAME, LogReader
 from torchtitan_zephon.tracker.blocks import RecordRun
 from torchtitan_zephon.tracker.reader import BLOCK_BYTES

@@ -19,7 +19,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.runs import RunError, losses, resumes, sequence_log
+from torchtitan_zephon.run.recorded import RunError, losses, resumes, sequence_log
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

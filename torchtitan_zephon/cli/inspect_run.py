@@ -23,11 +23,11 @@ import re
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon import runs
 from torchtitan_zephon.job.run_data import read_run_data, recorded, run_data_path
 from torchtitan_zephon.order.exclusions import describe_saved
 from torchtitan_zephon.order.state import DataState
-from torchtitan_zephon.ownership.holder import lock_path, read_holder
+from torchtitan_zephon.run import recorded as runs
+from torchtitan_zephon.run.holder import lock_path, read_holder
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 

@@ -19,7 +19,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon import runs
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.cli.inspect_run import is_run
 from torchtitan_zephon.cli.plan import (
@@ -40,6 +39,7 @@ from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.stream import StreamPlan
+from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.store.reader import TokenStore
 
 

@@ -35,7 +35,6 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon import runs
 from torchtitan_zephon.cli.args import int_in, positive_float
 from torchtitan_zephon.cli.open_data import _checkpoint_folder, open_step_data
 from torchtitan_zephon.cli.plan import add_exclude_argument
@@ -43,6 +42,7 @@ from torchtitan_zephon.cli.show import format_sample, step_samples
 from torchtitan_zephon.cli.step_data import ShowError, StepData, say_notes
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
+from torchtitan_zephon.run import recorded as runs
 
 K = 6.0
 WINDOW = 50

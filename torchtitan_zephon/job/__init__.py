@@ -17,6 +17,9 @@ package re-exports nothing):
 - ``accounting``: what each trained step drew from each source (``step_account``:
   O(sources) from the plan's counts; ``documents_started``: O(global batch), for a
   background thread).
+- ``loader``: the per-rank loader (``ZephonLoader``: this rank's slice of each step,
+  read ahead, checked and pinned) over that data;
+- ``run_data``: the record of the job's data a run folder keeps (``zephon/run_data.json``).
 
 Ownership: a job opens its data once (``StoreData`` / ``MixtureData.open``) and
 hands that object on; the trainer hands it to the preflight, the loader and the

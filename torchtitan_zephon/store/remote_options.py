@@ -23,7 +23,7 @@ class RemoteOptions:
     zephon.read_ahead_bytes, zephon.request_timeout_s, zephon.cache_bytes and the folder
     zephon.cache_dir names). The one owner of what these settings allow: constructing
     one refuses a value out of range (``ValueError``, one line naming the setting), which
-    the trainer does at start for every job (``titan.checks``), remote store or not."""
+    the trainer does at start for every job (``titan.start.checks``), remote store or not."""
 
     read_ahead_steps: int = READ_AHEAD_STEPS
     """Steps whose windows each rank fetches ahead of the step it trains (0: none)."""

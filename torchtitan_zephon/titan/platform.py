@@ -18,7 +18,7 @@ triton-only, each for the reason given where it is done:
    through ``all_to_all_single`` with split sizes, which gloo has;
 5. in the job's config, before the command line is parsed (so an explicit flag
    still wins; ``cpu_config_defaults``): SDPA with the same document-causal
-   mask (``titan.attention.DocumentSDPA``) in place of FlexAttention / varlen
+   mask (``titan.components.attention.DocumentSDPA``) in place of FlexAttention / varlen
    attention (neither has a CPU backward), float32 FSDP parameters
    unless ``ZEPHON_CPU_BF16=1``, and CUDA graphs off (TorchTitan's config check
    rejects them with expert parallelism before any CUDA is touched).
@@ -288,7 +288,7 @@ def cpu_config_defaults(config: Any) -> list[str]:
         # CPU; PyTorch's SDPA does, with the same document-causal mask as a dense one.
         from torchtitan.models.common.attention import FlexAttention, VarlenAttention
 
-        from torchtitan_zephon.titan.attention import DocumentSDPA
+        from torchtitan_zephon.titan.components.attention import DocumentSDPA
 
         hits = list(spec.model.traverse((FlexAttention.Config, VarlenAttention.Config)))
         for _fqn, _old, parent, attr in hits:

@@ -23,8 +23,8 @@ import os
 import socket
 from urllib.parse import urlsplit
 
-from torchtitan_zephon.titan.job_data import batch_schedule
-from torchtitan_zephon.titan.job_view import JobView
+from torchtitan_zephon.titan.components.job_data import batch_schedule
+from torchtitan_zephon.titan.configs.job_view import JobView
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 LIGHTHOUSE_TIMEOUT_S = 5.0

@@ -3,13 +3,13 @@
 Role: before TorchTitan's Trainer builds anything (TensorBoard writer, sequence
 log, checkpoints), find the checkpoint TorchTitan will load, by its own rule,
 passing over checkpoints whose files are incomplete or corrupt
-(``titan.start_plan``), and run every check that can refuse the start:
+(``titan.start.start_plan``), and run every check that can refuse the start:
 
 * the data config against the checkpoint's data state (``order.resume.check_resume``),
 * the sequence log against the checkpoint's chain head (global rank 0),
 * a checkpoint that cannot be resumed (model-only, no Zephon data state, data
   state excluded from loading), and one written by the 0.2.2-based code whose keys
-  do not map onto the job's (``titan.old_runs``: only llama3 maps),
+  do not map onto the job's (``titan.start.old_runs``: only llama3 maps),
 * a run folder that holds a history (sequence log steps, checkpoints) the job
   would not resume from, unless ``zephon.start_over`` or an elastic restart of
   the same job,
@@ -30,10 +30,10 @@ The job's data is opened here, once per process: ``StartPlan.data`` is the
 object the trainer hands to the dataloader and the validator.
 
 Invariants:
-- ``plan_start`` only reads (the job's view, ``titan.job_view``, and the files):
+- ``plan_start`` only reads (the job's view, ``titan.configs.job_view``, and the files):
   a refused start leaves the run folder as it was.
 - The choice of checkpoint is a pure function of the job and the files, so every
-  rank reaches the same one, and the one TorchTitan loads (``titan.start_plan``).
+  rank reaches the same one, and the one TorchTitan loads (``titan.start.start_plan``).
 - The dataloader and tracker keep their own checks as a second line (on the
   same job-data object, never a reopened store); the preflight refuses the same
   cases with the same messages, earlier.
@@ -48,16 +48,20 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon import runs
 from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields, check_resume
-from torchtitan_zephon.titan.dataloader import with_trainer_hint
-from torchtitan_zephon.titan.job_data import check_tokenizer, heldout_parts, open_job_data
-from torchtitan_zephon.titan.job_view import JobView
-from torchtitan_zephon.titan.start_plan import (
+from torchtitan_zephon.run import recorded as runs
+from torchtitan_zephon.titan.components.dataloader import with_trainer_hint
+from torchtitan_zephon.titan.components.job_data import (
+    check_tokenizer,
+    heldout_parts,
+    open_job_data,
+)
+from torchtitan_zephon.titan.configs.job_view import JobView
+from torchtitan_zephon.titan.start.start_plan import (
     StartPlan,
     StartRefused,
     check_old_run,

@@ -17,7 +17,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from torchtitan_zephon.ownership.process import Process
+from torchtitan_zephon.run.process import Process
 
 LOCK_NAME = "owner.lock"
 LEASE_ENV = "ZEPHON_LOCK_LEASE_S"

@@ -38,10 +38,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from torchtitan_zephon.ownership.holder import LOCK_NAME, Holder, lease_seconds, lock_path
-from torchtitan_zephon.ownership.process import Process, torchrun_agent
+from torchtitan_zephon.run.holder import LOCK_NAME, Holder, lease_seconds, lock_path
+from torchtitan_zephon.run.process import Process, torchrun_agent
 
-logger = logging.getLogger(__package__)  # "torchtitan_zephon.ownership", as log lines name it
+# The name log lines carry since before the move to run/ (kept: users filter on it).
+logger = logging.getLogger("torchtitan_zephon.ownership")
 
 BEATS_PER_LEASE = 6
 """The holder beats this many times per lease: a dead holder is one whose counter did

@@ -4,7 +4,7 @@ Role: run a model's own ``init_weights`` (TorchTitan's distributions: depth-scal
 std, truncation bounds, ones for norms) under an interceptor that draws every
 random initial value from a generator keyed by the parameter's canonical name,
 on the parameter's *full* shape, and keeps only the local shard
-(``titan.init_draw``).
+(``titan.weights.init_draw``).
 
 Invariant: with ``zephon.init = "zephon"``, the initial value of every parameter
 is a pure function of (``debug.seed``, its canonical name, its full shape and
@@ -46,8 +46,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from torchtitan_zephon.titan.init_coverage import BufferWatch, refuse_uncovered
-from torchtitan_zephon.titan.init_draw import (
+from torchtitan_zephon.titan.weights.init_coverage import BufferWatch, refuse_uncovered
+from torchtitan_zephon.titan.weights.init_draw import (
     canonical_name,
     draw_into,
     keep_local_shard,

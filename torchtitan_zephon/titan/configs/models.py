@@ -17,7 +17,7 @@ one that imports them.
 What determinism means for the MoE models (measured on deepseek_v3 "tiny"):
 the data each step trains on (ids, order, tokens) is exact at any DP, TP and EP
 degree, as for every model; the initial weights and buffers are bitwise the
-same (``titan.init``); the losses agree to reduction order, within the llama3
+same (``titan.weights.init``); the losses agree to reduction order, within the llama3
 bound (relative 1e-5). Routing is a discrete function of float scores: a
 token's top-k can flip between topologies when two experts' scores (plus
 ``expert_bias_E``) differ by less than the rounding that another reduction

@@ -31,19 +31,19 @@ import tyro
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.loader import ZephonLoader
+from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.data_config import DataStateMismatch, data_extra
 from torchtitan_zephon.order.mixture.plan import deviation_warning
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
-from torchtitan_zephon.titan.attention import document_positions
-from torchtitan_zephon.titan.job_data import (
+from torchtitan_zephon.titan.components.attention import document_positions
+from torchtitan_zephon.titan.components.job_data import (
     batch_schedule,
     check_tokenizer,
     eos_id_of,
     trainer_handoff,
 )
-from torchtitan_zephon.titan.job_view import JobView
+from torchtitan_zephon.titan.configs.job_view import JobView
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests
 

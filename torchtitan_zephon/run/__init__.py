@@ -1,7 +1,13 @@
-"""Ownership of a run folder: one job at a time, and a dead job never blocks for long.
+"""A run folder (TorchTitan's ``job.dump_folder``): who holds it, and what it recorded.
 
-``<dump_folder>/zephon/owner.lock`` names the job that holds the folder. Its modules
-(import from them; this package re-exports nothing):
+Its modules (import from them; this package re-exports nothing):
+
+- ``recorded``: reading a run folder after the fact (checkpoints, TensorBoard
+  events, the sequence log, the saved job config), for the ``zephon`` command and a
+  start's look at its own folder;
+
+Ownership: one job at a time, and a dead job never blocks for long.
+``<dump_folder>/zephon/owner.lock`` names the job that holds the folder:
 
 - ``process``: a process named so that a reused pid is not mistaken for it
   (``Process``: host, machine id, pid, start time), this worker's torchrun agent,

@@ -22,7 +22,7 @@ from typing import Any
 
 from torchtitan.components.loss import ChunkedLossWrapper
 
-from torchtitan_zephon.titan.checks import _divisors  # the job checks' divisor list
+from torchtitan_zephon.titan.start.checks import _divisors  # the job checks' divisor list
 
 
 def largest_divisor_up_to(n: int, limit: int) -> int:

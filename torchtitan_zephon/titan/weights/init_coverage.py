@@ -1,7 +1,7 @@
 """The coverage check of Zephon's initial weights: what ``init_weights`` did to the
 parameters and buffers outside the keyed draw, and the refusal that names it.
 
-Invariant: ``titan.init``'s invariant would silently not hold for a parameter that
+Invariant: ``titan.weights.init``'s invariant would silently not hold for a parameter that
 the model initialises some other way (a ``copy_`` from a tensor of its own making,
 no init call at all, a ``param_init`` entry that leaves values unset), for a buffer
 left as ``to_empty()`` made it (uninitialised memory) or drawn at random, and for a
@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torchtitan_zephon.titan.init_draw import canonical_name
+from torchtitan_zephon.titan.weights.init_draw import canonical_name
 
 
 class NotTopologyFree(RuntimeError):

@@ -17,10 +17,10 @@ from typing import Any
 
 from torchtitan.trainer import Trainer
 
-from torchtitan_zephon.titan.config import Zephon
-from torchtitan_zephon.titan.dataloader import ZephonDataLoader
-from torchtitan_zephon.titan.trainer import ZephonTrainer
-from torchtitan_zephon.titan.validate import ZephonValidator
+from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
+from torchtitan_zephon.titan.components.trainer import ZephonTrainer
+from torchtitan_zephon.titan.components.validate import ZephonValidator
+from torchtitan_zephon.titan.configs.zephon_section import Zephon
 
 
 def zephon_config(config: Any) -> tuple[ZephonTrainer.Config, list[str]]:
@@ -38,7 +38,7 @@ def zephon_config(config: Any) -> tuple[ZephonTrainer.Config, list[str]]:
         raise ValueError(
             f"the config function returned a {type(config).__qualname__}, which Zephon cannot "
             "extend (it adds its section to TorchTitan's Trainer.Config): return a "
-            "Trainer.Config, or a ZephonTrainer.Config from torchtitan_zephon.titan.trainer"
+            "Trainer.Config, or a ZephonTrainer.Config from torchtitan_zephon.titan.components.trainer"
         )
     values = {f.name: getattr(config, f.name) for f in dataclasses.fields(config) if f.init}
     notes = []

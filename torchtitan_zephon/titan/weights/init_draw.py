@@ -11,7 +11,7 @@ rank whose shard is a range of rows (FSDP's ``Shard(0)``, with ``Replicate`` dim
 draws only the chunks covering those rows. A TorchTitan 0.3 ``param_init`` entry
 runs on a tensor of the full shape with the RNG seeded by ``sha256(seed, name, k,
 0)``. ``name`` is the canonical name (the checkpoint key): wrappers' name parts do
-not change it. ``titan.init`` redirects a model's init calls here.
+not change it. ``titan.weights.init`` redirects a model's init calls here.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ and passes over checkpoints whose files are incomplete or corrupt; it also check
 ``checkpoint.initial_load_path`` where TorchTitan would take it, names a 0.2.2
 checkpoint's key map (``check_old_run``, which refuses one that does not map), and,
 after an explicit ``checkpoint.load_step`` K, lists the checkpoints after K that the
-trainer moves aside (``StartPlan.abandoned``). The preflight (``titan.preflight``)
+trainer moves aside (``StartPlan.abandoned``). The preflight (``titan.start.preflight``)
 fills the rest of the ``StartPlan`` and runs the other checks.
 
 Invariant: the choice only reads, and is a pure function of the job and the files,
@@ -24,11 +24,11 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from torchtitan_zephon import runs
 from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.order.state import DataState
-from torchtitan_zephon.titan import old_runs
-from torchtitan_zephon.titan.job_view import JobView
+from torchtitan_zephon.run import recorded as runs
+from torchtitan_zephon.titan.configs.job_view import JobView
+from torchtitan_zephon.titan.start import old_runs
 
 
 class StartRefused(RuntimeError):
@@ -60,7 +60,7 @@ class StartPlan:
     (TorchTitan takes the newest) picks them, and no ``keep_latest_k`` purge weighs them."""
     old_run: old_runs.OldCheckpoint | None = None
     """The key map of the checkpoint TorchTitan loads (a resume, or model only) when the
-    0.2.2-based code wrote it (``titan.old_runs``)."""
+    0.2.2-based code wrote it (``titan.start.old_runs``)."""
 
 
 # ---------------------------------------------------------------- TorchTitan's rule

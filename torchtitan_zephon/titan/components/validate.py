@@ -47,14 +47,14 @@ from torchtitan.tools.logging import logger
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import DataUnreadable, StoreError
-from torchtitan_zephon.titan.attention import document_positions, with_document_masks
-from torchtitan_zephon.titan.job_data import (
+from torchtitan_zephon.titan.components.attention import document_positions, with_document_masks
+from torchtitan_zephon.titan.components.job_data import (
     batch_schedule,
     eos_id_of,
     heldout_parts,
     trainer_handoff,
 )
-from torchtitan_zephon.titan.job_view import JobView
+from torchtitan_zephon.titan.configs.job_view import JobView
 
 
 def microbatch_size(per_rank: int, requested: int, *, equal: bool) -> int:

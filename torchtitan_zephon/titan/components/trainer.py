@@ -23,7 +23,7 @@ step, once every rank has loaded K), and wraps the model spec's
 (2) sets the gradient accumulation of each step from the batch schedule; (3)
 after each completed step appends the step's record to the sequence log (global
 rank 0), combining the DP ranks' token digests in rank order at audit level
-``tokens``, and logs the step's per-source accounting (``titan.accounting``, unless
+``tokens``, and logs the step's per-source accounting (``titan.components.accounting``, unless
 ``zephon.accounting`` is off), and at the first step of an accepted start writes
 ``zephon/run_data.json`` (global rank 0: ``job.run_data``, what Zephon's tools need
 to find the run's data); (4) releases the run folder when the job ends cleanly (after a
@@ -54,21 +54,21 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from torchtitan_zephon.job.run_data import record_job, run_data_path
-from torchtitan_zephon.ownership.lock import RunFolderLock
-from torchtitan_zephon.ownership.process import torchrun_agent
+from torchtitan_zephon.run.lock import RunFolderLock
+from torchtitan_zephon.run.process import torchrun_agent
 from torchtitan_zephon.store.format import DataUnreadable, StoreError, error_kind
-from torchtitan_zephon.titan import old_runs, preflight
-from torchtitan_zephon.titan.accounting import StepAccounting
-from torchtitan_zephon.titan.attention import with_document_masks
-from torchtitan_zephon.titan.checks import check_job_config
-from torchtitan_zephon.titan.config import Zephon
-from torchtitan_zephon.titan.dataloader import ZephonDataLoader
+from torchtitan_zephon.titan.components.accounting import StepAccounting
+from torchtitan_zephon.titan.components.attention import with_document_masks
+from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
+from torchtitan_zephon.titan.components.job_data import with_job
+from torchtitan_zephon.titan.components.validate import ZephonValidator
+from torchtitan_zephon.titan.configs.job_view import JobView, job_view
+from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
+from torchtitan_zephon.titan.configs.zephon_section import Zephon
 from torchtitan_zephon.titan.ft.settings import lighthouse_url, refuse_until_built
-from torchtitan_zephon.titan.init import topology_free_parallelize
-from torchtitan_zephon.titan.job_data import with_job
-from torchtitan_zephon.titan.job_view import JobView, job_view
-from torchtitan_zephon.titan.loss_chunks import fit_loss_chunks
-from torchtitan_zephon.titan.validate import ZephonValidator
+from torchtitan_zephon.titan.start import old_runs, preflight
+from torchtitan_zephon.titan.start.checks import check_job_config
+from torchtitan_zephon.titan.weights.init import topology_free_parallelize
 from torchtitan_zephon.tracker import TrackerError
 
 
@@ -140,7 +140,7 @@ class ZephonTrainer(Trainer):
             old_runs.install(self.checkpointer, plan.old_run)
 
     def _build_accounting(self, config: Config) -> StepAccounting | None:
-        """Per-source accounting (``titan.accounting``), unless zephon.accounting is off:
+        """Per-source accounting (``titan.components.accounting``), unless zephon.accounting is off:
         scalars through the metrics processor's logger where it writes (the metrics
         rank), the log line and the epoch warnings on global rank 0."""
         if not config.zephon.accounting:

@@ -11,7 +11,7 @@ frequencies; the ``--fault_tolerance.*`` settings (``ft.settings``); and the set
 or not, by asking ``job.settings.remote_options`` (their owner) rather than at the
 first remote open.
 
-Invariant: ``check_job_config`` reads only the job's view (``titan.job_view``)
+Invariant: ``check_job_config`` reads only the job's view (``titan.configs.job_view``)
 and the world size; it changes nothing. A job it accepts passes these
 TorchTitan asserts; one it refuses raises ``ValueError`` naming the setting,
 the value found, what would work and the flag to change.
@@ -23,8 +23,8 @@ import math
 import os
 
 from torchtitan_zephon.job.settings import remote_options
+from torchtitan_zephon.titan.configs.job_view import JobView
 from torchtitan_zephon.titan.ft.settings import check_fault_tolerance
-from torchtitan_zephon.titan.job_view import JobView
 
 
 def _divisors(n: int) -> list[int]:

@@ -38,7 +38,7 @@ from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.store.format import MAX_BLOCK_TOKENS
-from torchtitan_zephon.titan.job_view import JobView
+from torchtitan_zephon.titan.configs.job_view import JobView
 
 
 def _log(message: str) -> None:

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from torchtitan_zephon.titan.config import Zephon
+from torchtitan_zephon.titan.configs.zephon_section import Zephon
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,15 @@
+"""The configs: how a job is spelled and parsed (TorchTitan 0.3's config seam).
+
+- ``config_registry``: Zephon's registry, named ``--module torchtitan_zephon.configs
+  --config FN`` on the command line (``old_paths``: the same module), and the jobs a
+  TOML file picks (``TOML_JOBS``);
+- ``zephon_section``: the ``[zephon]`` section (``ZephonDataConfig``);
+- ``job_view``: what Zephon reads of a job config, whatever builder made it;
+- ``stock_config``: a stock TorchTitan registry job made Zephon's;
+- ``models``: the model flavors the registry names;
+- ``legacy_config`` / ``legacy_translate``: the TOML front end (TorchTitan 0.2.2's
+  spellings) and its one table;
+- ``loss_chunks``: the chunked loss's chunk count fitted to ``seq_len``.
+
+This package re-exports nothing: import the modules.
+"""
