@@ -9,6 +9,8 @@
 - ``models``: the model flavors the registry names;
 - ``legacy_config`` / ``legacy_translate``: the TOML front end (TorchTitan 0.2.2's
   spellings) and its one table;
+- ``command_line``: the config managers that read both command lines
+  (``--module``/``--config`` and the TOML one), called by ``torchtitan_zephon.train``;
 - ``loss_chunks``: the chunked loss's chunk count fitted to ``seq_len``.
 
 This package re-exports nothing: import the modules.
