@@ -402,3 +402,28 @@ def test_an_internal_error_class_is_shown_by_its_public_name():
         "reading s3://b/x took longer",
         9,
     )
+
+
+def test_a_data_config_built_once_gives_the_same_stream(store):
+    """The trainer builds the job's data config once and hands it to the loader; given
+    it, the loader uses that object and serves what seed and schedule would build."""
+    built = _loader(store, 2, 1, 2)
+    config = built.config
+    given = ZephonLoader(store, seq_len=SEQ, data_config=config, dp_rank=1, dp_degree=2,
+                         local_batch_size=2)  # fmt: skip
+    try:
+        assert given.config is config
+        for _ in range(5):
+            (a, la), (b, lb) = next(built), next(given)
+            assert a["input"].equal(b["input"]) and la.equal(lb)
+    finally:
+        built.close()
+        given.close()
+    with pytest.raises(ValueError, match="data_config or seed and schedule, not both"):
+        ZephonLoader(store, seq_len=SEQ, seed=11, data_config=config, dp_rank=0,
+                     dp_degree=1, local_batch_size=2)  # fmt: skip
+    with pytest.raises(ValueError, match="needs data_config, or seed and schedule"):
+        ZephonLoader(store, seq_len=SEQ, seed=11, dp_rank=0, dp_degree=1, local_batch_size=2)
+    with pytest.raises(ValueError, match=f"data config is for seq_len {SEQ}, not {SEQ * 2}"):
+        ZephonLoader(store, seq_len=SEQ * 2, data_config=config, dp_rank=0, dp_degree=1,
+                     local_batch_size=2)  # fmt: skip

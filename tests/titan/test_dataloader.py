@@ -272,3 +272,37 @@ def test_a_rule_1_mixture_checkpoint_resumes_bound_to_rule_1(tmp_path):
     assert all(np.array_equal(x, y) for x, y in zip(got, expected, strict=True))
     assert b.ids_digests.step_key(3) == old.step_key(3)
     assert DataState.from_json(b.state_dict()["zephon"]).config == old
+
+
+def test_another_trainer_builds_the_dataloader_through_the_public_seam(tmp_path):
+    """Issue 29 (c3): without Zephon's trainer, ``ZephonJob.open(job_view(config))`` and
+    ``with_job`` give the dataloader everything it reads; it then serves the same
+    batches as the trainer's hand-off, and the config TorchTitan logs or saves
+    (``to_dict``) holds no opened data."""
+    from torchtitan_zephon.titan.components.job_data import ZephonJob
+
+    view = job(tmp_path)
+    handoff = ZephonJob.open(view)
+    config = with_job(ZephonDataLoader.Config(), handoff)
+    assert "_zephon_job" not in config.to_dict()
+    assert json.dumps(config.to_dict())  # plain data only
+    built = config.build(dp_world_size=2, dp_rank=1, tokenizer=None, seq_len=32,
+                         local_batch_size=2)  # fmt: skip
+    reference = build_zephon_dataloader(2, 1, None, job(tmp_path / "ref"))
+    try:
+        assert built.loader.config is handoff.data_config
+        for _ in range(6):  # three steps of two micro-batches
+            (a, la), (b, lb) = next(iter(built)), next(iter(reference))
+            assert a["input"].equal(b["input"]) and la.equal(lb)
+    finally:
+        built.close()
+        reference.close()
+
+
+def test_built_without_the_seam_it_refuses_and_names_it(tmp_path):
+    with pytest.raises(ValueError) as e:
+        ZephonDataLoader.Config().build(
+            dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=32, local_batch_size=2
+        )
+    assert "with_job(config, ZephonJob.open(job_view(trainer_config)))" in str(e.value)
+    assert "python -m torchtitan_zephon.train" in str(e.value)

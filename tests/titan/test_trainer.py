@@ -109,7 +109,7 @@ def start_like_the_trainer(
     if trainer._lock is not None:
         trainer._lock.release()
     (done,) = titan_builds.built
-    return trainer.config.dataloader._data, done.dataloader, done.validator
+    return trainer.config.dataloader._zephon_job.data, done.dataloader, done.validator
 
 
 def test_the_store_is_opened_once_across_preflight_dataloader_and_validator(
@@ -176,6 +176,31 @@ def test_the_trainer_hands_its_job_data_to_the_configs_torchtitan_builds(
     data, dl, validator = start_like_the_trainer(config, titan_builds, 1, 0)
     try:
         assert data is not None and dl.loader.source is data
-        assert validator.config._data is data and sum(opened.values()) == 1
+        assert validator.config._zephon_job.data is data and sum(opened.values()) == 1
+    finally:
+        dl.close()
+
+
+def test_the_data_config_is_built_once_across_preflight_dataloader_and_validator(
+    tmp_path, titan_builds, monkeypatch
+):
+    """Issue 29 (c2): the preflight builds the job's data config once; the dataloader's
+    loader and its sequence log use that very object."""
+    from torchtitan_zephon.order.data_config import DataConfig
+
+    built: list[DataConfig] = []
+    real = DataConfig.make.__func__
+
+    def counting(cls, *args, **kwargs):  # noqa: ANN001, ANN202
+        built.append(real(cls, *args, **kwargs))
+        return built[-1]
+
+    monkeypatch.setattr(DataConfig, "make", classmethod(counting))
+    config = trainer_config(tmp_path / "run", heldout_samples=16)
+    _, dl, _ = start_like_the_trainer(config, titan_builds, 2, 0)
+    try:
+        next(iter(dl))
+        assert len(built) == 1
+        assert dl.loader.config is built[0] and dl.tracker.config is built[0]
     finally:
         dl.close()

@@ -4,7 +4,7 @@ Role: turn the job data's plan (``job``: one TokenStore, or a mixture of several
 an infinite iterator of ``({"input": LongTensor[b, seq_len]}, labels LongTensor[b,
 seq_len])`` for one DP rank, prefetched in the background, and save/restore its position
 as one small record that is the same on every rank. The plan yields sample keys (sample
-ids for one store); ``source.windows`` gathers their tokens. ``document_positions`` is
+ids for one store); ``source.windows`` gathers their tokens. ``document_positions`` (``documents``) is
 the per-document position of each input token, a pure function of the window (the
 TorchTitan side adds it to each batch).
 
@@ -67,8 +67,9 @@ import numpy as np
 import torch
 
 from torchtitan_zephon.job.data import JobData, StoreData
+from torchtitan_zephon.job.documents import document_positions
 from torchtitan_zephon.job.plans import first_correction
-from torchtitan_zephon.order.data_config import DataStateMismatch
+from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
 from torchtitan_zephon.order.resume import ResumeDecision, check_resume
 from torchtitan_zephon.order.state import DataState
@@ -98,8 +99,8 @@ class ZephonLoader:
         source: TokenStore | JobData,
         *,
         seq_len: int,
-        seed: int,
-        schedule: BatchSchedule,
+        seed: int | None = None,
+        schedule: BatchSchedule | None = None,
         dp_rank: int,
         dp_degree: int,
         local_batch_size: int,
@@ -112,7 +113,13 @@ class ZephonLoader:
         vocab_size: int | None = None,
         read_ahead_steps: int | None = None,
         last_step: int | None = None,
+        data_config: DataConfig | None = None,
     ) -> None:
+        """``data_config``: the job's, built once per process (else seed and schedule)."""
+        if data_config is not None and (seed, schedule, extra_config) != (None, None, None):
+            raise ValueError("give the loader data_config or seed and schedule, not both")
+        if data_config is None and (seed is None or schedule is None):
+            raise ValueError("the loader needs data_config, or seed and schedule")
         if isinstance(source, TokenStore):  # the one-store case
             source = StoreData(
                 source, seq_len, sample_offset=sample_offset, num_samples=num_samples
@@ -127,12 +134,18 @@ class ZephonLoader:
         self._id_limit = source.id_limit(vocab_size)
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
+        if data_config is not None and data_config.seq_len != seq_len:
+            raise ValueError(f"the data config is for seq_len {data_config.seq_len}, not {seq_len}")
+        if schedule is None:
+            schedule = data_config.batch_schedule()  # type: ignore[union-attr]
         schedule.check_layout(dp_degree, local_batch_size)
         if num_workers < 0 or prefetch < 0:
             raise ValueError(
                 f"num_workers and prefetch must be >= 0, got {num_workers} and {prefetch}."
             )
-        self.config = source.data_config(seed=seed, schedule=schedule, extra=extra_config)
+        self.config = data_config or source.data_config(
+            seed=seed, schedule=schedule, extra=extra_config
+        )
         self.source = source
         self.store = source  # what ``windows`` gathers from (the source: one store or several)
         self.seq_len = int(seq_len)
@@ -434,17 +447,3 @@ class ZephonLoader:
         self._cursor = self._delivered = (saved.next_step, 0)
         self._announced = saved.next_step
         return decision
-
-
-def document_positions(inputs: torch.Tensor, eos_id: int) -> torch.Tensor:
-    """Per-document positions of a micro-batch's inputs ``[b, L]``: a pure function of
-    the sample windows. Each row counts 0, 1, 2, ... from its first token and again
-    from 0 at the token after each ``eos_id``; document offsets are not read.
-    TorchTitan 0.3 builds block-causal masks (and RoPE positions) from them."""
-    length = inputs.shape[-1]
-    index = torch.arange(length, dtype=torch.int64).expand_as(inputs)
-    starts = torch.zeros_like(inputs, dtype=torch.bool)
-    starts[..., 0] = True
-    starts[..., 1:] = inputs[..., :-1] == eos_id
-    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
-    return index - last_start

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torchtitan.models.common.attention import ScaledDotProductAttention
 
-from torchtitan_zephon.job.loader import document_positions
+from torchtitan_zephon.job.documents import document_positions
 
 __all__ = ["DocumentSDPA", "document_mask", "document_positions", "with_document_masks"]
 

@@ -5,8 +5,8 @@ Selected with ``dataloader=ZephonDataLoader.Config(...)`` in any model's trainer
 config; built by TorchTitan's Trainer with its keyword arguments (DP coordinates,
 tokenizer, seq_len, local batch size). What it needs beyond those, the job's view
 and the job's data as the preflight opened them, Zephon's trainer sets on the
-config (``job_data.with_job``) before TorchTitan builds anything; built any other
-way it refuses, naming the trainer to use.
+config (``job_data.with_job``, the public seam another trainer uses too) before
+TorchTitan builds anything; built without it, it refuses, naming the trainer to use.
 
 Invariant: ``state_dict()`` returns the same record on every rank of every
 topology: ``{"zephon": <JSON text>}``, the ``order.state.DataState`` (data config,
@@ -32,12 +32,13 @@ from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.loader import ZephonLoader
-from torchtitan_zephon.order.data_config import DataStateMismatch, data_extra
+from torchtitan_zephon.order.data_config import DataStateMismatch
 from torchtitan_zephon.order.mixture.plan import deviation_warning
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
 from torchtitan_zephon.titan.components.attention import document_positions
 from torchtitan_zephon.titan.components.job_data import (
+    ZephonJob,
     batch_schedule,
     check_tokenizer,
     eos_id_of,
@@ -80,11 +81,9 @@ class ZephonDataLoader(BaseDataLoader):
         pin_memory: bool = False
         """Put batches in pinned memory (faster host-to-GPU copies)."""
 
-        _job: Annotated[JobView | None, tyro.conf.Suppress] = None
-        """Set by Zephon's trainer (``with_job``): the job's view."""
-
-        _data: Annotated[Any, tyro.conf.Suppress] = None
-        """Set by Zephon's trainer (``with_job``): the job's data, opened by the preflight."""
+        _zephon_job: Annotated[ZephonJob | None, tyro.conf.Suppress] = None
+        """The job's view, data and data config, opened once (``job_data.ZephonJob``): set
+        with ``with_job`` by Zephon's trainer from its preflight, or by another trainer."""
 
     def __init__(
         self,
@@ -97,7 +96,8 @@ class ZephonDataLoader(BaseDataLoader):
         local_batch_size: int,
         snapshot_every_n_steps: int | None = None,
     ) -> None:
-        job, source = trainer_handoff(config, "dataloader (ZephonDataLoader.Config)")
+        handoff = trainer_handoff(config, "dataloader (ZephonDataLoader.Config)")
+        job, source = handoff.view, handoff.data
         self.config = config
         zc = job.zephon
         # Before anything else: a bad layout fails in milliseconds.
@@ -112,8 +112,7 @@ class ZephonDataLoader(BaseDataLoader):
         self.loader = ZephonLoader(
             source,
             seq_len=seq_len,
-            seed=zc.seed,
-            schedule=schedule,
+            data_config=handoff.data_config,  # the job's, built once (preflight)
             dp_rank=dp_rank,
             dp_degree=dp_world_size,
             local_batch_size=local_batch_size,
@@ -121,7 +120,6 @@ class ZephonDataLoader(BaseDataLoader):
             prefetch=zc.prefetch,
             pin_memory=config.pin_memory,
             vocab_size=job.vocab_size,  # exact: refuses ids beyond the embedding
-            extra_config=data_extra(skip_steps=zc.skip_steps),
             last_step=job.steps if job.steps > 0 else None,  # read ahead no further
         )
         rank = int(os.environ.get("RANK", "0"))

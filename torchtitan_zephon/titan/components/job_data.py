@@ -1,26 +1,37 @@
 """The job's data as the TorchTitan side opens it: once per process, in the trainer's
 preflight, then handed to the dataloader and the validator on their configs.
 
-Role: ``open_job_data`` opens ``zephon.mixture``, else ``zephon.store`` (or the
-builtin store), with its data config; ``with_job`` sets the job's view and that data
-on a Zephon dataloader or validator config, and ``trainer_handoff`` gives them back
-to the component (refusing, naming the trainer to use, when it was built another
-way); ``batch_schedule``, ``eos_id_of`` and ``heldout_parts`` (held-out samples
-validation reads, checked by the preflight too) are what both components read of them.
+Role: ``ZephonJob`` is that hand-off, the public seam of both components: the job's
+view, its data (``zephon.mixture``, else ``zephon.store`` or the builtin store) and
+its data config, each built once. ``ZephonJob.open(view)`` opens it
+(``open_job_data``); ``with_job(config, zephon_job)`` gives it to a Zephon dataloader
+or validator config, and ``trainer_handoff`` gives it back to the component (refusing,
+naming the trainer to use and this seam, when it was built without it). Zephon's
+trainer does both from its preflight; another trainer or a test does the same:
+
+    zephon_job = ZephonJob.open(job_view(trainer_config))   # trainer_config: any
+    dataloader = with_job(ZephonDataLoader.Config(), zephon_job).build(...)  # Trainer.Config
+                                                    # with a ``zephon`` section
+
+``batch_schedule``, ``eos_id_of`` and ``heldout_parts`` (held-out samples validation
+reads, checked by the preflight too) are what both components read of them.
 Opening logs one info line per store read by range whose block checksums do not divide
 seq_len (``block_rounding_note``: what the rounding costs, and ``--block-tokens``).
 
 Invariant: a component reads the object the preflight opened, never a store of its
-own, so each store is opened once per process; every check that needs only the job
-and the stores (vocabulary against the model and the tokenizer, held-out samples, a
-mixture's sources against each other) runs when the data is opened, before anything
-is written.
+own, so each store is opened, and the data config built, once per process; every
+check that needs only the job and the stores (vocabulary against the model and the
+tokenizer, held-out samples, a mixture's sources against each other) runs when the
+data is opened, before anything is written. The hand-off rides on the configs in a
+field TorchTitan's ``to_dict`` leaves out (``_zephon_job``), so a saved or logged
+job config never holds opened stores.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from torchtitan.tools.logging import logger
@@ -154,24 +165,60 @@ def batch_schedule(job: JobView) -> BatchSchedule:
     return BatchSchedule([(1, gbs)])
 
 
-def with_job(config: Any, job: JobView, data: JobData) -> Any:
-    """A copy of a Zephon dataloader or validator ``config`` that reads ``job`` and
-    ``data`` (the job's data as the preflight opened it: no store is opened twice)."""
-    return dataclasses.replace(config, _job=job, _data=data)
+@dataclass(frozen=True)
+class ZephonJob:
+    """What Zephon's dataloader and validator read: the job's view, its data and its
+    data config, opened and built once per process (module docstring)."""
+
+    view: JobView
+    data: JobData
+    data_config: DataConfig
+
+    @classmethod
+    def open(cls, view: JobView, tokenizer: Any = None) -> ZephonJob:
+        """Open the job's data and build its data config (``open_job_data``): every
+        check that needs only the job and the stores runs here."""
+        data, data_config = open_job_data(view, tokenizer)
+        return cls(view, data, data_config)
 
 
-def trainer_handoff(config: Any, what: str) -> tuple[JobView, JobData]:
-    """The job's view and data that Zephon's trainer set on ``config``; a clear error
-    when ``what`` (the component) was built without that trainer."""
-    job, data = getattr(config, "_job", None), getattr(config, "_data", None)
-    if job is None or data is None:
+HANDOFF_FIELD = "_zephon_job"
+"""The config field that carries a ``ZephonJob`` (leading ``_``: TorchTitan's
+``to_dict`` leaves it out); set it with ``with_job`` only."""
+
+
+def with_job(
+    config: Any,
+    job: ZephonJob | JobView,
+    data: JobData | None = None,
+    data_config: DataConfig | None = None,
+) -> Any:
+    """A copy of a Zephon dataloader or validator ``config`` that reads ``job``: a
+    ``ZephonJob``, or a job's view with the data opened for it (``data``; its data
+    config built here when not given)."""
+    if not isinstance(job, ZephonJob):
+        if data is None:
+            raise TypeError("with_job needs a ZephonJob, or a JobView and the job's data")
+        if data_config is None:
+            data_config = job_data_config(job, data)
+        job = ZephonJob(job, data, data_config)
+    return dataclasses.replace(config, **{HANDOFF_FIELD: job})
+
+
+def trainer_handoff(config: Any, what: str) -> ZephonJob:
+    """The ``ZephonJob`` set on ``config``; a clear error when ``what`` (the component)
+    was built without it."""
+    job = getattr(config, HANDOFF_FIELD, None)
+    if job is None:
         raise ValueError(
             f"the Zephon {what} is built by Zephon's trainer, which opens the job's data and "
             "checks the start before TorchTitan writes anything: run "
             "`python -m torchtitan_zephon.train --module M --config FN` (or torchrun ... -m "
-            "torchtitan_zephon.train), whose trainer config is ZephonTrainer.Config"
+            "torchtitan_zephon.train), whose trainer config is ZephonTrainer.Config. Another "
+            "trainer hands it the job's data itself: with_job(config, "
+            "ZephonJob.open(job_view(trainer_config))) (titan.components.job_data)"
         )
-    return job, data
+    return job
 
 
 def eos_id_of(source: JobData) -> int:
@@ -193,7 +240,12 @@ def open_job_data(job: JobView, tokenizer: Any = None) -> tuple[JobData, DataCon
     source = resolve_source(job, tokenizer)
     if job.zephon.exclude:  # checked against the data: ids, held-out ids, sources
         source.leave_out(Exclusions.load(job.zephon.exclude))
-    return source, source.data_config(
+    return source, job_data_config(job, source)
+
+
+def job_data_config(job: JobView, data: JobData) -> DataConfig:
+    """The data config of ``job`` over ``data`` (opened for it, left-out samples set)."""
+    return data.data_config(
         seed=job.zephon.seed,
         schedule=batch_schedule(job),
         extra=data_extra(skip_steps=job.zephon.skip_steps),

@@ -60,7 +60,7 @@ from torchtitan_zephon.store.format import DataUnreadable, StoreError, error_kin
 from torchtitan_zephon.titan.components.accounting import StepAccounting
 from torchtitan_zephon.titan.components.attention import with_document_masks
 from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
-from torchtitan_zephon.titan.components.job_data import with_job
+from torchtitan_zephon.titan.components.job_data import ZephonJob, with_job
 from torchtitan_zephon.titan.components.validate import ZephonValidator
 from torchtitan_zephon.titan.configs.job_view import JobView, job_view
 from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
@@ -126,9 +126,10 @@ class ZephonTrainer(Trainer):
         self._abandoned = (job, plan.abandoned)
         if plan.load_step is not None:
             config.checkpoint.load_step = plan.load_step
-        config.dataloader = with_job(config.dataloader, job, plan.data)
+        handoff = ZephonJob(job, plan.data, plan.data_config)  # opened once, by the preflight
+        config.dataloader = with_job(config.dataloader, handoff)
         if isinstance(config.validator, ZephonValidator.Config):
-            config.validator = with_job(config.validator, job, plan.data)
+            config.validator = with_job(config.validator, handoff)
         if config.zephon.init == "zephon" and config.model_spec is not None:
             seed = 0 if config.debug.seed is None else int(config.debug.seed)
             config.model_spec = dataclasses.replace(

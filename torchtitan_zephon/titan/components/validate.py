@@ -49,12 +49,12 @@ from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import DataUnreadable, StoreError
 from torchtitan_zephon.titan.components.attention import document_positions, with_document_masks
 from torchtitan_zephon.titan.components.job_data import (
+    ZephonJob,
     batch_schedule,
     eos_id_of,
     heldout_parts,
     trainer_handoff,
 )
-from torchtitan_zephon.titan.configs.job_view import JobView
 
 
 def microbatch_size(per_rank: int, requested: int, *, equal: bool) -> int:
@@ -167,11 +167,9 @@ class ZephonValidator(Validator):
         """Held-out micro-batch size per DP rank (0: training.local_batch_size; 0.2.2:
         validation.local_batch_size; ``local_batch_size`` is a build argument in 0.3)."""
 
-        _job: Annotated[JobView | None, tyro.conf.Suppress] = None
-        """Set by Zephon's trainer: the job's view."""
-
-        _data: Annotated[Any, tyro.conf.Suppress] = None
-        """Set by Zephon's trainer: the job's data, opened by the preflight."""
+        _zephon_job: Annotated[ZephonJob | None, tyro.conf.Suppress] = None
+        """The job's view, data and data config, opened once (``job_data.ZephonJob``): set
+        with ``with_job`` by Zephon's trainer from its preflight, or by another trainer."""
 
         def __post_init__(self) -> None:
             if self.steps < 1 and self.steps != -1:
@@ -202,7 +200,8 @@ class ZephonValidator(Validator):
         # Validator.__init__ would prepare TorchTitan's dataset loader; the fields its
         # methods read besides that one are set here the same way.
         BaseValidator.__init__(self, config)
-        job, source = trainer_handoff(config, "validator (ZephonValidator.Config)")
+        handoff = trainer_handoff(config, "validator (ZephonValidator.Config)")
+        job, source = handoff.view, handoff.data
         self.parallelism, self.tokenizer = parallelism, tokenizer
         self.parallel_dims, self.loss_fn = parallel_dims, loss_fn
         self.validation_context = validation_context

@@ -263,7 +263,7 @@ def plan_start(
     except ValueError as e:  # the store, the model, the batch layout: said clearly
         raise StartRefused(str(e)) from None
     chosen, plan, why_none = choose_checkpoint(job)
-    plan.data = data
+    plan.data, plan.data_config = data, config
     plan.notes.extend(_skips_past_the_end(config, job.steps))
     plan.notes.extend(_exclusions_past_the_end(config, job.steps))
     for info in plan.skipped:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchtitan_zephon.job.data import JobData
+from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.titan.configs.job_view import JobView
@@ -50,6 +51,9 @@ class StartPlan:
     data: JobData | None = None
     """The job's data, opened and checked by the preflight: the trainer hands this
     object to the dataloader and the validator, so no store is opened twice."""
+    data_config: DataConfig | None = None
+    """The job's data config over ``data``, built once by the preflight and handed on
+    with it."""
     load_step: int | None = None
     """The step TorchTitan must load (its ``checkpoint.load_step``), when the job's -1
     (the newest) resolved to a checked checkpoint; None: leave it as it is."""
