@@ -246,3 +246,31 @@ def test_trainer_refuses_a_remote_setting_and_leaves_the_run_folder_unchanged(tm
         "(0: no node cache). Set --zephon.cache_bytes 0 or more.",
     )
     assert_unchanged(before, tree(run))
+
+
+def test_the_dp_degree_is_torchtitans_on_every_small_layout(parse):
+    """Issue 29 (c2): ``JobView.dp_degree`` is the one place Zephon derives the DP degree
+    (the preflight's batch check, the expert check, torchft's inner degree). Over every
+    small layout it equals what TorchTitan's ParallelDims builds, and is None exactly
+    when ParallelDims refuses the degrees."""
+    import dataclasses
+    import itertools
+
+    from torchtitan.distributed.parallel_dims import ParallelDims
+
+    base = parse()
+    compared = 0
+    for rep, shard, cp, tp, pp in itertools.product(
+        (1, 2, 3), (-1, 1, 2, 3, 4), (1, 2), (1, 2, 3), (1, 2)
+    ):
+        view = dataclasses.replace(base, dp_replicate=rep, dp_shard=shard, cp=cp, tp=tp, pp=pp)
+        for world in range(1, 37):
+            try:
+                dims = ParallelDims(dp_shard=shard, dp_replicate=rep, cp=cp, tp=tp, pp=pp,
+                                    ep=1, world_size=world)  # fmt: skip
+                titan = dims.dp_replicate * dims.dp_shard
+            except (AssertionError, ValueError):
+                titan = None
+            assert view.dp_degree(world) == titan, (rep, shard, cp, tp, pp, world)
+            compared += titan is not None
+    assert compared > 100

@@ -91,6 +91,22 @@ class JobView:
         """``llama3 flavor debugmodel``: how messages name the model."""
         return f"{self.model_name} flavor {self.model_flavor}"
 
+    def dp_shard_degree(self, world_size: int) -> int | None:
+        """``data_parallel_shard_degree`` as TorchTitan resolves it on ``world_size`` ranks
+        (-1: the ranks the other degrees leave); None when the degrees do not multiply out
+        to ``world_size`` (``start.checks`` says why). The one place Zephon derives it."""
+        fixed = self.dp_replicate * self.cp * self.tp * self.pp
+        if fixed < 1 or (self.dp_shard != -1 and self.dp_shard < 1):
+            return None
+        shard = world_size // fixed if self.dp_shard == -1 else self.dp_shard
+        return shard if shard >= 1 and fixed * shard == world_size else None
+
+    def dp_degree(self, world_size: int) -> int | None:
+        """The data-parallel degree on ``world_size`` ranks (replicate x shard), which
+        splits each step's global batch; None as for ``dp_shard_degree``."""
+        shard = self.dp_shard_degree(world_size)
+        return None if shard is None else self.dp_replicate * shard
+
 
 def job_view(config: Any) -> JobView:
     """The view of a TorchTitan 0.3 ``Trainer.Config`` (Zephon's trainer config, or a

@@ -75,7 +75,7 @@ def check_fault_tolerance(job: JobView, world: int) -> None:
             "shards its data-parallel ranks only. Set "
             "--parallelism.data_parallel_replicate_degree 1."
         )
-    inner = _inner_dp(job, world)
+    inner = job.dp_shard_degree(world) or 1  # this group's DP degree (replicate is 1)
     need = ft.group_size * inner
     for start, gbs in batch_schedule(job).entries:
         if gbs < need:
@@ -85,14 +85,6 @@ def check_fault_tolerance(job: JobView, world: int) -> None:
                 f"= {need}: with every group taking part, a rank would hold no sample. Raise "
                 f"the global batch to {need} or more, or lower --fault_tolerance.group_size."
             )
-
-
-def _inner_dp(job: JobView, world: int) -> int:
-    """This group's data-parallel degree (``dp_shard`` -1: what the other degrees leave)."""
-    if job.dp_shard != -1:
-        return job.dp_shard
-    fixed = job.cp * job.tp * job.pp * job.dp_replicate
-    return max(1, world // fixed) if fixed else 1
 
 
 def lighthouse_url() -> str:

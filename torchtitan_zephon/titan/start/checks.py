@@ -138,9 +138,7 @@ def _check_experts(job: JobView, world: int, tp: int, cp: int) -> None:
             f"parallelism.expert_parallel_degree = {ep}, but {job.model} has no MoE layer "
             "(no experts to spread). Set --parallelism.expert_parallel_degree 1."
         )
-    shard = job.dp_shard
-    if shard == -1:
-        shard = world // (job.dp_replicate * cp * tp * job.pp)
+    shard = job.dp_shard_degree(world) or 1  # the degrees were checked above
     borrowed = shard * cp * tp
     good = _divisors(math.gcd(experts, borrowed))
     if experts % ep:

@@ -154,26 +154,6 @@ def _leftovers(job: JobView) -> list[str]:
     return out
 
 
-def _dp_degree(job: JobView) -> int | None:
-    """The DP degree TorchTitan will build (None when its parallel dims are invalid:
-    TorchTitan reports that itself, before it writes anything)."""
-    from torchtitan.distributed.parallel_dims import ParallelDims
-
-    try:
-        dims = ParallelDims(
-            dp_shard=job.dp_shard,
-            dp_replicate=job.dp_replicate,
-            cp=job.cp,
-            tp=job.tp,
-            pp=job.pp,
-            ep=job.ep,
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-        )
-    except (AssertionError, ValueError):
-        return None
-    return dims.dp_replicate * dims.dp_shard
-
-
 BuildTokenizer = Callable[[], Any]
 """Builds the job's tokenizer as TorchTitan will (from hf_assets_path)."""
 
@@ -200,7 +180,7 @@ def _check_job(job: JobView, build_tokenizer: BuildTokenizer | None) -> tuple[Jo
     check_tokenizer(source, tokenizer)
     if job.validation.enable:  # the validator is built after TorchTitan wrote the folder
         heldout_parts(job, source)
-    dp = _dp_degree(job)
+    dp = job.dp_degree(int(os.environ.get("WORLD_SIZE", "1")))  # None: TorchTitan says why
     if dp is not None:
         config.batch_schedule().check_layout(dp, job.local_batch_size)
     return source, config
