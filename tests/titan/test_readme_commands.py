@@ -145,7 +145,6 @@ def test_each_training_command_passes_the_trainers_checks(
     from torchtitan_zephon.titan.configs.job_view import job_view
     from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
     from torchtitan_zephon.titan.start.checks import check_job_config
-    from torchtitan_zephon.titan.start.preflight import _dp_degree
 
     t = training(command)
     assert t is not None
@@ -162,7 +161,7 @@ def test_each_training_command_passes_the_trainers_checks(
         fit_loss_chunks(config, explicit=explicit)
         job = job_view(config)
         check_job_config(job, world_size=world)
-        dp = _dp_degree(job)
+        dp = job.dp_degree(world)
         assert dp is not None, "TorchTitan's parallel dims refuse the degrees"
         if not own_job:
             batch_schedule(job).check_layout(dp, job.local_batch_size)

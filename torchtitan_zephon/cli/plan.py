@@ -34,14 +34,14 @@ from torchtitan_zephon.ingest.cache import RawInputs, names_store
 from torchtitan_zephon.job.stores import store_location
 from torchtitan_zephon.order.data_config import SKIP_FIELD
 from torchtitan_zephon.order.exclusions import Exclusions
-from torchtitan_zephon.order.layout import (
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.skips import SkipSteps
+from torchtitan_zephon.order.store_size import (
     MIN_STORE_SAMPLES,
-    BatchSchedule,
     check_store_size,
     no_sample_text,
     store_fix,
 )
-from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore

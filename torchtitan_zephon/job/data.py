@@ -43,10 +43,11 @@ from torchtitan_zephon.job.plans import plan_of
 from torchtitan_zephon.job.stores import open_mixture_stores
 from torchtitan_zephon.order.data_config import MIXTURE_FIELD, DataConfig
 from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, Exclusions, SourceRange
-from torchtitan_zephon.order.layout import BatchSchedule, no_sample_text, store_fix
+from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
 from torchtitan_zephon.order.mixture.spec import MixtureSpec, resolve_mixture
 from torchtitan_zephon.order.mixture.stream import MixtureStream
+from torchtitan_zephon.order.store_size import no_sample_text, store_fix
 from torchtitan_zephon.order.stream import ID_MASK, DataPlan, StreamPlan, split_keys
 from torchtitan_zephon.store.format import StoreError, fingerprint
 from torchtitan_zephon.store.group import StoreGroup

@@ -33,9 +33,9 @@ from torchtitan_zephon.ingest.cache_folder import cache_root
 from torchtitan_zephon.ingest.inputs import OptionNames
 from torchtitan_zephon.job.data import StoreData
 from torchtitan_zephon.job.stores import store_location
-from torchtitan_zephon.order.layout import (
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.store_size import (
     MIN_STORE_SAMPLES,
-    BatchSchedule,
     check_store_size,
     no_sample_text,
     store_fix,

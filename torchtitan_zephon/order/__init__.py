@@ -2,7 +2,8 @@
 
 Role: pure index math from a data config (stores' sizes and fingerprints, seed,
 batch schedule, mixture) to sample keys: ``permutation`` (a keyed bijection per
-epoch), ``layout`` (steps over positions, rank slices, micro-batches), ``stream``
+epoch), ``layout`` (steps over positions, rank slices, micro-batches), ``store_size``
+(what a store must hold for a schedule, and what to change), ``stream``
 (one store's stream, sample keys), ``mixture/`` (config, spec, rule, build, plan,
 stream), ``skips`` (skip ranges: the data of whole steps consumed, never trained),
 ``exclusions`` (left-out samples: ids deleted from a source's stream from a step on),

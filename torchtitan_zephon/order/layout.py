@@ -3,8 +3,7 @@
 Role: pure index math shared by every stream (one store, a mixture; ``order.stream``):
 the global batch schedule (``BatchSchedule``: step -> its positions
 ``[first_position(s), + gbs(s))``), the layout check (``check_batch_layout``: global
-batch = DP degree x local batch x accumulation), what a single store must hold for a
-schedule (``check_store_size``), and ``Layout``: a schedule placed on the stream by
+batch = DP degree x local batch x accumulation), and ``Layout``: a schedule placed on the stream by
 its anchor, which cuts a step into replica groups' parts (``part_slice``), DP rank
 slices (``rank_slice``) and micro-batches
 and walks one rank's stream as position ranges (``Layout.rank_window``). A stream
@@ -39,9 +38,6 @@ Invariants:
   of the rank's slices of steps s, s + 1, ... concatenated) is those per-step
   slices concatenated, cut at skip and count; its ranges are computed in a few
   numpy calls per schedule entry, O(1) in the step number.
-- What a single store must hold (``check_store_size``) is a function of its
-  training samples and the batch schedule only: the same verdict under every
-  DP degree and local batch size, so a resume at another topology decides alike.
 """
 
 from __future__ import annotations
@@ -51,6 +47,14 @@ import math
 import numpy as np
 
 from torchtitan_zephon.order.skips import SkipSteps
+
+# What a single store must hold for a schedule moved to ``store_size``; importable here too.
+from torchtitan_zephon.order.store_size import (  # noqa: E402, F401
+    MIN_STORE_SAMPLES,
+    check_store_size,
+    no_sample_text,
+    store_fix,
+)
 
 
 def _divisors(n: int) -> list[int]:
@@ -88,63 +92,6 @@ def check_batch_layout(global_batch_size: int, dp_degree: int, local_batch_size:
     else:
         msg += f"DP degree {d} does not divide {g}; DP degrees dividing it: {_divisors(g)}."
     raise ValueError(msg)
-
-
-MIN_STORE_SAMPLES = 2
-"""Training samples a single store needs. With one, every step trains on that one
-sample, repeated to fill the global batch, whatever the seed, the batch schedule or
-the topology: the order has nothing left to decide. Fewer samples than a global batch
-(but at least two) is a warning: the steps still differ, their samples repeat."""
-
-
-def no_sample_text(what: str, num_tokens: int, seq_len: int) -> str:
-    """Why a store of ``num_tokens`` tokens holds no sample of ``seq_len``."""
-    return (
-        f"{what} has {num_tokens} tokens, but a sample of seq_len {seq_len} needs seq_len + 1 "
-        f"= {seq_len + 1} tokens (its inputs and the label of the last one), so it holds no "
-        "sample"
-    )
-
-
-def store_fix(num_tokens: int, samples: int, seq_len_flag: str, *, first: str = "") -> str:
-    """What to change so that a store of ``num_tokens`` tokens holds ``samples`` samples:
-    ``first`` (e.g. the held-out setting, as the user writes it), a shorter seq_len, a
-    larger store."""
-    options = [first] if first else []
-    longest = (num_tokens - 1) // samples if samples > 0 else 0
-    if longest >= 1:
-        options.append(
-            f"use {seq_len_flag} {longest} or less (the longest that gives {samples} samples)"
-        )
-    options.append("use a larger store")
-    return "To change it: " + ", or ".join(options) + "."
-
-
-def check_store_size(what: str, num_samples: int, schedule: BatchSchedule, fix: str) -> str | None:
-    """Refuse a single store with fewer than ``MIN_STORE_SAMPLES`` training samples
-    (ValueError naming ``what``, the count and the batch, then ``fix``); return the
-    warning for one smaller than a global batch of ``schedule`` (None: no step repeats
-    a sample)."""
-    largest = max(g for _, g in schedule.entries)
-    if num_samples < 1:
-        raise ValueError(f"{what} has no training sample. {fix}")
-    if num_samples < MIN_STORE_SAMPLES:
-        raise ValueError(
-            f"{what} has {num_samples} training sample: every step would train on that "
-            f"one sample alone, repeated to fill the global batch ({schedule.gbs(1)} at step "
-            "1), whatever the seed or the number of ranks. A single store needs at least "
-            f"{MIN_STORE_SAMPLES}. {fix}"
-        )
-    first = next(((s, g) for s, g in schedule.entries if g > num_samples), None)
-    if first is None:
-        return None
-    step, gbs = first
-    larger = f", and up to {largest} later" if largest > gbs else ""
-    return (
-        f"{what} has {num_samples} training samples, fewer than the global batch of {gbs} "
-        f"from step {step} on (batch schedule entry {step}:{gbs}{larger}): every such step "
-        "repeats samples within itself. Use a larger store or a smaller global batch."
-    )
 
 
 def rank_slice(first: int, gbs: int, step: int, dp_rank: int, dp_degree: int) -> tuple[int, int]:

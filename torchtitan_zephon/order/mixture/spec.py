@@ -20,10 +20,6 @@ from fractions import Fraction
 from typing import Any
 
 from torchtitan_zephon.order.data_config import config_text
-from torchtitan_zephon.order.layout import (
-    no_sample_text,
-    store_fix,
-)
 from torchtitan_zephon.order.mixture.config import (
     MixtureConfig,
     MixtureError,
@@ -31,6 +27,7 @@ from torchtitan_zephon.order.mixture.config import (
     fraction_text,
     parse_schedule,
 )
+from torchtitan_zephon.order.store_size import no_sample_text, store_fix
 
 SPEC_FORMAT = "zephon-mixture/2"
 _OLD_SPEC_FORMATS = ("zephon-mixture/1",)
