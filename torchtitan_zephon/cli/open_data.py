@@ -134,7 +134,7 @@ def open_step_data(args: argparse.Namespace, command: str) -> StepData:
 
 def _open_given(args: argparse.Namespace, command: str) -> StepData:
     from torchtitan_zephon.job.data import MixtureData
-    from torchtitan_zephon.job.settings import store_source
+    from torchtitan_zephon.job.settings import store_data
     from torchtitan_zephon.order.mixture.config import MixtureConfig
 
     schedule: BatchSchedule = args.global_batch_size
@@ -157,10 +157,10 @@ def _open_given(args: argparse.Namespace, command: str) -> StepData:
     else:
         store = _open_store(args.target, raw)
         what = f"the store {args.target}"
-        source = store_source(store, args.seq_len, args.heldout_samples, schedule, what=what)
-        leave_out(source, args.exclude)
-        config = source.data_config(seed=args.seed, schedule=schedule, extra=extra)
-        plan = source.plan(config)
+        one = store_data(store, args.seq_len, args.heldout_samples, schedule, what=what)
+        leave_out(one, args.exclude)
+        config = one.data_config(seed=args.seed, schedule=schedule, extra=extra)
+        plan = one.plan(config)
         stores, names = [store], [""]
     tokenizer, note = _tokenizer(config.tokenizer_hash, [args.tokenizer])
     data = StepData(what, plan, config, names, stores, tokenizer, args.seq_len)

@@ -12,7 +12,7 @@ package re-exports nothing):
 - ``plans``: the plan a data config governs and what it tells (``plan_of``,
   ``first_correction``, ``mixture_progress``), without opening a store;
 - ``settings``: the job's data as the trainer's settings name it (``raw_inputs``,
-  ``open_store``, ``store_source``, ``builtin_tokenizer``): what ``titan`` asks
+  ``open_store``, ``store_data``, ``builtin_tokenizer``): what ``titan`` asks
   instead of ingesting or opening a store itself;
 - ``accounting``: what each trained step drew from each source (``step_account``:
   O(sources) from the plan's counts; ``documents_started``: O(global batch), for a

@@ -223,6 +223,26 @@ class StoreData:
 # ---------------------------------------------------------------- a mixture
 
 
+def as_job_data(
+    data: TokenStore | JobData,
+    seq_len: int,
+    *,
+    sample_offset: int = 0,
+    num_samples: int | None = None,
+) -> JobData:
+    """``data`` as a job's data for ``seq_len``: a bare store becomes ``StoreData``
+    (samples ``[sample_offset, + num_samples)``); job data opened for another seq_len is
+    refused."""
+    if isinstance(data, TokenStore):  # the one-store case
+        return StoreData(data, seq_len, sample_offset=sample_offset, num_samples=num_samples)
+    if data.seq_len != seq_len:
+        raise ValueError(
+            f"the job's data {data.path!r} was opened for seq_len {data.seq_len}, "
+            f"the loader was asked for seq_len {seq_len}."
+        )
+    return data
+
+
 def mixture_store_fingerprint(spec: MixtureSpec) -> str:
     """The ``store_fingerprint`` of a mixture's data config: a hash of its sources'
     store fingerprints (by name)."""

@@ -4,7 +4,7 @@ Role: turn the job data's plan (``job``: one TokenStore, or a mixture of several
 an infinite iterator of ``({"input": LongTensor[b, seq_len]}, labels LongTensor[b,
 seq_len])`` for one DP rank, prefetched in the background, and save/restore its position
 as one small record that is the same on every rank. The plan yields sample keys (sample
-ids for one store); ``source.windows`` gathers their tokens. ``document_positions`` (``documents``) is
+ids for one store); ``data.windows`` gathers their tokens. ``document_positions`` (``documents``) is
 the per-document position of each input token, a pure function of the window (the
 TorchTitan side adds it to each batch).
 
@@ -20,7 +20,7 @@ Invariants:
   or on batches prefetched but not yet returned. Loading it under any DP layout that
   divides the global batch size continues the global stream exactly where it stopped;
   restoring is O(1).
-- With ``last_step``, no key of a later step is announced to the source, and no window
+- With ``last_step``, no key of a later step is announced to the data, and no window
   holding one is made before the caller asks for that step; the batches delivered do not
   depend on ``last_step``.
 - Every batch holds tokens the store checked against its content checksums (see
@@ -36,9 +36,9 @@ are views of two buffers. Plans and windows grow from one micro-batch after a st
 reset, so the first batch waits for one micro-batch's work. Without either, each micro-
 batch is prepared on demand in the caller's thread.
 
-Read-ahead (stores in object storage): the loader announces to its source, step by step,
+Read-ahead (stores in object storage): the loader announces to its data, step by step,
 the rank's keys of every step of a window it starts and of the ``read_ahead_steps``
-after the window's last step (``JobData.read_ahead``; default: the source's, 0 for local
+after the window's last step (``JobData.read_ahead``; default: the data's, 0 for local
 stores), so their byte ranges are fetched in the background (``store.remote``) before a
 window asks for them; a window whose bytes have not arrived waits for them, and that
 wait is the trainer's data wait. The effective lead is therefore the steps of the
@@ -52,8 +52,8 @@ windows, and the read-ahead of later steps runs behind it. Announcing costs one 
 call per step in the caller's thread; the fetching and checking run on the store's fetch
 thread.
 
-The run's end (``last_step``: the trainer's training.steps) bounds only what is read
-ahead (see the invariant): a caller that asks past it gets its batches, made on demand.
+The run's end (``last_step``: training.steps) bounds only what is read ahead (see the
+invariant): a caller that asks past it gets its batches, made on demand.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_zephon.job.data import JobData, StoreData
+from torchtitan_zephon.job.data import JobData, as_job_data
 from torchtitan_zephon.job.documents import document_positions
 from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
@@ -96,7 +96,7 @@ class ZephonLoader:
 
     def __init__(
         self,
-        source: TokenStore | JobData,
+        data: TokenStore | JobData,
         *,
         seq_len: int,
         seed: int | None = None,
@@ -120,18 +120,10 @@ class ZephonLoader:
             raise ValueError("give the loader data_config or seed and schedule, not both")
         if data_config is None and (seed is None or schedule is None):
             raise ValueError("the loader needs data_config, or seed and schedule")
-        if isinstance(source, TokenStore):  # the one-store case
-            source = StoreData(
-                source, seq_len, sample_offset=sample_offset, num_samples=num_samples
-            )
-        elif source.seq_len != seq_len:
-            raise ValueError(
-                f"the source {source.path!r} was resolved for seq_len {source.seq_len}, "
-                f"the loader was asked for seq_len {seq_len}."
-            )
+        data = as_job_data(data, seq_len, sample_offset=sample_offset, num_samples=num_samples)
         # Token ids must index the model's embedding: exact and free from the manifest's
         # max_token_id; a store without one (format 1) has each batch checked instead.
-        self._id_limit = source.id_limit(vocab_size)
+        self._id_limit = data.id_limit(vocab_size)
         if not 0 <= dp_rank < dp_degree:
             raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")
         if data_config is not None and data_config.seq_len != seq_len:
@@ -143,11 +135,11 @@ class ZephonLoader:
             raise ValueError(
                 f"num_workers and prefetch must be >= 0, got {num_workers} and {prefetch}."
             )
-        self.config = data_config or source.data_config(
+        self.config = data_config or data.data_config(
             seed=seed, schedule=schedule, extra=extra_config
         )
-        self.source = source
-        self.store = source  # what ``windows`` gathers from (the source: one store or several)
+        self.data = data
+        self.store = data  # what ``windows`` gathers from (one store or several)
         self.seq_len = int(seq_len)
         self.dp_rank = int(dp_rank)
         self.dp_degree = int(dp_degree)
@@ -155,7 +147,7 @@ class ZephonLoader:
         self.num_workers = int(num_workers)
         self.prefetch = int(prefetch)
         self.pin_memory = bool(pin_memory) and torch.cuda.is_available()
-        self.plan = source.plan(self.config)
+        self.plan = data.plan(self.config)
         self._threaded = self.prefetch > 0 or self.num_workers > 0
         tokens = self.local_batch_size * self.seq_len
         self.window = (
@@ -181,17 +173,21 @@ class ZephonLoader:
         self._pending: deque[Future[Window]] = deque()
         self._executor: ThreadPoolExecutor | None = None
         if read_ahead_steps is None:
-            read_ahead_steps = source.read_ahead_steps()
+            read_ahead_steps = data.read_ahead_steps()
         if read_ahead_steps < 0:
             raise ValueError(f"read_ahead_steps must be >= 0, got {read_ahead_steps}.")
         self.read_ahead_steps = int(read_ahead_steps)
         if last_step is not None and last_step < 1:
             raise ValueError(f"last_step must be >= 1 (or None: no end), got {last_step}.")
         self.last_step = None if last_step is None else int(last_step)
-        self._announced = 1  # first step whose keys were not yet announced to the source
+        self._announced = 1  # first step whose keys were not yet announced to the data
         self._first_window = True  # the next window is the first since a start or reset
 
     # ------------------------------------------------------------------ batches
+
+    @property
+    def source(self) -> JobData:
+        return self.data  # the job's data, by its name before one word meant one thing
 
     @property
     def next_step(self) -> int:
@@ -200,7 +196,7 @@ class ZephonLoader:
 
     @property
     def announced_through(self) -> int:
-        """Last step whose keys were announced to the source (the step before the first
+        """Last step whose keys were announced to the data (the step before the first
         undelivered one when none was since the start, a reset or a resume)."""
         return self._announced - 1
 
@@ -285,7 +281,7 @@ class ZephonLoader:
             end = min(end, self.last_step + 1)
         for s in range(max(self._announced, first), end):
             keys = self.plan.rank_ids(s, self.dp_rank, self.dp_degree)
-            self.source.read_ahead(keys, self.seq_len)
+            self.data.read_ahead(keys, self.seq_len)
         self._announced = max(self._announced, end)
 
     def _make(self, slots: list[Slot], ids: np.ndarray) -> list[tuple[Slot, MicroBatch]]:
@@ -393,7 +389,7 @@ class ZephonLoader:
         self._planned, self._planned_at = [], 0
         self._plan_size = self._window_size = 1
         if self.read_ahead_steps:
-            self.source.drop_read_ahead()
+            self.data.drop_read_ahead()
         self._announced = self._delivered[0]
         self._first_window = True
 
@@ -442,7 +438,7 @@ class ZephonLoader:
         if decision.config is not None:  # the same samples, bound to the saved rule
             self.config = decision.config
         self._reset()
-        self.plan = self.source.plan(self.config, decision.anchor)
+        self.plan = self.data.plan(self.config, decision.anchor)
         self._next_step = saved.next_step
         self._cursor = self._delivered = (saved.next_step, 0)
         self._announced = saved.next_step

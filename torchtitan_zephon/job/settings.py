@@ -8,7 +8,7 @@ names raw inputs (``hf_assets_path``, ``zephon.text_field``, ``zephon.split``,
 (``zephon.read_ahead_steps``, ``zephon.read_ahead_bytes``, ``zephon.request_timeout_s``,
 ``zephon.cache_bytes``: the node cache under the store cache folder);
 ``open_store`` opens ``zephon.store`` (or the builtin store when it is empty; a URL is
-read by range); ``store_source`` is the job's one store
+read by range); ``store_data`` is the job's one store
 with its held-out samples; ``builtin_tokenizer`` is the tokenizer the builtin
 data was prepared with. The job config is read by attribute only (nothing here
 imports TorchTitan); where to log is the caller's (``log``, ``warn``).
@@ -136,7 +136,7 @@ def open_store(job_config: Any, *, log: Log | None = None, warn: Log | None = No
     return TokenStore.open(location, remote=remote_options(job_config))
 
 
-def store_source(
+def store_data(
     store: TokenStore, seq_len: int, heldout: int, schedule: BatchSchedule, *, what: str
 ) -> StoreData:
     """The job's one store (``what`` names it), its last ``heldout`` samples held out:
@@ -161,6 +161,9 @@ def store_source(
     if warning:
         source.warnings.append(warning)
     return source
+
+
+store_source = store_data  # its name before one word meant one thing
 
 
 def builtin_tokenizer() -> tuple[Path, str]:

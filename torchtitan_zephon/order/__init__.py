@@ -34,6 +34,11 @@ Glossary (one word per concept, used across the package):
 - layout: the map step -> DP rank slice -> micro-batches -> windows, in positions, from
   the batch schedule and the resume anchor (``layout.Layout``, its one home).
 - source: one store of a mixture, by name (a ``[[source]]`` of a mixture file).
+- data: the job's data, opened once (``job.data.JobData``: one store, or a mixture);
+  never called a source (old names kept as aliases: ``ZephonLoader.source``,
+  ``resolve_source``, ``store_source``).
+- inputs: the raw files ``zephon prepare`` reads (text, JSONL, Parquet, datasets).
+- part: a replica group's share of a step under torchft (``layout.part_slice``).
 - stream: the sample keys of every position, the global sequence a plan defines.
 - schedule: a step-indexed setting: the batch schedule, a mixture's weight schedule.
 - plan: the pure function from a data config to its stream (``DataPlan``, ``MixturePlan``).

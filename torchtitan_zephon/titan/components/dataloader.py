@@ -97,20 +97,20 @@ class ZephonDataLoader(BaseDataLoader):
         snapshot_every_n_steps: int | None = None,
     ) -> None:
         handoff = trainer_handoff(config, "dataloader (ZephonDataLoader.Config)")
-        job, source = handoff.view, handoff.data
+        job, data = handoff.view, handoff.data
         self.config = config
         zc = job.zephon
         # Before anything else: a bad layout fails in milliseconds.
         schedule = batch_schedule(job)
         schedule.check_layout(dp_world_size, local_batch_size)
-        check_tokenizer(source, tokenizer)
-        if source.seq_len != seq_len:
+        check_tokenizer(data, tokenizer)
+        if data.seq_len != seq_len:
             raise ValueError(
-                f"the job's data was opened for seq_len {source.seq_len} but TorchTitan builds "
+                f"the job's data was opened for seq_len {data.seq_len} but TorchTitan builds "
                 f"the dataloader for seq_len {seq_len}"
             )
         self.loader = ZephonLoader(
-            source,
+            data,
             seq_len=seq_len,
             data_config=handoff.data_config,  # the job's, built once (preflight)
             dp_rank=dp_rank,
@@ -124,11 +124,11 @@ class ZephonDataLoader(BaseDataLoader):
         )
         rank = int(os.environ.get("RANK", "0"))
         if isinstance(self.loader.plan, MixtureStream):
-            _check_mixture(self.loader.plan, source, job)
+            _check_mixture(self.loader.plan, data, job)
         elif rank == 0:  # a store smaller than a global batch (mixtures: per source, above)
-            for warning in source.warnings:
+            for warning in data.warnings:
                 logger.warning(f"Zephon: {warning}")
-        self.eos_id = eos_id_of(source)
+        self.eos_id = eos_id_of(data)
         self.tracker = SequenceTracker(
             log_path(job.dump_folder),
             config=self.loader.config,
@@ -243,21 +243,21 @@ class ZephonDataLoader(BaseDataLoader):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _check_mixture(plan: MixtureStream, source: Any, job: JobView) -> None:
+def _check_mixture(plan: MixtureStream, data: Any, job: JobView) -> None:
     """Refuse a mixture that runs a source past its max_epochs within training.steps;
     on rank 0, log the plan's warnings and its worst deviation from the exact targets."""
     if job.steps:
         plan.mixture.check_max_epochs(int(job.steps))
     if int(os.environ.get("RANK", "0")) != 0:
         return
-    for warning in source.warnings:
+    for warning in data.warnings:
         logger.warning(f"Zephon: {warning}")
     worst, who, step = plan.mixture.deviation_report()
     warning = deviation_warning(worst, who, step)
     if warning:
         logger.warning(f"Zephon: {warning}")
     logger.info(
-        f"Zephon: mixture {source.path} of {len(plan.names)} sources ({', '.join(plan.names)}): "
+        f"Zephon: mixture {data.path} of {len(plan.names)} sources ({', '.join(plan.names)}): "
         f"every source's sample count stays within {float(worst):.3f} samples of its exact "
         f"target at every step (worst: {who!r})"
     )

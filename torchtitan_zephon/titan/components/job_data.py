@@ -41,8 +41,8 @@ from torchtitan_zephon.job.settings import (
     open_store,
     raw_inputs,
     remote_options,
+    store_data,
     store_name,
-    store_source,
 )
 from torchtitan_zephon.order.data_config import DataConfig, data_extra
 from torchtitan_zephon.order.exclusions import Exclusions
@@ -57,7 +57,7 @@ def _log(message: str) -> None:
     logger.info(f"Zephon: {message}")
 
 
-def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
+def resolve_data(job: JobView, tokenizer: Any = None) -> JobData:
     """The data a job reads: ``zephon.mixture``, else ``zephon.store`` (or the builtin
     store), opened and checked: the stores' vocabulary against the model and the
     tokenizer, the held-out samples against the store sizes, a mixture's sources
@@ -73,7 +73,7 @@ def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
                 "reads either one store or a mixture. Drop zephon.store, or name the store as "
                 "a [[source]] of the mixture file."
             )
-        source: JobData = MixtureData.open(
+        data: JobData = MixtureData.open(
             MixtureConfig.load(mixture),
             seq_len,
             default_heldout=zc.heldout_samples,
@@ -82,7 +82,7 @@ def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
             raw=raw_inputs(job, _log),
             remote=remote_options(job),
         )
-        what = f"the mixture {mixture} (sources {', '.join(source.names)})"
+        what = f"the mixture {mixture} (sources {', '.join(data.names)})"
     else:
         store = open_store(job, log=_log, warn=logger.warning)
         named = (  # as the user named it, and where it is when that differs
@@ -93,23 +93,26 @@ def resolve_source(job: JobView, tokenizer: Any = None) -> JobData:
             else f"the store {shown!r} ({store.path})"
         )
         schedule = batch_schedule(job)
-        source = store_source(store, seq_len, zc.heldout_samples, schedule, what=named)
+        data = store_data(store, seq_len, zc.heldout_samples, schedule, what=named)
         what = f"the store {store.path}"
     model_vocab = job.vocab_size
-    if model_vocab is not None and source.vocab_size > model_vocab:
+    if model_vocab is not None and data.vocab_size > model_vocab:
         raise ValueError(
-            f"{what} was tokenized with a vocabulary of {source.vocab_size} "
+            f"{what} was tokenized with a vocabulary of {data.vocab_size} "
             f"tokens but model {job.model} embeds "
-            f"only {model_vocab}: choose a flavor with vocab_size >= {source.vocab_size}, or a "
+            f"only {model_vocab}: choose a flavor with vocab_size >= {data.vocab_size}, or a "
             "store prepared with a smaller tokenizer"
         )
-    check_tokenizer(source, tokenizer)
-    stores = source.stores if isinstance(source, MixtureData) else [store]
+    check_tokenizer(data, tokenizer)
+    stores = data.stores if isinstance(data, MixtureData) else [store]
     for st in stores:
         note = block_rounding_note(st, seq_len)
         if note:
             _log(note)
-    return source
+    return data
+
+
+resolve_source = resolve_data  # its name before one word meant one thing
 
 
 def block_rounding_note(store: Any, seq_len: int) -> str | None:
@@ -131,16 +134,16 @@ def block_rounding_note(store: Any, seq_len: int) -> str | None:
     )
 
 
-def check_tokenizer(source: JobData, tokenizer: Any) -> None:
+def check_tokenizer(data: JobData, tokenizer: Any) -> None:
     """Refuse a source whose token ids the job's tokenizer (when given) cannot hold."""
-    if tokenizer is not None and source.vocab_size > tokenizer.get_vocab_size():
+    if tokenizer is not None and data.vocab_size > tokenizer.get_vocab_size():
         what = (
-            f"the mixture {source.path} (sources {', '.join(source.names)})"
-            if isinstance(source, MixtureData)
-            else f"the store {source.path}"
+            f"the mixture {data.path} (sources {', '.join(data.names)})"
+            if isinstance(data, MixtureData)
+            else f"the store {data.path}"
         )
         raise ValueError(
-            f"{what} was tokenized with a vocabulary of {source.vocab_size} "
+            f"{what} was tokenized with a vocabulary of {data.vocab_size} "
             f"tokens but hf_assets_path's tokenizer has {tokenizer.get_vocab_size()}: "
             "point --hf_assets_path at the tokenizer the store was prepared with"
         )
@@ -221,10 +224,10 @@ def trainer_handoff(config: Any, what: str) -> ZephonJob:
     return job
 
 
-def eos_id_of(source: JobData) -> int:
+def eos_id_of(data: JobData) -> int:
     """The EOS id that ends each document of ``source`` (a mixture's stores share one
     tokenizer, whose EOS is the first store's)."""
-    stores = getattr(source, "stores", None) or [source.store]  # type: ignore[attr-defined]
+    stores = getattr(data, "stores", None) or [data.store]  # type: ignore[attr-defined]
     return int(stores[0].eos_id)
 
 
@@ -232,15 +235,15 @@ def open_job_data(job: JobView, tokenizer: Any = None) -> tuple[JobData, DataCon
     """The data source a job reads and its data config, without building a loader.
 
     Every check that needs only the job and the stores runs here
-    (``resolve_source``: vocabulary against the model and the tokenizer, held-out
+    (``resolve_data``: vocabulary against the model and the tokenizer, held-out
     samples, a mixture's sources against each other), so the trainer's preflight
     refuses a bad job before anything is written. The trainer opens the data here
     once and hands the object to the dataloader and the validator (``with_job``).
     """
-    source = resolve_source(job, tokenizer)
+    data = resolve_data(job, tokenizer)
     if job.zephon.exclude:  # checked against the data: ids, held-out ids, sources
-        source.leave_out(Exclusions.load(job.zephon.exclude))
-    return source, job_data_config(job, source)
+        data.leave_out(Exclusions.load(job.zephon.exclude))
+    return data, job_data_config(job, data)
 
 
 def job_data_config(job: JobView, data: JobData) -> DataConfig:
@@ -252,12 +255,12 @@ def job_data_config(job: JobView, data: JobData) -> DataConfig:
     )
 
 
-def heldout_parts(job: JobView, source: Any) -> list[Any]:
+def heldout_parts(job: JobView, data: Any) -> list[Any]:
     """The held-out parts validation reads (a mixture's sources with held-out samples),
     or ValueError when one holds less than a global batch: the preflight asks this
     before anything is written (validation on), the validator when it is built."""
     gbs = batch_schedule(job).gbs(1)
-    parts = source.heldout()
+    parts = data.heldout()
     mixture = parts[0].name is not None
     if mixture:
         small = [h for h in parts if 0 < h.count < gbs]

@@ -201,7 +201,7 @@ class ZephonValidator(Validator):
         # methods read besides that one are set here the same way.
         BaseValidator.__init__(self, config)
         handoff = trainer_handoff(config, "validator (ZephonValidator.Config)")
-        job, source = handoff.view, handoff.data
+        job, data = handoff.view, handoff.data
         self.parallelism, self.tokenizer = parallelism, tokenizer
         self.parallel_dims, self.loss_fn = parallel_dims, loss_fn
         self.validation_context = validation_context
@@ -212,15 +212,15 @@ class ZephonValidator(Validator):
         self.pp_has_first_stage, self.pp_has_last_stage = pp_has_first_stage, pp_has_last_stage
 
         gbs = batch_schedule(job).gbs(1)
-        parts = heldout_parts(job, source)
-        eos_id = eos_id_of(source)
+        parts = heldout_parts(job, data)
+        eos_id = eos_id_of(data)
         micro = config.microbatch_size or local_batch_size
         self.heldout_loaders: list[tuple[str | None, HeldoutLoader]] = []
         for h in parts:
             available = h.count // gbs
             loader = HeldoutLoader(
                 h.store,
-                seq_len=source.seq_len,
+                seq_len=data.seq_len,
                 first_sample=h.first,
                 global_batch=gbs,
                 num_batches=available if config.steps == -1 else min(config.steps, available),

@@ -163,7 +163,7 @@ def _check_job(job: JobView, build_tokenizer: BuildTokenizer | None) -> tuple[Jo
     job's data (opened once, here) and its data config."""
     # The data first: raw inputs are prepared (or refused: a missing tokenizer.json
     # said as such) before TorchTitan builds its tokenizer from the same folder.
-    source, config = open_job_data(job)
+    data, config = open_job_data(job)
     try:  # a misspelt opt-in is said at every start, not first at the resume it was for
         allowed_fields(job.zephon.allow_changes, config)
     except ValueError as e:
@@ -176,17 +176,17 @@ def _check_job(job: JobView, build_tokenizer: BuildTokenizer | None) -> tuple[Jo
             tokenizer = build_tokenizer()
         except Exception as e:  # TorchTitan's FileNotFoundError, or the tokenizers
             # library's bare Exception for a file it cannot parse: said as a refusal
-            raise StartRefused(tokenizer_refusal(job.hf_assets_path, source, e)) from None
-    check_tokenizer(source, tokenizer)
+            raise StartRefused(tokenizer_refusal(job.hf_assets_path, data, e)) from None
+    check_tokenizer(data, tokenizer)
     if job.validation.enable:  # the validator is built after TorchTitan wrote the folder
-        heldout_parts(job, source)
+        heldout_parts(job, data)
     dp = job.dp_degree(int(os.environ.get("WORLD_SIZE", "1")))  # None: TorchTitan says why
     if dp is not None:
         config.batch_schedule().check_layout(dp, job.local_batch_size)
-    return source, config
+    return data, config
 
 
-def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
+def tokenizer_refusal(path: str, data: Any, error: BaseException) -> str:
     """Why TorchTitan could not load the tokenizer at hf_assets_path ``path``, with
     the tokenizer the data was prepared with (the sha256 of its tokenizer.json, as the
     store records it) and where the builtin tokenizer is (and whether it is that one)."""
@@ -198,11 +198,11 @@ def tokenizer_refusal(path: str, source: Any, error: BaseException) -> str:
     else:
         found = f"holds no tokenizer TorchTitan can load ({error})"
     what = (
-        f"the mixture {source.path} (sources {', '.join(source.names)})"
-        if hasattr(source, "names")
-        else f"the store {source.path}"
+        f"the mixture {data.path} (sources {', '.join(data.names)})"
+        if hasattr(data, "names")
+        else f"the store {data.path}"
     )
-    recorded = source.tokenizer_hash
+    recorded = data.tokenizer_hash
     if not recorded:
         known = f"{what} does not record its tokenizer's sha256"
     else:
