@@ -50,7 +50,7 @@ MOVED: dict[str, str] = {
         "titan.checks": "titan.start.checks",
         "titan.preflight": "titan.start.preflight",
         "titan.old_runs": "titan.start.old_runs",
-        "titan.start_plan": "titan.start.start_plan",
+        "titan.start_plan": "titan.start.decision",
         "titan.init": "titan.weights.init",
         "titan.init_coverage": "titan.weights.init_coverage",
         "titan.init_draw": "titan.weights.init_draw",

@@ -111,7 +111,7 @@ def main() -> None:
     from torchtitan_zephon.store.format import StoreError, error_kind
     from torchtitan_zephon.titan.components.trainer import JobStopped, SettingRefused
     from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
-    from torchtitan_zephon.titan.start.start_plan import StartRefused
+    from torchtitan_zephon.titan.start.decision import StartRefused
     from torchtitan_zephon.tracker import TrackerError
 
     refusals = (StartRefused, FolderInUse, DataStateMismatch, TrackerError, StoreError)

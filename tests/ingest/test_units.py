@@ -12,7 +12,7 @@ from tests.conftest import corpus_text
 from torchtitan_zephon.ingest.inputs import InputFile
 from torchtitan_zephon.ingest.json_readers import read_jsonl
 from torchtitan_zephon.ingest.readers import iter_documents
-from torchtitan_zephon.ingest.units import jsonl_boundaries, plan_units, unit_input_hash
+from torchtitan_zephon.ingest.units import cut_units, jsonl_boundaries, unit_input_hash
 from torchtitan_zephon.store.format import StoreError
 
 _line = st.one_of(
@@ -27,7 +27,7 @@ _jsonl = st.lists(st.tuples(_line, _sep), max_size=30).map(
 
 
 def _units_docs(src: InputFile, unit_bytes: int) -> list[str]:
-    units = plan_units([src], unit_bytes)
+    units = cut_units([src], unit_bytes)
     assert [u.index for u in units] == list(range(len(units)))
     spans = [u.span for u in units]
     size = src.path.stat().st_size
@@ -81,22 +81,22 @@ def test_parquet_runs_of_row_groups(tmp_path):
     pq.write_table(pa.table({"text": texts}), path, row_group_size=20)  # 15 row groups
     src = InputFile("d.parquet", path, "parquet")
     for unit_bytes in (1, 3000, 1 << 30):
-        units = plan_units([src], unit_bytes)
+        units = cut_units([src], unit_bytes)
         assert units[0].part[0] == 0 and units[-1].part[1] == 15
         assert all(a.part[1] == b.part[0] for a, b in zip(units, units[1:], strict=False))
         assert _units_docs(src, unit_bytes) == texts
-    assert len(plan_units([src], 1)) == 15 and len(plan_units([src], 1 << 30)) == 1
+    assert len(cut_units([src], 1)) == 15 and len(cut_units([src], 1 << 30)) == 1
 
 
 def test_unit_input_hash_follows_its_bytes_only(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_bytes(b"".join(json.dumps({"text": f"doc {k}"}).encode() + b"\n" for k in range(50)))
     src = InputFile("d.jsonl", path, "jsonl")
-    before = [unit_input_hash(src, u) for u in plan_units([src], 100)]
+    before = [unit_input_hash(src, u) for u in cut_units([src], 100)]
     data = bytearray(path.read_bytes())
     data[-5] = ord("9") if data[-5] != ord("9") else ord("8")  # a digit in the last line
     path.write_bytes(bytes(data))
-    after = [unit_input_hash(src, u) for u in plan_units([src], 100)]
+    after = [unit_input_hash(src, u) for u in cut_units([src], 100)]
     assert after[:-1] == before[:-1] and after[-1] != before[-1]
 
 
@@ -108,7 +108,7 @@ def test_whole_units_for_unsplittable_kinds(tmp_path):
     (tmp_path / "c.json").write_text(json.dumps([{"text": "a"}] * 1000))
     srcs = [InputFile(p, tmp_path / p, k) for p, k in
             [("a.jsonl.gz", "jsonl"), ("b.txt", "text"), ("c.json", "json")]]  # fmt: skip
-    units = plan_units(srcs, 10)
+    units = cut_units(srcs, 10)
     assert [(u.source, u.part) for u in units] == [(0, None), (1, None), (2, None)]
     assert [u.span for u in units] == [(0, Path(tmp_path / s.name).stat().st_size) for s in srcs]
 

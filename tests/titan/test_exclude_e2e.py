@@ -20,8 +20,8 @@ from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.job.plans import plan_of
 from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, Exclusions
 from torchtitan_zephon.run import recorded as runs
-from torchtitan_zephon.titan.start.preflight import plan_start
-from torchtitan_zephon.titan.start.start_plan import StartRefused
+from torchtitan_zephon.titan.start.decision import StartRefused
+from torchtitan_zephon.titan.start.preflight import decide_start
 from torchtitan_zephon.tracker import ids_digest
 
 
@@ -116,7 +116,7 @@ def test_a_bad_list_is_refused_at_the_start_with_nothing_written(tmp_path: Path,
     run = tmp_path / "run"
     view = data_job(run, exclude=str(path), dump_folder=str(run))
     with pytest.raises(StartRefused) as e:
-        plan_start(view, writer=True)
+        decide_start(view, writer=True)
     assert message in str(e.value) and "\n" not in str(e.value)
     assert not run.exists()
 
@@ -124,12 +124,12 @@ def test_a_bad_list_is_refused_at_the_start_with_nothing_written(tmp_path: Path,
 def test_a_held_out_id_is_refused_at_the_start(tmp_path: Path):
     run = tmp_path / "run"
     view = data_job(run, dump_folder=str(run))
-    source = plan_start(view, writer=True).data
+    source = decide_start(view, writer=True).data
     first_held = source.sample_offset + source.num_samples
     path = tmp_path / "left_out.jsonl"
     path.write_text(json.dumps({"ids": [1, first_held], "from_step": 3}))
     with pytest.raises(StartRefused, match=f"id {first_held} is a held-out \\(validation\\)"):
-        plan_start(dataclass_with(view, exclude=str(path)), writer=True)
+        decide_start(dataclass_with(view, exclude=str(path)), writer=True)
 
 
 def dataclass_with(view, **zephon):  # noqa: ANN001, ANN201 - a JobView
@@ -141,8 +141,8 @@ def test_an_entry_after_the_last_step_is_a_warning(tmp_path: Path):
     path.write_text(json.dumps({"ids": [1, 2], "from_step": 3}) + "\n")
     run = tmp_path / "run"
     view = data_job(run, exclude=str(path), dump_folder=str(run))
-    assert view.steps > 3 and not plan_start(view, writer=True).notes
-    assert plan_start(dataclasses.replace(view, steps=2), writer=True).notes == [
+    assert view.steps > 3 and not decide_start(view, writer=True).notes
+    assert decide_start(dataclasses.replace(view, steps=2), writer=True).notes == [
         "zephon.exclude entry from step 3 (2 ids) starts after training.steps (2): it leaves "
         "nothing out in this run (a run that trains past step 2 applies it)"
     ]

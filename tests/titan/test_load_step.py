@@ -1,6 +1,6 @@
 """The checkpoint TorchTitan loads, pinned to TorchTitan's own rule.
 
-``start_plan.titan_load_step`` is the one place that decides which ``step-N`` folder a
+``decision.titan_load_step`` is the one place that decides which ``step-N`` folder a
 job resumes from before TorchTitan builds anything (TorchTitan has no public API for
 it). Hypothesis builds checkpoint folders of every shape TorchTitan's rule looks at
 (names containing ``step-N`` anywhere, DCP ``.metadata``, a safetensors index, files
@@ -23,7 +23,7 @@ platform.apply()  # before torchtitan is imported (CPU, no triton)
 
 from torchtitan.components.checkpoint import CheckpointManager  # noqa: E402
 
-from torchtitan_zephon.titan.start.start_plan import titan_load_step  # noqa: E402
+from torchtitan_zephon.titan.start.decision import titan_load_step  # noqa: E402
 
 NAMES = st.one_of(
     st.integers(0, 10**6).map(lambda n: f"step-{n}"),

@@ -20,8 +20,8 @@ from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.titan.start import preflight
-from torchtitan_zephon.titan.start.preflight import plan_start
-from torchtitan_zephon.titan.start.start_plan import StartRefused, choose_checkpoint
+from torchtitan_zephon.titan.start.decision import StartRefused, choose_checkpoint
+from torchtitan_zephon.titan.start.preflight import decide_start
 from torchtitan_zephon.tracker import SequenceTracker, log_path
 
 CONFIG = DataConfig.make(
@@ -217,17 +217,17 @@ def test_model_only_checkpoint_names_the_last_full_one(run: Path, current_config
     save(run, 8, model_only=True)
     before = tree(run)
     with pytest.raises(StartRefused) as e:
-        plan_start(job(run), writer=True)
+        decide_start(job(run), writer=True)
     assert "step-8 holds only the model" in str(e.value)
     assert "--checkpoint.load_step 4 (steps 5..8 trained again" in str(e.value)
     assert "--checkpoint.no-last_save_model_only" in str(e.value)
     assert_unchanged(before, tree(run))
-    assert plan_start(job(run, load_step=4), writer=True).resume.step == 4
+    assert decide_start(job(run, load_step=4), writer=True).resume.step == 4
 
 
 def test_resume_checks_the_data_config_and_the_log_without_writing(run: Path, current_config):
     j = job(run)
-    plan = plan_start(j, writer=True)
+    plan = decide_start(j, writer=True)
     assert plan.resume.step == 8 and plan.state.next_step == 9
     # another log (its step 8 has another chain), without the index sidecars: the check
     # reads the whole log and must not rebuild the index (a refused start writes nothing)
@@ -242,12 +242,12 @@ def test_resume_checks_the_data_config_and_the_log_without_writing(run: Path, cu
         sidecar.unlink()
     before = tree(run)
     with pytest.raises(StartRefused, match="does not match the checkpoint of step 8"):
-        plan_start(job(run), writer=True)
+        decide_start(job(run), writer=True)
     assert_unchanged(before, tree(run))
     j = job(run)
     j.zephon.ignore_log_mismatch = True  # accepted here; the dataloader warns and marks it
-    assert plan_start(j, writer=True).resume.step == 8
-    assert plan_start(job(run), writer=False).resume.step == 8  # the log is rank 0's
+    assert decide_start(j, writer=True).resume.step == 8
+    assert decide_start(job(run), writer=False).resume.step == 8  # the log is rank 0's
 
 
 def test_changed_data_config_is_refused_with_the_trainer_hint(run: Path, monkeypatch):
@@ -255,44 +255,44 @@ def test_changed_data_config_is_refused_with_the_trainer_hint(run: Path, monkeyp
         preflight, "_check_job", lambda j, build: (None, dataclasses.replace(CONFIG, seed=3))
     )
     with pytest.raises(DataStateMismatch, match="(?s)seed: 0 -> 3.*--zephon.allow_changes"):
-        plan_start(job(run), writer=False)
+        decide_start(job(run), writer=False)
     j = job(run)
     j.zephon.allow_changes = ["seed"]
-    assert plan_start(j, writer=False).resume.step == 8
+    assert decide_start(j, writer=False).resume.step == 8
 
 
 @pytest.mark.parametrize("exclude", ["dataloader", "train_state"])
 def test_excluding_the_data_or_trainer_state_is_refused(run: Path, current_config, exclude):
     with pytest.raises(StartRefused, match=f"'{exclude}' is in checkpoint.exclude_from_loading"):
-        plan_start(job(run, exclude_from_loading=[exclude]), writer=False)
+        decide_start(job(run, exclude_from_loading=[exclude]), writer=False)
 
 
 def test_history_not_resumed_is_refused_unless_start_over_or_same_job(run: Path, current_config):
     before = tree(run)
     with pytest.raises(StartRefused) as e:
-        plan_start(job(run, enable=False), writer=True)
+        decide_start(job(run, enable=False), writer=True)
     message = str(e.value)
     assert "holds checkpoints step-4, step-8 and a sequence log with steps 1..8" in message
     assert "(checkpoint.enable is false)" in message and "--zephon.start_over" in message
     assert_unchanged(before, tree(run))
-    assert plan_start(job(run, enable=False), writer=False).notes == []  # rank 0 decides
+    assert decide_start(job(run, enable=False), writer=False).notes == []  # rank 0 decides
     j = job(run, enable=False)
     j.zephon.start_over = True
-    assert "zephon.start_over" in plan_start(j, writer=True).notes[0]
-    plan = plan_start(job(run, enable=False), writer=True, same_job=True)
+    assert "zephon.start_over" in decide_start(j, writer=True).notes[0]
+    plan = decide_start(job(run, enable=False), writer=True, same_job=True)
     assert "an elastic restart of this job" in plan.notes[0]
 
 
 def test_log_with_steps_and_no_checkpoint_is_refused(tmp_path: Path, current_config):
     write_log(tmp_path, 3)
     with pytest.raises(StartRefused, match="holds a sequence log with steps 1..3"):
-        plan_start(job(tmp_path), writer=True)
+        decide_start(job(tmp_path), writer=True)
     # a log with a start event only (a job that died before its first step) is no history
     log_path(tmp_path).unlink()
     for sidecar in log_path(tmp_path).parent.glob("*.jsonl.*"):
         sidecar.unlink()
     SequenceTracker(log_path(tmp_path), config=CONFIG, writer=True).start(TOPOLOGY)
-    assert plan_start(job(tmp_path), writer=True).resume is None
+    assert decide_start(job(tmp_path), writer=True).resume is None
 
 
 # ---------------------------------------------------------------- the job's data (issue 18)
@@ -604,12 +604,12 @@ def test_a_misspelt_allow_changes_is_refused_at_every_start(tmp_path: Path):
     """A typo in --zephon.allow_changes was accepted on a fresh start and ended the
     resume it was meant for in a traceback: it is a refusal naming the option and every
     accepted value, before anything is written."""
-    from torchtitan_zephon.titan.start.preflight import plan_start
-    from torchtitan_zephon.titan.start.start_plan import StartRefused
+    from torchtitan_zephon.titan.start.decision import StartRefused
+    from torchtitan_zephon.titan.start.preflight import decide_start
 
     cfg = data_job(tmp_path, allow_changes=["sed"], dump_folder=str(tmp_path / "run"))
     with pytest.raises(StartRefused) as e:
-        plan_start(cfg, writer=True)
+        decide_start(cfg, writer=True)
     message = str(e.value)
     assert message.startswith("--zephon.allow_changes: unknown allow_changes entry 'sed'; "
                               "expected one of all, "), message  # fmt: skip
@@ -642,7 +642,7 @@ def test_too_few_held_out_samples_are_refused_before_anything_is_written(tmp_pat
     view = data_job(tmp_path, mixture=str(mixture))
     gbs = view.global_batch_size
     on = dataclasses.replace(view, validation=dataclasses.replace(view.validation, enable=True))
-    with pytest.raises(ValueError) as e:  # plan_start says it as StartRefused (above)
+    with pytest.raises(ValueError) as e:  # decide_start says it as StartRefused (above)
         preflight._check_job(on, None)
     assert str(e.value) == (
         f"validation reads held-out samples in global batches of {gbs}; mixture source "

@@ -40,7 +40,7 @@ from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.ingest.readers import iter_documents
 from torchtitan_zephon.ingest.stage import _CHUNK_CHARS, _CHUNK_DOCS, assign_units
 from torchtitan_zephon.ingest.tokenizer import load_tokenizer_info
-from torchtitan_zephon.ingest.units import plan_units
+from torchtitan_zephon.ingest.units import cut_units
 from torchtitan_zephon.store.format import CHECKSUMS, DOC_OFFSETS, MANIFEST, TOKENS
 
 RANKS = (1, 2)
@@ -76,7 +76,7 @@ def _rank_chunks(jsonl: Path, unit_bytes: int, nproc: int) -> list[list[list[str
     """For each of ``nproc`` ranks, the document chunks prepare would encode on it: its
     units (``assign_units``), in order, each cut into chunks as prepare cuts them."""
     src = InputFile(jsonl.name, jsonl, "jsonl")
-    units = plan_units([src], unit_bytes)
+    units = cut_units([src], unit_bytes)
     owner = assign_units(units, nproc)
     shares: list[list[list[str]]] = [[] for _ in range(nproc)]
     for u in units:

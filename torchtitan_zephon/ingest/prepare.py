@@ -70,7 +70,7 @@ from torchtitan_zephon.ingest.parts import WriterLock, finished_parts, staging_f
 from torchtitan_zephon.ingest.ranks import OneProcess, PrepareFailed, Ranks, together
 from torchtitan_zephon.ingest.stage import Work, check_shared, open_staging, stage_parts
 from torchtitan_zephon.ingest.tokenizer import dtype_for_vocab, load_tokenizer_info
-from torchtitan_zephon.ingest.units import UNIT_BYTES, input_identity, plan_units
+from torchtitan_zephon.ingest.units import UNIT_BYTES, cut_units, input_identity
 from torchtitan_zephon.store.format import (
     BLOCK_TOKENS,
     StoreError,
@@ -142,14 +142,14 @@ def prepare_store(
     spool = cache_root(cache_dir) / SPOOL
     local: dict[str, Work] = {}
 
-    def plan() -> str:
-        local["plan"] = _plan(
+    def phase_one() -> str:
+        local["work"] = _set_up(
             inputs, tokenizer, out, workers, text_field, unit_bytes, split, names, remote, spool
         )
-        return fingerprint(local["plan"].identity)
+        return fingerprint(local["work"].identity)
 
-    digests = together(ranks, plan)
-    mine = local["plan"]
+    digests = together(ranks, phase_one)
+    mine = local["work"]
     if len(set(digests)) > 1:  # rare: gather the whole views only to name the difference
         views = ranks.all_gather_object(mine.identity)
         differences = [_difference(views[0], v, r) for r, v in enumerate(views) if r > 0]
@@ -245,7 +245,7 @@ def _keep_or_remove(ranks: Ranks, staging: Path, *, keep: bool = True) -> str:
     return ""
 
 
-def _plan(
+def _set_up(
     inputs: list[str],
     tokenizer: str,
     out: Path,
@@ -276,7 +276,7 @@ def _plan(
     info = load_tokenizer_info(tokenizer)
     dtype_name = dtype_for_vocab(info.vocab_size)
     sources = select_splits(resolve_inputs(inputs, spool), split, names)
-    units = plan_units(sources, unit_bytes)
+    units = cut_units(sources, unit_bytes)
     identity = {
         "output": remote.shown if remote is not None else str(out.resolve()),
         "tokenizer": info.sha256,

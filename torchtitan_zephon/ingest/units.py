@@ -118,7 +118,7 @@ def _line_start_at_or_after(fh: Any, p: int, size: int) -> int:
     return size
 
 
-def plan_units(sources: list[InputFile], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
+def cut_units(sources: list[InputFile], unit_bytes: int = UNIT_BYTES) -> list[Unit]:
     """The units of ``sources``, in input order (see the module docstring)."""
     if unit_bytes < 1:
         raise ValueError(f"unit_bytes must be >= 1, got {unit_bytes}.")
@@ -141,6 +141,9 @@ def plan_units(sources: list[InputFile], unit_bytes: int = UNIT_BYTES) -> list[U
         else:
             add(s, None, (0, size), size)
     return units
+
+
+plan_units = cut_units  # its name before 'plan' meant the order only
 
 
 def _row_group_runs(

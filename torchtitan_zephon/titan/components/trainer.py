@@ -9,7 +9,7 @@ section (``--zephon.*``), with Zephon's dataloader and validator as defaults and
 Invariant: the training loop is TorchTitan's own; this subclass only (1) checks
 the job (``checks.check_job_config`` on the job's view, after fitting the chunked
 loss's chunk count to ``training.seq_len``: ``loss_chunks``), checks the start
-(``preflight.plan_start``) and takes the run folder
+(``preflight.decide_start``) and takes the run folder
 (``ownership.lock.RunFolderLock``, global rank 0) before TorchTitan builds or
 writes anything, so a refused start changes nothing on disk; it then hands the
 job's view and the job's data the preflight opened to the dataloader and the
@@ -122,11 +122,11 @@ class ZephonTrainer(Trainer):
             raise SettingRefused(str(e)) from e
         # Everything that can refuse the start runs before TorchTitan writes anything
         # (its TensorBoard writer is created in Trainer.__init__).
-        self._lock, plan = self._take_run_folder(job, config)
-        self._abandoned = (job, plan.abandoned)
-        if plan.load_step is not None:
-            config.checkpoint.load_step = plan.load_step
-        handoff = ZephonJob(job, plan.data, plan.data_config)  # opened once, by the preflight
+        self._lock, start = self._take_run_folder(job, config)
+        self._abandoned = (job, start.abandoned)
+        if start.load_step is not None:
+            config.checkpoint.load_step = start.load_step
+        handoff = ZephonJob(job, start.data, start.data_config)  # opened once, by the preflight
         config.dataloader = with_job(config.dataloader, handoff)
         if isinstance(config.validator, ZephonValidator.Config):
             config.validator = with_job(config.validator, handoff)
@@ -137,8 +137,8 @@ class ZephonTrainer(Trainer):
                 parallelize_fn=topology_free_parallelize(config.model_spec.parallelize_fn, seed),
             )
         super().__init__(config)
-        if plan.old_run is not None:  # a 0.2.2 checkpoint: loaded through its key map
-            old_runs.install(self.checkpointer, plan.old_run)
+        if start.old_run is not None:  # a 0.2.2 checkpoint: loaded through its key map
+            old_runs.install(self.checkpointer, start.old_run)
 
     def _build_accounting(self, config: Config) -> StepAccounting | None:
         """Per-source accounting (``titan.components.accounting``), unless zephon.accounting is off:
@@ -161,20 +161,20 @@ class ZephonTrainer(Trainer):
     @staticmethod
     def _take_run_folder(job: JobView, config: Any) -> tuple[RunFolderLock | None, Any]:
         """Check the start on every rank (reads only); global rank 0 then takes the run
-        folder. Returns rank 0's lock (None elsewhere) and the start plan."""
+        folder. Returns rank 0's lock (None elsewhere) and the start decision."""
         rank = int(os.environ.get("RANK", "0"))
         lock = verdict = None
         if rank == 0:
             lock = RunFolderLock(job.dump_folder)
             verdict = lock.check()
-        plan = preflight.plan_start(
+        start = preflight.decide_start(
             job,
             writer=rank == 0,
             same_job=verdict is not None and verdict.same_job,
             build_tokenizer=lambda: config.tokenizer.build(tokenizer_path=config.hf_assets_path),
         )
         if lock is None or verdict is None:
-            return None, plan
+            return None, start
         lock.acquire(verdict)
         if verdict.kind == "same_job":
             logger.info(
@@ -187,9 +187,9 @@ class ZephonTrainer(Trainer):
                 f"({verdict.holder.describe() if verdict.holder else 'unreadable lock'}) after "
                 f"{verdict.waited_s:.1f} s"
             )
-        if plan.notes:
-            preflight.log_plan(plan)
-        return lock, plan
+        if start.notes:
+            preflight.log_start(start)
+        return lock, start
 
     def init_distributed(self) -> Any:
         """TorchTitan's, then rank 0 records every rank's torchrun agent in the lock: a

@@ -2,7 +2,7 @@
 
 - ``checks``: the job config checked (degrees, batch layout, settings);
 - ``preflight``: the data checked against the checkpoint a start resumes from;
-- ``start_plan``: what a start will do (fresh, resume, refused), decided once;
+- ``decision``: what a start will do (fresh, resume, refused), decided once;
 - ``old_runs``: run folders and checkpoints written by older versions.
 
 This package re-exports nothing: import the modules.

@@ -3,7 +3,7 @@
 Role: before TorchTitan's Trainer builds anything (TensorBoard writer, sequence
 log, checkpoints), find the checkpoint TorchTitan will load, by its own rule,
 passing over checkpoints whose files are incomplete or corrupt
-(``titan.start.start_plan``), and run every check that can refuse the start:
+(``titan.start.decision``), and run every check that can refuse the start:
 
 * the data config against the checkpoint's data state (``order.resume.check_resume``),
 * the sequence log against the checkpoint's chain head (global rank 0),
@@ -26,14 +26,14 @@ passing over checkpoints whose files are incomplete or corrupt
   group: no collective waits on the tokenization, and a missing input or
   tokenizer.json is refused before anything is written.
 
-The job's data is opened here, once per process: ``StartPlan.data`` is the
+The job's data is opened here, once per process: ``StartDecision.data`` is the
 object the trainer hands to the dataloader and the validator.
 
 Invariants:
-- ``plan_start`` only reads (the job's view, ``titan.configs.job_view``, and the files):
+- ``decide_start`` only reads (the job's view, ``titan.configs.job_view``, and the files):
   a refused start leaves the run folder as it was.
 - The choice of checkpoint is a pure function of the job and the files, so every
-  rank reaches the same one, and the one TorchTitan loads (``titan.start.start_plan``).
+  rank reaches the same one, and the one TorchTitan loads (``titan.start.decision``).
 - The dataloader and tracker keep their own checks as a second line (on the
   same job-data object, never a reopened store); the preflight refuses the same
   cases with the same messages, earlier.
@@ -61,8 +61,8 @@ from torchtitan_zephon.titan.components.job_data import (
     open_job_data,
 )
 from torchtitan_zephon.titan.configs.job_view import JobView
-from torchtitan_zephon.titan.start.start_plan import (
-    StartPlan,
+from torchtitan_zephon.titan.start.decision import (
+    StartDecision,
     StartRefused,
     check_old_run,
     choose_checkpoint,
@@ -222,13 +222,13 @@ def tokenizer_refusal(path: str, data: Any, error: BaseException) -> str:
     )
 
 
-def plan_start(
+def decide_start(
     job: JobView,
     *,
     writer: bool,
     same_job: bool = False,
     build_tokenizer: BuildTokenizer | None = None,
-) -> StartPlan:
+) -> StartDecision:
     """Decide what the job starts from, or raise StartRefused / ValueError. Reads only.
 
     ``writer``: this is global rank 0, which owns the sequence log (the log and the
@@ -242,24 +242,24 @@ def plan_start(
         data, config = _check_job(job, build_tokenizer)
     except ValueError as e:  # the store, the model, the batch layout: said clearly
         raise StartRefused(str(e)) from None
-    chosen, plan, why_none = choose_checkpoint(job)
-    plan.data, plan.data_config = data, config
-    plan.notes.extend(_skips_past_the_end(config, job.steps))
-    plan.notes.extend(_exclusions_past_the_end(config, job.steps))
-    for info in plan.skipped:
+    chosen, start, why_none = choose_checkpoint(job)
+    start.data, start.data_config = data, config
+    start.notes.extend(_skips_past_the_end(config, job.steps))
+    start.notes.extend(_exclusions_past_the_end(config, job.steps))
+    for info in start.skipped:
         what = (
             "incomplete (no .metadata: the job died while writing it)"
             if not info.complete
             else f"corrupt ({info.problem})"
         )
         target = f"step {chosen.step}" if chosen else "scratch"
-        plan.notes.append(
+        start.notes.append(
             f"checkpoint {info.path} is {what} and is skipped; resuming from {target} in "
             f"{info.path.parent}"
         )
     if chosen is not None:
         _check_loadable(chosen, job)
-        check_old_run(chosen, plan, job)
+        check_old_run(chosen, start, job)
         try:
             saved = runs.read_data_state(chosen.path)
             check_resume(saved, config, zc.allow_changes, first_correction=first_correction)
@@ -267,7 +267,7 @@ def plan_start(
             raise StartRefused(str(e)) from None
         except DataStateMismatch as e:
             raise with_trainer_hint(e) from None
-        plan.resume, plan.state = chosen, saved
+        start.resume, start.state = chosen, saved
         head, done = saved.tracker, saved.next_step - 1
         if writer and zc.audit != "off" and head is not None and int(head["step"]) == done:
             path = log_path(job.dump_folder)
@@ -275,26 +275,26 @@ def plan_start(
             problem = tracker.check_resume(head, repair_index=False)
             if problem is not None and not zc.ignore_log_mismatch:
                 raise StartRefused(log_mismatch(path, done, problem))
-        return plan
+        return start
     if not writer:
-        return plan
+        return start
     leftovers = _leftovers(job)
     if not leftovers:
-        return plan
+        return start
     found = " and ".join(leftovers)
     if same_job:
-        plan.notes.append(
+        start.notes.append(
             f"an elastic restart of this job before it could resume ({why_none}): it starts "
             f"again from step 1 in {job.dump_folder}; the log's new start event "
             f"supersedes the steps of the earlier attempt ({found})"
         )
-        return plan
+        return start
     if zc.start_over:
-        plan.notes.append(
+        start.notes.append(
             f"zephon.start_over: starting from step 1 although the run folder holds {found}; "
             "the log's new start event supersedes those steps"
         )
-        return plan
+        return start
     raise StartRefused(
         f"the run folder {job.dump_folder} holds {found}, which this job will not "
         f"resume from ({why_none}). Starting here would supersede that history. To continue "
@@ -327,6 +327,11 @@ def _exclusions_past_the_end(config: DataConfig, steps: int) -> list[str]:
     ]
 
 
-def log_plan(plan: StartPlan) -> None:
-    for note in plan.notes:
+def log_start(start: StartDecision) -> None:
+    for note in start.notes:
         logger.warning(f"Zephon: {note}")
+
+
+# Their names before 'plan' meant the order only.
+plan_start = decide_start
+log_plan = log_start

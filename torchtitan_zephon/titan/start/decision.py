@@ -1,4 +1,4 @@
-"""The start plan: what a job starts from, and the checkpoint TorchTitan will load.
+"""The start decision: what a job starts from, and the checkpoint TorchTitan will load.
 
 Role: ``choose_checkpoint`` finds the checkpoint TorchTitan will load, by its own
 rule (``checkpoint.enable``, ``checkpoint.load_step``, else the newest ``step-N``
@@ -7,11 +7,11 @@ and passes over checkpoints whose files are incomplete or corrupt; it also check
 ``checkpoint.initial_load_path`` where TorchTitan would take it, names a 0.2.2
 checkpoint's key map (``check_old_run``, which refuses one that does not map), and,
 after an explicit ``checkpoint.load_step`` K, lists the checkpoints after K that the
-trainer moves aside (``StartPlan.abandoned``). The preflight (``titan.start.preflight``)
-fills the rest of the ``StartPlan`` and runs the other checks.
+trainer moves aside (``StartDecision.abandoned``). The preflight (``titan.start.preflight``)
+fills the rest of the ``StartDecision`` and runs the other checks.
 
 Invariant: the choice only reads, and is a pure function of the job and the files,
-so every rank reaches the same one; ``StartPlan.load_step`` is what the trainer pins
+so every rank reaches the same one; ``StartDecision.load_step`` is what the trainer pins
 in TorchTitan's ``checkpoint.load_step`` so that it loads exactly the checkpoint
 that was checked. Where TorchTitan would load a checkpoint that cannot be loaded,
 the start is refused (``StartRefused``) instead.
@@ -37,7 +37,7 @@ class StartRefused(RuntimeError):
 
 
 @dataclass
-class StartPlan:
+class StartDecision:
     """What the job starts from."""
 
     resume: runs.CheckpointInfo | None = None
@@ -67,6 +67,9 @@ class StartPlan:
     0.2.2-based code wrote it (``titan.start.old_runs``)."""
 
 
+StartPlan = StartDecision  # its name before 'plan' meant the order only
+
+
 # ---------------------------------------------------------------- TorchTitan's rule
 
 
@@ -92,20 +95,20 @@ def _listing(found: list[runs.CheckpointInfo]) -> str:
     return ", ".join(f"step-{c.step} ({c.status})" for c in found) or "none"
 
 
-def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPlan, str]:
-    """(checkpoint TorchTitan will load or None, plan with skipped ones, why none).
+def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartDecision, str]:
+    """(checkpoint TorchTitan will load or None, the start decision with skipped ones, why none).
 
-    Sets ``plan.load_step`` to the chosen step when ``checkpoint.load_step`` was -1
-    (the newest), ``plan.abandoned`` after an explicit one, ``plan.old_run`` for a
+    Sets ``start.load_step`` to the chosen step when ``checkpoint.load_step`` was -1
+    (the newest), ``start.abandoned`` after an explicit one, ``start.old_run`` for a
     0.2.2 checkpoint. Raises StartRefused when TorchTitan would load something that
     cannot be loaded.
     """
     ck = job.checkpoint
     dump = Path(job.dump_folder)
     folder = dump / ck.folder
-    plan = StartPlan()
+    start = StartDecision()
     if not ck.enable:
-        return None, plan, "checkpoint.enable is false"
+        return None, start, "checkpoint.enable is false"
     path = ck.initial_load_path
     # TorchTitan's rule: the initial load when its newest-checkpoint rule finds nothing
     # (no folder, or only incomplete step folders) and no step is named.
@@ -118,11 +121,11 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
                     "or shared filesystem. Copy it there, or load its model only "
                     "(--checkpoint.initial_load_model_only)."
                 )
-            plan.notes.append(
+            start.notes.append(
                 f"checkpoint.initial_load_path {path} is a remote URI, loaded model only: "
                 "TorchTitan reads it; Zephon does not check it before the start"
             )
-            return None, plan, f"--checkpoint.initial_load_path {path} is loaded model only"
+            return None, start, f"--checkpoint.initial_load_path {path} is loaded model only"
         if path and not ck.initial_load_in_hf:
             info = runs.verify_checkpoint(
                 runs.CheckpointInfo(-1, Path(path), (Path(path) / ".metadata").is_file(), 0)
@@ -134,10 +137,10 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
                     "cannot be loaded. Point it at a complete checkpoint."
                 )
             if not ck.initial_load_model_only:
-                return info, plan, ""
-            check_old_run(info, plan, job)
-            return None, plan, f"--checkpoint.initial_load_path {path} is loaded model only"
-        return None, plan, f"it has no checkpoint folder {folder}"
+                return info, start, ""
+            check_old_run(info, start, job)
+            return None, start, f"--checkpoint.initial_load_path {path} is loaded model only"
+        return None, start, f"it has no checkpoint folder {folder}"
     found = runs.checkpoints(dump, ck.folder)
     by_step = {c.step: c for c in found}
     if ck.load_step >= 0:  # an explicit step: TorchTitan loads exactly that folder
@@ -155,10 +158,10 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
                 f"{info.status} ({why}). Choose another: {_listing(found)}"
             )
         if ck.load_step == 0:
-            check_old_run(info, plan, job)
-            return None, plan, "checkpoint.load_step = 0 loads only the model of step-0"
-        plan.abandoned = [c for c in found if c.step > ck.load_step]
-        return info, plan, ""
+            check_old_run(info, start, job)
+            return None, start, "checkpoint.load_step = 0 loads only the model of step-0"
+        start.abandoned = [c for c in found if c.step > ck.load_step]
+        return info, start, ""
     titan_step = titan_load_step(folder)
     chosen = None
     for info in sorted(found, key=lambda c: -c.step):
@@ -166,17 +169,17 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
             if (info.path / "model.safetensors.index.json").is_file():
                 info.holds, chosen = "model", info  # TorchTitan would load this export
                 break
-            plan.skipped.append(info)
+            start.skipped.append(info)
             continue
         runs.verify_checkpoint(info)
         if info.problem:
-            plan.skipped.append(info)
+            start.skipped.append(info)
             continue
         chosen = info
         break
     if chosen is None:
         if titan_step != -1:
-            problems = [f"step-{c.step}: {c.problem}" for c in plan.skipped if c.problem]
+            problems = [f"step-{c.step}: {c.problem}" for c in start.skipped if c.problem]
             raise StartRefused(
                 f"no checkpoint in {folder} can be loaded ({_listing(found)}"
                 f"{''.join('; ' + p for p in problems)}), but TorchTitan would try step "
@@ -184,22 +187,22 @@ def choose_checkpoint(job: JobView) -> tuple[runs.CheckpointInfo | None, StartPl
                 f"{folder} (TorchTitan counts any name that contains step-<N>), or use "
                 "another --dump_folder."
             )
-        return None, plan, f"{folder} holds no complete checkpoint"
-    plan.skipped = [c for c in plan.skipped if c.step > chosen.step]
-    plan.load_step = chosen.step  # TorchTitan loads what was checked, on every rank
+        return None, start, f"{folder} holds no complete checkpoint"
+    start.skipped = [c for c in start.skipped if c.step > chosen.step]
+    start.load_step = chosen.step  # TorchTitan loads what was checked, on every rank
     if chosen.step == 0:
-        check_old_run(chosen, plan, job)
-        return None, plan, "its only checkpoint is the seed checkpoint step-0 (model only)"
-    return chosen, plan, ""
+        check_old_run(chosen, start, job)
+        return None, start, "its only checkpoint is the seed checkpoint step-0 (model only)"
+    return chosen, start, ""
 
 
-def check_old_run(info: runs.CheckpointInfo, plan: StartPlan, job: JobView) -> None:
+def check_old_run(info: runs.CheckpointInfo, start: StartDecision, job: JobView) -> None:
     """A checkpoint TorchTitan will load (a resume, or model only): when the 0.2.2-based
-    code wrote it, ``plan.old_run`` is its name map, and a note says so (StartRefused
+    code wrote it, ``start.old_run`` is its name map, and a note says so (StartRefused
     when it does not map)."""
     try:
-        plan.old_run = old_runs.check(info, job)
+        start.old_run = old_runs.check(info, job)
     except old_runs.OldRunRefused as e:
         raise StartRefused(str(e)) from None
-    if plan.old_run is not None:
-        plan.notes.append(plan.old_run.describe())
+    if start.old_run is not None:
+        start.notes.append(start.old_run.describe())
