@@ -98,7 +98,7 @@ def test_a_window_and_the_microbatch_walk_equal_the_per_step_slices(stream, data
     b = b if all((g // d) % b == 0 for _, g in layout.schedule.entries) else 1
     index = data.draw(st.integers(0, layout.schedule.gbs(step) // d // b - 1))
     n = data.draw(st.integers(1, 30))
-    slots, cursor = layout.microbatch_slots((step, index), n, d, b)
+    slots, cursor = layout.microbatch_places((step, index), n, d, b)
     assert len(slots) == n and slots[0][:2] == (step, index)
     ids = stream.rank_stream_ids(step, index * b, n * b, r, d).reshape(n, b)
     for (s, k, last), row in zip(slots, ids, strict=True):

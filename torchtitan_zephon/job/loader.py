@@ -26,7 +26,7 @@ Invariants:
 - Every batch holds tokens the store checked against its content checksums (see
   ``store/reader.py``) and, given ``vocab_size``, only ids below it.
 
-Mechanics: the loader plans ahead: the next micro-batches (``Layout.microbatch_slots``)
+Mechanics: the loader plans ahead: the next micro-batches (``Layout.microbatch_places``)
 and their sample ids come from one vectorized plan call (``StreamPlan.rank_stream_ids``,
 the layout's window of the rank's stream) per few hundred micro-batches. With
 ``prefetch`` or ``num_workers``, ``max(1, num_workers)`` background threads each prepare
@@ -79,9 +79,9 @@ from torchtitan_zephon.store.reader import TokenStore
 __all__ = ["DataStateMismatch", "MicroBatch", "ZephonLoader", "document_positions"]
 
 MicroBatch = tuple[dict[str, torch.Tensor], torch.Tensor]
-# A micro-batch slot of the rank's stream: (step, index within the step, last of the step).
-Slot = tuple[int, int, bool]
-Window = tuple[list[tuple[Slot, MicroBatch]], Exception | None]  # then the failure that stopped it
+# A micro-batch's place in the rank's stream: (step, index within the step, last of the step).
+Place = tuple[int, int, bool]
+Window = tuple[list[tuple[Place, MicroBatch]], Exception | None]  # then the failure that stopped it
 
 # Tokens a prefetch window aims at (512 KiB of int64 inputs, as much of labels): enough
 # micro-batches that a thread hand-off per window costs little per micro-batch, few
@@ -164,11 +164,11 @@ class ZephonLoader:
         self._next_step = 1
         self._delivered = (1, 0)  # next (step, micro-batch index) to hand to the caller
         self._cursor = (1, 0)  # next (step, micro-batch index) to plan
-        self._planned: list[Slot] = []  # planned slots, with their ids, not yet handed out
+        self._planned: list[Place] = []  # planned places, with their ids, not yet handed out
         self._planned_ids = np.empty((0, self.local_batch_size), dtype=np.int64)
         self._planned_at = 0
         self._plan_size = self._window_size = 1
-        self._ready: deque[tuple[Slot, MicroBatch]] = deque()  # produced, not yet delivered
+        self._ready: deque[tuple[Place, MicroBatch]] = deque()  # produced, not yet delivered
         self._failure: Exception | None = None  # raised once self._ready is delivered
         self._pending: deque[Future[Window]] = deque()
         self._executor: ThreadPoolExecutor | None = None
@@ -246,17 +246,17 @@ class ZephonLoader:
     def _plan_ahead(self) -> None:
         """Plan the next ``self._plan_size`` micro-batches from the cursor in one call."""
         count, b = self._plan_size, self.local_batch_size
-        slots, cursor = self.plan.layout.microbatch_slots(self._cursor, count, self.dp_degree, b)
-        first_step, first_index, _ = slots[0]
+        places, cursor = self.plan.layout.microbatch_places(self._cursor, count, self.dp_degree, b)
+        first_step, first_index, _ = places[0]
         ids = self.plan.rank_stream_ids(
             first_step, first_index * b, count * b, self.dp_rank, self.dp_degree
         )
-        self._planned, self._planned_ids, self._planned_at = slots, ids.reshape(count, b), 0
+        self._planned, self._planned_ids, self._planned_at = places, ids.reshape(count, b), 0
         self._cursor = cursor
         self._plan_size = min(2 * count, self.plan_window)
 
-    def _advance(self) -> tuple[list[Slot], np.ndarray]:
-        """The next window: its slots and their ids [slots, local_batch_size]."""
+    def _advance(self) -> tuple[list[Place], np.ndarray]:
+        """The next window: its places and their ids [places, local_batch_size]."""
         if self._planned_at == len(self._planned):
             self._plan_ahead()
         k = self._planned_at
@@ -264,7 +264,7 @@ class ZephonLoader:
         end = self.last_step
         if end is not None and self._planned[k][0] <= end < self._planned[stop - 1][0]:
             # a window ends at the run's last step: the next one starts only when asked
-            stop = k + next(j for j, slot in enumerate(self._planned[k:stop]) if slot[0] > end)
+            stop = k + next(j for j, place in enumerate(self._planned[k:stop]) if place[0] > end)
         self._planned_at = stop
         if self.read_ahead_steps:  # every step of the window, and the next ones
             ahead = 0 if self._first_window else self.read_ahead_steps
@@ -284,35 +284,35 @@ class ZephonLoader:
             self.data.read_ahead(keys, self.seq_len)
         self._announced = max(self._announced, end)
 
-    def _make(self, slots: list[Slot], ids: np.ndarray) -> list[tuple[Slot, MicroBatch]]:
-        """The micro-batches of ``slots`` with ``ids`` [len(slots), local_batch_size],
+    def _make(self, places: list[Place], ids: np.ndarray) -> list[tuple[Place, MicroBatch]]:
+        """The micro-batches of ``places`` with ``ids`` [len(places), local_batch_size],
         made together: one gather, views of one pair of int64 buffers."""
         inputs, labels = self._tensors(ids.ravel())
-        if len(slots) == 1:
-            return [(slots[0], ({"input": inputs}, labels))]
+        if len(places) == 1:
+            return [(places[0], ({"input": inputs}, labels))]
         b = self.local_batch_size
         return [
-            (slot, ({"input": inputs[k * b : (k + 1) * b]}, labels[k * b : (k + 1) * b]))
-            for k, slot in enumerate(slots)
+            (place, ({"input": inputs[k * b : (k + 1) * b]}, labels[k * b : (k + 1) * b]))
+            for k, place in enumerate(places)
         ]
 
-    def _produce(self, slots: list[Slot], ids: np.ndarray) -> Window:
+    def _produce(self, places: list[Place], ids: np.ndarray) -> Window:
         """``_make``; if that fails, the micro-batches one by one up to the first that
         fails, so every micro-batch before a failure is still delivered."""
         try:
-            return self._make(slots, ids), None
+            return self._make(places, ids), None
         except Exception as e:
-            if len(slots) == 1:
+            if len(places) == 1:
                 return [], e
-        done: list[tuple[Slot, MicroBatch]] = []
-        for k, slot in enumerate(slots):
+        done: list[tuple[Place, MicroBatch]] = []
+        for k, place in enumerate(places):
             try:
-                done += self._make([slot], ids[k : k + 1])
+                done += self._make([place], ids[k : k + 1])
             except Exception as e:
                 return done, e
         return done, None
 
-    def _next_slot_step(self) -> int:
+    def _next_place_step(self) -> int:
         """The step of the next micro-batch to put in a window."""
         if self._planned_at < len(self._planned):
             return self._planned[self._planned_at][0]
@@ -328,7 +328,7 @@ class ZephonLoader:
         end = self.last_step
         while len(self._pending) < max(1, self.num_workers):
             asked = demand and not self._pending
-            if end is not None and not asked and self._next_slot_step() > end:
+            if end is not None and not asked and self._next_place_step() > end:
                 return
             self._pending.append(self._executor.submit(self._produce, *self._advance()))
 

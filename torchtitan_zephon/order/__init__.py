@@ -25,7 +25,9 @@ Glossary (one word per concept, used across the package):
   the skips it is an *effective position*, which left-out samples map on to the
   stream position (``exclusions``). What users read (``zephon show`` / ``where``, the
   README) says it the design's way: a step's places are its *slots*, and a sample's
-  *position* is its stream position (the code's names follow in issue 29's renaming).
+  *position* is its stream position. Inside ``mixture/`` a global position is still
+  called a slot (``ids_for_slots``) and a source's stream position a position; a
+  micro-batch's (step, index, last) is its *place* (``Layout.microbatch_places``).
 - step: one optimizer step (1-based), covering ``gbs(step)`` consecutive positions.
 - slice: one DP rank's contiguous part of a step.
 - micro-batch: ``local_batch_size`` consecutive samples of a slice (one forward).

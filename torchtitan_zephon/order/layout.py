@@ -286,7 +286,7 @@ class Layout:
         b = int(local_batch_size)
         return [(p, b) for p in range(first, first + count, b)]
 
-    def microbatch_slots(
+    def microbatch_places(
         self, cursor: tuple[int, int], count: int, dp_degree: int, local_batch_size: int
     ) -> tuple[list[tuple[int, int, bool]], tuple[int, int]]:
         """The next ``count`` micro-batches of a rank's stream from ``cursor`` (step,
@@ -294,13 +294,15 @@ class Layout:
         and the cursor after them. Micro-batch k of step s is ids ``[k*b, (k+1)*b)``
         of the rank's slice (``microbatch_positions``)."""
         step, index = cursor
-        slots: list[tuple[int, int, bool]] = []
-        while len(slots) < count:
+        places: list[tuple[int, int, bool]] = []
+        while len(places) < count:
             per_step = check_batch_layout(self.schedule.gbs(step), dp_degree, local_batch_size)
-            stop = min(per_step, index + count - len(slots))
-            slots += [(step, k, k + 1 == per_step) for k in range(index, stop)]
+            stop = min(per_step, index + count - len(places))
+            places += [(step, k, k + 1 == per_step) for k in range(index, stop)]
             step, index = (step + 1, 0) if stop == per_step else (step, stop)
-        return slots, (step, index)
+        return places, (step, index)
+
+    microbatch_slots = microbatch_places  # its name before one word meant one thing
 
     def rank_window(
         self, step: int, skip: int, count: int, dp_rank: int, dp_degree: int
