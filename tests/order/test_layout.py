@@ -190,3 +190,62 @@ def test_a_samples_rank_is_the_rank_whose_slice_holds_it(gbs, degree, first):
             continue
         start, count = rank_slice(first, gbs, 1, rank, degree)
         assert start + within == first + i and 0 <= within < count
+
+
+@given(part=st.integers(1, 300), inner=st.integers(1, 20), b=st.integers(1, 40))
+def test_a_parts_microbatches_match_over_its_inner_ranks(part, inner, b):
+    """Issue 30: within a replica group's part, every inner DP rank runs the same
+    number k of micro-batches (their collectives match), none empty; the ranks' slices
+    are as even as possible and together hold the part; a micro-batch holds at most b
+    samples unless the slices' one-sample difference forces more, then at most
+    ceil(largest slice / k)."""
+    from torchtitan_zephon.order.layout import part_microbatch_sizes
+
+    if inner > part:
+        with pytest.raises(ValueError, match=f"cannot be cut over {inner} data-parallel"):
+            part_microbatch_sizes(part, 0, inner, b)
+        return
+    sizes = [part_microbatch_sizes(part, r, inner, b) for r in range(inner)]
+    counts = {len(s) for s in sizes}
+    assert len(counts) == 1  # one micro-batch count for the whole group
+    (k,) = counts
+    slices = [sum(s) for s in sizes]
+    assert sum(slices) == part and max(slices) - min(slices) <= 1
+    assert slices == sorted(slices, reverse=True)
+    assert all(n >= 1 for s in sizes for n in s)
+    largest = max(slices)
+    assert all(n <= max(b, -(-largest // k)) for s in sizes for n in s)
+    if min(slices) >= -(-largest // b):  # room for b-sized micro-batches: as few as that
+        assert k == -(-largest // b) and all(n <= b for s in sizes for n in s)
+
+
+@settings(max_examples=120, deadline=None)
+@given(stream=streams(), data=st.data())
+def test_the_parts_microbatches_concatenate_to_the_step_for_any_quorum(stream, data):
+    """Whatever the quorum's size n, the micro-batches of every participant's inner
+    ranks, in part, rank and micro-batch order, are the step's positions and its ids;
+    with one participant and a layout that divides, they are today's rank micro-batches
+    (so one group under torchft draws what a run without it draws)."""
+    layout = stream.layout
+    step = data.draw(st.integers(layout.anchor_step, layout.anchor_step + 40))
+    first, gbs = stream.step_positions(step)
+    n = data.draw(st.integers(1, gbs))
+    inner = data.draw(st.integers(1, max(1, gbs // n)))
+    b = data.draw(st.integers(1, 6))
+    cuts, ids = [], []
+    for part in range(n):
+        for r in range(inner):
+            cuts += layout.part_microbatch_positions(step, part, n, r, inner, b)
+            ids += stream.part_microbatch_ids(step, part, n, r, inner, b)
+    at = first
+    for p, count in cuts:
+        assert p == at and count >= 1
+        at += count
+    assert at == first + gbs
+    assert np.array_equal(np.concatenate(ids), stream.global_ids(step))
+    d = data.draw(st.sampled_from(_divisors(gbs)))
+    b = data.draw(st.sampled_from(_divisors(gbs // d)))
+    for r in range(d):
+        assert layout.part_microbatch_positions(step, 0, 1, r, d, b) == (
+            layout.microbatch_positions(step, r, d, b)
+        )

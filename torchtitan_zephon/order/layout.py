@@ -29,7 +29,9 @@ Invariants:
   never skip or repeat a position.
 - For any number of parts n <= gbs(s), the n parts (``part_slice``: a replica group's
   share of the step under torchft) in part order concatenate to the step, their sizes
-  differ by at most one, and one part is the whole step.
+  differ by at most one, and one part is the whole step. Within a part, the micro-batches
+  of the group's inner DP ranks (``Layout.part_microbatch_positions``), rank by rank,
+  concatenate to the part; every inner rank runs the same number of them, none empty.
 - For any DP degree D dividing gbs(s), the D rank slices in rank order
   concatenate to the step; the micro-batches of a slice, for any local batch size
   b dividing it, concatenate to the slice. Nothing depends on D, the rank or b
@@ -122,6 +124,33 @@ def part_slice(first: int, gbs: int, step: int, part: int, parts: int) -> tuple[
         raise ValueError(f"part must be in [0, {parts}), got {part}.")
     size, larger = divmod(gbs, parts)
     return first + part * size + min(part, larger), size + (part < larger)
+
+
+def part_microbatch_sizes(part_size: int, inner_rank: int, inner_degree: int, b: int) -> list[int]:
+    """The micro-batch sizes of inner DP rank ``inner_rank`` of ``inner_degree`` within a
+    replica group's part of ``part_size`` samples (torchft): the part cut over the inner
+    ranks as evenly as possible (``part_slice``, the first ones one sample larger), then
+    each rank's slice cut as evenly as possible into k micro-batches, where
+    k = min(ceil(largest slice / b), smallest slice): every rank of the group runs the
+    same k (their collectives match), none is empty, none holds more than b samples
+    unless the slices' one-sample difference forces one more (then at most
+    ceil(largest slice / k)). Pure: a function of its arguments only."""
+    if not 1 <= inner_degree <= part_size:
+        raise ValueError(
+            f"a part of {part_size} samples cannot be cut over {inner_degree} data-parallel "
+            f"ranks (1 to {part_size}): every rank must hold at least one sample."
+        )
+    if not 0 <= inner_rank < inner_degree or b < 1:
+        raise ValueError(
+            f"inner_rank must be in [0, {inner_degree}) and the local batch size >= 1, got "
+            f"{inner_rank} and {b}."
+        )
+    smallest, larger = divmod(part_size, inner_degree)
+    largest = smallest + (larger > 0)
+    k = min(-(-largest // b), smallest)
+    mine = smallest + (inner_rank < larger)
+    size, bigger = divmod(mine, k)
+    return [size + (j < bigger) for j in range(k)]
 
 
 def slice_index(index: int, gbs: int, dp_degree: int) -> tuple[int, int]:
@@ -285,6 +314,21 @@ class Layout:
         first, count = self.rank_positions(step, dp_rank, dp_degree)
         b = int(local_batch_size)
         return [(p, b) for p in range(first, first + count, b)]
+
+    def part_microbatch_positions(
+        self, step: int, part: int, parts: int, inner_rank: int, inner_degree: int, b: int
+    ) -> list[tuple[int, int]]:
+        """(first position, count) of each micro-batch of inner DP rank ``inner_rank`` of
+        ``inner_degree`` in part ``part`` of ``parts`` of ``step`` (torchft: participant
+        ``part`` of the quorum's ``parts``), in order (``part_microbatch_sizes``)."""
+        first, size = self.part_positions(step, part, parts)
+        smallest, larger = divmod(size, inner_degree)
+        first += inner_rank * smallest + min(inner_rank, larger)
+        out = []
+        for n in part_microbatch_sizes(size, inner_rank, inner_degree, b):
+            out.append((first, n))
+            first += n
+        return out
 
     def microbatch_places(
         self, cursor: tuple[int, int], count: int, dp_degree: int, local_batch_size: int
