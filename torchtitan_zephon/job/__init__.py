@@ -18,7 +18,8 @@ package re-exports nothing):
   O(sources) from the plan's counts; ``documents_started``: O(global batch), for a
   background thread).
 - ``loader``: the per-rank loader (``ZephonLoader``: this rank's slice of each step,
-  read ahead, checked and pinned) over that data;
+  read ahead, checked and pinned) over that data; ``read_ahead``, its read-ahead of
+  stores in object storage; ``documents``, the per-document positions of a batch;
 - ``run_data``: the record of the job's data a run folder keeps (``zephon/run_data.json``).
 
 Ownership: a job opens its data once (``StoreData`` / ``MixtureData.open``) and
