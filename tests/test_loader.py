@@ -427,3 +427,52 @@ def test_a_data_config_built_once_gives_the_same_stream(store):
     with pytest.raises(ValueError, match=f"data config is for seq_len {SEQ}, not {SEQ * 2}"):
         ZephonLoader(store, seq_len=SEQ * 2, data_config=config, dp_rank=0, dp_degree=1,
                      local_batch_size=2)  # fmt: skip
+
+
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_torchft_parts_train_each_step_once_and_the_state_moves_only_on_a_commit(store, data):
+    """Issue 30: whatever quorum each step gets, the participants' parts (each cut over
+    its inner ranks) concatenate to the step a plain run trains; a failed commit draws
+    the same part again; after each commit the data state is the plain run's, and a
+    plain loader resumed from it continues exactly."""
+    steps = 6
+    inner = data.draw(st.sampled_from([1, 2]))
+    parts = [data.draw(st.integers(1, 3)) for _ in range(steps)]  # the quorum per step
+    plain = _loader(store, 1, 0, 12)  # one rank, whole steps (GBS 12/24/12: SCHEDULE)
+    loaders = [[_loader(store, inner, r, 2) for r in range(inner)] for _ in range(3)]
+    try:
+        for step, n in zip(range(1, steps + 1), parts, strict=True):
+            drawn = []
+            for i in range(n):  # participant i of n
+                for loader in loaders[i][:inner]:
+                    mbs = loader.part_microbatches(step, i, n)
+                    if data.draw(st.booleans()):  # a redo after a failed commit: the same
+                        again = loader.part_microbatches(step, i, n)
+                        assert all(
+                            a[0]["input"].equal(b[0]["input"])
+                            for a, b in zip(mbs, again, strict=True)
+                        )
+                    drawn += [labels for _, labels in mbs]
+            want = torch.cat([labels for _, labels in plain.step_microbatches(step)])
+            assert torch.cat(drawn).equal(want)
+            for group in loaders:
+                for loader in group:
+                    loader.committed(step)
+            for _ in range(plain.grad_accumulation_steps(step)):
+                next(plain)
+            for group in loaders:
+                assert group[0].state_dict() == plain.state_dict()
+        resumed = _loader(store, 2, 1, 3)
+        resumed.load_state_dict(loaders[0][0].state_dict())
+        reference = _loader(store, 2, 1, 3)
+        reference.load_state_dict(plain.state_dict())
+        for _ in range(8):
+            assert next(resumed)[1].equal(next(reference)[1])
+        with pytest.raises(
+            ValueError, match=f"step 3 committed, but the data state is at step {steps + 1}"
+        ):
+            loaders[0][0].committed(3)
+    finally:
+        for loader in [plain, *(x for g in loaders for x in g)]:
+            loader.close()

@@ -212,6 +212,29 @@ class ZephonLoader(_ReadAhead):
             )
         ]
 
+    def part_microbatches(self, step: int, part: int, parts: int) -> list[MicroBatch]:
+        """Under torchft: this rank's micro-batches of part ``part`` of ``parts`` of
+        ``step`` (participant ``part`` of the quorum's ``parts``; this loader's DP rank
+        and degree are the group's inner ones; ``Layout.part_microbatch_positions``).
+        Pure, like ``step_microbatches``: the data state moves only with ``committed``."""
+        return [
+            self.batch(ids)
+            for ids in self.plan.part_microbatch_ids(
+                step, part, parts, self.dp_rank, self.dp_degree, self.local_batch_size
+            )
+        ]
+
+    def committed(self, step: int) -> None:
+        """Under torchft: ``step`` was committed, so the data state moves on to the next
+        step. A step that failed to commit calls nothing: it is drawn again, the same."""
+        if step != self._next_step:
+            raise ValueError(
+                f"step {step} committed, but the data state is at step {self._next_step}"
+            )
+        self._next_step = step + 1
+        self._delivered = (step + 1, 0)
+        self._reset()
+
     def _plan_ahead(self) -> None:
         """Plan the next ``self._plan_size`` micro-batches from the cursor in one call."""
         count, b = self._plan_size, self.local_batch_size
