@@ -4,6 +4,7 @@ with tests/cli); the tiny model the validator tests evaluate."""
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
@@ -45,11 +46,12 @@ def tiny_model() -> torch.nn.Module:
     return model
 
 
-@pytest.fixture
-def lighthouse():
+@contextlib.contextmanager
+def lighthouse_at(min_replicas: int = 1):
     """A real ``torchft_lighthouse`` (torchft's Rust binary, installed with the package)
-    on a free loopback port; yields its ``TORCHFT_LIGHTHOUSE`` address (the loopback IP:
-    the lighthouse itself advertises the host name), stopped afterwards."""
+    on a free loopback port, forming quorums of at least ``min_replicas`` groups; yields
+    its ``TORCHFT_LIGHTHOUSE`` address (the loopback IP: the lighthouse itself
+    advertises the host name), stopped afterwards."""
     import subprocess
     import sys
 
@@ -58,7 +60,7 @@ def lighthouse():
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     port = free_port()
     proc = subprocess.Popen(
-        [str(binary), "--min_replicas", "1", "--bind", f"127.0.0.1:{port}"],
+        [str(binary), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -72,3 +74,10 @@ def lighthouse():
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+
+
+@pytest.fixture
+def lighthouse():
+    """``lighthouse_at(1)`` for one test."""
+    with lighthouse_at(1) as url:
+        yield url

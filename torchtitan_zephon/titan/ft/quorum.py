@@ -1,0 +1,115 @@
+"""torchft's Manager as Zephon drives it: a synchronous quorum before each step's data,
+and one token-weighted reduction across the participating groups per step.
+
+Role: ``start_manager`` builds torchft's ``Manager`` for this replica group with a
+synchronous quorum (``use_async_quorum=False``: the quorum, and any healing it brings,
+is complete before the step's data is drawn, so every member participates and its
+part is known), a reconfigurable gloo or NCCL process group across the groups, and the
+replica id ``zephon_ft_<replica_id>`` (torchft appends a uuid to it). ``join_quorum``
+runs one step's quorum and says which part of the step this group trains
+(``StepQuorum``: participant ``part`` of ``parts``, the cut of ``order.layout``).
+``reduce_step`` sums, across the participants, every gradient and the step's loss sum
+in one flat buffer: one collective per step, whatever the number of micro-batches each
+group ran.
+
+Invariant (the reduction): each group's gradients are those of its tokens' loss sum
+divided by the tokens of the whole step B(s), not of its own part, so their SUM across
+the groups is the gradient of the mean loss over B(s) whatever the parts' sizes (three
+groups at a global batch of 8 train 3, 3 and 2 samples and still weigh each token
+alike); torchft's AVG, which divides by the number of participants, is never used. The
+reduced loss sum is likewise the mean loss over B(s), the number one group without
+torchft logs at that step. A group that does not participate contributes zeros
+(torchft zeroes its tensor). Initial weights need no sync at step 0: Zephon's are a
+function of the seed and the model config alone (``titan.weights``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+REPLICA_PREFIX = "zephon_ft_"
+"""The replica id Zephon gives torchft for group ``I``: ``zephon_ft_I``."""
+
+
+@dataclass(frozen=True)
+class StepQuorum:
+    """What one step's quorum tells this group: it trains part ``part`` of ``parts``."""
+
+    part: int
+    parts: int
+
+
+def start_manager(
+    *,
+    replica_id: int,
+    min_replica_size: int,
+    lighthouse: str,
+    process_group: str = "gloo",
+    timeout: timedelta = timedelta(seconds=60),
+    group_rank: int | None = None,
+    group_world_size: int | None = None,
+    store_addr: str | None = None,
+    store_port: int | None = None,
+) -> Any:
+    """torchft's ``Manager`` for this replica group, with a synchronous quorum (module
+    docstring). The group's TCPStore (``store_addr``/``store_port``, else torchrun's
+    ``MASTER_ADDR``/``MASTER_PORT``) must be up; group rank 0 serves the group's manager
+    and talks to the lighthouse at ``lighthouse``."""
+    import torchft
+
+    if process_group == "gloo":
+        pg = torchft.ProcessGroupGloo(timeout=timeout)
+    elif process_group == "nccl":
+        pg = torchft.ProcessGroupNCCL(timeout=timeout)
+    else:
+        raise ValueError(f"fault_tolerance.process_group {process_group!r}: gloo or nccl")
+    return torchft.Manager(
+        pg=pg,
+        load_state_dict=None,
+        state_dict=None,
+        min_replica_size=min_replica_size,
+        use_async_quorum=False,
+        timeout=timeout,
+        quorum_timeout=timeout,
+        connect_timeout=timeout,
+        rank=group_rank,
+        world_size=group_world_size,
+        store_addr=store_addr,
+        store_port=store_port,
+        lighthouse_addr=lighthouse,
+        replica_id=f"{REPLICA_PREFIX}{replica_id}",
+        init_sync=False,
+    )
+
+
+def join_quorum(manager: Any) -> StepQuorum:
+    """Run this step's quorum (synchronous: healing, if any, is applied on return) and
+    say which part of the step this group trains."""
+    manager.start_quorum()
+    part = manager.participating_rank()
+    if part is None:  # with a synchronous quorum every member participates
+        raise RuntimeError("torchft: this group is in the quorum but does not participate")
+    return StepQuorum(int(part), int(manager.num_participants()))
+
+
+def reduce_step(manager: Any, grads: list[torch.Tensor], loss_sum: torch.Tensor) -> float:
+    """Sum ``grads`` (in place) and ``loss_sum`` over the participating groups in one
+    collective (module docstring: each already divided by the tokens of all of B(s));
+    returns the summed loss. Every group passes its gradients in the same order."""
+    flat = torch.cat(
+        [g.detach().reshape(-1).to(torch.float32) for g in grads]
+        + [loss_sum.detach().reshape(1).to(torch.float32).to(grads[0].device if grads else "cpu")]
+    )
+    from torch.distributed import ReduceOp
+
+    manager.allreduce(flat, reduce_op=ReduceOp.SUM).wait()
+    at = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(flat[at : at + n].view_as(g))
+        at += n
+    return float(flat[at])
