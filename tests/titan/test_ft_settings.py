@@ -85,6 +85,8 @@ def test_a_job_that_keeps_the_rule_passes_the_checks():
         (("--fault_tolerance.group_size", "3"), 4,
          "global batch size 8 (from step 1) is smaller than fault_tolerance.group_size 3 x this "
          "group's DP degree 4 = 12"),
+        (("--parallelism.pipeline_parallel_degree", "2"), 2,
+         "parallelism.pipeline_parallel_degree = 2 with --fault_tolerance.enable"),
     ],
 )  # fmt: skip
 def test_settings_that_break_the_rule_are_refused(overrides, world, message):
@@ -110,21 +112,24 @@ def test_the_lighthouse_address_is_checked(lighthouse, monkeypatch: pytest.Monke
     assert lighthouse_url() == lighthouse  # a real lighthouse answers
 
 
-def test_a_fault_tolerant_start_is_refused_before_anything_is_written(
+def test_a_fault_tolerant_start_with_a_bad_setting_is_refused_before_anything_is_written(
     lighthouse, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):
-    """End to end (torchrun, a real lighthouse): the settings and the lighthouse pass, and
-    the start is refused in one line (training with replica groups is not built yet),
-    the run folder unchanged; a bad setting is refused the same way, named."""
+    """End to end (torchrun, a real lighthouse): a bad setting is refused in one line,
+    named, the run folder unchanged (a good one trains: tests/titan/test_ft_e2e.py)."""
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", lighthouse)  # the jobs inherit it
     run = tmp_path / "run"
     run.mkdir()
     (run / "notes.txt").write_text("kept\n")
     before = tree(run)
-    job = train03(tmp_path / "log", 1, "--dump_folder", str(run), *FT)
-    assert_refused(job, f"the settings and the lighthouse at {lighthouse} are fine, but this "
-                   "version does not train with torchft replica groups yet")  # fmt: skip
     job = train03(tmp_path / "log", 1, "--dump_folder", str(run), *FT,
                   "--fault_tolerance.replica_id", "5")  # fmt: skip
     assert_refused(job, "fault_tolerance.replica_id = 5 is outside [0, 2)")
     assert_unchanged(before, tree(run))
+
+
+def test_a_mixture_of_experts_is_refused_until_its_counts_are_summed_over_groups():
+    job = _view("--module", "torchtitan_zephon.configs", "--config", "deepseek_v3_debug", *FT)
+    assert "is a mixture of experts: with --fault_tolerance.enable its expert-balancing" in (
+        _refused(job, 1)
+    )

@@ -174,13 +174,15 @@ PLACEHOLDER = re.compile(r"^(STORE|JOB\.toml|\$\w+|s3://.*|/data/.*|/models/.*)$
 
 def _runnable(c: Command) -> bool:
     """A training command that runs on its own: one node, no placeholder, not a step of
-    a walkthrough that resumes the run an earlier command trained."""
+    a walkthrough that resumes the run an earlier command trained, not a torchft replica
+    group (it needs its lighthouse and its peers: tests/titan/test_ft_e2e.py trains them)."""
     t = training(c)
     return (
         t is not None
         and t.nnodes == 1
         and not any(PLACEHOLDER.match(a) for a in t.args)
         and "--checkpoint.load_step" not in t.args
+        and "--fault_tolerance.enable" not in t.args
     )
 
 

@@ -160,7 +160,7 @@ class ZephonDataLoader(BaseDataLoader):
                 self.ids_digests.ahead(step + 1)
             if self.audit == "tokens":
                 self._digests.setdefault(step, []).append(
-                    self._pool.submit(_window_digests, input_dict["input"], labels)
+                    self._pool.submit(window_digests, input_dict["input"], labels)
                 )
             input_dict["positions"] = document_positions(input_dict["input"], self.eos_id)
             yield input_dict, labels
@@ -263,7 +263,7 @@ def _check_mixture(plan: MixtureStream, data: Any, job: JobView) -> None:
     )
 
 
-def _window_digests(inputs: torch.Tensor, labels: torch.Tensor) -> bytes:
+def window_digests(inputs: torch.Tensor, labels: torch.Tensor) -> bytes:
     """Per-sample digests of a delivered micro-batch (its windows: inputs + last label)."""
     windows = np.concatenate([inputs.numpy(), labels[:, -1:].numpy()], axis=1)
     return sample_digests(windows)

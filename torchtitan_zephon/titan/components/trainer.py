@@ -40,6 +40,7 @@ import dataclasses
 import os
 import sys
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,9 @@ from torchtitan_zephon.titan.components.validate import ZephonValidator
 from torchtitan_zephon.titan.configs.job_view import JobView, job_view
 from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
 from torchtitan_zephon.titan.configs.zephon_section import Zephon
-from torchtitan_zephon.titan.ft.settings import lighthouse_url, refuse_until_built
+from torchtitan_zephon.titan.ft.quorum import start_manager
+from torchtitan_zephon.titan.ft.settings import lighthouse_url
+from torchtitan_zephon.titan.ft.step import HealingNotBuilt, train_step_ft
 from torchtitan_zephon.titan.start import old_runs, preflight
 from torchtitan_zephon.titan.start.checks import check_job_config
 from torchtitan_zephon.titan.weights.init import topology_free_parallelize
@@ -107,6 +110,7 @@ class ZephonTrainer(Trainer):
 
     def __init__(self, config: Config) -> None:
         self._tracking = False
+        self.ft: Any = None  # torchft's Manager, with --fault_tolerance.enable
         self._lock: RunFolderLock | None = None
         self.accounting: StepAccounting | None = None  # built at the first step
         try:  # before TorchTitan builds anything: clear errors
@@ -116,8 +120,7 @@ class ZephonTrainer(Trainer):
                 logger.info(f"Zephon: {note}")
             job = job_view(config)
             check_job_config(job)
-            if job.fault_tolerance.enable:
-                refuse_until_built(lighthouse_url())
+            ft_url = lighthouse_url() if job.fault_tolerance.enable else None
         except ValueError as e:
             raise SettingRefused(str(e)) from e
         # Everything that can refuse the start runs before TorchTitan writes anything
@@ -139,6 +142,15 @@ class ZephonTrainer(Trainer):
         super().__init__(config)
         if start.old_run is not None:  # a 0.2.2 checkpoint: loaded through its key map
             old_runs.install(self.checkpointer, start.old_run)
+        if ft_url is not None:  # this replica group's torchft Manager (titan.ft.quorum)
+            ft = job.fault_tolerance
+            self.ft = start_manager(
+                replica_id=ft.replica_id,
+                min_replica_size=ft.min_replica_size,
+                lighthouse=ft_url,
+                process_group=ft.process_group,
+                timeout=timedelta(seconds=config.comm.train_timeout_seconds),
+            )
 
     def _build_accounting(self, config: Config) -> StepAccounting | None:
         """Per-source accounting (``titan.components.accounting``), unless zephon.accounting is off:
@@ -258,6 +270,8 @@ class ZephonTrainer(Trainer):
         Before the first step such an error is a refused start and passes as it is."""
         try:
             super().train()
+        except HealingNotBuilt as e:
+            raise JobStopped(self.step, str(e)) from e
         except (StoreError, TrackerError) as e:
             if not self._tracking:
                 raise
@@ -281,8 +295,11 @@ class ZephonTrainer(Trainer):
         accounting = self.accounting
         if accounting is not None:
             accounting.ahead(step)
-        super().train_step(data_iterator)
-        self._record_step(step)
+        if self.ft is not None:  # torchft: the quorum, this group's part, the commit
+            self._record_step(step, train_step_ft(self, step))
+        else:
+            super().train_step(data_iterator)
+            self._record_step(step)
         if accounting is not None:
             accounting.record(step)
 
@@ -360,12 +377,12 @@ class ZephonTrainer(Trainer):
                 "`zephon inspect STORE` fingerprints) and the same zephon settings.",
             )
 
-    def _record_step(self, step: int) -> None:
+    def _record_step(self, step: int, ft_tokens: bytes | None = None) -> None:
         dl = self.dataloader
         if not dl.tracker.enabled:
             return
-        tokens = None
-        if dl.audit == "tokens":
+        tokens = ft_tokens  # under torchft: every participant's, gathered in part order
+        if dl.audit == "tokens" and ft_tokens is None:
             local = dl.step_token_digests(step)
             if self.parallel_dims.dp_enabled:
                 group = self.parallel_dims.get_mesh("batch").get_group()
@@ -387,6 +404,8 @@ class ZephonTrainer(Trainer):
             self.dataloader.close()
         if getattr(self, "accounting", None) is not None:
             self.accounting.close()
+        if getattr(self, "ft", None) is not None:
+            self.ft.shutdown(wait=False)
         super().close()
         lock = getattr(self, "_lock", None)
         if lock is not None and sys.exc_info()[1] is None:

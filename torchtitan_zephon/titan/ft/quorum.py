@@ -10,7 +10,8 @@ runs one step's quorum and says which part of the step this group trains
 (``StepQuorum``: participant ``part`` of ``parts``, the cut of ``order.layout``).
 ``reduce_step`` sums, across the participants, every gradient and the step's loss sum
 in one flat buffer: one collective per step, whatever the number of micro-batches each
-group ran.
+group ran (at ``zephon.audit tokens``, ``sum_across_groups`` adds one more for the
+step's per-sample token digests, each group's in its own slots).
 
 Invariant (the reduction): each group's gradients are those of its tokens' loss sum
 divided by the tokens of the whole step B(s), not of its own part, so their SUM across
@@ -113,3 +114,13 @@ def reduce_step(manager: Any, grads: list[torch.Tensor], loss_sum: torch.Tensor)
         g.copy_(flat[at : at + n].view_as(g))
         at += n
     return float(flat[at])
+
+
+def sum_across_groups(manager: Any, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (int64) summed over the participating groups, in place: each group
+    fills only its own slots (its part's per-sample token digests), so the sum is every
+    participant's slots in part order."""
+    from torch.distributed import ReduceOp
+
+    manager.allreduce(values, reduce_op=ReduceOp.SUM).wait()
+    return values

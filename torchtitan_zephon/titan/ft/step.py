@@ -1,0 +1,178 @@
+"""One training step under torchft, as Zephon's trainer runs it: the quorum first, then
+this group's part of B(s), one reduction, the commit.
+
+Role: ``train_step_ft`` replaces TorchTitan's ``train_step`` when
+``--fault_tolerance.enable`` is set. Each attempt at step s: a synchronous quorum
+(``quorum.join_quorum``: participant i of n is known before any data is drawn); this
+rank's micro-batches of part i of n of B(s), cut over the group's inner DP ranks
+(``ZephonLoader.part_microbatches``); forward and backward with every loss divided by
+the tokens of all of B(s); one SUM across the participants of every gradient and of
+the loss sum (``quorum.reduce_step``); gradient clipping; the group's commit vote.
+On a commit the optimizer, the LR schedule and the data state move on
+(``ZephonLoader.committed``); otherwise the gradients are dropped and step s is drawn
+again, on the same B(s), by the next quorum.
+
+Invariants:
+- The committed update is the gradient of the mean loss over B(s) (up to the order of
+  floating-point sums), whatever the quorum's size, and the logged loss is the mean
+  over all of B(s): the numbers one group without torchft has at that step.
+- torchft's step (``Manager.current_step``) is the number of committed steps, the
+  trainer's step minus one, so the quorum can tell a group that is behind.
+- Healing a group from a peer (a group that joins a running job) is not built yet
+  (issue 30 part b1): a group the quorum heals stops with ``HealingNotBuilt`` instead of
+  training from weights and a data state that are not its peers'.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import torch
+from torchtitan.distributed import utils as dist_utils
+from torchtitan.tools.logging import logger
+
+from torchtitan_zephon.job.documents import document_positions
+from torchtitan_zephon.titan.components.dataloader import window_digests
+from torchtitan_zephon.titan.ft.quorum import join_quorum, reduce_step, sum_across_groups
+
+
+class HealingNotBuilt(RuntimeError):
+    """The quorum healed this group from a peer, which Zephon cannot follow yet."""
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP, TP), else the tensor itself."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+def _gradients(model_parts: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """Every trainable parameter's gradient, in the model's order, zeros where a
+    parameter took no part (an expert no token reached): every group reduces the same
+    list."""
+    grads = []
+    for model in model_parts:
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            grads.append(_local(p.grad))
+    return grads
+
+
+def train_step_ft(trainer: Any, step: int) -> bytes | None:
+    """Train ``step`` under torchft until a quorum commits it (module docstring). At
+    ``zephon.audit tokens`` returns the per-sample token digests of all of B(s), in
+    order (every participant's, gathered): what the sequence log records."""
+    manager, dl = trainer.ft, trainer.dataloader
+    loader = dl.loader
+    if dl.tracker.enabled:
+        dl.ids_digests.ahead(step)
+    if manager.current_step() != step - 1:  # a fresh start or a resume at step - 1
+        manager.load_state_dict({"step": step - 1, "batches_committed": 0})
+    total = torch.tensor(loader.plan.schedule.gbs(step) * loader.seq_len, dtype=torch.int64)
+    total = total.to(trainer.device)
+    lr_metrics = trainer.lr_schedulers.get_metrics()
+    should_log = trainer.metrics_processor.should_log(step)
+    parallel_dims = trainer.parallel_dims
+    while True:
+        trainer.optimizers.zero_grad()
+        quorum = join_quorum(manager)
+        if manager.current_step() != step - 1:
+            raise HealingNotBuilt(
+                f"at step {step} the torchft quorum healed this replica group from a peer "
+                f"at step {manager.current_step() + 1}: Zephon does not carry weights and its "
+                "data state to a joining group yet (issue 30 part b1). Start every group "
+                "together from step 1, or restart them all from one checkpoint."
+            )
+        if quorum != getattr(trainer, "ft_quorum", None):  # said once per quorum change
+            first, count = loader.plan.layout.part_positions(step, quorum.part, quorum.parts)
+            logger.info(
+                f"Zephon: torchft quorum of {quorum.parts} group(s) from step {step}: this "
+                f"group trains part {quorum.part} ({count} of the step's "
+                f"{loader.plan.schedule.gbs(step)} samples)"
+            )
+            trainer.ft_quorum = quorum
+        loss_sum = torch.zeros((), dtype=torch.float32, device=trainer.device)
+        digests = _Digests(trainer, step, quorum) if dl.audit == "tokens" else None
+        drawn = time.perf_counter()
+        microbatches = loader.part_microbatches(step, quorum.part, quorum.parts)
+        trainer.metrics_processor.data_loading_times.append(time.perf_counter() - drawn)
+        for input_dict, labels in microbatches:
+            if digests is not None:
+                digests.add(input_dict["input"], labels)
+            input_dict["positions"] = document_positions(input_dict["input"], dl.eos_id)
+            trainer.metrics_processor.ntokens_since_last_log += labels.numel()
+            trainer.ntokens_seen += labels.numel()
+            loss = trainer.forward_backward_step(
+                input_dict={k: v.to(trainer.device) for k, v in input_dict.items()},
+                labels=labels.to(trainer.device),
+                global_valid_tokens=total,
+            )
+            loss_sum += loss.detach().float()
+        mean_loss = reduce_step(manager, _gradients(trainer.model_parts), loss_sum)
+        if parallel_dims.dp_cp_enabled:  # this group's inner ranks each summed their own
+            mesh = parallel_dims.get_optional_mesh("loss")
+            mean_loss = dist_utils.dist_sum(torch.tensor(mean_loss, device=trainer.device), mesh)
+        grad_norm = dist_utils.clip_grad_norm_(
+            [p for m in trainer.model_parts for p in m.parameters()],
+            trainer.config.training.max_norm,
+            foreach=True,
+            pp_mesh=parallel_dims.get_optional_mesh("pp"),
+            ep_enabled=parallel_dims.ep_enabled,
+        )
+        tokens = digests.gathered(manager) if digests is not None else None
+        if manager.should_commit():
+            break
+        logger.warning(
+            f"Zephon: step {step} was not committed (quorum of {quorum.parts} group(s)); it "
+            "is trained again on the same samples by the next quorum"
+        )
+    trainer.checkpointer.maybe_wait_for_staging()
+    trainer.optimizers.step()
+    trainer.lr_schedulers.step()
+    loader.committed(step)
+    if should_log:
+        seen = loader.plan.step_positions(step + 1)[0] * loader.seq_len
+        trainer.metrics_processor.log(
+            step,
+            float(mean_loss),
+            float(mean_loss),  # the step's mean: no per-rank maximum across groups
+            float(grad_norm),
+            extra_metrics={"n_tokens_seen": seen, **lr_metrics},
+        )
+    return tokens
+
+
+class _Digests:
+    """This rank's per-sample token digests of a step, in the step's slots: 16 bytes per
+    sample at its index in B(s); summed over the group's inner ranks, then across the
+    participants, every slot holds its sample's digest."""
+
+    def __init__(self, trainer: Any, step: int, quorum: Any) -> None:
+        loader = trainer.dataloader.loader
+        self.trainer = trainer
+        self.first = loader.plan.step_positions(step)[0]
+        self.slots = np.zeros((loader.plan.schedule.gbs(step), 16), dtype=np.uint8)
+        self.cuts = iter(
+            loader.plan.layout.part_microbatch_positions(
+                step, quorum.part, quorum.parts, loader.dp_rank, loader.dp_degree,
+                loader.local_batch_size,
+            )
+        )  # fmt: skip
+
+    def add(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        at, count = next(self.cuts)
+        digests = np.frombuffer(window_digests(inputs, labels), dtype=np.uint8)
+        self.slots[at - self.first : at - self.first + count] = digests.reshape(count, 16)
+
+    def gathered(self, manager: Any) -> bytes:
+        values = torch.from_numpy(self.slots.view(np.int64).reshape(-1).copy())
+        dims = self.trainer.parallel_dims
+        if dims.dp_enabled:  # the group's inner ranks: each filled its own slots
+            group = dims.get_mesh("batch").get_group()
+            torch.distributed.all_reduce(values, group=group)
+        return sum_across_groups(manager, values).numpy().view(np.uint8).tobytes()
