@@ -47,11 +47,12 @@ def tiny_model() -> torch.nn.Module:
 
 
 @contextlib.contextmanager
-def lighthouse_at(min_replicas: int = 1):
+def lighthouse_at(min_replicas: int = 1, heartbeat_timeout_ms: int = 5000):
     """A real ``torchft_lighthouse`` (torchft's Rust binary, installed with the package)
     on a free loopback port, forming quorums of at least ``min_replicas`` groups; yields
     its ``TORCHFT_LIGHTHOUSE`` address (the loopback IP: the lighthouse itself
-    advertises the host name), stopped afterwards."""
+    advertises the host name), stopped afterwards. A group silent for
+    ``heartbeat_timeout_ms`` is dropped from the next quorum."""
     import subprocess
     import sys
 
@@ -60,7 +61,15 @@ def lighthouse_at(min_replicas: int = 1):
     binary = Path(sys.executable).parent / "torchft_lighthouse"
     port = free_port()
     proc = subprocess.Popen(
-        [str(binary), "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}"],
+        [
+            str(binary),
+            "--min_replicas",
+            str(min_replicas),
+            "--bind",
+            f"127.0.0.1:{port}",
+            "--heartbeat_timeout_ms",
+            str(heartbeat_timeout_ms),
+        ],  # fmt: skip
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

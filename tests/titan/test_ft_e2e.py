@@ -2,9 +2,8 @@
 end to end with real parts: a real ``torchft_lighthouse`` on loopback and each replica
 group a real ``torchrun`` job with its own run folder, on gloo.
 
-Two groups of one rank each train 4 steps of the tiny Llama at a global batch of 8 (4
-samples each per step); an uninterrupted one-group run without torchft trains the same
-4 steps. Every group's sequence log must equal that run's (``zephon verify`` MATCH, and
+Replica groups of one rank each train 12 steps of the tiny Llama at a global batch of 8;
+an uninterrupted one-group run without torchft trains the same 12 steps. Every group's sequence log must equal that run's (``zephon verify`` MATCH, and
 token digests gathered over both groups at audit ``tokens``), the losses logged must be
 that run's (the mean over all of B(s), within the tolerance the elastic-resume tests
 use: the reduction order differs), and the groups' logs must match each other.
@@ -12,12 +11,14 @@ use: the reduction order differs), and the groups' logs must match each other.
 
 from __future__ import annotations
 
-import os
+import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.titan.conftest import lighthouse_at
 from tests.titan.expect import TOPOLOGY_RTOL, assert_losses, assert_same_data, assert_verify_match
@@ -25,15 +26,17 @@ from tests.titan.launch import REPO, job_env, train03
 
 pytest.importorskip("torchft", reason="torchft (a dependency of the package)")
 
-STEPS = ("--training.steps", "4")
+STEPS = ("--training.steps", "12")
 
 
-def _group(run: Path, replica: int, groups: int, url: str) -> subprocess.Popen:
+def _group(run: Path, replica: int, groups: int, url: str, *extra: str) -> subprocess.Popen:
+    """Replica group ``replica`` of ``groups`` as its own torchrun job (one rank), the
+    tiny Llama for 12 steps unless ``extra`` says otherwise (later options win)."""
     run.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
         "-m", "torchtitan_zephon.train", "--module", "torchtitan_zephon.configs",
-        "--config", "llama3_tiny", "--dump_folder", str(run), *STEPS,
+        "--config", "llama3_tiny", "--dump_folder", str(run), *STEPS, *extra,
         "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(replica),
         "--fault_tolerance.group_size", str(groups), "--fault_tolerance.min_replica_size", "1",
     ]  # fmt: skip
@@ -56,22 +59,116 @@ def _wait(procs: list[subprocess.Popen], runs: list[Path], timeout: int = 600) -
         assert p.returncode == 0, text[-4000:]
 
 
-def test_two_groups_train_exactly_what_one_group_trains(tmp_path: Path) -> None:
+def _log_steps(run: Path) -> int:
+    """The last step in a run's sequence log so far (0: none yet)."""
+    path = run / "zephon" / "sequence_log.jsonl"
+    if not path.exists():
+        return 0
+    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line]
+    return max([s for s in steps if isinstance(s, int)], default=0)
+
+
+@pytest.fixture(scope="module")
+def one_group(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted one-group run, without torchft, on one rank."""
+    run = tmp_path_factory.mktemp("ft") / "one_group"
+    train03(run, 1, *STEPS).check()
+    return run
+
+
+def _assert_trains_like(one: Path, run: Path) -> None:
+    assert_same_data(one, run, range(1, 13))
+    assert_losses(one, run, range(1, 13), rtol=TOPOLOGY_RTOL)
+    assert_verify_match(one, run)
+
+
+def test_two_groups_train_exactly_what_one_group_trains(tmp_path: Path, one_group: Path) -> None:
     runs = [tmp_path / f"group{r}" for r in range(2)]
-    with lighthouse_at(2) as url:
+    with lighthouse_at(1) as url:
         procs = [_group(run, r, 2, url) for r, run in enumerate(runs)]
         _wait(procs, runs)
-    one = tmp_path / "one_group"
-    train03(one, 1, *STEPS).check()
+    parts = []
     for run in runs:
         text = (run / "train.log").read_text()
         assert "Zephon: torchft quorum of 2 group(s) from step 1: this group trains part" in text
         assert "(4 of the step's 8 samples)" in text
+        assert "quorum of 1" not in text
+        parts.append(text.count("trains part 0"))
+        _assert_trains_like(one_group, run)
+    assert_verify_match(runs[0], runs[1])
+    assert sorted(parts) == [0, 1]  # one group trained part 0, the other part 1
+
+
+def test_three_groups_then_one_killed_the_others_step_on_exactly(
+    tmp_path: Path, one_group: Path
+) -> None:
+    """Issue 30 part a3: three groups at a global batch of 8 (parts of 3, 3 and 2
+    samples, token weighted); one group's whole process tree is killed after step 3; the
+    other two keep stepping without a restart (a quorum of two after the heartbeat
+    timeout, parts of 4 and 4), and a step whose reduction the kill cut is trained
+    again. Both survivors' logs are the uninterrupted one-group run's, and each other's."""
+    from torchtitan_zephon.run.process import kill_tree
+
+    runs = [tmp_path / f"group{r}" for r in range(3)]
+    with lighthouse_at(1, heartbeat_timeout_ms=1000) as url:
+        procs = [_group(run, r, 3, url) for r, run in enumerate(runs)]
+        deadline = time.time() + 300
+        while _log_steps(runs[2]) < 3:
+            assert procs[2].poll() is None and time.time() < deadline, "no step 3 in group 2"
+            time.sleep(0.02)
+        kill_tree(procs[2].pid)
+        procs[2].wait()
+        _wait(procs[:2], runs[:2])
+    killed_at = _log_steps(runs[2])
+    assert 3 <= killed_at < 12
+    for run in runs[:2]:
+        text = (run / "train.log").read_text()
+        assert "Zephon: torchft quorum of 3 group(s) from step 1" in text
+        alone = text.split("Zephon: torchft quorum of 2 group(s) from step ")[1]
+        assert int(alone.split(":")[0]) > killed_at  # the two went on after the kill
+        assert "(4 of the step's 8 samples)" in alone
+        _assert_trains_like(one_group, run)
+    assert_verify_match(runs[0], runs[1])
+
+
+def _expert_biases(run: Path, step: int) -> dict[str, torch.Tensor]:
+    """The experts' bias of every MoE layer in checkpoint ``step`` of ``run``."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = run.parent / f"{run.name}-step{step}.pt"
+    dcp_to_torch_save(run / "checkpoint" / f"step-{step}", out)
+    state = torch.load(out, weights_only=False)
+    flat = {}
+
+    def walk(d: dict, prefix: str = "") -> None:
+        for k, v in d.items():
+            if isinstance(v, dict):
+                walk(v, f"{prefix}{k}.")
+            elif "expert_bias" in k and isinstance(v, torch.Tensor):
+                flat[prefix + k] = v
+
+    walk(state)
+    return flat
+
+
+def test_two_moe_groups_train_and_balance_experts_as_one_group(tmp_path: Path) -> None:
+    """Issue 30 part a3, the MoE: the expert-balancing token counts are summed over the
+    groups, so the experts' bias (moved by the sign of each expert's count against the
+    mean) is after 4 steps exactly the one-group run's, as are the data and the losses."""
+    moe = ("--config", "deepseek_v3_debug", "--training.steps", "4")
+    runs = [tmp_path / f"moe{r}" for r in range(2)]
+    with lighthouse_at(1) as url:
+        procs = [_group(run, r, 2, url, *moe) for r, run in enumerate(runs)]
+        _wait(procs, runs)
+    one = tmp_path / "moe_one"
+    train03(one, 1, "--training.steps", "4", config="deepseek_v3_debug").check()
+    want = _expert_biases(one, 4)
+    assert want and any(bool(b.abs().sum() > 0) for b in want.values())  # the bias moved
+    for run in runs:
+        assert "(4 of the step's 8 samples)" in (run / "train.log").read_text()
         assert_same_data(one, run, range(1, 5))
         assert_losses(one, run, range(1, 5), rtol=TOPOLOGY_RTOL)
-        assert_verify_match(one, run)
-    assert_verify_match(runs[0], runs[1])
-    parts = {
-        os.path.basename(r): (r / "train.log").read_text().count("trains part 0") for r in runs
-    }
-    assert sorted(parts.values()) == [0, 1], parts  # one group trains part 0, the other part 1
+        got = _expert_biases(run, 4)
+        assert got.keys() == want.keys()
+        for key in want:
+            torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-6)

@@ -126,10 +126,3 @@ def test_a_fault_tolerant_start_with_a_bad_setting_is_refused_before_anything_is
                   "--fault_tolerance.replica_id", "5")  # fmt: skip
     assert_refused(job, "fault_tolerance.replica_id = 5 is outside [0, 2)")
     assert_unchanged(before, tree(run))
-
-
-def test_a_mixture_of_experts_is_refused_until_its_counts_are_summed_over_groups():
-    job = _view("--module", "torchtitan_zephon.configs", "--config", "deepseek_v3_debug", *FT)
-    assert "is a mixture of experts: with --fault_tolerance.enable its expert-balancing" in (
-        _refused(job, 1)
-    )

@@ -129,6 +129,15 @@ class ZephonTrainer(Trainer):
         self._abandoned = (job, start.abandoned)
         if start.load_step is not None:
             config.checkpoint.load_step = start.load_step
+        if ft_url is not None:  # this group's torchft Manager (titan.ft.quorum), heartbeating
+            ft = job.fault_tolerance  # to the lighthouse while the model is built, so that
+            self.ft = start_manager(  # groups started together meet in the first quorum
+                replica_id=ft.replica_id,
+                min_replica_size=ft.min_replica_size,
+                lighthouse=ft_url,
+                process_group=ft.process_group,
+                timeout=timedelta(seconds=config.comm.train_timeout_seconds),
+            )
         handoff = ZephonJob(job, start.data, start.data_config)  # opened once, by the preflight
         config.dataloader = with_job(config.dataloader, handoff)
         if isinstance(config.validator, ZephonValidator.Config):
@@ -142,15 +151,6 @@ class ZephonTrainer(Trainer):
         super().__init__(config)
         if start.old_run is not None:  # a 0.2.2 checkpoint: loaded through its key map
             old_runs.install(self.checkpointer, start.old_run)
-        if ft_url is not None:  # this replica group's torchft Manager (titan.ft.quorum)
-            ft = job.fault_tolerance
-            self.ft = start_manager(
-                replica_id=ft.replica_id,
-                min_replica_size=ft.min_replica_size,
-                lighthouse=ft_url,
-                process_group=ft.process_group,
-                timeout=timedelta(seconds=config.comm.train_timeout_seconds),
-            )
 
     def _build_accounting(self, config: Config) -> StepAccounting | None:
         """Per-source accounting (``titan.components.accounting``), unless zephon.accounting is off:

@@ -6,7 +6,8 @@ synchronous quorum (``use_async_quorum=False``: the quorum, and any healing it b
 is complete before the step's data is drawn, so every member participates and its
 part is known), a reconfigurable gloo or NCCL process group across the groups, and the
 replica id ``zephon_ft_<replica_id>`` (torchft appends a uuid to it). ``join_quorum``
-runs one step's quorum and says which part of the step this group trains
+runs one step's quorum and says which part of the step this group trains (a group's
+first step waits, within a bound, for a quorum of every group started with it)
 (``StepQuorum``: participant ``part`` of ``parts``, the cut of ``order.layout``).
 ``reduce_step`` sums, across the participants, every gradient and the step's loss sum
 in one flat buffer: one collective per step, whatever the number of micro-batches each
@@ -26,12 +27,15 @@ function of the seed and the model config alone (``titan.weights``).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import torch
 
+QUORUM_POLL_S = 0.2
+"""How often a group's first step asks again for a quorum of every group."""
 REPLICA_PREFIX = "zephon_ft_"
 """The replica id Zephon gives torchft for group ``I``: ``zephon_ft_I``."""
 
@@ -87,10 +91,18 @@ def start_manager(
     )
 
 
-def join_quorum(manager: Any) -> StepQuorum:
+def join_quorum(manager: Any, *, wait_for: int = 1, within_s: float = 0.0) -> StepQuorum:
     """Run this step's quorum (synchronous: healing, if any, is applied on return) and
-    say which part of the step this group trains."""
-    manager.start_quorum()
+    say which part of the step this group trains. With ``wait_for`` groups, ask again
+    (every ``QUORUM_POLL_S``) until the quorum holds that many or ``within_s`` passed:
+    a group's first step waits so for the groups started with it, which would otherwise
+    each find a quorum of their own and have to heal from one another."""
+    deadline = time.monotonic() + within_s
+    while True:
+        manager.start_quorum()
+        if manager.num_participants() >= wait_for or time.monotonic() >= deadline:
+            break
+        time.sleep(QUORUM_POLL_S)
     part = manager.participating_rank()
     if part is None:  # with a synchronous quorum every member participates
         raise RuntimeError("torchft: this group is in the quorum but does not participate")

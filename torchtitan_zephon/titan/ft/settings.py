@@ -7,8 +7,8 @@ its global batch B(s), cut into one contiguous part per participating group,
 on their own batches between syncs), a replica id outside ``[0, group_size)``, a
 ``min_replica_size`` outside ``[1, group_size]``, HSDP replication inside a group (torchft
 replicates across groups), and a global batch smaller than ``group_size`` times the
-group's DP degree (a rank of some group would hold no sample); and, until they are
-built, pipeline parallelism and a mixture of experts under torchft. ``lighthouse_url`` reads
+group's DP degree (a rank of some group would hold no sample); and, until it is
+built, pipeline parallelism under torchft. ``lighthouse_url`` reads
 ``TORCHFT_LIGHTHOUSE`` and checks that a lighthouse answers there within
 ``LIGHTHOUSE_TIMEOUT_S``.
 
@@ -92,14 +92,6 @@ def check_fault_tolerance(job: JobView, world: int) -> None:
             "Zephon's torchft step runs its part's micro-batches through the model itself, "
             "which a pipeline schedule does not allow yet. Set "
             "--parallelism.pipeline_parallel_degree 1."
-        )
-    if job.num_experts is not None:
-        raise ValueError(
-            f"{job.model} is a mixture of experts: with --fault_tolerance.enable its "
-            "expert-balancing token counts would be each replica group's own, not summed over "
-            "the groups of the step, so the groups' routers would drift apart (the sum comes "
-            "with issue 30's next part). Train it without --fault_tolerance.enable (a lost "
-            "node is then an elastic restart that resumes exactly), or train a dense model."
         )
 
 

@@ -3,7 +3,9 @@ this group's part of B(s), one reduction, the commit.
 
 Role: ``train_step_ft`` replaces TorchTitan's ``train_step`` when
 ``--fault_tolerance.enable`` is set. Each attempt at step s: a synchronous quorum
-(``quorum.join_quorum``: participant i of n is known before any data is drawn); this
+(``quorum.join_quorum``: participant i of n is known before any data is drawn; the
+first step of a group waits, up to ``comm.init_timeout_seconds``, for a quorum of all
+``fault_tolerance.group_size`` groups, so groups started together begin together); this
 rank's micro-batches of part i of n of B(s), cut over the group's inner DP ranks
 (``ZephonLoader.part_microbatches``); forward and backward with every loss divided by
 the tokens of all of B(s); one SUM across the participants of every gradient and of
@@ -15,7 +17,10 @@ again, on the same B(s), by the next quorum.
 Invariants:
 - The committed update is the gradient of the mean loss over B(s) (up to the order of
   floating-point sums), whatever the quorum's size, and the logged loss is the mean
-  over all of B(s): the numbers one group without torchft has at that step.
+  over all of B(s): the numbers one group without torchft has at that step. For a
+  mixture of experts the expert-balancing token counts are summed over the groups in
+  the same collective (the experts' bias moves as one group's would) and cleared when
+  a step is not committed.
 - torchft's step (``Manager.current_step``) is the number of committed steps, the
   trainer's step minus one, so the quorum can tell a group that is behind.
 - Healing a group from a peer (a group that joins a running job) is not built yet
@@ -63,6 +68,19 @@ def _gradients(model_parts: list[torch.nn.Module]) -> list[torch.Tensor]:
     return grads
 
 
+def _expert_counts(model_parts: list[torch.nn.Module]) -> list[torch.Tensor]:
+    """Every MoE layer's expert-balancing token counts (``tokens_per_expert_E``, which
+    TorchTitan's optimizer hook turns into the experts' bias at the step), local shards,
+    in the model's order."""
+    counts = []
+    for model in model_parts:
+        for module in model.modules():
+            count = getattr(module, "tokens_per_expert_E", None)
+            if isinstance(count, torch.Tensor):
+                counts.append(_local(count))
+    return counts
+
+
 def train_step_ft(trainer: Any, step: int) -> bytes | None:
     """Train ``step`` under torchft until a quorum commits it (module docstring). At
     ``zephon.audit tokens`` returns the per-sample token digests of all of B(s), in
@@ -80,7 +98,12 @@ def train_step_ft(trainer: Any, step: int) -> bytes | None:
     parallel_dims = trainer.parallel_dims
     while True:
         trainer.optimizers.zero_grad()
-        quorum = join_quorum(manager)
+        first = getattr(trainer, "ft_quorum", None) is None  # this process's first step:
+        quorum = join_quorum(  # wait for the groups started with this one (bounded)
+            manager,
+            wait_for=trainer.config.fault_tolerance.group_size if first else 1,
+            within_s=float(trainer.config.comm.init_timeout_seconds) if first else 0.0,
+        )
         if manager.current_step() != step - 1:
             raise HealingNotBuilt(
                 f"at step {step} the torchft quorum healed this replica group from a peer "
@@ -113,7 +136,9 @@ def train_step_ft(trainer: Any, step: int) -> bytes | None:
                 global_valid_tokens=total,
             )
             loss_sum += loss.detach().float()
-        mean_loss = reduce_step(manager, _gradients(trainer.model_parts), loss_sum)
+        counts = _expert_counts(trainer.model_parts)  # summed with the gradients: the
+        reduced = _gradients(trainer.model_parts) + counts  # bias update sees all of B(s)
+        mean_loss = reduce_step(manager, reduced, loss_sum)
         if parallel_dims.dp_cp_enabled:  # this group's inner ranks each summed their own
             mesh = parallel_dims.get_optional_mesh("loss")
             mean_loss = dist_utils.dist_sum(torch.tensor(mean_loss, device=trainer.device), mesh)
@@ -127,6 +152,8 @@ def train_step_ft(trainer: Any, step: int) -> bytes | None:
         tokens = digests.gathered(manager) if digests is not None else None
         if manager.should_commit():
             break
+        for count in counts:  # this attempt's routing is not the step's: count again
+            count.zero_()
         logger.warning(
             f"Zephon: step {step} was not committed (quorum of {quorum.parts} group(s)); it "
             "is trained again on the same samples by the next quorum"
