@@ -355,3 +355,47 @@ def test_only_the_writer_logs_a_skip(tmp_path):
     t.start(TOPO)
     t.record(1, 0, ids(1))
     assert not (tmp_path / "log.jsonl").exists()
+
+
+def test_a_healed_log_appends_the_peers_records_and_is_their_history(tmp_path):
+    """torchft healing (issue 30 part b1): a group behind at step 2 takes a peer's
+    records 3..6 after a resume event marked healed; its log is then the peer's history,
+    and it records on from there."""
+    peer = tracker(tmp_path / "peer.jsonl")
+    peer.start(TOPO)
+    for s in range(1, 7):
+        peer.record(s, (s - 1) * 4, ids(s), b"x" * 16)
+    behind = tracker(tmp_path / "behind.jsonl")
+    behind.start(TOPO)
+    for s in range(1, 3):
+        behind.record(s, (s - 1) * 4, ids(s), b"x" * 16)
+    records = [read_log(tmp_path / "peer.jsonl").records[s] for s in range(1, 7)]
+    lines = behind.missed_lines(records, peer.head())
+    assert [json.loads(line)["step"] for line in lines] == [3, 4, 5, 6]
+    behind.healed(2, lines, peer.head(), TOPO)
+    assert behind.head() == peer.head()
+    for t in (peer, behind):
+        t.record(7, 24, ids(7), b"x" * 16)
+    a, b = read_log(tmp_path / "peer.jsonl"), read_log(tmp_path / "behind.jsonl")
+    assert a.records == b.records and sorted(b.records) == list(range(1, 8))
+    (healed,) = [e for e in b.events if e.get("healed")]
+    assert (healed["event"], healed["from_step"]) == ("resume", 2)
+    assert not b.problems
+
+
+def test_healing_from_another_history_is_refused_and_writes_nothing(tmp_path):
+    peer = tracker(tmp_path / "peer.jsonl", seed=1)  # another data config: another chain
+    peer.start(TOPO)
+    for s in range(1, 5):
+        peer.record(s, (s - 1) * 4, ids(s), b"x" * 16)
+    behind = tracker(tmp_path / "behind.jsonl")
+    behind.start(TOPO)
+    behind.record(1, 0, ids(1), b"x" * 16)
+    before = (tmp_path / "behind.jsonl").read_bytes()
+    records = [read_log(tmp_path / "peer.jsonl").records[s] for s in range(1, 5)]
+    with pytest.raises(TrackerError, match="does not continue the sequence log"):
+        behind.missed_lines(records, peer.head())
+    short = [r for r in records if r["step"] != 4]
+    with pytest.raises(TrackerError, match="does not reach their chain head at step 4"):
+        tracker(tmp_path / "x.jsonl", seed=1).missed_lines(short, peer.head())
+    assert (tmp_path / "behind.jsonl").read_bytes() == before

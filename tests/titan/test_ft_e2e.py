@@ -21,8 +21,15 @@ import pytest
 import torch
 
 from tests.titan.conftest import lighthouse_at
-from tests.titan.expect import TOPOLOGY_RTOL, assert_losses, assert_same_data, assert_verify_match
-from tests.titan.launch import REPO, job_env, train03
+from tests.titan.expect import (
+    TOPOLOGY_RTOL,
+    assert_losses,
+    assert_same_data,
+    assert_verify_match,
+    resume_events,
+)
+from tests.titan.launch import REPO, copy_run_until, job_env, train03
+from torchtitan_zephon.run.recorded import losses as runs_losses
 
 pytest.importorskip("torchft", reason="torchft (a dependency of the package)")
 
@@ -82,21 +89,60 @@ def _assert_trains_like(one: Path, run: Path) -> None:
     assert_verify_match(one, run)
 
 
-def test_two_groups_train_exactly_what_one_group_trains(tmp_path: Path, one_group: Path) -> None:
-    runs = [tmp_path / f"group{r}" for r in range(2)]
+@pytest.fixture(scope="module")
+def two_groups(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    """Two replica groups of one rank, 12 steps, each with its own run folder
+    (checkpoints at 4, 8 and 12)."""
+    root = tmp_path_factory.mktemp("ft2")
+    runs = [root / f"group{r}" for r in range(2)]
     with lighthouse_at(1) as url:
         procs = [_group(run, r, 2, url) for r, run in enumerate(runs)]
         _wait(procs, runs)
+    return runs
+
+
+def test_two_groups_train_exactly_what_one_group_trains(
+    two_groups: list[Path], one_group: Path
+) -> None:
     parts = []
-    for run in runs:
+    for run in two_groups:
         text = (run / "train.log").read_text()
         assert "Zephon: torchft quorum of 2 group(s) from step 1: this group trains part" in text
         assert "(4 of the step's 8 samples)" in text
         assert "quorum of 1" not in text
         parts.append(text.count("trains part 0"))
         _assert_trains_like(one_group, run)
-    assert_verify_match(runs[0], runs[1])
+    assert_verify_match(two_groups[0], two_groups[1])
     assert sorted(parts) == [0, 1]  # one group trained part 0, the other part 1
+
+
+def test_every_group_dies_after_a_checkpoint_and_all_restart_exactly(
+    two_groups: list[Path], one_group: Path, tmp_path: Path
+) -> None:
+    """Issue 30 part b2: each group keeps its own checkpoints (the same state: the groups
+    are replicas). Both die after checkpoint 8; restarted, each resumes from its own
+    step-8 and steps 9-12 are the one-group run's."""
+    runs = [copy_run_until(g, tmp_path / g.name, 8) for g in two_groups]
+    with lighthouse_at(1) as url:
+        procs = [_group(run, r, 2, url) for r, run in enumerate(runs)]
+        _wait(procs, runs)
+    for run in runs:
+        (event,) = resume_events(run)
+        assert event["from_step"] == 8
+        _assert_trains_like(one_group, run)
+    assert_verify_match(runs[0], runs[1])
+
+
+def test_a_group_folder_resumes_without_torchft_on_another_degree(
+    two_groups: list[Path], one_group: Path, tmp_path: Path
+) -> None:
+    """Issue 30 part b2: a group's run folder is a run like any other: restarted without
+    --fault_tolerance.enable on 2 ranks from its checkpoint 4, steps 5-12 are exact."""
+    run = copy_run_until(two_groups[0], tmp_path / "plain", 4)
+    train03(run, 2, *STEPS).check()
+    (event,) = resume_events(run)
+    assert (event["from_step"], event["dp_degree"]) == (4, 2)
+    _assert_trains_like(one_group, run)
 
 
 def test_three_groups_then_one_killed_the_others_step_on_exactly(
@@ -172,3 +218,42 @@ def test_two_moe_groups_train_and_balance_experts_as_one_group(tmp_path: Path) -
         assert got.keys() == want.keys()
         for key in want:
             torch.testing.assert_close(got[key], want[key], rtol=0, atol=1e-6)
+
+
+def test_a_killed_group_returns_heals_from_its_peer_and_takes_part_again(
+    tmp_path: Path,
+) -> None:
+    """Issue 30 part b1: group 1 is killed after step 3 and restarted into its own run
+    folder (no checkpoint of its own yet: not refused for what the folder holds); it
+    heals from group 0 at the first quorum (weights, optimizer, data state and the log
+    records it missed) and trains its part again. Both logs are the one-group run's."""
+    from torchtitan_zephon.run.process import kill_tree
+
+    long = ("--training.steps", "240", "--checkpoint.interval", "120",
+            "--validator.freq", "120")  # fmt: skip
+    runs = [tmp_path / f"group{r}" for r in range(2)]
+    with lighthouse_at(1, heartbeat_timeout_ms=1000) as url:
+        procs = [_group(run, r, 2, url, *long) for r, run in enumerate(runs)]
+        deadline = time.time() + 300
+        while _log_steps(runs[1]) < 3:
+            assert procs[1].poll() is None and time.time() < deadline, "no step 3 in group 1"
+            time.sleep(0.02)
+        kill_tree(procs[1].pid)
+        procs[1].wait()
+        procs[1] = _group(runs[1], 1, 2, url, *long)  # returns, into its own folder
+        _wait(procs, runs)
+    one = tmp_path / "one_group"
+    train03(one, 1, *long).check()
+    back = (runs[1] / "train.log").read_text()
+    assert "Zephon: torchft healed this group from its peers at step" in back
+    healed_at = int(back.split("healed this group from its peers at step ")[1].split(" ")[0])
+    assert 3 < healed_at < 240
+    assert "Zephon: torchft quorum of 2 group(s)" in back.split("healed this group")[1]
+    for run in runs:
+        assert_same_data(one, run, range(1, 241))
+        assert_verify_match(one, run)
+    assert_verify_match(runs[0], runs[1])
+    assert_losses(one, runs[0], range(1, 241), rtol=TOPOLOGY_RTOL)
+    trained, _ = runs_losses(runs[1])  # the returned group logged the steps it trained
+    assert set(range(healed_at + 1, 241)) <= set(trained)
+    assert_losses(one, runs[1], range(healed_at + 1, 241), rtol=TOPOLOGY_RTOL)

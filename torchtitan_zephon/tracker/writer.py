@@ -248,6 +248,55 @@ class SequenceTracker:
             }
         )
 
+    def missed_lines(self, records: list[dict[str, Any]], head: dict[str, Any]) -> list[bytes]:
+        """The log lines of a peer's effective ``records`` after this tracker's step (torchft
+        healing), checked to link to this log's chain and to end at the peer's ``head``;
+        TrackerError, with nothing written, when they do not (another history)."""
+        chain, lines = self.chain, []
+        for rec in records:
+            if int(rec["step"]) <= self.step:
+                continue
+            body = {k: v for k, v in rec.items() if k != "chain"}
+            chain, line = record_line(chain, body)
+            if chain != rec["chain"]:
+                raise TrackerError(
+                    f"the peers' record of step {rec['step']} does not continue the sequence "
+                    f"log {self.path} (its chain at step {self.step} differs): the groups' run "
+                    "folders hold two histories. Start this group in a new run folder."
+                )
+            lines.append(line)
+        if chain != str(head["chain"]) or self.step + len(lines) != int(head["step"]):
+            raise TrackerError(
+                f"the peers' sequence log does not reach their chain head at step "
+                f"{head['step']} from this log's step {self.step}"
+            )
+        return lines
+
+    def healed(
+        self,
+        own_step: int,
+        lines: list[bytes],
+        head: dict[str, Any],
+        topology: dict[str, Any],
+    ) -> None:
+        """Under torchft, this group healed from a peer at its step ``own_step``: a
+        ``resume`` event there (``"healed": true``), then the peers' record ``lines``
+        after it (already checked to link), and the peers' chain ``head``."""
+        self._event(
+            {
+                "event": "resume",
+                "from_step": int(own_step),
+                "chain": self.chain,
+                "healed": True,
+                **self._config_fields(),
+                **topology,
+            }
+        )
+        for line in lines:
+            self._append(line, step=int(json.loads(line)["step"]))
+        self.step, self.chain = int(head["step"]), str(head["chain"])
+        self.sync()
+
     def record(
         self,
         step: int,

@@ -66,9 +66,10 @@ from torchtitan_zephon.titan.components.validate import ZephonValidator
 from torchtitan_zephon.titan.configs.job_view import JobView, job_view
 from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
 from torchtitan_zephon.titan.configs.zephon_section import Zephon
+from torchtitan_zephon.titan.ft.heal import HEAL_KEY, Healing, HealingRefused
 from torchtitan_zephon.titan.ft.quorum import start_manager
 from torchtitan_zephon.titan.ft.settings import lighthouse_url
-from torchtitan_zephon.titan.ft.step import HealingNotBuilt, train_step_ft
+from torchtitan_zephon.titan.ft.step import train_step_ft
 from torchtitan_zephon.titan.start import old_runs, preflight
 from torchtitan_zephon.titan.start.checks import check_job_config
 from torchtitan_zephon.titan.weights.init import topology_free_parallelize
@@ -151,6 +152,9 @@ class ZephonTrainer(Trainer):
         super().__init__(config)
         if start.old_run is not None:  # a 0.2.2 checkpoint: loaded through its key map
             old_runs.install(self.checkpointer, start.old_run)
+        if self.ft is not None:  # what this group sends a healing peer, and takes from one
+            self.ft_healing = Healing(self)
+            self.ft.register_state_dict_fn(HEAL_KEY, self.ft_healing.load, self.ft_healing.save)
 
     def _build_accounting(self, config: Config) -> StepAccounting | None:
         """Per-source accounting (``titan.components.accounting``), unless zephon.accounting is off:
@@ -270,7 +274,7 @@ class ZephonTrainer(Trainer):
         Before the first step such an error is a refused start and passes as it is."""
         try:
             super().train()
-        except HealingNotBuilt as e:
+        except HealingRefused as e:  # (a log that does not link is a TrackerError, below)
             raise JobStopped(self.step, str(e)) from e
         except (StoreError, TrackerError) as e:
             if not self._tracking:
@@ -296,7 +300,8 @@ class ZephonTrainer(Trainer):
         if accounting is not None:
             accounting.ahead(step)
         if self.ft is not None:  # torchft: the quorum, this group's part, the commit
-            self._record_step(step, train_step_ft(self, step))
+            step, tokens = train_step_ft(self, step)  # a later step when it healed
+            self._record_step(step, tokens)
         else:
             super().train_step(data_iterator)
             self._record_step(step)

@@ -23,9 +23,9 @@ Invariants:
   a step is not committed.
 - torchft's step (``Manager.current_step``) is the number of committed steps, the
   trainer's step minus one, so the quorum can tell a group that is behind.
-- Healing a group from a peer (a group that joins a running job) is not built yet
-  (issue 30 part b1): a group the quorum heals stops with ``HealingNotBuilt`` instead of
-  training from weights and a data state that are not its peers'.
+- A group the quorum heals from its peers (one that joins a running job, or restarts
+  behind them) becomes their replica before it draws any data (``heal.Healing``) and
+  trains their next step.
 """
 
 from __future__ import annotations
@@ -41,10 +41,6 @@ from torchtitan.tools.logging import logger
 from torchtitan_zephon.job.documents import document_positions
 from torchtitan_zephon.titan.components.dataloader import window_digests
 from torchtitan_zephon.titan.ft.quorum import join_quorum, reduce_step, sum_across_groups
-
-
-class HealingNotBuilt(RuntimeError):
-    """The quorum healed this group from a peer, which Zephon cannot follow yet."""
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -81,20 +77,15 @@ def _expert_counts(model_parts: list[torch.nn.Module]) -> list[torch.Tensor]:
     return counts
 
 
-def train_step_ft(trainer: Any, step: int) -> bytes | None:
-    """Train ``step`` under torchft until a quorum commits it (module docstring). At
-    ``zephon.audit tokens`` returns the per-sample token digests of all of B(s), in
-    order (every participant's, gathered): what the sequence log records."""
+def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
+    """Train ``step`` under torchft until a quorum commits it (module docstring);
+    returns the step trained (a later one when the quorum healed this group from its
+    peers) and, at ``zephon.audit tokens``, the per-sample token digests of all of B(s)
+    in order (every participant's, gathered): what the sequence log records."""
     manager, dl = trainer.ft, trainer.dataloader
     loader = dl.loader
-    if dl.tracker.enabled:
-        dl.ids_digests.ahead(step)
     if manager.current_step() != step - 1:  # a fresh start or a resume at step - 1
         manager.load_state_dict({"step": step - 1, "batches_committed": 0})
-    total = torch.tensor(loader.plan.schedule.gbs(step) * loader.seq_len, dtype=torch.int64)
-    total = total.to(trainer.device)
-    lr_metrics = trainer.lr_schedulers.get_metrics()
-    should_log = trainer.metrics_processor.should_log(step)
     parallel_dims = trainer.parallel_dims
     while True:
         trainer.optimizers.zero_grad()
@@ -104,13 +95,21 @@ def train_step_ft(trainer: Any, step: int) -> bytes | None:
             wait_for=trainer.config.fault_tolerance.group_size if first else 1,
             within_s=float(trainer.config.comm.init_timeout_seconds) if first else 0.0,
         )
-        if manager.current_step() != step - 1:
-            raise HealingNotBuilt(
-                f"at step {step} the torchft quorum healed this replica group from a peer "
-                f"at step {manager.current_step() + 1}: Zephon does not carry weights and its "
-                "data state to a joining group yet (issue 30 part b1). Start every group "
-                "together from step 1, or restart them all from one checkpoint."
+        if manager.current_step() != step - 1:  # the quorum healed this group
+            behind = step - 1
+            step = trainer.ft_healing.apply()
+            trainer.step = step
+            logger.info(
+                f"Zephon: torchft healed this group from its peers at step {step - 1} (it was "
+                f"at step {behind}): weights, optimizer, LR schedule, data state and the "
+                f"{step - 1 - behind} sequence-log record(s) it missed; it trains step {step}"
             )
+        if dl.tracker.enabled:
+            dl.ids_digests.ahead(step)
+        total = torch.tensor(loader.plan.schedule.gbs(step) * loader.seq_len, dtype=torch.int64)
+        total = total.to(trainer.device)
+        lr_metrics = trainer.lr_schedulers.get_metrics()
+        should_log = trainer.metrics_processor.should_log(step)
         if quorum != getattr(trainer, "ft_quorum", None):  # said once per quorum change
             first, count = loader.plan.layout.part_positions(step, quorum.part, quorum.parts)
             logger.info(
@@ -171,7 +170,7 @@ def train_step_ft(trainer: Any, step: int) -> bytes | None:
             float(grad_norm),
             extra_metrics={"n_tokens_seen": seen, **lr_metrics},
         )
-    return tokens
+    return step, tokens
 
 
 class _Digests:

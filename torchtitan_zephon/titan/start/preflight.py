@@ -289,6 +289,13 @@ def decide_start(
             f"supersedes the steps of the earlier attempt ({found})"
         )
         return start
+    if getattr(getattr(job, "fault_tolerance", None), "enable", False):  # its peers heal it
+        start.notes.append(
+            f"a torchft replica group restarting in its run folder, which holds {found}: "
+            "it starts from step 1 and, if its peers are ahead, heals from them at the first "
+            "quorum (their weights, data state and the log records it missed)"
+        )
+        return start
     if zc.start_over:
         start.notes.append(
             f"zephon.start_over: starting from step 1 although the run folder holds {found}; "
