@@ -7,9 +7,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # kills and resumes that tests/titan (node loss, elastic resume) cover
 def test_short_chaos_run_verifies_and_losses_agree(tmp_path: Path):
     out = subprocess.run(
         [sys.executable, str(REPO / "scripts" / "chaos.py"), "--cycles", "2", "--steps", "8",
