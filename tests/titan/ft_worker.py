@@ -15,7 +15,13 @@ import torch.nn.functional as F
 
 from tests.titan.launch import free_port
 from torchtitan_zephon.order.layout import part_slice
-from torchtitan_zephon.titan.ft.quorum import join_quorum, reduce_step, start_manager
+from torchtitan_zephon.titan.ft.quorum import (
+    SharedReplicaId,
+    check_replica_ids,
+    join_quorum,
+    reduce_step,
+    start_manager,
+)
 
 TOKENS, WIDTH, CLASSES = 4, 6, 5
 
@@ -47,7 +53,12 @@ def main(replica_id: int, min_replicas: int, lighthouse: str, gbs: int, out: str
         store_addr="127.0.0.1", store_port=port,
     )  # fmt: skip
     try:
-        quorum = join_quorum(manager)
+        quorum = join_quorum(manager, wait_for=min_replicas, within_s=60)
+        try:
+            check_replica_ids(manager, replica_id, min_replicas)
+        except SharedReplicaId as e:
+            torch.save({"shared": str(e)}, out)
+            return
         model, x, y = model_and_step(gbs)
         first, count = part_slice(0, gbs, 1, quorum.part, quorum.parts)
         mine = loss_sum(model, x[first : first + count], y[first : first + count])

@@ -24,7 +24,8 @@ from tests.titan.ft_worker import TOKENS, loss_sum, model_and_step
 REPO = Path(__file__).resolve().parents[2]
 
 
-def _run_groups(n: int, gbs: int, tmp: Path) -> list[dict]:
+def _run_groups(n: int, gbs: int, tmp: Path, ids: list[int] | None = None) -> list[dict]:
+    ids = list(range(n)) if ids is None else ids  # each group's replica id
     with lighthouse_at(n) as url:
         procs = [
             subprocess.Popen(
@@ -32,7 +33,7 @@ def _run_groups(n: int, gbs: int, tmp: Path) -> list[dict]:
                     sys.executable,
                     "-m",
                     "tests.titan.ft_worker",
-                    str(r),
+                    str(ids[r]),
                     str(n),
                     url,
                     str(gbs),
@@ -82,3 +83,15 @@ def test_groups_reduce_to_the_whole_steps_mean_gradient_and_loss(tmp_path, n, gb
             means.append([p.grad for p in m.parameters()])
         avg = [sum(gs) / n for gs in zip(*means, strict=True)]
         assert not all(torch.allclose(a, b, rtol=1e-5) for a, b in zip(avg, want, strict=True))
+
+
+def test_two_groups_with_one_replica_id_are_each_stopped(tmp_path):
+    """torchft accepts two groups with one replica id (it appends a uuid to each): Zephon
+    finds them at the quorum and stops both, naming the id."""
+    results = _run_groups(2, 8, tmp_path, ids=[0, 0])
+    for r in results:
+        assert r["shared"] == (
+            "2 replica groups in this quorum run with --fault_tolerance.replica_id 0: each "
+            "group needs its own id in [0, 2). Restart this group with a free id; its run "
+            "folder is kept."
+        )

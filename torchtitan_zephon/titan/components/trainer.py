@@ -67,7 +67,7 @@ from torchtitan_zephon.titan.configs.job_view import JobView, job_view
 from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
 from torchtitan_zephon.titan.configs.zephon_section import Zephon
 from torchtitan_zephon.titan.ft.heal import HEAL_KEY, Healing, HealingRefused
-from torchtitan_zephon.titan.ft.quorum import start_manager
+from torchtitan_zephon.titan.ft.quorum import SharedReplicaId, start_manager
 from torchtitan_zephon.titan.ft.settings import lighthouse_url
 from torchtitan_zephon.titan.ft.step import train_step_ft
 from torchtitan_zephon.titan.start import old_runs, preflight
@@ -274,7 +274,7 @@ class ZephonTrainer(Trainer):
         Before the first step such an error is a refused start and passes as it is."""
         try:
             super().train()
-        except HealingRefused as e:  # (a log that does not link is a TrackerError, below)
+        except (HealingRefused, SharedReplicaId) as e:  # (a log that does not link: below)
             raise JobStopped(self.step, str(e)) from e
         except (StoreError, TrackerError) as e:
             if not self._tracking:

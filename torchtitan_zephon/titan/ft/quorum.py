@@ -12,7 +12,8 @@ first step waits, within a bound, for a quorum of every group started with it)
 ``reduce_step`` sums, across the participants, every gradient and the step's loss sum
 in one flat buffer: one collective per step, whatever the number of micro-batches each
 group ran (at ``zephon.audit tokens``, ``sum_across_groups`` adds one more for the
-step's per-sample token digests, each group's in its own slots).
+step's per-sample token digests, each group's in its own slots). ``check_replica_ids``
+refuses two groups with one replica id, which torchft itself accepts.
 
 Invariant (the reduction): each group's gradients are those of its tokens' loss sum
 divided by the tokens of the whole step B(s), not of its own part, so their SUM across
@@ -136,3 +137,25 @@ def sum_across_groups(manager: Any, values: torch.Tensor) -> torch.Tensor:
 
     manager.allreduce(values, reduce_op=ReduceOp.SUM).wait()
     return values
+
+
+class SharedReplicaId(RuntimeError):
+    """Two replica groups of one quorum run with the same ``fault_tolerance.replica_id``."""
+
+
+def check_replica_ids(manager: Any, replica_id: int, group_size: int) -> None:
+    """Refuse a quorum in which two groups share a replica id (torchft accepts them: it
+    appends a uuid to each id): every participant marks its id's slot, the slots are
+    summed across the groups, and a slot above one stops each group sharing it, naming
+    the id. Skipped when the quorum failed meanwhile (the next change checks again)."""
+    from torch.distributed import ReduceOp
+
+    slots = torch.zeros(group_size, dtype=torch.float32)
+    slots[replica_id] = 1.0
+    manager.allreduce(slots, reduce_op=ReduceOp.SUM).wait()
+    if manager.errored() is None and float(slots[replica_id]) > 1.0:
+        raise SharedReplicaId(
+            f"{int(slots[replica_id])} replica groups in this quorum run with "
+            f"--fault_tolerance.replica_id {replica_id}: each group needs its own id in "
+            f"[0, {group_size}). Restart this group with a free id; its run folder is kept."
+        )

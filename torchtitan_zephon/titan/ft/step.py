@@ -40,7 +40,12 @@ from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.documents import document_positions
 from torchtitan_zephon.titan.components.dataloader import window_digests
-from torchtitan_zephon.titan.ft.quorum import join_quorum, reduce_step, sum_across_groups
+from torchtitan_zephon.titan.ft.quorum import (
+    check_replica_ids,
+    join_quorum,
+    reduce_step,
+    sum_across_groups,
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -111,6 +116,8 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
         lr_metrics = trainer.lr_schedulers.get_metrics()
         should_log = trainer.metrics_processor.should_log(step)
         if quorum != getattr(trainer, "ft_quorum", None):  # said once per quorum change
+            ft = trainer.config.fault_tolerance
+            check_replica_ids(manager, ft.replica_id, ft.group_size)
             first, count = loader.plan.layout.part_positions(step, quorum.part, quorum.parts)
             logger.info(
                 f"Zephon: torchft quorum of {quorum.parts} group(s) from step {step}: this "
