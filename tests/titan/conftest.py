@@ -50,39 +50,12 @@ def tiny_model() -> torch.nn.Module:
 def lighthouse_at(min_replicas: int = 1, heartbeat_timeout_ms: int = 5000):
     """A real ``torchft_lighthouse`` (torchft's Rust binary, installed with the package)
     on a free loopback port, forming quorums of at least ``min_replicas`` groups; yields
-    its ``TORCHFT_LIGHTHOUSE`` address (the loopback IP: the lighthouse itself
-    advertises the host name), stopped afterwards. A group silent for
-    ``heartbeat_timeout_ms`` is dropped from the next quorum."""
-    import subprocess
-    import sys
+    its ``TORCHFT_LIGHTHOUSE`` address, stopped afterwards. A group silent for
+    ``heartbeat_timeout_ms`` is dropped from the next quorum (``titan.ft.launch``)."""
+    from torchtitan_zephon.titan.ft.launch import local_lighthouse
 
-    from tests.titan.launch import free_port, wait_for_port
-
-    binary = Path(sys.executable).parent / "torchft_lighthouse"
-    port = free_port()
-    proc = subprocess.Popen(
-        [
-            str(binary),
-            "--min_replicas",
-            str(min_replicas),
-            "--bind",
-            f"127.0.0.1:{port}",
-            "--heartbeat_timeout_ms",
-            str(heartbeat_timeout_ms),
-        ],  # fmt: skip
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        wait_for_port(port, timeout=30)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    with local_lighthouse(min_replicas, heartbeat_timeout_ms) as url:
+        yield url
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,8 +27,9 @@ from tests.titan.expect import (
     assert_verify_match,
     resume_events,
 )
-from tests.titan.launch import REPO, copy_run_until, job_env, train03
+from tests.titan.launch import REPO, copy_run_until, train03
 from torchtitan_zephon.run.recorded import losses as runs_losses
+from torchtitan_zephon.titan.ft.launch import group_command, group_env, last_step
 
 pytest.importorskip("torchft", reason="torchft (a dependency of the package)")
 
@@ -40,16 +40,11 @@ def _group(run: Path, replica: int, groups: int, url: str, *extra: str) -> subpr
     """Replica group ``replica`` of ``groups`` as its own torchrun job (one rank), the
     tiny Llama for 12 steps unless ``extra`` says otherwise (later options win)."""
     run.mkdir(parents=True, exist_ok=True)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-        "-m", "torchtitan_zephon.train", "--module", "torchtitan_zephon.configs",
-        "--config", "llama3_tiny", "--dump_folder", str(run), *STEPS, *extra,
-        "--fault_tolerance.enable", "--fault_tolerance.replica_id", str(replica),
-        "--fault_tolerance.group_size", str(groups), "--fault_tolerance.min_replica_size", "1",
-    ]  # fmt: skip
-    env = {**job_env(), "TORCHFT_LIGHTHOUSE": url}
+    command = group_command(run, replica, groups, *STEPS, *extra)
     log = open(run / "train.log", "w")  # noqa: SIM115 - closed by the caller's wait
-    return subprocess.Popen(command, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+    return subprocess.Popen(
+        command, cwd=REPO, env=group_env(url), stdout=log, stderr=subprocess.STDOUT
+    )
 
 
 def _wait(procs: list[subprocess.Popen], runs: list[Path], timeout: int = 600) -> None:
@@ -64,15 +59,6 @@ def _wait(procs: list[subprocess.Popen], runs: list[Path], timeout: int = 600) -
             p.stdout and p.stdout.close()
         text = (run / "train.log").read_text()
         assert p.returncode == 0, text[-4000:]
-
-
-def _log_steps(run: Path) -> int:
-    """The last step in a run's sequence log so far (0: none yet)."""
-    path = run / "zephon" / "sequence_log.jsonl"
-    if not path.exists():
-        return 0
-    steps = [json.loads(line).get("step", 0) for line in path.read_text().splitlines() if line]
-    return max([s for s in steps if isinstance(s, int)], default=0)
 
 
 @pytest.fixture(scope="module")
@@ -159,13 +145,13 @@ def test_three_groups_then_one_killed_the_others_step_on_exactly(
     with lighthouse_at(1, heartbeat_timeout_ms=1000) as url:
         procs = [_group(run, r, 3, url) for r, run in enumerate(runs)]
         deadline = time.time() + 300
-        while _log_steps(runs[2]) < 3:
+        while last_step(runs[2]) < 3:
             assert procs[2].poll() is None and time.time() < deadline, "no step 3 in group 2"
             time.sleep(0.02)
         kill_tree(procs[2].pid)
         procs[2].wait()
         _wait(procs[:2], runs[:2])
-    killed_at = _log_steps(runs[2])
+    killed_at = last_step(runs[2])
     assert 3 <= killed_at < 12
     for run in runs[:2]:
         text = (run / "train.log").read_text()
@@ -174,7 +160,26 @@ def test_three_groups_then_one_killed_the_others_step_on_exactly(
         assert int(alone.split(":")[0]) > killed_at  # the two went on after the kill
         assert "(4 of the step's 8 samples)" in alone
         _assert_trains_like(one_group, run)
+        _assert_annotated(run, text, killed_at)
     assert_verify_match(runs[0], runs[1])
+
+
+def _assert_annotated(run: Path, train_log: str, killed_at: int) -> None:
+    """The log says what torchft did: a ``quorum`` event of 3 groups before step 1 and
+    one of 2 after the kill; a ``retry`` event for every step not committed (the train
+    log's warnings), trained again under one record: every step has one record line."""
+    lines = [json.loads(line) for line in (run / "zephon" / "sequence_log.jsonl").open()]
+    quorums = [(e["step"], e["groups"]) for e in lines if e.get("event") == "quorum"]
+    assert quorums[0] == (1, 3) and quorums[-1][1] == 2 and quorums[-1][0] > killed_at
+    retried = sorted(e["step"] for e in lines if e.get("event") == "retry")
+    warned = sorted(
+        int(w.split(" was not committed")[0].rsplit(" ", 1)[1])
+        for w in train_log.splitlines()
+        if "was not committed" in w
+    )
+    assert retried == warned
+    records = [e["step"] for e in lines if "event" not in e]
+    assert records == list(range(1, 13))
 
 
 def _expert_biases(run: Path, step: int) -> dict[str, torch.Tensor]:
@@ -236,7 +241,7 @@ def test_a_killed_group_returns_heals_from_its_peer_and_takes_part_again(
     with lighthouse_at(1, heartbeat_timeout_ms=1000) as url:
         procs = [_group(run, r, 2, url, *long) for r, run in enumerate(runs)]
         deadline = time.time() + 300
-        while _log_steps(runs[1]) < 3:
+        while last_step(runs[1]) < 3:
             assert procs[1].poll() is None and time.time() < deadline, "no step 3 in group 1"
             time.sleep(0.02)
         kill_tree(procs[1].pid)

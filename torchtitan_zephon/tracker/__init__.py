@@ -23,6 +23,10 @@
   config (``order.skips``) takes effect (again after a rollback to a step before S).
   Its chain is the record of step S - 1's, so it supersedes nothing and the chain
   goes on through it; the resume or start event before it holds the data config.
+  Under torchft, two more such annotations of step S: ``{"event": "quorum", ...,
+  "groups": n, "quorum_id"}`` before the first step a new quorum of n replica groups
+  trains, and ``{"event": "retry", ..., "groups", "quorum_id", "text"}`` for an attempt
+  at step S that was not committed (trained again: still one record of S);
 
 Invariants:
 - The chain of the effective history at step ``s`` depends only on the data

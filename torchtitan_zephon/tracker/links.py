@@ -1,14 +1,16 @@
-"""How a sequence log's start, resume and skip events link to its records.
+"""How a sequence log's events link to its records.
 
 Role: a start event's chain is the genesis of its data config (``records.genesis``
 of the config's fingerprint); a resume from step ``k`` names the chain of the
-log's record of step ``k``; a skip event (a skip entry taking effect at step S)
-follows the record of step S - 1: ``from_step`` S - 1 and that record's chain, the
-chain the record of step S then follows from. ``LogReader`` calls ``check_event``
-(start, resume) or ``check_skip`` at each event line of its second pass.
+log's record of step ``k``. An annotation (``ANNOTATIONS``: a ``skip`` entry taking
+effect at step S; under torchft a ``quorum`` that trains step S and a ``retry`` of
+step S after a commit that failed) follows the record of step S - 1: ``from_step``
+S - 1 and that record's chain, the chain the record of step S then follows from; it
+supersedes nothing. ``LogReader`` calls ``check_event`` (start, resume) or
+``check_annotation`` at each event line of its second pass.
 
 Invariant: an event whose chain does not link (an edited start event or data
-config, a resume whose step has no record or another chain, a skip event that does
+config, a resume whose step has no record or another chain, an annotation that does
 not follow the record before it) is reported as an
 ``event`` problem naming its line; only a resume that knowingly restarted the
 chain (audit off, ``ignore_log_mismatch``) or a start of tracker format 1 is a
@@ -22,6 +24,9 @@ from typing import Any
 from torchtitan_zephon.store.format import fingerprint
 from torchtitan_zephon.tracker.records import genesis
 from torchtitan_zephon.tracker.step_order import Report
+
+ANNOTATIONS = ("skip", "quorum", "retry")
+"""Events that annotate the step after them: the chain goes on through them."""
 
 
 def check_event(
@@ -80,12 +85,13 @@ def check_event(
     return k, chain
 
 
-def check_skip(
+def check_annotation(
     lineno: int, e: dict[str, Any], prev: tuple[int | None, str | None], report: Report
 ) -> None:
-    """Check the skip event ``e`` at ``lineno`` against ``prev``, the (step, chain) the
-    log reached before it: the event follows that record (a start or resume event's
-    step and chain where no record came yet). A skip event changes neither."""
+    """Check the annotation ``e`` (a skip, quorum or retry event) at ``lineno`` against
+    ``prev``, the (step, chain) the log reached before it: the event follows that record
+    (a start or resume event's step and chain where no record came yet). An annotation
+    changes neither."""
     step, chain = prev
     k = int(e.get("from_step", 0))
     if step is None or chain is None:
@@ -93,6 +99,10 @@ def check_skip(
     if k != step or e.get("chain") != chain or e.get("step") != k + 1:
         report(
             lineno, step + 1, "event",
-            f"line {lineno}: a skip event for step {e.get('step')!r} (from_step {k}) that does "
-            f"not follow the log's step {step} before it (the event was edited or moved)",
+            f"line {lineno}: a {e.get('event')} event for step {e.get('step')!r} (from_step "
+            f"{k}) that does not follow the log's step {step} before it (the event was edited "
+            "or moved)",
         )  # fmt: skip
+
+
+check_skip = check_annotation  # its name before torchft's annotations

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.tracker.blocks import RecordRun, check_block
-from torchtitan_zephon.tracker.links import check_event, check_skip
+from torchtitan_zephon.tracker.links import ANNOTATIONS, check_annotation, check_event
 from torchtitan_zephon.tracker.pieces import has_event, pieces, regions, split_lines
 from torchtitan_zephon.tracker.records import (
     LOG_NAME,
@@ -89,7 +89,7 @@ class LogReader:
         self.path = resolve(path)
         self.fast = fast
         self.events: list[dict[str, Any]] = []
-        """Start, resume and skip events in log order."""
+        """Start and resume events and annotations (skip, quorum, retry) in log order."""
         self._event_lines: list[int] = []
         self._event_offsets: list[int] = []
         self.truncated_tail = False
@@ -172,7 +172,7 @@ class LogReader:
         """The start / resume event of the job that wrote the effective record of ``step``."""
         chosen = None
         for e in self.events:
-            if e.get("event") != "skip" and int(e.get("from_step", 0)) < step:
+            if e.get("event") not in ANNOTATIONS and int(e.get("from_step", 0)) < step:
                 chosen = e
         return chosen
 
@@ -252,8 +252,8 @@ class LogReader:
         if n_event < len(self.events) and lineno == self._event_lines[n_event]:
             self._n_event += 1
             event = self.events[n_event]
-            if event.get("event") == "skip":  # an annotation: the chain goes on through it
-                check_skip(lineno, event, (prev_step, prev_chain), self._problem)
+            if event.get("event") in ANNOTATIONS:  # the chain goes on through it
+                check_annotation(lineno, event, (prev_step, prev_chain), self._problem)
                 return None
             self._order.event(event.get("event"), int(event.get("from_step", 0)))
             self._prev_step, self._prev_chain = check_event(

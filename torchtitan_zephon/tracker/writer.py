@@ -30,6 +30,7 @@ import numpy as np
 from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.tracker.index import LogIndex
+from torchtitan_zephon.tracker.links import ANNOTATIONS
 from torchtitan_zephon.tracker.reader import LogReader
 from torchtitan_zephon.tracker.records import (
     TRACKER_FORMAT,
@@ -341,18 +342,27 @@ class SequenceTracker:
 
     def _skip(self, step: int, count: int) -> None:
         """The skip entry (step, count) takes effect: its event goes just before the
-        record of ``step``, naming the record it follows (``from_step`` = step - 1 and
-        that record's chain), so it supersedes nothing and links like the records do."""
+        record of ``step`` (``annotate``)."""
         (text,) = SkipSteps([(step, count)]).describe(self.config.batch_schedule().gbs)
+        self.annotate("skip", step, {"steps": count, "text": text})
+
+    def annotate(self, kind: str, step: int, fields: dict[str, Any]) -> None:
+        """An annotation (``links.ANNOTATIONS``) of the step after the last record,
+        ``step``: an event naming the record it follows (``from_step`` = step - 1 and that
+        record's chain), so it supersedes nothing and links like the records do. Under
+        torchft: ``quorum`` (the groups that train the step) and ``retry`` (the step was
+        not committed and is trained again: never a second record)."""
+        if kind not in ANNOTATIONS:
+            raise ValueError(f"annotation {kind!r}: expected one of {ANNOTATIONS}")
+        if step != self.step + 1:
+            raise ValueError(
+                f"a {kind} event for step {step} after the record of step {self.step}: an "
+                "annotation names the step after the last record"
+            )
+        if not self.enabled:
+            return
         self._event(
-            {
-                "event": "skip",
-                "from_step": step - 1,
-                "chain": self.chain,
-                "step": step,
-                "steps": count,
-                "text": text,
-            }
+            {"event": kind, "from_step": step - 1, "chain": self.chain, "step": step, **fields}
         )
 
 

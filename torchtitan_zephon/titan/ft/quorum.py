@@ -60,11 +60,14 @@ def start_manager(
     group_world_size: int | None = None,
     store_addr: str | None = None,
     store_port: int | None = None,
+    use_async_quorum: bool = False,
 ) -> Any:
     """torchft's ``Manager`` for this replica group, with a synchronous quorum (module
     docstring). The group's TCPStore (``store_addr``/``store_port``, else torchrun's
     ``MASTER_ADDR``/``MASTER_PORT``) must be up; group rank 0 serves the group's manager
-    and talks to the lighthouse at ``lighthouse``."""
+    and talks to the lighthouse at ``lighthouse``. ``use_async_quorum``: only for
+    ``zephon bench ft``'s baseline (TorchTitan's ``TorchFTManager``); the trainer never
+    sets it."""
     import torchft
 
     if process_group == "gloo":
@@ -78,7 +81,7 @@ def start_manager(
         load_state_dict=None,
         state_dict=None,
         min_replica_size=min_replica_size,
-        use_async_quorum=False,
+        use_async_quorum=use_async_quorum,
         timeout=timeout,
         quorum_timeout=timeout,
         connect_timeout=timeout,
@@ -97,11 +100,18 @@ def join_quorum(manager: Any, *, wait_for: int = 1, within_s: float = 0.0) -> St
     say which part of the step this group trains. With ``wait_for`` groups, ask again
     (every ``QUORUM_POLL_S``) until the quorum holds that many or ``within_s`` passed:
     a group's first step waits so for the groups started with it, which would otherwise
-    each find a quorum of their own and have to heal from one another."""
+    each find a quorum of their own and have to heal from one another. A quorum that
+    heals this group ends the wait: its peers are ahead, a running job it joins (asking
+    again would leave them waiting on it in their reduction)."""
     deadline = time.monotonic() + within_s
+    before = manager.current_step()
     while True:
         manager.start_quorum()
-        if manager.num_participants() >= wait_for or time.monotonic() >= deadline:
+        if (
+            manager.num_participants() >= wait_for
+            or manager.current_step() != before
+            or time.monotonic() >= deadline
+        ):
             break
         time.sleep(QUORUM_POLL_S)
     part = manager.participating_rank()

@@ -12,7 +12,9 @@ the tokens of all of B(s); one SUM across the participants of every gradient and
 the loss sum (``quorum.reduce_step``); gradient clipping; the group's commit vote.
 On a commit the optimizer, the LR schedule and the data state move on
 (``ZephonLoader.committed``); otherwise the gradients are dropped and step s is drawn
-again, on the same B(s), by the next quorum.
+again, on the same B(s), by the next quorum. The sequence log says so: a ``quorum``
+event (the groups, torchft's quorum id) before the first step a new quorum trains, a
+``retry`` event for each attempt not committed; the step still has one record.
 
 Invariants:
 - The committed update is the gradient of the mean loss over B(s) (up to the order of
@@ -125,6 +127,9 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
                 f"{loader.plan.schedule.gbs(step)} samples)"
             )
             trainer.ft_quorum = quorum
+            dl.tracker.annotate(
+                "quorum", step, {"groups": quorum.parts, "quorum_id": _quorum_id(manager)}
+            )
         loss_sum = torch.zeros((), dtype=torch.float32, device=trainer.device)
         digests = _Digests(trainer, step, quorum) if dl.audit == "tokens" else None
         drawn = time.perf_counter()
@@ -160,9 +165,15 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
             break
         for count in counts:  # this attempt's routing is not the step's: count again
             count.zero_()
-        logger.warning(
-            f"Zephon: step {step} was not committed (quorum of {quorum.parts} group(s)); it "
-            "is trained again on the same samples by the next quorum"
+        text = (
+            f"step {step} was not committed (quorum of {quorum.parts} group(s)); it is "
+            "trained again on the same samples by the next quorum"
+        )
+        logger.warning(f"Zephon: {text}")
+        dl.tracker.annotate(
+            "retry",
+            step,
+            {"groups": quorum.parts, "quorum_id": _quorum_id(manager), "text": text},
         )
     trainer.checkpointer.maybe_wait_for_staging()
     trainer.optimizers.step()
@@ -178,6 +189,12 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
             extra_metrics={"n_tokens_seen": seen, **lr_metrics},
         )
     return step, tokens
+
+
+def _quorum_id(manager: Any) -> int | None:
+    """The id of the manager's current quorum (torchft 0.2 keeps it private)."""
+    quorum_id = getattr(manager, "_quorum_id", None)
+    return int(quorum_id) if isinstance(quorum_id, int) else None
 
 
 class _Digests:
