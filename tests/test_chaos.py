@@ -52,7 +52,7 @@ def test_torchft_chaos_run_verifies_every_group(tmp_path: Path):
     summary = json.loads((tmp_path / "chaos_ft.json").read_text())
     assert summary["divergent_steps"] == 0 and summary["max_loss_rel_diff"] <= 1e-4
     for group in summary["groups_verified"].values():
-        assert group["verify"] == group["verify_group0"] == "MATCH"
+        assert group["verify"] == group["verify_group0"] == "match"
         assert group["steps_verified"] == summary["steps"]
 
 
