@@ -7,8 +7,11 @@ batch), ``scale`` (per-rank plan cost vs world size, sequence log growth),
 with 1, 10, 100 sources vs one store, plan cost at step 10 vs 10^9, state size) and
 ``remote`` (a store in a loopback bucket at 0 / 20 / 50 ms per request vs local disk:
 tokens/s, data wait, first batch, bytes fetched per byte trained, the naive
-download; ``latency_proxy`` is its proxy) and ``accounting`` (the per-source
-accounting's cost on the training step). Each exposes
+download; ``latency_proxy`` is its proxy), ``accounting`` (the per-source
+accounting's cost on the training step) and ``ft`` (replica groups under torchft: a
+group's death to the next commit against a whole-job restart, the sync quorum's cost,
+samples trained twice or never against TorchTitan's torchft sharding; ``ft_loop`` is
+its training loop). Each exposes
 ``run(opts: dict) -> dict`` (a JSON-able result) and ``rows(result)`` (the
 printed table). Beside them: ``corpus`` and ``measure`` (what the suites share), and
 the parts of ``loader``: ``contenders`` (the loaders compared), ``throughput`` and
@@ -19,4 +22,6 @@ same machine, side by side; ratios are computed from those measurements and
 never from remembered numbers.
 """
 
-SUITES = ["loader", "step", "resume", "scale", "prepare", "mixture", "remote", "accounting"]
+SUITES = [
+    "loader", "step", "resume", "scale", "prepare", "mixture", "remote", "accounting", "ft",
+]  # fmt: skip

@@ -1,6 +1,6 @@
 """``zephon bench SUITE``: the data path measured side by side with stock TorchTitan.
 
-Suites: loader, step, resume, scale, prepare, mixture, remote, accounting (see
+Suites: loader, step, resume, scale, prepare, mixture, remote, accounting, ft (see
 ``torchtitan_zephon.bench``),
 or ``all``, which runs every suite and writes ``docs/bench_results.json``.
 Each suite prints a table (``--json``: one JSON object instead) and, with
@@ -35,7 +35,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "steps/s and data wait (step), cold start to first batch (resume), per-rank plan "
             "cost vs world size (scale), tokenization throughput (prepare), many sources vs "
             "one store (mixture), a store in a loopback bucket at 0/20/50 ms per request vs "
-            "local disk (remote), the per-source accounting's cost on a step (accounting). "
+            "local disk (remote), the per-source accounting's cost on a step (accounting), "
+            "replica groups under torchft against a whole-job restart and TorchTitan's "
+            "torchft sharding (ft). "
             f"`all` runs every suite and writes {ALL_OUT}."
         ),
     )
