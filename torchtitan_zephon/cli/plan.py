@@ -20,6 +20,10 @@ A store value (``--store``, a mixture source) is read as the trainer reads it
 prepare into the same cache entry the trainer would use, so the ids are the
 trainer's. A store smaller than a global batch is a warning; one with fewer than
 ``MIN_STORE_SAMPLES`` training samples is refused, as the trainer refuses it.
+
+With ``--packing best_fit`` the samples are the packed samples of the store's packing
+index (``order.packing``, built once per store and seq_len by ``job.packing``): the
+ids printed are packed sample ids, ordered by the same keyed permutation per epoch.
 """
 
 from __future__ import annotations
@@ -31,10 +35,12 @@ from typing import TYPE_CHECKING
 
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.ingest.cache import RawInputs, names_store
+from torchtitan_zephon.job.packing import open_packing, packing_note
 from torchtitan_zephon.job.stores import store_location
 from torchtitan_zephon.order.data_config import SKIP_FIELD
 from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.packing import PACKING_METHODS
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.store_size import (
     MIN_STORE_SAMPLES,
@@ -139,6 +145,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--seq-len", type=int_in(1), required=True, metavar="L")
     p.add_argument(
+        "--packing",
+        choices=PACKING_METHODS,
+        default="none",
+        help="the trainer's zephon.packing: none (fixed windows, the default) or best_fit "
+        "(whole documents; the ids are packed sample ids of the store's packing index)",
+    )
+    p.add_argument(
         "--global-batch-size",
         type=_schedule,
         required=True,
@@ -219,10 +232,21 @@ def run(args: argparse.Namespace) -> int:
         )
     schedule.check_layout(args.dp_degree, args.local_batch_size or 1)
     raw = _raw_inputs(args)
+    if args.packing != "none" and (args.mixture or args.exclude):
+        raise ValueError(
+            f"--packing {args.packing} with --{'mixture' if args.mixture else 'exclude'} is "
+            "not supported yet: plan a packed store without it."
+        )
     if args.mixture:
         return run_mixture(args, schedule, raw)
     store = _open_store(args.store, raw)
     available = store.num_samples(args.seq_len)
+    if args.packing != "none":
+        packed, index = open_packing(
+            store, args.seq_len, cache_dir=args.cache_dir, workers=args.workers
+        )
+        print(f"zephon plan: {packing_note(packed, store, index)}", file=sys.stderr)
+        available = packed.num_samples
     what = store_name(args.store, store)
     wanted = args.sample_offset + max(args.num_samples or 0, MIN_STORE_SAMPLES)
     fix = store_fix(store.num_tokens, wanted, "--seq-len")
@@ -256,10 +280,14 @@ def run(args: argparse.Namespace) -> int:
     warning = check_store_size(f"{what} (seq_len {args.seq_len})", num_samples, schedule, fix)
     if warning:
         print(f"zephon plan: warning: {warning}", file=sys.stderr)
-    from torchtitan_zephon.job.data import StoreData
+    exclusions = None
+    if args.exclude:  # (never with --packing)
+        from torchtitan_zephon.job.data import StoreData
 
-    data = StoreData(store, args.seq_len, sample_offset=args.sample_offset, num_samples=num_samples)
-    exclusions = leave_out(data, args.exclude)
+        data = StoreData(
+            store, args.seq_len, sample_offset=args.sample_offset, num_samples=num_samples
+        )
+        exclusions = leave_out(data, args.exclude)
     plan = DataPlan(
         num_samples,
         args.seed,

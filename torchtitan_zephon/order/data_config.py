@@ -23,6 +23,10 @@ Invariants:
   existed. The same holds for ``exclude`` (left-out samples, ``order.exclusions``:
   the canonical entries, each with its ids' sha256), which ``step_key(s)`` binds for
   the entries with from_step <= s.
+- ``packing`` is an extra field present only when it is not ``none`` (the method and
+  the packing index's constants, ``order.packing``); it is part of the order key (it
+  maps positions to samples: packed ones), so a packed run never matches an unpacked
+  one, and an unpacked config is what it was before packing existed.
 - A saved config of format 1 (no ``order_format``) reads as order format 1; a
   field that does not parse raises ``DataStateMismatch`` naming it.
 """
@@ -42,6 +46,7 @@ from typing import Any
 
 from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD
 from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.packing import packing_field
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.store.format import fingerprint
 
@@ -51,6 +56,9 @@ contiguous DP slices). A new mapping gets a new number, so its runs never match
 or resume runs of the old one."""
 MIXTURE_FIELD = "mixture"
 """The extra config field holding a mixture's canonical spec (``MixtureSpec.to_json``)."""
+PACKING_FIELD = "packing"
+"""The extra config field of packing (``order.packing.packing_field``); absent for
+``none``, so unpacked configs keep their fingerprints, order keys and digests."""
 SKIP_FIELD = "skip_steps"
 """The extra config field holding the skip entries ``[[S, N], ...]`` (``order.skips``);
 absent when no skip is set."""
@@ -121,14 +129,20 @@ def saved_int(d: Mapping[str, Any], name: str, what: str, default: Any = None) -
         ) from None
 
 
-def data_extra(*, skip_steps: str = "") -> dict[str, Any]:
+def data_extra(*, skip_steps: str = "", packing: str = "none") -> dict[str, Any]:
     """The extra data-config fields of a job's ``[zephon]`` settings: ``skip_steps``
-    (``"S:N,..."``) when set, absent otherwise. ValueError names the setting."""
+    (``"S:N,..."``) when set, and ``packing`` when it is not ``none`` (``order.packing``:
+    the method and the index's constants), absent otherwise. ValueError names the
+    setting."""
     try:
         skips = SkipSteps.parse(skip_steps or "")
     except ValueError as e:
         raise ValueError(f"zephon.skip_steps: {e}") from None
-    return {SKIP_FIELD: skips.to_json()} if skips else {}
+    extra: dict[str, Any] = {SKIP_FIELD: skips.to_json()} if skips else {}
+    field = packing_field(packing)
+    if field is not None:
+        extra[PACKING_FIELD] = field
+    return extra
 
 
 @dataclass(frozen=True)
@@ -232,6 +246,12 @@ class DataConfig:
         """The mixture spec JSON (``MixtureSpec.to_json``), or None for one store."""
         value = dict(self.extra).get(MIXTURE_FIELD)
         return value if isinstance(value, Mapping) else None
+
+    @property
+    def packing(self) -> str:
+        """The packing method: ``none`` (fixed windows) or ``best_fit``."""
+        value = dict(self.extra).get(PACKING_FIELD)
+        return str(value.get("method")) if isinstance(value, Mapping) else "none"
 
     @functools.cached_property
     def skip_steps(self) -> SkipSteps:

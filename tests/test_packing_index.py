@@ -1,0 +1,87 @@
+"""A store's packing index on disk (issue 31 part a1): built once per (store, seq_len)
+into the cache, read back mapped, refused when it is not the store's or was edited; and
+``zephon plan --packing best_fit`` prints the order over packed samples."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.job.packing import PIECES, document_lengths, open_packing, read_index
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.packing import pack
+from torchtitan_zephon.order.stream import DataPlan
+from torchtitan_zephon.store.format import MANIFEST, StoreError
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def test_the_index_is_built_once_into_the_cache_and_read_back(store, cache):
+    packed, folder = open_packing(store, 16)
+    assert folder.parent == cache / "packing" / store.fingerprint
+    assert folder.name == "best_fit-L16-v1"
+    want = pack(document_lengths(store), 16)
+    assert np.array_equal(packed.starts, want.starts) and np.array_equal(packed.pieces, want.pieces)
+    assert packed.tokens() == store.num_tokens  # every token of the store, once
+    manifest = json.loads((folder / MANIFEST).read_text())
+    assert manifest["num_samples"] == packed.num_samples
+    assert manifest["store_fingerprint"] == store.fingerprint
+    stamp = (folder / PIECES).stat().st_mtime_ns
+    again, same = open_packing(store, 16, workers=2)  # found, not built again
+    assert same == folder and (folder / PIECES).stat().st_mtime_ns == stamp
+    assert np.array_equal(again.pieces, packed.pieces)
+
+
+def test_an_edited_index_is_refused_naming_the_folder(store, cache):
+    _, folder = open_packing(store, 16)
+    pieces = np.load(folder / PIECES)
+    pieces[0, 2] += 1
+    np.save(folder / PIECES, pieces)
+    with pytest.raises(StoreError, match="does not hash to what its manifest records") as e:
+        read_index(store, 16, folder)
+    assert f"Remove {folder}" in str(e.value)
+
+
+def test_an_index_of_another_seq_len_is_refused(store, cache):
+    _, folder = open_packing(store, 16)
+    with pytest.raises(StoreError, match=r"at seq_len 32 \(it differs in seq_len\)"):
+        read_index(store, 32, folder)
+
+
+def test_plan_prints_the_order_over_packed_samples(store, store_path, cache, capsys):
+    args = ["plan", "--store", str(store_path), "--seq-len", "16", "--seed", "5",
+            "--global-batch-size", "4", "--json", "--packing", "best_fit"]  # fmt: skip
+    packed, _ = open_packing(store, 16)
+    epoch_steps = packed.num_samples // 4
+    assert main([*args, "--steps", f"1:{epoch_steps}"]) == 0
+    out = capsys.readouterr()
+    lines = [json.loads(x) for x in out.out.splitlines()]
+    plan = DataPlan(packed.num_samples, 5, BatchSchedule.parse("4"))
+    assert all(x["ids"] == plan.global_ids(x["step"]).tolist() for x in lines)
+    ids = [i for x in lines for i in x["ids"]]
+    assert len(set(ids)) == len(ids) == epoch_steps * 4  # each packed sample once an epoch
+    assert f"packing best_fit: {packed.num_samples} packed samples of seq_len 16" in out.err
+    assert main([*args[:-2], "--steps", "1:1"]) == 0  # unpacked: the windows' ids
+    windows = json.loads(capsys.readouterr().out)["ids"]
+    assert (
+        windows
+        == DataPlan(store.num_samples(16), 5, BatchSchedule.parse("4")).global_ids(1).tolist()
+    )
+
+
+def test_plan_refuses_packing_with_a_mixture(tmp_path, cache, capsys):
+    mixture = tmp_path / "m.toml"
+    mixture.write_text('[[source]]\nname = "a"\nstore = "builtin:docs"\n')
+    argv = ["plan", "--mixture", str(mixture), "--seq-len", "16", "--seed", "0",
+            "--global-batch-size", "4", "--steps", "1:1", "--packing", "best_fit"]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--packing best_fit with --mixture is not supported yet" in err
+    assert "Traceback" not in err

@@ -1,0 +1,150 @@
+"""A store's packing index on disk: built once per (store, seq_len), checked, mapped.
+
+Role: ``open_packing(store, seq_len)`` gives the ``order.packing.PackedSamples`` of a
+store at ``seq_len``: read from the cache when it is there, else built once
+(``ingest.cache_folder.build_once``: under a lock, into a staging folder renamed into
+place) from the store's document offsets, its chunks packed by ``workers`` processes.
+Where: ``<cache>/packing/<store fingerprint>/best_fit-L<seq_len>-v<format>/`` (the
+cache: ``$ZEPHON_CACHE``, else ``zephon.cache_dir``, else
+``~/.cache/torchtitan_zephon``), so a read-only or shared store needs no write access
+and every node keeps its own copy (the same bytes: the index is deterministic). It
+holds ``starts.npy`` and ``pieces.npy`` (memory-mapped on open) and ``manifest.json``:
+the store's fingerprint, ``seq_len``, the packing field (method and constants), the
+counts, and the xxh3-128 of both arrays.
+
+Invariants:
+- An index is used only for the store, ``seq_len`` and packing constants it was built
+  for, and only when its arrays hash to what its manifest says: anything else (another
+  store's entry, a hand edit, a torn copy) is refused naming the folder to remove; the
+  next open builds it again.
+- Building it reads only the document offsets (O(documents)); the tokens are not read.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from torchtitan_zephon.ingest.cache_folder import build_once, cache_root
+from torchtitan_zephon.order.packing import PackedSamples, pack, packing_field
+from torchtitan_zephon.store.format import MANIFEST, StoreError, file_xxh3_128
+from torchtitan_zephon.store.reader import TokenStore
+
+STARTS, PIECES = "starts.npy", "pieces.npy"
+
+
+def document_lengths(store: TokenStore) -> np.ndarray:
+    """Tokens of each document of ``store`` (each with its EOS)."""
+    offsets = np.asarray(store.doc_offsets, dtype=np.int64)
+    return np.diff(np.append(offsets, np.int64(store.num_tokens)))
+
+
+def index_folder(store: TokenStore, seq_len: int, cache_dir: str = "") -> Path:
+    field = packing_field("best_fit")
+    assert field is not None
+    name = f"best_fit-L{int(seq_len)}-v{field['format']}"
+    return cache_root(cache_dir) / "packing" / store.fingerprint / name
+
+
+def _manifest(store: TokenStore, packed: PackedSamples, folder: Path) -> dict[str, Any]:
+    return {
+        "kind": "packing index",
+        "store_fingerprint": store.fingerprint,
+        "seq_len": packed.seq_len,
+        "packing": packing_field("best_fit"),
+        "num_documents": store.num_documents,
+        "num_samples": packed.num_samples,
+        "num_pieces": packed.num_pieces,
+        "tokens": packed.tokens(),
+        "padding_fraction": packed.padding_fraction(),
+        "split_documents": packed.split_documents(),
+        "starts_xxh3_128": file_xxh3_128(folder / STARTS),
+        "pieces_xxh3_128": file_xxh3_128(folder / PIECES),
+    }
+
+
+def build_index(store: TokenStore, seq_len: int, dest: Path, workers: int = 1) -> None:
+    """Pack ``store``'s documents at ``seq_len`` into the index folder ``dest``."""
+    lengths = document_lengths(store)
+    if workers > 1:
+        with ProcessPoolExecutor(max_workers=workers) as pool:
+            packed = pack(lengths, seq_len, map_fn=pool.map)
+    else:
+        packed = pack(lengths, seq_len)
+    dest.mkdir(parents=True)
+    np.save(dest / STARTS, packed.starts)
+    np.save(dest / PIECES, packed.pieces)
+    manifest = _manifest(store, packed, dest)
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def read_index(store: TokenStore, seq_len: int, folder: Path) -> PackedSamples:
+    """The index in ``folder``, checked against ``store`` and ``seq_len``; StoreError
+    naming the folder when it is not theirs or its arrays do not hash as recorded."""
+    redo = f"Remove {folder} (it is built again on the next use)."
+    try:
+        manifest = json.loads((folder / MANIFEST).read_text())
+        want = {
+            "store_fingerprint": store.fingerprint,
+            "seq_len": int(seq_len),
+            "packing": packing_field("best_fit"),
+        }
+        wrong = sorted(k for k, v in want.items() if manifest.get(k) != v)
+        if wrong:
+            raise StoreError(
+                f"the packing index {folder} is not the one of store {store.fingerprint[:16]}... "
+                f"at seq_len {seq_len} (it differs in {', '.join(wrong)}). {redo}"
+            )
+        for name, key in ((STARTS, "starts_xxh3_128"), (PIECES, "pieces_xxh3_128")):
+            if file_xxh3_128(folder / name) != manifest.get(key):
+                raise StoreError(
+                    f"the packing index file {folder / name} does not hash to what its "
+                    f"manifest records (edited or torn). {redo}"
+                )
+        starts = np.load(folder / STARTS, mmap_mode="r")
+        pieces = np.load(folder / PIECES, mmap_mode="r")
+    except (OSError, ValueError, KeyError) as e:
+        raise StoreError(f"cannot read the packing index {folder} ({e}). {redo}") from None
+    packed = PackedSamples(seq_len=int(seq_len), starts=starts, pieces=pieces)
+    if packed.num_samples != manifest.get("num_samples") or pieces.shape[1:] != (3,):
+        raise StoreError(f"the packing index {folder} does not hold what its manifest says. {redo}")
+    return packed
+
+
+def open_packing(
+    store: TokenStore,
+    seq_len: int,
+    *,
+    cache_dir: str = "",
+    workers: int = 1,
+    log: Callable[[str], None] | None = None,
+) -> tuple[PackedSamples, Path]:
+    """``store``'s packing index at ``seq_len`` and its folder, built on first use."""
+    if store.doc_offsets is None:
+        raise StoreError(
+            f"the store {store.path} has no document offsets to pack: write it again with "
+            "zephon prepare."
+        )
+    folder = index_folder(store, seq_len, cache_dir)
+    build_once(
+        folder,
+        lambda dest, _progress: build_index(store, seq_len, dest, workers),
+        what=f"the packing index of {store.path} at seq_len {seq_len}",
+        log=log,
+    )
+    return read_index(store, seq_len, folder), folder
+
+
+def packing_note(packed: PackedSamples, store: TokenStore, folder: Path) -> str:
+    """One line on what packing makes of ``store``: samples, split documents, padding."""
+    return (
+        f"packing best_fit: {packed.num_samples} packed samples of seq_len {packed.seq_len} "
+        f"from {store.num_documents} documents ({packed.split_documents()} longer than "
+        f"seq_len, cut into pieces), padding {packed.padding_fraction():.2%}; the ids are "
+        f"packed sample ids (index: {folder})"
+    )
