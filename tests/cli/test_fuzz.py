@@ -24,7 +24,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import torchtitan_zephon.cli.plan as plan_cli
@@ -419,6 +419,8 @@ _configs = st.dictionaries(
 
 @FUZZ
 @given(config=_configs, step=st.integers(-2, 10**12))
+@example(config={"seq_len": 0, "seed": 0, "sample_offset": 2**63}, step=1)
+@example(config={"sample_offset": (1 << 40) - 88}, step=1)  # past the sample id space
 def test_show_and_where_random_data_configs(tmp_path, config, step):
     """A start event holding a random data config: show and where refuse it in a line."""
     base = {"seq_len": 8, "seed": 1, "schedule": [[1, 4]], "num_samples": 100,

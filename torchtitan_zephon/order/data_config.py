@@ -48,6 +48,7 @@ from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.packing import packing_field
 from torchtitan_zephon.order.skips import SkipSteps
+from torchtitan_zephon.order.stream import ID_MASK
 from torchtitan_zephon.store.format import fingerprint
 
 ORDER_FORMAT = 1
@@ -224,7 +225,7 @@ class DataConfig:
         for name in ("store_fingerprint", "tokenizer_hash"):
             if name not in d:
                 raise DataStateMismatch(f"{what} has no field {name!r}; the checkpoint is corrupt.")
-        return cls(
+        config = cls(
             seq_len=saved_int(d, "seq_len", what),
             seed=saved_int(d, "seed", what),
             schedule=schedule,
@@ -235,6 +236,27 @@ class DataConfig:
             order_format=saved_int(d, "order_format", what, 1),
             extra=tuple(sorted((k, v) for k, v in d.items() if k not in CORE_FIELDS)),
         )
+        bad = config._out_of_range()
+        if bad:
+            raise DataStateMismatch(
+                f"{what} has {bad}; the checkpoint's data state is corrupt or was written by "
+                "another tool."
+            )
+        return config
+
+    def _out_of_range(self) -> str | None:
+        """What no config this engine makes holds: seq_len or num_samples below 1, or
+        samples outside the sample id space of ``order.stream`` (2^40 per source)."""
+        if self.seq_len < 1:
+            return f"seq_len {self.seq_len} (expected >= 1)"
+        if self.num_samples < 1:
+            return f"num_samples {self.num_samples} (expected >= 1)"
+        if self.sample_offset < 0 or self.sample_offset + self.num_samples > ID_MASK + 1:
+            return (
+                f"samples [{self.sample_offset}, {self.sample_offset + self.num_samples}) "
+                f"outside the sample ids [0, {ID_MASK + 1})"
+            )
+        return None
 
     @functools.cached_property
     def fingerprint(self) -> str:
