@@ -19,6 +19,7 @@ from torchtitan_zephon.order.packing import (
     best_fit,
     pack,
     packing_field,
+    padding_warning,
     pieces_of,
 )
 from torchtitan_zephon.order.stream import DataPlan
@@ -90,10 +91,16 @@ def test_best_fit_is_the_rule_it_states(lengths, open_samples):
     assert best_fit(lengths, 64, open_samples) == reference_best_fit(lengths, 64, open_samples)
 
 
-def test_documents_just_over_half_a_sample_pad_about_half():
-    """The worst case the rule has: no two pieces fit together."""
+def test_documents_just_over_half_a_sample_pad_about_half_and_warn():
+    """The worst case the rule has: no two pieces fit together; the start warns."""
     packed = pack(np.full(500, 33), 64)
     assert packed.num_samples == 500 and packed.padding_fraction() == pytest.approx(31 / 64)
+    assert padding_warning(packed, "S") == (
+        "zephon.packing = best_fit pads 48.4% of the samples of S at seq_len 64 (more than "
+        "10%): its documents pack poorly into seq_len tokens (for example, most just over "
+        "seq_len / 2); consider another seq_len."
+    )
+    assert padding_warning(pack(np.full(500, 32), 64), "S") is None  # two to a sample
 
 
 def test_long_documents_are_cut_into_seq_len_pieces_and_their_rest():

@@ -106,11 +106,18 @@ def train(
 
 
 def train03(
-    run: Path, nproc: int = 2, *overrides: str, config: str = "llama3_tiny", timeout: int = 600
+    run: Path,
+    nproc: int = 2,
+    *overrides: str,
+    config: str = "llama3_tiny",
+    timeout: int = 600,
+    log: Path | None = None,
 ) -> Job:
     """Run one TorchTitan 0.3 job of Zephon's registry (``--module torchtitan_zephon.configs
-    --config CONFIG``) to completion; its output is appended to ``<run>/train.log``."""
-    run.mkdir(parents=True, exist_ok=True)
+    --config CONFIG``) to completion; its output is appended to ``log`` (default
+    ``<run>/train.log``, as ``train``)."""
+    if log is None:
+        run.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
         f"--nproc_per_node={nproc}",
@@ -128,7 +135,7 @@ def train03(
         text=True,
         timeout=timeout,
     )
-    with open(run / "train.log", "a") as f:
+    with open(log or run / "train.log", "a") as f:
         f.write(proc.stdout)
     return Job(run, proc.returncode, proc.stdout)
 

@@ -129,7 +129,10 @@ def document_offsets(data: Any, fetch_limit: int = OFFSETS_FETCH_LIMIT) -> list[
     from the job's data (``job.data.StoreData`` / ``MixtureData``), in source order.
     A local store's are mapped; a store in object storage fetches its offsets file
     whole, on the first call, only when it is at most ``fetch_limit`` bytes (None
-    otherwise: a store of 10^10 documents holds 80 GB of offsets)."""
+    otherwise: a store of 10^10 documents holds 80 GB of offsets). Packed samples
+    (``job.packed``) are not windows of the offsets: None, not counted."""
+    if hasattr(data, "packed"):
+        return [None]
     stores = data.stores if hasattr(data, "stores") else [data.store]
     out: list[np.ndarray | None] = []
     for st in stores:

@@ -138,8 +138,9 @@ class StoreData:
         *,
         sample_offset: int = 0,
         num_samples: int | None = None,
+        available: int | None = None,
     ) -> None:
-        available = store.num_samples(seq_len)
+        available = store.num_samples(seq_len) if available is None else available
         if available == 0:
             what = f"the store {str(store.path)!r}"
             raise ValueError(
@@ -156,6 +157,7 @@ class StoreData:
                 "num_samples, or a larger store."
             )
         self.store = store
+        self.available = int(available)  # samples of the store at seq_len (packed: the index's)
         self.seq_len = int(seq_len)
         self.sample_offset = int(sample_offset)
         self.num_samples = int(num_samples)
@@ -174,7 +176,7 @@ class StoreData:
         """Leave out ``exclusions`` (``order.exclusions``) from now on: checked against the
         store's training and held-out ids (ValueError naming the line), then bound by
         every data config this data makes."""
-        total = self.store.num_samples(self.seq_len)
+        total = self.available
         exclusions.check({None: SourceRange(self.sample_offset, self.num_samples, total)})
         self.exclusions = exclusions if exclusions else None
 
@@ -217,7 +219,7 @@ class StoreData:
 
     def heldout(self) -> list[Heldout]:
         first = self.sample_offset + self.num_samples
-        return [Heldout(None, self.store, first, self.store.num_samples(self.seq_len) - first)]
+        return [Heldout(None, self.store, first, self.available - first)]
 
 
 # ---------------------------------------------------------------- a mixture

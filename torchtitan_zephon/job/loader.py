@@ -54,6 +54,7 @@ import torch
 
 from torchtitan_zephon.job.data import JobData, as_job_data
 from torchtitan_zephon.job.documents import document_positions
+from torchtitan_zephon.job.packed import IGNORE_INDEX
 from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.job.read_ahead import _ReadAhead
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
@@ -127,6 +128,7 @@ class ZephonLoader(_ReadAhead):
         )
         self.data = data
         self.store = data  # what ``windows`` gathers from (one store or several)
+        self._packed = hasattr(data, "ignored")  # packed samples (job.packed)
         self.seq_len = int(seq_len)
         self.dp_rank = int(dp_rank)
         self.dp_degree = int(dp_degree)
@@ -199,6 +201,8 @@ class ZephonLoader(_ReadAhead):
         # One pass each, straight from the store dtype into contiguous int64 buffers.
         inputs = torch.from_numpy(tokens[:, :-1].astype(np.int64, order="C"))
         labels = torch.from_numpy(tokens[:, 1:].astype(np.int64, order="C"))
+        if self._packed:  # a document's last token and the padding train no label
+            labels[torch.from_numpy(self.store.ignored(ids, self.seq_len))] = IGNORE_INDEX
         if self.pin_memory:
             inputs, labels = inputs.pin_memory(), labels.pin_memory()
         return inputs, labels

@@ -32,8 +32,10 @@ from torchtitan_zephon.ingest.cache import RawInputs
 from torchtitan_zephon.ingest.cache_folder import cache_root
 from torchtitan_zephon.ingest.inputs import OptionNames
 from torchtitan_zephon.job.data import StoreData
+from torchtitan_zephon.job.packed import PackedStoreData
 from torchtitan_zephon.job.stores import store_location
 from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.packing import PackedSamples
 from torchtitan_zephon.order.store_size import (
     MIN_STORE_SAMPLES,
     check_store_size,
@@ -137,13 +139,20 @@ def open_store(job_config: Any, *, log: Log | None = None, warn: Log | None = No
 
 
 def store_data(
-    store: TokenStore, seq_len: int, heldout: int, schedule: BatchSchedule, *, what: str
+    store: TokenStore,
+    seq_len: int,
+    heldout: int,
+    schedule: BatchSchedule,
+    *,
+    what: str,
+    packed: PackedSamples | None = None,
 ) -> StoreData:
     """The job's one store (``what`` names it), its last ``heldout`` samples held out:
     refused when it holds fewer than ``MIN_STORE_SAMPLES`` training samples (or none of
     seq_len), with a warning in ``source.warnings`` when they are fewer than a global
-    batch."""
-    total = store.num_samples(seq_len)
+    batch. With ``packed`` (its packing index at seq_len) the samples are packed ones
+    (``job.packed``)."""
+    total = store.num_samples(seq_len) if packed is None else packed.num_samples
     held = f"lower --zephon.heldout_samples (now {heldout})" if heldout > 0 else ""
     need = MIN_STORE_SAMPLES + max(heldout, 0)
     fix = store_fix(store.num_tokens, need, "--training.seq_len", first=held)
@@ -157,7 +166,10 @@ def store_data(
         )
     training = f"{what} (seq_len {seq_len}{f', {heldout} held out' if heldout else ''})"
     warning = check_store_size(training, total - heldout, schedule, fix)
-    source = StoreData(store, seq_len, num_samples=total - heldout)
+    if packed is None:
+        source = StoreData(store, seq_len, num_samples=total - heldout)
+    else:
+        source = PackedStoreData(store, packed, num_samples=total - heldout)
     if warning:
         source.warnings.append(warning)
     return source

@@ -47,6 +47,8 @@ PACKING_FORMAT = 1
 """Version of the rule below: a new rule gets a new number (and a new data config)."""
 OPEN_SAMPLES = 64
 """The look-ahead: how many samples may be open (filling) at once."""
+PADDING_WARNING = 0.10
+"""A store whose packing pads more than this fraction of its samples warns at start."""
 CHUNK_DOCUMENTS = 1 << 16
 """Documents packed together; chunks never share a sample (fixed: any worker count
 builds the same index)."""
@@ -191,6 +193,19 @@ def pack(
     starts = np.zeros(sizes.size + 1, dtype=np.int64)
     np.cumsum(sizes, out=starts[1:])
     return PackedSamples(seq_len=int(seq_len), starts=starts, pieces=rows)
+
+
+def padding_warning(packed: PackedSamples, store: str) -> str | None:
+    """The start's warning when packing pads more than ``PADDING_WARNING`` of the samples
+    of ``store`` (None otherwise)."""
+    fraction = packed.padding_fraction()
+    if fraction <= PADDING_WARNING:
+        return None
+    return (
+        f"zephon.packing = best_fit pads {fraction:.1%} of the samples of {store} at seq_len "
+        f"{packed.seq_len} (more than {PADDING_WARNING:.0%}): its documents pack poorly into "
+        "seq_len tokens (for example, most just over seq_len / 2); consider another seq_len."
+    )
 
 
 def packing_field(method: str) -> dict[str, int | str] | None:

@@ -37,6 +37,7 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.data import JobData, MixtureData
+from torchtitan_zephon.job.packing import open_packing, packing_note
 from torchtitan_zephon.job.settings import (
     open_store,
     raw_inputs,
@@ -48,6 +49,7 @@ from torchtitan_zephon.order.data_config import DataConfig, data_extra
 from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
+from torchtitan_zephon.order.packing import padding_warning
 from torchtitan_zephon.store.format import MAX_BLOCK_TOKENS
 from torchtitan_zephon.titan.configs.job_view import JobView
 
@@ -66,6 +68,13 @@ def resolve_data(job: JobView, tokenizer: Any = None) -> JobData:
     seq_len = job.seq_len
     mixture = zc.mixture
     shown = store_name(zc.store)
+    packing = getattr(zc, "packing", "none")
+    data_extra(packing=packing)  # an unknown method: refused, naming the setting
+    if mixture and packing != "none":
+        raise ValueError(
+            f"zephon.packing = {packing!r} with zephon.mixture: packing each source's "
+            "documents is not supported yet; train the mixture with zephon.packing = 'none'."
+        )
     if mixture:
         if zc.store:
             raise ValueError(
@@ -93,7 +102,14 @@ def resolve_data(job: JobView, tokenizer: Any = None) -> JobData:
             else f"the store {shown!r} ({store.path})"
         )
         schedule = batch_schedule(job)
-        data = store_data(store, seq_len, zc.heldout_samples, schedule, what=named)
+        packed = None
+        if packing != "none":
+            packed, index = open_packing(store, seq_len, cache_dir=zc.cache_dir, log=_log)
+            _log(packing_note(packed, store, index))
+            warning = padding_warning(packed, str(store.path))
+            if warning:
+                logger.warning(warning)
+        data = store_data(store, seq_len, zc.heldout_samples, schedule, what=named, packed=packed)
         what = f"the store {store.path}"
     model_vocab = job.vocab_size
     if model_vocab is not None and data.vocab_size > model_vocab:
@@ -251,7 +267,9 @@ def job_data_config(job: JobView, data: JobData) -> DataConfig:
     return data.data_config(
         seed=job.zephon.seed,
         schedule=batch_schedule(job),
-        extra=data_extra(skip_steps=job.zephon.skip_steps),
+        extra=data_extra(
+            skip_steps=job.zephon.skip_steps, packing=getattr(job.zephon, "packing", "none")
+        ),
     )
 
 

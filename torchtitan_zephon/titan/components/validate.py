@@ -136,11 +136,15 @@ class HeldoutLoader(BaseDataLoader):
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         for ids in self.microbatch_ids():
             w = torch.from_numpy(self.store.windows(ids, self.seq_len).astype(np.int64))
-            inputs = w[:, :-1]
+            inputs, labels = w[:, :-1], w[:, 1:]
+            ignored = getattr(self.store, "ignored", None)  # packed samples (job.packed)
+            if ignored is not None:
+                labels = labels.clone()
+                labels[torch.from_numpy(ignored(ids, self.seq_len))] = IGNORE_INDEX
             batch = {"input": inputs}
             if self.eos_id is not None:
                 batch["positions"] = document_positions(inputs, self.eos_id)
-            yield batch, w[:, 1:]
+            yield batch, labels
 
     def state_dict(self) -> dict[str, Any]:
         return {}

@@ -103,6 +103,16 @@ class Zephon:
     first entry at step 1), e.g. "1:32,1000:64". Empty: training.global_batch_size
     for every step. Positions are accounted exactly across changes."""
 
+    packing: str = "none"
+    """"none" (the default): a sample is a fixed window of seq_len tokens of the
+    concatenated documents. "best_fit": a sample is whole documents (a document longer
+    than seq_len is cut into seq_len pieces, its rest packed like a short document)
+    packed by best fit over 64 open samples, the rest EOS padding; a document's last
+    token (EOS) and the padding train no label, positions and attention masks restart
+    at every document. The packing index is built once per store and seq_len into
+    <cache>/packing/ (ZEPHON_CACHE, else zephon.cache_dir). Still one exact order at
+    any DP degree. Part of the data config (only when not "none")."""
+
     skip_steps: str = ""
     """Skip ranges "S:N,S:N,..." (entries strictly increasing in S, N >= 1, not
     overlapping): at step S, the data that steps S..S+N-1 would have drawn is consumed

@@ -113,7 +113,7 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
             )
         if dl.tracker.enabled:
             dl.ids_digests.ahead(step)
-        total = torch.tensor(loader.plan.schedule.gbs(step) * loader.seq_len, dtype=torch.int64)
+        total = torch.tensor(step_label_tokens(loader, step), dtype=torch.int64)
         total = total.to(trainer.device)
         lr_metrics = trainer.lr_schedulers.get_metrics()
         should_log = trainer.metrics_processor.should_log(step)
@@ -189,6 +189,16 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
             extra_metrics={"n_tokens_seen": seen, **lr_metrics},
         )
     return step, tokens
+
+
+def step_label_tokens(loader: Any, step: int) -> int:
+    """The labels step ``step`` trains over all of B(s), whatever part this group has:
+    every token of a window, or (packed samples) what the packing index says."""
+    first, gbs = loader.plan.step_positions(step)
+    counted = getattr(loader.store, "labelled_tokens", None)  # packed samples (job.packed)
+    if counted is None:
+        return gbs * loader.seq_len
+    return counted(loader.plan.ids_for_positions(first, gbs))
 
 
 def _quorum_id(manager: Any) -> int | None:

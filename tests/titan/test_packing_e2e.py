@@ -1,0 +1,62 @@
+"""Packing end to end (issue 31 part a2): a 2-rank run of the tiny Llama with
+``--zephon.packing best_fit``, killed after its checkpoint at step 4 and resumed on one
+rank, trains exactly what an uninterrupted 1-rank packed run trains (``zephon verify``
+MATCH, losses within the tolerance the elastic-resume tests use); a resume that turns
+packing off is refused naming the field, with the run folder unchanged."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.titan.expect import (
+    TOPOLOGY_RTOL,
+    assert_losses,
+    assert_refused,
+    assert_same_data,
+    assert_unchanged,
+    assert_verify_match,
+    resume_events,
+    tree,
+)
+from tests.titan.launch import copy_run_until, train03
+from torchtitan_zephon.run.recorded import sequence_log
+
+PACKED = ("--training.steps", "8", "--zephon.packing", "best_fit")
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted packed run on one rank."""
+    run = tmp_path_factory.mktemp("packing") / "one_rank"
+    train03(run, 1, *PACKED).check()
+    return run
+
+
+def test_a_packed_run_resumed_on_one_rank_matches_the_uninterrupted_one(
+    one_rank: Path, tmp_path: Path
+) -> None:
+    two = tmp_path / "two_ranks"
+    job = train03(two, 2, *PACKED).check()
+    assert "packing best_fit:" in job.output and "packed samples of seq_len 64" in job.output
+    run = copy_run_until(two, tmp_path / "resumed", 4)
+    train03(run, 1, *PACKED).check()
+    (event,) = resume_events(run)
+    assert (event["from_step"], event["dp_degree"]) == (4, 1)
+    assert event["data_config"]["packing"]["method"] == "best_fit"
+    for other in (two, run):
+        assert_same_data(one_rank, other, range(1, 9))
+        assert_losses(one_rank, other, range(1, 9), rtol=TOPOLOGY_RTOL)
+        assert_verify_match(one_rank, other)
+
+
+def test_a_resume_that_turns_packing_off_is_refused_naming_the_field(
+    one_rank: Path, tmp_path: Path
+) -> None:
+    run = copy_run_until(one_rank, tmp_path / "unpacked", 4)
+    before = tree(run)
+    job = train03(run, 1, "--training.steps", "8", log=tmp_path / "unpacked.log")
+    assert_refused(job, "Differing fields", "packing", "allow_changes")
+    assert_unchanged(before, tree(run))
+    assert sorted(sequence_log(run).records) == list(range(1, 9))

@@ -1,0 +1,171 @@
+"""A store read as packed samples (``zephon.packing = "best_fit"``): whole documents in
+every sample, labels only where the next token is the same document's.
+
+Role: ``PackedStoreData`` is ``StoreData`` whose samples are the packed samples of the
+store's packing index (``job.packing``, ``order.packing``): the keys are packed sample
+ids, ``windows(keys, seq_len)`` gives each sample's row of ``seq_len + 1`` tokens (its
+pieces in order, then EOS as padding; after a piece that does not end its document, the
+document's next token) and ``ignored(keys, seq_len)`` the inputs whose label is not
+trained: a document's last token (its EOS: the next token is another document's) and
+the padding. The loader sets those labels to TorchTitan's ``IGNORE_INDEX``, so the loss
+of a step is the mean over its labelled tokens. A piece cut from a longer document
+trains every token, its last one too: that one's label is the document's next token,
+the first of its next piece. ``labelled_tokens(keys)`` counts labels from the index
+alone.
+
+Invariants:
+- A row's inputs are exactly its pieces' tokens then padding; every labelled input's
+  label is the next token of the same document (property-tested).
+- Padding is EOS, so the per-document positions the loader adds (``job.documents``)
+  restart at every document and the padding attends to itself alone: nothing trained
+  crosses a document boundary.
+- Every token read was checked against the store's chunk checksums first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from torchtitan_zephon.job.data import Heldout, StoreData
+from torchtitan_zephon.order.data_config import PACKING_FIELD, DataConfig
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.packing import PackedSamples, packing_field
+from torchtitan_zephon.store.format import StoreError
+from torchtitan_zephon.store.reader import TokenStore
+
+IGNORE_INDEX = -100
+"""The label of an input that trains nothing: TorchTitan's ``IGNORE_INDEX`` (its loss
+skips it; its step counts the others as the step's tokens)."""
+
+
+class PackedStoreData(StoreData):
+    """One store, its samples the packed samples ``[sample_offset, + num_samples)``."""
+
+    def __init__(
+        self,
+        store: TokenStore,
+        packed: PackedSamples,
+        *,
+        sample_offset: int = 0,
+        num_samples: int | None = None,
+    ) -> None:
+        if not store.mapped:
+            raise StoreError(
+                f"zephon.packing = best_fit reads {store.path} by token ranges of whole "
+                "documents, which this version does for a local store only: copy the store "
+                "to local disk, or train without packing."
+            )
+        self.packed = packed
+        super().__init__(
+            store,
+            packed.seq_len,
+            sample_offset=sample_offset,
+            num_samples=num_samples,
+            available=packed.num_samples,
+        )
+        self._doc_offsets = np.asarray(store.doc_offsets, dtype=np.int64)
+        lengths = np.diff(np.append(self._doc_offsets, np.int64(store.num_tokens)))
+        self._doc_lengths = lengths
+
+    def __repr__(self) -> str:
+        return f"PackedStoreData({self.store!r}, seq_len={self.seq_len})"
+
+    def data_config(
+        self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
+    ) -> DataConfig:
+        return super().data_config(
+            seed=seed,
+            schedule=schedule,
+            extra={**(extra or {}), PACKING_FIELD: packing_field("best_fit")},
+        )
+
+    def _rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pieces of samples ``keys``: (row of each piece, its first token in the store,
+        its length, in row order)."""
+        keys = np.asarray(keys, dtype=np.int64).ravel()
+        if keys.size and (int(keys.min()) < 0 or int(keys.max()) >= self.packed.num_samples):
+            raise IndexError(
+                f"packed sample ids must lie in [0, {self.packed.num_samples}), found "
+                f"[{int(keys.min())}, {int(keys.max())}]."
+            )
+        starts, pieces = self.packed.starts, self.packed.pieces
+        counts = starts[keys + 1] - starts[keys]
+        first = np.repeat(starts[keys], counts) + _ranks_within(counts)
+        rows = np.repeat(np.arange(keys.size, dtype=np.int64), counts)
+        piece = np.asarray(pieces[first])
+        return rows, self._doc_offsets[piece[:, 0]] + piece[:, 1], piece
+
+    def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
+        """Rows [len(keys), seq_len + 1] in the store dtype: each sample's pieces, then
+        EOS padding; after a piece that does not end its document, that document's next
+        token (the label of the piece's last token)."""
+        rows, begin, piece = self._rows(keys)
+        length = piece[:, 2]
+        ends_doc = piece[:, 1] + length == self._doc_lengths[piece[:, 0]]
+        take = length + (~ends_doc)  # a continued document: one token more, its label
+        tokens = self._read(begin, take)
+        out = np.full((np.size(keys), seq_len + 1), self.store.eos_id, dtype=self.store.dtype)
+        col = _ranks_within_rows(rows, take, length)
+        out[np.repeat(rows, take), col] = tokens
+        return out
+
+    def ignored(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
+        """bool [len(keys), seq_len]: the inputs whose label is not trained (a document's
+        last token, the padding)."""
+        rows, _, piece = self._rows(keys)
+        length = piece[:, 2]
+        ends_doc = piece[:, 1] + length == self._doc_lengths[piece[:, 0]]
+        out = np.ones((np.size(keys), seq_len), dtype=bool)
+        col = _ranks_within_rows(rows, length, length)
+        out[np.repeat(rows, length), col] = False
+        last = col.reshape(-1)[np.cumsum(length) - 1]  # each piece's last input column
+        out[rows[ends_doc], last[ends_doc]] = True
+        return out
+
+    def labelled_tokens(self, keys: np.ndarray) -> int:
+        """Labels trained in samples ``keys`` (from the index: no token is read)."""
+        _, _, piece = self._rows(keys)
+        ends_doc = piece[:, 1] + piece[:, 2] == self._doc_lengths[piece[:, 0]]
+        return int(piece[:, 2].sum() - ends_doc.sum())
+
+    def _read(self, begin: np.ndarray, length: np.ndarray) -> np.ndarray:
+        """The store's tokens of spans [begin, begin + length), concatenated (checked)."""
+        store = self.store
+        if store.unchecked_chunks:
+            c = store.chunk_tokens
+            ends = begin + length - 1
+            chunks: set[int] = set()
+            for a, e in zip((begin // c).tolist(), (ends // c).tolist(), strict=True):
+                chunks.update(range(a, e + 1))
+            for chunk in sorted(chunks):
+                store.check_chunk(chunk)
+        index = np.repeat(begin, length) + _ranks_within(length)
+        return np.asarray(store.tokens[index])
+
+    def heldout(self) -> list[Heldout]:
+        """The last packed samples, read as packed samples (this data's ``windows`` and
+        ``ignored``)."""
+        first = self.sample_offset + self.num_samples
+        return [Heldout(None, self, first, self.packed.num_samples - first)]  # type: ignore[arg-type]
+
+
+def _ranks_within(counts: np.ndarray) -> np.ndarray:
+    """0, 1, ..., counts[0] - 1, 0, 1, ..., counts[1] - 1, ... (int64)."""
+    total = int(counts.sum())
+    ends = np.cumsum(counts)
+    return np.arange(total, dtype=np.int64) - np.repeat(ends - counts, counts)
+
+
+def _ranks_within_rows(rows: np.ndarray, take: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The column of each token of each piece (``take`` tokens of a piece placed at its
+    offset in its row: the sum of the ``length`` of the row's pieces before it)."""
+    before = np.cumsum(length) - length  # tokens of all earlier pieces
+    row_start = np.zeros(rows.size, dtype=np.int64)
+    if rows.size:
+        first_of_row = np.r_[True, rows[1:] != rows[:-1]]
+        row_start = np.maximum.accumulate(np.where(first_of_row, before, 0))
+    offset = before - row_start
+    return np.repeat(offset, take) + _ranks_within(take)
