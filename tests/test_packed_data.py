@@ -129,3 +129,40 @@ def test_a_torchft_step_weighs_by_the_labels_of_all_of_its_global_batch(packed_d
         for step in range(1, 31):
             labels = torch.cat([lab for _, lab in loader.step_microbatches(step)])
             assert step_label_tokens(loader, step) == int((labels != IGNORE_INDEX).sum())
+
+
+def test_show_and_where_of_a_packing_run_name_packed_samples(
+    packed_data, store_path, tmp_path, capsys
+):
+    """A run whose log holds a packing data config (no training needed: show and where
+    read the log's data config): show lists each packed sample's documents and padding,
+    where finds every packed sample of a document at the step that plans it."""
+    import json
+
+    from torchtitan_zephon.cli.main import main
+    from torchtitan_zephon.order.stream import DataPlan
+
+    config = packed_data.data_config(seed=3, schedule=BatchSchedule([(1, 4)]))
+    run = tmp_path / "run"
+    (run / "zephon").mkdir(parents=True)
+    event = {"event": "start", "from_step": 0, "chain": "x", "data_config": config.to_dict()}
+    (run / "zephon" / "sequence_log.jsonl").write_text(json.dumps(event) + "\n")
+    common = ["--store", str(store_path), "--json"]
+    assert main(["show", str(run), "--step", "5", *common]) == 0
+    step = json.loads(capsys.readouterr().out)
+    plan = DataPlan(packed_data.packed.num_samples, 3, BatchSchedule([(1, 4)]))
+    assert [s["sample"] for s in step["samples"]] == plan.global_ids(5).tolist()
+    for s in step["samples"]:
+        assert s["documents"] == packed_data.documents(s["sample"])
+        assert sum(d["stop"] - d["start"] for d in s["documents"]) + s["padding"] == SEQ
+    doc = step["samples"][1]["documents"][0]["document"]
+    holding = packed_data.samples_of_document(doc).tolist()
+    assert step["samples"][1]["sample"] in holding
+    assert main(["where", str(run), "--doc", str(doc), "--epochs", "0:0", *common]) == 0
+    hits = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert sorted(h["sample"] for h in hits) == holding  # each packed sample holding it, once
+    assert {"step": 5, "index": 1, "sample": step["samples"][1]["sample"]}.items() <= next(
+        h for h in hits if h["step"] == 5
+    ).items()
+    for h in hits:  # each hit is where the plan puts that sample
+        assert plan.global_ids(h["step"])[h["index"]] == h["sample"]

@@ -287,6 +287,7 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
     if note:
         notes.append(note)
     reader = event["_reader"]
+    packed = _run_packed(config, stores[0]) if config.packing != "none" else None
 
     def trained_degree(step: int) -> int | None:
         return _degree(reader.event_for(step))
@@ -303,6 +304,20 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
         trained_last=event["_trained"],
         notes=notes,
         trained_degree=trained_degree,
+        packed=packed,
+    )
+
+
+def _run_packed(config: DataConfig, store: TokenStore | None) -> Any:
+    """A packing run's store as packed samples (None: the store was not found)."""
+    from torchtitan_zephon.job.packed import PackedStoreData
+    from torchtitan_zephon.job.packing import open_packing
+
+    if store is None:
+        return None
+    packed, _ = open_packing(store, config.seq_len)
+    return PackedStoreData(
+        store, packed, sample_offset=config.sample_offset, num_samples=config.num_samples
     )
 
 

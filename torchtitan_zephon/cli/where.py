@@ -260,14 +260,18 @@ def where(
     first_id, n, seed, max_epochs = shape.first_id, shape.num_samples, shape.seed, shape.max_epochs
     d0, d1 = document_span(store, doc)
     seq_len = data.seq_len
-    lo_id, hi_id = d0 // seq_len, (d1 - 1) // seq_len  # input windows overlapping [d0, d1)
-    ids = np.arange(max(lo_id, first_id), min(hi_id, first_id + n - 1) + 1, dtype=np.int64)
+    if data.packed is not None:  # the packed samples holding its pieces
+        holding = data.packed.samples_of_document(doc)
+    else:  # the input windows overlapping [d0, d1)
+        holding = np.arange(d0 // seq_len, (d1 - 1) // seq_len + 1, dtype=np.int64)
+    ids = holding[(holding >= first_id) & (holding < first_id + n)]
     notes = []
-    if ids.size < hi_id - lo_id + 1:
+    if ids.size < holding.size:
         notes.append(
-            f"document {doc} lies in samples {lo_id}..{hi_id}; only {ids.size} of them are "
-            f"training samples ({first_id}..{first_id + n - 1}); the rest are held out or "
-            "past the last whole sample."
+            f"document {doc} lies in samples {', '.join(map(str, holding.tolist()[:8]))}"
+            f"{' ...' if holding.size > 8 else ''}; only {ids.size} of them are training "
+            f"samples ({first_id}..{first_id + n - 1}); the rest are held out or past the "
+            "last whole sample."
         )
     hits: list[Hit] = []
     for epoch in range(epochs[0], epochs[1] + 1):

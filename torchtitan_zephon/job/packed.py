@@ -131,6 +131,26 @@ class PackedStoreData(StoreData):
         ends_doc = piece[:, 1] + piece[:, 2] == self._doc_lengths[piece[:, 0]]
         return int(piece[:, 2].sum() - ends_doc.sum())
 
+    def documents(self, key: int) -> list[dict[str, int]]:
+        """Packed sample ``key``'s documents in order, in ``zephon show``'s shape: the
+        document, its tokens [start, stop) in the sample, its length (a whole document:
+        start 0, stop = length)."""
+        return [
+            {
+                "document": doc,
+                "start": start,
+                "stop": start + length,
+                "length": int(self._doc_lengths[doc]),
+            }
+            for doc, start, length in np.asarray(self.packed.sample(key)).tolist()
+        ]
+
+    def samples_of_document(self, doc: int) -> np.ndarray:
+        """The packed samples holding a piece of document ``doc``, ascending (one, or
+        for a document longer than seq_len one per piece). O(pieces), vectorized."""
+        index = np.flatnonzero(np.asarray(self.packed.pieces[:, 0]) == doc)
+        return np.unique(np.searchsorted(self.packed.starts, index, side="right") - 1)
+
     def _read(self, begin: np.ndarray, length: np.ndarray) -> np.ndarray:
         """The store's tokens of spans [begin, begin + length), concatenated (checked)."""
         store = self.store
