@@ -17,6 +17,7 @@ from torchtitan_zephon.job.packed import IGNORE_INDEX, PackedStoreData
 from torchtitan_zephon.job.packing import open_packing
 from torchtitan_zephon.order.data_config import PACKING_FIELD
 from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.stream import DataPlan
 
 SEQ = 16
 
@@ -140,7 +141,6 @@ def test_show_and_where_of_a_packing_run_name_packed_samples(
     import json
 
     from torchtitan_zephon.cli.main import main
-    from torchtitan_zephon.order.stream import DataPlan
 
     config = packed_data.data_config(seed=3, schedule=BatchSchedule([(1, 4)]))
     run = tmp_path / "run"
@@ -166,3 +166,17 @@ def test_show_and_where_of_a_packing_run_name_packed_samples(
     ).items()
     for h in hits:  # each hit is where the plan puts that sample
         assert plan.global_ids(h["step"])[h["index"]] == h["sample"]
+
+
+def test_the_accounting_counts_the_documents_a_packed_step_starts(packed_data):
+    from torchtitan_zephon.titan.components.accounting import StepAccounting
+
+    plan = DataPlan(packed_data.packed.num_samples, 3, BatchSchedule([(1, 4)]))
+    acc = StepAccounting(plan=lambda: plan, data=packed_data, seq_len=SEQ, sink=None,
+                         should_log=lambda s: True, writes_log=True)  # fmt: skip
+    for step in range(1, 20):
+        want = sum(
+            1 for key in plan.global_ids(step).tolist()
+            for _doc, start, _n in packed_data.packed.sample(key).tolist() if start == 0
+        )  # fmt: skip
+        assert acc._documents(plan, step).tolist() == [want]

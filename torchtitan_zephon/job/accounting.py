@@ -130,7 +130,8 @@ def document_offsets(data: Any, fetch_limit: int = OFFSETS_FETCH_LIMIT) -> list[
     A local store's are mapped; a store in object storage fetches its offsets file
     whole, on the first call, only when it is at most ``fetch_limit`` bytes (None
     otherwise: a store of 10^10 documents holds 80 GB of offsets). Packed samples
-    (``job.packed``) are not windows of the offsets: None, not counted."""
+    (``job.packed``) are not windows of the offsets: None here (the trainer's accounting
+    asks ``PackedStoreData.documents_started`` instead)."""
     if hasattr(data, "packed"):
         return [None]
     stores = data.stores if hasattr(data, "stores") else [data.store]

@@ -145,6 +145,11 @@ class PackedStoreData(StoreData):
             for doc, start, length in np.asarray(self.packed.sample(key)).tolist()
         ]
 
+    def documents_started(self, keys: np.ndarray) -> int:
+        """Documents whose first token is in samples ``keys`` (the per-step accounting)."""
+        _, _, piece = self._rows(keys)
+        return int(np.count_nonzero(piece[:, 1] == 0))
+
     def samples_of_document(self, doc: int) -> np.ndarray:
         """The packed samples holding a piece of document ``doc``, ascending (one, or
         for a document longer than seq_len one per piece). O(pieces), vectorized."""

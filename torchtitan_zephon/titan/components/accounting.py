@@ -15,7 +15,9 @@ elsewhere) at every step, under the tags
     zephon/source/<name>/documents_started   documents starting in the step's samples
                                              (not for a store in object storage with
                                              more than 8 M documents: its offsets are
-                                             not fetched, job.accounting)
+                                             not fetched, job.accounting; packed
+                                             samples: the documents whose first piece
+                                             they hold, from the packing index)
 
 (``<name>``: the mixture source's name, ``store`` for one store), logs one line on
 global rank 0 at TorchTitan's log frequency (``metrics.log_freq``: step 1 and every
@@ -136,6 +138,9 @@ class StepAccounting:
         self._writes: list[Future] = []
 
     def _documents(self, plan: Any, step: int) -> np.ndarray:
+        counted = getattr(self.data, "documents_started", None)  # packed samples
+        if counted is not None:
+            return np.array([counted(plan.global_ids(step))], dtype=np.int64)
         if self._offsets is None:
             self._offsets = document_offsets(self.data)
         return documents_started(plan, step, self._offsets, self.seq_len)
