@@ -67,6 +67,8 @@ def test_rows_are_their_pieces_and_every_label_is_the_next_token_of_its_document
         assert (rows[r, col:] == store.eos_id).all() or col == SEQ  # padding
         assert ignored[r].tolist() == want_ignored.tolist()
     assert packed_data.labelled_tokens(keys) == int((~ignored).sum())
+    fast_rows, fast_ignored = packed_data.packed_rows(keys, SEQ)  # the loader's path
+    assert np.array_equal(fast_rows, rows) and np.array_equal(fast_ignored, ignored)
 
 
 def test_positions_restart_at_every_document_and_padding_stands_alone(packed_data):

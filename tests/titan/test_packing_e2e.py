@@ -60,3 +60,30 @@ def test_a_resume_that_turns_packing_off_is_refused_naming_the_field(
     assert_refused(job, "Differing fields", "packing", "allow_changes")
     assert_unchanged(before, tree(run))
     assert sorted(sequence_log(run).records) == list(range(1, 9))
+
+
+def test_show_and_where_name_the_packed_samples_of_a_packing_run(one_rank: Path, capsys) -> None:
+    """``zephon show`` lists each packed sample's whole documents (start 0, stop = length
+    when it fits seq_len) and its padding; ``zephon where`` finds a document in the step
+    that trains it."""
+    import json
+
+    from torchtitan_zephon.cli.main import main
+
+    assert main(["show", str(one_rank), "--step", "2", "--json", "--max-chars", "0"]) == 0
+    step = json.loads(capsys.readouterr().out)
+    assert step["status"] == "trained" and len(step["samples"]) == 8
+    docs = []
+    for sample in step["samples"]:
+        used = sum(d["stop"] - d["start"] for d in sample["documents"])
+        assert used + sample["padding"] == 64 and used > 0
+        for d in sample["documents"]:
+            if d["length"] <= 64:
+                assert (d["start"], d["stop"]) == (0, d["length"])  # never split
+            docs.append((d["document"], sample["sample"], sample["index"]))
+    doc, sample_id, index = docs[0]
+    assert main(["where", str(one_rank), "--doc", str(doc), "--json", "--epochs", "0:0"]) == 0
+    hits = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {"step": 2, "sample": sample_id, "index": index, "status": "trained"}.items() <= next(
+        h for h in hits if h["step"] == 2 and h["index"] == index
+    ).items()

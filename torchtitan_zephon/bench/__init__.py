@@ -11,7 +11,8 @@ download; ``latency_proxy`` is its proxy), ``accounting`` (the per-source
 accounting's cost on the training step) and ``ft`` (replica groups under torchft: a
 group's death to the next commit against a whole-job restart, the sync quorum's cost,
 samples trained twice or never against TorchTitan's torchft sharding; ``ft_loop`` is
-its training loop). Each exposes
+its training loop) and ``packing`` (padding and split documents against windows and
+first-fit, the packed loader's labelled tokens/s, the packing index's cost). Each exposes
 ``run(opts: dict) -> dict`` (a JSON-able result) and ``rows(result)`` (the
 printed table). Beside them: ``corpus`` and ``measure`` (what the suites share), and
 the parts of ``loader``: ``contenders`` (the loaders compared), ``throughput`` and
@@ -24,4 +25,5 @@ never from remembered numbers.
 
 SUITES = [
     "loader", "step", "resume", "scale", "prepare", "mixture", "remote", "accounting", "ft",
+    "packing",
 ]  # fmt: skip

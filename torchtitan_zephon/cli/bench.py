@@ -1,6 +1,6 @@
 """``zephon bench SUITE``: the data path measured side by side with stock TorchTitan.
 
-Suites: loader, step, resume, scale, prepare, mixture, remote, accounting, ft (see
+Suites: loader, step, resume, scale, prepare, mixture, remote, accounting, ft, packing (see
 ``torchtitan_zephon.bench``),
 or ``all``, which runs every suite and writes ``docs/bench_results.json``.
 Each suite prints a table (``--json``: one JSON object instead) and, with
@@ -37,7 +37,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "one store (mixture), a store in a loopback bucket at 0/20/50 ms per request vs "
             "local disk (remote), the per-source accounting's cost on a step (accounting), "
             "replica groups under torchft against a whole-job restart and TorchTitan's "
-            "torchft sharding (ft). "
+            "torchft sharding (ft), whole-document packing against windows and first-fit "
+            "(packing). "
             f"`all` runs every suite and writes {ALL_OUT}."
         ),
     )
@@ -52,7 +53,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "--quick", action="store_true", help="tiny sizes (smoke test, not a measurement)"
     )
     p.add_argument(
-        "--seconds", type=positive_float, help="measuring time per loader (loader, mixture)"
+        "--seconds",
+        type=positive_float,
+        help="measuring time per loader (loader, mixture, packing)",
     )
     p.add_argument(
         "--seq-len",

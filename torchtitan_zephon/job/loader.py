@@ -128,7 +128,7 @@ class ZephonLoader(_ReadAhead):
         )
         self.data = data
         self.store = data  # what ``windows`` gathers from (one store or several)
-        self._packed = hasattr(data, "ignored")  # packed samples (job.packed)
+        self._packed = hasattr(data, "packed_rows")  # packed samples (job.packed)
         self.seq_len = int(seq_len)
         self.dp_rank = int(dp_rank)
         self.dp_degree = int(dp_degree)
@@ -195,14 +195,18 @@ class ZephonLoader(_ReadAhead):
         return {"input": inputs}, labels
 
     def _tensors(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens = self.store.windows(ids, self.seq_len)  # the store checks the chunks it reads
+        if self._packed:  # rows of whole documents, and the inputs that train no label
+            tokens, ignored = self.store.packed_rows(ids, self.seq_len)
+        else:
+            tokens = self.store.windows(ids, self.seq_len)  # the store checks what it reads
         if self._id_limit is not None and tokens.size and int(tokens.max()) >= self._id_limit:
             raise StoreError(self.store.out_of_vocab(ids, tokens, self._id_limit))
         # One pass each, straight from the store dtype into contiguous int64 buffers.
         inputs = torch.from_numpy(tokens[:, :-1].astype(np.int64, order="C"))
-        labels = torch.from_numpy(tokens[:, 1:].astype(np.int64, order="C"))
-        if self._packed:  # a document's last token and the padding train no label
-            labels[torch.from_numpy(self.store.ignored(ids, self.seq_len))] = IGNORE_INDEX
+        labels_np = tokens[:, 1:].astype(np.int64, order="C")
+        if self._packed and ignored.any():  # a document's last token, the padding: no label
+            np.copyto(labels_np, IGNORE_INDEX, where=ignored)
+        labels = torch.from_numpy(labels_np)
         if self.pin_memory:
             inputs, labels = inputs.pin_memory(), labels.pin_memory()
         return inputs, labels

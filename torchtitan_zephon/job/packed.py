@@ -69,6 +69,10 @@ class PackedStoreData(StoreData):
         self._doc_offsets = np.asarray(store.doc_offsets, dtype=np.int64)
         lengths = np.diff(np.append(self._doc_offsets, np.int64(store.num_tokens)))
         self._doc_lengths = lengths
+        # Plain views of the maps: slicing them is cheaper than slicing a memmap.
+        self._tokens = np.asarray(store.tokens)
+        self._starts, self._pieces = np.asarray(packed.starts), np.asarray(packed.pieces)
+        self._views: dict[int, np.ndarray] = {}
 
     def __repr__(self) -> str:
         return f"PackedStoreData({self.store!r}, seq_len={self.seq_len})"
@@ -125,6 +129,49 @@ class PackedStoreData(StoreData):
         out[rows[ends_doc], last[ends_doc]] = True
         return out
 
+    def packed_rows(self, keys: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+        """``windows`` and ``ignored`` of samples ``keys`` in one pass, one slice copy per
+        piece: the loader's path (a micro-batch holds few pieces; the vectorized pair is
+        its reference)."""
+        keys = np.asarray(keys, dtype=np.int64).ravel()
+        n = keys.size
+        if not n:
+            return np.zeros((0, seq_len + 1), self.store.dtype), np.ones((0, seq_len), bool)
+        if int(keys.min()) < 0 or int(keys.max()) >= self.packed.num_samples:
+            self._rows(keys)  # raises, naming the range
+        first, stop = self._starts[keys], self._starts[keys + 1]
+        pieces, offsets, lengths = self._pieces, self._doc_offsets, self._doc_lengths
+        tokens, check = self._tokens, self.store.unchecked_chunks > 0
+        # A sample of one seq_len piece of a longer document (most, where documents are
+        # long) is a window at the piece's first token: one gather for all of them.
+        piece = pieces[first]
+        begin = offsets[piece[:, 0]] + piece[:, 1]
+        whole = (stop - first == 1) & (piece[:, 2] == seq_len)
+        whole &= piece[:, 1] + seq_len < lengths[piece[:, 0]]
+        if check:
+            for b in begin[whole].tolist():
+                self._check(b, seq_len + 1)
+        sliding = self._sliding(seq_len)
+        out = sliding[np.minimum(begin, sliding.shape[0] - 1)]  # one gather; other rows:
+        ignored = np.zeros((n, seq_len), dtype=bool)  # rebuilt below, piece by piece
+        if whole.all():  # every sample a window, every label trained
+            return out, ignored
+        bounds = np.concatenate([first, stop]).tolist()
+        for r in np.flatnonzero(~whole).tolist():
+            out[r] = self.store.eos_id
+            ignored[r] = True
+            col = 0
+            for doc, start, length in pieces[bounds[r] : bounds[n + r]].tolist():
+                at = int(offsets[doc]) + start
+                more = start + length < int(lengths[doc])  # the document goes on
+                take = length + more
+                if check:
+                    self._check(at, take)
+                out[r, col : col + take] = tokens[at : at + take]
+                ignored[r, col : col + length - (not more)] = False
+                col += length
+        return out, ignored
+
     def labelled_tokens(self, keys: np.ndarray) -> int:
         """Labels trained in samples ``keys`` (from the index: no token is read)."""
         _, _, piece = self._rows(keys)
@@ -155,6 +202,25 @@ class PackedStoreData(StoreData):
         for a document longer than seq_len one per piece). O(pieces), vectorized."""
         index = np.flatnonzero(np.asarray(self.packed.pieces[:, 0]) == doc)
         return np.unique(np.searchsorted(self.packed.starts, index, side="right") - 1)
+
+    def _sliding(self, seq_len: int) -> np.ndarray:
+        """Read-only [num_tokens - seq_len, seq_len + 1] view: row i is tokens i .. i +
+        seq_len (no copy)."""
+        view = self._views.get(seq_len)
+        if view is None:
+            item = self._tokens.itemsize
+            rows = max(self._tokens.size - seq_len, 0)
+            view = np.lib.stride_tricks.as_strided(
+                self._tokens, shape=(rows, seq_len + 1), strides=(item, item), writeable=False
+            )
+            self._views[seq_len] = view
+        return view
+
+    def _check(self, begin: int, length: int) -> None:
+        """Check the store's chunks under tokens [begin, begin + length)."""
+        c = self.store.chunk_tokens
+        for chunk in range(begin // c, (begin + length - 1) // c + 1):
+            self.store.check_chunk(chunk)
 
     def _read(self, begin: np.ndarray, length: np.ndarray) -> np.ndarray:
         """The store's tokens of spans [begin, begin + length), concatenated (checked)."""
