@@ -23,7 +23,9 @@ from tests.titan.expect import (
 from tests.titan.launch import copy_run_until, train03
 from torchtitan_zephon.run.recorded import sequence_log
 
-PACKED = ("--training.steps", "8", "--zephon.packing", "best_fit")
+SEQ = 256  # the builtin docs at 256 tokens: steps 5-7 hold samples of several documents
+PACKED = ("--training.steps", "8", "--zephon.packing", "best_fit", "--zephon.store",
+          "builtin:docs", "--training.seq_len", str(SEQ))  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def test_a_packed_run_resumed_on_one_rank_matches_the_uninterrupted_one(
 ) -> None:
     two = tmp_path / "two_ranks"
     job = train03(two, 2, *PACKED).check()
-    assert "packing best_fit:" in job.output and "packed samples of seq_len 64" in job.output
+    assert "packing best_fit:" in job.output and f"packed samples of seq_len {SEQ}" in job.output
     run = copy_run_until(two, tmp_path / "resumed", 4)
     train03(run, 1, *PACKED).check()
     (event,) = resume_events(run)
@@ -56,7 +58,7 @@ def test_a_resume_that_turns_packing_off_is_refused_naming_the_field(
 ) -> None:
     run = copy_run_until(one_rank, tmp_path / "unpacked", 4)
     before = tree(run)
-    job = train03(run, 1, "--training.steps", "8", log=tmp_path / "unpacked.log")
+    job = train03(run, 1, *PACKED[:2], *PACKED[4:], log=tmp_path / "unpacked.log")
     assert_refused(job, "Differing fields", "packing", "allow_changes")
     assert_unchanged(before, tree(run))
     assert sorted(sequence_log(run).records) == list(range(1, 9))
@@ -76,9 +78,9 @@ def test_show_and_where_name_the_packed_samples_of_a_packing_run(one_rank: Path,
     docs = []
     for sample in step["samples"]:
         used = sum(d["stop"] - d["start"] for d in sample["documents"])
-        assert used + sample["padding"] == 64 and used > 0
+        assert used + sample["padding"] == SEQ and used > 0
         for d in sample["documents"]:
-            if d["length"] <= 64:
+            if d["length"] <= SEQ:
                 assert (d["start"], d["stop"]) == (0, d["length"])  # never split
             docs.append((d["document"], sample["sample"], sample["index"]))
     doc, sample_id, index = docs[0]
@@ -87,3 +89,32 @@ def test_show_and_where_name_the_packed_samples_of_a_packing_run(one_rank: Path,
     assert {"step": 2, "sample": sample_id, "index": index, "status": "trained"}.items() <= next(
         h for h in hits if h["step"] == 2 and h["index"] == index
     ).items()
+
+
+def test_two_torchft_groups_train_the_packed_run_exactly(one_rank: Path, tmp_path: Path) -> None:
+    """Under torchft each group trains whole packed samples of its part and divides its
+    loss by the labelled tokens of all of B(s): two replica groups log what the 1-rank
+    packed run logs (verify MATCH, losses within the tolerance)."""
+    import subprocess
+
+    pytest.importorskip("torchft", reason="torchft (a dependency of the package)")
+    from tests.titan.conftest import lighthouse_at
+    from tests.titan.launch import REPO
+    from torchtitan_zephon.titan.ft.launch import group_command, group_env
+
+    runs = [tmp_path / f"group{g}" for g in range(2)]
+    with lighthouse_at(1) as url:
+        procs = []
+        for g, run in enumerate(runs):
+            run.mkdir()
+            log = open(run / "train.log", "w")  # noqa: SIM115 - closed below
+            procs.append((subprocess.Popen(group_command(run, g, 2, *PACKED), cwd=REPO,
+                          env=group_env(url), stdout=log, stderr=subprocess.STDOUT), log))  # fmt: skip
+        for proc, log in procs:
+            assert proc.wait(timeout=600) == 0, (log.name, Path(log.name).read_text()[-3000:])
+            log.close()
+    for run in runs:
+        assert "(4 of the step's 8 samples)" in (run / "train.log").read_text()
+        assert_same_data(one_rank, run, range(1, 9))
+        assert_losses(one_rank, run, range(1, 9), rtol=TOPOLOGY_RTOL)
+        assert_verify_match(one_rank, run)
