@@ -85,3 +85,19 @@ def test_plan_refuses_packing_with_a_mixture(tmp_path, cache, capsys):
     err = capsys.readouterr().err
     assert "--packing best_fit with --mixture is not supported yet" in err
     assert "Traceback" not in err
+
+
+def test_plan_leaves_out_packed_sample_ids(store, store_path, cache, tmp_path, capsys):
+    """With --packing an id of --exclude is a packed sample: from its step on it is never
+    planned, and the others keep their order."""
+    packed, _ = open_packing(store, 16)
+    left = [packed.num_samples - 1, 3, 7]  # the last: past the count of windows
+    exclude = tmp_path / "left.jsonl"
+    exclude.write_text(json.dumps({"ids": left, "from_step": 2}) + "\n")
+    args = ["plan", "--store", str(store_path), "--seq-len", "16", "--seed", "5",
+            "--global-batch-size", "4", "--json", "--packing", "best_fit"]  # fmt: skip
+    steps = packed.num_samples // 4 - 2
+    assert main([*args, "--steps", f"2:{steps}", "--exclude", str(exclude)]) == 0
+    ids = [i for x in capsys.readouterr().out.splitlines() for i in json.loads(x)["ids"]]
+    assert not set(left) & set(ids) and len(set(ids)) == len(ids)
+    assert packed.num_samples - 1 >= store.num_samples(16)  # a packed id, not a window's

@@ -232,10 +232,10 @@ def run(args: argparse.Namespace) -> int:
         )
     schedule.check_layout(args.dp_degree, args.local_batch_size or 1)
     raw = _raw_inputs(args)
-    if args.packing != "none" and (args.mixture or args.exclude):
+    if args.packing != "none" and args.mixture:
         raise ValueError(
-            f"--packing {args.packing} with --{'mixture' if args.mixture else 'exclude'} is "
-            "not supported yet: plan a packed store without it."
+            f"--packing {args.packing} with --mixture is not supported yet: plan a packed "
+            "store without it."
         )
     if args.mixture:
         return run_mixture(args, schedule, raw)
@@ -281,12 +281,13 @@ def run(args: argparse.Namespace) -> int:
     if warning:
         print(f"zephon plan: warning: {warning}", file=sys.stderr)
     exclusions = None
-    if args.exclude:  # (never with --packing)
+    if args.exclude:  # ids of the samples planned (packed ones with --packing)
         from torchtitan_zephon.job.data import StoreData
 
         data = StoreData(
-            store, args.seq_len, sample_offset=args.sample_offset, num_samples=num_samples
-        )
+            store, args.seq_len, sample_offset=args.sample_offset, num_samples=num_samples,
+            available=available,
+        )  # fmt: skip
         exclusions = leave_out(data, args.exclude)
     plan = DataPlan(
         num_samples,
