@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.job.data import Heldout, StoreData
+from torchtitan_zephon.job.packing import document_lengths
 from torchtitan_zephon.order.data_config import PACKING_FIELD, DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.packing import PackedSamples, packing_field
@@ -67,8 +68,7 @@ class PackedStoreData(StoreData):
             available=packed.num_samples,
         )
         self._doc_offsets = np.asarray(store.doc_offsets, dtype=np.int64)
-        lengths = np.diff(np.append(self._doc_offsets, np.int64(store.num_tokens)))
-        self._doc_lengths = lengths
+        self._doc_lengths = document_lengths(store)
         # Plain views of the maps: slicing them is cheaper than slicing a memmap.
         self._tokens = np.asarray(store.tokens)
         self._starts, self._pieces = np.asarray(packed.starts), np.asarray(packed.pieces)

@@ -135,12 +135,15 @@ class HeldoutLoader(BaseDataLoader):
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         for ids in self.microbatch_ids():
-            w = torch.from_numpy(self.store.windows(ids, self.seq_len).astype(np.int64))
-            inputs, labels = w[:, :-1], w[:, 1:]
-            ignored = getattr(self.store, "ignored", None)  # packed samples (job.packed)
-            if ignored is not None:
-                labels = labels.clone()
-                labels[torch.from_numpy(ignored(ids, self.seq_len))] = IGNORE_INDEX
+            packed_rows = getattr(self.store, "packed_rows", None)  # packed (job.packed)
+            if packed_rows is None:
+                w = torch.from_numpy(self.store.windows(ids, self.seq_len).astype(np.int64))
+                inputs, labels = w[:, :-1], w[:, 1:]
+            else:  # rows and the inputs that train no label, in one pass
+                rows, ignored = packed_rows(ids, self.seq_len)
+                w = torch.from_numpy(rows.astype(np.int64))
+                inputs, labels = w[:, :-1], w[:, 1:].clone()
+                labels[torch.from_numpy(ignored)] = IGNORE_INDEX
             batch = {"input": inputs}
             if self.eos_id is not None:
                 batch["positions"] = document_positions(inputs, self.eos_id)
