@@ -7,6 +7,8 @@ package re-exports nothing):
 
 - ``data``: the interface (``JobData``) and its two kinds, ``StoreData`` (one token
   store) and ``MixtureData`` (several stores drawn in exact proportions);
+- ``vocab``: the vocabulary guard of a job's stores (``store_id_limit``,
+  ``store_out_of_vocab``);
 - ``stores``: the token store folder a store value names (``store_location``) and
   the opened stores of a mixture (``open_mixture_stores``);
 - ``plans``: the plan a data config governs and what it tells (``plan_of``,

@@ -41,6 +41,7 @@ import numpy as np
 
 from torchtitan_zephon.job.plans import plan_of
 from torchtitan_zephon.job.stores import open_mixture_stores
+from torchtitan_zephon.job.vocab import store_id_limit, store_out_of_vocab
 from torchtitan_zephon.order.data_config import MIXTURE_FIELD, DataConfig
 from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, Exclusions, SourceRange
 from torchtitan_zephon.order.layout import BatchSchedule
@@ -49,7 +50,7 @@ from torchtitan_zephon.order.mixture.spec import MixtureSpec, resolve_mixture
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.store_size import no_sample_text, store_fix
 from torchtitan_zephon.order.stream import ID_MASK, DataPlan, StreamPlan, split_keys
-from torchtitan_zephon.store.format import StoreError, fingerprint
+from torchtitan_zephon.store.format import fingerprint
 from torchtitan_zephon.store.group import StoreGroup
 from torchtitan_zephon.store.reader import TokenStore
 
@@ -94,37 +95,6 @@ def _store_read_ahead_steps(store: TokenStore) -> int:
 
 
 # ---------------------------------------------------------------- one store
-
-
-def store_id_limit(store: TokenStore, vocab_size: int | None) -> int | None:
-    """Refuse a store whose recorded ids exceed ``vocab_size``; the limit left to check per
-    batch (only for stores that record no max_token_id)."""
-    if vocab_size is None:
-        return None
-    if store.max_token_id is None:
-        return int(vocab_size)
-    if store.max_token_id >= vocab_size:
-        raise StoreError(
-            f"the store {str(store.path)!r} holds token ids up to {store.max_token_id}, but the "
-            f"model embeds only {vocab_size} ids (0..{vocab_size - 1}): use a model whose "
-            f"vocab_size is at least {store.max_token_id + 1}, or a store prepared with the "
-            "model's tokenizer."
-        )
-    return None
-
-
-def store_out_of_vocab(
-    store: TokenStore, ids: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
-) -> str:
-    row, col = np.unravel_index(int(np.argmax(tokens)), tokens.shape)
-    sample = int(np.asarray(ids).ravel()[row])
-    return (
-        f"the store {str(store.path)!r} holds token id {int(tokens[row, col])} at token "
-        f"{sample * seq_len + int(col)} (sample {sample}), outside the model's vocabulary of "
-        f"{limit} ids. The store has no content checksums (format {store.version}), so this may "
-        f"be a changed file: check it with `zephon inspect {store.path} --check`, or rebuild it "
-        "with `zephon prepare`."
-    )
 
 
 class StoreData:
