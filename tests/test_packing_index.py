@@ -76,15 +76,39 @@ def test_plan_prints_the_order_over_packed_samples(store, store_path, cache, cap
     )
 
 
-def test_plan_refuses_packing_with_a_mixture(tmp_path, cache, capsys):
+def test_plan_of_a_packed_mixture_prints_each_sources_packed_sample_ids(
+    store, cache, tmp_path, capsys
+):
+    """``zephon plan --mixture FILE --packing best_fit``: each source packs its own
+    documents; the keys printed are the trainer's (``PackedMixtureData``'s plan)."""
+    from torchtitan_zephon.job.packed import PackedMixtureData
+    from torchtitan_zephon.order.mixture.config import MixtureConfig
+    from torchtitan_zephon.store.writer import slice_store
+
+    half = store.num_tokens // 2
+    text = ""
+    for name, (a, b) in {"a": (0, half), "b": (half, store.num_tokens)}.items():
+        text += f'[[source]]\nname = "{name}"\nstore = "{slice_store(store, a, b, tmp_path / name).path}"\n'
+    text += "[[schedule]]\nfrom_step = 1\nweights = { a = 0.25, b = 0.75 }\n"
     mixture = tmp_path / "m.toml"
-    mixture.write_text('[[source]]\nname = "a"\nstore = "builtin:docs"\n')
-    argv = ["plan", "--mixture", str(mixture), "--seq-len", "16", "--seed", "0",
-            "--global-batch-size", "4", "--steps", "1:1", "--packing", "best_fit"]  # fmt: skip
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "--packing best_fit with --mixture is not supported yet" in err
-    assert "Traceback" not in err
+    mixture.write_text(text)
+    argv = ["plan", "--mixture", str(mixture), "--seq-len", "16", "--seed", "3",
+            "--global-batch-size", "8", "--steps", "1:6", "--json", "--heldout-samples", "2",
+            "--packing", "best_fit"]  # fmt: skip
+    assert main(argv) == 0
+    out = capsys.readouterr()
+    assert "mixture source 'a': packing best_fit:" in out.err
+    assert "mixture source 'b': packing best_fit:" in out.err
+    lines = [json.loads(x) for x in out.out.splitlines()]
+    data = PackedMixtureData.open(MixtureConfig.load(str(mixture)), 16, default_heldout=2)
+    plan = data.plan(data.data_config(seed=3, schedule=BatchSchedule.parse("8")))
+    for x in lines:
+        names, ids = plan.decode(plan.global_ids(x["step"]))
+        assert (x["sources"], x["ids"]) == (list(names), ids.tolist())
+    assert main(argv[:-2]) == 0  # unpacked: the windows' ids, another plan
+    assert [json.loads(x)["ids"] for x in capsys.readouterr().out.splitlines()] != [
+        x["ids"] for x in lines
+    ]
 
 
 def test_plan_leaves_out_packed_sample_ids(store, store_path, cache, tmp_path, capsys):

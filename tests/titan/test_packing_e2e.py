@@ -28,6 +28,17 @@ PACKED = ("--training.steps", "8", "--zephon.packing", "best_fit", "--zephon.sto
           "builtin:docs", "--training.seq_len", str(SEQ))  # fmt: skip
 
 
+def assert_whole_documents(samples: list[dict]) -> None:
+    """``zephon show``'s packed samples: documents then padding, seq_len tokens in all;
+    a document of at most seq_len tokens whole (start 0, stop = length)."""
+    for sample in samples:
+        used = sum(d["stop"] - d["start"] for d in sample["documents"])
+        assert used + sample["padding"] == SEQ and used > 0
+        for d in sample["documents"]:
+            if d["length"] <= SEQ:
+                assert (d["start"], d["stop"]) == (0, d["length"])  # never split
+
+
 @pytest.fixture(scope="module")
 def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted packed run on one rank."""
@@ -75,15 +86,9 @@ def test_show_and_where_name_the_packed_samples_of_a_packing_run(one_rank: Path,
     assert main(["show", str(one_rank), "--step", "2", "--json", "--max-chars", "0"]) == 0
     step = json.loads(capsys.readouterr().out)
     assert step["status"] == "trained" and len(step["samples"]) == 8
-    docs = []
-    for sample in step["samples"]:
-        used = sum(d["stop"] - d["start"] for d in sample["documents"])
-        assert used + sample["padding"] == SEQ and used > 0
-        for d in sample["documents"]:
-            if d["length"] <= SEQ:
-                assert (d["start"], d["stop"]) == (0, d["length"])  # never split
-            docs.append((d["document"], sample["sample"], sample["index"]))
-    doc, sample_id, index = docs[0]
+    assert_whole_documents(step["samples"])
+    first = step["samples"][0]
+    doc, sample_id, index = first["documents"][0]["document"], first["sample"], first["index"]
     assert main(["where", str(one_rank), "--doc", str(doc), "--json", "--epochs", "0:0"]) == 0
     hits = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {"step": 2, "sample": sample_id, "index": index, "status": "trained"}.items() <= next(
@@ -118,3 +123,63 @@ def test_two_torchft_groups_train_the_packed_run_exactly(one_rank: Path, tmp_pat
         assert_same_data(one_rank, run, range(1, 9))
         assert_losses(one_rank, run, range(1, 9), rtol=TOPOLOGY_RTOL)
         assert_verify_match(one_rank, run)
+
+
+MIXED = """
+[[source]]
+name = "docs"
+store = "builtin:docs"
+
+[[source]]
+name = "stdlib"
+store = "builtin:stdlib"
+
+[[schedule]]
+from_step = 1
+weights = { docs = 0.5, stdlib = 0.5 }
+"""
+
+
+def test_a_packed_mixture_resumed_under_another_rank_count_trains_the_uninterrupted_run(
+    tmp_path: Path, capsys
+) -> None:
+    """Each source packs its own documents; a 2-rank packed mixture cut after its
+    checkpoint at step 4 and resumed on one rank trains what the uninterrupted run trains
+    (verify MATCH, losses and per-source validation losses within the tolerance), and
+    ``zephon show`` names each sample's whole documents in its own source."""
+    import json
+
+    from torchtitan_zephon.cli.main import main
+    from torchtitan_zephon.run import recorded as runs
+
+    mixture = tmp_path / "mixture.toml"
+    mixture.write_text(MIXED)
+    args = (*PACKED[:4], "--zephon.mixture", str(mixture), *PACKED[6:])
+    two = tmp_path / "two_ranks"
+    job = train03(two, 2, *args).check()
+    for name in ("docs", "stdlib"):
+        assert f"mixture source '{name}': packing best_fit:" in job.output
+    run = copy_run_until(two, tmp_path / "resumed", 4)
+    train03(run, 1, *args).check()
+    (event,) = resume_events(run)
+    assert (event["from_step"], event["dp_degree"]) == (4, 1)
+    assert event["data_config"]["packing"]["method"] == "best_fit"
+    assert_same_data(two, run, range(1, 9))
+    assert_losses(two, run, range(1, 9), rtol=TOPOLOGY_RTOL)
+    assert_verify_match(two, run)
+    for name in ("docs", "stdlib"):
+        a = runs.read_scalars(two, f"validation/loss/{name}")
+        b = runs.read_scalars(run, f"validation/loss/{name}")
+        assert set(a) >= {4, 8} and set(b) >= {8}, (name, a, b)
+        assert abs(a[8] - b[8]) <= TOPOLOGY_RTOL * a[8], (name, a, b)
+
+    assert main(["show", str(run), "--step", "6", "--json", "--max-chars", "0"]) == 0
+    step = json.loads(capsys.readouterr().out)
+    assert {s["source"] for s in step["samples"]} == {"docs", "stdlib"}
+    assert_whole_documents(step["samples"])
+    sample = step["samples"][0]
+    doc, source = sample["documents"][0]["document"], sample["source"]
+    argv = ["where", str(run), "--doc", str(doc), "--source", source, "--json", "--epochs", "0:0"]
+    assert main(argv) == 0
+    hits = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert any(h["step"] == 6 and h["index"] == sample["index"] for h in hits), hits

@@ -287,7 +287,7 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
     if note:
         notes.append(note)
     reader = event["_reader"]
-    packed = _run_packed(config, stores[0]) if config.packing != "none" else None
+    packed = _run_packed(config, stores) if config.packing != "none" else None
 
     def trained_degree(step: int) -> int | None:
         return _degree(reader.event_for(step))
@@ -308,17 +308,15 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
     )
 
 
-def _run_packed(config: DataConfig, store: TokenStore | None) -> Any:
-    """A packing run's store as packed samples (None: the store was not found)."""
+def _run_packed(config: DataConfig, stores: list[TokenStore | None]) -> list[Any]:
+    """A packing run's stores (one per source) as packed samples (None: not found)."""
     from torchtitan_zephon.job.packed import PackedStoreData
     from torchtitan_zephon.job.packing import open_packing
 
-    if store is None:
-        return None
-    packed, _ = open_packing(store, config.seq_len)
-    return PackedStoreData(
-        store, packed, sample_offset=config.sample_offset, num_samples=config.num_samples
-    )
+    return [
+        None if st is None else PackedStoreData(st, open_packing(st, config.seq_len)[0])
+        for st in stores
+    ]
 
 
 def _degree(event: dict[str, Any] | None) -> int | None:

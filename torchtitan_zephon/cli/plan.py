@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.ingest.cache import RawInputs, names_store
@@ -232,11 +232,6 @@ def run(args: argparse.Namespace) -> int:
         )
     schedule.check_layout(args.dp_degree, args.local_batch_size or 1)
     raw = _raw_inputs(args)
-    if args.packing != "none" and args.mixture:
-        raise ValueError(
-            f"--packing {args.packing} with --mixture is not supported yet: plan a packed "
-            "store without it."
-        )
     if args.mixture:
         return run_mixture(args, schedule, raw)
     store = _open_store(args.store, raw)
@@ -379,6 +374,7 @@ def run_mixture(
 ) -> int:
     """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
     from torchtitan_zephon.job.data import MixtureData
+    from torchtitan_zephon.job.packed import PackedMixtureData
     from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
     from torchtitan_zephon.order.mixture.plan import deviation_warning
     from torchtitan_zephon.order.mixture.stream import MixtureStream
@@ -389,12 +385,18 @@ def run_mixture(
             raise MixtureError(
                 f"mixture source {s.name!r} names raw inputs ({s.store}): {RAW_HINT}."
             )
-    source = MixtureData.open(
+    packs: dict[str, Any] = {}
+    if args.packing != "none":  # each source packs its own documents
+        say = lambda line: print(f"zephon plan: {line}", file=sys.stderr)  # noqa: E731
+        packs = {"cache_dir": args.cache_dir, "workers": args.workers, "log": say,
+                 "warn": lambda line: say(f"warning: {line}")}  # fmt: skip
+    source = (MixtureData if args.packing == "none" else PackedMixtureData).open(
         config,
         args.seq_len,
         default_heldout=args.heldout_samples,
         path=args.mixture,
         raw=raw,
+        **packs,
     )
     exclusions = leave_out(source, args.exclude)
     extra = {SKIP_FIELD: args.skip_steps.to_json()} if args.skip_steps else {}

@@ -47,9 +47,10 @@ class StepData:
     notes: list[str] = field(default_factory=list)
     trained_degree: Callable[[int], int | None] | None = None
     """A run's: the DP degree of the job (start or resume event) that trained a step."""
-    packed: Any = None
-    """A run that packs (``zephon.packing``): its store read as packed samples
-    (``job.packed.PackedStoreData``); the sample ids are packed sample ids."""
+    packed: list[Any] | None = None
+    """A run that packs (``zephon.packing``): each source's store read as packed samples
+    (``job.packed.PackedStoreData``; None: its store was not found); the sample ids are
+    packed sample ids."""
 
     @property
     def skips(self) -> SkipSteps:
@@ -102,12 +103,13 @@ class StepData:
         store = self.stores[i]
         if store is None:
             return out
-        if self.packed is not None:  # whole documents, then padding
-            out["documents"] = self.packed.documents(sid)
+        packed = None if self.packed is None else self.packed[i]
+        if packed is not None:  # whole documents, then padding
+            out["documents"] = packed.documents(sid)
             used = sum(d["stop"] - d["start"] for d in out["documents"])
             out["padding"] = self.seq_len - used
             if self.tokenizer is not None:
-                tokens = self.packed.windows(np.array([sid]), self.seq_len)[0, :used]
+                tokens = packed.windows(np.array([sid]), self.seq_len)[0, :used]
                 text = self.tokenizer.decode(tokens.tolist(), skip_special_tokens=False)
                 out["text"] = text if max_chars == 0 or len(text) <= max_chars else text[:max_chars]
                 out["text_cut"] = max_chars != 0 and len(text) > max_chars

@@ -261,7 +261,7 @@ def where(
     d0, d1 = document_span(store, doc)
     seq_len = data.seq_len
     if data.packed is not None:  # the packed samples holding its pieces
-        holding = data.packed.samples_of_document(doc)
+        holding = data.packed[i].samples_of_document(doc)
     else:  # the input windows overlapping [d0, d1)
         holding = np.arange(d0 // seq_len, (d1 - 1) // seq_len + 1, dtype=np.int64)
     ids = holding[(holding >= first_id) & (holding < first_id + n)]

@@ -291,19 +291,34 @@ class MixtureData:
         progress: bool = False,
         raw: Any = None,
         remote: Any = None,
+        **options: Any,
     ) -> MixtureData:
         """Open the stores of a parsed mixture file and check them against each other
         (one tokenizer, enough samples); MixtureError names the source at fault. Sources
         that name raw inputs are prepared as ``raw`` (a ``cache.RawInputs``) says; sources
         in object storage are read as ``remote`` (a ``store.remote.RemoteOptions``;
-        None: its defaults) says.
+        None: its defaults) says; ``options`` go to ``of_stores`` (a subclass's own).
 
         Every call opens the stores afresh: a job opens its data once and hands the
         object on (the trainer: to the preflight, the loader and the validator)."""
         config = sorted_by_name(config)
         stores = open_mixture_stores(config, progress=progress, raw=raw, remote=remote)
+        tokenizer = _job_tokenizer(raw)
+        return cls.of_stores(config, stores, seq_len, default_heldout, path, tokenizer, **options)
+
+    @classmethod
+    def of_stores(
+        cls,
+        config: MixtureConfig,
+        stores: Mapping[str, TokenStore],
+        seq_len: int,
+        default_heldout: int,
+        path: str,
+        tokenizer: tuple[str, str] | None,
+    ) -> MixtureData:
+        """The mixture of ``config`` (sources in name order) over its opened stores."""
         spec = resolve_mixture(
-            config, stores, seq_len, default_heldout=default_heldout, tokenizer=_job_tokenizer(raw)
+            config, stores, seq_len, default_heldout=default_heldout, tokenizer=tokenizer
         )
         return cls(spec, stores, seq_len, path=path)
 

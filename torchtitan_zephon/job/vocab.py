@@ -36,13 +36,26 @@ def store_id_limit(store: TokenStore, vocab_size: int | None) -> int | None:
 
 
 def store_out_of_vocab(
-    store: TokenStore, ids: np.ndarray, tokens: np.ndarray, seq_len: int, limit: int
+    store: TokenStore,
+    ids: np.ndarray,
+    tokens: np.ndarray,
+    seq_len: int,
+    limit: int,
+    *,
+    packed: bool = False,
 ) -> str:
+    """Where the largest id of ``tokens`` (rows of samples ``ids``) is, and what to do;
+    ``packed``: the ids are packed sample ids (``job.packed``), named as such."""
     row, col = np.unravel_index(int(np.argmax(tokens)), tokens.shape)
     sample = int(np.asarray(ids).ravel()[row])
+    at = (
+        f"input {int(col)} of packed sample {sample}"
+        if packed
+        else f"token {sample * seq_len + int(col)} (sample {sample})"
+    )
     return (
-        f"the store {str(store.path)!r} holds token id {int(tokens[row, col])} at token "
-        f"{sample * seq_len + int(col)} (sample {sample}), outside the model's vocabulary of "
+        f"the store {str(store.path)!r} holds token id {int(tokens[row, col])} at {at}, "
+        f"outside the model's vocabulary of "
         f"{limit} ids. The store has no content checksums (format {store.version}), so this may "
         f"be a changed file: check it with `zephon inspect {store.path} --check`, or rebuild it "
         "with `zephon prepare`."

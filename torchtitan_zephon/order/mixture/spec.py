@@ -180,6 +180,7 @@ def resolve_mixture(
     *,
     default_heldout: int = 0,
     tokenizer: tuple[str, str] | None = None,
+    available: Mapping[str, int] | None = None,
 ) -> MixtureSpec:
     """Check the opened stores against each other and fix each source's sample count.
 
@@ -189,7 +190,8 @@ def resolve_mixture(
     size, EOS id) and token dtype; ``tokenizer`` (the sha256 of the job's
     tokenizer.json and the setting that names it) tells which is right when the
     sources disagree. A source keeps its last ``heldout_samples`` (default
-    ``default_heldout``) for validation.
+    ``default_heldout``) for validation. ``available`` (source name -> samples) counts
+    another kind of sample than the store's windows: packed samples (``job.packed``).
     """
     missing = [n for n in config.names if n not in stores]
     if missing:
@@ -199,7 +201,7 @@ def resolve_mixture(
     out = []
     for s in config.sources:
         st = stores[s.name]
-        total = int(st.num_samples(seq_len))
+        total = int(st.num_samples(seq_len) if available is None else available[s.name])
         held = default_heldout if s.heldout_samples is None else s.heldout_samples
         tokens = getattr(st, "num_tokens", None)
         if total == 0 and tokens is not None:

@@ -139,8 +139,8 @@ class StepAccounting:
 
     def _documents(self, plan: Any, step: int) -> np.ndarray:
         counted = getattr(self.data, "documents_started", None)  # packed samples
-        if counted is not None:
-            return np.array([counted(plan.global_ids(step))], dtype=np.int64)
+        if counted is not None:  # one store: a count; a mixture: one per source
+            return np.atleast_1d(np.asarray(counted(plan.global_ids(step)), dtype=np.int64))
         if self._offsets is None:
             self._offsets = document_offsets(self.data)
         return documents_started(plan, step, self._offsets, self.seq_len)

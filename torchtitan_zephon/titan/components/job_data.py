@@ -37,6 +37,7 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.data import JobData, MixtureData
+from torchtitan_zephon.job.packed import PackedMixtureData
 from torchtitan_zephon.job.packing import open_packing, packing_note
 from torchtitan_zephon.job.settings import (
     open_store,
@@ -70,11 +71,6 @@ def resolve_data(job: JobView, tokenizer: Any = None) -> JobData:
     shown = store_name(zc.store)
     packing = getattr(zc, "packing", "none")
     data_extra(packing=packing)  # an unknown method: refused, naming the setting
-    if mixture and packing != "none":
-        raise ValueError(
-            f"zephon.packing = {packing!r} with zephon.mixture: packing each source's "
-            "documents is not supported yet; train the mixture with zephon.packing = 'none'."
-        )
     if mixture:
         if zc.store:
             raise ValueError(
@@ -82,7 +78,8 @@ def resolve_data(job: JobView, tokenizer: Any = None) -> JobData:
                 "reads either one store or a mixture. Drop zephon.store, or name the store as "
                 "a [[source]] of the mixture file."
             )
-        data: JobData = MixtureData.open(
+        packs = {"cache_dir": zc.cache_dir, "log": _log, "warn": logger.warning}
+        data: JobData = (MixtureData if packing == "none" else PackedMixtureData).open(
             MixtureConfig.load(mixture),
             seq_len,
             default_heldout=zc.heldout_samples,
@@ -90,6 +87,7 @@ def resolve_data(job: JobView, tokenizer: Any = None) -> JobData:
             progress=int(os.environ.get("RANK", "0")) == 0,
             raw=raw_inputs(job, _log),
             remote=remote_options(job),
+            **(packs if packing != "none" else {}),
         )
         what = f"the mixture {mixture} (sources {', '.join(data.names)})"
     else:

@@ -110,8 +110,9 @@ class Zephon:
     packed by best fit over 64 open samples, the rest EOS padding; a document's last
     token (EOS) and the padding train no label, positions and attention masks restart
     at every document. The packing index is built once per store and seq_len into
-    <cache>/packing/ (ZEPHON_CACHE, else zephon.cache_dir). Still one exact order at
-    any DP degree. Part of the data config (only when not "none")."""
+    <cache>/packing/ (ZEPHON_CACHE, else zephon.cache_dir); a mixture's sources each
+    pack their own documents. Still one exact order at any DP degree. Part of the data
+    config (only when not "none")."""
 
     skip_steps: str = ""
     """Skip ranges "S:N,S:N,..." (entries strictly increasing in S, N >= 1, not
