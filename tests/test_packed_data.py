@@ -170,15 +170,26 @@ def test_show_and_where_of_a_packing_run_name_packed_samples(
         assert plan.global_ids(h["step"])[h["index"]] == h["sample"]
 
 
-def test_the_accounting_counts_the_documents_a_packed_step_starts(packed_data):
+def test_the_accounting_counts_the_documents_and_padding_of_a_packed_step(packed_data, caplog):
+    import logging
+
     from torchtitan_zephon.titan.components.accounting import StepAccounting
 
     plan = DataPlan(packed_data.packed.num_samples, 3, BatchSchedule([(1, 4)]))
-    acc = StepAccounting(plan=lambda: plan, data=packed_data, seq_len=SEQ, sink=None,
+    written: dict[int, dict[str, float]] = {}
+    acc = StepAccounting(plan=lambda: plan, data=packed_data, seq_len=SEQ,
+                         sink=lambda m, s: written.__setitem__(s, m),
                          should_log=lambda s: True, writes_log=True)  # fmt: skip
-    for step in range(1, 20):
-        want = sum(
-            1 for key in plan.global_ids(step).tolist()
-            for _doc, start, _n in packed_data.packed.sample(key).tolist() if start == 0
-        )  # fmt: skip
+    caplog.set_level(logging.INFO)
+    for step in range(1, 60):
+        samples = [packed_data.packed.sample(key).tolist() for key in plan.global_ids(step)]
+        want = sum(1 for sample in samples for _doc, start, _n in sample if start == 0)
+        padding = sum(SEQ - sum(n for _doc, _start, n in sample) for sample in samples)
         assert acc._documents(plan, step).tolist() == [want]
+        acc.record(step)
+        acc.ready(step)
+        assert written[step]["zephon/source/store/documents_started"] == want
+        assert written[step]["zephon/source/store/padding"] == padding
+        assert f"{want:,} new documents, {padding:,} padding tokens" in caplog.text
+    acc.close()
+    assert any(m["zephon/source/store/padding"] for m in written.values())

@@ -127,12 +127,22 @@ def test_the_accounting_counts_documents_per_source(packed_mixture) -> None:
 
     config = packed_mixture.data_config(seed=5, schedule=SCHEDULE)
     plan = packed_mixture.plan(config)
-    acc = StepAccounting(plan=lambda: plan, data=packed_mixture, seq_len=SEQ, sink=None,
+    written: dict[int, dict[str, float]] = {}
+    acc = StepAccounting(plan=lambda: plan, data=packed_mixture, seq_len=SEQ,
+                         sink=lambda m, s: written.__setitem__(s, m),
                          should_log=lambda s: True, writes_log=True)  # fmt: skip
-    for step in range(1, 8):
-        want = [0] * len(packed_mixture.sources)
+    for step in range(1, 41):
+        want, padding = [0] * len(packed_mixture.sources), [0] * len(packed_mixture.sources)
         for key in plan.global_ids(step).tolist():
             source = packed_mixture.sources[key >> SOURCE_SHIFT]
             sample = source.packed.sample(key & ((1 << SOURCE_SHIFT) - 1)).tolist()
             want[key >> SOURCE_SHIFT] += sum(1 for _doc, start, _n in sample if start == 0)
+            padding[key >> SOURCE_SHIFT] += SEQ - sum(n for _doc, _start, n in sample)
         assert acc._documents(plan, step).tolist() == want
+        acc.record(step)
+        acc.ready(step)
+        for i, name in enumerate(packed_mixture.names):
+            assert written[step][f"zephon/source/{name}/documents_started"] == want[i]
+            assert written[step][f"zephon/source/{name}/padding"] == padding[i]
+    acc.close()
+    assert any(v for m in written.values() for k, v in m.items() if k.endswith("/padding"))

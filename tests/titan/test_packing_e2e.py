@@ -87,6 +87,11 @@ def test_show_and_where_name_the_packed_samples_of_a_packing_run(one_rank: Path,
     step = json.loads(capsys.readouterr().out)
     assert step["status"] == "trained" and len(step["samples"]) == 8
     assert_whole_documents(step["samples"])
+    from torchtitan_zephon.run.recorded import read_scalars
+
+    padding = read_scalars(one_rank, "zephon/source/store/padding")  # the accounting's
+    assert sorted(padding) == list(range(1, 9))
+    assert padding[2] == sum(sample["padding"] for sample in step["samples"])
     first = step["samples"][0]
     doc, sample_id, index = first["documents"][0]["document"], first["sample"], first["index"]
     assert main(["where", str(one_rank), "--doc", str(doc), "--json", "--epochs", "0:0"]) == 0

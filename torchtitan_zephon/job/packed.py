@@ -200,6 +200,11 @@ class PackedStoreData(StoreData):
         _, _, piece = self._rows(keys)
         return int(np.count_nonzero(piece[:, 1] == 0))
 
+    def padding(self, keys: np.ndarray) -> int:
+        """Padding inputs of samples ``keys`` (the per-step accounting; from the index)."""
+        _, _, piece = self._rows(keys)
+        return int(np.size(keys)) * self.seq_len - int(piece[:, 2].sum())
+
     def samples_of_document(self, doc: int) -> np.ndarray:
         """The packed samples holding a piece of document ``doc``, ascending (one, or
         for a document longer than seq_len one per piece). O(pieces), vectorized."""
@@ -352,9 +357,18 @@ class PackedMixtureData(MixtureData):
 
     def documents_started(self, keys: np.ndarray) -> np.ndarray:
         """Per source (name order): documents whose first token is in samples ``keys``."""
+        return self._per_source(keys, PackedStoreData.documents_started)
+
+    def padding(self, keys: np.ndarray) -> np.ndarray:
+        """Per source (name order): padding inputs of samples ``keys``."""
+        return self._per_source(keys, PackedStoreData.padding)
+
+    def _per_source(
+        self, keys: np.ndarray, count: Callable[[PackedStoreData, np.ndarray], int]
+    ) -> np.ndarray:
         out = np.zeros(len(self.sources), dtype=np.int64)
         for _, data, ids in self._by_source(keys):
-            out[self.sources.index(data)] = data.documents_started(ids)
+            out[self.sources.index(data)] = count(data, ids)
         return out
 
     def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str:

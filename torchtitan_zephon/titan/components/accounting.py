@@ -18,6 +18,8 @@ elsewhere) at every step, under the tags
                                              not fetched, job.accounting; packed
                                              samples: the documents whose first piece
                                              they hold, from the packing index)
+    zephon/source/<name>/padding             packed samples only: the padding inputs
+                                             of the step's samples (EOS, no label)
 
 (``<name>``: the mixture source's name, ``store`` for one store), logs one line on
 global rank 0 at TorchTitan's log frequency (``metrics.log_freq``: step 1 and every
@@ -25,6 +27,8 @@ log_freq-th step),
 
     Zephon: step 10 data | docs: 9 samples, 90 in total (target 90.00, +0.00),
     epoch 0, 12 new documents | stdlib: 3 samples, ...
+
+(packed samples: ``..., 12 new documents, 37 padding tokens``),
 
 and warns on global rank 0 when a source enters a new epoch (which source, step,
 epoch; the first ``WRAP_WARNINGS`` wraps of each source, then one line saying the
@@ -70,8 +74,11 @@ TAGS = (
 )
 
 
-def metrics_of(account: StepAccount, documents: np.ndarray) -> dict[str, float]:
-    """The step's TensorBoard scalars (module docstring's tags)."""
+def metrics_of(
+    account: StepAccount, documents: np.ndarray, padding: np.ndarray | None = None
+) -> dict[str, float]:
+    """The step's TensorBoard scalars (module docstring's tags; ``padding`` per source
+    when the samples are packed)."""
     columns = (
         account.samples.tolist(),
         account.tokens.tolist(),
@@ -87,15 +94,18 @@ def metrics_of(account: StepAccount, documents: np.ndarray) -> dict[str, float]:
             if tag == "documents_started" and column[i] < 0:
                 continue  # not counted (job.accounting.document_offsets)
             out[f"zephon/source/{name}/{tag}"] = column[i]
+        if padding is not None:
+            out[f"zephon/source/{name}/padding"] = int(padding[i])
     return out
 
 
-def log_line(account: StepAccount, documents: np.ndarray) -> str:
+def log_line(account: StepAccount, documents: np.ndarray, padding: np.ndarray | None = None) -> str:
     """The compact per-step line (module docstring)."""
     parts = [
         f"{name}: {int(account.samples[i]):,} samples, {int(account.cumulative[i]):,} in total "
         f"(target {float(account.targets[i]):,.2f}, {dev:+.2f}), epoch {int(account.epochs[i])}"
         + (f", {int(documents[i]):,} new documents" if documents[i] >= 0 else "")
+        + (f", {int(padding[i]):,} padding tokens" if padding is not None else "")
         for i, (name, dev) in enumerate(zip(account.names, account.deviations, strict=True))
     ]
     return f"Zephon: step {account.step} data | " + " | ".join(parts)
@@ -145,6 +155,15 @@ class StepAccounting:
             self._offsets = document_offsets(self.data)
         return documents_started(plan, step, self._offsets, self.seq_len)
 
+    def _counts(self, plan: Any, step: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """(documents started, padding inputs or None: samples that are not packed) per
+        source, in the background thread."""
+        padded = getattr(self.data, "padding", None)  # packed samples
+        padding = None
+        if padded is not None:
+            padding = np.atleast_1d(np.asarray(padded(plan.global_ids(step)), dtype=np.int64))
+        return self._documents(plan, step), padding
+
     def _needs_documents(self, step: int) -> bool:
         """Scalars go out at every step, the log line only at log steps."""
         return self.sink is not None or self.should_log(step)
@@ -160,7 +179,7 @@ class StepAccounting:
                 continue
             known = self._pending.get(s)
             if known is None or known[0] != id(plan):
-                self._pending[s] = (id(plan), self._pool.submit(self._documents, plan, s))
+                self._pending[s] = (id(plan), self._pool.submit(self._counts, plan, s))
         for old in [s for s in self._pending if s < step]:
             del self._pending[old]
 
@@ -186,12 +205,13 @@ class StepAccounting:
         self.ahead(step)
         account = step_account(plan, step, self.seq_len)
         pending = self._pending.pop(step, None)  # None: the step is written nowhere
-        documents = None if pending is None else pending[1].result()
+        documents, padding = (None, None) if pending is None else pending[1].result()
         if documents is not None and self.sink is not None:
-            self._writes.append(self._pool.submit(self.sink, metrics_of(account, documents), step))
+            metrics = metrics_of(account, documents, padding)
+            self._writes.append(self._pool.submit(self.sink, metrics, step))
         if self.writes_log:
             if documents is not None and self.should_log(step):
-                logger.info(log_line(account, documents))
+                logger.info(log_line(account, documents, padding))
             for name, epoch in account.wraps:
                 self._warn_wrap(name, epoch, step)
         return account
