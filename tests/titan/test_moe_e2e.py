@@ -70,3 +70,25 @@ def test_fresh_moe_runs_follow_one_loss_curve(
     train03(run, nproc, *overrides, config=MOE).check()
     assert_same_data(fresh_ep2, run, range(1, 9))
     assert_losses(fresh_ep2, run, range(1, 9), rtol=TOPOLOGY_RTOL)
+
+
+def test_a_packed_moe_run_resumed_at_one_rank_matches_the_two_rank_ep_run(
+    tmp_path: Path,
+) -> None:
+    """The MoE with ``zephon.packing best_fit`` (issue 31): whole documents, labels only
+    within a document, a 2-rank EP 2 run cut after step 4 and resumed at 1 rank (EP 1)
+    trains the same packed samples with the same losses within ``TOPOLOGY_RTOL``."""
+    from tests.titan.test_packing_e2e import PACKED
+
+    packed = (*PACKED[2:], "--training.steps", "6")  # steps 5-6 resumed
+    ep2 = tmp_path / "packed_ep2"
+    job = train03(ep2, 2, *packed, "--parallelism.expert_parallel_degree", "2", config=MOE)
+    assert "packing best_fit:" in job.check().output
+    resumed = copy_run_until(ep2, tmp_path / "resumed", 4)
+    train03(resumed, 1, *packed, config=MOE).check()
+    (event,) = resume_events(resumed)
+    assert (event["from_step"], event["dp_degree"]) == (4, 1)
+    assert event["data_config"]["packing"]["method"] == "best_fit"
+    assert_same_data(ep2, resumed, range(1, 7))
+    assert_losses(ep2, resumed, range(5, 7), rtol=TOPOLOGY_RTOL)
+    assert_verify_match(ep2, resumed)
