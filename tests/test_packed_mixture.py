@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from tests.test_job import SEQ, W1, mixture_text, slices  # noqa: F401 - the fixture
 from torchtitan_zephon.job.data import MixtureData
 from torchtitan_zephon.job.loader import ZephonLoader
-from torchtitan_zephon.job.packed import IGNORE_INDEX, PackedMixtureData, PackedStoreData
+from torchtitan_zephon.job.packed import IGNORE_INDEX, PackedStoreData
+from torchtitan_zephon.job.packed_mixture import PackedMixtureData
 from torchtitan_zephon.order.data_config import MIXTURE_FIELD, PACKING_FIELD
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig

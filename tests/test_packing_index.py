@@ -81,7 +81,7 @@ def test_plan_of_a_packed_mixture_prints_each_sources_packed_sample_ids(
 ):
     """``zephon plan --mixture FILE --packing best_fit``: each source packs its own
     documents; the keys printed are the trainer's (``PackedMixtureData``'s plan)."""
-    from torchtitan_zephon.job.packed import PackedMixtureData
+    from torchtitan_zephon.job.packed_mixture import PackedMixtureData
     from torchtitan_zephon.order.mixture.config import MixtureConfig
     from torchtitan_zephon.store.writer import slice_store
 

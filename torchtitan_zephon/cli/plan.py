@@ -374,7 +374,7 @@ def run_mixture(
 ) -> int:
     """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
     from torchtitan_zephon.job.data import MixtureData
-    from torchtitan_zephon.job.packed import PackedMixtureData
+    from torchtitan_zephon.job.packed_mixture import PackedMixtureData
     from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
     from torchtitan_zephon.order.mixture.plan import deviation_warning
     from torchtitan_zephon.order.mixture.stream import MixtureStream

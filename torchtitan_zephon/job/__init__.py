@@ -22,6 +22,9 @@ package re-exports nothing):
 - ``loader``: the per-rank loader (``ZephonLoader``: this rank's slice of each step,
   read ahead, checked and pinned) over that data; ``read_ahead``, its read-ahead of
   stores in object storage; ``documents``, the per-document positions of a batch;
+- ``packing``, ``packed``, ``packed_mixture``: whole documents in every sample
+  (``zephon.packing``): a store's packing index on disk, a store read as packed
+  samples, a mixture whose sources each pack their own documents;
 - ``run_data``: the record of the job's data a run folder keeps (``zephon/run_data.json``).
 
 Ownership: a job opens its data once (``StoreData`` / ``MixtureData.open``) and

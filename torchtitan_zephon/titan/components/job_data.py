@@ -37,7 +37,7 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.data import JobData, MixtureData
-from torchtitan_zephon.job.packed import PackedMixtureData
+from torchtitan_zephon.job.packed_mixture import PackedMixtureData
 from torchtitan_zephon.job.packing import open_packing, packing_note
 from torchtitan_zephon.job.settings import (
     open_store,
