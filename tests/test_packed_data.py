@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from torchtitan_zephon.job.documents import document_positions
 from torchtitan_zephon.job.loader import ZephonLoader
-from torchtitan_zephon.job.packed import IGNORE_INDEX, PackedStoreData
+from torchtitan_zephon.job.packed import IGNORE_INDEX, PackedStoreData, unlabel
 from torchtitan_zephon.job.packing import open_packing
 from torchtitan_zephon.order.data_config import PACKING_FIELD
 from torchtitan_zephon.order.layout import BatchSchedule
@@ -68,7 +68,15 @@ def test_rows_are_their_pieces_and_every_label_is_the_next_token_of_its_document
         assert ignored[r].tolist() == want_ignored.tolist()
     assert packed_data.labelled_tokens(keys) == int((~ignored).sum())
     fast_rows, fast_ignored = packed_data.packed_rows(keys, SEQ)  # the loader's path
-    assert np.array_equal(fast_rows, rows) and np.array_equal(fast_ignored, ignored)
+    assert np.array_equal(fast_rows, rows) and np.array_equal(dense(fast_ignored, keys), ignored)
+
+
+def dense(ignored: tuple | None, keys: np.ndarray, seq_len: int = SEQ) -> np.ndarray:
+    """``packed_rows``'s untrained inputs as one mask over every row (None: every label
+    trained), through ``unlabel`` (what the loader and the validator call)."""
+    labels = np.zeros((np.size(keys), seq_len), dtype=np.int64)
+    unlabel(labels, ignored)
+    return labels == IGNORE_INDEX
 
 
 def test_positions_restart_at_every_document_and_padding_stands_alone(packed_data):

@@ -12,6 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.test_job import SEQ, W1, mixture_text, slices  # noqa: F401 - the fixture
+from tests.test_packed_data import dense
 from torchtitan_zephon.job.data import MixtureData
 from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.job.packed import IGNORE_INDEX, PackedStoreData
@@ -49,6 +50,7 @@ def _keys(data: PackedMixtureData, draw) -> np.ndarray:
 def test_a_key_names_its_sources_packed_sample(packed_mixture, data) -> None:
     keys = _keys(packed_mixture, data.draw)
     rows, ignored = packed_mixture.packed_rows(keys, SEQ)
+    ignored = dense(ignored, keys, SEQ)
     assert np.array_equal(rows, packed_mixture.windows(keys, SEQ))
     assert np.array_equal(ignored, packed_mixture.ignored(keys, SEQ))
     started = np.zeros(len(packed_mixture.sources), dtype=np.int64)
@@ -56,6 +58,7 @@ def test_a_key_names_its_sources_packed_sample(packed_mixture, data) -> None:
         source = packed_mixture.sources[key >> SOURCE_SHIFT]
         one = np.array([key & ((1 << SOURCE_SHIFT) - 1)])
         want_rows, want_ignored = source.packed_rows(one, SEQ)
+        want_ignored = dense(want_ignored, one, SEQ)
         assert np.array_equal(rows[r], want_rows[0]) and np.array_equal(ignored[r], want_ignored[0])
         started[key >> SOURCE_SHIFT] += source.documents_started(one)
     assert packed_mixture.labelled_tokens(keys) == int((~ignored).sum())
@@ -117,6 +120,7 @@ def test_the_loader_delivers_the_same_packed_mixture_batches_at_any_dp_degree(
         for step, (inputs, labels) in enumerate(one, start=1):
             keys = loader.plan.global_ids(step)
             rows, ignored = packed_mixture.packed_rows(keys, SEQ)
+            ignored = dense(ignored, keys, SEQ)
             assert inputs.tolist() == rows[:, :-1].astype(np.int64).tolist()
             want = torch.from_numpy(rows[:, 1:].astype(np.int64))
             want[torch.from_numpy(ignored)] = IGNORE_INDEX

@@ -54,7 +54,7 @@ import torch
 
 from torchtitan_zephon.job.data import JobData, as_job_data
 from torchtitan_zephon.job.documents import document_positions
-from torchtitan_zephon.job.packed import IGNORE_INDEX
+from torchtitan_zephon.job.packed import unlabel
 from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.job.read_ahead import _ReadAhead
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
@@ -204,8 +204,8 @@ class ZephonLoader(_ReadAhead):
         # One pass each, straight from the store dtype into contiguous int64 buffers.
         inputs = torch.from_numpy(tokens[:, :-1].astype(np.int64, order="C"))
         labels_np = tokens[:, 1:].astype(np.int64, order="C")
-        if self._packed and ignored.any():  # a document's last token, the padding: no label
-            np.copyto(labels_np, IGNORE_INDEX, where=ignored)
+        if self._packed:  # a document's last token, the padding: no label
+            unlabel(labels_np, ignored)
         labels = torch.from_numpy(labels_np)
         if self.pin_memory:
             inputs, labels = inputs.pin_memory(), labels.pin_memory()

@@ -38,6 +38,11 @@ from torchtitan_zephon.order.packing import PackedSamples, packing_field
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 
+Unlabelled = tuple[list[int], list[int], list[int]]
+"""``(ends, rows, pads)``, the inputs of a batch [n, seq_len] whose label is not trained:
+``ends``, the flat positions (row x seq_len + column) of documents' last tokens;
+``rows[k]``'s inputs from column ``pads[k]`` on, padding. Any other input is trained."""
+
 IGNORE_INDEX = -100
 """The label of an input that trains nothing: TorchTitan's ``IGNORE_INDEX`` (its loss
 skips it; its step counts the others as the step's tokens)."""
@@ -74,6 +79,13 @@ class PackedStoreData(StoreData):
         self._tokens = np.asarray(store.tokens)
         self._starts, self._pieces = np.asarray(packed.starts), np.asarray(packed.pieces)
         self._views: dict[int, np.ndarray] = {}
+        # Per packed sample (O(samples), built once): whether it is one seq_len piece of
+        # a longer document, a plain window there, and where that window starts (0 for
+        # the others: a row of the gather that is written over).
+        first = self._pieces[self._starts[:-1]]
+        self._window = (np.diff(self._starts) == 1) & (first[:, 2] == packed.seq_len)
+        self._window &= first[:, 1] + packed.seq_len < self._doc_lengths[first[:, 0]]
+        self._begin = np.where(self._window, self._doc_offsets[first[:, 0]] + first[:, 1], 0)
 
     def __repr__(self) -> str:
         return f"PackedStoreData({self.store!r}, seq_len={self.seq_len})"
@@ -126,48 +138,69 @@ class PackedStoreData(StoreData):
         out[rows[ends_doc], last[ends_doc]] = True
         return out
 
-    def packed_rows(self, keys: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-        """``windows`` and ``ignored`` of samples ``keys`` in one pass, one slice copy per
-        piece: the loader's path (a micro-batch holds few pieces; the vectorized pair is
-        its reference)."""
+    def packed_rows(self, keys: np.ndarray, seq_len: int) -> tuple[np.ndarray, Unlabelled | None]:
+        """``windows`` of samples ``keys`` and their inputs that train no label, in one
+        pass: the loader's path (the vectorized ``windows`` and ``ignored`` are its
+        reference). A sample that is one seq_len piece of a longer document (most, where
+        documents are long) is a window at its first token, every label trained: one
+        gather for all of them. The others are whole documents then padding, one copy
+        per piece; what they leave untrained comes back as ``Unlabelled`` (None: every
+        sample a window)."""
         keys = np.asarray(keys, dtype=np.int64).ravel()
-        n = keys.size
-        if not n:
-            return np.zeros((0, seq_len + 1), self.store.dtype), np.ones((0, seq_len), bool)
-        if int(keys.min()) < 0 or int(keys.max()) >= self.packed.num_samples:
+        if seq_len != self.packed.seq_len:
+            raise ValueError(f"{self!r} holds packed samples of seq_len {self.packed.seq_len}")
+        if not keys.size:
+            return np.zeros((0, seq_len + 1), self.store.dtype), None
+        if keys.size <= 64:  # a micro-batch: plain Python beats numpy's per-call overhead
+            listed = keys.tolist()
+            lo, hi = min(listed), max(listed)
+        else:
+            lo, hi = int(keys.min()), int(keys.max())
+        if lo < 0 or hi >= self.packed.num_samples:
             self._rows(keys)  # raises, naming the range
-        first, stop = self._starts[keys], self._starts[keys + 1]
-        pieces, offsets, lengths = self._pieces, self._doc_offsets, self._doc_lengths
-        tokens, check = self._tokens, self.store.unchecked_chunks > 0
-        # A sample of one seq_len piece of a longer document (most, where documents are
-        # long) is a window at the piece's first token: one gather for all of them.
-        piece = pieces[first]
-        begin = offsets[piece[:, 0]] + piece[:, 1]
-        whole = (stop - first == 1) & (piece[:, 2] == seq_len)
-        whole &= piece[:, 1] + seq_len < lengths[piece[:, 0]]
+        begin, window = self._begin[keys], self._window[keys]
+        check = self.store.unchecked_chunks > 0
         if check:
-            for b in begin[whole].tolist():
+            for b in begin[window].tolist():
                 self._check(b, seq_len + 1)
-        sliding = self._sliding(seq_len)
-        out = sliding[np.minimum(begin, sliding.shape[0] - 1)]  # one gather; other rows:
-        ignored = np.zeros((n, seq_len), dtype=bool)  # rebuilt below, piece by piece
-        if whole.all():  # every sample a window, every label trained
-            return out, ignored
-        bounds = np.concatenate([first, stop]).tolist()
-        for r in np.flatnonzero(~whole).tolist():
-            out[r] = self.store.eos_id
-            ignored[r] = True
-            col = 0
-            for doc, start, length in pieces[bounds[r] : bounds[n + r]].tolist():
-                at = int(offsets[doc]) + start
-                more = start + length < int(lengths[doc])  # the document goes on
-                take = length + more
+        sliding = self._sliding(seq_len)  # one gather; the other rows are written over
+        out = (
+            sliding[begin]
+            if sliding.shape[0]
+            else np.empty((keys.size, seq_len + 1), sliding.dtype)
+        )
+        if np.count_nonzero(window) == keys.size:  # every sample a window, every label trained
+            return out, None
+        # The others hold whole documents (every piece ends its document: a piece that
+        # does not is seq_len long, alone in its sample, a window), then EOS padding.
+        others = [r for r, w in enumerate(window.tolist()) if not w]
+        starts, pieces, offsets = self._starts, self._pieces, self._doc_offsets
+        tokens, padding = self._tokens, self._padding_row(seq_len)
+        ends: list[int] = []
+        pads: list[int] = []
+        for r in others:  # few rows, few pieces each: one copy per piece
+            key, parts, used = int(keys[r]), [], r * seq_len
+            for doc, start, n in pieces[starts[key] : starts[key + 1]].tolist():
+                b = int(offsets[doc]) + start
                 if check:
-                    self._check(at, take)
-                out[r, col : col + take] = tokens[at : at + take]
-                ignored[r, col : col + length - (not more)] = False
-                col += length
-        return out, ignored
+                    self._check(b, n)
+                parts.append(tokens[b : b + n])
+                used += n
+                ends.append(used - 1)  # a document's last token: no label
+            used -= r * seq_len
+            parts.append(padding[: seq_len + 1 - used])
+            np.concatenate(parts, out=out[r])
+            pads.append(used)
+        return out, (ends, others, pads)
+
+    def _padding_row(self, seq_len: int) -> np.ndarray:
+        """seq_len + 1 EOS tokens (read-only, kept): the padding a row ends with."""
+        row = self._views.get(-seq_len)
+        if row is None:
+            row = np.full(seq_len + 1, self.store.eos_id, dtype=self.store.dtype)
+            row.flags.writeable = False
+            self._views[-seq_len] = row
+        return row
 
     def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str:
         return store_out_of_vocab(self.store, keys, tokens, self.seq_len, limit, packed=True)
@@ -246,6 +279,17 @@ class PackedStoreData(StoreData):
         ``ignored``)."""
         first = self.sample_offset + self.num_samples
         return [Heldout(None, self, first, self.packed.num_samples - first)]  # type: ignore[arg-type]
+
+
+def unlabel(labels: Any, unlabelled: Unlabelled | None) -> None:
+    """Set the labels [n, seq_len] (a contiguous numpy array or torch tensor) of the
+    inputs ``unlabelled`` names to ``IGNORE_INDEX``, in place."""
+    if unlabelled is None:
+        return
+    ends, rows, pads = unlabelled
+    labels.reshape(-1)[ends] = IGNORE_INDEX
+    for row, pad in zip(rows, pads, strict=True):
+        labels[row, pad:] = IGNORE_INDEX
 
 
 def packed_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.job.data import Heldout, MixtureData
-from torchtitan_zephon.job.packed import PackedStoreData, packed_extra
+from torchtitan_zephon.job.packed import PackedStoreData, Unlabelled, packed_extra
 from torchtitan_zephon.job.packing import open_packing, packing_note
 from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule
@@ -126,13 +126,20 @@ class PackedMixtureData(MixtureData):
             out[at] = data.ignored(ids, seq_len)
         return out
 
-    def packed_rows(self, keys: np.ndarray, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    def packed_rows(self, keys: np.ndarray, seq_len: int) -> tuple[np.ndarray, Unlabelled | None]:
         """``PackedStoreData.packed_rows`` of each key's source, in key order."""
         rows = np.empty((np.size(keys), seq_len + 1), dtype=self.stores[0].dtype)
-        ignored = np.empty((np.size(keys), seq_len), dtype=bool)
+        ends: list[int] = []
+        which: list[int] = []
+        pads: list[int] = []
         for at, data, ids in self._by_source(keys):
-            rows[at], ignored[at] = data.packed_rows(ids, seq_len)
-        return rows, ignored
+            rows[at], some = data.packed_rows(ids, seq_len)
+            if some is not None:  # its rows k are the batch's rows at[k]
+                row = at.tolist()
+                ends += [row[e // seq_len] * seq_len + e % seq_len for e in some[0]]
+                which += [row[k] for k in some[1]]
+                pads += some[2]
+        return rows, ((ends, which, pads) if which else None)
 
     def labelled_tokens(self, keys: np.ndarray) -> int:
         return sum(data.labelled_tokens(ids) for _, data, ids in self._by_source(keys))

@@ -44,6 +44,7 @@ from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
+from torchtitan_zephon.job.packed import unlabel
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import DataUnreadable, StoreError
@@ -143,7 +144,7 @@ class HeldoutLoader(BaseDataLoader):
                 rows, ignored = packed_rows(ids, self.seq_len)
                 w = torch.from_numpy(rows.astype(np.int64))
                 inputs, labels = w[:, :-1], w[:, 1:].clone()
-                labels[torch.from_numpy(ignored)] = IGNORE_INDEX
+                unlabel(labels, ignored)  # a document's last token, the padding
             batch = {"input": inputs}
             if self.eos_id is not None:
                 batch["positions"] = document_positions(inputs, self.eos_id)
