@@ -298,61 +298,12 @@ class RemoteTokenStore(_RemoteUnits, TokenStore, reads_object_urls=True):
     # ------------------------------------------------------------------ fetching
 
     def _fetch(self, ids: np.ndarray, seq_len: int, urgent: bool = False) -> _Fetch:
-        """Start fetching the windows of samples ``ids``: one request per run of
-        overlapping or adjacent ranges, each rounded out to the unit of the content
-        check (whole blocks, with their block checksums; else whole chunks). ``urgent``:
-        waited for now (``ObjectFiles.submit_many``)."""
+        """Start fetching the windows of samples ``ids`` (``_fetch_ranges``: one request
+        per run of overlapping or adjacent ranges, each rounded out to the unit of the
+        content check). ``urgent``: waited for now (``ObjectFiles.submit_many``)."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         start = ids * seq_len
-        stop = start + seq_len + 1
-        blocks = self.blocks if self.verifies else None
-        unit = self.chunk_tokens if self.verifies and blocks is None else None
-        if blocks:
-            first, last, a, b = self._block_cover(start, stop)
-        elif unit:
-            a = start // unit * unit
-            b = np.minimum(((stop - 1) // unit + 1) * unit, self.num_tokens)
-        else:
-            a, b = start, stop
-        # a and b are sorted (ids are): a range joins the previous run unless it starts
-        # after that run's end, which is the previous range's end.
-        new = np.ones(ids.size, dtype=bool)
-        new[1:] = a[1:] > b[:-1]
-        heads = np.flatnonzero(new)
-        tails = np.append(heads[1:] - 1, ids.size - 1)
-        req_a, req_b = a[heads], b[tails]
-        request = np.cumsum(new) - 1
-        offset = start - req_a[request]
-        item = self.dtype.itemsize
-        req_a_list = req_a.tolist()
-        reads = [(TOKENS, [x * item for x in req_a_list], [x * item for x in req_b.tolist()])]
-        if blocks:
-            block_first, block_last = first[heads].tolist(), last[tails].tolist()
-            reads.append((BLOCKS, [8 * x for x in block_first], [8 * (x + 1) for x in block_last]))
-
-        if self.cache is not None:
-            if blocks:
-                runs = list(zip(block_first, last[tails].tolist(), strict=True))
-            else:
-                runs = list(
-                    zip((req_a // unit).tolist(), ((req_b - 1) // unit).tolist(), strict=True)
-                )
-            future = self._cached(runs, urgent)
-            nbytes = int((req_b - req_a).sum()) * item
-            return _Fetch(ids, seq_len, request, offset, nbytes, future)
-
-        def arrived(datas: list[list[memoryview]]) -> list[np.ndarray]:
-            arrays = [np.frombuffer(d, dtype=self.dtype) for d in datas[0]]
-            if blocks:
-                for arr, sums, block in zip(arrays, datas[1], block_first, strict=True):
-                    self._check_blocks(arr, np.frombuffer(sums, dtype="<u8"), block)
-            elif unit:
-                for arr, x in zip(arrays, req_a_list, strict=True):
-                    self._check_range(arr, x, unit)
-            return arrays
-
-        future = self._files.submit_many(reads, then=arrived, urgent=urgent)
-        nbytes = int((req_b - req_a).sum()) * item
+        request, offset, nbytes, future = self._fetch_ranges(start, start + seq_len + 1, urgent)
         return _Fetch(ids, seq_len, request, offset, nbytes, future)
 
     def read_ahead(self, ids: np.ndarray, seq_len: int) -> None:

@@ -159,6 +159,65 @@ class _RemoteUnits:
         _, _, a, b = self._block_cover(start, start + seq_len + 1)
         return float((b - a).mean()) / (seq_len + 1)
 
+    # ------------------------------------------------------------------ fetching
+
+    def _fetch_ranges(
+        self, start: np.ndarray, stop: np.ndarray, urgent: bool = False
+    ) -> tuple[np.ndarray, np.ndarray, int, Future]:
+        """Start fetching token ranges ``[start[k], stop[k])`` (sorted by start): one
+        request per run of overlapping or adjacent ranges, each rounded out to the unit
+        of the content check (whole blocks, with their block checksums; else whole
+        chunks), through the node cache when there is one. (each range's request, its
+        offset in that request's tokens, the bytes requested, a Future of each request's
+        tokens, checked.) ``urgent``: waited for now (``ObjectFiles.submit_many``)."""
+        blocks = self.blocks if self.verifies else None
+        unit = self.chunk_tokens if self.verifies and blocks is None else None
+        if blocks:
+            first, last, a, b = self._block_cover(start, stop)
+        elif unit:
+            a = start // unit * unit
+            b = np.minimum(((stop - 1) // unit + 1) * unit, self.num_tokens)
+        else:
+            a, b = start, stop
+        # A range joins the run before it unless it starts after the furthest end so far
+        # (for windows of one length, the previous range's end).
+        end = np.maximum.accumulate(b)
+        new = np.ones(start.size, dtype=bool)
+        new[1:] = a[1:] > end[:-1]
+        heads = np.flatnonzero(new)
+        tails = np.append(heads[1:] - 1, start.size - 1)
+        req_a, req_b = a[heads], end[tails]
+        request = np.cumsum(new) - 1
+        offset = start - req_a[request]
+        item = self.dtype.itemsize
+        nbytes = int((req_b - req_a).sum()) * item
+        req_a_list = req_a.tolist()
+        reads = [(TOKENS, [x * item for x in req_a_list], [x * item for x in req_b.tolist()])]
+        if blocks:
+            block_first = first[heads].tolist()
+            block_last = np.maximum.accumulate(last)[tails].tolist()
+            reads.append((BLOCKS, [8 * x for x in block_first], [8 * (x + 1) for x in block_last]))
+        if self.cache is not None:
+            if blocks:
+                runs = list(zip(block_first, block_last, strict=True))
+            else:
+                runs = list(
+                    zip((req_a // unit).tolist(), ((req_b - 1) // unit).tolist(), strict=True)
+                )
+            return request, offset, nbytes, self._cached(runs, urgent)
+
+        def arrived(datas: list[list[memoryview]]) -> list[np.ndarray]:
+            arrays = [np.frombuffer(d, dtype=self.dtype) for d in datas[0]]
+            if blocks:
+                for arr, sums, block in zip(arrays, datas[1], block_first, strict=True):
+                    self._check_blocks(arr, np.frombuffer(sums, dtype="<u8"), block)
+            elif unit:
+                for arr, x in zip(arrays, req_a_list, strict=True):
+                    self._check_range(arr, x, unit)
+            return arrays
+
+        return request, offset, nbytes, self._files.submit_many(reads, then=arrived, urgent=urgent)
+
     # ------------------------------------------------------------------ the node cache
 
     def _unit(self) -> tuple[int, int]:
