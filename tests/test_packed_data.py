@@ -69,6 +69,8 @@ def test_rows_are_their_pieces_and_every_label_is_the_next_token_of_its_document
     assert packed_data.labelled_tokens(keys) == int((~ignored).sum())
     fast_rows, fast_ignored = packed_data.packed_rows(keys, SEQ)  # the loader's path
     assert np.array_equal(fast_rows, rows) and np.array_equal(dense(fast_ignored, keys), ignored)
+    # from the index alone (a store in object storage): the same untrained inputs
+    assert np.array_equal(dense(packed_data.unlabelled(keys, SEQ), keys), ignored)
 
 
 def dense(ignored: tuple | None, keys: np.ndarray, seq_len: int = SEQ) -> np.ndarray:

@@ -30,12 +30,12 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.job.data import Heldout, StoreData
+from torchtitan_zephon.job.packed_remote import RemoteSpans
 from torchtitan_zephon.job.packing import document_lengths
 from torchtitan_zephon.job.vocab import store_out_of_vocab
 from torchtitan_zephon.order.data_config import PACKING_FIELD, DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.packing import PackedSamples, packing_field
-from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 
 Unlabelled = tuple[list[int], list[int], list[int]]
@@ -59,12 +59,6 @@ class PackedStoreData(StoreData):
         sample_offset: int = 0,
         num_samples: int | None = None,
     ) -> None:
-        if not store.mapped:
-            raise StoreError(
-                f"zephon.packing = best_fit reads {store.path} by token ranges of whole "
-                "documents, which this version does for a local store only: copy the store "
-                "to local disk, or train without packing."
-            )
         self.packed = packed
         super().__init__(
             store,
@@ -75,8 +69,10 @@ class PackedStoreData(StoreData):
         )
         self._doc_offsets = np.asarray(store.doc_offsets, dtype=np.int64)
         self._doc_lengths = document_lengths(store)
-        # Plain views of the maps: slicing them is cheaper than slicing a memmap.
-        self._tokens = np.asarray(store.tokens)
+        # A local store: plain views of the maps (slicing them is cheaper than slicing a
+        # memmap). One in object storage: its pieces read by range (``job.packed_remote``).
+        self._remote = None if store.mapped else RemoteSpans(store)
+        self._tokens = np.asarray(store.tokens) if store.mapped else None
         self._starts, self._pieces = np.asarray(packed.starts), np.asarray(packed.pieces)
         self._views: dict[int, np.ndarray] = {}
         # Per packed sample (O(samples), built once): whether it is one seq_len piece of
@@ -117,13 +113,32 @@ class PackedStoreData(StoreData):
         token (the label of the piece's last token)."""
         rows, begin, piece = self._rows(keys)
         length = piece[:, 2]
-        ends_doc = piece[:, 1] + length == self._doc_lengths[piece[:, 0]]
-        take = length + (~ends_doc)  # a continued document: one token more, its label
+        take = self._take(piece)
         tokens = self._read(begin, take)
         out = np.full((np.size(keys), seq_len + 1), self.store.eos_id, dtype=self.store.dtype)
         col = _ranks_within_rows(rows, take, length)
         out[np.repeat(rows, take), col] = tokens
         return out
+
+    def _take(self, piece: np.ndarray) -> np.ndarray:
+        """Tokens read for each piece: its own, and for a piece that does not end its
+        document one more (the label of its last token)."""
+        length = piece[:, 2]
+        return length + (piece[:, 1] + length != self._doc_lengths[piece[:, 0]])
+
+    def unlabelled(self, keys: np.ndarray, seq_len: int) -> Unlabelled | None:
+        """``packed_rows``'s inputs of samples ``keys`` that train no label, from the
+        index alone (no token is read): each document's last token, then the padding of
+        each row that has some (None: every label trained)."""
+        rows, _, piece = self._rows(keys)
+        length = piece[:, 2]
+        ends_doc = piece[:, 1] + length == self._doc_lengths[piece[:, 0]]
+        last = rows * seq_len + _piece_offsets(rows, length) + length - 1
+        used = np.bincount(rows, weights=length, minlength=np.size(keys)).astype(np.int64)
+        padded = np.flatnonzero(used < seq_len)
+        if not ends_doc.any() and not padded.size:
+            return None
+        return last[ends_doc].tolist(), padded.tolist(), used[padded].tolist()
 
     def ignored(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
         """bool [len(keys), seq_len]: the inputs whose label is not trained (a document's
@@ -158,6 +173,8 @@ class PackedStoreData(StoreData):
             lo, hi = int(keys.min()), int(keys.max())
         if lo < 0 or hi >= self.packed.num_samples:
             self._rows(keys)  # raises, naming the range
+        if self._remote is not None:  # read by range: the vectorized rows, checked
+            return self.windows(keys, seq_len), self.unlabelled(keys, seq_len)
         begin, window = self._begin[keys], self._window[keys]
         check = self.store.unchecked_chunks > 0
         if check:
@@ -262,6 +279,8 @@ class PackedStoreData(StoreData):
 
     def _read(self, begin: np.ndarray, length: np.ndarray) -> np.ndarray:
         """The store's tokens of spans [begin, begin + length), concatenated (checked)."""
+        if self._remote is not None:
+            return self._remote.read(begin, length)
         store = self.store
         if store.unchecked_chunks:
             c = store.chunk_tokens
@@ -273,6 +292,22 @@ class PackedStoreData(StoreData):
                 store.check_chunk(chunk)
         index = np.repeat(begin, length) + _ranks_within(length)
         return np.asarray(store.tokens[index])
+
+    def read_ahead_steps(self) -> int:
+        """Steps the loader announces ahead: the store's for one in object storage (its
+        pieces fetched in the background, ``job.packed_remote``), else 0."""
+        return 0 if self._remote is None else int(self.store.read_ahead_steps)
+
+    def read_ahead(self, keys: np.ndarray, seq_len: int) -> None:
+        """Fetch the pieces of one future step's samples ``keys`` in the background (a
+        store in object storage; nothing for a local one)."""
+        if self._remote is not None:
+            _, begin, piece = self._rows(keys)
+            self._remote.announce(begin, self._take(piece))
+
+    def drop_read_ahead(self) -> None:
+        if self._remote is not None:
+            self._remote.drop()
 
     def heldout(self) -> list[Heldout]:
         """The last packed samples, read as packed samples (this data's ``windows`` and
@@ -304,13 +339,18 @@ def _ranks_within(counts: np.ndarray) -> np.ndarray:
     return np.arange(total, dtype=np.int64) - np.repeat(ends - counts, counts)
 
 
-def _ranks_within_rows(rows: np.ndarray, take: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """The column of each token of each piece (``take`` tokens of a piece placed at its
-    offset in its row: the sum of the ``length`` of the row's pieces before it)."""
+def _piece_offsets(rows: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The column of each piece's first token in its row (rows ascending): the sum of
+    the ``length`` of the row's pieces before it."""
     before = np.cumsum(length) - length  # tokens of all earlier pieces
     row_start = np.zeros(rows.size, dtype=np.int64)
     if rows.size:
         first_of_row = np.r_[True, rows[1:] != rows[:-1]]
         row_start = np.maximum.accumulate(np.where(first_of_row, before, 0))
-    offset = before - row_start
-    return np.repeat(offset, take) + _ranks_within(take)
+    return before - row_start
+
+
+def _ranks_within_rows(rows: np.ndarray, take: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """The column of each token of each piece (``take`` tokens of a piece placed at its
+    offset in its row)."""
+    return np.repeat(_piece_offsets(rows, length), take) + _ranks_within(take)

@@ -139,7 +139,7 @@ class PackedMixtureData(MixtureData):
                 ends += [row[e // seq_len] * seq_len + e % seq_len for e in some[0]]
                 which += [row[k] for k in some[1]]
                 pads += some[2]
-        return rows, ((ends, which, pads) if which else None)
+        return rows, ((ends, which, pads) if ends or which else None)
 
     def labelled_tokens(self, keys: np.ndarray) -> int:
         return sum(data.labelled_tokens(ids) for _, data, ids in self._by_source(keys))
@@ -167,6 +167,19 @@ class PackedMixtureData(MixtureData):
         return f"mixture source {self.names[i]!r}: " + self.sources[i].out_of_vocab(
             ids, tokens[row : row + 1], limit
         )
+
+    def read_ahead_steps(self) -> int:
+        return max(data.read_ahead_steps() for data in self.sources)
+
+    def read_ahead(self, keys: np.ndarray, seq_len: int) -> None:
+        """Each source in object storage fetches the pieces of its samples of ``keys``
+        (one future step) in the background (``PackedStoreData.read_ahead``)."""
+        for _, data, ids in self._by_source(keys):
+            data.read_ahead(ids, seq_len)
+
+    def drop_read_ahead(self) -> None:
+        for data in self.sources:
+            data.drop_read_ahead()
 
     def heldout(self) -> list[Heldout]:
         """Each source's last packed samples, read as packed samples."""

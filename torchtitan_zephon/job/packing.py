@@ -17,7 +17,11 @@ Invariants:
   for, and only when its arrays hash to what its manifest says: anything else (another
   store's entry, a hand edit, a torn copy) is refused naming the folder to remove; the
   next open builds it again.
-- Building it reads only the document offsets (O(documents)); the tokens are not read.
+- Building it reads only the document offsets (O(documents)), checked against the
+  store's manifest first; the tokens are not read. A store in object storage
+  (``store.remote``) is packed the same way: each node's first process to open it
+  fetches ``doc_offsets.bin`` whole (8 bytes a document) and builds the index in that
+  node's cache; the others wait for it (``build_once``) and map it.
 """
 
 from __future__ import annotations
@@ -32,7 +36,13 @@ import numpy as np
 
 from torchtitan_zephon.ingest.cache_folder import build_once, cache_root
 from torchtitan_zephon.order.packing import PackedSamples, pack, packing_field
-from torchtitan_zephon.store.format import MANIFEST, StoreError, file_xxh3_128
+from torchtitan_zephon.store.format import (
+    DOC_OFFSETS,
+    MANIFEST,
+    REPREPARE,
+    StoreError,
+    file_xxh3_128,
+)
 from torchtitan_zephon.store.reader import TokenStore
 
 STARTS, PIECES = "starts.npy", "pieces.npy"
@@ -69,7 +79,14 @@ def _manifest(store: TokenStore, packed: PackedSamples, folder: Path) -> dict[st
 
 
 def build_index(store: TokenStore, seq_len: int, dest: Path, workers: int = 1) -> None:
-    """Pack ``store``'s documents at ``seq_len`` into the index folder ``dest``."""
+    """Pack ``store``'s documents at ``seq_len`` into the index folder ``dest`` (its
+    document offsets checked against the manifest first)."""
+    content = store.content
+    if content is not None and store.doc_offsets_xxh3_128() != content["doc_offsets_xxh3_128"]:
+        raise StoreError(
+            f"{DOC_OFFSETS} of the store {store.path} does not match its recorded checksum "
+            f"(document boundaries changed after preparation): it cannot be packed. {REPREPARE}"
+        )
     lengths = document_lengths(store)
     if workers > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:

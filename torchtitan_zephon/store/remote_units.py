@@ -218,6 +218,26 @@ class _RemoteUnits:
 
         return request, offset, nbytes, self._files.submit_many(reads, then=arrived, urgent=urgent)
 
+    def read_spans(self, start: np.ndarray, stop: np.ndarray) -> list[np.ndarray]:
+        """Tokens ``[start[k], stop[k])`` for each k, fetched now (``_fetch_ranges``),
+        checked: how packed samples (``job.packed``) read a store in object storage."""
+        start = np.asarray(start, dtype=np.int64).ravel()
+        stop = np.asarray(stop, dtype=np.int64).ravel()
+        if not start.size:
+            return []
+        if int(start.min()) < 0 or int(stop.max()) > self.num_tokens or (stop < start).any():
+            raise IndexError(f"token spans must lie in [0, {self.num_tokens}).")
+        order = np.argsort(start, kind="stable")
+        request, offset, _, future = self._fetch_ranges(start[order], stop[order], urgent=True)
+        arrays = future.result()
+        out: list[np.ndarray] = [np.empty(0, self.dtype)] * start.size
+        lengths = (stop - start)[order].tolist()
+        for k, r, o, n in zip(
+            order.tolist(), request.tolist(), offset.tolist(), lengths, strict=True
+        ):
+            out[k] = arrays[r][o : o + n]
+        return out
+
     # ------------------------------------------------------------------ the node cache
 
     def _unit(self) -> tuple[int, int]:

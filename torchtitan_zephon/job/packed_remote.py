@@ -1,0 +1,140 @@
+"""Packed samples from a store in object storage: the tokens of their pieces read by
+range, ahead of the plan.
+
+Role: ``RemoteSpans(store)`` reads token spans ``[begin, begin + take)`` (the pieces of
+packed samples, ``job.packed``) from a ``store.remote.RemoteTokenStore``, which is not
+memory-mapped. ``announce(begin, take)`` starts fetching one future step's spans in the
+background (the loader's read-ahead, ``job.read_ahead``, through
+``PackedStoreData.read_ahead``); ``read(begin, take)`` serves the spans announced
+(waiting for those still on the way) and fetches the others now. Both go through the
+store's ``_fetch_ranges``: neighbouring and overlapping spans coalesced into one
+request, rounded out to whole blocks (chunks), through the node cache, checked on
+arrival. A step whose bytes would take those held past the store's
+``read_ahead_bytes`` is not read ahead (its spans are fetched when read); a step's bytes
+are freed once each of its spans was served, or once a later step was read from (what
+a reset leaves); ``drop()`` forgets every step announced.
+
+Invariant: ``read`` returns exactly the store's tokens of each span, concatenated, and
+every token of it was checked against its block's (chunk's) checksum before it is
+served (``_fetch_ranges`` checks what arrives; a mismatch is a StoreError raised by the
+read that needs it).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+
+
+class _Announced:
+    """One step's spans being fetched: its Future (each request's tokens), its bytes,
+    and how many of its spans were not served yet."""
+
+    def __init__(self, future: Future, nbytes: int, spans: int) -> None:
+        self.future, self.nbytes, self.left, self.served = future, nbytes, spans, 0
+
+
+class RemoteSpans:
+    """Token spans of a store in object storage, read ahead by step (module docstring)."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._lock = threading.Lock()
+        self._steps: deque[_Announced] = deque()  # oldest first
+        # (begin, take) -> [(its step, its request, its offset in that request's tokens)]
+        self._spans: dict[tuple[int, int], list[tuple[_Announced, int, int]]] = {}
+        self._held = 0
+
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the steps read ahead and not yet freed."""
+        return self._held
+
+    def announce(self, begin: np.ndarray, take: np.ndarray) -> None:
+        """Fetch spans ``[begin[k], begin[k] + take[k])`` in the background (returns at
+        once), unless that would hold more than the store's ``read_ahead_bytes``."""
+        begin = np.asarray(begin, dtype=np.int64).ravel()
+        take = np.asarray(take, dtype=np.int64).ravel()
+        if not begin.size:
+            return
+        budget = int(self.store.options.read_ahead_bytes)
+        estimate = int(take.sum()) * self.store.dtype.itemsize
+        with self._lock:
+            if self._held and self._held + estimate > budget:
+                return  # read when asked for
+            order = np.lexsort((take, begin))
+            start = begin[order]
+            request, offset, nbytes, future = self.store._fetch_ranges(start, start + take[order])
+            step = _Announced(future, nbytes, begin.size)
+            self._steps.append(step)
+            self._held += nbytes
+            for b, t, r, o in zip(
+                start.tolist(), take[order].tolist(), request.tolist(), offset.tolist(), strict=True
+            ):
+                self._spans.setdefault((b, t), []).append((step, r, o))
+
+    def read(self, begin: np.ndarray, take: np.ndarray) -> np.ndarray:
+        """The store's tokens of spans ``[begin[k], begin[k] + take[k])``, concatenated:
+        from the steps announced where they are there, the rest fetched now; checked."""
+        begin = np.asarray(begin, dtype=np.int64).ravel()
+        take = np.asarray(take, dtype=np.int64).ravel()
+        parts: list[np.ndarray | None] = [None] * begin.size
+        hits: list[tuple[int, _Announced, int, int, int]] = []
+        missing: list[int] = []
+        with self._lock:
+            for k, (b, t) in enumerate(zip(begin.tolist(), take.tolist(), strict=True)):
+                found = self._spans.get((b, t))
+                if not found:
+                    missing.append(k)
+                    continue
+                step, r, o = found.pop(0)
+                if not found:
+                    del self._spans[(b, t)]
+                step.left -= 1
+                step.served += 1
+                hits.append((k, step, r, o, t))
+        try:
+            for k, step, r, o, t in hits:
+                parts[k] = step.future.result()[r][o : o + t]
+            if missing:
+                at = np.asarray(missing, dtype=np.int64)
+                fetched = self.store.read_spans(begin[at], begin[at] + take[at])
+                for k, tokens in zip(missing, fetched, strict=True):
+                    parts[k] = tokens
+        finally:
+            self._free({id(step) for _, step, *_ in hits})
+        if not parts:
+            return np.empty(0, dtype=self.store.dtype)
+        return np.concatenate(parts)  # type: ignore[arg-type]
+
+    def _free(self, read_from: set[int]) -> None:
+        """Forget the steps served whole, and those partly served before a later step
+        that was just read from (left by a reset)."""
+        with self._lock:
+            latest = max(
+                (k for k, step in enumerate(self._steps) if id(step) in read_from), default=-1
+            )
+            for k, step in enumerate(list(self._steps)):
+                if step.left <= 0 or (k < latest and step.served):
+                    self._forget(step)
+
+    def _forget(self, step: _Announced) -> None:
+        self._steps.remove(step)
+        self._held -= step.nbytes
+        for key in [k for k, v in self._spans.items() if any(s is step for s, _, _ in v)]:
+            kept = [x for x in self._spans[key] if x[0] is not step]
+            if kept:
+                self._spans[key] = kept
+            else:
+                del self._spans[key]
+
+    def drop(self) -> None:
+        """Forget every step announced (the loader moved: a reset, a resume)."""
+        with self._lock:
+            self._steps.clear()
+            self._spans.clear()
+            self._held = 0
