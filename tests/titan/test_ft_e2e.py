@@ -143,7 +143,11 @@ def test_three_groups_then_one_killed_the_others_step_on_exactly(
 
     runs = [tmp_path / f"group{r}" for r in range(3)]
     with lighthouse_at(1, heartbeat_timeout_ms=1000) as url:
-        procs = [_group(run, r, 3, url) for r, run in enumerate(runs)]
+        # A survivor may hang in the cut reduction until the collective timeout (30 s
+        # here, 120 s by default) while the other waits for it in the quorum
+        # (titan.ft.quorum: the survivors of a kill meet again).
+        timeout = ("--comm.train_timeout_seconds", "30")
+        procs = [_group(run, r, 3, url, *timeout) for r, run in enumerate(runs)]
         deadline = time.time() + 300
         while last_step(runs[2]) < 3:
             assert procs[2].poll() is None and time.time() < deadline, "no step 3 in group 2"

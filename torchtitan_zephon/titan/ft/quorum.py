@@ -24,6 +24,15 @@ reduced loss sum is likewise the mean loss over B(s), the number one group witho
 torchft logs at that step. A group that does not participate contributes zeros
 (torchft zeroes its tensor). Initial weights need no sync at step 0: Zephon's are a
 function of the seed and the model config alone (``titan.weights``).
+
+Invariant (the survivors of a kill meet again): a group waits for a quorum
+``QUORUM_TIMEOUT_FACTOR`` times as long as a collective may hang. When a group dies in
+a step's reduction, one survivor may see the error at once while another hangs in the
+collective until the process-group timeout; the lighthouse forms no quorum of a
+minority of the groups still heartbeating (torchft's split-brain rule), so the first
+survivor's quorum request must outlast the second's hang, or it fails first and that
+group stops (measured here: both at 120 s, the first one's request expired 12 ms
+before the other's collective).
 """
 
 from __future__ import annotations
@@ -37,6 +46,11 @@ import torch
 
 QUORUM_POLL_S = 0.2
 """How often a group's first step asks again for a quorum of every group."""
+
+QUORUM_TIMEOUT_FACTOR = 3
+"""A quorum request waits this many collective timeouts (module docstring): a peer hung
+in a collective until its timeout then joins, with time to spare for its restart of
+the process group."""
 REPLICA_PREFIX = "zephon_ft_"
 """The replica id Zephon gives torchft for group ``I``: ``zephon_ft_I``."""
 
@@ -83,7 +97,7 @@ def start_manager(
         min_replica_size=min_replica_size,
         use_async_quorum=use_async_quorum,
         timeout=timeout,
-        quorum_timeout=timeout,
+        quorum_timeout=timeout * QUORUM_TIMEOUT_FACTOR,
         connect_timeout=timeout,
         rank=group_rank,
         world_size=group_world_size,
