@@ -147,6 +147,22 @@ def e2e_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("e2e")
 
 
+PACKED_SEQ = 256  # the builtin docs at 256 tokens: steps 5-7 hold samples of several documents
+PACKED = ("--training.steps", "8", "--zephon.packing", "best_fit", "--zephon.store",
+          "builtin:docs", "--training.seq_len", str(PACKED_SEQ))  # fmt: skip
+"""The packed job (tests/titan/test_packing_e2e.py, tests/remote/test_train_on_bucket.py)."""
+
+
+@pytest.fixture(scope="session")
+def packed_one_rank(e2e_root: Path) -> Path:
+    """The uninterrupted packed run on one rank (``PACKED``)."""
+    from tests.titan.launch import train03
+
+    run = e2e_root / "packing_one_rank"
+    train03(run, 1, *PACKED).check()
+    return run
+
+
 @pytest.fixture(scope="session")
 def reference(e2e_root: Path) -> Path:
     """2 CPU ranks, FSDP, 8 steps, checkpoints at 4 and 8: the uninterrupted run."""

@@ -1,7 +1,9 @@
 """End to end on TorchTitan 0.3: real torchrun jobs train from a store in the loopback
 bucket (moto's S3 server, tests/remote/conftest.py), are killed after a checkpoint and
 resume on another world size from the same bucket; ``zephon verify`` says MATCH against
-a run of the local copy (same fingerprint, so the same samples at every step)."""
+a run of the local copy (same fingerprint, so the same samples at every step). The
+same with packing (issue 31 part a3): the index built in each node's cache, the pieces
+read by range."""
 
 from __future__ import annotations
 
@@ -11,17 +13,20 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import PACKED, PACKED_SEQ
 from tests.remote.conftest import SECRET, SESSION
 from tests.titan import recorded
 from tests.titan.expect import (
     TOPOLOGY_RTOL,
     assert_losses,
     assert_same_data,
+    assert_verify_match,
     resume_events,
 )
 from tests.titan.launch import REPO, copy_run_until, train03
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.ingest.builtin import builtin_store_path
+from torchtitan_zephon.job.packing import index_folder, read_index
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.upgrade import add_block_checksums
 
@@ -108,3 +113,36 @@ def test_a_bucket_run_equals_a_run_on_the_local_copy(
     assert_losses(local, bucket_run, range(1, 9), rtol=0)
     report = _verify(local, bucket_run, capsys)
     assert (report["steps_compared"], report["tokens_compared"], report["matches"]) == (8, 8, 8)
+
+
+def test_a_packed_run_from_the_bucket_resumed_on_one_rank_matches_the_local_one(
+    s3, packed_one_rank: Path, tmp_path: Path
+) -> None:
+    """``--zephon.packing best_fit`` on the docs store in the bucket: 2 ranks, killed
+    after checkpoint 4, resumed on 1 rank through the node cache; each builds the
+    packing index in its own cache; both train exactly what the uninterrupted 1-rank
+    packed run of the local store trains (verify MATCH, losses within the tolerance)."""
+    local = tmp_path / "docs"
+    shutil.copytree(builtin_store_path(part="docs"), local)
+    add_block_checksums(local, block_tokens=256)  # a seq_len piece is whole blocks
+    url = s3.upload(local, "e2e/docs")
+    args = (*PACKED[:4], "--zephon.store", url, *PACKED[6:], *REMOTE)
+    caches = [tmp_path / "cache-two", tmp_path / "cache-one"]
+    two = tmp_path / "two_ranks"
+    job = train03(two, 2, *args, "--zephon.cache_dir", str(caches[0])).check()
+    assert "packing best_fit:" in job.output
+    run = copy_run_until(two, tmp_path / "resumed", 4)
+    node_cache = ("--zephon.cache_bytes", "4000000", "--zephon.cache_dir", str(caches[1]))
+    resumed = train03(run, 1, *args, *node_cache).check()
+    (event,) = resume_events(run)
+    assert (event["from_step"], event["dp_degree"]) == (4, 1)
+    store = TokenStore.open(local)
+    for cache in caches:  # each node's own index, built from the bucket
+        folder = index_folder(store, PACKED_SEQ, str(cache))
+        assert read_index(store, PACKED_SEQ, folder).num_samples > 0
+    assert list((caches[1] / "remote-blocks" / store.fingerprint).rglob("*.bin"))
+    for other in (two, run):
+        assert_same_data(packed_one_rank, other, range(1, 9))
+        assert_losses(packed_one_rank, other, range(1, 9), rtol=TOPOLOGY_RTOL)
+        assert_verify_match(packed_one_rank, other)
+    _assert_no_secret(job.output, resumed.output, runs=(two, run, *caches))

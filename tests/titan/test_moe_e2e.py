@@ -78,7 +78,7 @@ def test_a_packed_moe_run_resumed_at_one_rank_matches_the_two_rank_ep_run(
     """The MoE with ``zephon.packing best_fit`` (issue 31): whole documents, labels only
     within a document, a 2-rank EP 2 run cut after step 4 and resumed at 1 rank (EP 1)
     trains the same packed samples with the same losses within ``TOPOLOGY_RTOL``."""
-    from tests.titan.test_packing_e2e import PACKED
+    from tests.conftest import PACKED
 
     packed = (*PACKED[2:], "--training.steps", "6")  # steps 5-6 resumed
     ep2 = tmp_path / "packed_ep2"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import PACKED
+from tests.conftest import PACKED_SEQ as SEQ
 from tests.titan.expect import (
     TOPOLOGY_RTOL,
     assert_losses,
@@ -22,10 +24,6 @@ from tests.titan.expect import (
 )
 from tests.titan.launch import copy_run_until, train03
 from torchtitan_zephon.run.recorded import sequence_log
-
-SEQ = 256  # the builtin docs at 256 tokens: steps 5-7 hold samples of several documents
-PACKED = ("--training.steps", "8", "--zephon.packing", "best_fit", "--zephon.store",
-          "builtin:docs", "--training.seq_len", str(SEQ))  # fmt: skip
 
 
 def assert_whole_documents(samples: list[dict]) -> None:
@@ -40,11 +38,9 @@ def assert_whole_documents(samples: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def one_rank(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted packed run on one rank."""
-    run = tmp_path_factory.mktemp("packing") / "one_rank"
-    train03(run, 1, *PACKED).check()
-    return run
+def one_rank(packed_one_rank: Path) -> Path:
+    """The uninterrupted packed run on one rank (shared: tests/conftest.py)."""
+    return packed_one_rank
 
 
 def test_a_packed_run_resumed_on_one_rank_matches_the_uninterrupted_one(
