@@ -39,6 +39,10 @@ def test_bench_remote_quick(capsys, tmp_path) -> None:
     assert r["store_over_trained"] == pytest.approx(r["store_bytes"] / s["local"]["trained_bytes"])
     for ms in LATENCIES_MS:  # range reads: windows, blocks and the opening, not the store
         assert 1.0 <= s[f"remote_{ms}ms"]["fetched_per_trained"] < 2.0
+    ps = r["packed_streams"]  # packed samples, local and from the bucket at 20 ms
+    assert set(ps) == {"local", "remote_20ms"} and ps["local"]["fetched_per_trained"] == 0
+    assert ps["remote_20ms"]["tokens_per_s"] > 0
+    assert 1.0 <= ps["remote_20ms"]["fetched_per_trained"] < r["store_over_trained"]
     naive = s["download_20ms"]["fetched_per_trained"]
     assert naive >= r["store_over_trained"]  # every file fetched whole
     for key in ("job_remote", "job_local"):
@@ -70,6 +74,7 @@ def test_bench_remote_quick(capsys, tmp_path) -> None:
         "+50 ms",
         "no read-ahead",
         "naive",
+        "packed samples (best_fit)",
         "bytes fetched per byte trained",
         "data wait % of step",
         "process start -> first batch",

@@ -22,6 +22,9 @@ cache. Measured:
   its model (forward, backward, clip, AdamW; one rank's micro-batch, no all-reduce, so
   shorter than the 2-rank job's step: the % is an upper bound of the job's), first step
   left out (its wait is the first batch, below);
+- packed samples (``zephon.packing = best_fit``), the same stream from local disk and
+  from the bucket at 20 ms: tokens/s and bytes fetched per byte trained (each sample's
+  pieces read ahead by range, rounded to whole blocks);
 - process start to first batch (fresh processes, as ``bench resume``): local vs the
   bucket at 20 ms vs the naive download, resuming the default job at step 10 and at
   step 1,000,000: the first ``next()`` after a late resume waits for its own windows only.
@@ -94,12 +97,18 @@ QUICK = {
 }
 
 
-def stream(where: str, o: dict, seed: int, mode: str, tmp: Path) -> dict[str, Any]:
+def stream(
+    where: str, o: dict, seed: int, mode: str, tmp: Path, *, packed: bool = False
+) -> dict[str, Any]:
     """One rank's run of ``o['steps']`` steps of seq_len x batch from ``where`` (a path or
     a URL): tokens/s from the loader's start to the last batch, bytes fetched (opening
     included). ``mode``: ``read_ahead`` (the trainer's settings, last_step the run's end),
     ``on_demand`` (no read-ahead, no prefetch) or ``download`` (every file downloaded
-    whole first, then read locally; the download is in the time)."""
+    whole first, then read locally; the download is in the time). ``packed``: packed
+    samples (``zephon.packing = best_fit``; the index built before the clock starts, in
+    ``tmp``, and the document offsets it fetches counted)."""
+    from torchtitan_zephon.job.packed import PackedStoreData
+    from torchtitan_zephon.job.packing import open_packing
     from torchtitan_zephon.store.reader import TokenStore
 
     seq_len, batch, steps = o["seq_len"], o["batch"], o["steps"]
@@ -113,15 +122,22 @@ def stream(where: str, o: dict, seed: int, mode: str, tmp: Path) -> dict[str, An
     kw = {"last_step": steps} if mode == "read_ahead" else {"read_ahead_steps": 0, "prefetch": 0}
     if mode == "download":
         kw = {"last_step": steps}
+    data: Any = store
+    if packed:
+        index, _ = open_packing(store, seq_len, cache_dir=str(tmp / "packing"))
+        data = PackedStoreData(store, index)
     t_open = time.perf_counter()
-    loader = rank_loader(store, seq_len, batch, seed=seed, **kw)
+    loader = rank_loader(data, seq_len, batch, seed=seed, **kw)
     first = [next(loader)[0]["input"][0, :8].clone()]
     for _ in range(steps - 1):
         next(loader)
     t_end = time.perf_counter()
+    in_flight = list(getattr(getattr(data, "_remote", None), "_steps", ()))
     loader.close()
     if not store.mapped:
         _wait_in_flight(store)
+        for step in in_flight:  # packed pieces read ahead: they count as fetched
+            step.future.exception()
         fetched = store.fetched_bytes
         store.close()
     start = t0 if mode == "download" else t_open
@@ -223,6 +239,24 @@ def run(opts: dict) -> dict:
         }
         trained = res["streams"]["local"]["trained_bytes"]
         res["store_over_trained"] = store_bytes / trained
+        # packed samples (zephon.packing = best_fit): local disk, then the bucket at 20 ms
+        packed_cases = {"local": (str(local), None), f"remote_{JOB_LATENCY_MS}ms": (url, 20)}
+        packed_rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in packed_cases}
+        for r in range(o["rounds"]):
+            for name, (where, ms) in packed_cases.items():
+                with _environ(envs[ms] if ms is not None else {}):
+                    packed_rounds[name].append(
+                        stream(where, o, r + 1, "read_ahead", tmp, packed=True)
+                    )
+            if len({json.dumps(v[r]["first"]) for v in packed_rounds.values()}) != 1:
+                raise RuntimeError("remote bench: packed samples differ between local and bucket")
+        res["packed_streams"] = {
+            name: {
+                "tokens_per_s": statistics.median(x["tokens_per_s"] for x in v),
+                "fetched_per_trained": statistics.median(x["fetched_per_trained"] for x in v),
+            }
+            for name, v in packed_rounds.items()
+        }
 
         # 2. the default job at 20 ms, local as the reference
         step_fn = _model_step(config)
@@ -298,6 +332,19 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
                 f"{v['fetched_per_trained']:,.1f}",
             )
         )
+    ps = r["packed_streams"]
+    pr = ps[f"remote_{ms}ms"]
+    out.append(
+        (
+            f"packed samples (best_fit), loader tokens/s: local disk / bucket +{ms} ms "
+            "(read-ahead)",
+            f"{ps['local']['tokens_per_s'] / 1e6:,.3f} M / {pr['tokens_per_s'] / 1e6:,.3f} M",
+            f"{ratio(pr['tokens_per_s'], s[f'remote_{ms}ms']['tokens_per_s']):.2f} of windows "
+            f"from the bucket; fetched/trained {pr['fetched_per_trained']:.3f} (windows "
+            f"{s[f'remote_{ms}ms']['fetched_per_trained']:.3f}: a piece rounds out to whole "
+            "blocks at both ends)",
+        )
+    )
     fpt = s[f"remote_{ms}ms"]["fetched_per_trained"]
     out.append(
         (
