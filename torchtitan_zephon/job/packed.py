@@ -111,11 +111,16 @@ class PackedStoreData(StoreData):
         """Rows [len(keys), seq_len + 1] in the store dtype: each sample's pieces, then
         EOS padding; after a piece that does not end its document, that document's next
         token (the label of the piece's last token)."""
-        rows, begin, piece = self._rows(keys)
+        return self._windows_of(np.size(keys), *self._rows(keys), seq_len)
+
+    def _windows_of(
+        self, n: int, rows: np.ndarray, begin: np.ndarray, piece: np.ndarray, seq_len: int
+    ) -> np.ndarray:
+        """``windows`` of ``n`` samples from their pieces (``_rows``)."""
         length = piece[:, 2]
         take = self._take(piece)
         tokens = self._read(begin, take)
-        out = np.full((np.size(keys), seq_len + 1), self.store.eos_id, dtype=self.store.dtype)
+        out = np.full((n, seq_len + 1), self.store.eos_id, dtype=self.store.dtype)
         col = _ranks_within_rows(rows, take, length)
         out[np.repeat(rows, take), col] = tokens
         return out
@@ -131,10 +136,16 @@ class PackedStoreData(StoreData):
         index alone (no token is read): each document's last token, then the padding of
         each row that has some (None: every label trained)."""
         rows, _, piece = self._rows(keys)
+        return self._unlabelled_of(np.size(keys), rows, piece, seq_len)
+
+    def _unlabelled_of(
+        self, n: int, rows: np.ndarray, piece: np.ndarray, seq_len: int
+    ) -> Unlabelled | None:
+        """``unlabelled`` of ``n`` samples from their pieces (``_rows``)."""
         length = piece[:, 2]
         ends_doc = piece[:, 1] + length == self._doc_lengths[piece[:, 0]]
         last = rows * seq_len + _piece_offsets(rows, length) + length - 1
-        used = np.bincount(rows, weights=length, minlength=np.size(keys)).astype(np.int64)
+        used = np.bincount(rows, weights=length, minlength=n).astype(np.int64)
         padded = np.flatnonzero(used < seq_len)
         if not ends_doc.any() and not padded.size:
             return None
@@ -174,7 +185,11 @@ class PackedStoreData(StoreData):
         if lo < 0 or hi >= self.packed.num_samples:
             self._rows(keys)  # raises, naming the range
         if self._remote is not None:  # read by range: the vectorized rows, checked
-            return self.windows(keys, seq_len), self.unlabelled(keys, seq_len)
+            rows, begin, piece = self._rows(keys)  # once, for both
+            return (
+                self._windows_of(keys.size, rows, begin, piece, seq_len),
+                self._unlabelled_of(keys.size, rows, piece, seq_len),
+            )
         begin, window = self._begin[keys], self._window[keys]
         check = self.store.unchecked_chunks > 0
         if check:
