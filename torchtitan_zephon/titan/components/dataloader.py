@@ -103,6 +103,8 @@ class ZephonDataLoader(BaseDataLoader):
         # Before anything else: a bad layout fails in milliseconds.
         schedule = batch_schedule(job)
         schedule.check_layout(dp_world_size, local_batch_size)
+        if job.pp > 1:  # micro-batches of the pipeline's size, local_batch_size per schedule call
+            schedule.check_layout(dp_world_size, job.local_batch_size)
         check_tokenizer(data, tokenizer)
         if data.seq_len != seq_len:
             raise ValueError(

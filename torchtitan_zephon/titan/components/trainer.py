@@ -44,6 +44,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.metrics import BaseLogger
@@ -295,7 +296,11 @@ class ZephonTrainer(Trainer):
             )
         if not self._tracking:
             self._begin_tracking()
-        self.gradient_accumulation_steps = self.dataloader.loader.grad_accumulation_steps(step)
+        # The loader's micro-batches of the step (of the pipeline's size under PP) / those
+        self.gradient_accumulation_steps = (  # TorchTitan's loop draws per accumulation step
+            self.dataloader.loader.grad_accumulation_steps(step)
+            // self.num_pipeline_parallel_microbatches
+        )
         accounting = self.accounting
         if accounting is not None:
             accounting.ahead(step)
@@ -307,6 +312,16 @@ class ZephonTrainer(Trainer):
             self._record_step(step)
         if accounting is not None:
             accounting.record(step)
+
+    def pp_forward_backward_step(self, **kwargs: Any) -> Any:
+        """TorchTitan's, then every stage holds the last stage's loss (TorchTitan's -1 off
+        the last stage is what rank 0, the one a launcher shows, would log)."""
+        loss = super().pp_forward_backward_step(**kwargs)
+        if not self.pp_has_last_stage:
+            loss = torch.zeros((), device=self.device)
+        loss = loss.detach().reshape(()).to(torch.float32, copy=True)
+        dist.all_reduce(loss, group=self.parallel_dims.get_mesh("pp").get_group())
+        return loss
 
     def post_dataloading_process(
         self, input_dict: dict[str, Any], labels: Any

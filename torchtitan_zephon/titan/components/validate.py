@@ -6,8 +6,10 @@ global batch size ``G``; DP rank ``r`` of ``D`` takes the plan's rank slice of
 each (``DataPlan.rank_positions``: the contiguous ``[r*G/D, (r+1)*G/D)``), cut
 into micro-batches of ``validator.microbatch_size`` (0: training.local_batch_size);
 the last micro-batch of
-a slice may be smaller (with pipeline parallelism, whose schedule splits every
-micro-batch alike, the size is clamped to a divisor of ``G/D``, with a log line).
+a slice may be smaller. With pipeline parallelism the schedule takes what training
+gives it: ``training.local_batch_size`` samples a call, in micro-batches of
+``parallelism.pipeline_parallel_microbatch_size`` (``G/D`` is a multiple of it), and
+every stage logs the loss the last stage computed.
 
 Samples have the training ``seq_len`` (held-out samples are windows of the same
 store layout) and per-document positions as training batches have, and
@@ -223,6 +225,17 @@ class ZephonValidator(Validator):
         parts = heldout_parts(job, data)
         eos_id = eos_id_of(data)
         micro = config.microbatch_size or local_batch_size
+        self.pp_microbatches = 1  # pipeline micro-batches per schedule call
+        if parallel_dims.pp_enabled:  # the schedule's shape: n micro-batches of its size
+            self.pp_microbatches = local_batch_size // parallelism.pipeline_parallel_microbatch_size
+            if micro != local_batch_size and dp_rank == 0:
+                logger.info(
+                    f"Zephon validation: with pipeline parallelism held-out samples are read "
+                    f"{local_batch_size} at a time (training.local_batch_size, as the pipeline "
+                    f"schedule takes them: {self.pp_microbatches} pipeline micro-batches), not "
+                    f"validator.microbatch_size={micro}"
+                )
+            micro = local_batch_size
         self.heldout_loaders: list[tuple[str | None, HeldoutLoader]] = []
         for h in parts:
             available = h.count // gbs
@@ -264,11 +277,16 @@ class ZephonValidator(Validator):
         for input_dict, labels in loader or self.validation_dataloader:
             self.metrics_processor.ntokens_since_last_log += labels.numel()
             input_dict = {k: v.to(device_type) for k, v in input_dict.items()}
-            inputs, labels, extra_kwargs = self.post_dataloading_process(
-                input_dict, labels.to(device_type), model_parts
-            )
-            tokens += (labels != IGNORE_INDEX).sum()
-            loss_sum += self._loss_sum(model_parts, inputs, labels, extra_kwargs)
+            if self.parallel_dims.pp_enabled:
+                loss, count = self._pipeline_loss_sum(model_parts, input_dict, labels)
+            else:
+                inputs, labels, extra_kwargs = self.post_dataloading_process(
+                    input_dict, labels.to(device_type), model_parts
+                )
+                loss = self._loss_sum(model_parts, inputs, labels, extra_kwargs)
+                count = (labels != IGNORE_INDEX).sum()
+            loss_sum += loss
+            tokens += count
         return torch.stack([loss_sum, tokens])
 
     @torch.no_grad()
@@ -283,16 +301,17 @@ class ZephonValidator(Validator):
             what = f"the held-out samples of the validation at step {step}"
             raise DataUnreadable(e, step, what) from e
         totals = torch.stack(totals)
+        if pd.pp_enabled:  # only the last stage computes losses: every stage logs them
+            losses = totals[:, 0].contiguous()
+            dist.all_reduce(losses, group=pd.get_mesh("pp").get_group())
+            totals[:, 0] = losses
         if pd.dp_cp_enabled:
             dist.all_reduce(totals, group=pd.get_optional_mesh("loss").get_group())
         per_source: dict[str, float] = {}
-        if pd.pp_enabled and not self.pp_has_last_stage:
-            loss = -1.0  # TorchTitan's marker: only the last stage computes losses
-        else:
-            loss = float(totals[:, 0].sum() / totals[:, 1].sum())
-            for (name, _), t in zip(self.heldout_loaders, totals, strict=True):
-                if name is not None:
-                    per_source[name] = float(t[0] / t[1])
+        loss = float(totals[:, 0].sum() / totals[:, 1].sum())
+        for (name, _), t in zip(self.heldout_loaders, totals, strict=True):
+            if name is not None:
+                per_source[name] = float(t[0] / t[1])
         if per_source:
             self.metrics_processor.log_validation(
                 loss=loss,
@@ -315,24 +334,48 @@ class ZephonValidator(Validator):
         labels: torch.Tensor,
         extra_kwargs: dict[str, Any],
     ) -> torch.Tensor:
-        """Sum of token losses of one micro-batch on this rank (0 off the last PP stage)."""
-        device_type = utils.device_type
+        """Sum of token losses of one micro-batch on this rank (no pipeline)."""
         # Context parallelism is handled by post_dataloading_process (as in TorchTitan).
-        if self.parallel_dims.pp_enabled:
-            losses: list[torch.Tensor] | None = [] if self.pp_has_last_stage else None
-            with self.validation_context():
-                self.pp_schedule.eval(
-                    arg_mbs=[(inputs,)] if self.pp_has_first_stage else None,
-                    kwarg_mbs=[extra_kwargs],
-                    target_mbs=[labels] if self.pp_has_last_stage else None,
-                    losses=losses,
-                )
-            if not losses:
-                return torch.zeros((), dtype=torch.float64, device=device_type)
-            total = torch.sum(torch.stack(losses)).to(device_type)
-        else:
-            with self.validation_context():
-                total, _ = self.loss_fn(model_parts[0](inputs, **extra_kwargs), labels)
+        with self.validation_context():
+            total, _ = self.loss_fn(model_parts[0](inputs, **extra_kwargs), labels)
         if isinstance(total, DTensor):
             total = total.full_tensor()
         return total.detach().to(torch.float64)
+
+    def _pipeline_loss_sum(
+        self,
+        model_parts: list[torch.nn.Module],
+        input_dict: dict[str, torch.Tensor],
+        labels: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum of token losses (0 off the last stage) and number of labelled tokens of one
+        read of ``training.local_batch_size`` samples, cut in order into the schedule's
+        pipeline micro-batches (the shape training gives it)."""
+        device_type = utils.device_type
+        n = self.pp_microbatches
+        dict_mbs = [dict(zip(input_dict, parts, strict=True))
+                    for parts in zip(*(v.chunk(n) for v in input_dict.values()), strict=True)]  # fmt: skip
+        arg_mbs, kwarg_mbs, target_mbs = [], [], []
+        count = torch.zeros((), dtype=torch.int64, device=device_type)
+        for mb, mb_labels in zip(dict_mbs, labels.to(device_type).chunk(n), strict=True):
+            inputs, mb_labels, extra_kwargs = self.post_dataloading_process(
+                mb, mb_labels, model_parts
+            )
+            arg_mbs.append((inputs,))
+            kwarg_mbs.append(extra_kwargs)
+            target_mbs.append(mb_labels)
+            count += (mb_labels != IGNORE_INDEX).sum()
+        losses: list[torch.Tensor] | None = [] if self.pp_has_last_stage else None
+        with self.validation_context():
+            self.pp_schedule.eval(
+                arg_mbs=arg_mbs if self.pp_has_first_stage else None,
+                kwarg_mbs=kwarg_mbs,
+                target_mbs=target_mbs if self.pp_has_last_stage else None,
+                losses=losses,
+            )
+        if not losses:
+            return torch.zeros((), dtype=torch.float64, device=device_type), count
+        total = torch.sum(torch.stack(losses)).to(device_type)
+        if isinstance(total, DTensor):
+            total = total.full_tensor()
+        return total.detach().to(torch.float64), count
