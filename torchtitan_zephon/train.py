@@ -24,7 +24,8 @@ an accelerator it switches TorchTitan to CPU + gloo); the registry function's
 config becomes Zephon's (``titan.configs.stock_config.zephon_config``) and gets the CPU defaults
 (``platform.cpu_config_defaults``) *before* tyro parses, so an explicit flag wins;
 after it, the chunked loss's chunk count is fitted to ``training.seq_len``
-(``titan.configs.loss_chunks``: refused only when ``--loss.num_chunks`` is given).
+(``titan.configs.loss_chunks``: refused only when ``--loss.num_chunks`` is given),
+and the settings no flag can ask of a CPU are mapped (``platform.cpu_parsed_settings``).
 
 Invariant: a refused start or a stopped job (the Zephon errors whose message says
 it all, and an unknown ``--module`` / ``--config``) ends the worker with exit
@@ -123,6 +124,9 @@ def main() -> None:
         note = fit_loss_chunks(config, explicit=explicit)  # after --training.seq_len
         if note:
             logger.info(f"Zephon: {note}")
+        for change in platform.cpu_parsed_settings(config):  # what no flag can ask of a CPU
+            if int(os.environ.get("RANK", "0")) == 0:
+                logger.info(f"CPU platform: {change}")
     except (ValueError, ImportError) as e:  # a TOML key 0.3 cannot carry (LegacyConfigError),
         stop(f"Zephon refused to start: {e}")  # an unknown --module / --config
     trainer = None

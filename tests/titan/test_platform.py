@@ -134,3 +134,29 @@ def test_on_cpu_here():
     if torch.cuda.is_available():
         pytest.skip("a GPU machine: the CPU path is not taken")
     assert platform.on_cpu()
+
+
+def test_cpu_parsed_settings_map_pinned_memory_staging_to_async():
+    from torchtitan_zephon.titan.configs.config_registry import llama3_tiny
+
+    config = llama3_tiny()
+    config.checkpoint.async_mode = "async_with_pinned_mem"
+    (change,) = platform.cpu_parsed_settings(config)
+    assert change.startswith("checkpoint.async_mode async_with_pinned_mem -> async")
+    assert config.checkpoint.async_mode == "async"
+    assert platform.cpu_parsed_settings(config) == []  # nothing else to map
+
+
+def test_async_with_pinned_mem_on_cpu_checkpoints_and_resumes(tmp_path):
+    """Issue 43 case 4: DCP's pinned-memory stager raised at the first save on a CPU,
+    after steps were logged. Mapped to ``async`` with one log line: the job saves, and
+    the same command resumes from its checkpoint."""
+    from tests.titan.launch import train
+
+    args = ("--training.steps", "2", "--checkpoint.interval", "1",
+            "--checkpoint.async_mode", "async_with_pinned_mem", "--validation.no-enable")  # fmt: skip
+    job = train(tmp_path / "run", 2, *args).check()
+    assert job.output.count("CPU platform: checkpoint.async_mode async_with_pinned_mem") == 1
+    assert (tmp_path / "run" / "checkpoint" / "step-2" / ".metadata").is_file()
+    again = train(tmp_path / "run", 2, *args[:1], "3", *args[2:]).check()
+    assert "Zephon: resuming at step 3" in again.output

@@ -21,7 +21,11 @@ triton-only, each for the reason given where it is done:
    mask (``titan.components.attention.DocumentSDPA``) in place of FlexAttention / varlen
    attention (neither has a CPU backward), float32 FSDP parameters
    unless ``ZEPHON_CPU_BF16=1``, and CUDA graphs off (TorchTitan's config check
-   rejects them with expert parallelism before any CUDA is touched).
+   rejects them with expert parallelism before any CUDA is touched);
+6. in the parsed config (``cpu_parsed_settings``), what no flag can ask of a CPU:
+   ``checkpoint.async_mode async_with_pinned_mem`` becomes ``async`` (DCP's stager
+   copies into pinned memory with a non-blocking device copy, which needs an
+   accelerator; it would fail at the first save, after steps were logged).
 
 The process-group timeout barrier needs no change on torch >= 2.14 once the
 device module is the CPU's (gloo accepts ``barrier(device_ids=[0])``).
@@ -312,4 +316,22 @@ def cpu_config_defaults(config: Any) -> list[str]:
     if not training.disable_cuda_graphs:
         training.disable_cuda_graphs = True
         changes.append("training.disable_cuda_graphs -> True (no CUDA)")
+    return changes
+
+
+def cpu_parsed_settings(config: Any) -> list[str]:
+    """(6) Map, in the parsed ``Trainer.Config``, the settings that need an accelerator to
+    the nearest that runs on the CPU; returns what changed, for the log (one line each).
+    Nothing changes where an accelerator is in use."""
+    if not on_cpu():
+        return []
+    changes: list[str] = []
+    checkpoint = getattr(config, "checkpoint", None)
+    if checkpoint is not None and str(checkpoint.async_mode).lower() == "async_with_pinned_mem":
+        checkpoint.async_mode = "async"
+        changes.append(
+            "checkpoint.async_mode async_with_pinned_mem -> async (pinned-memory staging "
+            "needs an accelerator; async stages in ordinary memory, then saves in the "
+            "background the same way)"
+        )
     return changes
