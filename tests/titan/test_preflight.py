@@ -283,16 +283,36 @@ def test_history_not_resumed_is_refused_unless_start_over_or_same_job(run: Path,
     assert "an elastic restart of this job" in plan.notes[0]
 
 
-def test_log_with_steps_and_no_checkpoint_is_refused(tmp_path: Path, current_config):
+def test_log_with_steps_and_no_checkpoint_is_refused_when_another_run_wrote_it(
+    tmp_path: Path, current_config, monkeypatch
+):
     write_log(tmp_path, 3)
+    other = dataclasses.replace(CONFIG, seed=3)  # the job's data config differs from the log's
+    monkeypatch.setattr(preflight, "_check_job", lambda job, build_tokenizer: (None, other))
+    before = tree(tmp_path)
     with pytest.raises(StartRefused, match="holds a sequence log with steps 1..3"):
         decide_start(job(tmp_path), writer=True)
+    assert_unchanged(before, tree(tmp_path))
     # a log with a start event only (a job that died before its first step) is no history
     log_path(tmp_path).unlink()
     for sidecar in log_path(tmp_path).parent.glob("*.jsonl.*"):
         sidecar.unlink()
     SequenceTracker(log_path(tmp_path), config=CONFIG, writer=True).start(TOPOLOGY)
     assert decide_start(job(tmp_path), writer=True).resume is None
+
+
+def test_a_requeue_that_checkpointed_nothing_starts_again(tmp_path: Path, current_config):
+    """Issue 43 case 5: the same command run again after a kill before the first
+    checkpoint (a scheduler's requeue) starts from step 1, saying so; an interrupted
+    checkpoint is not one. A whole checkpoint it does not load is another history."""
+    write_log(tmp_path, 3)
+    (tmp_path / "checkpoint" / "step-2").mkdir(parents=True)  # killed while saving
+    start = decide_start(job(tmp_path), writer=True)
+    assert start.resume is None
+    assert any("(a requeue). It starts again from step 1" in n for n in start.notes)
+    save(tmp_path, 4, head=None)
+    with pytest.raises(StartRefused, match="holds checkpoints"):
+        decide_start(job(tmp_path, enable=False), writer=True)
 
 
 # ---------------------------------------------------------------- the job's data (issue 18)

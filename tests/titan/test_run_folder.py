@@ -22,7 +22,15 @@ from tests.titan.expect import (
     resume_events,
     tree,
 )
-from tests.titan.launch import REPO, Job, copy_run_until, job_env, train, train_command
+from tests.titan.launch import (
+    REPO,
+    Job,
+    copy_run_until,
+    job_env,
+    kill_node,
+    train,
+    train_command,
+)
 from torchtitan_zephon.cli.inspect_run import describe_run
 from torchtitan_zephon.run.holder import Holder, lock_path, read_holder
 from torchtitan_zephon.run.process import Process
@@ -71,7 +79,13 @@ def test_second_job_is_refused_while_the_folder_is_in_use(e2e_root: Path, refere
             "checkpoints step-4, step-8 and a sequence log with steps 1..8",
             "checkpoint.enable is false",
         ),
-        ("log_without_checkpoint", (), "a sequence log with steps 1..8", "holds no complete"),
+        # another data config's log: the requeue of the same job starts again (below)
+        (
+            "log_without_checkpoint",
+            ("--zephon.seed", "3"),
+            "a sequence log with steps 1..8",
+            "holds no complete",
+        ),
     ],
 )
 def test_start_that_would_supersede_a_history_is_refused(
@@ -85,6 +99,34 @@ def test_start_that_would_supersede_a_history_is_refused(
     job = train(run, 2, *overrides, log=e2e_root / f"history_{name}.log")
     assert_refused(job, found, why, "--zephon.start_over", "Nothing was changed on disk")
     assert_unchanged(before, tree(run))
+
+
+def test_a_requeue_after_a_kill_before_the_first_checkpoint_starts_again(
+    e2e_root: Path, reference: Path
+):
+    """Issue 43 case 5: a job killed before its first checkpoint, started again with the
+    same command (a scheduler's requeue: a new torchrun), recovers with nothing to
+    decide: it starts from step 1, a second start event supersedes the killed attempt's
+    steps, and it trains the reference's data."""
+    run = e2e_root / "requeue"
+    run.mkdir()
+    args = ["--training.steps", "40", "--checkpoint.interval", "100", "--validation.no-enable"]
+    with open(e2e_root / "requeue_killed.log", "w") as out:
+        cmd = train_command(run, 2, args)
+        agent = subprocess.Popen(cmd, cwd=REPO, env=job_env(), stdout=out, stderr=out)
+    try:
+        log = run / "zephon" / "sequence_log.jsonl"
+        _wait_for(lambda: log.is_file() and log.read_text().count('"ids_digest"') >= 3, 300,
+                  "third step")  # fmt: skip
+    finally:
+        kill_node(agent.pid)
+        agent.wait(timeout=60)
+    assert not any((run / "checkpoint").glob("step-*/.metadata")), "killed after a checkpoint"
+    job = train(run, 2, *args).check()
+    assert "(a requeue). It starts again from step 1" in job.output
+    assert len(start_events(run)) == 2
+    assert sorted(log_records(run)) == list(range(1, 41))
+    assert_same_data(reference, run, range(1, 9))
 
 
 def test_start_over_supersedes_the_log(e2e_root: Path, reference: Path):

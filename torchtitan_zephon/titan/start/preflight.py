@@ -11,8 +11,10 @@ passing over checkpoints whose files are incomplete or corrupt
   state excluded from loading), and one written by the 0.2.2-based code whose keys
   do not map onto the job's (``titan.start.old_runs``: only llama3 maps),
 * a run folder that holds a history (sequence log steps, checkpoints) the job
-  would not resume from, unless ``zephon.start_over`` or an elastic restart of
-  the same job,
+  would not resume from, unless ``zephon.start_over``, an elastic restart of
+  the same job, or a requeue: no whole checkpoint, and a log that records only
+  this job's data config (the same command run again after a kill before the
+  first checkpoint starts from step 1, with nothing to decide),
 * the store against the model and tokenizer (a tokenizer TorchTitan cannot load
   from ``hf_assets_path`` is refused naming the path and the tokenizer the
   store was prepared with), its size, the held-out samples validation reads
@@ -152,6 +154,26 @@ def _leftovers(job: JobView) -> list[str]:
             if first is not None:
                 out.append(f"a sequence log with steps {first}..{last}")
     return out
+
+
+def _never_checkpointed_same_data(job: JobView, config: DataConfig) -> bool:
+    """The run folder holds no whole checkpoint (an interrupted one at most) and every
+    start and resume its sequence log records was of ``config``'s data config: what an
+    automatic requeue (a scheduler's, or torchrun's restart under a new agent) of a job
+    that died before its first checkpoint finds. Anything else is another run's history."""
+    if any(c.complete for c in runs.checkpoints(job.dump_folder, job.checkpoint.folder)):
+        return False
+    path = log_path(job.dump_folder)
+    if not path.is_file():
+        return True
+    try:
+        events = LogReader(path).events
+    except (TrackerError, OSError):
+        return False
+    starts = [e for e in events if e.get("event") in ("start", "resume")]
+    return bool(starts) and all(
+        e.get("data_config_fingerprint") == config.fingerprint for e in starts
+    )
 
 
 BuildTokenizer = Callable[[], Any]
@@ -302,9 +324,18 @@ def decide_start(
             "the log's new start event supersedes those steps"
         )
         return start
+    if _never_checkpointed_same_data(job, config):  # a requeue of the same command
+        start.notes.append(
+            f"this run folder holds {found} but no checkpoint, and its log records this "
+            "job's data config: the same job started again after it stopped before its "
+            "first checkpoint (a requeue). It starts again from step 1; the log's new start "
+            "event supersedes the steps of the earlier attempt"
+        )
+        return start
     raise StartRefused(
         f"the run folder {job.dump_folder} holds {found}, which this job will not "
-        f"resume from ({why_none}). Starting here would supersede that history. To continue "
+        f"resume from ({why_none}), of a run with another data config or with checkpoints. "
+        "Starting here would supersede that history. To continue "
         "it, resume from a checkpoint (checkpointing enabled and loading); to keep it, use "
         f"another --dump_folder; to start over in this folder, pass {START_OVER}. "
         "Nothing was changed on disk."
