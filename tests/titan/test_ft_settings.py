@@ -112,6 +112,73 @@ def test_the_lighthouse_address_is_checked(lighthouse, monkeypatch: pytest.Monke
     assert lighthouse_url() == lighthouse  # a real lighthouse answers
 
 
+class _Listener:
+    """A live loopback port that is not a lighthouse: ``kind`` "silent" accepts and says
+    nothing, "garbage" answers bytes that are not HTTP, "http" is another web server."""
+
+    def __init__(self, kind: str) -> None:
+        import socket
+        import threading
+
+        self.kind, self.sock = kind, socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(8)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.held: list = []
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            self.held.append(conn)
+            if self.kind == "garbage":
+                conn.sendall(b"\x00\x01 not http at all\r\n\r\n")
+                conn.close()
+            elif self.kind == "http":
+                conn.recv(4096)
+                body = b"<title>Some other service</title>"
+                conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                conn.close()
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.held:
+            conn.close()
+
+
+@pytest.mark.parametrize(
+    ("kind", "message"),
+    [
+        ("silent", "does not answer (no answer within 5 s)"),
+        ("garbage", "is not a torchft lighthouse (it does not speak HTTP as one does"),
+        ("http", "is not a torchft lighthouse (it answered HTTP, but not with a lighthouse"),
+    ],
+)
+def test_a_live_port_that_is_not_a_lighthouse_is_refused_within_seconds(
+    kind: str, message: str, monkeypatch: pytest.MonkeyPatch
+):
+    """Issue 43 case 7: torchft's client retried forever at such a port, logging an h2
+    protocol error every 100 ms; the start check only tested that it accepts."""
+    from torchtitan_zephon.titan.ft.settings import LIGHTHOUSE_TIMEOUT_S, lighthouse_url
+
+    server = _Listener(kind)
+    try:
+        monkeypatch.setenv("TORCHFT_LIGHTHOUSE", server.url)
+        t0 = time.monotonic()
+        with pytest.raises(ValueError) as e:
+            lighthouse_url()
+        assert time.monotonic() - t0 <= LIGHTHOUSE_TIMEOUT_S + 1
+        assert str(e.value).startswith(
+            f"the {'torchft lighthouse' if kind == 'silent' else 'server'} at {server.url} "
+        )
+        assert message in str(e.value) and "\n" not in str(e.value)
+    finally:
+        server.close()
+
+
 def test_a_fault_tolerant_start_with_a_bad_setting_is_refused_before_anything_is_written(
     lighthouse, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ):

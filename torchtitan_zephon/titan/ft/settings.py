@@ -19,9 +19,11 @@ here writes.
 
 from __future__ import annotations
 
+import http.client
 import math
 import os
-import socket
+import urllib.error
+import urllib.request
 from urllib.parse import urlsplit
 
 from torchtitan_zephon.titan.components.job_data import batch_schedule
@@ -97,7 +99,7 @@ def check_fault_tolerance(job: JobView, world: int) -> None:
 
 def lighthouse_url() -> str:
     """``TORCHFT_LIGHTHOUSE``, checked: set, an ``http://HOST:PORT`` address, and a
-    lighthouse accepts a connection there within ``LIGHTHOUSE_TIMEOUT_S``."""
+    torchft lighthouse answers there within ``LIGHTHOUSE_TIMEOUT_S``."""
     url = os.environ.get(LIGHTHOUSE_ENV, "")
     start = (
         "start one: torchft_lighthouse --min_replicas 1 --bind 127.0.0.1:29510, then "
@@ -114,12 +116,48 @@ def lighthouse_url() -> str:
             f"{LIGHTHOUSE_ENV}={url!r}: expected http://HOST:PORT (the lighthouse's --bind "
             "address, with its port)."
         )
-    try:
-        socket.create_connection((parts.hostname, parts.port), LIGHTHOUSE_TIMEOUT_S).close()
-    except OSError as e:
-        why = "no answer" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
-        raise ValueError(
-            f"the torchft lighthouse at {url} does not answer ({why} within "
-            f"{math.ceil(LIGHTHOUSE_TIMEOUT_S)} s): check {LIGHTHOUSE_ENV}, or {start}."
-        ) from None
+    problem = _not_a_lighthouse(url)
+    if problem is not None:
+        raise ValueError(f"{problem}: check {LIGHTHOUSE_ENV}, or {start}.")
     return url
+
+
+LIGHTHOUSE_PAGE = b"Lighthouse Dashboard - torchft"
+"""The title of the page a torchft lighthouse serves at ``/`` beside its gRPC service."""
+
+
+def _not_a_lighthouse(url: str) -> str | None:
+    """Why ``url`` is not a torchft lighthouse that answers (None: it is one). One
+    read-only HTTP GET of its dashboard page, no proxy, within ``LIGHTHOUSE_TIMEOUT_S``
+    (a heartbeat would register a replica the next quorum waits for). Anything else
+    listening there (another service, a store, a silent port) would leave torchft's
+    client retrying forever."""
+    wait = math.ceil(LIGHTHOUSE_TIMEOUT_S)
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(url.rstrip("/") + "/", timeout=LIGHTHOUSE_TIMEOUT_S) as answer:
+            page = answer.read(1 << 16)
+    except urllib.error.HTTPError as e:
+        return f"the server at {url} is not a torchft lighthouse (it answered HTTP {e.code})"
+    except urllib.error.URLError as e:
+        why = e.reason if isinstance(e.reason, str) else _why(e.reason)
+        return f"the torchft lighthouse at {url} does not answer ({why} within {wait} s)"
+    except TimeoutError:
+        return f"the torchft lighthouse at {url} does not answer (no answer within {wait} s)"
+    except (OSError, http.client.HTTPException) as e:
+        return (
+            f"the server at {url} is not a torchft lighthouse (it does not speak HTTP as one "
+            f"does: {type(e).__name__})"
+        )
+    if LIGHTHOUSE_PAGE not in page:
+        return (
+            f"the server at {url} is not a torchft lighthouse (it answered HTTP, but not with "
+            "a lighthouse's dashboard)"
+        )
+    return None
+
+
+def _why(error: BaseException) -> str:
+    if isinstance(error, TimeoutError):
+        return "no answer"
+    return getattr(error, "strerror", None) or type(error).__name__
