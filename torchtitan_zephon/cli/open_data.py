@@ -1,6 +1,7 @@
 """Opening the data a step reads (``StepData``) for ``zephon show``, ``where`` and
 ``spikes``: from a run folder (its sequence log's newest start or resume event holds
-the data config, skips included; its stores and tokenizer are found from what the run
+the data config, skips included, and a trained step is described under the data config
+of the job that trained it: ``cli.run_history``; its stores and tokenizer are found from what the run
 recorded, ``job.run_data``, the job config it saved, the command line or the builtin
 data, each checked against the config's fingerprints; its left-out list from
 ``--exclude FILE``, the record or the saved job config, checked against the sha256 the
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
@@ -30,12 +30,13 @@ from torchtitan_zephon.cli.plan import (
     leave_out,
     load_exclude,
 )
+from torchtitan_zephon.cli.run_history import RunHistory, TrainedUnder
 from torchtitan_zephon.cli.step_data import ShowError, StepData
 from torchtitan_zephon.job.plans import exclusions_problem, plan_of
 from torchtitan_zephon.job.run_data import read_run_data, recorded
 from torchtitan_zephon.order.data_config import SKIP_FIELD, DataConfig
 from torchtitan_zephon.order.exclusions import Exclusions
-from torchtitan_zephon.order.layout import BatchSchedule, Layout
+from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.stream import StreamPlan
@@ -169,80 +170,6 @@ def _open_given(args: argparse.Namespace, command: str) -> StepData:
     return data
 
 
-def _last_trained(path: Path) -> int:
-    """The last step of the log's effective history, from its last whole line: a record
-    (its step) or an event (its from_step: the steps after it are superseded). Records
-    are appended in step order after the event they follow, so the tail decides; O(1)
-    in the log's length (the chain is ``zephon verify``'s to check)."""
-    with open(path, "rb") as f:
-        size = f.seek(0, 2)
-        block = 1 << 16
-        while True:
-            f.seek(max(0, size - block))
-            lines = f.read(block).split(b"\n")
-            if size > block:
-                lines = lines[1:]  # the first may be cut
-            for raw in reversed(lines):
-                try:
-                    entry = json.loads(raw)
-                except (ValueError, RecursionError):
-                    continue  # blank, or a last line cut short by a crash
-                if isinstance(entry, dict):
-                    key = "from_step" if "event" in entry else "step"
-                    if type(entry.get(key)) is int:
-                        return int(entry[key])
-            if block >= size:
-                return 0
-            block *= 4
-
-
-def _newest_event(run: Path) -> dict[str, Any]:
-    reader = runs.log_reader(run)
-    events = [e for e in reader.events if e.get("event") in ("start", "resume")]
-    events = [e for e in events if isinstance(e.get("data_config"), dict)]
-    if not events:
-        raise ShowError(
-            f"the run {run} has no start or resume event with a data config in its sequence "
-            "log (zephon/sequence_log.jsonl): it was not trained with Zephon's tracker "
-            "(zephon.audit off?). Name the data instead: a store with --seq-len, "
-            "--global-batch-size and --seed."
-        )
-    starts = [i for i, e in enumerate(events) if e.get("event") == "start"]
-    history = events[starts[-1] :] if starts else events  # a start begins a new history
-    return {
-        **events[-1],
-        "_trained": _last_trained(reader.path),
-        "_anchor": _anchor(history),
-        "_reader": reader,
-    }
-
-
-def _anchor(history: list[dict[str, Any]]) -> tuple[int, int]:
-    """The position anchor of the newest job's data config, from the run's history (its
-    start and resume events from the last start on). Only a resume that accepted a batch
-    schedule change moves it (``accepted_changes`` names "schedule", ``order.resume``):
-    to (k + 1, the first position of step k + 1 under the job that trained step k), k
-    its from_step; any other resume keeps that job's anchor."""
-    anchors: list[tuple[int, int]] = []
-    for i, e in enumerate(history):
-        k = e.get("from_step")
-        if i == 0 or e.get("event") == "start" or not isinstance(k, int) or k < 1:
-            anchors.append((1, 0))
-            continue
-        j = max((j for j in range(i) if _int(history[j].get("from_step")) < k), default=0)
-        anchor = anchors[j]  # the job that trained step k
-        accepted = e.get("accepted_changes")
-        if isinstance(accepted, list) and "schedule" in accepted:
-            schedule = DataConfig.from_dict(history[j]["data_config"]).batch_schedule()
-            anchor = (k + 1, Layout(schedule, anchor).step_positions(k + 1)[0])
-        anchors.append(anchor)
-    return anchors[-1]
-
-
-def _int(value: Any) -> int:
-    return value if isinstance(value, int) else 0
-
-
 def _checkpoint_folder(run: Path) -> str:
     from torchtitan_zephon.cli.checkpoint_heads import _checkpoint_folder as folder
 
@@ -250,20 +177,42 @@ def _checkpoint_folder(run: Path) -> str:
 
 
 def _open_run(run: Path, args: argparse.Namespace) -> StepData:
-    from torchtitan_zephon.order.data_config import DataStateMismatch
+    """The run's data under its newest job's data config; a trained step is described
+    under the data config of the job that trained it (``StepData.as_trained``)."""
+    history = RunHistory(run)
+    opened: dict[Any, StepData] = {}
 
-    event = _newest_event(run)
-    try:
-        config = DataConfig.from_dict(event["data_config"])
-    except DataStateMismatch as e:
-        raise ShowError(f"the run {run}'s sequence log holds a bad data config: {e}") from None
+    def open_job(job: TrainedUnder) -> StepData:
+        if job.key not in opened:
+            try:
+                opened[job.key] = _open_job(run, args, history, job)
+            except ShowError as e:
+                if job is history.newest:
+                    raise
+                raise ShowError(
+                    f"the steps after {job.event.get('from_step')} up to the next start or "
+                    f"resume of the run {run} were trained under an earlier data config "
+                    f"(fingerprint {job.config.fingerprint[:12]}), which cannot be opened "
+                    f"here: {e}"
+                ) from None
+        return opened[job.key]
+
+    data = open_job(history.newest)
+    data.open_job = open_job
+    return data
+
+
+def _open_job(
+    run: Path, args: argparse.Namespace, history: RunHistory, job: TrainedUnder
+) -> StepData:
+    config = job.config
     saved = runs.saved_config(run)
     saved_job = saved[1] if saved else {}
     zephon = saved_job.get("zephon") if isinstance(saved_job.get("zephon"), dict) else {}
     record = read_run_data(run)  # what Zephon recorded at the run's newest start
     exclude = recorded(record, "exclude") or zephon.get("exclude")
     exclusions = _run_exclusions(run, config, args.exclude, exclude)
-    plan = plan_of(config, event["_anchor"], exclusions=exclusions)
+    plan = plan_of(config, job.anchor, exclusions=exclusions)
     notes: list[str] = []
     if config.mixture is None:
         names = [""]
@@ -286,12 +235,7 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
     tokenizer, note = _tokenizer(config.tokenizer_hash, folders)
     if note:
         notes.append(note)
-    reader = event["_reader"]
     packed = _run_packed(config, stores) if config.packing != "none" else None
-
-    def trained_degree(step: int) -> int | None:
-        return _degree(reader.event_for(step))
-
     return StepData(
         f"the run {run}",
         plan,
@@ -300,11 +244,13 @@ def _open_run(run: Path, args: argparse.Namespace) -> StepData:
         stores,
         tokenizer,
         config.seq_len,
-        dp_degree=_degree(event) or 1,
-        trained_last=event["_trained"],
+        dp_degree=history.newest.dp_degree or 1,
+        trained_last=history.trained_last,
         notes=notes,
-        trained_degree=trained_degree,
+        trained_degree=lambda step: history.job_of(step).dp_degree,
         packed=packed,
+        history=history,
+        job=job,
     )
 
 
@@ -317,12 +263,6 @@ def _run_packed(config: DataConfig, stores: list[TokenStore | None]) -> list[Any
         None if st is None else PackedStoreData(st, open_packing(st, config.seq_len)[0])
         for st in stores
     ]
-
-
-def _degree(event: dict[str, Any] | None) -> int | None:
-    """The DP degree a start or resume event records (None: not recorded)."""
-    dp = None if event is None else event.get("dp_degree")
-    return dp if type(dp) is int and dp >= 1 else None
 
 
 def _run_exclusions(

@@ -82,7 +82,9 @@ def step_samples(
     sample: int | None = None,
     max_chars: int = MAX_CHARS,
 ) -> dict[str, Any]:
-    """The step's samples (all, one rank's slice, or one) as ``show`` prints them."""
+    """The step's samples (all, one rank's slice, or one) as ``show`` prints them, under
+    the data config that trained the step (``StepData.as_trained``)."""
+    data = data.as_trained(step)
     data.check_step(step)
     degree, degree_from = (dp_degree, "option") if dp_degree else data.degree_at(step)
     first, gbs = data.plan.step_positions(step)
@@ -164,7 +166,7 @@ def format_step(info: dict[str, Any], what: str) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    data = open_step_data(args, "show")
+    data = open_step_data(args, "show").as_trained(args.step)
     info = step_samples(
         data,
         args.step,

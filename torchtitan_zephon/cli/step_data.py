@@ -21,6 +21,7 @@ from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.stream import StreamPlan, split_keys
 from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.tracker.records import ids_digest
 
 MAX_CHARS = 200
 """Default --max-chars: characters of decoded text shown per sample."""
@@ -51,6 +52,61 @@ class StepData:
     """A run that packs (``zephon.packing``): each source's store read as packed samples
     (``job.packed.PackedStoreData``; None: its store was not found); the sample ids are
     packed sample ids."""
+    history: Any = None
+    """A run's ``cli.run_history.RunHistory`` (None: a store or a mixture)."""
+    job: Any = None
+    """A run's: the job of its history whose data config this describes
+    (``cli.run_history.TrainedUnder``)."""
+    open_job: Callable[[Any], StepData] | None = None
+    """A run's: the data of another job of its history."""
+
+    def as_trained(self, step: int) -> StepData:
+        """The data ``step`` was trained under: this one for a store, a mixture, a step
+        not trained yet or one this data's job trained; else the data of the job that
+        trained it. A trained step's recomputed ids are checked against the ids digest
+        its log record holds (ShowError when they differ: never other samples)."""
+        if self.history is None or self.status(step) != "trained":
+            return self
+        job = self.history.job_of(step)
+        data = self
+        if job.key != self.job.key:
+            if self.open_job is None:
+                raise ShowError(
+                    f"step {step} of {self.what} was trained under another data config."
+                )
+            data = self.open_job(job)
+        data.check_logged(step)
+        return data
+
+    def check_logged(self, step: int) -> None:
+        """ShowError when the ids this data recomputes for a trained ``step`` are not those
+        its log record's ids digest names."""
+        logged = self.history.logged_ids_digest(step) if self.history is not None else None
+        if logged is None or step < self.first_step:
+            return
+        first, count = self.plan.step_positions(step)
+        ids = self.plan.ids_for_positions(first, count)
+        if ids_digest(ids, self.config.step_key(step), first) != logged:
+            raise ShowError(
+                f"step {step} of {self.what}: the sample ids recomputed from the data config "
+                "its log records for that step do not match the ids digest the log holds, so "
+                "what it trained cannot be shown (the log, the store or the saved "
+                f"zephon.exclude list changed since); `zephon verify {self.history.run}` "
+                "checks the log."
+            )
+
+    def covers(self, step: int) -> bool:
+        """Whether this data describes ``step`` as it was (or will be) trained: always for
+        a store or a mixture; for a run, when the job that trained it (a step not trained
+        yet: the newest) has this data config."""
+        return self.history is None or self.history.job_of(step).key == self.job.key
+
+    def views(self) -> list[StepData]:
+        """This data, then that of every other data config of the run's history."""
+        if self.history is None or self.open_job is None:
+            return [self]
+        others = {j.key: j for j in self.history.jobs if j.key != self.job.key}
+        return [self, *(self.open_job(j) for j in others.values())]
 
     @property
     def skips(self) -> SkipSteps:

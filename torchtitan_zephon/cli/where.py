@@ -248,7 +248,38 @@ def where(
     dp_degree: int | None = None,
 ) -> tuple[list[Hit], list[str]]:
     """The hits of document ``doc`` in ``epochs`` (sorted by epoch, then stream order)
-    and notes (samples of the document that are held out, epochs past max_epochs)."""
+    and notes (samples of the document that are held out, epochs past max_epochs).
+
+    A run whose history holds several data configs (a resume that accepted a change)
+    is searched under each: a step's hits are those of the data config that trained it
+    (a step not trained yet: the newest), sorted by step."""
+    views = data.views()
+    if len(views) == 1:
+        return _where_in(data, doc, source=source, epochs=epochs, dp_degree=dp_degree)
+    hits: list[Hit] = []
+    notes: list[str] = []
+    for view in views:
+        found, said = _where_in(view, doc, source=source, epochs=epochs, dp_degree=dp_degree)
+        for h in found:
+            if h.step is None:  # never trained, or before the newest job's anchor
+                if view is data and h.status != "trained":
+                    hits.append(h)
+            elif view.covers(h.step):
+                hits.append(h)
+        notes += [n for n in said if n not in notes]
+    hits.sort(key=lambda h: (h.step is None, h.step or 0, h.index or 0, h.epoch))
+    return hits, notes
+
+
+def _where_in(
+    data: StepData,
+    doc: int,
+    *,
+    source: str | None,
+    epochs: tuple[int, int],
+    dp_degree: int | None,
+) -> tuple[list[Hit], list[str]]:
+    """``where`` under one data config."""
     i = source_index(data, source)
     store = data.stores[i]
     if store is None:

@@ -1,0 +1,122 @@
+"""``show`` and ``where`` on a run whose history changed its data config (issue 43 case
+2): each trained step is shown under the data config that trained it (another seed
+before an accepted ``seed`` change, windows before packing was turned on), and a step
+whose recomputed ids do not match its log record's ids digest says so rather than print
+other samples."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tests.cli.test_show import show
+from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.job.data import StoreData
+from torchtitan_zephon.job.packed import PackedStoreData
+from torchtitan_zephon.job.packing import open_packing
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.tracker import LOG_NAME
+from torchtitan_zephon.tracker.writer import SequenceTracker
+
+SEQ = 8
+
+
+def _run(folder: Path, store_path: Path, jobs: list[tuple[object, int, int, int]]) -> Path:
+    """A run folder whose log holds one job per entry (data, seed, from_step, last step):
+    the first starts, each later one resumes from its from_step (accepting the change);
+    each records steps from_step + 1 .. last under its own data config."""
+    (folder / "zephon").mkdir(parents=True)
+    log = folder / "zephon" / LOG_NAME
+    head = None
+    for k, (data, seed, from_step, last) in enumerate(jobs):
+        config = data.data_config(seed=seed, schedule=BatchSchedule.parse("4"))
+        plan = data.plan(config)
+        tracker = SequenceTracker(log, config=config, writer=True)
+        if k == 0:
+            tracker.start({"world_size": 1, "dp_degree": 1, "nnodes": 1})
+        else:
+            records = [json.loads(line) for line in log.read_text().splitlines()]
+            chain = [r for r in records if r.get("step") == from_step and "event" not in r][-1]
+            head = {"step": from_step, "chain": chain["chain"]}
+            tracker.resume(head, {"world_size": 1}, details={"accepted_changes": ["seed"]})
+        for step in range(from_step + 1, last + 1):
+            tracker.record(step, plan.step_positions(step)[0], plan.global_ids(step))
+    job = {"dump_folder": str(folder), "training": {}, "zephon": {"store": str(store_path)}}
+    (folder / "config.json").write_text(json.dumps(job))
+    return folder
+
+
+def _where(capsys, run: Path, doc: int) -> list[dict]:
+    assert main(["where", str(run), "--doc", str(doc), "--json"]) == 0, capsys.readouterr().err
+    return [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+
+
+def _hits(data, seed: int, doc: int, steps: range) -> list[tuple[int, int]]:
+    """(step, index) of every sample of ``steps`` holding document ``doc`` (a scan)."""
+    plan = data.plan(data.data_config(seed=seed, schedule=BatchSchedule.parse("4")))
+    out = []
+    for step in steps:
+        for index, sid in enumerate(plan.global_ids(step).tolist()):
+            if doc in [d["document"] for d in _documents(data, sid)]:
+                out.append((step, index))
+    return out
+
+
+def _documents(data, sid: int) -> list[dict]:
+    if isinstance(data, PackedStoreData):
+        return data.documents(sid)
+    offsets = np.asarray(data.store.doc_offsets)
+    start, stop = sid * SEQ, (sid + 1) * SEQ
+    first = int(np.searchsorted(offsets, start, side="right")) - 1
+    last = int(np.searchsorted(offsets, stop - 1, side="right")) - 1
+    return [{"document": d} for d in range(first, last + 1)]
+
+
+def test_steps_before_an_accepted_seed_change_are_shown_under_their_seed(
+    store_path, store, tmp_path, capsys
+):
+    source = StoreData(store, SEQ)
+    run = _run(tmp_path / "run", store_path, [(source, 0, 0, 6), (source, 3, 4, 6)])
+    for step, seed in ((3, 0), (4, 0), (5, 3), (6, 3), (9, 3)):
+        plan = source.plan(source.data_config(seed=seed, schedule=BatchSchedule.parse("4")))
+        info = show(capsys, str(run), "--step", str(step))
+        assert [s["sample"] for s in info["samples"]] == plan.global_ids(step).tolist(), step
+        assert info["status"] == ("trained" if step <= 6 else "planned")
+    doc = int(source.plan(source.data_config(seed=0, schedule=BatchSchedule.parse("4")))
+              .global_ids(2)[0]) * SEQ // 1  # fmt: skip
+    doc = int(np.searchsorted(np.asarray(store.doc_offsets), doc, side="right")) - 1
+    found = {(h["step"], h["index"]) for h in _where(capsys, run, doc) if h.get("step") is not None}
+    expected = set(_hits(source, 0, doc, range(1, 5))) | set(_hits(source, 3, doc, range(5, 40)))
+    assert {h for h in found if h[0] < 40} == expected and (2, 0) in found
+
+
+def test_steps_before_packing_was_turned_on_are_shown_as_windows(
+    store_path, store, tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    windows = StoreData(store, SEQ)
+    packed = PackedStoreData(store, open_packing(store, SEQ)[0])
+    run = _run(tmp_path / "run", store_path, [(windows, 0, 0, 4), (packed, 0, 2, 4)])
+    for step, data in ((1, windows), (2, windows), (3, packed), (4, packed)):
+        plan = data.plan(data.data_config(seed=0, schedule=BatchSchedule.parse("4")))
+        info = show(capsys, str(run), "--step", str(step))
+        assert [s["sample"] for s in info["samples"]] == plan.global_ids(step).tolist(), step
+        assert ("padding" in info["samples"][0]) == (data is packed)
+
+
+def test_a_step_whose_ids_do_not_match_its_log_record_says_so(store_path, store, tmp_path, capsys):
+    source = StoreData(store, SEQ)
+    run = _run(tmp_path / "run", store_path, [(source, 0, 0, 3)])
+    log = run / "zephon" / LOG_NAME
+    lines = log.read_text().splitlines()
+    record = json.loads(lines[2])
+    assert record["step"] == 2
+    digest = record["ids_digest"]
+    lines[2] = lines[2].replace(digest, ("0" if digest[0] != "0" else "1") + digest[1:])
+    log.write_text("\n".join(lines) + "\n")  # same length: the index still finds it
+    assert main(["show", str(run), "--step", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "step 2 of the run" in err and "do not match the ids digest the log holds" in err
+    assert show(capsys, str(run), "--step", "3")["status"] == "trained"  # the others stand
