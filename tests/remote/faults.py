@@ -45,6 +45,11 @@ class FaultProxy(LatencyProxy):
         with self._lock:
             self._faults.append((path_part, deque(faults)))
 
+    def clear(self) -> None:
+        """Inject nothing more (the endpoint answers again)."""
+        with self._lock:
+            self._faults.clear()
+
     def faults_met(self) -> list[str]:
         return [f for *_, f in self.seen if f]
 

@@ -244,6 +244,46 @@ def test_a_silent_endpoint_fails_the_read_waited_for_within_the_bound(
         store.close()
 
 
+def test_a_read_sent_after_a_silence_failed_the_reads_fails_within_the_same_bound(
+    proxy, small_blocks: tuple[Path, str]
+) -> None:
+    """Issue 43 case 6: the endpoint goes silent with a step read ahead in flight. Its
+    read fails within limit_s of the silence; a read sent next (the job's following
+    step, samples never read ahead) fails at once with the same error instead of
+    waiting a whole limit_s more, so the job stops within one bound of the silence. Once
+    the endpoint has had limit_s without requests, a read tries it afresh."""
+    small, url = small_blocks
+    proxy.hang_s = 20.0
+    store = _open(url, request_timeout_s=0.5, retries=1)
+    limit = store._files.limit_s  # 2 x (0.5 + 2) + 1 = 6 s
+    seq = 16
+    n = store.num_samples(seq)
+    local = TokenStore.open(small)
+    ids = np.arange(0, 64, 4)
+    try:
+        store.read_ahead(ids[:8], seq)
+        np.testing.assert_array_equal(store.windows(ids[:8], seq), local.windows(ids[:8], seq))
+        proxy.inject("/", *["hang"] * 100_000)
+        t0 = time.monotonic()
+        store.read_ahead(ids[8:], seq)  # in flight when the endpoint goes silent
+        with pytest.raises(StoreError):
+            store.windows(ids[8:], seq)
+        first = time.monotonic() - t0
+        with pytest.raises(StoreError) as e:
+            store.windows(np.array([n - 1]), seq)  # never read ahead: sent now
+        then = time.monotonic() - t0 - first
+        assert first < 1.5 * limit and then < 1.0, (first, then, limit)
+        assert str(e.value).startswith(f"reading {url}/")
+        assert "took longer than request_timeout_s=0.5 s, 2 times" in str(e.value)
+        _no_secret(str(e.value))
+        proxy.clear()
+        time.sleep(limit + 0.2)
+        got = store.windows(np.array([n - 1]), seq)
+        np.testing.assert_array_equal(got, local.windows(np.array([n - 1]), seq))
+    finally:
+        store.close()
+
+
 def test_a_request_unanswered_on_every_attempt_fails_the_reads_queued(
     proxy, small_blocks: tuple[Path, str]
 ) -> None:

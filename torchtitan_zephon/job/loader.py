@@ -36,7 +36,9 @@ are views of two buffers. Plans and windows grow from one micro-batch after a st
 reset, so the first batch waits for one micro-batch's work. Without either, each micro-
 batch is prepared on demand in the caller's thread.
 
-Read-ahead (stores in object storage) is ``read_ahead``'s part of the loader.
+Read-ahead (stores in object storage) is ``read_ahead``'s part of the loader. With it a
+window never holds micro-batches of two steps: a step whose bytes have arrived is
+delivered whatever happens to the reads of the steps after it.
 
 The run's end (``last_step``: training.steps) bounds only what is read ahead (see the
 invariant): a caller that asks past it gets its batches, made on demand.
@@ -265,6 +267,9 @@ class ZephonLoader(_ReadAhead):
         if end is not None and self._planned[k][0] <= end < self._planned[stop - 1][0]:
             # a window ends at the run's last step: the next one starts only when asked
             stop = k + next(j for j, place in enumerate(self._planned[k:stop]) if place[0] > end)
+        if self.read_ahead_steps:  # a step waits only for its own bytes: one step a window
+            ends = [j for j, place in enumerate(self._planned[k:stop]) if place[2]]
+            stop = k + ends[0] + 1 if ends else stop
         self._planned_at = stop
         if self.read_ahead_steps:  # every step of the window, and the next ones
             ahead = 0 if self._first_window else self.read_ahead_steps

@@ -21,7 +21,8 @@ or raises a StoreError naming the object (redacted) and what to do; no attempt w
 longer than ``request_timeout_s``, no request longer than ``limit_s`` (every attempt
 and the backoff between them). A read that the endpoint stops answering fails within
 ``limit_s`` of when the endpoint went silent or the read was submitted, whichever is
-later, however many requests are queued ahead of it: a request that fails on every
+later (sent while others wait, a request waits to ``limit_s`` after the last answer;
+within ``limit_s`` of a failure for want of one, not at all), however many requests wait: a request that fails on every
 attempt (no answer, an endpoint failing or refusing) fails at once, with its error,
 every read of the store pending at that moment (their requests in flight cancelled,
 the queued ones never started), and the other requests of its own read are cancelled.
@@ -81,9 +82,8 @@ class ObjectFiles:
     ``submit(name, starts, stops)`` starts range reads on the background thread and
     returns a Future of their bytes (one request each, at most ``max_requests`` in
     flight, ``If-Match`` the recorded ETag). ``fetched_bytes`` / ``requests`` count
-    what was read. ``close()`` stops the thread and closes its loop, on that thread;
-    so does collecting the object, or interpreter exit (before modules are torn down),
-    so a command ends with nothing of it left running."""
+    what was read. ``close()``, collecting it or interpreter exit stop the thread and
+    close its loop, on that thread: a command ends with nothing of it left running."""
 
     def __init__(
         self,
@@ -132,6 +132,8 @@ class ObjectFiles:
         self._thread: threading.Thread | None = None
         self._gate: _Gate | None = None
         self._reads: dict[asyncio.Task, list[StoreError | None]] = {}  # pending: why failed
+        self._in_flight, self._heard = 0, 0.0  # requests sent; the endpoint's last answer
+        self._silent_at: float | None = None  # when a request last failed for want of one
         self._stop: weakref.finalize | None = None
 
     # ------------------------------------------------------------------ the thread
@@ -314,9 +316,11 @@ class ObjectFiles:
         if etag:
             options["if_match"] = etag
         assert self._gate is not None
+        loop = asyncio.get_running_loop()
 
-        async def get() -> memoryview:
+        async def get() -> memoryview:  # the endpoint answered: once get_async returns
             result = await obstore.get_async(self._store, name, options=options)
+            self._heard, self._silent_at = loop.time(), None
             return memoryview(await result.bytes_async())
 
         for attempt in range(self.retries + 1):
@@ -324,16 +328,23 @@ class ObjectFiles:
             if read[0] is not None:  # its read failed meanwhile: never sent
                 self._gate.release()
                 raise asyncio.CancelledError
+            self._in_flight, now = self._in_flight + 1, loop.time()  # then the silence rule:
+            silent = now - (self._silent_at or -self.limit_s) < self.limit_s
+            if self._in_flight == 1 and not silent:
+                self._heard = max(self._heard, now)
+            wait = 0.0 if silent else min(self.limit_s, self._heard + self.limit_s - now)
             try:
-                data = await asyncio.wait_for(get(), self.limit_s)
+                data = await asyncio.wait_for(get(), max(wait, 0.0))
             except Exception as e:
                 failed = self._failure(e, name, "reading")
                 read[0] = read[0] or failed  # before the slot is freed: marks the read,
                 if isinstance(failed, _Unanswered):  # and every read pending, failed
+                    self._silent_at = loop.time()
                     for why in self._reads.values():
                         why[0] = why[0] or failed
                 raise failed from None
             finally:
+                self._in_flight -= 1
                 self._gate.release()
             if len(data) == stop - start:
                 break
@@ -437,14 +448,3 @@ class ObjectFiles:
         if size == 0:
             return memoryview(b"")
         return self.submit(name, [0], [size], urgent=True).result()[0]
-
-
-def __getattr__(name: str) -> Any:
-    """Names held here before ``urls``, ``object_client`` and ``object_faults`` were split
-    out (``parse_url``, ``redact``, ``MissingObject``, ...): still importable from here."""
-    from torchtitan_zephon.store import object_client, object_faults, urls
-
-    for module in (urls, object_faults, object_client):
-        if hasattr(module, name):
-            return getattr(module, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
