@@ -86,7 +86,7 @@ def test_a_skip_inside_the_trained_steps_is_refused(e2e_root: Path, reference: P
         job,
         "  skip_steps: (none) -> 3:2 (the entries at or before step 4 differ from step 3 on",
         "allow_changes=['skip_steps']",
-        "--zephon.allow_changes FIELD",
+        '--zephon.allow_changes skip_steps (TOML: [zephon] allow_changes = ["skip_steps"])',
     )
     assert_unchanged(before, tree(run))
 

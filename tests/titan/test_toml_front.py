@@ -103,3 +103,39 @@ def test_the_front_end_is_chosen_by_the_absence_of_module_and_config():
     assert toml_front_end([])
     assert not toml_front_end(["--module", "llama3", "--config", "llama3_debugmodel"])
     assert not toml_front_end(["--config=llama3_debug"])
+
+
+@pytest.mark.parametrize("front", ["toml", "registry"])
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        ["--zephon.allow_changes", "seed", "skip_steps"],
+        ["--zephon.allow_changes", "seed", "--zephon.allow_changes", "skip_steps"],
+        ["--zephon.allow_changes", "seed,skip_steps"],
+        ["--zephon.allow_changes=seed", "--zephon.allow-changes", "skip_steps"],
+    ],
+    ids=["one_flag", "repeated", "comma", "equals"],
+)
+def test_allow_changes_takes_several_fields_in_every_spelling(monkeypatch, front, spelling):
+    """Issue 43 case 8: a repeated flag kept the last value, and two values after one
+    flag failed in a tyro box (registry) or as an unknown option (TOML)."""
+    from torchtitan_zephon.train import parse_config
+
+    monkeypatch.chdir(ROOT)
+    platform.apply()
+    if front == "toml":
+        config = parse_toml(["--job.config_file", str(TINY), *spelling, "--training.steps", "3"])
+    else:
+        base = ["--module", "torchtitan_zephon.configs", "--config", "llama3_tiny"]
+        config = parse_config([*base, *spelling, "--training.steps", "3"])
+    assert list(config.zephon.allow_changes) == ["seed", "skip_steps"]
+    assert config.training.steps == 3
+
+
+def test_a_refused_resume_names_the_flag_that_accepts_it():
+    from torchtitan_zephon.order.data_config import DataStateMismatch
+    from torchtitan_zephon.titan.components.dataloader import with_trainer_hint
+
+    e = with_trainer_hint(DataStateMismatch("differs", ("seed", "skip_steps")))
+    assert "--zephon.allow_changes seed skip_steps (TOML: [zephon] allow_changes = " in str(e)
+    assert '["seed", "skip_steps"]' in str(e) and e.fields == ("seed", "skip_steps")

@@ -76,7 +76,12 @@ CORE_FIELDS = (
 
 
 class DataStateMismatch(ValueError):
-    """A saved data state does not match the current data config, or is corrupt."""
+    """A saved data state does not match the current data config, or is corrupt;
+    ``fields``: the allow_changes names that would accept it (none: nothing would)."""
+
+    def __init__(self, message: str, fields: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.fields = tuple(fields)
 
 
 def config_text(value: Any, limit: int = 200) -> str:

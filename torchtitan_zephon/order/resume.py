@@ -277,7 +277,8 @@ def check_resume(
             "not continue the same data stream. Differing fields (saved -> current):\n"
             + "\n".join(lines)
             + hint
-            + f"\nTo accept, opt in with allow_changes={refused!r} (or 'all')."
+            + f"\nTo accept, opt in with allow_changes={refused!r} (or 'all').",
+            tuple(refused),
         )
     if "schedule" in differing:  # accepted: count the new schedule from the saved position
         anchor = (saved.next_step, saved.consumed_positions)

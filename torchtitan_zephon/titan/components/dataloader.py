@@ -19,6 +19,7 @@ each window's first token and after each EOS (``attention.document_positions``).
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -51,9 +52,11 @@ from torchtitan_zephon.tracker.writer import StepDigests
 
 def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
     """A refused resume, with how to opt in from the trainer's command line."""
+    names = list(e.fields) or ["FIELD"]
     return DataStateMismatch(
-        f"{e}\nWith the trainer: --zephon.allow_changes FIELD (repeatable; TOML: "
-        '[zephon] allow_changes = ["FIELD", ...]). Nothing was changed on disk.'
+        f"{e}\nWith the trainer: --zephon.allow_changes {' '.join(names)} (TOML: [zephon] "
+        f"allow_changes = {json.dumps(names)}). Nothing was changed on disk.",
+        e.fields,
     )
 
 

@@ -84,6 +84,44 @@ def resolve_paths(argv: list[str], base: str | os.PathLike) -> list[str]:
     return out
 
 
+LIST_OPTIONS = ("zephon.allow_changes",)
+"""Options whose value is a list: given as ``--key A B``, ``--key A --key B`` or
+``--key A,B`` on either front end, all mean ``[A, B]`` (``merge_list_options``)."""
+
+
+def merge_list_options(argv: list[str]) -> list[str]:
+    """``argv`` with every ``LIST_OPTIONS`` option's values (after each of its flags,
+    up to the next option, or after ``=``; comma lists split) as one ``--key A,B`` where
+    the option first stood: repeating the flag adds to the list, and several values
+    follow one flag, on both front ends (tyro would keep the last flag, and the TOML front
+    end takes one value)."""
+    out: list[str | tuple[str, list[str]]] = []
+    lists: dict[str, list[str]] = {}
+    i = 0
+    while i < len(argv):
+        option = _option(argv[i])
+        if option not in LIST_OPTIONS:
+            out.append(argv[i])
+            i += 1
+            continue
+        _, eq, value = argv[i].partition("=")
+        values, i = ([value], i + 1) if eq else ([], i + 1)
+        while not eq and i < len(argv) and not argv[i].startswith("--"):
+            values.append(argv[i])
+            i += 1
+        if option not in lists:
+            lists[option] = []
+            out.append((option, lists[option]))
+        lists[option] += [v for text in values for v in text.split(",") if v]
+    merged: list[str] = []
+    for item in out:
+        if isinstance(item, tuple):
+            merged += [f"--{item[0]}", ",".join(item[1])] if item[1] else [f"--{item[0]}"]
+        else:
+            merged.append(item)
+    return merged
+
+
 def parse_config(argv: list[str]) -> Any:
     """``--module M --config FN [overrides]`` as ``ZephonTrainer.Config``: TorchTitan's
     ConfigManager, with the registry function's config made Zephon's (logged) and
@@ -93,6 +131,7 @@ def parse_config(argv: list[str]) -> Any:
 
     from torchtitan_zephon.titan.configs.stock_config import zephon_config
 
+    argv = merge_list_options(argv)
     loaded: list[Any] = []
 
     class ZephonConfigManager(ConfigManager):
@@ -190,6 +229,7 @@ def parse_toml(argv: list[str]) -> Any:
         translate,
     )
 
+    argv = merge_list_options(argv)
     config_file = _last_config_file(argv)
     if config_file is not None and not os.path.isfile(config_file):
         raise LegacyConfigError(
