@@ -139,3 +139,41 @@ def test_a_refused_resume_names_the_flag_that_accepts_it():
     e = with_trainer_hint(DataStateMismatch("differs", ("seed", "skip_steps")))
     assert "--zephon.allow_changes seed skip_steps (TOML: [zephon] allow_changes = " in str(e)
     assert '["seed", "skip_steps"]' in str(e) and e.fields == ("seed", "skip_steps")
+
+
+@pytest.mark.parametrize("front", ["toml", "registry"])
+def test_a_value_torchtitan_refuses_is_one_line_naming_the_setting(monkeypatch, capsys, front):
+    """Issue 43 case 14: --checkpoint.keep_latest_k 1 was refused in a tyro box (once per
+    rank), which named neither the setting nor what works."""
+    from torchtitan_zephon.train import parse_config
+
+    monkeypatch.chdir(ROOT)
+    platform.apply()
+    flag = ["--checkpoint.keep_latest_k", "1"]
+    with pytest.raises(ValueError) as e:
+        if front == "toml":
+            parse_toml(["--job.config_file", str(TINY), *flag])
+        else:
+            parse_config(
+                ["--module", "torchtitan_zephon.configs", "--config", "llama3_tiny", *flag]
+            )
+    assert str(e.value).startswith("checkpoint.keep_latest_k = 1: TorchTitan keeps at least 2")
+    assert "--checkpoint.keep_latest_k 2 or more, or 0" in str(e.value)
+    assert "╭" not in capsys.readouterr().err  # no box
+
+
+def test_torchtitans_note_on_its_own_default_is_not_logged(caplog):
+    """Issue 43 case 15: 'initial_load_model_only=True has no effect without an
+    initial_load_path' was logged for every job (its own default), several times."""
+    import logging
+
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    from torchtitan_zephon.titan.configs import config_registry
+
+    with caplog.at_level(logging.WARNING):
+        config_registry.llama3_tiny()
+        CheckpointManager.Config()
+    assert not [r for r in caplog.records if "initial_load_model_only" in r.getMessage()]
+    logging.getLogger().warning("another warning still shows")
+    assert "another warning still shows" in caplog.text

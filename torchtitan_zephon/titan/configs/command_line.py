@@ -145,21 +145,59 @@ def parse_config(argv: list[str]) -> Any:
             loaded.append(config)
             return config, rest
 
-    told = io.StringIO()  # tyro's words, shown unless an unknown option is told in one line
+    return _tyro(
+        lambda: ZephonConfigManager().parse_args(argv),
+        lambda: unknown_options(argv, loaded[0]) if loaded else None,
+    )
+
+
+def _tyro(parse: Any, unknown: Any) -> Any:
+    """``parse()``, with tyro's words shown unless what failed is said in one line: an
+    unknown option (``unknown()``), or a value a config section refuses (TorchTitan's
+    ``ValueError`` in a box, e.g. ``checkpoint.keep_latest_k = 1``)."""
+    told = io.StringIO()
     try:
         with contextlib.redirect_stderr(told):
-            config = ZephonConfigManager().parse_args(argv)
+            config = parse()
     except SystemExit as e:
-        unknown = unknown_options(argv, loaded[0]) if e.code and loaded else None
-        if unknown is None:  # not an unknown option (a bad value, --help)
+        said = (unknown() or refused_value(told.getvalue())) if e.code else None
+        if said is None:  # --help, or a failure tyro's words say best
             sys.stderr.write(told.getvalue())
             raise
-        raise ValueError(unknown) from None
+        raise ValueError(said) from None
     except BaseException:
         sys.stderr.write(told.getvalue())
         raise
     sys.stderr.write(told.getvalue())
     return config
+
+
+HINTS = {
+    "We need to maintain at least 2 checkpoint replicas": (
+        "checkpoint.keep_latest_k = 1: TorchTitan keeps at least 2 checkpoints (the newest "
+        "may still be being written). Set --checkpoint.keep_latest_k 2 or more, or 0 to keep "
+        "every checkpoint."
+    ),
+}
+"""What to do, for a refusal of TorchTitan's whose words do not name the setting."""
+
+
+def refused_value(told: str) -> str | None:
+    """One line for tyro's "Value error" box (a config section's ``__post_init__``
+    refused a value), None for any other failure."""
+    if "Value error" not in told:
+        return None
+    lines = [ln.strip().strip("│").strip() for ln in told.splitlines()]
+    start = next(i for i, ln in enumerate(lines) if "Value error" in ln) + 1
+    body = []
+    for ln in lines[start:]:
+        if not ln or ln.startswith(("─", "╰")):
+            break
+        body.append(ln)
+    text = " ".join(body).removeprefix("Error parsing ")
+    section, _, why = text.partition(": ")
+    hint = next((h for k, h in HINTS.items() if k in why), None)
+    return hint or f"a --{section}.* setting is refused by TorchTitan: {why or text}"
 
 
 def _leaf_paths(node: Any, prefix: str = "") -> set[str]:
@@ -268,7 +306,7 @@ def parse_toml(argv: list[str]) -> Any:
                 logger.info(f"CPU platform: {change}")
             return base, rest
 
-    return TomlConfigManager().parse_args(args)
+    return _tyro(lambda: TomlConfigManager().parse_args(args), lambda: None)
 
 
 def _last_config_file(argv: list[str]) -> str | None:

@@ -36,6 +36,7 @@ are ``titan.configs.models``'.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torchtitan.components.optimizer as optim
@@ -53,6 +54,21 @@ from torchtitan_zephon.titan.components.trainer import ZephonTrainer
 from torchtitan_zephon.titan.components.validate import ZephonValidator
 from torchtitan_zephon.titan.configs import models
 from torchtitan_zephon.titan.configs.zephon_section import Zephon
+
+DEFAULT_NOTE = "initial_load_model_only=True has no effect without an initial_load_path"
+"""What TorchTitan logs each time a checkpoint section is made with its own default
+(``initial_load_model_only`` True) and no initial checkpoint: every job, several times,
+and every bench. Dropped from TorchTitan's logger (the root logger) once this registry,
+which every Zephon job and bench starts from, is imported."""
+
+
+class DropDefaultNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return DEFAULT_NOTE not in str(record.msg)
+
+
+if not any(isinstance(f, DropDefaultNote) for f in logging.getLogger().filters):
+    logging.getLogger().addFilter(DropDefaultNote())
 
 
 def _loss(model_spec: ModelSpec) -> ChunkedLossWrapper.Config:
