@@ -46,7 +46,27 @@ def test_an_edited_index_is_refused_naming_the_folder(store, cache):
     np.save(folder / PIECES, pieces)
     with pytest.raises(StoreError, match="does not hash to what its manifest records") as e:
         read_index(store, 16, folder)
-    assert f"Remove {folder}" in str(e.value)
+    assert str(e.value).count(str(folder)) == 1  # named once (issue 43 case 13)
+
+
+def test_open_packing_builds_a_damaged_index_again_saying_so_once(store, cache):
+    """Issue 43 case 13: the index is a cache; a damaged one is built again, with one
+    warning, and the result is the index built first."""
+    packed, folder = open_packing(store, 16)
+    want = np.array(packed.pieces)
+    pieces = np.load(folder / PIECES)
+    pieces[0, 2] += 1
+    np.save(folder / PIECES, pieces)
+    said: list[str] = []
+    again, same = open_packing(store, 16, log=said.append)
+    assert same == folder and np.array_equal(again.pieces, want)
+    assert len(said) == 1 and said[0].count(str(folder)) == 1
+    assert "pieces.npy does not hash to what its manifest records" in said[0]
+    assert "it is a cache, so it is built again" in said[0]
+    assert sorted(p.name for p in folder.parent.iterdir()) == [folder.name]  # nothing left
+    (folder / "manifest.json").write_text("{not json")
+    with pytest.warns(UserWarning, match="cannot be read"):
+        assert open_packing(store, 16)[0].num_samples == packed.num_samples
 
 
 def test_an_index_of_another_seq_len_is_refused(store, cache):

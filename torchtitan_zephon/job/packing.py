@@ -15,8 +15,9 @@ counts, and the xxh3-128 of both arrays.
 Invariants:
 - An index is used only for the store, ``seq_len`` and packing constants it was built
   for, and only when its arrays hash to what its manifest says: anything else (another
-  store's entry, a hand edit, a torn copy) is refused naming the folder to remove; the
-  next open builds it again.
+  store's entry, a hand edit, a torn copy) is a damaged cache entry, which
+  ``open_packing`` moves aside and builds again, saying so once (``read_index`` alone
+  refuses it, naming the folder).
 - Building it reads only the document offsets (O(documents)), checked against the
   store's manifest first; the tokens are not read. A store in object storage
   (``store.remote``) is packed the same way: each node's first process to open it
@@ -27,6 +28,10 @@ Invariants:
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import uuid
+import warnings
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -100,10 +105,22 @@ def build_index(store: TokenStore, seq_len: int, dest: Path, workers: int = 1) -
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
 
+class DamagedIndex(StoreError):
+    """A packing index on disk that is not the one asked for, or is damaged; ``why``
+    says what, without the folder."""
+
+    def __init__(self, folder: Path, why: str) -> None:
+        super().__init__(
+            f"the packing index {folder} {why}; it is a cache: remove it, and the next use "
+            "builds it again"
+        )
+        self.why = why
+
+
 def read_index(store: TokenStore, seq_len: int, folder: Path) -> PackedSamples:
-    """The index in ``folder``, checked against ``store`` and ``seq_len``; StoreError
-    naming the folder when it is not theirs or its arrays do not hash as recorded."""
-    redo = f"Remove {folder} (it is built again on the next use)."
+    """The index in ``folder``, checked against ``store`` and ``seq_len``; DamagedIndex
+    (a StoreError naming the folder once) when it is not theirs or its arrays do not
+    hash as recorded."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         want = {
@@ -113,23 +130,26 @@ def read_index(store: TokenStore, seq_len: int, folder: Path) -> PackedSamples:
         }
         wrong = sorted(k for k, v in want.items() if manifest.get(k) != v)
         if wrong:
-            raise StoreError(
-                f"the packing index {folder} is not the one of store {store.fingerprint[:16]}... "
-                f"at seq_len {seq_len} (it differs in {', '.join(wrong)}). {redo}"
+            raise DamagedIndex(
+                folder,
+                f"is not the one of store {store.fingerprint[:16]}... at seq_len {seq_len} (it "
+                f"differs in {', '.join(wrong)})",
             )
         for name, key in ((STARTS, "starts_xxh3_128"), (PIECES, "pieces_xxh3_128")):
             if file_xxh3_128(folder / name) != manifest.get(key):
-                raise StoreError(
-                    f"the packing index file {folder / name} does not hash to what its "
-                    f"manifest records (edited or torn). {redo}"
-                )
+                raise DamagedIndex(
+                    folder, f"is damaged: {name} does not hash to what its manifest records "
+                    "(edited or torn)",
+                )  # fmt: skip
         starts = np.load(folder / STARTS, mmap_mode="r")
         pieces = np.load(folder / PIECES, mmap_mode="r")
+    except DamagedIndex:
+        raise
     except (OSError, ValueError, KeyError) as e:
-        raise StoreError(f"cannot read the packing index {folder} ({e}). {redo}") from None
+        raise DamagedIndex(folder, f"cannot be read ({e})") from None
     packed = PackedSamples(seq_len=int(seq_len), starts=starts, pieces=pieces)
     if packed.num_samples != manifest.get("num_samples") or pieces.shape[1:] != (3,):
-        raise StoreError(f"the packing index {folder} does not hold what its manifest says. {redo}")
+        raise DamagedIndex(folder, "does not hold what its manifest says")
     return packed
 
 
@@ -148,13 +168,28 @@ def open_packing(
             "zephon prepare."
         )
     folder = index_folder(store, seq_len, cache_dir)
-    build_once(
-        folder,
-        lambda dest, _progress: build_index(store, seq_len, dest, workers),
-        what=f"the packing index of {store.path} at seq_len {seq_len}",
-        log=log,
-    )
-    return read_index(store, seq_len, folder), folder
+
+    def built() -> PackedSamples:
+        build_once(
+            folder,
+            lambda dest, _progress: build_index(store, seq_len, dest, workers),
+            what=f"the packing index of {store.path} at seq_len {seq_len}",
+            log=log,
+        )
+        return read_index(store, seq_len, folder)
+
+    try:
+        return built(), folder
+    except DamagedIndex as e:  # a cache: moved aside (one process wins) and built again
+        say = log or (lambda text: warnings.warn(text, stacklevel=3))
+        say(f"the packing index {folder} {e.why}: it is a cache, so it is built again")
+        aside = folder.with_name(f".{folder.name}.damaged-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            os.rename(folder, aside)
+        except FileNotFoundError:
+            pass  # another process moved it first
+        shutil.rmtree(aside, ignore_errors=True)
+        return built(), folder
 
 
 def packing_note(packed: PackedSamples, store: TokenStore, folder: Path) -> str:
