@@ -120,3 +120,23 @@ def test_a_step_whose_ids_do_not_match_its_log_record_says_so(store_path, store,
     err = capsys.readouterr().err
     assert "step 2 of the run" in err and "do not match the ids digest the log holds" in err
     assert show(capsys, str(run), "--step", "3")["status"] == "trained"  # the others stand
+
+
+def test_inspect_says_a_run_packs(store_path, store, tmp_path, capsys, monkeypatch):
+    """Issue 43 case 11: `zephon inspect` of a packed run never mentioned packing."""
+    from torchtitan_zephon.cli.inspect_run import describe_run, format_run
+    from torchtitan_zephon.order.state import DataState
+
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    packed = PackedStoreData(store, open_packing(store, SEQ)[0])
+    run = _run(tmp_path / "run", store_path, [(packed, 0, 0, 2)])
+    assert main(["inspect", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert "    packing: best_fit (a sample is whole documents packed into seq_len" in out
+    info = describe_run(run)
+    config = packed.data_config(seed=0, schedule=BatchSchedule.parse("4"))
+    info["data_state"] = DataState(config, 3, 8).to_dict()
+    assert "  packing:            best_fit (a sample is whole documents" in format_run(info)
+    windows = _run(tmp_path / "windows", store_path, [(StoreData(store, SEQ), 0, 0, 2)])
+    assert main(["inspect", str(windows)]) == 0
+    assert "packing: none (a sample is a fixed window" in capsys.readouterr().out

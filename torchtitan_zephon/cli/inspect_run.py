@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from torchtitan_zephon.job.run_data import read_run_data, recorded, run_data_path
+from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.exclusions import describe_saved
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.run import recorded as runs
@@ -164,8 +165,21 @@ def _sequence_log(run: Path) -> dict[str, Any]:
         "start": starts[-1] if starts else None,
         "resumes": runs.resumes(log),
         "skips": runs.skips(log),
+        "packing": _newest_packing(log),
         "truncated_tail": log.truncated_tail,
     }
+
+
+def _newest_packing(log: Any) -> str | None:
+    """The packing of the data config the log's newest start or resume records."""
+    events = [e for e in log.events if e.get("event") in ("start", "resume")]
+    config = events[-1].get("data_config") if events else None
+    if not isinstance(config, dict):
+        return None
+    try:
+        return DataConfig.from_dict(config).packing
+    except ValueError:
+        return None
 
 
 def _losses(run: Path) -> dict[str, Any]:
@@ -265,6 +279,7 @@ def _format_data_state(state: dict[str, Any] | None, indent: str = "  ") -> list
         f"{cfg.num_samples} samples, schedule {cfg.batch_schedule()}",
         f"{indent}  data config fingerprint: {cfg.fingerprint}",
     ]
+    lines.append(f"{indent}  packing:            {describe_packing(cfg.packing)}")
     lines.append(f"{indent}  skip_steps:         {cfg.skip_steps or '(none)'}")
     lines.append(f"{indent}  left out:           {describe_saved(cfg.exclude)}")
     if ds.tracker:
@@ -272,6 +287,13 @@ def _format_data_state(state: dict[str, Any] | None, indent: str = "  ") -> list
             f"{indent}  tracker head:       step {ds.tracker['step']}, chain {ds.tracker['chain']}"
         )
     return lines
+
+
+def describe_packing(packing: str) -> str:
+    """What a data config's ``packing`` makes a sample, for humans."""
+    if packing == "none":
+        return "none (a sample is a fixed window of the token stream)"
+    return f"{packing} (a sample is whole documents packed into seq_len; ids are packed sample ids)"
 
 
 def _format_mixture(mixture: dict[str, Any] | None, indent: str = "  ") -> list[str]:
@@ -380,6 +402,8 @@ def format_run(info: dict[str, Any]) -> str:
         lines.append(f"    {log['records']} effective records, {span}, {digests}")
         if log["head"]:
             lines.append(f"    head: step {log['head']['step']}, chain {log['head']['chain']}")
+        if log.get("packing"):
+            lines.append(f"    packing: {describe_packing(log['packing'])}")
         if log["start"]:
             lines.append(f"    started at step 0: {runs.format_topology(log['start'])}")
         for r in log["resumes"]:
