@@ -140,3 +140,50 @@ def test_inspect_says_a_run_packs(store_path, store, tmp_path, capsys, monkeypat
     windows = _run(tmp_path / "windows", store_path, [(StoreData(store, SEQ), 0, 0, 2)])
     assert main(["inspect", str(windows)]) == 0
     assert "packing: none (a sample is a fixed window" in capsys.readouterr().out
+
+
+def test_show_and_where_name_the_replica_group_that_trained_each_sample(
+    store_path, store, tmp_path, capsys
+):
+    """Issue 43 case 10: on a torchft group's folder every sample was 'rank 0 (as
+    trained)', though this group trained one part. This group (replica_id 0) trained
+    part 1 of 2 from step 1 (group 1 part 0); it healed at step 3 and received steps
+    4..5 from its peer: those name no group."""
+    source = StoreData(store, SEQ)
+    config = source.data_config(seed=0, schedule=BatchSchedule.parse("4"))
+    plan = source.plan(config)
+    run = tmp_path / "run"
+    (run / "zephon").mkdir(parents=True)
+    tracker = SequenceTracker(run / "zephon" / LOG_NAME, config=config, writer=True)
+    group = {"replica_id": 0, "group_size": 2}
+    tracker.start({"world_size": 1, "dp_degree": 1, "nnodes": 1, **group})
+    tracker.annotate("quorum", 1, {"groups": 2, "quorum_id": 7, "part": 1, "members": [1, 0]})
+    for step in (1, 2, 3):
+        tracker.record(step, plan.step_positions(step)[0], plan.global_ids(step))
+    peer = SequenceTracker(tmp_path / "peer.jsonl", config=config, writer=True)
+    peer.start({"world_size": 1, "dp_degree": 1, "nnodes": 1})
+    for step in range(1, 6):
+        peer.record(step, plan.step_positions(step)[0], plan.global_ids(step))
+    lines = (tmp_path / "peer.jsonl").read_bytes().splitlines()[4:6]  # steps 4 and 5
+    tracker.healed(3, lines, peer.head(), {"world_size": 1, "dp_degree": 1, **group})
+    job = {"dump_folder": str(run), "training": {}, "zephon": {"store": str(store_path)}}
+    (run / "config.json").write_text(json.dumps(job))
+
+    info = show(capsys, str(run), "--step", "2")
+    assert info["quorum"] == {"groups": 2, "part": 1, "members": [1, 0], "quorum_id": 7}
+    assert [(s["group"], s["part"], s["dp_rank"]) for s in info["samples"]] == [
+        (1, 0, 0), (1, 0, 0), (0, 1, 0), (0, 1, 0)
+    ]  # fmt: skip
+    assert main(["show", str(run), "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "trained by a torchft quorum of 2 replica group(s)" in out
+    assert "this run folder's group trained part 1" in out
+    assert "[2] group 0 (part 1 of 2) rank 0" in out and "[0] group 1 (part 0 of 2) rank 0" in out
+    healed = show(capsys, str(run), "--step", "5")
+    assert "quorum" not in healed and "group" not in healed["samples"][0]
+    sid = int(plan.global_ids(2)[3])
+    doc = int(np.searchsorted(np.asarray(store.doc_offsets), sid * SEQ, side="right")) - 1
+    hits = [h for h in _where(capsys, run, doc) if h.get("step") == 2 and h["index"] == 3]
+    assert hits and hits[0]["group"] == 0 and hits[0]["part"] == 1
+    assert main(["inspect", str(run)]) == 0
+    assert "torchft replica group 0 of group_size 2" in capsys.readouterr().out

@@ -55,7 +55,7 @@ def main(replica_id: int, min_replicas: int, lighthouse: str, gbs: int, out: str
     try:
         quorum = join_quorum(manager, wait_for=min_replicas, within_s=60)
         try:
-            check_replica_ids(manager, replica_id, min_replicas)
+            members = check_replica_ids(manager, replica_id, min_replicas, quorum.part)
         except SharedReplicaId as e:
             torch.save({"shared": str(e)}, out)
             return
@@ -69,7 +69,7 @@ def main(replica_id: int, min_replicas: int, lighthouse: str, gbs: int, out: str
         commit = manager.should_commit()
         torch.save(
             {"part": quorum.part, "parts": quorum.parts, "count": count, "loss": loss,
-             "grads": [g.clone() for g in grads], "commit": commit},
+             "grads": [g.clone() for g in grads], "commit": commit, "members": members},
             out,
         )  # fmt: skip
     finally:

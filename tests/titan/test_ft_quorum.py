@@ -65,6 +65,9 @@ def test_groups_reduce_to_the_whole_steps_mean_gradient_and_loss(tmp_path, n, gb
     assert sorted(r["part"] for r in results) == list(range(n))
     assert {r["parts"] for r in results} == {n} and all(r["commit"] for r in results)
     assert sum(r["count"] for r in results) == gbs
+    # every group knows who trains which part (the log's quorum event: issue 43 case 10)
+    members = [r for r, _ in sorted(enumerate(results), key=lambda t: t[1]["part"])]
+    assert all(res["members"] == members for res in results), [res["members"] for res in results]
     model, x, y = model_and_step(gbs)  # one group, the whole step, no torchft
     whole = loss_sum(model, x, y) / (gbs * TOKENS)
     whole.backward()

@@ -90,6 +90,20 @@ class RunHistory:
                 return job
         return self.jobs[0]  # an event before the history's start: not effective
 
+    def quorum_at(self, step: int) -> dict[str, Any] | None:
+        """The torchft quorum that trained ``step``, as this replica group's log records
+        it (its ``quorum`` event: ``groups``, this group's ``part``, the ``members``'
+        replica ids in part order), or None: not trained under torchft, or trained by
+        the peers while this group was away (records it received when it healed)."""
+        current = None
+        for e in self.reader.events:
+            kind = e.get("event")
+            if kind in ("start", "resume") and _int(e.get("from_step")) < step:
+                current = None  # this step was trained (again) after it
+            elif kind == "quorum" and _int(e.get("step")) <= step:
+                current = e
+        return current if step <= self.trained_last else None
+
     def logged_ids_digest(self, step: int) -> str | None:
         """The ids digest of ``step``'s effective record (None: the log has none). The
         sidecar index finds it in O(1); a log without one is read once."""

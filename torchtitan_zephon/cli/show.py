@@ -38,7 +38,7 @@ from typing import Any
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.cli.open_data import add_data_arguments, open_step_data
 from torchtitan_zephon.cli.step_data import MAX_CHARS, ShowError, StepData, say_notes
-from torchtitan_zephon.order.layout import rank_slice, slice_index
+from torchtitan_zephon.order.layout import rank_slice
 
 # ---------------------------------------------------------------- the command
 
@@ -111,16 +111,16 @@ def step_samples(
     samples = []
     for k, (key, position) in enumerate(zip(keys.tolist(), positions.tolist(), strict=True)):
         index = lo - first + k
-        entry = {
-            "index": index,
-            "dp_rank": slice_index(index, gbs, degree)[0],
-            **data.sample(key, max_chars=max_chars),
-            "position": position,
-        }
+        placed = data.place(step, index, degree)
+        placed.pop("rank_index")
+        entry = {"index": index, **placed, **data.sample(key, max_chars=max_chars),
+                 "position": position}  # fmt: skip
         samples.append(entry)
+    quorum = data.history.quorum_at(step) if data.history is not None else None
     return {
         "step": step,
         "status": data.status(step),
+        **({} if quorum is None else {"quorum": {k: quorum.get(k) for k in QUORUM_FIELDS}}),
         "slots": [first, first + gbs],
         "global_batch_size": gbs,
         "dp_degree": degree,
@@ -135,7 +135,11 @@ def format_sample(s: dict[str, Any], indent: str = "  ") -> list[str]:
         f"{d['document']}[{d['start']}:{d['stop']})/{d['length']}" for d in s.get("documents", [])
     )
     at = f"  position {s['position']}" if "position" in s else ""
-    head = f"{indent}[{s['index']}] rank {s['dp_rank']}  {source}sample {s['sample']}{at}"
+    group = ""
+    if "part" in s:
+        who = "a group not recorded" if s["group"] is None else f"group {s['group']}"
+        group = f"{who} (part {s['part']} of {s['parts']}) "
+    head = f"{indent}[{s['index']}] {group}rank {s['dp_rank']}  {source}sample {s['sample']}{at}"
     lines = [head + (f"  docs {docs}" if docs else "")]
     if "text" in s:
         lines.append(
@@ -143,6 +147,9 @@ def format_sample(s: dict[str, Any], indent: str = "  ") -> list[str]:
         )
     return lines
 
+
+QUORUM_FIELDS = ("groups", "part", "members", "quorum_id")
+"""What ``show --json`` says of the torchft quorum that trained a step."""
 
 DEGREE_FROM = {
     "trained": " (as trained)",
@@ -160,6 +167,14 @@ def format_step(info: dict[str, Any], what: str) -> list[str]:
         f"{info['global_batch_size']} samples, DP degree {info['dp_degree']}"
         + DEGREE_FROM[info["dp_degree_from"]]
     ]
+    q = info.get("quorum")
+    if q is not None:
+        lines[0] += (
+            f" within each group; trained by a torchft quorum of {q['groups']} replica "
+            f"group(s), in parts {', '.join(map(str, range(q['groups'])))} by group(s) "
+            f"{', '.join('?' if m is None else str(m) for m in q['members'] or ['?'])}; this "
+            f"run folder's group trained part {q['part']}"
+        )
     for s in info["samples"]:
         lines += format_sample(s)
     return lines

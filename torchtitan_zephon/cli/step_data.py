@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.order.layout import part_slice, slice_index
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.stream import StreamPlan, split_keys
@@ -94,6 +95,32 @@ class StepData:
                 f"zephon.exclude list changed since); `zephon verify {self.history.run}` "
                 "checks the log."
             )
+
+    def place(self, step: int, index: int, degree: int) -> dict[str, Any]:
+        """Who trains the sample at ``index`` of ``step`` at DP ``degree``: its
+        ``dp_rank`` and ``rank_index``; for a step a torchft quorum trained, also its
+        ``part`` (of ``parts``) and the replica ``group`` that trained it (None: not
+        recorded), the rank being within that group's part."""
+        gbs = self.plan.schedule.gbs(step)
+        quorum = self.history.quorum_at(step) if self.history is not None else None
+        if quorum is None or type(quorum.get("groups")) is not int:
+            rank, at = slice_index(index, gbs, degree)
+            return {"dp_rank": rank, "rank_index": at}
+        parts = int(quorum["groups"])
+        for part in range(parts):
+            first, size = part_slice(0, gbs, step, part, parts)
+            if index < first + size:
+                break
+        j = index - first
+        inner = degree if 1 <= degree <= size else 1
+        for rank in range(inner):
+            lo, count = part_slice(0, size, step, rank, inner)
+            if j < lo + count:
+                break
+        members = quorum.get("members") or []
+        group = members[part] if part < len(members) else None
+        return {"dp_rank": rank, "rank_index": j - lo, "part": part, "parts": parts,
+                "group": group}  # fmt: skip
 
     def covers(self, step: int) -> bool:
         """Whether this data describes ``step`` as it was (or will be) trained: always for

@@ -43,7 +43,6 @@ from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.cli.open_data import add_data_arguments, open_step_data
 from torchtitan_zephon.cli.step_data import ShowError, StepData, document_span, say_notes
 from torchtitan_zephon.order.exclusions import ExclusionMap
-from torchtitan_zephon.order.layout import slice_index
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.permutation import Permutation
 from torchtitan_zephon.order.skips import SkipMap
@@ -69,9 +68,12 @@ class Hit:
     dp_rank: int | None = None
     rank_index: int | None = None
     left_out_from: int | None = None  # status "left out": the entry's from_step
+    part: int | None = None  # a step a torchft quorum trained: the part holding it
+    group: int | None = None  # and the replica group that trained that part
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "left_out_from" or v is not None}
+        optional = ("left_out_from", "part", "group")
+        return {k: v for k, v in self.__dict__.items() if k not in optional or v is not None}
 
 
 def _epochs(text: str) -> tuple[int, int]:
@@ -354,7 +356,9 @@ def _hit(
             f"{step} (document hit: sample {sample}); pass a DP degree that divides every "
             "global batch size of the job."
         )
-    return Hit(epoch, sample, q, data.status(step), step, index, *slice_index(index, gbs, degree))
+    placed = data.place(step, index, degree)
+    return Hit(epoch, sample, q, data.status(step), step, index, placed["dp_rank"],
+               placed["rank_index"], part=placed.get("part"), group=placed.get("group"))  # fmt: skip
 
 
 def format_hit(h: Hit) -> str:
@@ -366,9 +370,12 @@ def format_hit(h: Hit) -> str:
             "trained": "before the resume anchor",
         }[h.status]
         return f"epoch {h.epoch}  sample {h.sample}  stream position {h.stream_position}: {why}"
+    group = ""
+    if h.part is not None:
+        group = f"group {'?' if h.group is None else h.group} part {h.part}, "
     return (
-        f"epoch {h.epoch}  step {h.step}  index {h.index} (rank {h.dp_rank} #{h.rank_index})  "
-        f"sample {h.sample}  {h.status}"
+        f"epoch {h.epoch}  step {h.step}  index {h.index} ({group}rank {h.dp_rank} "
+        f"#{h.rank_index})  sample {h.sample}  {h.status}"
     )
 
 

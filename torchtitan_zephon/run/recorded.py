@@ -242,7 +242,10 @@ def read_data_state(checkpoint: str | os.PathLike) -> DataState:
 
 # ---------------------------------------------------------------- sequence log
 
-TOPOLOGY_KEYS = ("world_size", "dp_degree", "nnodes", "tp_degree", "local_batch_size")
+TOPOLOGY_KEYS = (
+    "world_size", "dp_degree", "nnodes", "tp_degree", "local_batch_size", "replica_id",
+    "group_size",
+)  # fmt: skip
 """The fields of a start / resume event that describe the job's topology."""
 
 
@@ -293,6 +296,10 @@ def log_reader(path: str | os.PathLike, *, forked: bool = False) -> LogReader:
         raise RunError(str(e)) from None
 
 
+FT_KEYS = ("replica_id", "group_size")
+"""The topology fields of a torchft replica group's events."""
+
+
 def topology(event: dict[str, Any]) -> dict[str, Any]:
     """``from_step`` and the topology fields of a start / resume event (absent ones omitted)."""
     out = {"event": event.get("event"), "from_step": event.get("from_step")}
@@ -302,7 +309,11 @@ def topology(event: dict[str, Any]) -> dict[str, Any]:
 
 def format_topology(event: dict[str, Any]) -> str:
     """``world_size 2, dp_degree 2, nnodes 2, ...`` for humans."""
-    parts = [f"{k} {event[k]}" for k in TOPOLOGY_KEYS if k in event]
+    parts = [f"{k} {event[k]}" for k in TOPOLOGY_KEYS if k in event and k not in FT_KEYS]
+    if all(k in event for k in FT_KEYS):
+        parts.append(
+            f"torchft replica group {event['replica_id']} of group_size {event['group_size']}"
+        )
     return ", ".join(parts) if parts else "topology not recorded"
 
 

@@ -275,12 +275,16 @@ def window_digests(inputs: torch.Tensor, labels: torch.Tensor) -> bytes:
 
 
 def topology_from_env(dp_degree: int, job: JobView) -> dict[str, Any]:
+    """What a start or resume event records of the job's layout; a torchft replica
+    group's also its replica_id and group_size."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
+    ft = job.fault_tolerance
     return {
         "world_size": world,
         "dp_degree": dp_degree,
         "nnodes": max(1, world // max(1, local)),
         "tp_degree": job.tp,
         "local_batch_size": job.local_batch_size,
+        **({"replica_id": ft.replica_id, "group_size": ft.group_size} if ft.enable else {}),
     }

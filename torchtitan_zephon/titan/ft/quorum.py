@@ -45,7 +45,9 @@ from typing import Any
 import torch
 
 QUORUM_POLL_S = 0.2
-"""How often a group's first step asks again for a quorum of every group."""
+"""How soon a group's first step first asks again for a quorum of every group."""
+QUORUM_POLL_MAX_S = 2.0
+"""The longest a group's first step waits between two asks (the wait doubles up to it)."""
 
 QUORUM_TIMEOUT_FACTOR = 3
 """A quorum request waits this many collective timeouts (module docstring): a peer hung
@@ -109,25 +111,37 @@ def start_manager(
     )
 
 
-def join_quorum(manager: Any, *, wait_for: int = 1, within_s: float = 0.0) -> StepQuorum:
+def join_quorum(
+    manager: Any, *, wait_for: int = 1, within_s: float = 0.0, say: Any = None
+) -> StepQuorum:
     """Run this step's quorum (synchronous: healing, if any, is applied on return) and
     say which part of the step this group trains. With ``wait_for`` groups, ask again
     (every ``QUORUM_POLL_S``) until the quorum holds that many or ``within_s`` passed:
     a group's first step waits so for the groups started with it, which would otherwise
     each find a quorum of their own and have to heal from one another. A quorum that
     heals this group ends the wait: its peers are ahead, a running job it joins (asking
-    again would leave them waiting on it in their reduction)."""
+    again would leave them waiting on it in their reduction). The wait is said once
+    (``say``: how many groups are missing, and for how long at most), and asked again
+    every ``QUORUM_POLL_S``, then less often (up to ``QUORUM_POLL_MAX_S``): each ask is a
+    quorum request torchft logs."""
     deadline = time.monotonic() + within_s
     before = manager.current_step()
+    poll, told = QUORUM_POLL_S, False
     while True:
         manager.start_quorum()
-        if (
-            manager.num_participants() >= wait_for
-            or manager.current_step() != before
-            or time.monotonic() >= deadline
-        ):
+        got = manager.num_participants()
+        if got >= wait_for or manager.current_step() != before or time.monotonic() >= deadline:
             break
-        time.sleep(QUORUM_POLL_S)
+        if not told and say is not None:
+            left = max(0.0, deadline - time.monotonic())
+            say(
+                f"torchft: {got} of the {wait_for} replica groups are in the quorum; waiting "
+                f"for {wait_for - got} more, at most {left:.0f} s (comm.init_timeout_seconds), "
+                "then training with the groups present"
+            )
+            told = True
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+        poll = min(2 * poll, QUORUM_POLL_MAX_S)
     part = manager.participating_rank()
     if part is None:  # with a synchronous quorum every member participates
         raise RuntimeError("torchft: this group is in the quorum but does not participate")
@@ -167,19 +181,27 @@ class SharedReplicaId(RuntimeError):
     """Two replica groups of one quorum run with the same ``fault_tolerance.replica_id``."""
 
 
-def check_replica_ids(manager: Any, replica_id: int, group_size: int) -> None:
+def check_replica_ids(manager: Any, replica_id: int, group_size: int, part: int) -> list[int]:
     """Refuse a quorum in which two groups share a replica id (torchft accepts them: it
-    appends a uuid to each id): every participant marks its id's slot, the slots are
-    summed across the groups, and a slot above one stops each group sharing it, naming
-    the id. Skipped when the quorum failed meanwhile (the next change checks again)."""
+    appends a uuid to each id), and return the replica ids of the quorum's participants
+    in part order (what the sequence log's quorum event records: who trained which
+    part). Every participant marks its id's slot and writes its part + 1 beside it; the
+    slots are summed across the groups, and a slot above one stops each group sharing
+    it, naming the id. Skipped when the quorum failed meanwhile (the next change checks
+    again; then the members are not known: [])."""
     from torch.distributed import ReduceOp
 
-    slots = torch.zeros(group_size, dtype=torch.float32)
+    slots = torch.zeros(2 * group_size, dtype=torch.float32)
     slots[replica_id] = 1.0
+    slots[group_size + replica_id] = float(part + 1)
     manager.allreduce(slots, reduce_op=ReduceOp.SUM).wait()
-    if manager.errored() is None and float(slots[replica_id]) > 1.0:
+    if manager.errored() is not None:
+        return []
+    if float(slots[replica_id]) > 1.0:
         raise SharedReplicaId(
             f"{int(slots[replica_id])} replica groups in this quorum run with "
             f"--fault_tolerance.replica_id {replica_id}: each group needs its own id in "
             f"[0, {group_size}). Restart this group with a free id; its run folder is kept."
         )
+    members = {int(slots[group_size + i]) - 1: i for i in range(group_size) if slots[i] == 1.0}
+    return [members[k] for k in sorted(members)]

@@ -101,6 +101,7 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
             manager,
             wait_for=trainer.config.fault_tolerance.group_size if first else 1,
             within_s=float(trainer.config.comm.init_timeout_seconds) if first else 0.0,
+            say=lambda text: logger.info(f"Zephon: {text}"),
         )
         if manager.current_step() != step - 1:  # the quorum healed this group
             behind = step - 1
@@ -119,7 +120,7 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
         should_log = trainer.metrics_processor.should_log(step)
         if quorum != getattr(trainer, "ft_quorum", None):  # said once per quorum change
             ft = trainer.config.fault_tolerance
-            check_replica_ids(manager, ft.replica_id, ft.group_size)
+            members = check_replica_ids(manager, ft.replica_id, ft.group_size, quorum.part)
             first, count = loader.plan.layout.part_positions(step, quorum.part, quorum.parts)
             logger.info(
                 f"Zephon: torchft quorum of {quorum.parts} group(s) from step {step}: this "
@@ -127,9 +128,12 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
                 f"{loader.plan.schedule.gbs(step)} samples)"
             )
             trainer.ft_quorum = quorum
-            dl.tracker.annotate(
-                "quorum", step, {"groups": quorum.parts, "quorum_id": _quorum_id(manager)}
-            )
+            dl.tracker.annotate(  # who trains which part: this group's, and every one's
+                "quorum",
+                step,
+                {"groups": quorum.parts, "quorum_id": _quorum_id(manager), "part": quorum.part,
+                 "members": members},
+            )  # fmt: skip
         loss_sum = torch.zeros((), dtype=torch.float32, device=trainer.device)
         digests = _Digests(trainer, step, quorum) if dl.audit == "tokens" else None
         drawn = time.perf_counter()
