@@ -41,7 +41,6 @@ import os
 import sys
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -61,6 +60,7 @@ from torchtitan_zephon.run.process import torchrun_agent
 from torchtitan_zephon.store.format import DataUnreadable, StoreError, error_kind
 from torchtitan_zephon.titan.components.accounting import StepAccounting
 from torchtitan_zephon.titan.components.attention import with_document_masks
+from torchtitan_zephon.titan.components.checkpoint_folder import move_abandoned
 from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.components.job_data import ZephonJob, with_job
 from torchtitan_zephon.titan.components.validate import ZephonValidator
@@ -232,43 +232,6 @@ class ZephonTrainer(Trainer):
         sl.log_trace_instant("structured_logger_started")
         return dims
 
-    def _move_abandoned(self, job: JobView, abandoned: list[Any]) -> None:
-        """A rollback (``--checkpoint.load_step K`` with checkpoints after K): at the
-        first step, once every rank has loaded checkpoint K and passed every check, rank 0
-        (holding the run folder) moves the abandoned branch's checkpoints into the
-        checkpoint folder's sibling ``<folder>_abandoned/rollback_to_step_K`` (``.2``, ...
-        when a folder of that name exists), whose name TorchTitan's newest-checkpoint rule
-        does not count. Moved, not deleted; each move is logged. A move that fails (another
-        filesystem, permissions) stops the job before it trains, naming what is left."""
-        if not abandoned:
-            return
-        k = job.checkpoint.load_step
-        folder = (Path(job.dump_folder) / job.checkpoint.folder).resolve()
-        base = folder.parent / f"{folder.name}_abandoned"
-        dest, n = base / f"rollback_to_step_{k}", 1
-        while dest.exists():
-            n += 1
-            dest = base / f"rollback_to_step_{k}.{n}"
-        try:
-            dest.mkdir(parents=True)
-            for info in abandoned:
-                os.replace(info.path, dest / info.path.name)
-                logger.info(f"Zephon: moved {info.path} to {dest / info.path.name}")
-        except OSError as e:
-            left = ", ".join(str(i.path) for i in abandoned if i.path.exists())
-            raise JobStopped(
-                self.step,
-                f"rollback to step {k}: could not move the checkpoints after it out of {folder} "
-                f"({type(e).__name__}: {e}); still there: {left or 'none'}. Move them out of "
-                f"{folder} by hand (a later automatic resume would pick the newest), then "
-                "start again.",
-            ) from None
-        names = ", ".join(info.path.name for info in abandoned)
-        logger.warning(
-            f"Zephon: rollback to step {k}: the checkpoints after it ({names}) were moved to "
-            f"{dest}, so that no later automatic resume picks the abandoned branch"
-        )
-
     def train(self) -> None:
         """TorchTitan's loop; a store or sequence log that fails once training has begun
         (a ``tokens.bin`` changed after preparation, ...) stops it as ``JobStopped``.
@@ -358,7 +321,9 @@ class ZephonTrainer(Trainer):
                 for (s, n), text in zip(skips.entries, skips.describe(gbs), strict=True):
                     logger.info(f"Zephon: skip_steps {s}:{n}: {text}")
         if self._lock is not None and getattr(self, "_abandoned", None):
-            self._move_abandoned(*self._abandoned)  # every rank has loaded (the gather above)
+            failed = move_abandoned(*self._abandoned)  # every rank has loaded (the gather)
+            if failed is not None:
+                raise JobStopped(self.step, failed)
         self.accounting = self._build_accounting(self.config)
         self._tracking = True
 
