@@ -100,6 +100,36 @@ def test_two_groups_train_exactly_what_one_group_trains(
         _assert_trains_like(one_group, run)
     assert_verify_match(two_groups[0], two_groups[1])
     assert sorted(parts) == [0, 1]  # one group trained part 0, the other part 1
+    # the log says who trained which part, and that the run is a replica group (case 10)
+    first = [_events(run, "quorum")[0] for run in two_groups]
+    members = [1 - parts[0], parts[0]]  # replica ids in part order
+    for r, q in enumerate(first):
+        assert (q["step"], q["groups"], q["members"]) == (1, 2, members)
+        assert q["part"] == members.index(r)
+        (start,) = _events(two_groups[r], "start")
+        assert (start["replica_id"], start["group_size"]) == (r, 2)
+
+
+def _events(run: Path, kind: str) -> list[dict]:
+    log = run / "zephon" / "sequence_log.jsonl"
+    return [e for e in map(json.loads, log.read_text().splitlines()) if e.get("event") == kind]
+
+
+def test_a_group_started_alone_says_once_that_it_waits_and_for_how_long(tmp_path: Path) -> None:
+    """Issue 43 case 9: a group started alone waited for its peers silently, while
+    torchft logged every quorum request (1,021 lines in 60 s). It says once how many
+    groups it waits for and for how long at most, asks less and less often, and then
+    trains with the groups present."""
+    run = tmp_path / "alone"
+    with lighthouse_at(1) as url:
+        proc = _group(run, 0, 2, url, "--training.steps", "2", "--comm.init_timeout_seconds", "10")
+        _wait([proc], [run])
+    text = (run / "train.log").read_text()
+    said = [line for line in text.splitlines() if "waiting for 1 more" in line]
+    assert len(said) == 1 and "1 of the 2 replica groups are in the quorum" in said[0]
+    assert "at most 10 s (comm.init_timeout_seconds)" in said[0]
+    assert "torchft quorum of 1 group(s) from step 1" in text
+    assert len(text.splitlines()) < 300, len(text.splitlines())
 
 
 def test_every_group_dies_after_a_checkpoint_and_all_restart_exactly(
