@@ -2,20 +2,26 @@
 
 Role: ``move_abandoned``: after a rollback (``--checkpoint.load_step K`` with
 checkpoints after K), the abandoned branch's checkpoints are moved aside, so that no
-later automatic resume picks them.
+later automatic resume picks them. ``keep_newest``: at a job's clean end, the folder
+holds ``checkpoint.keep_latest_k`` checkpoints, as the setting says, asynchronous saves
+included (TorchTitan purges when a save starts, before an asynchronous one has written
+its folder, so it kept one or two more).
 
-Invariant: a checkpoint is moved, never deleted, and each move is logged; a move that
-fails leaves the job stopped before it trains, with what is left named.
+Invariants: a rollback's checkpoints are moved, never deleted, and each move is logged;
+a move that fails leaves the job stopped before it trains, with what is left named.
+``keep_newest`` removes only checkpoints older than the newest ``k`` whole ones.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
 from torchtitan.tools.logging import logger
 
+from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.titan.configs.job_view import JobView
 
 
@@ -56,3 +62,28 @@ def move_abandoned(job: JobView, abandoned: list[Any]) -> str | None:
         f"{dest}, so that no later automatic resume picks the abandoned branch"
     )
     return None
+
+
+def keep_newest(run: str | os.PathLike, folder: str, k: int) -> list[Path]:
+    """Remove the checkpoints of ``run``'s checkpoint ``folder`` older than its newest
+    ``k`` whole ones (``k`` <= 0: keep all); returns what was removed, each logged. For
+    global rank 0 at a clean end, once every save has landed."""
+    if k <= 0:
+        return []
+    found = runs.checkpoints(run, folder)
+    whole = [c.step for c in found if c.complete]
+    if len(whole) < k:
+        return []
+    oldest_kept = sorted(whole)[-k]
+    removed = []
+    for c in found:
+        if c.step < oldest_kept:
+            shutil.rmtree(c.path, ignore_errors=True)
+            removed.append(c.path)
+    if removed:
+        logger.info(
+            f"Zephon: removed {', '.join(p.name for p in removed)} (checkpoint.keep_latest_k "
+            f"{k}: the newest {k} are kept; TorchTitan's purge runs before an asynchronous "
+            "save has written its folder)"
+        )
+    return removed

@@ -60,7 +60,7 @@ from torchtitan_zephon.run.process import torchrun_agent
 from torchtitan_zephon.store.format import DataUnreadable, StoreError, error_kind
 from torchtitan_zephon.titan.components.accounting import StepAccounting
 from torchtitan_zephon.titan.components.attention import with_document_masks
-from torchtitan_zephon.titan.components.checkpoint_folder import move_abandoned
+from torchtitan_zephon.titan.components.checkpoint_folder import keep_newest, move_abandoned
 from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.components.job_data import ZephonJob, with_job
 from torchtitan_zephon.titan.components.validate import ZephonValidator
@@ -391,9 +391,16 @@ class ZephonTrainer(Trainer):
             self.accounting.close()
         if getattr(self, "ft", None) is not None:
             self.ft.shutdown(wait=False)
+        clean = sys.exc_info()[1] is None
+        checkpointer = getattr(self, "checkpointer", None)
+        if clean and checkpointer is not None and checkpointer.enable:
+            checkpointer.maybe_wait_for_saving()  # the last asynchronous save lands
         super().close()
         lock = getattr(self, "_lock", None)
-        if lock is not None and sys.exc_info()[1] is None:
+        if lock is not None and clean:
+            ck = self.config.checkpoint  # keep_latest_k, asynchronous saves included
+            if ck.enable:
+                keep_newest(self.config.dump_folder, ck.folder, ck.keep_latest_k)
             lock.release()
 
 
