@@ -368,8 +368,3 @@ def _exclusions_past_the_end(config: DataConfig, steps: int) -> list[str]:
 def log_start(start: StartDecision) -> None:
     for note in start.notes:
         logger.warning(f"Zephon: {note}")
-
-
-# Their names before 'plan' meant the order only.
-plan_start = decide_start
-log_plan = log_start
