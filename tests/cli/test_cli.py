@@ -593,9 +593,9 @@ def test_plan_of_a_store_holds_out_its_last_samples_as_the_trainer_does(
     store_path, tmp_path, capsys
 ):
     """--heldout-samples H with --store: the ids of a job with zephon.heldout_samples H
-    (job.settings.store_source: the store's last H samples held out), and a left-out id
+    (job.settings.store_data: the store's last H samples held out), and a left-out id
     among those held out is refused, as the trainer refuses it."""
-    from torchtitan_zephon.job.settings import store_source
+    from torchtitan_zephon.job.settings import store_data
 
     store = TokenStore.open(store_path)
     held = 24
@@ -604,7 +604,7 @@ def test_plan_of_a_store_holds_out_its_last_samples_as_the_trainer_does(
     assert main([*args, "--heldout-samples", str(held)]) == 0
     got = [json.loads(x)["ids"] for x in capsys.readouterr().out.splitlines()]
     schedule = BatchSchedule.parse("4")
-    source = store_source(store, 8, held, schedule, what="the store")
+    source = store_data(store, 8, held, schedule, what="the store")
     plan = source.plan(source.data_config(seed=3, schedule=schedule))
     assert got == [plan.global_ids(s).tolist() for s in range(1, 7)]
     assert got != [

@@ -175,9 +175,6 @@ def store_data(
     return source
 
 
-store_source = store_data  # its name before one word meant one thing
-
-
 def builtin_tokenizer() -> tuple[Path, str]:
     """(the folder of the tokenizer the builtin data was prepared with, the sha256 of its
     tokenizer.json; "" when the folder holds none)."""

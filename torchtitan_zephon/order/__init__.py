@@ -38,7 +38,7 @@ Glossary (one word per concept, used across the package):
 - source: one store of a mixture, by name (a ``[[source]]`` of a mixture file).
 - data: the job's data, opened once (``job.data.JobData``: one store, or a mixture);
   never called a source (old names kept as aliases: ``ZephonLoader.source``,
-  ``resolve_source``, ``store_source``).
+  ``resolve_source``).
 - inputs: the raw files ``zephon prepare`` reads (text, JSONL, Parquet, datasets).
 - part: a replica group's share of a step under torchft (``layout.part_slice``).
 - stream: the sample keys of every position, the global sequence a plan defines.
