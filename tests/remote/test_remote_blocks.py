@@ -196,11 +196,11 @@ def test_a_block_size_that_does_not_divide_seq_len_is_said_once(
     import logging
 
     from tests.titan.test_dataloader import job
-    from torchtitan_zephon.titan.components.job_data import block_rounding_note, resolve_source
+    from torchtitan_zephon.titan.components.job_data import block_rounding_note, resolve_data
 
     (url512, local512), (url128, _) = sized_stores[512], sized_stores[128]
     with caplog.at_level(logging.INFO):
-        data = resolve_source(job(tmp_path, store=url512))  # seq_len 32
+        data = resolve_data(job(tmp_path, store=url512))  # seq_len 32
     notes = [r.getMessage() for r in caplog.records if "block checksums of" in r.getMessage()]
     ratio = 513 / 33  # a window in [32 k, 32 k + 33) lies in one block: [512 b, 512 b + 513)
     assert notes == [

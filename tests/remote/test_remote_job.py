@@ -181,10 +181,10 @@ def test_the_trainer_settings_open_a_store_url(fine_url, tmp_path) -> None:
 
 
 def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, tmp_path):
-    """The trainer's data of a mixture job (titan.components.job_data.resolve_source): a source in
+    """The trainer's data of a mixture job (titan.components.job_data.resolve_data): a source in
     the bucket is read with the job's zephon.read_ahead_steps / read_ahead_bytes /
     request_timeout_s, not the store defaults."""
-    from torchtitan_zephon.titan.components.job_data import resolve_source
+    from torchtitan_zephon.titan.components.job_data import resolve_data
 
     a = slice_store(store, 0, 1800, tmp_path / "a")
     b = slice_store(store, 1800, store.num_tokens, tmp_path / "b")
@@ -196,7 +196,7 @@ def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, 
         "[[schedule]]\nfrom_step = 1\nweights = { a = 0.5, b = 0.5 }\n"
     )
     settings = dict(read_ahead_steps=1, read_ahead_bytes=1 << 16, request_timeout_s=7.5)
-    data = resolve_source(_job(tmp_path / "run", mixture=str(mixture), **settings))
+    data = resolve_data(_job(tmp_path / "run", mixture=str(mixture), **settings))
     assert isinstance(data, MixtureData)
     remote = data.stores[data.names.index("b")]
     assert isinstance(remote, RemoteTokenStore)
@@ -208,11 +208,11 @@ def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, 
 def test_a_store_url_with_a_query_string_is_redacted_in_the_job_messages(fine_url, tmp_path):
     """A store URL carrying a signature (an Azure SAS token, say) is named redacted where
     the trainer's checks name the store."""
-    from torchtitan_zephon.titan.components.job_data import resolve_source
+    from torchtitan_zephon.titan.components.job_data import resolve_data
 
     job = _job(tmp_path, store=f"{fine_url}?sv=2024&sig=SASMARKER", heldout_samples=10**9)
     with pytest.raises(ValueError) as e:
-        resolve_source(job)
+        resolve_data(job)
     assert "SASMARKER" not in str(e.value)
     assert f"{fine_url}?<redacted>" in str(e.value)
 

@@ -14,7 +14,7 @@ from torchtitan_zephon.job.data import MixtureData
 from torchtitan_zephon.order.mixture.config import MixtureError
 from torchtitan_zephon.order.stream import split_keys
 from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.components.job_data import resolve_source
+from torchtitan_zephon.titan.components.job_data import resolve_data
 from torchtitan_zephon.titan.components.validate import ZephonValidator
 from torchtitan_zephon.titan.configs.job_view import JobView
 
@@ -64,15 +64,15 @@ def test_the_job_reads_the_mixture_and_its_weights(tmp_path):
 
 def test_bad_mixture_jobs_are_refused_clearly(tmp_path):
     with pytest.raises(ValueError, match="zephon.mixture .* and zephon.store .* are both set"):
-        resolve_source(mixture_job(tmp_path, store="/some/store"))
+        resolve_data(mixture_job(tmp_path, store="/some/store"))
     with pytest.raises(MixtureError, match="cannot read mixture file"):
-        resolve_source(job(tmp_path, mixture=str(tmp_path / "missing.toml")))
+        resolve_data(job(tmp_path, mixture=str(tmp_path / "missing.toml")))
     too_much = mixture_job(tmp_path, docs="heldout_samples = 10000000")
     with pytest.raises(MixtureError, match=r"mixture source 'docs': heldout_samples=10000000"):
-        resolve_source(too_much)
+        resolve_data(too_much)
     small_tokenizer = SimpleNamespace(get_vocab_size=lambda: 1000)
     with pytest.raises(ValueError, match=r"the mixture .* \(sources docs, stdlib\) was tokenized"):
-        resolve_source(mixture_job(tmp_path), small_tokenizer)
+        resolve_data(mixture_job(tmp_path), small_tokenizer)
 
     # a model of 1000 embeddings (0.3: the model spec's, as the trainer's view reads it)
     cfg = dataclasses.replace(

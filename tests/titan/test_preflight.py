@@ -377,12 +377,12 @@ def build_tokenizer(view):  # noqa: ANN001, ANN201
 
 
 def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_store, tmp_path):
-    from torchtitan_zephon.titan.components.job_data import resolve_source
+    from torchtitan_zephon.titan.components.job_data import resolve_data
 
     short = small_store(lines_store, tmp_path / "short", 0)
     tokens = open_store(short).num_tokens
     with pytest.raises(ValueError) as e:
-        resolve_source(data_job(tmp_path, store=str(short), heldout_samples=16))
+        resolve_data(data_job(tmp_path, store=str(short), heldout_samples=16))
     assert str(e.value) == (
         f"the store {short} has {tokens} tokens, but a sample of seq_len 64 needs seq_len + 1 = "
         "65 tokens (its inputs and the label of the last one), so it holds no sample. To "
@@ -402,34 +402,32 @@ def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_s
          "samples of seq_len 64. To change it: lower --zephon.heldout_samples (now 17)"),
     ]:  # fmt: skip
         with pytest.raises(ValueError) as e:
-            resolve_source(data_job(tmp_path, store=str(seventeen), heldout_samples=heldout))
+            resolve_data(data_job(tmp_path, store=str(seventeen), heldout_samples=heldout))
         assert str(e.value).startswith(message), str(e.value)
     # refused whatever the layout: the verdict is the data config's, not the topology's
     for local in (1, 2, 8):
         cfg = data_job(tmp_path, store=str(seventeen), heldout_samples=16, local_batch_size=local)
         with pytest.raises(ValueError, match="has 1 training sample"):
-            resolve_source(cfg)
+            resolve_data(cfg)
     # two training samples: trained on, with the warning
-    source = resolve_source(data_job(tmp_path, store=str(seventeen), heldout_samples=15))
+    source = resolve_data(data_job(tmp_path, store=str(seventeen), heldout_samples=15))
     assert source.warnings == [
         f"the store {seventeen} (seq_len 64, 15 held out) has 2 training samples, fewer than "
         "the global batch of 8 from step 1 on (batch schedule entry 1:8): every such step "
         "repeats samples within itself. Use a larger store or a smaller global batch."
     ]
-    assert (
-        resolve_source(data_job(tmp_path, store=str(seventeen), heldout_samples=9)).warnings == []
-    )
+    assert resolve_data(data_job(tmp_path, store=str(seventeen), heldout_samples=9)).warnings == []
 
 
 def test_builtin_and_raw_stores_get_the_same_size_checks(lines_store, tmp_path, monkeypatch):
     """The builtin store and raw inputs reach the same check, named as the user named them."""
     from torchtitan_zephon.ingest.builtin import builtin_store_path
-    from torchtitan_zephon.titan.components.job_data import resolve_source
+    from torchtitan_zephon.titan.components.job_data import resolve_data
 
     builtin = open_store(builtin_store_path())
     seq_len = (builtin.num_tokens - 1) // 19  # 19 samples: 3 to train on
     cfg = data_job(tmp_path, store="", heldout_samples=16, seq_len=seq_len)
-    source = resolve_source(cfg)
+    source = resolve_data(cfg)
     assert source.warnings == [
         f"the builtin store ({builtin.path}) (seq_len {cfg.seq_len}, 16 held out) has "
         "3 training samples, fewer than the global batch of 8 from step 1 on (batch schedule "
@@ -440,10 +438,10 @@ def test_builtin_and_raw_stores_get_the_same_size_checks(lines_store, tmp_path, 
     raw = tmp_path / "notes.txt"
     raw.write_text("hello world, a short note of a few dozen tokens.\n" * 8)
     cfg = data_job(tmp_path, store=str(raw), heldout_samples=0, seq_len=1)
-    entry = resolve_source(cfg).path  # prepared into the cache on first use
-    assert str(tmp_path / "cache") in entry and resolve_source(cfg).warnings == []
+    entry = resolve_data(cfg).path  # prepared into the cache on first use
+    assert str(tmp_path / "cache") in entry and resolve_data(cfg).warnings == []
     cfg = dataclasses.replace(cfg, seq_len=(open_store(entry).num_tokens - 1) // 4)
-    assert resolve_source(cfg).warnings == [
+    assert resolve_data(cfg).warnings == [
         f"the store {str(raw)!r} ({entry}) (seq_len {cfg.seq_len}) has 4 training "
         "samples, fewer than the global batch of 8 from step 1 on (batch schedule entry 1:8): "
         "every such step repeats samples within itself. Use a larger store or a smaller "
@@ -599,7 +597,7 @@ def test_a_mixture_tokenizer_mismatch_names_the_source_without_the_jobs_tokenize
     is the odd one out (here the second in name order, not simply 'the other one')."""
     from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
     from torchtitan_zephon.order.mixture.config import MixtureError
-    from torchtitan_zephon.titan.components.job_data import resolve_source
+    from torchtitan_zephon.titan.components.job_data import resolve_data
 
     own, store = own_store
     mixture = tmp_path / "mixed.toml"
@@ -612,7 +610,7 @@ def test_a_mixture_tokenizer_mismatch_names_the_source_without_the_jobs_tokenize
             tmp_path, mixture=str(mixture), heldout_samples=4, hf_assets_path=str(tokenizer)
         )
         with pytest.raises(MixtureError) as e:
-            resolve_source(cfg)
+            resolve_data(cfg)
         assert (
             f"The odd one out: '{odd}' ('{right}' has the tokenizer of hf_assets_path "
             f"({tokenizer})). Re-run `zephon prepare` for '{odd}' with the tokenizer of "

@@ -126,9 +126,6 @@ def resolve_data(job: JobView, tokenizer: Any = None) -> JobData:
     return data
 
 
-resolve_source = resolve_data  # its name before one word meant one thing
-
-
 def block_rounding_note(store: Any, seq_len: int) -> str | None:
     """One line when ``store`` is read by range with block checksums whose block_tokens
     does not divide ``seq_len`` (each window then fetches whole blocks beyond its own
