@@ -48,7 +48,7 @@ def mixture_job(tmp: Path, docs: str = "", **zephon) -> JobView:
 
 def test_the_job_reads_the_mixture_and_its_weights(tmp_path):
     dl = build_zephon_dataloader(2, 1, None, mixture_job(tmp_path, heldout_samples=12))
-    assert isinstance(dl.loader.source, MixtureData)
+    assert isinstance(dl.loader.data, MixtureData)
     assert dl.loader.config.mixture["schedule"][1]["weights"] == {"docs": "0/1", "stdlib": "1/1"}
     deliver(dl, 3 * 3)  # steps 1..3: 3 micro-batches of 2 per rank per step
     plan = dl.plan

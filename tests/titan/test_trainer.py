@@ -120,7 +120,7 @@ def test_the_store_is_opened_once_across_preflight_dataloader_and_validator(
     config = trainer_config(tmp_path / "run", heldout_samples=16)
     data, dl, validator = start_like_the_trainer(config, titan_builds, 2, 1)
     try:
-        assert dl.loader.source is data
+        assert dl.loader.data is data
         assert [h.store for _, h in validator.heldout_loaders] == [data.store]
         next(iter(dl))  # reading a batch opens nothing either
         assert opened == Counter({str(builtin_store_path().resolve()): 1})
@@ -139,7 +139,7 @@ def test_each_mixture_source_is_opened_once_across_preflight_dataloader_and_vali
     config.training.global_batch_size = 12
     data, dl, validator = start_like_the_trainer(config, titan_builds, 2, 0)
     try:
-        assert dl.loader.source is data
+        assert dl.loader.data is data
         assert [h.store for _, h in validator.heldout_loaders] == data.stores
         next(iter(dl))
         parts = [str(builtin_store_path(part=p).resolve()) for p in ("docs", "stdlib")]
@@ -175,7 +175,7 @@ def test_the_trainer_hands_its_job_data_to_the_configs_torchtitan_builds(
     config = trainer_config(tmp_path / "run", heldout_samples=16)
     data, dl, validator = start_like_the_trainer(config, titan_builds, 1, 0)
     try:
-        assert data is not None and dl.loader.source is data
+        assert data is not None and dl.loader.data is data
         assert validator.config._zephon_job.data is data and sum(opened.values()) == 1
     finally:
         dl.close()

@@ -177,10 +177,6 @@ class ZephonLoader(_ReadAhead):
     # ------------------------------------------------------------------ batches
 
     @property
-    def source(self) -> JobData:
-        return self.data  # the job's data, by its name before one word meant one thing
-
-    @property
     def next_step(self) -> int:
         """First step not yet completely delivered to the caller."""
         return self._next_step

@@ -37,7 +37,7 @@ Glossary (one word per concept, used across the package):
   the batch schedule and the resume anchor (``layout.Layout``, its one home).
 - source: one store of a mixture, by name (a ``[[source]]`` of a mixture file).
 - data: the job's data, opened once (``job.data.JobData``: one store, or a mixture);
-  never called a source (an old name kept as an alias: ``ZephonLoader.source``).
+  never called a source.
 - inputs: the raw files ``zephon prepare`` reads (text, JSONL, Parquet, datasets).
 - part: a replica group's share of a step under torchft (``layout.part_slice``).
 - stream: the sample keys of every position, the global sequence a plan defines.

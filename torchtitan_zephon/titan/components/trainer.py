@@ -166,7 +166,7 @@ class ZephonTrainer(Trainer):
         sink = self.metrics_processor.logger
         return StepAccounting(
             plan=lambda: self.dataloader.plan,
-            data=self.dataloader.loader.source,
+            data=self.dataloader.loader.data,
             seq_len=config.training.seq_len,
             sink=None
             if type(sink) is BaseLogger or getattr(sink, "number_of_loggers", 1) == 0
@@ -332,7 +332,7 @@ class ZephonTrainer(Trainer):
         config, loader = self.config, self.dataloader.loader
         try:
             record_job(config.dump_folder, config.zephon, tokenizer=config.hf_assets_path,
-                       checkpoint_folder=config.checkpoint.folder, data=loader.source,
+                       checkpoint_folder=config.checkpoint.folder, data=loader.data,
                        data_config=loader.config.to_dict())  # fmt: skip
         except OSError as e:  # the tools fall back to the saved job config
             logger.warning(f"Zephon: could not write {run_data_path(config.dump_folder)}: {e}")
