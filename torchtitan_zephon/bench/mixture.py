@@ -212,7 +212,7 @@ def run(opts: dict) -> dict:
         # checks); read until every store's chunks are checked (at most warmup_batches).
         res["warmup_batches"] = {}
         for name, ld in loaders.items():
-            group = getattr(ld.source, "stores", None) or [ld.source.store]
+            group = getattr(ld.data, "stores", None) or [ld.data.store]
             n = 0
             while n < o["warmup_batches"] and any(st.unchecked_chunks for st in group):
                 next(ld)
