@@ -75,6 +75,7 @@ class RunHistory:
             self.jobs.append(TrainedUnder(event, config, _anchor(history[: i + 1])))
         self.trained_last = _last_trained(self.reader.path)
         self._records: dict[int, dict[str, Any]] | None = None
+        self._quorums: dict[int, dict[str, Any] | None] = {}
 
     @property
     def newest(self) -> TrainedUnder:
@@ -95,6 +96,8 @@ class RunHistory:
         it (its ``quorum`` event: ``groups``, this group's ``part``, the ``members``'
         replica ids in part order), or None: not trained under torchft, or trained by
         the peers while this group was away (records it received when it healed)."""
+        if step in self._quorums:  # asked once per sample of a step: walked once
+            return self._quorums[step]
         current = None
         for e in self.reader.events:
             kind = e.get("event")
@@ -102,7 +105,8 @@ class RunHistory:
                 current = None  # this step was trained (again) after it
             elif kind == "quorum" and _int(e.get("step")) <= step:
                 current = e
-        return current if step <= self.trained_last else None
+        self._quorums[step] = current if step <= self.trained_last else None
+        return self._quorums[step]
 
     def logged_ids_digest(self, step: int) -> str | None:
         """The ids digest of ``step``'s effective record (None: the log has none). The
