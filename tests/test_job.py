@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from tests.conftest import copy_store, edit_token
 from tests.order.test_mixture import batch_schedules, mixtures
-from torchtitan_zephon.job.data import MixtureData, StoreData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.job.plans import mixture_progress, plan_of
 from torchtitan_zephon.order.data_config import DataConfig
@@ -49,9 +49,9 @@ W1 = "{ web = 0.5, code = 0.3, math = 0.2 }"
 LATER = "[[schedule]]\nfrom_step = 4\nweights = { web = 0.1, code = 0.0, math = 0.9 }\n"
 
 
-def mixture(slices, text: str | None = None, heldout: int = 3) -> MixtureData:
+def mixture(slices, text: str | None = None, heldout: int = 3) -> JobData:
     cfg = MixtureConfig.loads(text or mixture_text(slices, W1, LATER))
-    return MixtureData.open(cfg, SEQ, default_heldout=heldout)
+    return JobData.open_mixture(cfg, SEQ, default_heldout=heldout)
 
 
 def loader(source, d, r, b, schedule="1:12,6:24", **kw) -> ZephonLoader:
@@ -132,7 +132,7 @@ def test_a_rank_stream_window_is_its_slices_concatenated(spec, batch, data):
 
 def test_one_store_is_the_store_source_with_sample_ids_as_keys(store):
     a = loader(store, 1, 0, 4, num_samples=100)
-    b = loader(StoreData(store, SEQ, num_samples=100), 1, 0, 4)
+    b = loader(JobData.of_store(store, SEQ, num_samples=100), 1, 0, 4)
     assert a.config == b.config and a.config.mixture is None
     old = DataConfig.make(  # what the loader built before sources: old checkpoints resume
         seq_len=SEQ, seed=5, schedule=a.plan.schedule, sample_offset=0, num_samples=100,
@@ -144,7 +144,7 @@ def test_one_store_is_the_store_source_with_sample_ids_as_keys(store):
     for x, y in zip(take_steps(a, 3), take_steps(b, 3), strict=True):
         assert np.array_equal(x, y)
     assert a.state_dict() == b.state_dict()
-    (held,) = StoreData(store, SEQ, num_samples=100).heldout()
+    (held,) = JobData.of_store(store, SEQ, num_samples=100).heldout()
     assert (held.name, held.first, held.count) == (None, 100, store.num_samples(SEQ) - 100)
 
 
@@ -216,7 +216,7 @@ def test_progress_is_the_replayed_counts(slices):
         state = DataState(ld.config, step, plan.step_positions(step)[0])
         progress = mixture_progress(state)
         by_name = {s["name"]: s for s in progress["sources"]}
-        for name, spec in zip(source.names, source.spec.sources, strict=True):
+        for name, spec in zip(source.names, source.mixture.sources, strict=True):
             assert by_name[name]["samples"] == counts[name], (step, name)
             assert by_name[name]["epoch"] == counts[name] // spec.num_samples
             assert abs(by_name[name]["deviation"]) <= progress["max_deviation"]

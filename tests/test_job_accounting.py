@@ -21,7 +21,7 @@ from torchtitan_zephon.job.accounting import (
     documents_started,
     step_account,
 )
-from torchtitan_zephon.job.data import MixtureData, StoreData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.config import MixtureConfig
@@ -173,7 +173,9 @@ def per_sample_documents(offsets: np.ndarray, ids, seq_len: int) -> int:
 
 def test_documents_started_count_each_samples_document_starts(store, tmp_path):
     seq_len = 8
-    data = StoreData(store, seq_len, sample_offset=3, num_samples=store.num_samples(seq_len) - 5)
+    data = JobData.of_store(
+        store, seq_len, sample_offset=3, num_samples=store.num_samples(seq_len) - 5
+    )
     plan = data.plan(data.data_config(seed=4, schedule=BatchSchedule([(1, 16), (3, 40)])))
     (offsets,) = document_offsets(data)
     assert offsets.tolist() == np.asarray(store.doc_offsets).tolist()
@@ -191,7 +193,7 @@ def test_documents_started_count_each_samples_document_starts(store, tmp_path):
         '[[source]]\nname = "web"\nstore = "web"\n[[source]]\nname = "code"\nstore = "code"\n'
         "[[schedule]]\nfrom_step = 1\nweights = { web = 0.7, code = 0.3 }\n"
     )
-    mix = MixtureData.open(MixtureConfig.load(tmp_path / "mix.toml"), seq_len)
+    mix = JobData.open_mixture(MixtureConfig.load(tmp_path / "mix.toml"), seq_len)
     plan = mix.plan(mix.data_config(seed=2, schedule=BatchSchedule([(1, 20)])))
     offsets = document_offsets(mix)
     assert len(offsets) == 2

@@ -11,10 +11,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.documents import document_positions
 from torchtitan_zephon.job.loader import ZephonLoader
-from torchtitan_zephon.job.packed import IGNORE_INDEX, PackedStoreData, unlabel
 from torchtitan_zephon.job.packing import open_packing
+from torchtitan_zephon.job.source import IGNORE_INDEX, unlabel
 from torchtitan_zephon.order.data_config import PACKING_FIELD
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
@@ -35,7 +36,7 @@ def packed_data(store, tmp_path_factory):
             os.environ.pop("ZEPHON_CACHE")
         else:
             os.environ["ZEPHON_CACHE"] = old
-    return PackedStoreData(store, packed)
+    return JobData.of_store(store, SEQ, packed=packed)
 
 
 def doc_tokens(store, doc: int) -> np.ndarray:
@@ -48,14 +49,14 @@ def doc_tokens(store, doc: int) -> np.ndarray:
 def test_rows_are_their_pieces_and_every_label_is_the_next_token_of_its_document(
     packed_data, store, data
 ):
-    n = packed_data.packed.num_samples
+    n = packed_data.sources[0].packed.num_samples
     keys = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=6)))
     rows = packed_data.windows(keys, SEQ)
     ignored = packed_data.ignored(keys, SEQ)
     assert rows.shape == (keys.size, SEQ + 1) and ignored.shape == (keys.size, SEQ)
     for r, key in enumerate(keys.tolist()):
         col, want_ignored = 0, np.ones(SEQ, dtype=bool)
-        for doc, start, length in packed_data.packed.sample(key).tolist():
+        for doc, start, length in packed_data.sources[0].packed.sample(key).tolist():
             tokens = doc_tokens(store, doc)
             assert rows[r, col : col + length].tolist() == tokens[start : start + length].tolist()
             for j in range(length):  # the label of input col + j
@@ -67,14 +68,14 @@ def test_rows_are_their_pieces_and_every_label_is_the_next_token_of_its_document
         assert (rows[r, col:] == store.eos_id).all() or col == SEQ  # padding
         assert ignored[r].tolist() == want_ignored.tolist()
     assert packed_data.labelled_tokens(keys) == int((~ignored).sum())
-    fast_rows, fast_ignored = packed_data.packed_rows(keys, SEQ)  # the loader's path
+    fast_rows, fast_ignored = packed_data.rows(keys, SEQ)  # the loader's path
     assert np.array_equal(fast_rows, rows) and np.array_equal(dense(fast_ignored, keys), ignored)
     # from the index alone (a store in object storage): the same untrained inputs
-    assert np.array_equal(dense(packed_data.unlabelled(keys, SEQ), keys), ignored)
+    assert np.array_equal(dense(packed_data.sources[0].unlabelled(keys, SEQ), keys), ignored)
 
 
 def dense(ignored: tuple | None, keys: np.ndarray, seq_len: int = SEQ) -> np.ndarray:
-    """``packed_rows``'s untrained inputs as one mask over every row (None: every label
+    """``rows``' untrained inputs as one mask over every row (None: every label
     trained), through ``unlabel`` (what the loader and the validator call)."""
     labels = np.zeros((np.size(keys), seq_len), dtype=np.int64)
     unlabel(labels, ignored)
@@ -82,12 +83,12 @@ def dense(ignored: tuple | None, keys: np.ndarray, seq_len: int = SEQ) -> np.nda
 
 
 def test_positions_restart_at_every_document_and_padding_stands_alone(packed_data):
-    keys = np.arange(min(64, packed_data.packed.num_samples))
+    keys = np.arange(min(64, packed_data.sources[0].packed.num_samples))
     inputs = torch.from_numpy(packed_data.windows(keys, SEQ)[:, :-1].astype(np.int64))
-    positions = document_positions(inputs, packed_data.store.eos_id)
+    positions = document_positions(inputs, packed_data.stores[0].eos_id)
     for r, key in enumerate(keys.tolist()):
         col = 0
-        for _doc, _start, length in packed_data.packed.sample(key).tolist():
+        for _doc, _start, length in packed_data.sources[0].packed.sample(key).tolist():
             assert positions[r, col : col + length].tolist() == list(range(length))
             col += length
         assert (positions[r, col:] == 0).all()  # each padding token: a document of one
@@ -127,7 +128,7 @@ def test_the_loader_delivers_the_same_packed_batches_at_any_dp_degree(packed_dat
     with loader:
         assert loader.config.packing == "best_fit"
         assert PACKING_FIELD in loader.config.to_dict()
-        assert loader.config.num_samples == packed_data.packed.num_samples
+        assert loader.config.num_samples == packed_data.sources[0].packed.num_samples
 
 
 def test_a_torchft_step_weighs_by_the_labels_of_all_of_its_global_batch(packed_data):
@@ -162,13 +163,13 @@ def test_show_and_where_of_a_packing_run_name_packed_samples(
     common = ["--store", str(store_path), "--json"]
     assert main(["show", str(run), "--step", "5", *common]) == 0
     step = json.loads(capsys.readouterr().out)
-    plan = DataPlan(packed_data.packed.num_samples, 3, BatchSchedule([(1, 4)]))
+    plan = DataPlan(packed_data.sources[0].packed.num_samples, 3, BatchSchedule([(1, 4)]))
     assert [s["sample"] for s in step["samples"]] == plan.global_ids(5).tolist()
     for s in step["samples"]:
-        assert s["documents"] == packed_data.documents(s["sample"])
+        assert s["documents"] == packed_data.sources[0].documents(s["sample"])
         assert sum(d["stop"] - d["start"] for d in s["documents"]) + s["padding"] == SEQ
     doc = step["samples"][1]["documents"][0]["document"]
-    holding = packed_data.samples_of_document(doc).tolist()
+    holding = packed_data.sources[0].samples_of_document(doc).tolist()
     assert step["samples"][1]["sample"] in holding
     assert main(["where", str(run), "--doc", str(doc), "--epochs", "0:0", *common]) == 0
     hits = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
@@ -185,17 +186,19 @@ def test_the_accounting_counts_the_documents_and_padding_of_a_packed_step(packed
 
     from torchtitan_zephon.titan.components.accounting import StepAccounting
 
-    plan = DataPlan(packed_data.packed.num_samples, 3, BatchSchedule([(1, 4)]))
+    plan = DataPlan(packed_data.sources[0].packed.num_samples, 3, BatchSchedule([(1, 4)]))
     written: dict[int, dict[str, float]] = {}
     acc = StepAccounting(plan=lambda: plan, data=packed_data, seq_len=SEQ,
                          sink=lambda m, s: written.__setitem__(s, m),
                          should_log=lambda s: True, writes_log=True)  # fmt: skip
     caplog.set_level(logging.INFO)
     for step in range(1, 60):
-        samples = [packed_data.packed.sample(key).tolist() for key in plan.global_ids(step)]
+        samples = [
+            packed_data.sources[0].packed.sample(key).tolist() for key in plan.global_ids(step)
+        ]
         want = sum(1 for sample in samples for _doc, start, _n in sample if start == 0)
         padding = sum(SEQ - sum(n for _doc, _start, n in sample) for sample in samples)
-        assert acc._documents(plan, step).tolist() == [want]
+        assert acc._counts(plan, step)[0].tolist() == [want]
         acc.record(step)
         acc.ready(step)
         assert written[step]["zephon/source/store/documents_started"] == want

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from tests.test_job import SEQ, W1, mixture_text, slices  # noqa: F401 - the fixture
 from tests.test_packed_data import dense
-from torchtitan_zephon.job.data import MixtureData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.loader import ZephonLoader
-from torchtitan_zephon.job.packed import IGNORE_INDEX, PackedStoreData
-from torchtitan_zephon.job.packed_mixture import PackedMixtureData
+from torchtitan_zephon.job.packed import PackedSource
+from torchtitan_zephon.job.source import IGNORE_INDEX
 from torchtitan_zephon.order.data_config import MIXTURE_FIELD, PACKING_FIELD
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
@@ -26,18 +26,20 @@ SCHEDULE = BatchSchedule([(1, 12)])
 
 
 @pytest.fixture(scope="module")
-def packed_mixture(slices, tmp_path_factory) -> PackedMixtureData:  # noqa: F811
+def packed_mixture(slices, tmp_path_factory) -> JobData:  # noqa: F811
     config = MixtureConfig.loads(mixture_text(slices, W1))
     cache = str(tmp_path_factory.mktemp("cache"))
     lines: list[str] = []
-    data = PackedMixtureData.open(config, SEQ, default_heldout=3, cache_dir=cache, log=lines.append)
+    data = JobData.open_mixture(
+        config, SEQ, packing="best_fit", default_heldout=3, cache_dir=cache, log=lines.append
+    )
     assert [line.split(":")[0] for line in lines if "packed samples" in line] == [
         "mixture source 'code'", "mixture source 'math'", "mixture source 'web'",
     ]  # fmt: skip
     return data
 
 
-def _keys(data: PackedMixtureData, draw) -> np.ndarray:
+def _keys(data: JobData, draw) -> np.ndarray:
     keys = []
     for _ in range(draw(st.integers(1, 8))):
         i = draw(st.integers(0, len(data.sources) - 1))
@@ -49,7 +51,7 @@ def _keys(data: PackedMixtureData, draw) -> np.ndarray:
 @given(st.data())
 def test_a_key_names_its_sources_packed_sample(packed_mixture, data) -> None:
     keys = _keys(packed_mixture, data.draw)
-    rows, ignored = packed_mixture.packed_rows(keys, SEQ)
+    rows, ignored = packed_mixture.rows(keys, SEQ)
     ignored = dense(ignored, keys, SEQ)
     assert np.array_equal(rows, packed_mixture.windows(keys, SEQ))
     assert np.array_equal(ignored, packed_mixture.ignored(keys, SEQ))
@@ -57,7 +59,7 @@ def test_a_key_names_its_sources_packed_sample(packed_mixture, data) -> None:
     for r, key in enumerate(keys.tolist()):
         source = packed_mixture.sources[key >> SOURCE_SHIFT]
         one = np.array([key & ((1 << SOURCE_SHIFT) - 1)])
-        want_rows, want_ignored = source.packed_rows(one, SEQ)
+        want_rows, want_ignored = source.rows(one, SEQ)
         want_ignored = dense(want_ignored, one, SEQ)
         assert np.array_equal(rows[r], want_rows[0]) and np.array_equal(ignored[r], want_ignored[0])
         started[key >> SOURCE_SHIFT] += source.documents_started(one)
@@ -69,22 +71,25 @@ def test_each_source_counts_its_packed_samples_and_the_config_binds_packing(
     packed_mixture,
     slices,  # noqa: F811
 ) -> None:
-    for s, data in zip(packed_mixture.spec.sources, packed_mixture.sources, strict=True):
-        assert isinstance(data, PackedStoreData)
-        assert s.num_samples + s.heldout_samples == data.packed.num_samples
-        assert (s.heldout_samples, data.num_samples) == (3, s.num_samples)
+    for s, data in zip(packed_mixture.mixture.sources, packed_mixture.sources, strict=True):
+        assert isinstance(data, PackedSource)
+        assert s.num_samples + s.heldout_samples == data.packed.num_samples == data.available
+        assert s.heldout_samples == 3
     config = packed_mixture.data_config(seed=5, schedule=SCHEDULE)
     assert config.packing == "best_fit" and PACKING_FIELD in config.to_dict()
-    unpacked = MixtureData.open(MixtureConfig.loads(mixture_text(slices, W1)), SEQ,
+    unpacked = JobData.open_mixture(MixtureConfig.loads(mixture_text(slices, W1)), SEQ,
                                 default_heldout=3).data_config(seed=5, schedule=SCHEDULE)  # fmt: skip
     assert PACKING_FIELD not in unpacked.to_dict()
     assert config.fingerprint != unpacked.fingerprint
     assert config.to_dict()[MIXTURE_FIELD] != unpacked.to_dict()[MIXTURE_FIELD]  # the counts
     parts = packed_mixture.heldout()
-    assert [(h.name, h.store, h.first, h.count) for h in parts] == [
+    assert [(h.name, h.source, h.first, h.count) for h in parts] == [
         (name, data, s.num_samples, 3)
         for name, s, data in zip(
-            packed_mixture.names, packed_mixture.spec.sources, packed_mixture.sources, strict=True
+            packed_mixture.names,
+            packed_mixture.mixture.sources,
+            packed_mixture.sources,
+            strict=True,
         )
     ]
 
@@ -119,7 +124,7 @@ def test_the_loader_delivers_the_same_packed_mixture_batches_at_any_dp_degree(
     with loader:
         for step, (inputs, labels) in enumerate(one, start=1):
             keys = loader.plan.global_ids(step)
-            rows, ignored = packed_mixture.packed_rows(keys, SEQ)
+            rows, ignored = packed_mixture.rows(keys, SEQ)
             ignored = dense(ignored, keys, SEQ)
             assert inputs.tolist() == rows[:, :-1].astype(np.int64).tolist()
             want = torch.from_numpy(rows[:, 1:].astype(np.int64))
@@ -143,7 +148,7 @@ def test_the_accounting_counts_documents_per_source(packed_mixture) -> None:
             sample = source.packed.sample(key & ((1 << SOURCE_SHIFT) - 1)).tolist()
             want[key >> SOURCE_SHIFT] += sum(1 for _doc, start, _n in sample if start == 0)
             padding[key >> SOURCE_SHIFT] += SEQ - sum(n for _doc, _start, n in sample)
-        assert acc._documents(plan, step).tolist() == want
+        assert acc._counts(plan, step)[0].tolist() == want
         acc.record(step)
         acc.ready(step)
         for i, name in enumerate(packed_mixture.names):

@@ -100,8 +100,8 @@ def test_plan_of_a_packed_mixture_prints_each_sources_packed_sample_ids(
     store, cache, tmp_path, capsys
 ):
     """``zephon plan --mixture FILE --packing best_fit``: each source packs its own
-    documents; the keys printed are the trainer's (``PackedMixtureData``'s plan)."""
-    from torchtitan_zephon.job.packed_mixture import PackedMixtureData
+    documents; the keys printed are the trainer's (the packed ``JobData``'s plan)."""
+    from torchtitan_zephon.job.data import JobData
     from torchtitan_zephon.order.mixture.config import MixtureConfig
     from torchtitan_zephon.store.writer import slice_store
 
@@ -120,7 +120,9 @@ def test_plan_of_a_packed_mixture_prints_each_sources_packed_sample_ids(
     assert "mixture source 'a': packing best_fit:" in out.err
     assert "mixture source 'b': packing best_fit:" in out.err
     lines = [json.loads(x) for x in out.out.splitlines()]
-    data = PackedMixtureData.open(MixtureConfig.load(str(mixture)), 16, default_heldout=2)
+    data = JobData.open_mixture(
+        MixtureConfig.load(str(mixture)), 16, packing="best_fit", default_heldout=2
+    )
     plan = data.plan(data.data_config(seed=3, schedule=BatchSchedule.parse("8")))
     for x in lines:
         names, ids = plan.decode(plan.global_ids(x["step"]))

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from torchtitan_zephon.job.data import StoreData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.run_data import (
     RUN_DATA,
     read_run_data,
@@ -23,7 +23,7 @@ from torchtitan_zephon.order.layout import BatchSchedule
 
 
 def test_a_job_records_its_store_tokenizer_and_data_config(tmp_path: Path, store, store_path):
-    data = StoreData(store, 8)
+    data = JobData.of_store(store, 8)
     config = data.data_config(seed=3, schedule=BatchSchedule.parse("4"))
     zephon = SimpleNamespace(store="given/path", mixture="", exclude="")
     path = record_job(tmp_path / "run", zephon, tokenizer="tok", checkpoint_folder="ck",

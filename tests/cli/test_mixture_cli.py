@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.job.data import MixtureData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
@@ -34,7 +34,7 @@ def mixture_file(store, tmp_path_factory) -> Path:
 
 
 def plan_of(path: Path, gbs: str = "1:10,4:20"):
-    source = MixtureData.open(MixtureConfig.load(path), 8, default_heldout=2)
+    source = JobData.open_mixture(MixtureConfig.load(path), 8, default_heldout=2)
     return source, source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse(gbs)))
 
 
@@ -80,7 +80,7 @@ def test_plan_warns_when_a_step_cannot_stay_within_one_sample(store, tmp_path, c
     assert main([*args, "--global-batch-size", "5", "--steps", "1:6", "--json"]) == 0
     out = capsys.readouterr()
     assert len(out.out.splitlines()) == 6
-    source = MixtureData.open(MixtureConfig.load(tmp_path / "mix.toml"), 8)
+    source = JobData.open_mixture(MixtureConfig.load(tmp_path / "mix.toml"), 8)
     plan = source.plan(source.data_config(seed=0, schedule=BatchSchedule.parse("5")))
     worst, who, step = plan.mixture.deviation_report()
     assert worst > 1

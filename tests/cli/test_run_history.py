@@ -13,8 +13,7 @@ import numpy as np
 
 from tests.cli.test_show import show
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.job.data import StoreData
-from torchtitan_zephon.job.packed import PackedStoreData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.packing import open_packing
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.tracker import LOG_NAME
@@ -65,9 +64,9 @@ def _hits(data, seed: int, doc: int, steps: range) -> list[tuple[int, int]]:
 
 
 def _documents(data, sid: int) -> list[dict]:
-    if isinstance(data, PackedStoreData):
-        return data.documents(sid)
-    offsets = np.asarray(data.store.doc_offsets)
+    if data.packing != "none":
+        return data.sources[0].documents(sid)
+    offsets = np.asarray(data.stores[0].doc_offsets)
     start, stop = sid * SEQ, (sid + 1) * SEQ
     first = int(np.searchsorted(offsets, start, side="right")) - 1
     last = int(np.searchsorted(offsets, stop - 1, side="right")) - 1
@@ -77,7 +76,7 @@ def _documents(data, sid: int) -> list[dict]:
 def test_steps_before_an_accepted_seed_change_are_shown_under_their_seed(
     store_path, store, tmp_path, capsys
 ):
-    source = StoreData(store, SEQ)
+    source = JobData.of_store(store, SEQ)
     run = _run(tmp_path / "run", store_path, [(source, 0, 0, 6), (source, 3, 4, 6)])
     for step, seed in ((3, 0), (4, 0), (5, 3), (6, 3), (9, 3)):
         plan = source.plan(source.data_config(seed=seed, schedule=BatchSchedule.parse("4")))
@@ -96,8 +95,8 @@ def test_steps_before_packing_was_turned_on_are_shown_as_windows(
     store_path, store, tmp_path, capsys, monkeypatch
 ):
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
-    windows = StoreData(store, SEQ)
-    packed = PackedStoreData(store, open_packing(store, SEQ)[0])
+    windows = JobData.of_store(store, SEQ)
+    packed = JobData.of_store(store, SEQ, packed=open_packing(store, SEQ)[0])
     run = _run(tmp_path / "run", store_path, [(windows, 0, 0, 4), (packed, 0, 2, 4)])
     for step, data in ((1, windows), (2, windows), (3, packed), (4, packed)):
         plan = data.plan(data.data_config(seed=0, schedule=BatchSchedule.parse("4")))
@@ -107,7 +106,7 @@ def test_steps_before_packing_was_turned_on_are_shown_as_windows(
 
 
 def test_a_step_whose_ids_do_not_match_its_log_record_says_so(store_path, store, tmp_path, capsys):
-    source = StoreData(store, SEQ)
+    source = JobData.of_store(store, SEQ)
     run = _run(tmp_path / "run", store_path, [(source, 0, 0, 3)])
     log = run / "zephon" / LOG_NAME
     lines = log.read_text().splitlines()
@@ -128,7 +127,7 @@ def test_inspect_says_a_run_packs(store_path, store, tmp_path, capsys, monkeypat
     from torchtitan_zephon.order.state import DataState
 
     monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
-    packed = PackedStoreData(store, open_packing(store, SEQ)[0])
+    packed = JobData.of_store(store, SEQ, packed=open_packing(store, SEQ)[0])
     run = _run(tmp_path / "run", store_path, [(packed, 0, 0, 2)])
     assert main(["inspect", str(run)]) == 0
     out = capsys.readouterr().out
@@ -137,7 +136,7 @@ def test_inspect_says_a_run_packs(store_path, store, tmp_path, capsys, monkeypat
     config = packed.data_config(seed=0, schedule=BatchSchedule.parse("4"))
     info["data_state"] = DataState(config, 3, 8).to_dict()
     assert "  packing:            best_fit (a sample is whole documents" in format_run(info)
-    windows = _run(tmp_path / "windows", store_path, [(StoreData(store, SEQ), 0, 0, 2)])
+    windows = _run(tmp_path / "windows", store_path, [(JobData.of_store(store, SEQ), 0, 0, 2)])
     assert main(["inspect", str(windows)]) == 0
     assert "packing: none (a sample is a fixed window" in capsys.readouterr().out
 
@@ -149,7 +148,7 @@ def test_show_and_where_name_the_replica_group_that_trained_each_sample(
     trained)', though this group trained one part. This group (replica_id 0) trained
     part 1 of 2 from step 1 (group 1 part 0); it healed at step 3 and received steps
     4..5 from its peer: those name no group."""
-    source = StoreData(store, SEQ)
+    source = JobData.of_store(store, SEQ)
     config = source.data_config(seed=0, schedule=BatchSchedule.parse("4"))
     plan = source.plan(config)
     run = tmp_path / "run"

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.job.data import MixtureData, StoreData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.skips import SkipSteps
@@ -105,7 +105,7 @@ def test_text_output_and_the_help_states_the_default(store_path, tokenizer_dir, 
 def test_a_run_knows_its_config_its_skips_and_what_it_trained(
     store_path, store, tokenizer_dir, tmp_path, capsys
 ):
-    source = StoreData(store, 8, num_samples=store.num_samples(8) - 5)
+    source = JobData.of_store(store, 8, num_samples=store.num_samples(8) - 5)
     run = write_run(tmp_path / "run", source, skips="2:3", trained=3,
                     saved={"hf_assets_path": str(tokenizer_dir), "zephon": {"store": str(store_path)}})  # fmt: skip
     plan = DataPlan(store.num_samples(8) - 5, 3, BatchSchedule([(1, 4)]), skips=SkipSteps([(2, 3)]))
@@ -164,7 +164,7 @@ def test_a_mixture_step_names_each_samples_source(mixture_file, capsys):
         "--seed",
         "3",
     ]
-    source = MixtureData.open(MixtureConfig.load(mixture_file), 8)
+    source = JobData.open_mixture(MixtureConfig.load(mixture_file), 8)
     plan = source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse("10")))
     for step in (1, 4):
         info = show(capsys, *args, "--step", str(step))
@@ -207,7 +207,7 @@ def test_bad_steps_ranks_and_samples_are_one_line_errors(store_path, capsys, ext
 def test_missing_flags_and_a_run_with_data_flags_are_refused(store_path, store, tmp_path, capsys):
     assert main(["show", str(store_path), "--step", "1"]) == 2
     assert "needs --seq-len, --global-batch-size, --seed" in capsys.readouterr().err
-    run = write_run(tmp_path / "run", StoreData(store, 8))
+    run = write_run(tmp_path / "run", JobData.of_store(store, 8))
     assert main(["show", str(run), "--step", "1", "--seed", "4"]) == 2
     assert "is a run folder: its sequence log's data config decides" in capsys.readouterr().err
     assert main(["show", str(tmp_path / "nothing"), *BASE, "--step", "1"]) == 2
@@ -217,7 +217,7 @@ def test_missing_flags_and_a_run_with_data_flags_are_refused(store_path, store, 
 def test_a_mixture_run_finds_its_sources_from_the_saved_mixture_file(
     mixture_file, tmp_path, tokenizer_dir, capsys
 ):
-    source = MixtureData.open(MixtureConfig.load(mixture_file), 8)
+    source = JobData.open_mixture(MixtureConfig.load(mixture_file), 8)
     saved = {"hf_assets_path": str(tokenizer_dir), "zephon": {"mixture": str(mixture_file)}}
     run = write_run(tmp_path / "run", source, gbs="10", skips="2:1", trained=2, saved=saved)
     plan = source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse("10"),
@@ -245,7 +245,7 @@ def test_a_mixture_run_finds_its_sources_from_the_saved_mixture_file(
 def test_trained_steps_end_where_the_effective_history_ends(store_path, store, tmp_path, capsys):
     from torchtitan_zephon.run import recorded as runs
 
-    source = StoreData(store, 8)
+    source = JobData.of_store(store, 8)
     run = write_run(
         tmp_path / "run", source, trained=5, saved={"zephon": {"store": str(store_path)}}
     )
@@ -267,7 +267,7 @@ def test_a_resume_that_accepted_a_schedule_change_anchors_the_plan(
 ):
     from torchtitan_zephon.run import recorded as runs
 
-    source = StoreData(store, 8)
+    source = JobData.of_store(store, 8)
     run = write_run(
         tmp_path / "run", source, gbs="4", trained=4, saved={"zephon": {"store": str(store_path)}}
     )
@@ -315,7 +315,7 @@ def test_show_and_where_on_a_run_that_leaves_samples_out(store_path, store, tmp_
     gone = plain.global_ids(3)[:2].tolist()  # what step 3 would train
     left = tmp_path / "left.jsonl"
     left.write_text(json.dumps({"ids": gone, "from_step": 3}) + "\n")
-    source = StoreData(store, 8)
+    source = JobData.of_store(store, 8)
     source.leave_out(Exclusions.load(str(left)))
     plan = source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse("4")))
     zephon = {"store": str(store_path), "exclude": str(left)}
@@ -342,7 +342,7 @@ def test_show_and_where_on_a_run_that_leaves_samples_out(store_path, store, tmp_
     other.write_text(json.dumps({"ids": gone[:1], "from_step": 3}) + "\n")
     moved = write_run(tmp_path / "moved", source, trained=5,
                       saved={"zephon": {"exclude": str(tmp_path / "gone.jsonl")}})  # fmt: skip
-    plain_run = write_run(tmp_path / "plain", StoreData(store, 8), trained=2)
+    plain_run = write_run(tmp_path / "plain", JobData.of_store(store, 8), trained=2)
     before = {r: _folder(r) for r in (run, bare, moved, plain_run)}
     for target, extra, fragments in [
         (bare, [], ["leaves samples out (from step 3, 2 ids (sha256",
@@ -392,7 +392,7 @@ def test_a_store_or_mixture_takes_exclude_as_plan_does(store_path, store, mixtur
     args = ["--mixture", str(mixture_file), "--seq-len", "8", "--global-batch-size", "10",
             "--seed", "3"]  # fmt: skip
     info = show(capsys, *args, "--step", "2", "--exclude", str(mixed))
-    source = MixtureData.open(MixtureConfig.load(mixture_file), 8)
+    source = JobData.open_mixture(MixtureConfig.load(mixture_file), 8)
     source.leave_out(Exclusions.load(str(mixed)))
     want = source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse("10")))
     names, ids = want.decode(want.global_ids(2))
@@ -410,7 +410,7 @@ def test_each_step_is_shown_at_the_dp_degree_it_was_trained_at(store_path, store
     from torchtitan_zephon.cli.where import where
     from torchtitan_zephon.run import recorded as runs
 
-    source = StoreData(store, 8)
+    source = JobData.of_store(store, 8)
     run = write_run(tmp_path / "run", source, trained=4, dp_degree=2,
                     saved={"zephon": {"store": str(store_path)}})  # fmt: skip
     config = source.data_config(seed=3, schedule=BatchSchedule.parse("4"))
@@ -461,7 +461,7 @@ def test_the_run_folder_alone_finds_the_runs_store_and_tokenizer(
 
     from torchtitan_zephon.job.run_data import record_job
 
-    source = StoreData(store, 8)
+    source = JobData.of_store(store, 8)
     run = write_run(tmp_path / "run", source, trained=2)
     config = source.data_config(seed=3, schedule=BatchSchedule.parse("4"))
     assert main(["show", str(run), "--step", "1"]) == 0
@@ -489,9 +489,9 @@ def test_a_step_has_slots_and_each_sample_the_position_where_names(
     sample's position is its index in its source's stream, the stream_position `where`
     gives for it (past the skip)."""
     if kind == "store":
-        source, saved = StoreData(store, 8), {"zephon": {"store": str(store_path)}}
+        source, saved = JobData.of_store(store, 8), {"zephon": {"store": str(store_path)}}
     else:
-        source = MixtureData.open(MixtureConfig.load(mixture_file), 8)
+        source = JobData.open_mixture(MixtureConfig.load(mixture_file), 8)
         saved = {"zephon": {"mixture": str(mixture_file)}}
     run = write_run(tmp_path / "run", source, skips="3:2", trained=4, saved=saved)
     info = show(capsys, str(run), "--step", "3")

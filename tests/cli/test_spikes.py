@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from tests.cli.test_show import write_run
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.cli.spikes import MIN_WINDOW, ROLLBACK_MARGIN, find_spikes, rollback
-from torchtitan_zephon.job.data import StoreData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.run.recorded import LOSS_TAG
 
@@ -135,7 +135,7 @@ def test_a_spike_inside_a_trained_skip_range_gets_the_left_out_list_of_its_sampl
     zephon.exclude file whose ids are step 45's."""
     run = write_run(
         tmp_path / "run",
-        StoreData(store, 8),
+        JobData.of_store(store, 8),
         skips="31:30",
         trained=60,
         saved={"zephon": {"store": str(store_path)}},
@@ -162,7 +162,7 @@ def test_spikes_on_a_run_lists_the_spike_its_data_and_the_rollback(
 ):
     run = write_run(
         tmp_path / "run",
-        StoreData(store, 8),
+        JobData.of_store(store, 8),
         trained=60,
         saved={"zephon": {"store": str(store_path)}},
     )
@@ -219,7 +219,7 @@ def test_spikes_of_a_run_that_leaves_samples_out_shows_the_step_without_them(
 
     left = tmp_path / "left.jsonl"
     left.write_text(json.dumps({"ids": list(range(0, 400, 3)), "from_step": 20}) + "\n")
-    source = StoreData(store, 8)
+    source = JobData.of_store(store, 8)
     source.leave_out(Exclusions.load(str(left)))
     plan = source.plan(source.data_config(seed=3, schedule=BatchSchedule.parse("4")))
     run = write_run(tmp_path / "run", source, trained=60, saved={"zephon": {"store": str(store_path)}})  # fmt: skip
@@ -240,7 +240,7 @@ def test_a_spike_the_weight_schedule_put_there_gets_a_weight_entry_not_a_skip(
     """All samples of the spike step come from the source whose weight just rose (issue
     28, item 4): a skip would leave that source there; spikes says so and suggests the
     weight entry that takes it out, which does."""
-    from torchtitan_zephon.job.data import MixtureData
+    from torchtitan_zephon.job.data import JobData
     from torchtitan_zephon.order.layout import BatchSchedule
     from torchtitan_zephon.order.mixture.config import MixtureConfig
     from torchtitan_zephon.store.writer import slice_store
@@ -252,7 +252,7 @@ def test_a_spike_the_weight_schedule_put_there_gets_a_weight_entry_not_a_skip(
     mix = root / "mix.toml"
     mix.write_text(head + "[[schedule]]\nfrom_step = 1\nweights = { web = 0.75, code = 0.25 }\n"
                    "[[schedule]]\nfrom_step = 30\nweights = { web = 0, code = 1 }\n")  # fmt: skip
-    source = MixtureData.open(MixtureConfig.load(mix), 8)
+    source = JobData.open_mixture(MixtureConfig.load(mix), 8)
     run = write_run(tmp_path / "run", source, trained=45,
                     saved={"zephon": {"mixture": str(mix)}})  # fmt: skip
     write_events(run, curve(45, 40))
@@ -281,7 +281,7 @@ def test_a_spike_the_weight_schedule_put_there_gets_a_weight_entry_not_a_skip(
     mix.write_text(head + "[[schedule]]\nfrom_step = 1\nweights = { web = 0.75, code = 0.25 }\n"
                    "[[schedule]]\nfrom_step = 30\nweights = { web = 0, code = 1 }\n"
                    "[[schedule]]\nfrom_step = 36\nweights = { code = 1, web = 3 }\n")  # fmt: skip
-    fixed = MixtureData.open(MixtureConfig.load(mix), 8)
+    fixed = JobData.open_mixture(MixtureConfig.load(mix), 8)
     plan = fixed.plan(fixed.data_config(seed=3, schedule=BatchSchedule.parse("4")))
     names, _ = plan.decode(plan.global_ids(40))
     assert set(names) != {"code"} and "web" in names

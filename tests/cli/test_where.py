@@ -14,7 +14,7 @@ from tests.cli.test_show import mixture_file, write_run  # noqa: F401 - a fixtur
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.cli.step_data import StepData
 from torchtitan_zephon.cli.where import where
-from torchtitan_zephon.job.data import MixtureData, StoreData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
@@ -39,7 +39,7 @@ def step_data(
     if isinstance(plan, MixtureStream):
         stores, names = list(source.stores), list(source.names)
     else:
-        stores, names = [source.store], [""]
+        stores, names = source.stores, [""]
     return StepData("test", plan, config, names, stores, None, SEQ, trained_last=trained)
 
 
@@ -97,7 +97,7 @@ def test_where_agrees_with_plan_for_one_store(store, seed, gbs, skips, doc, dp, 
     n = store.num_samples(SEQ) - 3
     exclude = data.draw(left_out_entries(sorted(doc_samples(store, doc, 0, n)) + [0, n - 1]))
     data = step_data(
-        StoreData(store, SEQ, num_samples=n), seed=seed, gbs=gbs, skips=skips, trained=trained,
+        JobData.of_store(store, SEQ, num_samples=n), seed=seed, gbs=gbs, skips=skips, trained=trained,
         exclude=exclude,
     )  # fmt: skip
     expected, stop = scan(data, store, doc, 0, 0, n, dp)
@@ -153,9 +153,9 @@ def check_left_out(hits, exclude) -> None:
     data=st.data(),
 )
 def test_where_agrees_with_plan_for_a_mixture(mixture_file, seed, gbs, skips, name, doc, data):  # noqa: F811
-    source = MixtureData.open(MixtureConfig.load(mixture_file), SEQ)
+    source = JobData.open_mixture(MixtureConfig.load(mixture_file), SEQ)
     i = source.names.index(name)
-    store, n = source.stores[i], int(source.spec.sources[i].num_samples)
+    store, n = source.stores[i], int(source.mixture.sources[i].num_samples)
     doc = doc % store.num_documents
     exclude = data.draw(left_out_entries(sorted(doc_samples(store, doc, 0, n)) + [0], name))
     data = step_data(source, seed=seed, gbs=gbs, skips=skips, exclude=exclude)
@@ -169,7 +169,7 @@ def test_where_agrees_with_plan_for_a_mixture(mixture_file, seed, gbs, skips, na
 
 
 def test_where_cli_on_a_run_with_a_skip(store_path, store, tmp_path, capsys):
-    source = StoreData(store, SEQ)
+    source = JobData.of_store(store, SEQ)
     run = write_run(tmp_path / "run", source, skips="2:3", trained=40,
                     saved={"zephon": {"store": str(store_path)}})  # fmt: skip
     assert main(["where", str(run), "--doc", "5", "--json"]) == 0

@@ -161,7 +161,7 @@ def test_order_key_ignores_the_schedule_only():
 
 
 def mixture_config(entries, sizes=None, *, step=None, **kw) -> DataConfig:
-    """A mixture's data config (as MixtureData.data_config makes it)."""
+    """A mixture's data config (as JobData.data_config makes it)."""
     from torchtitan_zephon.job.data import mixture_store_fingerprint
     from torchtitan_zephon.order.mixture.spec import MixtureSpec
 

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import copy_store
 from tests.test_packed_data import dense
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.loader import ZephonLoader
-from torchtitan_zephon.job.packed import PackedStoreData
-from torchtitan_zephon.job.packed_mixture import PackedMixtureData
+from torchtitan_zephon.job.packed import PackedSource
 from torchtitan_zephon.job.packing import index_folder, open_packing
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
@@ -66,11 +66,11 @@ def caches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return {k: str(tmp_path_factory.mktemp(f"index-{k}")) for k in ("local", "remote")}
 
 
-_OPEN: dict[tuple, PackedStoreData] = {}
+_OPEN: dict[tuple, PackedSource] = {}
 
 
-def _packed(source, seq_len: int, cache: str, node_cache: str | None = None) -> PackedStoreData:
-    """PackedStoreData of a store (a local path or a URL; ``node_cache``: with a node cache
+def _packed(source, seq_len: int, cache: str, node_cache: str | None = None) -> PackedSource:
+    """PackedSource of a store (a local path or a URL; ``node_cache``: with a node cache
     in that folder), its index in ``cache``; kept for the module (fetches are counted)."""
     key = (str(source), seq_len, cache, node_cache)
     if key not in _OPEN:
@@ -81,7 +81,7 @@ def _packed(source, seq_len: int, cache: str, node_cache: str | None = None) -> 
         else:
             options = RemoteOptions(cache_bytes=1 << 20, cache_dir=node_cache)
             store = RemoteTokenStore.open_url(parse_url(source), options=options)
-        _OPEN[key] = PackedStoreData(store, open_packing(store, seq_len, cache_dir=cache)[0])
+        _OPEN[key] = PackedSource(store, open_packing(store, seq_len, cache_dir=cache)[0])
     return _OPEN[key]
 
 
@@ -129,7 +129,7 @@ def test_packed_rows_from_a_bucket_equal_the_local_ones(
     rows, ignored = local.windows(keys, seq_len), local.ignored(keys, seq_len)
     assert np.array_equal(remote.windows(keys, seq_len), rows)
     assert np.array_equal(remote.ignored(keys, seq_len), ignored)
-    got, unlabelled = remote.packed_rows(keys, seq_len)
+    got, unlabelled = remote.rows(keys, seq_len)
     assert np.array_equal(got, rows) and np.array_equal(dense(unlabelled, keys, seq_len), ignored)
     assert remote.labelled_tokens(keys) == local.labelled_tokens(keys)
 
@@ -140,7 +140,7 @@ def test_a_step_read_ahead_is_served_without_a_request(urls, fine_store, caches)
     seq_len = 64
     local = _packed(fine_store, seq_len, caches["local"])
     store = TokenStore.open(urls["fine"])
-    remote = PackedStoreData(store, open_packing(store, seq_len, cache_dir=caches["remote"])[0])
+    remote = PackedSource(store, open_packing(store, seq_len, cache_dir=caches["remote"])[0])
     assert remote.read_ahead_steps() == store.read_ahead_steps > 0
     assert local.read_ahead_steps() == 0
     steps = [np.array([5, 1, 30]), np.array([2, 31, 9, 17])]
@@ -154,8 +154,8 @@ def test_a_step_read_ahead_is_served_without_a_request(urls, fine_store, caches)
     assert held > 0
     before, requests = store.fetched_bytes, store.requests
     for keys in steps:
-        rows, unlabelled = remote.packed_rows(keys, seq_len)
-        want, _ = local.packed_rows(keys, seq_len)
+        rows, unlabelled = remote.rows(keys, seq_len)
+        want, _ = local.rows(keys, seq_len)
         assert np.array_equal(rows, want)
     assert (store.fetched_bytes, store.requests) == (before, requests)
     assert remote._remote.held_bytes == 0 and not remote._remote._steps
@@ -176,11 +176,11 @@ def test_the_loader_on_a_bucket_gives_the_local_batches_across_a_resume(
     seq_len, gbs = 16, 12
     local = _packed(blocked_store, seq_len, caches["local"])
     store = TokenStore.open(urls["blocked"])
-    remote = PackedStoreData(store, open_packing(store, seq_len, cache_dir=caches["remote"])[0])
+    remote = PackedSource(store, open_packing(store, seq_len, cache_dir=caches["remote"])[0])
 
     def loader(data, r):
         return ZephonLoader(
-            data, seq_len=seq_len, seed=3, schedule=BatchSchedule([(1, gbs)]), dp_rank=r,
+            JobData([data], seq_len), seq_len=seq_len, seed=3, schedule=BatchSchedule([(1, gbs)]), dp_rank=r,
             dp_degree=d, local_batch_size=b, num_workers=workers,
         )  # fmt: skip
 
@@ -228,14 +228,18 @@ def test_a_mixture_with_a_source_in_a_bucket_packs_as_on_local_disk(
     (never windows: the store's own read-ahead of windows stays empty)."""
     seq_len, d, b = 16, 2, 2
 
-    def mixture(web: str) -> PackedMixtureData:
+    def mixture(web: str) -> JobData:
         text = (
             f'[[source]]\nname = "code"\nstore = "{fine_store}"\n'
             f'[[source]]\nname = "web"\nstore = "{web}"\n'
             "[[schedule]]\nfrom_step = 1\nweights = { web = 0.6, code = 0.4 }\n"
         )
-        return PackedMixtureData.open(
-            MixtureConfig.loads(text), seq_len, default_heldout=2, cache_dir=caches["remote"]
+        return JobData.open_mixture(
+            MixtureConfig.loads(text),
+            seq_len,
+            packing="best_fit",
+            default_heldout=2,
+            cache_dir=caches["remote"],
         )
 
     local, remote = mixture(str(blocked_store)), mixture(urls["blocked"])

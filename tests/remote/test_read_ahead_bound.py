@@ -14,8 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.job.data import StoreData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.loader import ZephonLoader
+from torchtitan_zephon.job.source import WindowSource
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.reader import TokenStore
@@ -23,11 +24,11 @@ from torchtitan_zephon.store.upgrade import add_block_checksums
 from torchtitan_zephon.store.writer import write_derived_store
 
 
-class Recorded(StoreData):
+class Recorded(JobData):
     """A local store's job data that records what the loader announces and reads."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, store: TokenStore, seq_len: int) -> None:
+        super().__init__([WindowSource(store, seq_len)], seq_len)
         self.announced: list[np.ndarray] = []
         self.read: list[np.ndarray] = []
         self.events: list[str] = []  # "announce" / "read", in order
@@ -41,17 +42,17 @@ class Recorded(StoreData):
     def drop_read_ahead(self) -> None:
         pass
 
-    def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
+    def rows(self, keys: np.ndarray, seq_len: int) -> tuple[np.ndarray, None]:
         with self._lock:
             self.read.append(np.asarray(keys).copy())
             self.events.append("read")
-        return super().windows(keys, seq_len)
+        return super().rows(keys, seq_len)
 
 
 def _loader(source, *, d: int, r: int, b: int, gbs: int, **kw) -> ZephonLoader:
     return ZephonLoader(
         source,
-        seq_len=source.seq_len if isinstance(source, StoreData) else kw.pop("seq_len"),
+        seq_len=source.seq_len if isinstance(source, JobData) else kw.pop("seq_len"),
         seed=5,
         schedule=BatchSchedule.parse(f"1:{gbs}"),
         dp_rank=r,
@@ -86,7 +87,7 @@ def test_nothing_past_the_last_step_is_read_ahead(
     kw = dict(d=d, r=r, b=b, gbs=gbs, num_workers=workers, prefetch=prefetch)
     source = Recorded(store, seq)
     bounded = _loader(source, read_ahead_steps=read_ahead, last_step=last_step, **kw)
-    free = _loader(StoreData(store, seq), **kw)
+    free = _loader(JobData.of_store(store, seq), **kw)
     start = min(resume, last_step) + 1
     if start > 1:  # a resume: the loader continues at ``start``
         now = free.data_state()  # as saved after step start - 1
@@ -166,7 +167,7 @@ def test_with_read_ahead_a_window_holds_one_step(
 
 def test_last_step_must_be_positive(store) -> None:
     with pytest.raises(ValueError, match="last_step must be >= 1"):
-        _loader(StoreData(store, 8), d=1, r=0, b=1, gbs=1, last_step=0)
+        _loader(JobData.of_store(store, 8), d=1, r=0, b=1, gbs=1, last_step=0)
 
 
 @pytest.fixture(scope="module")

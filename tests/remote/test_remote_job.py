@@ -16,7 +16,7 @@ import torch
 from tests.conftest import copy_store
 from tests.remote.conftest import SECRET, SESSION
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.job.data import MixtureData, StoreData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.job.settings import open_store
 from torchtitan_zephon.job.stores import store_location
@@ -121,8 +121,8 @@ def test_a_mixture_with_a_source_in_the_bucket(s3, store, tmp_path) -> None:
 
     cfg = MixtureConfig.loads(text(url), base_dir=tmp_path)
     assert cfg.sources[1].store == url  # a URL is not rebased onto the file's folder
-    remote = MixtureData.open(cfg, 8)
-    local = MixtureData.open(MixtureConfig.loads(text(str(b.path))), 8)
+    remote = JobData.open_mixture(cfg, 8)
+    local = JobData.open_mixture(MixtureConfig.loads(text(str(b.path))), 8)
     assert remote.fingerprint == local.fingerprint
     assert isinstance(remote.stores[1], RemoteTokenStore)
     keys = np.concatenate(
@@ -174,7 +174,7 @@ def test_the_trainer_settings_open_a_store_url(fine_url, tmp_path) -> None:
     assert isinstance(store, RemoteTokenStore)
     assert (store.options.read_ahead_steps, store.options.read_ahead_bytes) == (2, 1 << 20)
     assert store.options.request_timeout_s == 5.0
-    assert StoreData(store, 16).read_ahead_steps() == 2
+    assert JobData.of_store(store, 16).read_ahead_steps() == 2
     job = _job(tmp_path, store="s3://bucket/raw/*.jsonl", cache_dir="s3://bucket/cache")
     with pytest.raises(StoreError, match="zephon.cache_dir 's3://bucket/cache' is a URL"):
         open_store(job)
@@ -197,7 +197,7 @@ def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, 
     )
     settings = dict(read_ahead_steps=1, read_ahead_bytes=1 << 16, request_timeout_s=7.5)
     data = resolve_data(_job(tmp_path / "run", mixture=str(mixture), **settings))
-    assert isinstance(data, MixtureData)
+    assert data.mixture is not None
     remote = data.stores[data.names.index("b")]
     assert isinstance(remote, RemoteTokenStore)
     got = remote.options
@@ -327,17 +327,19 @@ def test_the_accounting_fetches_a_remote_stores_offsets_only_up_to_its_limit(s3,
     whole for the accounting only when at most the limit; above it, not fetched at all
     (a store of 10^10 documents holds 80 GB of offsets) and not counted (None)."""
     from torchtitan_zephon.job.accounting import document_offsets
-    from torchtitan_zephon.job.data import StoreData
+    from torchtitan_zephon.job.data import JobData
 
     local = TokenStore.open(store_path)
     url = s3.upload(store_path, "accounting/store")
     size = local.num_documents * 8
     remote = TokenStore.open(url)
-    (got,) = document_offsets(StoreData(remote, 64), fetch_limit=size)
+    (got,) = document_offsets(JobData.of_store(remote, 64), fetch_limit=size)
     assert np.array_equal(got, local.doc_offsets)
     remote = TokenStore.open(url)
     before = remote.fetched_bytes
-    assert document_offsets(StoreData(remote, 64), fetch_limit=size - 1) == [None]
+    assert document_offsets(JobData.of_store(remote, 64), fetch_limit=size - 1) == [None]
     assert remote.fetched_bytes == before
-    (mapped,) = document_offsets(StoreData(local, 64), fetch_limit=0)  # local: mapped, any size
+    (mapped,) = document_offsets(
+        JobData.of_store(local, 64), fetch_limit=0
+    )  # local: mapped, any size
     assert np.array_equal(mapped, local.doc_offsets)

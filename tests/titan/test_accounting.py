@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import tyro
 
+from torchtitan_zephon.bench.accounting import OffsetsOnly
 from torchtitan_zephon.job.accounting import documents_started, step_account
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.plan import MixturePlan
@@ -29,9 +30,8 @@ def mixture(seed: int = 1) -> MixtureStream:
 
 
 # every source's document offsets: a start every 3 tokens (so 1 or 2 per sample of 4)
-DATA = SimpleNamespace(
-    stores=[SimpleNamespace(doc_offsets=np.arange(0, 100 * SEQ_LEN, 3)) for _ in range(2)]
-)
+STORES = [SimpleNamespace(doc_offsets=np.arange(0, 100 * SEQ_LEN, 3)) for _ in range(2)]
+DATA = OffsetsOnly([st.doc_offsets for st in STORES], SEQ_LEN)  # JobData's counts, no store
 
 
 def accounting(plan, sink, **kw) -> StepAccounting:
@@ -51,7 +51,7 @@ def test_scalars_each_step_the_line_at_log_steps_and_capped_wrap_warnings(caplog
             acc.record(step)
         acc.close()
     assert [s for s, _ in written] == list(range(1, 9))
-    offsets = [st.doc_offsets for st in DATA.stores]
+    offsets = [st.doc_offsets for st in STORES]
     for step, metrics in written:
         a = step_account(plan, step, SEQ_LEN)
         docs = documents_started(plan, step, offsets, SEQ_LEN)
@@ -113,7 +113,7 @@ def test_a_rank_that_writes_nothing_accounts_nothing(caplog):
 
 def test_a_plan_replaced_by_a_resume_is_counted_afresh():
     old, new = mixture(seed=1), mixture(seed=2)
-    offsets = [st.doc_offsets for st in DATA.stores]
+    offsets = [st.doc_offsets for st in STORES]
     step = next(  # a step whose documents differ under the two seeds
         s
         for s in range(1, 50)
@@ -158,7 +158,7 @@ def test_a_source_whose_documents_are_not_counted_has_no_documents_tag_or_text()
     from torchtitan_zephon.titan.components.accounting import log_line, metrics_of
 
     plan = mixture()
-    offsets = [DATA.stores[0].doc_offsets, None]
+    offsets = [STORES[0].doc_offsets, None]
     docs = documents_started(plan, 1, offsets, SEQ_LEN)
     assert docs[1] == -1 and docs[0] == documents_started(plan, 1, [offsets[0]] * 2, SEQ_LEN)[0]
     a = step_account(plan, 1, SEQ_LEN)

@@ -12,7 +12,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.titan.launch import train
 from torchtitan_zephon.ingest.builtin import builtin_store_path
 from torchtitan_zephon.job.accounting import document_offsets, documents_started, step_account
-from torchtitan_zephon.job.data import MixtureData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.run import recorded as runs
@@ -59,10 +59,10 @@ def test_tensorboard_holds_the_plans_accounting_and_the_log_warns_of_wraps(tmp_p
     def scalars(tag: str) -> dict[int, float]:
         return {e.step: e.value for e in board.Scalars(tag)}
 
-    data = MixtureData.open(MixtureConfig.load(mixture), SEQ_LEN, default_heldout=HELDOUT)
+    data = JobData.open_mixture(MixtureConfig.load(mixture), SEQ_LEN, default_heldout=HELDOUT)
     plan = data.plan(data.data_config(seed=0, schedule=BatchSchedule([(1, GBS)])))
     offsets = document_offsets(data)
-    small = data.spec.sources[data.names.index("small")].num_samples
+    small = data.mixture.sources[data.names.index("small")].num_samples
     assert 2 <= small < 12  # wraps within the job (2, then 4 samples a step)
     accounts = [step_account(plan, step, SEQ_LEN) for step in range(1, STEPS + 1)]
     docs = [documents_started(plan, step, offsets, SEQ_LEN) for step in range(1, STEPS + 1)]

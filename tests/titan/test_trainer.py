@@ -121,7 +121,7 @@ def test_the_store_is_opened_once_across_preflight_dataloader_and_validator(
     data, dl, validator = start_like_the_trainer(config, titan_builds, 2, 1)
     try:
         assert dl.loader.data is data
-        assert [h.store for _, h in validator.heldout_loaders] == [data.store]
+        assert [h.source.store for _, h in validator.heldout_loaders] == data.stores
         next(iter(dl))  # reading a batch opens nothing either
         assert opened == Counter({str(builtin_store_path().resolve()): 1})
     finally:
@@ -140,7 +140,7 @@ def test_each_mixture_source_is_opened_once_across_preflight_dataloader_and_vali
     data, dl, validator = start_like_the_trainer(config, titan_builds, 2, 0)
     try:
         assert dl.loader.data is data
-        assert [h.store for _, h in validator.heldout_loaders] == data.stores
+        assert [h.source.store for _, h in validator.heldout_loaders] == data.stores
         next(iter(dl))
         parts = [str(builtin_store_path(part=p).resolve()) for p in ("docs", "stdlib")]
         assert opened == Counter(dict.fromkeys(parts, 1))

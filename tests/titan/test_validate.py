@@ -27,10 +27,10 @@ platform.apply()
 
 
 class _Store:
-    """Only what HeldoutLoader asks of a store (its ids are checked, not its tokens)."""
+    """Only what HeldoutLoader asks of a source (its ids are checked, not its tokens)."""
 
-    def windows(self, ids: np.ndarray, seq_len: int) -> np.ndarray:
-        return np.repeat(np.asarray(ids)[:, None], seq_len + 1, axis=1)
+    def rows(self, ids: np.ndarray, seq_len: int) -> tuple[np.ndarray, None]:
+        return np.repeat(np.asarray(ids)[:, None], seq_len + 1, axis=1), None
 
 
 @settings(max_examples=200, deadline=None)

@@ -22,13 +22,13 @@ import logging
 import statistics
 import tempfile
 import time
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 
 from torchtitan_zephon.bench.measure import ratio
 from torchtitan_zephon.job.accounting import documents_started, step_account
+from torchtitan_zephon.job.source import starts_in_windows
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
 from torchtitan_zephon.order.mixture.plan import MixturePlan
 from torchtitan_zephon.order.mixture.spec import MixtureSpec
@@ -64,6 +64,29 @@ def _offsets(samples: int, seq_len: int, seed: int) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(gaps[:-1])])
 
 
+class OffsetsOnly:
+    """What the accounting asks of a job's data (``job.data.JobData``) for window sources
+    with these document offsets, computed as ``JobData`` computes it (the keys split per
+    source, ``starts_in_windows`` over each source's offsets): the sources are simulated,
+    larger than this machine holds, so there is no store behind them."""
+
+    def __init__(self, offsets: list[np.ndarray], seq_len: int) -> None:
+        self.offsets, self.seq_len = offsets, seq_len
+
+    def documents_started(self, keys: np.ndarray) -> np.ndarray:
+        sources, ids = split_keys(np.asarray(keys, dtype=np.int64))
+        return np.array(
+            [
+                starts_in_windows(off, ids[sources == i], self.seq_len)
+                for i, off in enumerate(self.offsets)
+            ],
+            dtype=np.int64,
+        )
+
+    def padding(self, keys: np.ndarray) -> None:
+        return None
+
+
 def _median_ms(times: list[float]) -> float:
     return statistics.median(times) * 1e3
 
@@ -77,11 +100,7 @@ def run(opts: dict[str, Any]) -> dict[str, Any]:
     p = dict(QUICK if opts.get("quick") else DEFAULTS)
     gbs, seq_len, repeats = p["gbs"], p["seq_len"], p["repeats"]
     plan = _plan(gbs, p["samples"])
-    data = SimpleNamespace(
-        stores=[
-            SimpleNamespace(doc_offsets=_offsets(n, seq_len, k)) for k, n in enumerate(p["samples"])
-        ]
-    )
+    data = OffsetsOnly([_offsets(n, seq_len, k) for k, n in enumerate(p["samples"])], seq_len)
     steps = range(FIRST_STEP, FIRST_STEP + repeats)
     with tempfile.TemporaryDirectory() as tb:
         board = TensorBoardLogger(tb)
@@ -110,7 +129,7 @@ def run(opts: dict[str, Any]) -> dict[str, Any]:
             accounting.close()
             board.close()
     account = step_account(plan, steps[0], seq_len)
-    documents = documents_started(plan, steps[0], [st.doc_offsets for st in data.stores], seq_len)
+    documents = documents_started(plan, steps[0], data.offsets, seq_len)
     scalars = metrics_of(account, documents)
     with tempfile.TemporaryDirectory() as tb:
         board = TensorBoardLogger(tb)

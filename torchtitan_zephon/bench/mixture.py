@@ -47,7 +47,7 @@ from torchtitan_zephon.bench.measure import (
     ratio,
     round_rate,
 )
-from torchtitan_zephon.job.data import MixtureData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.job.plans import mixture_progress
 from torchtitan_zephon.order.layout import BatchSchedule
@@ -113,7 +113,7 @@ def joined_store(stores: list[TokenStore], output: Path) -> TokenStore:
     return TokenStore.open(output)
 
 
-def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1) -> MixtureData:
+def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1) -> JobData:
     """Equal weights in the first entry; later entries (every 10 steps) favour one
     source after another (weights 1..k rotated), so each entry has its own pattern."""
     names = sorted(stores)
@@ -133,7 +133,7 @@ def mixture_source(stores: dict[str, TokenStore], seq_len: int, entries: int = 1
         schedule,
         stores[names[0]].tokenizer_hash,
     )
-    return MixtureData(spec, stores, seq_len, path=f"bench mixture of {k}")
+    return JobData.of_mixture(spec, stores, seq_len, path=f"bench mixture of {k}")
 
 
 def _loader(source: Any, seq_len: int, batch: int, gbs: int | None = None) -> ZephonLoader:
@@ -212,7 +212,7 @@ def run(opts: dict) -> dict:
         # checks); read until every store's chunks are checked (at most warmup_batches).
         res["warmup_batches"] = {}
         for name, ld in loaders.items():
-            group = getattr(ld.data, "stores", None) or [ld.data.store]
+            group = ld.data.stores
             n = 0
             while n < o["warmup_batches"] and any(st.unchecked_chunks for st in group):
                 next(ld)

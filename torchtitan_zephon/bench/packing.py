@@ -156,7 +156,7 @@ def run(opts: dict) -> dict:
     import tempfile
 
     from torchtitan_zephon.bench.corpus import builtin_store
-    from torchtitan_zephon.job.packed import PackedStoreData
+    from torchtitan_zephon.job.data import JobData
     from torchtitan_zephon.job.packing import document_lengths, open_packing
 
     base = QUICK if opts.get("quick") else DEFAULTS
@@ -169,7 +169,7 @@ def run(opts: dict) -> dict:
     res["heavy_tailed"] = compare(heavy_tailed(o["documents"] // 10), seq_len)
     with tempfile.TemporaryDirectory(prefix="zephon-bench-packing-") as cache:
         packed, _ = open_packing(store, seq_len, cache_dir=cache)
-        data = PackedStoreData(store, packed)
+        data = JobData.of_store(store, seq_len, packed=packed)
         res["throughput"] = throughput(store, data, o)
         resume = {"windows": [], "packed": []}
         for _ in range(o["repeats"]):

@@ -107,7 +107,7 @@ def stream(
     whole first, then read locally; the download is in the time). ``packed``: packed
     samples (``zephon.packing = best_fit``; the index built before the clock starts, in
     ``tmp``, and the document offsets it fetches counted)."""
-    from torchtitan_zephon.job.packed import PackedStoreData
+    from torchtitan_zephon.job.data import JobData
     from torchtitan_zephon.job.packing import open_packing
     from torchtitan_zephon.store.reader import TokenStore
 
@@ -125,14 +125,15 @@ def stream(
     data: Any = store
     if packed:
         index, _ = open_packing(store, seq_len, cache_dir=str(tmp / "packing"))
-        data = PackedStoreData(store, index)
+        data = JobData.of_store(store, seq_len, packed=index)
     t_open = time.perf_counter()
     loader = rank_loader(data, seq_len, batch, seed=seed, **kw)
     first = [next(loader)[0]["input"][0, :8].clone()]
     for _ in range(steps - 1):
         next(loader)
     t_end = time.perf_counter()
-    in_flight = list(getattr(getattr(data, "_remote", None), "_steps", ()))
+    source = data.sources[0] if packed else None
+    in_flight = list(getattr(getattr(source, "_remote", None), "_steps", ()))
     loader.close()
     if not store.mapped:
         _wait_in_flight(store)

@@ -134,7 +134,7 @@ def open_step_data(args: argparse.Namespace, command: str) -> StepData:
 
 
 def _open_given(args: argparse.Namespace, command: str) -> StepData:
-    from torchtitan_zephon.job.data import MixtureData
+    from torchtitan_zephon.job.data import JobData
     from torchtitan_zephon.job.settings import store_data
     from torchtitan_zephon.order.mixture.config import MixtureConfig
 
@@ -142,7 +142,7 @@ def _open_given(args: argparse.Namespace, command: str) -> StepData:
     extra = {SKIP_FIELD: args.skip_steps.to_json()} if args.skip_steps else {}
     raw = _raw_inputs(args, command)
     if args.mixture:
-        data = MixtureData.open(
+        data = JobData.open_mixture(
             MixtureConfig.load(args.mixture),
             args.seq_len,
             default_heldout=args.heldout_samples,
@@ -256,11 +256,11 @@ def _open_job(
 
 def _run_packed(config: DataConfig, stores: list[TokenStore | None]) -> list[Any]:
     """A packing run's stores (one per source) as packed samples (None: not found)."""
-    from torchtitan_zephon.job.packed import PackedStoreData
+    from torchtitan_zephon.job.data import source_of
     from torchtitan_zephon.job.packing import open_packing
 
     return [
-        None if st is None else PackedStoreData(st, open_packing(st, config.seq_len)[0])
+        None if st is None else source_of(st, config.seq_len, open_packing(st, config.seq_len)[0])
         for st in stores
     ]
 

@@ -31,7 +31,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.ingest.cache import RawInputs, names_store
@@ -236,6 +236,7 @@ def run(args: argparse.Namespace) -> int:
         return run_mixture(args, schedule, raw)
     store = _open_store(args.store, raw)
     available = store.num_samples(args.seq_len)
+    packed = None
     if args.packing != "none":
         packed, index = open_packing(
             store, args.seq_len, cache_dir=args.cache_dir, workers=args.workers
@@ -277,11 +278,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"zephon plan: warning: {warning}", file=sys.stderr)
     exclusions = None
     if args.exclude:  # ids of the samples planned (packed ones with --packing)
-        from torchtitan_zephon.job.data import StoreData
+        from torchtitan_zephon.job.data import JobData
 
-        data = StoreData(
-            store, args.seq_len, sample_offset=args.sample_offset, num_samples=num_samples,
-            available=available,
+        data = JobData.of_store(
+            store, args.seq_len, packed=packed, sample_offset=args.sample_offset,
+            num_samples=num_samples,
         )  # fmt: skip
         exclusions = leave_out(data, args.exclude)
     plan = DataPlan(
@@ -373,8 +374,7 @@ def run_mixture(
     args: argparse.Namespace, schedule: BatchSchedule, raw: RawInputs | None = None
 ) -> int:
     """``zephon plan --mixture FILE``: the steps' per-source sample ids and their sources."""
-    from torchtitan_zephon.job.data import MixtureData
-    from torchtitan_zephon.job.packed_mixture import PackedMixtureData
+    from torchtitan_zephon.job.data import JobData
     from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
     from torchtitan_zephon.order.mixture.plan import deviation_warning
     from torchtitan_zephon.order.mixture.stream import MixtureStream
@@ -385,18 +385,18 @@ def run_mixture(
             raise MixtureError(
                 f"mixture source {s.name!r} names raw inputs ({s.store}): {RAW_HINT}."
             )
-    packs: dict[str, Any] = {}
-    if args.packing != "none":  # each source packs its own documents
-        say = lambda line: print(f"zephon plan: {line}", file=sys.stderr)  # noqa: E731
-        packs = {"cache_dir": args.cache_dir, "workers": args.workers, "log": say,
-                 "warn": lambda line: say(f"warning: {line}")}  # fmt: skip
-    source = (MixtureData if args.packing == "none" else PackedMixtureData).open(
+    say = lambda line: print(f"zephon plan: {line}", file=sys.stderr)  # noqa: E731
+    source = JobData.open_mixture(  # with packing, each source packs its own documents
         config,
         args.seq_len,
+        packing=args.packing,
         default_heldout=args.heldout_samples,
         path=args.mixture,
         raw=raw,
-        **packs,
+        cache_dir=args.cache_dir,
+        workers=args.workers,
+        log=say,
+        warn=lambda line: say(f"warning: {line}"),
     )
     exclusions = leave_out(source, args.exclude)
     extra = {SKIP_FIELD: args.skip_steps.to_json()} if args.skip_steps else {}

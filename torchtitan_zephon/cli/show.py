@@ -20,7 +20,7 @@ spikes`` open their data here too.
 
 Invariants:
 - The sample ids shown for a step are the plan's (``job.plans.plan_of`` of the
-  run's data config, or ``StoreData`` / ``MixtureData.plan``): those ``zephon
+  run's data config, or ``JobData.plan``): those ``zephon
   plan`` prints and the trainer's loader reads, at any DP degree.
 - The cost is O(1) in the step number: one plan lookup of the step's slots
   and the step's samples read from the store; nothing is replayed.

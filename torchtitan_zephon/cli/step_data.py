@@ -51,7 +51,7 @@ class StepData:
     """A run's: the DP degree of the job (start or resume event) that trained a step."""
     packed: list[Any] | None = None
     """A run that packs (``zephon.packing``): each source's store read as packed samples
-    (``job.packed.PackedStoreData``; None: its store was not found); the sample ids are
+    (a ``job.source.Source``; None: its store was not found); the sample ids are
     packed sample ids."""
     history: Any = None
     """A run's ``cli.run_history.RunHistory`` (None: a store or a mixture)."""

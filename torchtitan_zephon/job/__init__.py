@@ -5,8 +5,9 @@ job's stores and pairs a plan (which sample each position of the global stream
 holds) with the tokens of those samples. Its modules (import from them; this
 package re-exports nothing):
 
-- ``data``: the interface (``JobData``) and its two kinds, ``StoreData`` (one token
-  store) and ``MixtureData`` (several stores drawn in exact proportions);
+- ``data``: the one interface (``JobData``): one store, or several drawn in exact
+  proportions (a mixture); ``source``, one of its sources (``Source``: a store and its
+  map from sample ids to rows; ``WindowSource`` reads windows);
 - ``vocab``: the vocabulary guard of a job's stores (``store_id_limit``,
   ``store_out_of_vocab``);
 - ``stores``: the token store folder a store value names (``store_location``) and
@@ -22,12 +23,12 @@ package re-exports nothing):
 - ``loader``: the per-rank loader (``ZephonLoader``: this rank's slice of each step,
   read ahead, checked and pinned) over that data; ``read_ahead``, its read-ahead of
   stores in object storage; ``documents``, the per-document positions of a batch;
-- ``packing``, ``packed``, ``packed_mixture``: whole documents in every sample
+- ``packing``, ``packed``, ``packed_remote``: whole documents in every sample
   (``zephon.packing``): a store's packing index on disk, a store read as packed
-  samples, a mixture whose sources each pack their own documents;
+  samples (``PackedSource``), their pieces read by range from object storage;
 - ``run_data``: the record of the job's data a run folder keeps (``zephon/run_data.json``).
 
-Ownership: a job opens its data once (``StoreData`` / ``MixtureData.open``) and
+Ownership: a job opens its data once (``JobData.of_store`` / ``open_mixture``) and
 hands that object on; the trainer hands it to the preflight, the loader and the
 validator. Nothing here keeps opened stores per process: a second open is a
 second object, checked afresh.

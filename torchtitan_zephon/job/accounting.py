@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from torchtitan_zephon.job.source import OFFSETS_FETCH_LIMIT, starts_in_windows
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.stream import DataPlan, StreamPlan, split_keys
 
@@ -118,31 +119,13 @@ def _mixture_epochs(plan: MixtureStream, drawn: np.ndarray) -> np.ndarray:
     return np.where(drawn > 0, stream // mix.num_samples, 0)
 
 
-OFFSETS_FETCH_LIMIT = 64 << 20
-"""The largest document-offsets file (8 bytes a document: 8 M documents) the accounting
-fetches from a store in object storage, whole, once; a larger one is not fetched and
-that source's documents started are not counted (None)."""
-
-
 def document_offsets(data: Any, fetch_limit: int = OFFSETS_FETCH_LIMIT) -> list[np.ndarray | None]:
     """Each source's document offsets (token index of every document's first token),
-    from the job's data (``job.data.StoreData`` / ``MixtureData``), in source order.
-    A local store's are mapped; a store in object storage fetches its offsets file
-    whole, on the first call, only when it is at most ``fetch_limit`` bytes (None
-    otherwise: a store of 10^10 documents holds 80 GB of offsets). Packed samples
-    (``job.packed``) are not windows of the offsets: None here (the trainer's accounting
-    asks ``PackedStoreData.documents_started`` instead)."""
-    if hasattr(data, "packed"):
-        return [None]
-    stores = data.stores if hasattr(data, "stores") else [data.store]
-    out: list[np.ndarray | None] = []
-    for st in stores:
-        remote = getattr(st, "url", None) is not None  # store.remote.RemoteTokenStore
-        if remote and int(st.num_documents) * 8 > fetch_limit:
-            out.append(None)
-        else:
-            out.append(np.asarray(st.doc_offsets, dtype=np.int64))
-    return out
+    from the job's data (``job.data.JobData``), in source order
+    (``Source.document_offsets``: None for a store in object storage with more than
+    ``fetch_limit`` bytes of them, and for packed samples, which are not windows of the
+    offsets)."""
+    return [source.document_offsets(fetch_limit) for source in data.sources]
 
 
 def documents_started(
@@ -152,24 +135,12 @@ def documents_started(
     docstring); -1 for a source whose offsets are None (not counted). O(global batch):
     the step's ids, sorted per source, then two ``searchsorted`` over the source's
     offsets."""
-    keys = plan.global_ids(step)
-    if isinstance(plan, MixtureStream):
-        sources, ids = split_keys(keys)
+    keys = np.asarray(plan.global_ids(step), dtype=np.int64)
+    if len(offsets) == 1:  # one source: the keys are its sample ids
+        sources, ids = np.zeros(keys.size, dtype=np.int64), keys
     else:
-        sources, ids = np.zeros(len(keys), dtype=np.int64), np.asarray(keys, dtype=np.int64)
+        sources, ids = split_keys(keys)
     out = np.zeros(len(offsets), dtype=np.int64)
-    order = np.argsort(sources, kind="stable")
-    bounds = np.searchsorted(sources[order], np.arange(len(offsets) + 1))
-    length = np.int64(seq_len)
     for i, off in enumerate(offsets):
-        if off is None:
-            out[i] = -1
-            continue
-        mine = ids[order[bounds[i] : bounds[i + 1]]]
-        if not mine.size:
-            continue
-        starts = np.sort(mine) * length  # sorted queries: the searches walk the offsets once
-        hi = np.searchsorted(off, starts + length, side="left")
-        lo = np.searchsorted(off, starts, side="left")
-        out[i] = int((hi - lo).sum())
+        out[i] = -1 if off is None else starts_in_windows(off, ids[sources == i], seq_len)
     return out

@@ -56,9 +56,9 @@ import torch
 
 from torchtitan_zephon.job.data import JobData, as_job_data
 from torchtitan_zephon.job.documents import document_positions
-from torchtitan_zephon.job.packed import unlabel
 from torchtitan_zephon.job.plans import first_correction
 from torchtitan_zephon.job.read_ahead import _ReadAhead
+from torchtitan_zephon.job.source import unlabel
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
 from torchtitan_zephon.order.resume import ResumeDecision, check_resume
@@ -129,8 +129,6 @@ class ZephonLoader(_ReadAhead):
             seed=seed, schedule=schedule, extra=extra_config
         )
         self.data = data
-        self.store = data  # what ``windows`` gathers from (one store or several)
-        self._packed = hasattr(data, "packed_rows")  # packed samples (job.packed)
         self.seq_len = int(seq_len)
         self.dp_rank = int(dp_rank)
         self.dp_degree = int(dp_degree)
@@ -193,17 +191,15 @@ class ZephonLoader(_ReadAhead):
         return {"input": inputs}, labels
 
     def _tensors(self, ids: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._packed:  # rows of whole documents, and the inputs that train no label
-            tokens, ignored = self.store.packed_rows(ids, self.seq_len)
-        else:
-            tokens = self.store.windows(ids, self.seq_len)  # the store checks what it reads
+        # The rows, and the inputs that train no label (packed samples: a document's last
+        # token, the padding); each source checks what it reads.
+        tokens, unlabelled = self.data.rows(ids, self.seq_len)
         if self._id_limit is not None and tokens.size and int(tokens.max()) >= self._id_limit:
-            raise StoreError(self.store.out_of_vocab(ids, tokens, self._id_limit))
+            raise StoreError(self.data.out_of_vocab(ids, tokens, self._id_limit))
         # One pass each, straight from the store dtype into contiguous int64 buffers.
         inputs = torch.from_numpy(tokens[:, :-1].astype(np.int64, order="C"))
         labels_np = tokens[:, 1:].astype(np.int64, order="C")
-        if self._packed:  # a document's last token, the padding: no label
-            unlabel(labels_np, ignored)
+        unlabel(labels_np, unlabelled)
         labels = torch.from_numpy(labels_np)
         if self.pin_memory:
             inputs, labels = inputs.pin_memory(), labels.pin_memory()

@@ -1,17 +1,17 @@
 """A store read as packed samples (``zephon.packing = "best_fit"``): whole documents in
 every sample, labels only where the next token is the same document's.
 
-Role: ``PackedStoreData`` is ``StoreData`` whose samples are the packed samples of the
-store's packing index (``job.packing``, ``order.packing``): the keys are packed sample
-ids, ``windows(keys, seq_len)`` gives each sample's row of ``seq_len + 1`` tokens (its
-pieces in order, then EOS as padding; after a piece that does not end its document, the
-document's next token) and ``ignored(keys, seq_len)`` the inputs whose label is not
-trained: a document's last token (its EOS: the next token is another document's) and
-the padding. The loader sets those labels to TorchTitan's ``IGNORE_INDEX``, so the loss
-of a step is the mean over its labelled tokens. A piece cut from a longer document
-trains every token, its last one too: that one's label is the document's next token,
-the first of its next piece. ``labelled_tokens(keys)`` counts labels from the index
-alone.
+Role: ``PackedSource`` is a ``job.source.Source`` whose map from sample ids to rows is
+the store's packing index (``job.packing``, ``order.packing``): the ids are packed
+sample ids, ``windows(ids, seq_len)`` gives each sample's row of ``seq_len + 1`` tokens
+(its pieces in order, then EOS as padding; after a piece that does not end its
+document, the document's next token) and ``ignored(ids, seq_len)`` the inputs whose
+label is not trained: a document's last token (its EOS: the next token is another
+document's) and the padding. The loader sets those labels to TorchTitan's
+``IGNORE_INDEX``, so the loss of a step is the mean over its labelled tokens. A piece
+cut from a longer document trains every token, its last one too: that one's label is
+the document's next token, the first of its next piece. ``labelled_tokens(ids)``
+counts labels from the index alone.
 
 Invariants:
 - A row's inputs are exactly its pieces' tokens then padding; every labelled input's
@@ -24,49 +24,26 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import numpy as np
 
-from torchtitan_zephon.job.data import Heldout, StoreData
 from torchtitan_zephon.job.packed_remote import RemoteSpans
 from torchtitan_zephon.job.packing import document_lengths
-from torchtitan_zephon.job.vocab import store_out_of_vocab
-from torchtitan_zephon.order.data_config import PACKING_FIELD, DataConfig
-from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.order.packing import PackedSamples, packing_field
+from torchtitan_zephon.job.source import Unlabelled
+from torchtitan_zephon.job.vocab import store_id_limit, store_out_of_vocab
+from torchtitan_zephon.order.packing import PackedSamples
 from torchtitan_zephon.store.reader import TokenStore
 
-Unlabelled = tuple[list[int], list[int], list[int]]
-"""``(ends, rows, pads)``, the inputs of a batch [n, seq_len] whose label is not trained:
-``ends``, the flat positions (row x seq_len + column) of documents' last tokens;
-``rows[k]``'s inputs from column ``pads[k]`` on, padding. Any other input is trained."""
 
-IGNORE_INDEX = -100
-"""The label of an input that trains nothing: TorchTitan's ``IGNORE_INDEX`` (its loss
-skips it; its step counts the others as the step's tokens)."""
+class PackedSource:
+    """A store read as its packed samples (``job.source.Source``)."""
 
+    packing = "best_fit"
 
-class PackedStoreData(StoreData):
-    """One store, its samples the packed samples ``[sample_offset, + num_samples)``."""
-
-    def __init__(
-        self,
-        store: TokenStore,
-        packed: PackedSamples,
-        *,
-        sample_offset: int = 0,
-        num_samples: int | None = None,
-    ) -> None:
+    def __init__(self, store: TokenStore, packed: PackedSamples) -> None:
+        self.store = store
         self.packed = packed
-        super().__init__(
-            store,
-            packed.seq_len,
-            sample_offset=sample_offset,
-            num_samples=num_samples,
-            available=packed.num_samples,
-        )
+        self.seq_len = int(packed.seq_len)
+        self.available = int(packed.num_samples)
         self._doc_offsets = np.asarray(store.doc_offsets, dtype=np.int64)
         self._doc_lengths = document_lengths(store)
         # A local store: plain views of the maps (slicing them is cheaper than slicing a
@@ -84,12 +61,7 @@ class PackedStoreData(StoreData):
         self._begin = np.where(self._window, self._doc_offsets[first[:, 0]] + first[:, 1], 0)
 
     def __repr__(self) -> str:
-        return f"PackedStoreData({self.store!r}, seq_len={self.seq_len})"
-
-    def data_config(
-        self, *, seed: int, schedule: BatchSchedule, extra: Mapping[str, Any] | None = None
-    ) -> DataConfig:
-        return super().data_config(seed=seed, schedule=schedule, extra=packed_extra(extra))
+        return f"PackedSource({self.store!r}, seq_len={self.seq_len})"
 
     def _rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Pieces of samples ``keys``: (row of each piece, its first token in the store,
@@ -132,7 +104,7 @@ class PackedStoreData(StoreData):
         return length + (piece[:, 1] + length != self._doc_lengths[piece[:, 0]])
 
     def unlabelled(self, keys: np.ndarray, seq_len: int) -> Unlabelled | None:
-        """``packed_rows``'s inputs of samples ``keys`` that train no label, from the
+        """``rows``' inputs of samples ``keys`` that train no label, from the
         index alone (no token is read): each document's last token, then the padding of
         each row that has some (None: every label trained)."""
         rows, _, piece = self._rows(keys)
@@ -164,7 +136,7 @@ class PackedStoreData(StoreData):
         out[rows[ends_doc], last[ends_doc]] = True
         return out
 
-    def packed_rows(self, keys: np.ndarray, seq_len: int) -> tuple[np.ndarray, Unlabelled | None]:
+    def rows(self, keys: np.ndarray, seq_len: int) -> tuple[np.ndarray, Unlabelled | None]:
         """``windows`` of samples ``keys`` and their inputs that train no label, in one
         pass: the loader's path (the vectorized ``windows`` and ``ignored`` are its
         reference). A sample that is one seq_len piece of a longer document (most, where
@@ -234,6 +206,9 @@ class PackedStoreData(StoreData):
             self._views[-seq_len] = row
         return row
 
+    def id_limit(self, vocab_size: int | None) -> int | None:
+        return store_id_limit(self.store, vocab_size)
+
     def out_of_vocab(self, keys: np.ndarray, tokens: np.ndarray, limit: int) -> str:
         return store_out_of_vocab(self.store, keys, tokens, self.seq_len, limit, packed=True)
 
@@ -256,6 +231,11 @@ class PackedStoreData(StoreData):
             }
             for doc, start, length in np.asarray(self.packed.sample(key)).tolist()
         ]
+
+    def document_offsets(self, fetch_limit: int = 0) -> None:
+        """None: packed samples are not windows of the document offsets (the accounting
+        asks ``documents_started``)."""
+        return None
 
     def documents_started(self, keys: np.ndarray) -> int:
         """Documents whose first token is in samples ``keys`` (the per-step accounting)."""
@@ -323,28 +303,6 @@ class PackedStoreData(StoreData):
     def drop_read_ahead(self) -> None:
         if self._remote is not None:
             self._remote.drop()
-
-    def heldout(self) -> list[Heldout]:
-        """The last packed samples, read as packed samples (this data's ``windows`` and
-        ``ignored``)."""
-        first = self.sample_offset + self.num_samples
-        return [Heldout(None, self, first, self.packed.num_samples - first)]  # type: ignore[arg-type]
-
-
-def unlabel(labels: Any, unlabelled: Unlabelled | None) -> None:
-    """Set the labels [n, seq_len] (a contiguous numpy array or torch tensor) of the
-    inputs ``unlabelled`` names to ``IGNORE_INDEX``, in place."""
-    if unlabelled is None:
-        return
-    ends, rows, pads = unlabelled
-    labels.reshape(-1)[ends] = IGNORE_INDEX
-    for row, pad in zip(rows, pads, strict=True):
-        labels[row, pad:] = IGNORE_INDEX
-
-
-def packed_extra(extra: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``extra`` with the data-config field of best-fit packing."""
-    return {**(extra or {}), PACKING_FIELD: packing_field("best_fit")}
 
 
 def _ranks_within(counts: np.ndarray) -> np.ndarray:

@@ -5,7 +5,7 @@ Role: ``RemoteSpans(store)`` reads token spans ``[begin, begin + take)`` (the pi
 packed samples, ``job.packed``) from a ``store.remote.RemoteTokenStore``, which is not
 memory-mapped. ``announce(begin, take)`` starts fetching one future step's spans in the
 background (the loader's read-ahead, ``job.read_ahead``, through
-``PackedStoreData.read_ahead``); ``read(begin, take)`` serves the spans announced
+``PackedSource.read_ahead``); ``read(begin, take)`` serves the spans announced
 (waiting for those still on the way) and fetches the others now. Both go through the
 store's ``_fetch_ranges``: neighbouring and overlapping spans coalesced into one
 request, rounded out to whole blocks (chunks), through the node cache, checked on

@@ -85,15 +85,13 @@ def record_job(
     data_config: dict[str, Any],
 ) -> Path:
     """``write_run_data`` for a job: its ``zephon`` settings (store, mixture, exclude)
-    and the job's data as opened (``job.data.StoreData`` / ``MixtureData``)."""
-    from torchtitan_zephon.job.data import MixtureData
-
+    and the job's data as opened (``job.data.JobData``)."""
     sources: dict[str, str] = {}
     opened = ""
-    if isinstance(data, MixtureData):
+    if data.mixture is not None:
         sources = {n: str(s.path) for n, s in zip(data.names, data.stores, strict=True)}
-    elif getattr(data, "store", None) is not None:
-        opened = str(data.store.path)
+    else:
+        opened = str(data.stores[0].path)
     return write_run_data(
         dump_folder,
         store=str(getattr(zephon, "store", "") or ""),

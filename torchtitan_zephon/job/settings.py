@@ -31,8 +31,7 @@ from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR, builtin_store_path
 from torchtitan_zephon.ingest.cache import RawInputs
 from torchtitan_zephon.ingest.cache_folder import cache_root
 from torchtitan_zephon.ingest.inputs import OptionNames
-from torchtitan_zephon.job.data import StoreData
-from torchtitan_zephon.job.packed import PackedStoreData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.stores import store_location
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.packing import PackedSamples
@@ -146,7 +145,7 @@ def store_data(
     *,
     what: str,
     packed: PackedSamples | None = None,
-) -> StoreData:
+) -> JobData:
     """The job's one store (``what`` names it), its last ``heldout`` samples held out:
     refused when it holds fewer than ``MIN_STORE_SAMPLES`` training samples (or none of
     seq_len), with a warning in ``source.warnings`` when they are fewer than a global
@@ -166,13 +165,10 @@ def store_data(
         )
     training = f"{what} (seq_len {seq_len}{f', {heldout} held out' if heldout else ''})"
     warning = check_store_size(training, total - heldout, schedule, fix)
-    if packed is None:
-        source = StoreData(store, seq_len, num_samples=total - heldout)
-    else:
-        source = PackedStoreData(store, packed, num_samples=total - heldout)
+    data = JobData.of_store(store, seq_len, packed=packed, num_samples=total - heldout)
     if warning:
-        source.warnings.append(warning)
-    return source
+        data.warnings.append(warning)
+    return data
 
 
 def builtin_tokenizer() -> tuple[Path, str]:

@@ -53,12 +53,7 @@ from typing import Any
 import numpy as np
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.job.accounting import (
-    StepAccount,
-    document_offsets,
-    documents_started,
-    step_account,
-)
+from torchtitan_zephon.job.accounting import StepAccount, step_account
 
 WRAP_WARNINGS = 3
 """Epoch wraps warned per source; later ones are only in TensorBoard (``epoch``)."""
@@ -92,7 +87,7 @@ def metrics_of(
     for i, name in enumerate(account.names):
         for tag, column in zip(TAGS, columns, strict=True):
             if tag == "documents_started" and column[i] < 0:
-                continue  # not counted (job.accounting.document_offsets)
+                continue  # not counted (job.source.WindowSource.document_offsets)
             out[f"zephon/source/{name}/{tag}"] = column[i]
         if padding is not None:
             out[f"zephon/source/{name}/padding"] = int(padding[i])
@@ -115,9 +110,9 @@ class StepAccounting:
     """Per-source accounting of the trainer's steps (module docstring).
 
     ``plan`` returns the loader's current plan (a resume may replace it); ``data`` is
-    the job's data (its stores' document offsets); ``sink`` logs a dict of scalars at a
-    step (the ``MetricsProcessor``'s logger), ``should_log`` is TorchTitan's log-step
-    rule; ``writes_log`` is True on global rank 0 (the log line and the warnings).
+    the job's data (``job.data.JobData``: documents started, padding); ``sink`` logs a
+    dict of scalars at a step (the ``MetricsProcessor``'s logger), ``should_log`` is
+    TorchTitan's log-step rule; ``writes_log`` is True on global rank 0 (the log line and the warnings).
     """
 
     def __init__(
@@ -137,7 +132,6 @@ class StepAccounting:
         self.should_log = should_log
         self.writes_log = writes_log
         self.active = writes_log or sink is not None
-        self._offsets: list[np.ndarray | None] | None = None
         self._pending: dict[int, tuple[int, Future]] = {}
         self._pool = (
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="zephon-accounting")
@@ -147,22 +141,11 @@ class StepAccounting:
         self._wrap_warnings: dict[str, int] = {}
         self._writes: list[Future] = []
 
-    def _documents(self, plan: Any, step: int) -> np.ndarray:
-        counted = getattr(self.data, "documents_started", None)  # packed samples
-        if counted is not None:  # one store: a count; a mixture: one per source
-            return np.atleast_1d(np.asarray(counted(plan.global_ids(step)), dtype=np.int64))
-        if self._offsets is None:
-            self._offsets = document_offsets(self.data)
-        return documents_started(plan, step, self._offsets, self.seq_len)
-
     def _counts(self, plan: Any, step: int) -> tuple[np.ndarray, np.ndarray | None]:
         """(documents started, padding inputs or None: samples that are not packed) per
-        source, in the background thread."""
-        padded = getattr(self.data, "padding", None)  # packed samples
-        padding = None
-        if padded is not None:
-            padding = np.atleast_1d(np.asarray(padded(plan.global_ids(step)), dtype=np.int64))
-        return self._documents(plan, step), padding
+        source, in the background thread (``job.data.JobData``)."""
+        keys = plan.global_ids(step)
+        return self.data.documents_started(keys), self.data.padding(keys)
 
     def _needs_documents(self, step: int) -> bool:
         """Scalars go out at every step, the log line only at log steps."""

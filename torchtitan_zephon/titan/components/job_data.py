@@ -36,8 +36,7 @@ from typing import Any
 
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.job.data import JobData, MixtureData
-from torchtitan_zephon.job.packed_mixture import PackedMixtureData
+from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.packing import open_packing, packing_note
 from torchtitan_zephon.job.settings import (
     open_store,
@@ -78,16 +77,18 @@ def resolve_data(job: JobView, tokenizer: Any = None) -> JobData:
                 "reads either one store or a mixture. Drop zephon.store, or name the store as "
                 "a [[source]] of the mixture file."
             )
-        packs = {"cache_dir": zc.cache_dir, "log": _log, "warn": logger.warning}
-        data: JobData = (MixtureData if packing == "none" else PackedMixtureData).open(
+        data = JobData.open_mixture(
             MixtureConfig.load(mixture),
             seq_len,
+            packing=packing,
             default_heldout=zc.heldout_samples,
             path=mixture,
             progress=int(os.environ.get("RANK", "0")) == 0,
             raw=raw_inputs(job, _log),
             remote=remote_options(job),
-            **(packs if packing != "none" else {}),
+            cache_dir=zc.cache_dir,
+            log=_log,
+            warn=logger.warning,
         )
         what = f"the mixture {mixture} (sources {', '.join(data.names)})"
     else:
@@ -118,8 +119,7 @@ def resolve_data(job: JobView, tokenizer: Any = None) -> JobData:
             "store prepared with a smaller tokenizer"
         )
     check_tokenizer(data, tokenizer)
-    stores = data.stores if isinstance(data, MixtureData) else [store]
-    for st in stores:
+    for st in data.stores:
         note = block_rounding_note(st, seq_len)
         if note:
             _log(note)
@@ -148,13 +148,8 @@ def block_rounding_note(store: Any, seq_len: int) -> str | None:
 def check_tokenizer(data: JobData, tokenizer: Any) -> None:
     """Refuse a source whose token ids the job's tokenizer (when given) cannot hold."""
     if tokenizer is not None and data.vocab_size > tokenizer.get_vocab_size():
-        what = (
-            f"the mixture {data.path} (sources {', '.join(data.names)})"
-            if isinstance(data, MixtureData)
-            else f"the store {data.path}"
-        )
         raise ValueError(
-            f"{what} was tokenized with a vocabulary of {data.vocab_size} "
+            f"{data.what} was tokenized with a vocabulary of {data.vocab_size} "
             f"tokens but hf_assets_path's tokenizer has {tokenizer.get_vocab_size()}: "
             "point --hf_assets_path at the tokenizer the store was prepared with"
         )
@@ -238,8 +233,7 @@ def trainer_handoff(config: Any, what: str) -> ZephonJob:
 def eos_id_of(data: JobData) -> int:
     """The EOS id that ends each document of ``source`` (a mixture's stores share one
     tokenizer, whose EOS is the first store's)."""
-    stores = getattr(data, "stores", None) or [data.store]  # type: ignore[attr-defined]
-    return int(stores[0].eos_id)
+    return int(data.stores[0].eos_id)
 
 
 def open_job_data(job: JobView, tokenizer: Any = None) -> tuple[JobData, DataConfig]:

@@ -346,7 +346,7 @@ class ZephonTrainer(Trainer):
         mine = (
             config.store_fingerprint,
             config.fingerprint,
-            str(self.dataloader.loader.store.path),
+            self.dataloader.loader.data.path,
         )
         everyone: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, mine)

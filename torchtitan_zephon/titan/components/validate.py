@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any, Protocol
+from typing import Annotated, Any
 
 import numpy as np
 import torch
@@ -46,7 +46,7 @@ from torchtitan.components.validate import BaseValidator, Validator
 from torchtitan.tools import utils
 from torchtitan.tools.logging import logger
 
-from torchtitan_zephon.job.packed import unlabel
+from torchtitan_zephon.job.source import Source, unlabel
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import DataUnreadable, StoreError
@@ -76,18 +76,12 @@ def microbatch_size(per_rank: int, requested: int, *, equal: bool) -> int:
     return size
 
 
-class SampleWindows(Protocol):
-    """What a held-out loader reads from: the store a ``job.data.Heldout`` names."""
-
-    def windows(self, ids: np.ndarray, seq_len: int) -> np.ndarray: ...
-
-
 class HeldoutLoader(BaseDataLoader):
     """One DP rank's micro-batches of a validation pass (a fresh pass per ``iter``)."""
 
     def __init__(
         self,
-        store: SampleWindows,
+        source: Source,
         *,
         seq_len: int,
         first_sample: int,
@@ -102,7 +96,7 @@ class HeldoutLoader(BaseDataLoader):
         # Held-out samples are read in order: the plan supplies the rank slicing
         # (positions), and position p of the pass is sample first_sample + p.
         self.plan = DataPlan(num_batches * global_batch, 0, BatchSchedule([(1, global_batch)]))
-        self.store, self.seq_len, self.first_sample = store, seq_len, first_sample
+        self.source, self.seq_len, self.first_sample = source, seq_len, first_sample
         self.eos_id = eos_id  # None: batches without positions
         self.num_batches, self.dp_rank, self.dp_degree = num_batches, dp_rank, dp_degree
         _, per_rank = self.plan.rank_positions(1, dp_rank, dp_degree)
@@ -138,15 +132,14 @@ class HeldoutLoader(BaseDataLoader):
 
     def __iter__(self) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         for ids in self.microbatch_ids():
-            packed_rows = getattr(self.store, "packed_rows", None)  # packed (job.packed)
-            if packed_rows is None:
-                w = torch.from_numpy(self.store.windows(ids, self.seq_len).astype(np.int64))
-                inputs, labels = w[:, :-1], w[:, 1:]
-            else:  # rows and the inputs that train no label, in one pass
-                rows, ignored = packed_rows(ids, self.seq_len)
-                w = torch.from_numpy(rows.astype(np.int64))
-                inputs, labels = w[:, :-1], w[:, 1:].clone()
-                unlabel(labels, ignored)  # a document's last token, the padding
+            # The rows and the inputs that train no label (packed samples: a document's
+            # last token, the padding), in one pass.
+            rows, unlabelled = self.source.rows(ids, self.seq_len)
+            w = torch.from_numpy(rows.astype(np.int64))
+            inputs, labels = w[:, :-1], w[:, 1:]
+            if unlabelled is not None:
+                labels = labels.clone()
+                unlabel(labels, unlabelled)
             batch = {"input": inputs}
             if self.eos_id is not None:
                 batch["positions"] = document_positions(inputs, self.eos_id)
@@ -240,7 +233,7 @@ class ZephonValidator(Validator):
         for h in parts:
             available = h.count // gbs
             loader = HeldoutLoader(
-                h.store,
+                h.source,
                 seq_len=data.seq_len,
                 first_sample=h.first,
                 global_batch=gbs,

@@ -199,10 +199,7 @@ def step_label_tokens(loader: Any, step: int) -> int:
     """The labels step ``step`` trains over all of B(s), whatever part this group has:
     every token of a window, or (packed samples) what the packing index says."""
     first, gbs = loader.plan.step_positions(step)
-    counted = getattr(loader.store, "labelled_tokens", None)  # packed samples (job.packed)
-    if counted is None:
-        return gbs * loader.seq_len
-    return counted(loader.plan.ids_for_positions(first, gbs))
+    return loader.data.labelled_tokens(loader.plan.ids_for_positions(first, gbs))
 
 
 def _quorum_id(manager: Any) -> int | None:

@@ -219,11 +219,7 @@ def tokenizer_refusal(path: str, data: Any, error: BaseException) -> str:
         found = "is a file, not a folder"
     else:
         found = f"holds no tokenizer TorchTitan can load ({error})"
-    what = (
-        f"the mixture {data.path} (sources {', '.join(data.names)})"
-        if hasattr(data, "names")
-        else f"the store {data.path}"
-    )
+    what = data.what
     recorded = data.tokenizer_hash
     if not recorded:
         known = f"{what} does not record its tokenizer's sha256"
