@@ -15,12 +15,7 @@ from hypothesis import strategies as st
 from tests.order.test_exclusions import exclusion_entries, file_text, reference
 from tests.order.test_mixture import batch_schedules, mixtures
 from tests.order.test_skips import skip_steps
-from torchtitan_zephon.job.accounting import (
-    STORE_NAME,
-    document_offsets,
-    documents_started,
-    step_account,
-)
+from torchtitan_zephon.job.accounting import document_offsets, documents_started, step_account
 from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule, Layout
@@ -29,7 +24,7 @@ from torchtitan_zephon.order.mixture.plan import MixturePlan
 from torchtitan_zephon.order.mixture.spec import MixtureSpec
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
-from torchtitan_zephon.order.stream import DataPlan, split_keys
+from torchtitan_zephon.order.stream import STORE_NAME, DataPlan, split_keys
 from torchtitan_zephon.store.writer import slice_store
 
 

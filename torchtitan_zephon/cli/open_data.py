@@ -37,7 +37,6 @@ from torchtitan_zephon.job.run_data import read_run_data, recorded
 from torchtitan_zephon.order.data_config import SKIP_FIELD, DataConfig
 from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.stream import StreamPlan
 from torchtitan_zephon.run import recorded as runs
@@ -223,7 +222,6 @@ def _open_job(
         ]
         stores = [_run_store(config, [*given, zephon.get("store")], notes)]
     else:
-        assert isinstance(plan, MixtureStream)
         names = list(plan.names)
         mixtures = [args.mixture, recorded(record, "mixture", "given"), zephon.get("mixture")]
         sources = record["mixture"].get("sources") if recorded(record, "mixture", "given") else {}

@@ -377,7 +377,6 @@ def run_mixture(
     from torchtitan_zephon.job.data import JobData
     from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
     from torchtitan_zephon.order.mixture.plan import deviation_warning
-    from torchtitan_zephon.order.mixture.stream import MixtureStream
 
     config = MixtureConfig.load(args.mixture)
     for s in config.sources:
@@ -401,11 +400,10 @@ def run_mixture(
     exclusions = leave_out(source, args.exclude)
     extra = {SKIP_FIELD: args.skip_steps.to_json()} if args.skip_steps else {}
     plan = source.plan(source.data_config(seed=args.seed, schedule=schedule, extra=extra))
-    assert isinstance(plan, MixtureStream)
     first, last = args.steps
     _say_skips(args.skip_steps, last, schedule)
     _say_exclusions(exclusions, last)
-    plan.mixture.check_max_epochs(last)
+    plan.check_max_epochs(last)
     for warning in source.warnings:
         print(f"zephon plan: warning: {warning}", file=sys.stderr)
     worst, who, step = plan.mixture.deviation_report()

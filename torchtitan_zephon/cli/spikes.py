@@ -40,7 +40,6 @@ from torchtitan_zephon.cli.open_data import _checkpoint_folder, open_step_data
 from torchtitan_zephon.cli.plan import add_exclude_argument
 from torchtitan_zephon.cli.show import format_sample, step_samples
 from torchtitan_zephon.cli.step_data import ShowError, StepData, say_notes
-from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.run import recorded as runs
 
@@ -110,7 +109,7 @@ def schedule_cause(
     that source); the fix is a weight entry: from the newest complete checkpoint C before
     ``step``, keep the entries at or before C and give the steps after C the weights in
     effect before F. Returns that advice (None otherwise)."""
-    mixture = data.config.mixture if isinstance(data.plan, MixtureStream) else None
+    mixture = data.config.mixture
     names = {s.get("source") for s in samples}
     if not mixture or len(names) != 1 or not samples:
         return None
@@ -166,7 +165,7 @@ def _left_out_lines(data: StepData, step: int, from_step: int) -> list[str]:
     ids: dict[str, list[int]] = {}
     for s in step_samples(data, step, max_chars=1)["samples"]:
         ids.setdefault(s["source"], []).append(int(s["sample"]))
-    mixture = isinstance(data.plan, MixtureStream)
+    mixture = data.config.mixture is not None
     return [
         json.dumps(
             ({"source": name} if mixture else {}) | {"ids": sorted(v), "from_step": from_step}

@@ -18,7 +18,6 @@ import numpy as np
 
 from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.layout import part_slice, slice_index
-from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.order.stream import StreamPlan, split_keys
 from torchtitan_zephon.store.reader import TokenStore
@@ -156,8 +155,7 @@ class StepData:
                 f"step {step} is before the first step {self.first_step} of {self.what}{after}; "
                 f"pass --step {self.first_step} or later."
             )
-        if isinstance(self.plan, MixtureStream):
-            self.plan.mixture.check_max_epochs(step)
+        self.plan.check_max_epochs(step)
 
     def degree_at(self, step: int) -> tuple[int, str]:
         """The DP degree ``step``'s samples are shown at, and where it comes from:

@@ -42,16 +42,13 @@ import numpy as np
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.cli.open_data import add_data_arguments, open_step_data
 from torchtitan_zephon.cli.step_data import ShowError, StepData, document_span, say_notes
-from torchtitan_zephon.order.exclusions import ExclusionMap
-from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.permutation import Permutation
-from torchtitan_zephon.order.skips import SkipMap
-from torchtitan_zephon.order.stream import DataPlan
+from torchtitan_zephon.order.skips import MAX_STEP
+from torchtitan_zephon.order.stream import SourceShape
 
 DEFAULT_EPOCHS = (0, 1)
 MAX_EPOCHS = 10_000
 """Epochs one ``where`` searches at most (each costs one inverse per sample of D)."""
-MAX_STEP = 1 << 40
 """Steps searched for a mixture source's draw: a draw not reached by then is ``not drawn``."""
 
 
@@ -123,7 +120,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def source_index(data: StepData, name: str | None) -> int:
     """The source ``--source`` names (index in name order); 0 for one store."""
-    if not isinstance(data.plan, MixtureStream):
+    if data.config.mixture is None:
         if name:
             raise ShowError(f"--source {name!r} is for a mixture; {data.what} is one store.")
         return 0
@@ -138,36 +135,6 @@ def source_index(data: StepData, name: str | None) -> int:
             f"{', '.join(data.names)}."
         )
     return data.names.index(name)
-
-
-@dataclass(frozen=True)
-class SourceShape:
-    """What the way back needs of one source's stream."""
-
-    first_id: int  # the first training id
-    num_samples: int  # training samples
-    seed: int  # its permutation's seed
-    max_epochs: int | None
-    skip_map: SkipMap | None
-    exclusion_map: ExclusionMap | None
-
-
-def _source_shape(data: StepData, i: int) -> SourceShape:
-    plan = data.plan
-    if isinstance(plan, MixtureStream):
-        m = plan.mixture
-        return SourceShape(
-            0,
-            int(m.num_samples[i]),
-            m.source_seeds[i],
-            m.max_epochs[i],
-            m.skip_map,
-            m.exclusion_maps[i],
-        )
-    assert isinstance(plan, DataPlan)
-    return SourceShape(
-        plan.sample_offset, plan.num_samples, plan.seed, None, plan.skip_map, plan.exclusion_map
-    )
 
 
 def draw_of(shape: SourceShape, source: int, stream_position: int) -> int | tuple[str, int | None]:
@@ -195,50 +162,6 @@ def draw_of(shape: SourceShape, source: int, stream_position: int) -> int | tupl
     if m < len(starts) and starts[m] + prefix[m] <= e:
         return "skipped", None
     return e - int(prefix[m])
-
-
-def _mixture_slot(data: StepData, source: int, draw: int) -> tuple[int, int] | None:
-    """(step, index in the step) of the slot holding source ``source``'s ``draw``-th draw
-    (0-based), or None when no step up to MAX_STEP draws it."""
-    assert isinstance(data.plan, MixtureStream)
-    m = data.plan.mixture
-
-    def before(step: int) -> int:  # the source's draws in steps < step
-        return int(m.counts_before(step)[source])
-
-    hi = 1
-    while before(hi + 1) <= draw:
-        if hi >= MAX_STEP:
-            return None
-        hi = min(2 * hi, MAX_STEP)
-    lo = 1
-    while lo < hi:  # the first step whose end passes the draw
-        mid = (lo + hi) // 2
-        if before(mid + 1) > draw:
-            hi = mid
-        else:
-            lo = mid + 1
-    first, gbs = m.step_slots(lo)
-    slots = np.nonzero(m.slot_sources(first, gbs) == source)[0]
-    return lo, int(slots[draw - before(lo)])
-
-
-def _store_step(data: StepData, position: int) -> tuple[int, int] | None:
-    """(step, index in the step) of a position of one store's layout (None: before the
-    resume anchor)."""
-    layout = data.plan.layout
-    if position < layout.anchor_position:
-        return None
-    lo = hi = layout.anchor_step
-    while sum(layout.step_positions(hi)) <= position:
-        hi = lo + 2 * (hi - lo) + 1
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if sum(layout.step_positions(mid)) > position:
-            hi = mid
-        else:
-            lo = mid + 1
-    return lo, position - layout.step_positions(lo)[0]
 
 
 def where(
@@ -289,7 +212,7 @@ def _where_in(
             f"the store of {data.what}{f' (source {source!r})' if source else ''} was not "
             "found, so its documents are unknown: pass --store STORE (or --mixture FILE)."
         )
-    shape = _source_shape(data, i)
+    shape = data.plan.source_shape(i)
     first_id, n, seed, max_epochs = shape.first_id, shape.num_samples, shape.seed, shape.max_epochs
     d0, d1 = document_span(store, doc)
     seq_len = data.seq_len
@@ -336,16 +259,9 @@ def _hit(
     draw = draw_of(shape, source, q)
     if isinstance(draw, tuple):  # never trained: skipped, or left out from a step
         return Hit(epoch, sample, q, draw[0], left_out_from=draw[1])
-    if isinstance(data.plan, MixtureStream):
-        found = _mixture_slot(data, source, draw)
-        if found is None:
-            return Hit(epoch, sample, q, "not drawn")
-        if found[0] < data.plan.anchor_step:
-            return Hit(epoch, sample, q, "trained", None)
-    else:
-        found = _store_step(data, draw)
-        if found is None:
-            return Hit(epoch, sample, q, "trained", None)
+    found = data.plan.slot_of_draw(source, draw)
+    if isinstance(found, str):  # before the resume anchor, or not drawn by MAX_STEP
+        return Hit(epoch, sample, q, found, None)
     step, index = found
     gbs = data.plan.schedule.gbs(step)
     degree = dp_degree or data.degree_at(step)[0]

@@ -37,11 +37,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.job.source import OFFSETS_FETCH_LIMIT, starts_in_windows
-from torchtitan_zephon.order.mixture.stream import MixtureStream
-from torchtitan_zephon.order.stream import DataPlan, StreamPlan, split_keys
-
-STORE_NAME = "store"
-"""The source name of a job on one store (``zephon/source/store/...``)."""
+from torchtitan_zephon.order.stream import StreamPlan, split_keys
 
 
 @dataclass(frozen=True)
@@ -69,27 +65,15 @@ class StepAccount:
 
 def source_names(plan: StreamPlan) -> list[str]:
     """The sources a plan draws from, in source-index order."""
-    return list(plan.names) if isinstance(plan, MixtureStream) else [STORE_NAME]
+    return list(plan.names)
 
 
 def step_account(plan: StreamPlan, step: int, seq_len: int) -> StepAccount:
     """The accounting of trained step ``step`` (see the module docstring); O(sources)."""
-    if isinstance(plan, MixtureStream):
-        mix = plan.mixture
-        samples = mix.step_counts(step)
-        cumulative = mix.counts_before(step + 1)
-        targets = mix.targets_before(step + 1)
-        epochs = _mixture_epochs(plan, cumulative)
-        previous = _mixture_epochs(plan, cumulative - samples)
-    elif isinstance(plan, DataPlan):
-        first, count = plan.step_positions(step)
-        samples = np.array([count], dtype=np.int64)
-        cumulative = np.array([first + count], dtype=np.int64)
-        targets = [Fraction(first + count)]
-        epochs = _store_epoch(plan, first + count)
-        previous = _store_epoch(plan, first)
-    else:
+    if not isinstance(plan, StreamPlan):
         raise TypeError(f"no accounting for a {type(plan).__qualname__}")
+    draws = plan.step_draws(step)
+    samples, cumulative, targets = draws.samples, draws.cumulative, draws.targets
     deviations = [float(c - t) for c, t in zip(cumulative.tolist(), targets, strict=True)]
     return StepAccount(
         step=step,
@@ -98,25 +82,10 @@ def step_account(plan: StreamPlan, step: int, seq_len: int) -> StepAccount:
         tokens=samples * int(seq_len),
         cumulative=cumulative,
         targets=list(targets),
-        epochs=epochs,
-        previous_epochs=previous,
+        epochs=plan.epochs_of_draws(cumulative),
+        previous_epochs=plan.epochs_of_draws(cumulative - samples),
         deviations=deviations,
     )
-
-
-def _store_epoch(plan: DataPlan, drawn: int) -> np.ndarray:
-    """Epoch of the last of the first ``drawn`` positions' samples (0 if none)."""
-    if drawn <= 0:
-        return np.zeros(1, dtype=np.int64)
-    return plan.stream_positions(np.array([drawn - 1], dtype=np.int64)) // plan.num_samples
-
-
-def _mixture_epochs(plan: MixtureStream, drawn: np.ndarray) -> np.ndarray:
-    """Per source, the epoch of its ``drawn[i]``-th draw (0 if none)."""
-    mix = plan.mixture
-    last = np.maximum(np.asarray(drawn, dtype=np.int64) - 1, 0)
-    stream = mix.stream_positions(last, np.arange(last.size, dtype=np.int64))
-    return np.where(drawn > 0, stream // mix.num_samples, 0)
 
 
 def document_offsets(data: Any, fetch_limit: int = OFFSETS_FETCH_LIMIT) -> list[np.ndarray | None]:

@@ -42,7 +42,6 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon.job.accounting import STORE_NAME
 from torchtitan_zephon.job.packed import PackedSource
 from torchtitan_zephon.job.packing import open_packing, packing_note
 from torchtitan_zephon.job.plans import plan_of
@@ -55,7 +54,7 @@ from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError
 from torchtitan_zephon.order.mixture.spec import MixtureSpec, resolve_mixture
 from torchtitan_zephon.order.packing import PackedSamples, packing_field, padding_warning
 from torchtitan_zephon.order.store_size import no_sample_text, store_fix
-from torchtitan_zephon.order.stream import ID_MASK, StreamPlan, split_keys
+from torchtitan_zephon.order.stream import ID_MASK, STORE_NAME, StreamPlan, split_keys
 from torchtitan_zephon.store.format import fingerprint
 from torchtitan_zephon.store.group import StoreGroup
 from torchtitan_zephon.store.reader import TokenStore

@@ -67,9 +67,20 @@ def plan_of(
             skips=config.skip_steps,
             exclusions=exclusions.for_source(None) if exclusions else (),
         )
+    return mixture_plan_of(config, anchor, spec=spec, exclusions=exclusions)
+
+
+def mixture_plan_of(
+    config: DataConfig,
+    anchor: tuple[int, int] = (1, 0),
+    *,
+    spec: MixtureSpec | None = None,
+    exclusions: Exclusions | None = None,
+) -> MixtureStream:
+    """``plan_of`` a mixture's data config (its left-out entries already checked)."""
     if spec is None:
         spec = MixtureSpec.from_json(config.mixture)
-    layout = Layout(schedule, anchor, config.skip_steps)
+    layout = Layout(config.batch_schedule(), anchor, config.skip_steps)
     return MixtureStream(MixturePlan(spec, config.seed, layout, exclusions))
 
 
@@ -126,9 +137,7 @@ def mixture_progress(state: DataState) -> dict[str, Any] | None:
         config = DataConfig.from_dict(body)
     if config.mixture is None:
         return None
-    stream = plan_of(config, state.position_anchor)
-    assert isinstance(stream, MixtureStream)
-    plan, step = stream.mixture, state.next_step
+    plan, step = mixture_plan_of(config, state.position_anchor).mixture, state.next_step
     counts = plan.counts_before(step)
     targets: Sequence[Fraction] = plan.targets_before(step)
     epochs = plan.epochs(step)

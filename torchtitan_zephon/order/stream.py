@@ -7,7 +7,12 @@ a ``order.layout.Layout`` (which positions) composed with the stream's own map f
 positions to keys (``ids_for_positions``, ``_window_keys``). ``DataPlan`` is the
 stream of one store; a mixture's is ``order.mixture.stream.MixtureStream``. Streams
 name samples by **sample keys**: int64 values ``source << SOURCE_SHIFT | id``
-(``make_keys`` / ``split_keys``); for one store the key is the sample id.
+(``make_keys`` / ``split_keys``); for one store the key is the sample id. Every
+stream also answers, whatever the data's kind, what the readers of a plan ask of its
+sources (``names``): the accounting (``step_draws``, ``epochs_of_draws``), ``zephon
+where``'s way back from a sample to its slot (``source_shape``, ``slot_of_draw``) and
+a mixture's guards (``check_max_epochs``, ``deviation_report``: nothing for one store),
+so nobody outside ``order`` asks which kind a plan is.
 
 Invariants:
 - Position p of a ``DataPlan`` reads stream position ``q = p`` plus what the skip
@@ -27,6 +32,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 
@@ -52,12 +59,42 @@ def split_keys(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return k >> _SHIFT, k & _MASK
 
 
+STORE_NAME = "store"
+"""The source name of a plan of one store, where sources are named (the accounting's
+``zephon/source/store/...``)."""
+
+
+@dataclass(frozen=True)
+class SourceShape:
+    """One source's stream as the way back from a sample to its slot needs it."""
+
+    first_id: int  # the first training id
+    num_samples: int  # training samples
+    seed: int  # its permutation's seed
+    max_epochs: int | None
+    skip_map: SkipMap | None
+    exclusion_map: ExclusionMap | None
+
+
+@dataclass(frozen=True)
+class StepDraws:
+    """What steps 1..s drew from each source (source-index order): ``samples``, the
+    samples of step s; ``cumulative``, those of steps 1..s; ``targets``, the exact
+    targets of steps 1..s (one store: the cumulative count itself)."""
+
+    samples: np.ndarray
+    cumulative: np.ndarray
+    targets: list[Fraction]
+
+
 class StreamPlan(ABC):
     """Sample keys of every step, rank slice, micro-batch and window of a rank's stream:
     ``layout``'s positions, mapped to keys by the stream (``ids_for_positions`` for one
     range, ``_window_keys`` for many, both vectorized)."""
 
     layout: Layout
+    names: list[str]
+    """The sources' names in source-index order (one store: ``[STORE_NAME]``)."""
 
     @abstractmethod
     def ids_for_positions(self, first: int, count: int) -> np.ndarray:
@@ -71,6 +108,37 @@ class StreamPlan(ABC):
     def _keys(self, first: int, count: int, step: int) -> np.ndarray:
         """Keys of positions [first, first + count) of step ``step`` (named in errors)."""
         return self.ids_for_positions(first, count)
+
+    @abstractmethod
+    def step_draws(self, step: int) -> StepDraws:
+        """Per source: the samples of step ``step``, of steps 1..step and their exact
+        targets; O(sources), from the plan's counts (never the step's ids)."""
+
+    @abstractmethod
+    def epochs_of_draws(self, drawn: np.ndarray) -> np.ndarray:
+        """Per source, the epoch of its ``drawn[i]``-th trained sample (0 if none)."""
+
+    @abstractmethod
+    def source_shape(self, source: int) -> SourceShape:
+        """Source ``source``'s stream as the way back from a sample needs it."""
+
+    @abstractmethod
+    def slot_of_draw(self, source: int, draw: int) -> tuple[int, int] | str:
+        """(step, index in the step) of the slot that reads source ``source``'s
+        ``draw``-th trained sample (0-based), or why no slot of this plan does:
+        ``"trained"`` (before the plan's anchor: trained under its earlier counting) or
+        ``"not drawn"`` (no step up to ``MAX_STEP`` draws it)."""
+
+    @abstractmethod
+    def check_max_epochs(self, last_step: int) -> None:
+        """Refuse a plan that draws a source past its ``max_epochs`` by ``last_step``
+        (a mixture's guard; one store has none)."""
+
+    @abstractmethod
+    def deviation_report(self) -> tuple[Fraction, str, int] | None:
+        """(worst deviation of a source's count from its exact target over every step,
+        that source, the step), for a mixture's weights; None for one store, whose count
+        is its target at every step."""
 
     @abstractmethod
     def _window_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
@@ -136,7 +204,8 @@ class StreamPlan(ABC):
 
 
 class DataPlan(StreamPlan):
-    """Sample ids of every global step, rank slice and micro-batch of one store.
+    """Sample ids of every global step, rank slice and micro-batch of one store (its one
+    source, named ``STORE_NAME``).
 
     ``anchor_step`` / ``anchor_position`` pin step ``anchor_step`` to start at
     ``anchor_position``; the default (1, 0) is the plain schedule. A resume that
@@ -165,6 +234,7 @@ class DataPlan(StreamPlan):
             raise ValueError(f"sample_offset must be >= 0, got {sample_offset}.")
         self.num_samples = int(num_samples)
         self.seed = int(seed)
+        self.names = [STORE_NAME]
         self.layout = Layout(schedule, (anchor_step, anchor_position), skips)
         self.sample_offset = int(sample_offset)
         self._permutation: Permutation | None = None
@@ -191,6 +261,49 @@ class DataPlan(StreamPlan):
                 [e.ids - self.sample_offset for e in exclusions],
                 [e.from_step for e in exclusions],
             )
+
+    def step_draws(self, step: int) -> StepDraws:
+        first, count = self.step_positions(step)
+        return StepDraws(
+            np.array([count], dtype=np.int64),
+            np.array([first + count], dtype=np.int64),
+            [Fraction(first + count)],
+        )
+
+    def epochs_of_draws(self, drawn: np.ndarray) -> np.ndarray:
+        """The epoch of the last of the first ``drawn[0]`` positions' samples (0 if none)."""
+        count = int(np.asarray(drawn).ravel()[0])
+        if count <= 0:
+            return np.zeros(1, dtype=np.int64)
+        return self.stream_positions(np.array([count - 1], dtype=np.int64)) // self.num_samples
+
+    def check_max_epochs(self, last_step: int) -> None:
+        return None  # one store: no max_epochs
+
+    def deviation_report(self) -> None:
+        return None  # one store: its count is its target at every step
+
+    def source_shape(self, source: int) -> SourceShape:
+        return SourceShape(
+            self.sample_offset, self.num_samples, self.seed, None, self.skip_map, self.exclusion_map
+        )
+
+    def slot_of_draw(self, source: int, draw: int) -> tuple[int, int] | str:
+        """The layout's position ``draw`` as (step, index in the step); "trained" before
+        the anchor."""
+        layout = self.layout
+        if draw < layout.anchor_position:
+            return "trained"
+        lo = hi = layout.anchor_step
+        while sum(layout.step_positions(hi)) <= draw:
+            hi = lo + 2 * (hi - lo) + 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if sum(layout.step_positions(mid)) > draw:
+                hi = mid
+            else:
+                lo = mid + 1
+        return lo, draw - layout.step_positions(lo)[0]
 
     def permutation(self, epoch: int) -> Permutation:
         """The epoch's permutation; the latest one is kept (consecutive steps share it)."""

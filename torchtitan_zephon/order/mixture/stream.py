@@ -12,10 +12,19 @@ stream), so the layout's invariants hold for a mixture as for one store.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import numpy as np
 
 from torchtitan_zephon.order.mixture.plan import MixturePlan
-from torchtitan_zephon.order.stream import StreamPlan, make_keys, split_keys
+from torchtitan_zephon.order.skips import MAX_STEP
+from torchtitan_zephon.order.stream import (
+    SourceShape,
+    StepDraws,
+    StreamPlan,
+    make_keys,
+    split_keys,
+)
 
 
 class MixtureStream(StreamPlan):
@@ -40,6 +49,63 @@ class MixtureStream(StreamPlan):
     def positions_of(self, first: int, count: int) -> np.ndarray:
         """The stream position of each slot [first, first + count) in its source's stream."""
         return self.mixture.slot_positions([(first, count)])[1]
+
+    def step_draws(self, step: int) -> StepDraws:
+        mix = self.mixture
+        return StepDraws(
+            mix.step_counts(step), mix.counts_before(step + 1), mix.targets_before(step + 1)
+        )
+
+    def epochs_of_draws(self, drawn: np.ndarray) -> np.ndarray:
+        mix = self.mixture
+        drawn = np.asarray(drawn, dtype=np.int64)
+        last = np.maximum(drawn - 1, 0)
+        stream = mix.stream_positions(last, np.arange(last.size, dtype=np.int64))
+        return np.where(drawn > 0, stream // mix.num_samples, 0)
+
+    def source_shape(self, source: int) -> SourceShape:
+        m = self.mixture
+        return SourceShape(
+            0,
+            int(m.num_samples[source]),
+            m.source_seeds[source],
+            m.max_epochs[source],
+            m.skip_map,
+            m.exclusion_maps[source],
+        )
+
+    def slot_of_draw(self, source: int, draw: int) -> tuple[int, int] | str:
+        """The slot of the source's draw: the first step whose end passes the draw (a
+        doubling search, then bisection over the plan's O(sources) counts), then the
+        draw's slot among the step's slots of that source."""
+        m = self.mixture
+
+        def before(step: int) -> int:  # the source's draws in steps < step
+            return int(m.counts_before(step)[source])
+
+        hi = 1
+        while before(hi + 1) <= draw:
+            if hi >= MAX_STEP:
+                return "not drawn"
+            hi = min(2 * hi, MAX_STEP)
+        lo = 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if before(mid + 1) > draw:
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo < self.anchor_step:
+            return "trained"
+        first, gbs = m.step_slots(lo)
+        slots = np.nonzero(m.slot_sources(first, gbs) == source)[0]
+        return lo, int(slots[draw - before(lo)])
+
+    def check_max_epochs(self, last_step: int) -> None:
+        self.mixture.check_max_epochs(last_step)
+
+    def deviation_report(self) -> tuple[Fraction, str, int]:
+        return self.mixture.deviation_report()
 
     def decode(self, keys: np.ndarray) -> tuple[list[str], np.ndarray]:
         """(source name, per-source sample id) of each key."""

@@ -35,8 +35,8 @@ from torchtitan.tools.logging import logger
 from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.data_config import DataStateMismatch
 from torchtitan_zephon.order.mixture.plan import deviation_warning
-from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
+from torchtitan_zephon.order.stream import StreamPlan
 from torchtitan_zephon.titan.components.attention import document_positions
 from torchtitan_zephon.titan.components.job_data import (
     ZephonJob,
@@ -128,11 +128,7 @@ class ZephonDataLoader(BaseDataLoader):
             last_step=job.steps if job.steps > 0 else None,  # read ahead no further
         )
         rank = int(os.environ.get("RANK", "0"))
-        if isinstance(self.loader.plan, MixtureStream):
-            _check_mixture(self.loader.plan, data, job)
-        elif rank == 0:  # a store smaller than a global batch (mixtures: per source, above)
-            for warning in data.warnings:
-                logger.warning(f"Zephon: {warning}")
+        _check_plan(self.loader.plan, data, job)
         self.eos_id = eos_id_of(data)
         self.tracker = SequenceTracker(
             log_path(job.dump_folder),
@@ -248,16 +244,21 @@ class ZephonDataLoader(BaseDataLoader):
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _check_mixture(plan: MixtureStream, data: Any, job: JobView) -> None:
-    """Refuse a mixture that runs a source past its max_epochs within training.steps;
-    on rank 0, log the plan's warnings and its worst deviation from the exact targets."""
+def _check_plan(plan: StreamPlan, data: Any, job: JobView) -> None:
+    """Refuse a plan that runs a mixture's source past its max_epochs within
+    training.steps; on rank 0, log the data's warnings (a store or a mixture's source
+    smaller than a global batch) and a mixture's worst deviation from the exact
+    targets."""
     if job.steps:
-        plan.mixture.check_max_epochs(int(job.steps))
+        plan.check_max_epochs(int(job.steps))
     if int(os.environ.get("RANK", "0")) != 0:
         return
     for warning in data.warnings:
         logger.warning(f"Zephon: {warning}")
-    worst, who, step = plan.mixture.deviation_report()
+    report = plan.deviation_report()
+    if report is None:  # one store: its count is its target
+        return
+    worst, who, step = report
     warning = deviation_warning(worst, who, step)
     if warning:
         logger.warning(f"Zephon: {warning}")
