@@ -134,7 +134,7 @@ def test_allow_changes_takes_several_fields_in_every_spelling(monkeypatch, front
 
 def test_a_refused_resume_names_the_flag_that_accepts_it():
     from torchtitan_zephon.order.data_config import DataStateMismatch
-    from torchtitan_zephon.titan.components.dataloader import with_trainer_hint
+    from torchtitan_zephon.titan.start.decision import with_trainer_hint
 
     e = with_trainer_hint(DataStateMismatch("differs", ("seed", "skip_steps")))
     assert "--zephon.allow_changes seed skip_steps (TOML: [zephon] allow_changes = " in str(e)

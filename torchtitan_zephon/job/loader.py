@@ -56,12 +56,12 @@ import torch
 
 from torchtitan_zephon.job.data import JobData, as_job_data
 from torchtitan_zephon.job.documents import document_positions
-from torchtitan_zephon.job.plans import first_correction
+from torchtitan_zephon.job.plans import decide_resume
 from torchtitan_zephon.job.read_ahead import _ReadAhead
 from torchtitan_zephon.job.source import unlabel
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
-from torchtitan_zephon.order.resume import ResumeDecision, check_resume
+from torchtitan_zephon.order.resume import ResumeDecision
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import DataUnreadable, StoreError
 from torchtitan_zephon.store.reader import TokenStore
@@ -409,7 +409,7 @@ class ZephonLoader(_ReadAhead):
     ) -> ResumeDecision:
         """Continue at the saved ``next_step``; refuse config changes not in ``allow_changes``.
 
-        The rule is ``order.resume.check_resume``: ``allow_changes`` names data config
+        The rule is ``job.plans.decide_resume``: ``allow_changes`` names data config
         fields whose change is accepted (``seed``, ``seq_len``, ``schedule``,
         ``sample_offset``, ``num_samples``, ``store_fingerprint``, ``tokenizer_hash``,
         any extra_config key), the aliases ``store`` (store_fingerprint +
@@ -418,9 +418,7 @@ class ZephonLoader(_ReadAhead):
         changed only for untrained steps needs no opt-in.
         """
         saved = state if isinstance(state, DataState) else DataState.from_dict(state)
-        decision = check_resume(
-            saved, self.config, allow_changes, first_correction=first_correction
-        )
+        decision = decide_resume(saved, self.config, allow_changes)
         if decision.config is not None:  # the same samples, bound to the saved rule
             self.config = decision.config
         self._reset()

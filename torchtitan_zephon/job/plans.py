@@ -3,7 +3,8 @@
 Role: ``plan_of(config, anchor)`` rebuilds the plan a data config governs (a
 ``DataPlan`` for one store, a ``MixtureStream`` for a mixture); plans are built
 here, never in the engine's resume rule: ``first_correction(config)`` is what
-``order.resume.check_resume`` asks of a mixture saved under another rule.
+``order.resume.check_resume`` asks of a mixture saved under another rule, and
+``decide_resume`` is that rule as every resume asks it (the one decision).
 ``weights_at`` and ``mixture_progress`` are what ``zephon inspect`` tells of a
 mixture's data state. ``exclusions_problem`` is the check that a left-out list is
 the one a config binds (``plan_of`` refuses a plan without it).
@@ -19,7 +20,7 @@ Invariants:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -30,6 +31,7 @@ from torchtitan_zephon.order.mixture.config import fraction_text
 from torchtitan_zephon.order.mixture.plan import MixturePlan
 from torchtitan_zephon.order.mixture.spec import SPEC_FORMAT, MixtureSpec
 from torchtitan_zephon.order.mixture.stream import MixtureStream
+from torchtitan_zephon.order.resume import ResumeDecision, check_resume
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.order.stream import DataPlan
 
@@ -82,6 +84,18 @@ def mixture_plan_of(
         spec = MixtureSpec.from_json(config.mixture)
     layout = Layout(config.batch_schedule(), anchor, config.skip_steps)
     return MixtureStream(MixturePlan(spec, config.seed, layout, exclusions))
+
+
+def decide_resume(
+    saved: DataState, config: DataConfig, allow_changes: Iterable[str] = ()
+) -> ResumeDecision:
+    """The one decision of a resume: may a job of data config ``config`` continue the
+    data state ``saved``, with the fields ``allow_changes`` names opted in? The rule is
+    ``order.resume.check_resume``, given what it asks of a plan (``first_correction``:
+    a mixture saved under another rule). Raises ``DataStateMismatch`` naming the
+    refused fields; the trainer's preflight, the loader's ``load_state_dict`` (a DCP
+    load) and torchft healing all decide here."""
+    return check_resume(saved, config, allow_changes, first_correction=first_correction)
 
 
 def exclusions_problem(

@@ -249,6 +249,37 @@ class SequenceTracker:
             }
         )
 
+    def continue_from(
+        self,
+        head: dict[str, Any] | None,
+        done: int,
+        topology: dict[str, Any],
+        *,
+        ignore_mismatch: bool = False,
+        details: dict[str, Any] | None = None,
+    ) -> str | None:
+        """Continue the log after step ``done``, the last step of the checkpoint a job
+        resumes from, whose data state holds the chain ``head``: from that head
+        (``resume``), or, when the checkpoint holds none for step ``done`` (written with
+        audit "off"), with the chain restarted there (``restart``). Returns what the
+        trainer warns of (None: nothing); TrackerError as ``resume`` says."""
+        if head is not None and int(head["step"]) == done:
+            problem = self.resume(head, topology, ignore_mismatch=ignore_mismatch, details=details)
+            if problem is None:
+                return None
+            return (
+                f"the sequence log does not match the checkpoint of step {done} "
+                f"({problem}); continuing because zephon.ignore_log_mismatch is set. The "
+                "resume event records it, and the chain is not linked at this step."
+            )
+        self.restart(done, topology, details)
+        if not self.enabled:
+            return None
+        return (
+            f"the checkpoint of step {done} holds no sequence-log chain head (it was written "
+            "with zephon.audit = 'off'); the log's chain restarts here"
+        )
+
     def missed_lines(self, records: list[dict[str, Any]], head: dict[str, Any]) -> list[bytes]:
         """The log lines of a peer's effective ``records`` after this tracker's step (torchft
         healing), checked to link to this log's chain and to end at the peer's ``head``;
@@ -282,7 +313,11 @@ class SequenceTracker:
     ) -> None:
         """Under torchft, this group healed from a peer at its step ``own_step``: a
         ``resume`` event there (``"healed": true``), then the peers' record ``lines``
-        after it (already checked to link), and the peers' chain ``head``."""
+        after it (already checked to link), and the peers' chain ``head``. A rank that
+        does not write the log only takes the head; a disabled tracker (audit "off")
+        takes nothing."""
+        if not self.enabled:
+            return
         self._event(
             {
                 "event": "resume",

@@ -19,9 +19,8 @@ each window's first token and after each EOS (``attention.document_positions``).
 
 from __future__ import annotations
 
-import json
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Annotated, Any
@@ -35,6 +34,7 @@ from torchtitan.tools.logging import logger
 from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.data_config import DataStateMismatch
 from torchtitan_zephon.order.mixture.plan import deviation_warning
+from torchtitan_zephon.order.resume import ResumeDecision
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
 from torchtitan_zephon.order.stream import StreamPlan
 from torchtitan_zephon.titan.components.attention import document_positions
@@ -46,18 +46,9 @@ from torchtitan_zephon.titan.components.job_data import (
     trainer_handoff,
 )
 from torchtitan_zephon.titan.configs.job_view import JobView
+from torchtitan_zephon.titan.start.decision import with_trainer_hint
 from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
 from torchtitan_zephon.tracker.writer import StepDigests
-
-
-def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
-    """A refused resume, with how to opt in from the trainer's command line."""
-    names = list(e.fields) or ["FIELD"]
-    return DataStateMismatch(
-        f"{e}\nWith the trainer: --zephon.allow_changes {' '.join(names)} (TOML: [zephon] "
-        f"allow_changes = {json.dumps(names)}). Nothing was changed on disk.",
-        e.fields,
-    )
 
 
 class ZephonDataLoader(BaseDataLoader):
@@ -193,14 +184,33 @@ class ZephonDataLoader(BaseDataLoader):
                 "--checkpoint.initial_load_path and --checkpoint.initial_load_model_only."
             )
         try:
-            saved = DataState.from_json(state_dict[RECORD_KEY])
-            decision = self.loader.load_state_dict(saved, allow_changes=self.allow_changes)
+            self.resume(DataState.from_json(state_dict[RECORD_KEY]), self.allow_changes)
         except DataStateMismatch as e:
             raise with_trainer_hint(e) from None
+
+    def resume(
+        self,
+        saved: DataState,
+        allow_changes: Sequence[str] = (),
+        *,
+        healed: tuple[int, list[bytes], dict[str, Any]] | None = None,
+    ) -> ResumeDecision:
+        """The one way into a resume of this rank's data: decide it
+        (``job.plans.decide_resume``, with ``allow_changes`` opted in), continue the loader
+        at ``saved``'s next step, forget what was computed under the plan before, and
+        continue the sequence log. A DCP load (``load_state_dict``) continues the log from
+        the checkpoint's chain head (``SequenceTracker.continue_from``); torchft healing
+        passes ``healed``: (this group's step, the peers' log lines it missed, their chain
+        head), which the tracker appends (``SequenceTracker.healed``). Raises
+        ``DataStateMismatch`` naming a refused change, with nothing moved."""
+        decision = self.loader.load_state_dict(saved, allow_changes=allow_changes)
         self.tracker.config = self.loader.config  # a resume may keep the saved mixture rule
         self.ids_digests.reset()  # computed under the plan before the resume
         self._digests.clear()
-        head = saved.tracker
+        if healed is not None:
+            own_step, lines, head = healed
+            self.tracker.healed(own_step, lines, head, self.topology)
+            return decision
         done = self.loader.next_step - 1
         details: dict[str, Any] = {}
         if decision.accepted:
@@ -215,28 +225,21 @@ class ZephonDataLoader(BaseDataLoader):
             logger.info(f"Zephon: {note}")
         if decision.notes:
             details["notes"] = list(decision.notes)
-        if head is not None and int(head["step"]) == done:
-            problem = self.tracker.resume(
-                head, self.topology, ignore_mismatch=self.ignore_log_mismatch, details=details
-            )
-            if problem is not None:
-                logger.warning(
-                    f"Zephon: the sequence log does not match the checkpoint of step {done} "
-                    f"({problem}); continuing because zephon.ignore_log_mismatch is set. The "
-                    "resume event records it, and the chain is not linked at this step."
-                )
-        else:  # written with audit "off": no chain head for this step
-            if self.tracker.enabled:
-                logger.warning(
-                    f"Zephon: the checkpoint of step {done} holds no sequence-log chain head "
-                    "(it was written with zephon.audit = 'off'); the log's chain restarts here"
-                )
-            self.tracker.restart(done, self.topology, details)
+        warning = self.tracker.continue_from(
+            saved.tracker,
+            done,
+            self.topology,
+            ignore_mismatch=self.ignore_log_mismatch,
+            details=details,
+        )
+        if warning is not None:
+            logger.warning(f"Zephon: {warning}")
         self.resumed_from = done
         logger.info(
             f"Zephon: resuming at step {self.loader.next_step} (position "
             f"{saved.consumed_positions}) under DP degree {self.loader.dp_degree}"
         )
+        return decision
 
     def close(self) -> None:
         self.loader.close()

@@ -80,11 +80,5 @@ class Healing:
         t.optimizers.load_state_dict(state["optimizer"])
         t.lr_schedulers.load_state_dict(state["lr_scheduler"])
         t.load_state_dict(state["train_state"])
-        dl.loader.load_state_dict(DataState.from_dict(state["data"]))
-        dl.ids_digests.reset()  # computed for the step this group was at
-        if tracker.enabled:
-            if tracker.writer:
-                tracker.healed(own_step, lines, head, dl.topology)
-            else:
-                tracker.step, tracker.chain = int(head["step"]), str(head["chain"])
+        dl.resume(DataState.from_dict(state["data"]), healed=(own_step, lines, head))
         return int(dl.loader.next_step)

@@ -19,17 +19,28 @@ the start is refused (``StartRefused``) instead.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchtitan_zephon.job.data import JobData
-from torchtitan_zephon.order.data_config import DataConfig
+from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.titan.configs.job_view import JobView
 from torchtitan_zephon.titan.start import old_runs
+
+
+def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
+    """A refused resume, with how to opt in from the trainer's command line."""
+    names = list(e.fields) or ["FIELD"]
+    return DataStateMismatch(
+        f"{e}\nWith the trainer: --zephon.allow_changes {' '.join(names)} (TOML: [zephon] "
+        f"allow_changes = {json.dumps(names)}). Nothing was changed on disk.",
+        e.fields,
+    )
 
 
 class StartRefused(RuntimeError):

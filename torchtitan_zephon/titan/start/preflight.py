@@ -5,7 +5,7 @@ log, checkpoints), find the checkpoint TorchTitan will load, by its own rule,
 passing over checkpoints whose files are incomplete or corrupt
 (``titan.start.decision``), and run every check that can refuse the start:
 
-* the data config against the checkpoint's data state (``order.resume.check_resume``),
+* the data config against the checkpoint's data state (``job.plans.decide_resume``),
 * the sequence log against the checkpoint's chain head (global rank 0),
 * a checkpoint that cannot be resumed (model-only, no Zephon data state, data
   state excluded from loading), and one written by the 0.2.2-based code whose keys
@@ -51,12 +51,11 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.data import JobData
-from torchtitan_zephon.job.plans import first_correction
+from torchtitan_zephon.job.plans import decide_resume
 from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
-from torchtitan_zephon.order.resume import allowed_fields, check_resume
+from torchtitan_zephon.order.resume import allowed_fields
 from torchtitan_zephon.run import recorded as runs
-from torchtitan_zephon.titan.components.dataloader import with_trainer_hint
 from torchtitan_zephon.titan.components.job_data import (
     check_tokenizer,
     heldout_parts,
@@ -68,6 +67,7 @@ from torchtitan_zephon.titan.start.decision import (
     StartRefused,
     check_old_run,
     choose_checkpoint,
+    with_trainer_hint,
 )
 from torchtitan_zephon.tracker import LogReader, SequenceTracker, TrackerError, log_path
 
@@ -280,7 +280,7 @@ def decide_start(
         check_old_run(chosen, start, job)
         try:
             saved = runs.read_data_state(chosen.path)
-            check_resume(saved, config, zc.allow_changes, first_correction=first_correction)
+            decide_resume(saved, config, zc.allow_changes)
         except runs.RunError as e:
             raise StartRefused(str(e)) from None
         except DataStateMismatch as e:
