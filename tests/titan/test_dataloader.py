@@ -16,7 +16,11 @@ from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning
 from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
-from torchtitan_zephon.titan.components.job_data import batch_schedule, open_job_data, with_job
+from torchtitan_zephon.titan.components.job_data import (
+    ZephonJob,
+    batch_schedule,
+    open_job_data,
+)
 from torchtitan_zephon.titan.configs.job_view import JobView, job_view
 from torchtitan_zephon.tracker import sample_digests
 
@@ -50,8 +54,8 @@ def build_zephon_dataloader(
     """The dataloader as Zephon's trainer builds it: the job's data opened once (as the
     preflight does), handed over, then TorchTitan's build keywords."""
     data, _ = open_job_data(view, tokenizer)
-    config = with_job(ZephonDataLoader.Config(), view, data)
-    return config.build(
+    return ZephonDataLoader.Config().build(
+        job=ZephonJob.of(view, data),
         dp_world_size=dp_world_size,
         dp_rank=dp_rank,
         tokenizer=tokenizer,
@@ -275,18 +279,16 @@ def test_a_rule_1_mixture_checkpoint_resumes_bound_to_rule_1(tmp_path):
 
 
 def test_another_trainer_builds_the_dataloader_through_the_public_seam(tmp_path):
-    """Issue 29 (c3): without Zephon's trainer, ``ZephonJob.open(job_view(config))`` and
-    ``with_job`` give the dataloader everything it reads; it then serves the same
-    batches as the trainer's hand-off, and the config TorchTitan logs or saves
+    """Issue 29 (c3): without Zephon's trainer, ``ZephonJob.open(job_view(config))`` as
+    the build keyword ``job`` gives the dataloader everything it reads; it then serves
+    the same batches as the trainer's hand-off, and the config TorchTitan logs or saves
     (``to_dict``) holds no opened data."""
-    from torchtitan_zephon.titan.components.job_data import ZephonJob
-
     view = job(tmp_path)
     handoff = ZephonJob.open(view)
-    config = with_job(ZephonDataLoader.Config(), handoff)
-    assert "_zephon_job" not in config.to_dict()
+    config = ZephonDataLoader.Config()
+    assert "job" not in config.to_dict()
     assert json.dumps(config.to_dict())  # plain data only
-    built = config.build(dp_world_size=2, dp_rank=1, tokenizer=None, seq_len=32,
+    built = config.build(job=handoff, dp_world_size=2, dp_rank=1, tokenizer=None, seq_len=32,
                          local_batch_size=2)  # fmt: skip
     reference = build_zephon_dataloader(2, 1, None, job(tmp_path / "ref"))
     try:
@@ -304,5 +306,6 @@ def test_built_without_the_seam_it_refuses_and_names_it(tmp_path):
         ZephonDataLoader.Config().build(
             dp_world_size=1, dp_rank=0, tokenizer=None, seq_len=32, local_batch_size=2
         )
-    assert "with_job(config, ZephonJob.open(job_view(trainer_config)))" in str(e.value)
+    assert "config.build(job=ZephonJob.open(job_view(trainer_config)), ...)" in str(e.value)
+    assert "build_context(job)" in str(e.value)
     assert "python -m torchtitan_zephon.train" in str(e.value)

@@ -109,7 +109,7 @@ def start_like_the_trainer(
     if trainer._lock is not None:
         trainer._lock.release()
     (done,) = titan_builds.built
-    return trainer.config.dataloader._zephon_job.data, done.dataloader, done.validator
+    return trainer.zephon_job.data, done.dataloader, done.validator
 
 
 def test_the_store_is_opened_once_across_preflight_dataloader_and_validator(
@@ -170,13 +170,14 @@ def test_without_the_trainers_data_the_builders_refuse_and_open_nothing(tmp_path
 def test_the_trainer_hands_its_job_data_to_the_configs_torchtitan_builds(
     tmp_path, opened, titan_builds
 ):
-    """ZephonTrainer sets the job data its preflight opened on the dataloader and the
-    validator configs TorchTitan's Trainer.__init__ builds from: both read that object."""
+    """ZephonTrainer hands the job data its preflight opened to the dataloader and the
+    validator TorchTitan's Trainer.__init__ builds (its build context): both read that
+    object."""
     config = trainer_config(tmp_path / "run", heldout_samples=16)
     data, dl, validator = start_like_the_trainer(config, titan_builds, 1, 0)
     try:
         assert data is not None and dl.loader.data is data
-        assert validator.config._zephon_job.data is data and sum(opened.values()) == 1
+        assert validator.zephon_job.data is data and sum(opened.values()) == 1
     finally:
         dl.close()
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from tests.titan.test_dataloader import job
 from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.components.job_data import open_job_data, with_job
+from torchtitan_zephon.titan.components.job_data import ZephonJob, open_job_data
 from torchtitan_zephon.titan.components.validate import (
     HeldoutLoader,
     ZephonValidator,
@@ -80,14 +80,14 @@ def build_validator(
     view: JobView, dp_degree: int, dp_rank: int, micro: int, *, steps: int = -1
 ) -> ZephonValidator:
     """The validator as Zephon's trainer builds it: the job's data opened once and
-    handed over (``with_job``), then TorchTitan's build keywords."""
+    handed over (the build keyword ``job``), then TorchTitan's build keywords."""
     from torchtitan.components.loss import CrossEntropyLoss
     from torchtitan.config import ParallelismConfig
 
     data, _ = open_job_data(view)
-    config = with_job(ZephonValidator.Config(microbatch_size=micro, steps=steps), view, data)
+    config = ZephonValidator.Config(microbatch_size=micro, steps=steps)
     return config.build(
-        parallelism=ParallelismConfig(), dp_world_size=dp_degree, dp_rank=dp_rank, tokenizer=None,
+        job=ZephonJob.of(view, data), parallelism=ParallelismConfig(), dp_world_size=dp_degree, dp_rank=dp_rank, tokenizer=None,
         parallel_dims=SimpleNamespace(dp_cp_enabled=False, pp_enabled=False, cp_enabled=False),
         loss_fn=CrossEntropyLoss(CrossEntropyLoss.Config()),
         validation_context=contextlib.nullcontext,

@@ -4,9 +4,10 @@ global order, checkpointed as one world-size-independent record.
 Selected with ``dataloader=ZephonDataLoader.Config(...)`` in any model's trainer
 config; built by TorchTitan's Trainer with its keyword arguments (DP coordinates,
 tokenizer, seq_len, local batch size). What it needs beyond those, the job's view
-and the job's data as the preflight opened them, Zephon's trainer sets on the
-config (``job_data.with_job``, the public seam another trainer uses too) before
-TorchTitan builds anything; built without it, it refuses, naming the trainer to use.
+and the job's data as the preflight opened them, come as one more build keyword,
+``job`` (``job_data.ZephonJob``, the public seam another trainer uses too), or from
+the ``job_data.build_context`` Zephon's trainer opens around TorchTitan's build;
+built without either, it refuses, naming the trainer to use.
 
 Invariant: ``state_dict()`` returns the same record on every rank of every
 topology: ``{"zephon": <JSON text>}``, the ``order.state.DataState`` (data config,
@@ -23,11 +24,10 @@ import os
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
 import torch
-import tyro
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
 
@@ -43,7 +43,7 @@ from torchtitan_zephon.titan.components.job_data import (
     batch_schedule,
     check_tokenizer,
     eos_id_of,
-    trainer_handoff,
+    job_to_build,
 )
 from torchtitan_zephon.titan.configs.job_view import JobView
 from torchtitan_zephon.titan.start.decision import with_trainer_hint
@@ -75,10 +75,6 @@ class ZephonDataLoader(BaseDataLoader):
         pin_memory: bool = False
         """Put batches in pinned memory (faster host-to-GPU copies)."""
 
-        _zephon_job: Annotated[ZephonJob | None, tyro.conf.Suppress] = None
-        """The job's view, data and data config, opened once (``job_data.ZephonJob``): set
-        with ``with_job`` by Zephon's trainer from its preflight, or by another trainer."""
-
     def __init__(
         self,
         config: Config,
@@ -89,8 +85,12 @@ class ZephonDataLoader(BaseDataLoader):
         seq_len: int,
         local_batch_size: int,
         snapshot_every_n_steps: int | None = None,
+        job: ZephonJob | None = None,
     ) -> None:
-        handoff = trainer_handoff(config, "dataloader (ZephonDataLoader.Config)")
+        """TorchTitan's build keywords, and ``job``: the job's view, data and data config
+        opened once (``job_data.ZephonJob``; None: the open ``job_data.build_context``'s,
+        as Zephon's trainer builds it)."""
+        handoff = job_to_build(job, "dataloader (ZephonDataLoader.Config)")
         job, data = handoff.view, handoff.data
         self.config = config
         zc = job.zephon

@@ -1,16 +1,18 @@
 """The job's data as the TorchTitan side opens it: once per process, in the trainer's
-preflight, then handed to the dataloader and the validator on their configs.
+preflight, then handed to the dataloader and the validator when they are built.
 
 Role: ``ZephonJob`` is that hand-off, the public seam of both components: the job's
 view, its data (``zephon.mixture``, else ``zephon.store`` or the builtin store) and
 its data config, each built once. ``ZephonJob.open(view)`` opens it
-(``open_job_data``); ``with_job(config, zephon_job)`` gives it to a Zephon dataloader
-or validator config, and ``trainer_handoff`` gives it back to the component (refusing,
-naming the trainer to use and this seam, when it was built without it). Zephon's
-trainer does both from its preflight; another trainer or a test does the same:
+(``open_job_data``). A component takes it as a build keyword, as TorchTitan's
+builders take the runtime objects they need (``config.build(job=zephon_job, ...)``),
+or, built by TorchTitan's ``Trainer.__init__`` (which passes its own keywords only),
+from the ``build_context(zephon_job)`` Zephon's trainer opens around it;
+``job_to_build`` is what the component asks (refusing, naming the trainer to use and
+this seam, when it has neither). Another trainer or a test does the same:
 
     zephon_job = ZephonJob.open(job_view(trainer_config))   # trainer_config: any
-    dataloader = with_job(ZephonDataLoader.Config(), zephon_job).build(...)  # Trainer.Config
+    dataloader = ZephonDataLoader.Config().build(job=zephon_job, ...)  # Trainer.Config
                                                     # with a ``zephon`` section
 
 ``batch_schedule``, ``eos_id_of`` and ``heldout_parts`` (held-out samples validation
@@ -22,15 +24,16 @@ Invariant: a component reads the object the preflight opened, never a store of i
 own, so each store is opened, and the data config built, once per process; every
 check that needs only the job and the stores (vocabulary against the model and the
 tokenizer, held-out samples, a mixture's sources against each other) runs when the
-data is opened, before anything is written. The hand-off rides on the configs in a
-field TorchTitan's ``to_dict`` leaves out (``_zephon_job``), so a saved or logged
-job config never holds opened stores.
+data is opened, before anything is written. The hand-off never rides on a config, so
+a saved or logged job config never holds opened stores.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,42 +193,40 @@ class ZephonJob:
         data, data_config = open_job_data(view, tokenizer)
         return cls(view, data, data_config)
 
-
-HANDOFF_FIELD = "_zephon_job"
-"""The config field that carries a ``ZephonJob`` (leading ``_``: TorchTitan's
-``to_dict`` leaves it out); set it with ``with_job`` only."""
-
-
-def with_job(
-    config: Any,
-    job: ZephonJob | JobView,
-    data: JobData | None = None,
-    data_config: DataConfig | None = None,
-) -> Any:
-    """A copy of a Zephon dataloader or validator ``config`` that reads ``job``: a
-    ``ZephonJob``, or a job's view with the data opened for it (``data``; its data
-    config built here when not given)."""
-    if not isinstance(job, ZephonJob):
-        if data is None:
-            raise TypeError("with_job needs a ZephonJob, or a JobView and the job's data")
-        if data_config is None:
-            data_config = job_data_config(job, data)
-        job = ZephonJob(job, data, data_config)
-    return dataclasses.replace(config, **{HANDOFF_FIELD: job})
+    @classmethod
+    def of(cls, view: JobView, data: JobData) -> ZephonJob:
+        """The job ``view`` over ``data`` opened for it, its data config built here."""
+        return cls(view, data, job_data_config(view, data))
 
 
-def trainer_handoff(config: Any, what: str) -> ZephonJob:
-    """The ``ZephonJob`` set on ``config``; a clear error when ``what`` (the component)
-    was built without it."""
-    job = getattr(config, HANDOFF_FIELD, None)
+_BUILDING: ContextVar[ZephonJob | None] = ContextVar("zephon_build_context", default=None)
+
+
+@contextmanager
+def build_context(job: ZephonJob) -> Iterator[ZephonJob]:
+    """While open, a Zephon dataloader or validator that is built without a ``job``
+    keyword reads ``job``: how Zephon's trainer hands the job it opened to the
+    components TorchTitan's ``Trainer.__init__`` builds (with its own keywords only)."""
+    token = _BUILDING.set(job)
+    try:
+        yield job
+    finally:
+        _BUILDING.reset(token)
+
+
+def job_to_build(job: ZephonJob | None, what: str) -> ZephonJob:
+    """The job a component is built for: its ``job`` build keyword, else the open
+    ``build_context``'s; a clear error when ``what`` (the component) has neither."""
+    job = job if job is not None else _BUILDING.get()
     if job is None:
         raise ValueError(
             f"the Zephon {what} is built by Zephon's trainer, which opens the job's data and "
             "checks the start before TorchTitan writes anything: run "
             "`python -m torchtitan_zephon.train --module M --config FN` (or torchrun ... -m "
             "torchtitan_zephon.train), whose trainer config is ZephonTrainer.Config. Another "
-            "trainer hands it the job's data itself: with_job(config, "
-            "ZephonJob.open(job_view(trainer_config))) (titan.components.job_data)"
+            "trainer hands it the job's data itself: config.build(job=ZephonJob.open("
+            "job_view(trainer_config)), ...), or builds it inside build_context(job) "
+            "(titan.components.job_data)"
         )
     return job
 
@@ -243,7 +244,7 @@ def open_job_data(job: JobView, tokenizer: Any = None) -> tuple[JobData, DataCon
     (``resolve_data``: vocabulary against the model and the tokenizer, held-out
     samples, a mixture's sources against each other), so the trainer's preflight
     refuses a bad job before anything is written. The trainer opens the data here
-    once and hands the object to the dataloader and the validator (``with_job``).
+    once and hands the object to the dataloader and the validator (``build_context``).
     """
     data = resolve_data(job, tokenizer)
     if job.zephon.exclude:  # checked against the data: ids, held-out ids, sources

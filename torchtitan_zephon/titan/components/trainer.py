@@ -13,8 +13,8 @@ loss's chunk count to ``training.seq_len``: ``loss_chunks``), checks the start
 (``ownership.lock.RunFolderLock``, global rank 0) before TorchTitan builds or
 writes anything, so a refused start changes nothing on disk; it then hands the
 job's view and the job's data the preflight opened to the dataloader and the
-validator configs (``job_data.with_job``: each store is opened once per
-process), pins the checkpoint the preflight checked (one the 0.2.2-based code
+validator TorchTitan builds (``job_data.build_context``: each store is opened once
+per process), pins the checkpoint the preflight checked (one the 0.2.2-based code
 wrote is loaded through ``old_runs``' name map; after a rollback, an explicit
 ``checkpoint.load_step`` K, rank 0 moves the checkpoints after K aside at the first
 step, once every rank has loaded K), and wraps the model spec's
@@ -62,7 +62,7 @@ from torchtitan_zephon.titan.components.accounting import StepAccounting
 from torchtitan_zephon.titan.components.attention import with_document_masks
 from torchtitan_zephon.titan.components.checkpoint_folder import keep_newest, move_abandoned
 from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
-from torchtitan_zephon.titan.components.job_data import ZephonJob, with_job
+from torchtitan_zephon.titan.components.job_data import ZephonJob, build_context
 from torchtitan_zephon.titan.components.validate import ZephonValidator
 from torchtitan_zephon.titan.configs.job_view import JobView, job_view
 from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
@@ -141,16 +141,15 @@ class ZephonTrainer(Trainer):
                 timeout=timedelta(seconds=config.comm.train_timeout_seconds),
             )
         handoff = ZephonJob(job, start.data, start.data_config)  # opened once, by the preflight
-        config.dataloader = with_job(config.dataloader, handoff)
-        if isinstance(config.validator, ZephonValidator.Config):
-            config.validator = with_job(config.validator, handoff)
         if config.zephon.init == "zephon" and config.model_spec is not None:
             seed = 0 if config.debug.seed is None else int(config.debug.seed)
             config.model_spec = dataclasses.replace(
                 config.model_spec,
                 parallelize_fn=topology_free_parallelize(config.model_spec.parallelize_fn, seed),
             )
-        super().__init__(config)
+        with build_context(handoff):  # the dataloader and validator TorchTitan builds read it
+            super().__init__(config)
+        self.zephon_job = handoff
         if start.old_run is not None:  # a 0.2.2 checkpoint: loaded through its key map
             old_runs.install(self.checkpointer, start.old_run)
         if self.ft is not None:  # what this group sends a healing peer, and takes from one

@@ -33,12 +33,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Annotated, Any
+from typing import Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import tyro
 from torch.distributed.tensor import DTensor
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.components.loss import IGNORE_INDEX
@@ -56,7 +55,7 @@ from torchtitan_zephon.titan.components.job_data import (
     batch_schedule,
     eos_id_of,
     heldout_parts,
-    trainer_handoff,
+    job_to_build,
 )
 
 
@@ -170,10 +169,6 @@ class ZephonValidator(Validator):
         """Held-out micro-batch size per DP rank (0: training.local_batch_size; 0.2.2:
         validation.local_batch_size; ``local_batch_size`` is a build argument in 0.3)."""
 
-        _zephon_job: Annotated[ZephonJob | None, tyro.conf.Suppress] = None
-        """The job's view, data and data config, opened once (``job_data.ZephonJob``): set
-        with ``with_job`` by Zephon's trainer from its preflight, or by another trainer."""
-
         def __post_init__(self) -> None:
             if self.steps < 1 and self.steps != -1:
                 raise ValueError(
@@ -198,12 +193,15 @@ class ZephonValidator(Validator):
         pp_schedule: Any = None,
         pp_has_first_stage: bool | None = None,
         pp_has_last_stage: bool | None = None,
+        job: ZephonJob | None = None,
         **_: Any,
     ) -> None:
+        """TorchTitan's build keywords, and ``job`` as ``ZephonDataLoader`` takes it."""
         # Validator.__init__ would prepare TorchTitan's dataset loader; the fields its
         # methods read besides that one are set here the same way.
         BaseValidator.__init__(self, config)
-        handoff = trainer_handoff(config, "validator (ZephonValidator.Config)")
+        handoff = job_to_build(job, "validator (ZephonValidator.Config)")
+        self.zephon_job = handoff  # the job it validates: the preflight's opened data
         job, data = handoff.view, handoff.data
         self.parallelism, self.tokenizer = parallelism, tokenizer
         self.parallel_dims, self.loss_fn = parallel_dims, loss_fn
