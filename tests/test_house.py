@@ -58,8 +58,7 @@ PRIVATE_CROSSINGS = frozenset(
     store.remote -> store.remote_units._Step
     store.remote -> store.remote_units._open_blocks
     store.remote -> store.remote_units._read_checksums
-    titan.configs.loss_chunks -> titan.start.checks._divisors
-    train -> titan.configs.command_line._option
+    train -> titan.jobs.command_line._option
     """.split("\n")
 ) - {""}
 """``importer -> module.name`` (package prefix left out) of each private name still

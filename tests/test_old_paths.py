@@ -59,7 +59,7 @@ def test_the_old_registry_module_still_parses_a_job() -> None:
     from torchtitan_zephon.train import parse_config
 
     old = parse_config(["--module", "torchtitan_zephon.configs", "--config", "llama3_tiny"])
-    new = parse_config(["--module", "torchtitan_zephon.titan.configs", "--config", "llama3_tiny"])
+    new = parse_config(["--module", "torchtitan_zephon.titan.jobs", "--config", "llama3_tiny"])
     assert type(old) is type(new) and old.training.seq_len == new.training.seq_len
 
 
@@ -86,7 +86,7 @@ def test_old_imports_finds_every_form() -> None:
         "    from torchtitan_zephon.titan import trainer\n"
         "from torchtitan_zephon.ownership.lock import X\n"
         "from torchtitan_zephon.titan.components import trainer\n"
-        "from torchtitan_zephon.titan.configs import config_registry as configs\n"
+        "from torchtitan_zephon.titan.jobs import config_registry as configs\n"
         "from torchtitan_zephon.titan import platform\n"
     ) == [
         "import torchtitan_zephon.loader",

@@ -8,20 +8,20 @@ dataloader and validator are replaced by Zephon's (the log says so). tyro
 parses the overrides into ``ZephonTrainer.Config``.
 
 Without ``--module`` / ``--config``, the command line is TorchTitan 0.2.2's (the
-TOML front end, what ``run_train.sh`` runs): ``titan.configs.legacy_translate`` translates
+TOML front end, what ``run_train.sh`` runs): ``titan.jobs.legacy_translate`` translates
 the TOML file and the ``--section.key`` overrides (0.2.2 spellings, or the 0.3
-spelling of a mapped path) through one table (``titan.configs.legacy_config``);
+spelling of a mapped path) through one table (``titan.jobs.legacy_config``);
 ``model.name`` / ``model.flavor`` pick the job they are set on (``configs.TOML_JOBS``),
 the command line wins over the file, and a key without a 0.3 equivalent is refused
 before anything runs.
 
 The config managers that read both command lines live in
-``titan.configs.command_line`` (importable from here too). Order: every relative
+``titan.jobs.command_line`` (importable from here too). Order: every relative
 path option on the command line is made absolute
 (``resolve_paths``) against ``$ZEPHON_LAUNCH_DIR`` (the folder ``run_train.sh`` was
 run from) or the working directory; the platform layer runs (on a machine without
 an accelerator it switches TorchTitan to CPU + gloo); the registry function's
-config becomes Zephon's (``titan.configs.stock_config.zephon_config``) and gets the CPU defaults
+config becomes Zephon's (``titan.jobs.stock_config.zephon_config``) and gets the CPU defaults
 (``platform.cpu_config_defaults``) *before* tyro parses, so an explicit flag wins;
 after it, the chunked loss's chunk count is fitted to ``training.seq_len``
 (``titan.configs.loss_chunks``: refused only when ``--loss.num_chunks`` is given),
@@ -46,7 +46,7 @@ import time
 from typing import NoReturn
 
 from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.configs.command_line import (  # noqa: F401  (importable from here)
+from torchtitan_zephon.titan.jobs.command_line import (  # noqa: F401  (importable from here)
     PATH_OPTIONS,
     _option,
     parse_config,

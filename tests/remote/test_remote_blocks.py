@@ -196,7 +196,7 @@ def test_a_block_size_that_does_not_divide_seq_len_is_said_once(
     import logging
 
     from tests.titan.test_dataloader import job
-    from torchtitan_zephon.titan.components.job_data import block_rounding_note, resolve_data
+    from torchtitan_zephon.titan.start.job_data import block_rounding_note, resolve_data
 
     (url512, local512), (url128, _) = sized_stores[512], sized_stores[128]
     with caplog.at_level(logging.INFO):

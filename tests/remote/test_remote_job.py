@@ -151,8 +151,8 @@ def test_store_values_that_are_urls(fine_url) -> None:
 def _job(tmp: Path, **zephon: Any):
     """The view Zephon's trainer hands the job layer (``titan.configs.job_view.JobView``) of the
     tiny registry job with these ``--zephon.*`` values."""
-    from torchtitan_zephon.titan.configs.config_registry import llama3_tiny
     from torchtitan_zephon.titan.configs.job_view import job_view
+    from torchtitan_zephon.titan.jobs.config_registry import llama3_tiny
 
     config = llama3_tiny()
     config.dump_folder = str(tmp)
@@ -181,10 +181,10 @@ def test_the_trainer_settings_open_a_store_url(fine_url, tmp_path) -> None:
 
 
 def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, tmp_path):
-    """The trainer's data of a mixture job (titan.components.job_data.resolve_data): a source in
+    """The trainer's data of a mixture job (titan.start.job_data.resolve_data): a source in
     the bucket is read with the job's zephon.read_ahead_steps / read_ahead_bytes /
     request_timeout_s, not the store defaults."""
-    from torchtitan_zephon.titan.components.job_data import resolve_data
+    from torchtitan_zephon.titan.start.job_data import resolve_data
 
     a = slice_store(store, 0, 1800, tmp_path / "a")
     b = slice_store(store, 1800, store.num_tokens, tmp_path / "b")
@@ -208,7 +208,7 @@ def test_a_mixture_job_reads_its_bucket_source_with_the_job_settings(s3, store, 
 def test_a_store_url_with_a_query_string_is_redacted_in_the_job_messages(fine_url, tmp_path):
     """A store URL carrying a signature (an Azure SAS token, say) is named redacted where
     the trainer's checks name the store."""
-    from torchtitan_zephon.titan.components.job_data import resolve_data
+    from torchtitan_zephon.titan.start.job_data import resolve_data
 
     job = _job(tmp_path, store=f"{fine_url}?sv=2024&sig=SASMARKER", heldout_samples=10**9)
     with pytest.raises(ValueError) as e:

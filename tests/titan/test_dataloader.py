@@ -16,12 +16,11 @@ from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning
 from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
-from torchtitan_zephon.titan.components.job_data import (
+from torchtitan_zephon.titan.configs.job_view import JobView, batch_schedule, job_view
+from torchtitan_zephon.titan.start.job_data import (
     ZephonJob,
-    batch_schedule,
     open_job_data,
 )
-from torchtitan_zephon.titan.configs.job_view import JobView, job_view
 from torchtitan_zephon.tracker import sample_digests
 
 
@@ -33,7 +32,7 @@ def job(
     **zephon: Any,
 ) -> JobView:
     """The view of the tiny registry job (seq_len 32, local batch 2), run folder ``tmp``."""
-    from torchtitan_zephon.titan.configs.config_registry import llama3_tiny
+    from torchtitan_zephon.titan.jobs.config_registry import llama3_tiny
 
     config = llama3_tiny()
     config.dump_folder = str(tmp)

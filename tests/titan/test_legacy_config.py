@@ -30,18 +30,18 @@ from torchtitan.distributed.activation_checkpoint import (  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from torchtitan_zephon.titan.configs.legacy_config import (  # noqa: E402
+from torchtitan_zephon.titan.configs.zephon_section import Zephon  # noqa: E402
+from torchtitan_zephon.titan.jobs.legacy_config import (  # noqa: E402
     COMPONENT_FIELDS,
     CONFIG_MODULE,
     TABLE,
 )
-from torchtitan_zephon.titan.configs.legacy_translate import (  # noqa: E402
+from torchtitan_zephon.titan.jobs.legacy_translate import (  # noqa: E402
     LegacyConfigError,
     check_against,
     translate,
     translate_toml,
 )
-from torchtitan_zephon.titan.configs.zephon_section import Zephon  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,9 +13,9 @@ from tests.titan.test_validate import build_validator
 from torchtitan_zephon.order.mixture.config import MixtureError
 from torchtitan_zephon.order.stream import split_keys
 from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.components.job_data import resolve_data
 from torchtitan_zephon.titan.components.validate import ZephonValidator
 from torchtitan_zephon.titan.configs.job_view import JobView
+from torchtitan_zephon.titan.start.job_data import resolve_data
 
 platform.apply()
 

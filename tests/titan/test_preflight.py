@@ -377,7 +377,7 @@ def build_tokenizer(view):  # noqa: ANN001, ANN201
 
 
 def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_store, tmp_path):
-    from torchtitan_zephon.titan.components.job_data import resolve_data
+    from torchtitan_zephon.titan.start.job_data import resolve_data
 
     short = small_store(lines_store, tmp_path / "short", 0)
     tokens = open_store(short).num_tokens
@@ -422,7 +422,7 @@ def test_a_store_too_short_or_too_small_is_refused_saying_what_to_change(lines_s
 def test_builtin_and_raw_stores_get_the_same_size_checks(lines_store, tmp_path, monkeypatch):
     """The builtin store and raw inputs reach the same check, named as the user named them."""
     from torchtitan_zephon.ingest.builtin import builtin_store_path
-    from torchtitan_zephon.titan.components.job_data import resolve_data
+    from torchtitan_zephon.titan.start.job_data import resolve_data
 
     builtin = open_store(builtin_store_path())
     seq_len = (builtin.num_tokens - 1) // 19  # 19 samples: 3 to train on
@@ -597,7 +597,7 @@ def test_a_mixture_tokenizer_mismatch_names_the_source_without_the_jobs_tokenize
     is the odd one out (here the second in name order, not simply 'the other one')."""
     from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
     from torchtitan_zephon.order.mixture.config import MixtureError
-    from torchtitan_zephon.titan.components.job_data import resolve_data
+    from torchtitan_zephon.titan.start.job_data import resolve_data
 
     own, store = own_store
     mixture = tmp_path / "mixed.toml"

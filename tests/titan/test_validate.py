@@ -15,13 +15,13 @@ from hypothesis import strategies as st
 
 from tests.titan.test_dataloader import job
 from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.components.job_data import ZephonJob, open_job_data
 from torchtitan_zephon.titan.components.validate import (
     HeldoutLoader,
     ZephonValidator,
     microbatch_size,
 )
 from torchtitan_zephon.titan.configs.job_view import JobView
+from torchtitan_zephon.titan.start.job_data import ZephonJob, open_job_data
 
 platform.apply()
 

@@ -30,7 +30,7 @@ def _job_config(name: str) -> Any:
     options, irrelevant here, silenced)."""
     import logging
 
-    from torchtitan_zephon.titan.configs import config_registry as configs
+    from torchtitan_zephon.titan.jobs import config_registry as configs
 
     logging.disable(logging.WARNING)
     try:

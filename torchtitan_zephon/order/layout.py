@@ -59,7 +59,7 @@ from torchtitan_zephon.order.store_size import (  # noqa: E402, F401
 )
 
 
-def _divisors(n: int) -> list[int]:
+def divisors(n: int) -> list[int]:
     """Divisors of ``n`` for error messages: all of them up to n = 10**12; beyond, those
     up to 10**6 and their cofactors (a full search of n = 10**30 would never end)."""
     small = [d for d in range(1, min(math.isqrt(n), 10**6) + 1) if n % d == 0]
@@ -80,7 +80,7 @@ def check_batch_layout(global_batch_size: int, dp_degree: int, local_batch_size:
         )
     if g % (d * b) == 0:
         return g // (d * b)
-    good_d = [x for x in _divisors(g) if (g // x) % b == 0]
+    good_d = [x for x in divisors(g) if (g // x) % b == 0]
     msg = (
         f"global batch size {g} is not divisible by DP degree {d} x local batch size {b} "
         f"(= {d * b}). "
@@ -90,9 +90,9 @@ def check_batch_layout(global_batch_size: int, dp_degree: int, local_batch_size:
     else:
         msg += f"No DP degree works with local batch size {b} (it does not divide {g}). "
     if g % d == 0:
-        msg += f"Local batch sizes that work with DP degree {d}: {_divisors(g // d)}."
+        msg += f"Local batch sizes that work with DP degree {d}: {divisors(g // d)}."
     else:
-        msg += f"DP degree {d} does not divide {g}; DP degrees dividing it: {_divisors(g)}."
+        msg += f"DP degree {d} does not divide {g}; DP degrees dividing it: {divisors(g)}."
     raise ValueError(msg)
 
 
@@ -102,7 +102,7 @@ def rank_slice(first: int, gbs: int, step: int, dp_rank: int, dp_degree: int) ->
     if dp_degree < 1 or gbs % dp_degree != 0:
         raise ValueError(
             f"DP degree {dp_degree} does not divide the global batch size {gbs} of step "
-            f"{step}; DP degrees that divide it: {_divisors(gbs)}."
+            f"{step}; DP degrees that divide it: {divisors(gbs)}."
         )
     if not 0 <= dp_rank < dp_degree:
         raise ValueError(f"dp_rank must be in [0, {dp_degree}), got {dp_rank}.")

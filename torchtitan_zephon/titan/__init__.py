@@ -1,13 +1,16 @@
-"""The TorchTitan (0.3) side of torchtitan_zephon, one folder per seam where it hooks in:
+"""The TorchTitan (0.3) side of torchtitan_zephon, one folder per seam where it hooks in,
+layered: each imports only those below it (contract ``titan-layers``):
 
-- ``configs/``: the registry, the ``[zephon]`` section, the job's view, the TOML
-  front end and its table (how a job is spelled and parsed);
-- ``components/``: the dataloader, validator and trainer TorchTitan builds, and
-  what they share (attention masks, the job's data, accounting);
-- ``start/``: checks, preflight, the start plan and old runs (before the first step);
-- ``weights/``: topology-free initial weights;
+- ``jobs/``: the registry, a stock registry's job made Zephon's, the model flavors,
+  the TOML front end and the command lines (how a job is named and parsed);
+- ``platform``: the platform layer (CPU + gloo where there is no accelerator);
+- ``components/``: the trainer, dataloader and validator TorchTitan builds, and what
+  they share (attention masks, accounting, the run folder's checkpoints);
+- ``start/``: checks, the job's data opened once, preflight, the start decision and
+  old runs (before the first step);
 - ``ft/``: torchft (replica groups);
-- ``platform``: the platform layer (CPU + gloo where there is no accelerator).
+- ``configs/`` and ``weights/``: the ``[zephon]`` section and the job's view;
+  topology-free initial weights.
 
 Importing this package makes ``import torchtitan`` work where triton is absent.
 """

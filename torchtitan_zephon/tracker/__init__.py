@@ -66,6 +66,7 @@ from torchtitan_zephon.tracker.records import (
     log_path,
     sample_digests,
     tokens_digest,
+    window_digests,
 )
 from torchtitan_zephon.tracker.writer import SequenceTracker
 
@@ -84,4 +85,5 @@ __all__ = [
     "read_log",
     "sample_digests",
     "tokens_digest",
+    "window_digests",
 ]

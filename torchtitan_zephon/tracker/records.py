@@ -64,6 +64,14 @@ def sample_digests(windows: np.ndarray) -> bytes:
     return b"".join(hashlib.blake2b(row.tobytes(), digest_size=16).digest() for row in rows)
 
 
+def window_digests(inputs: Any, labels: Any) -> bytes:
+    """Per-sample digests (``sample_digests``) of a delivered micro-batch: its inputs
+    [n, seq_len] and labels (CPU tensors or arrays), each window its inputs then its
+    last label."""
+    windows = np.concatenate([np.asarray(inputs), np.asarray(labels)[:, -1:]], axis=1)
+    return sample_digests(windows)
+
+
 def tokens_digest(per_sample: bytes) -> str:
     return hashlib.sha256(per_sample).hexdigest()
 

@@ -26,7 +26,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from torchtitan.components.dataloader import BaseDataLoader
 from torchtitan.tools.logging import logger
@@ -38,16 +37,15 @@ from torchtitan_zephon.order.resume import ResumeDecision
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
 from torchtitan_zephon.order.stream import StreamPlan
 from torchtitan_zephon.titan.components.attention import document_positions
-from torchtitan_zephon.titan.components.job_data import (
+from torchtitan_zephon.titan.configs.job_view import JobView, batch_schedule
+from torchtitan_zephon.titan.start.decision import with_trainer_hint
+from torchtitan_zephon.titan.start.job_data import (
     ZephonJob,
-    batch_schedule,
     check_tokenizer,
     eos_id_of,
     job_to_build,
 )
-from torchtitan_zephon.titan.configs.job_view import JobView
-from torchtitan_zephon.titan.start.decision import with_trainer_hint
-from torchtitan_zephon.tracker import SequenceTracker, log_path, sample_digests
+from torchtitan_zephon.tracker import SequenceTracker, log_path, window_digests
 from torchtitan_zephon.tracker.writer import StepDigests
 
 
@@ -270,12 +268,6 @@ def _check_plan(plan: StreamPlan, data: Any, job: JobView) -> None:
         f"every source's sample count stays within {float(worst):.3f} samples of its exact "
         f"target at every step (worst: {who!r})"
     )
-
-
-def window_digests(inputs: torch.Tensor, labels: torch.Tensor) -> bytes:
-    """Per-sample digests of a delivered micro-batch (its windows: inputs + last label)."""
-    windows = np.concatenate([inputs.numpy(), labels[:, -1:].numpy()], axis=1)
-    return sample_digests(windows)
 
 
 def topology_from_env(dp_degree: int, job: JobView) -> dict[str, Any]:

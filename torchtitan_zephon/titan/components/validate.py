@@ -50,9 +50,9 @@ from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import DataUnreadable, StoreError
 from torchtitan_zephon.titan.components.attention import document_positions, with_document_masks
-from torchtitan_zephon.titan.components.job_data import (
+from torchtitan_zephon.titan.configs.job_view import batch_schedule
+from torchtitan_zephon.titan.start.job_data import (
     ZephonJob,
-    batch_schedule,
     eos_id_of,
     heldout_parts,
     job_to_build,

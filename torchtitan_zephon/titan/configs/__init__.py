@@ -1,17 +1,11 @@
-"""The configs: how a job is spelled and parsed (TorchTitan 0.3's config seam).
+"""The configs at the bottom of ``titan/``: what a job's settings are, whatever
+front end or builder made them.
 
-- ``config_registry``: Zephon's registry, named ``--module torchtitan_zephon.configs
-  --config FN`` on the command line (``old_paths``: the same module), and the jobs a
-  TOML file picks (``TOML_JOBS``);
-- ``zephon_section``: the ``[zephon]`` section (``ZephonDataConfig``);
-- ``job_view``: what Zephon reads of a job config, whatever builder made it;
-- ``stock_config``: a stock TorchTitan registry job made Zephon's;
-- ``models``: the model flavors the registry names;
-- ``legacy_config`` / ``legacy_translate``: the TOML front end (TorchTitan 0.2.2's
-  spellings) and its one table;
-- ``command_line``: the config managers that read both command lines
-  (``--module``/``--config`` and the TOML one), called by ``torchtitan_zephon.train``;
+- ``zephon_section``: the ``[zephon]`` section (``Zephon``);
+- ``job_view``: what Zephon reads of a job config, whatever builder made it
+  (``JobView``, ``job_view``), and the global batch schedule (``batch_schedule``);
 - ``loss_chunks``: the chunked loss's chunk count fitted to ``seq_len``.
 
+The jobs and the command lines that name them are one floor up, in ``titan.jobs``.
 This package re-exports nothing: import the modules.
 """

@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.titan.configs.zephon_section import Zephon
 
 
@@ -184,3 +185,22 @@ def _num_experts(model: Any) -> int | None:
 
     counts = [moe.num_experts for _, moe, _, _ in model.traverse(MoE.Config)]
     return min(counts) if counts else None
+
+
+def batch_schedule(job: JobView) -> BatchSchedule:
+    """The global batch size schedule: ``zephon.batch_schedule`` or the fixed GBS.
+
+    Elastic determinism needs the global batch size to be a property of the run,
+    not of the topology, so it must be given explicitly.
+    """
+    if job.zephon.batch_schedule:
+        return BatchSchedule.parse(job.zephon.batch_schedule)
+    gbs = job.global_batch_size
+    if gbs is None or gbs <= 0:
+        raise ValueError(
+            "training.global_batch_size is not set. Zephon needs the global batch size to be "
+            "fixed for the run (it defines which samples each step sees, whatever the number "
+            "of ranks). Set --training.global_batch_size (e.g. local_batch_size x DP degree x "
+            "gradient accumulation steps) or --zephon.batch_schedule."
+        )
+    return BatchSchedule([(1, gbs)])

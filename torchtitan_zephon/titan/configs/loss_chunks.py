@@ -22,12 +22,12 @@ from typing import Any
 
 from torchtitan.components.loss import ChunkedLossWrapper
 
-from torchtitan_zephon.titan.start.checks import _divisors  # the job checks' divisor list
+from torchtitan_zephon.order.layout import divisors
 
 
 def largest_divisor_up_to(n: int, limit: int) -> int:
     """The largest divisor of ``n`` (>= 1) that is not above ``limit`` (>= 1)."""
-    return max(d for d in _divisors(n) if d <= limit)
+    return max(d for d in divisors(n) if d <= limit)
 
 
 def fit_loss_chunks(config: Any, *, explicit: bool) -> str | None:
@@ -57,7 +57,7 @@ def fit_loss_chunks(config: Any, *, explicit: bool) -> str | None:
         step = chunks * cp
         lower, upper = seq_len - seq_len % step, seq_len - seq_len % step + step
         near = f"{lower} or {upper}" if lower else str(upper)
-        working = [d for d in _divisors(local) if d <= max(chunks, 1)]
+        working = [d for d in divisors(local) if d <= max(chunks, 1)]
         raise ValueError(
             f"loss.num_chunks = {chunks} does not divide training.seq_len {seq_len}{per_rank}: "
             "the chunked loss splits each sequence into equal chunks. Chunk counts that work "

@@ -41,13 +41,13 @@ from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.job.documents import document_positions
-from torchtitan_zephon.titan.components.dataloader import window_digests
 from torchtitan_zephon.titan.ft.quorum import (
     check_replica_ids,
     join_quorum,
     reduce_step,
     sum_across_groups,
 )
+from torchtitan_zephon.tracker import window_digests
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

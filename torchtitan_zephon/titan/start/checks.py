@@ -23,12 +23,9 @@ import math
 import os
 
 from torchtitan_zephon.job.settings import remote_options
+from torchtitan_zephon.order.layout import divisors
 from torchtitan_zephon.titan.configs.job_view import JobView
 from torchtitan_zephon.titan.ft.settings import check_fault_tolerance
-
-
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
 
 
 def check_job_config(job: JobView, world_size: int | None = None) -> None:
@@ -71,7 +68,7 @@ def _check_parallelism(job: JobView, world: int) -> tuple[int, int]:
             f"the job has {world} ranks, which is not a multiple of {named} = {fixed}, so "
             "data_parallel_shard_degree -1 cannot take the rest. Launch a multiple of "
             f"{fixed} ranks, or choose degrees whose product divides {world} "
-            f"({_divisors(world)})."
+            f"({divisors(world)})."
         )
     if shard != -1 and fixed * shard != world:
         raise ValueError(
@@ -112,7 +109,7 @@ def _check_heads(job: JobView, tp: int) -> None:
     heads = job.n_heads
     kv_heads = job.n_kv_heads or heads
     if heads % tp or kv_heads % tp:
-        good = _divisors(math.gcd(heads, kv_heads))
+        good = divisors(math.gcd(heads, kv_heads))
         raise ValueError(
             f"parallelism.tensor_parallel_degree = {tp} does not divide the {heads} attention "
             f"heads ({kv_heads} key/value heads) of {job.model}: each TP "
@@ -140,7 +137,7 @@ def _check_experts(job: JobView, world: int, tp: int, cp: int) -> None:
         )
     shard = job.dp_shard_degree(world) or 1  # the degrees were checked above
     borrowed = shard * cp * tp
-    good = _divisors(math.gcd(experts, borrowed))
+    good = divisors(math.gcd(experts, borrowed))
     if experts % ep:
         raise ValueError(
             f"parallelism.expert_parallel_degree = {ep} does not divide the {experts} routed "

@@ -56,11 +56,6 @@ from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields
 from torchtitan_zephon.run import recorded as runs
-from torchtitan_zephon.titan.components.job_data import (
-    check_tokenizer,
-    heldout_parts,
-    open_job_data,
-)
 from torchtitan_zephon.titan.configs.job_view import JobView
 from torchtitan_zephon.titan.start.decision import (
     StartDecision,
@@ -68,6 +63,11 @@ from torchtitan_zephon.titan.start.decision import (
     check_old_run,
     choose_checkpoint,
     with_trainer_hint,
+)
+from torchtitan_zephon.titan.start.job_data import (
+    check_tokenizer,
+    heldout_parts,
+    open_job_data,
 )
 from torchtitan_zephon.tracker import LogReader, SequenceTracker, TrackerError, log_path
 

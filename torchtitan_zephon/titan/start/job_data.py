@@ -50,11 +50,10 @@ from torchtitan_zephon.job.settings import (
 )
 from torchtitan_zephon.order.data_config import DataConfig, data_extra
 from torchtitan_zephon.order.exclusions import Exclusions
-from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.packing import padding_warning
 from torchtitan_zephon.store.format import MAX_BLOCK_TOKENS
-from torchtitan_zephon.titan.configs.job_view import JobView
+from torchtitan_zephon.titan.configs.job_view import JobView, batch_schedule
 
 
 def _log(message: str) -> None:
@@ -158,25 +157,6 @@ def check_tokenizer(data: JobData, tokenizer: Any) -> None:
         )
 
 
-def batch_schedule(job: JobView) -> BatchSchedule:
-    """The global batch size schedule: ``zephon.batch_schedule`` or the fixed GBS.
-
-    Elastic determinism needs the global batch size to be a property of the run,
-    not of the topology, so it must be given explicitly.
-    """
-    if job.zephon.batch_schedule:
-        return BatchSchedule.parse(job.zephon.batch_schedule)
-    gbs = job.global_batch_size
-    if gbs is None or gbs <= 0:
-        raise ValueError(
-            "training.global_batch_size is not set. Zephon needs the global batch size to be "
-            "fixed for the run (it defines which samples each step sees, whatever the number "
-            "of ranks). Set --training.global_batch_size (e.g. local_batch_size x DP degree x "
-            "gradient accumulation steps) or --zephon.batch_schedule."
-        )
-    return BatchSchedule([(1, gbs)])
-
-
 @dataclass(frozen=True)
 class ZephonJob:
     """What Zephon's dataloader and validator read: the job's view, its data and its
@@ -226,7 +206,7 @@ def job_to_build(job: ZephonJob | None, what: str) -> ZephonJob:
             "torchtitan_zephon.train), whose trainer config is ZephonTrainer.Config. Another "
             "trainer hands it the job's data itself: config.build(job=ZephonJob.open("
             "job_view(trainer_config)), ...), or builds it inside build_context(job) "
-            "(titan.components.job_data)"
+            "(titan.start.job_data)"
         )
     return job
 
