@@ -58,7 +58,7 @@ PRIVATE_CROSSINGS = frozenset(
     store.remote -> store.remote_units._Step
     store.remote -> store.remote_units._open_blocks
     store.remote -> store.remote_units._read_checksums
-    train -> titan.jobs.command_line._option
+    train -> configs.command_line._option
     """.split("\n")
 ) - {""}
 """``importer -> module.name`` (package prefix left out) of each private name still

@@ -216,7 +216,7 @@ def test_engine_violation_in_a_function_of_a_real_module_is_reported(tmp_path: P
 
 
 def test_contract_names_every_top_level_module() -> None:
-    named = {"run", "old_paths", "train", "tracker", "job", "titan", "cli", "bench"}
+    named = {"run", "configs", "train", "tracker", "job", "titan", "cli", "bench"}
     assert named | set(ENGINE) <= top_level_modules(PACKAGE)
     assert unplaced_modules(PACKAGE, PYPROJECT) == []
 
@@ -235,14 +235,14 @@ def test_a_new_top_level_module_or_package_is_reported_unplaced(tmp_path: Path) 
     (package / "assets" / "tokenizer.json").write_text("{}")
     assert unplaced_modules(package, PYPROJECT) == ["extras", "plugins"]
     pyproject = tmp_path / "pyproject.toml"
-    layers = sorted(top_level_modules(PACKAGE) - {"run", "old_paths"})
+    layers = sorted(top_level_modules(PACKAGE) - {"run", "configs"})
     layers[2:4] = [" | ".join(layers[2:4])]  # independent siblings are read too
     pyproject.write_text(
         '[tool.importlinter]\nroot_packages = ["torchtitan_zephon"]\n'
         '[[tool.importlinter.contracts]]\nname = "layers"\ntype = "layers"\n'
         f'containers = ["torchtitan_zephon"]\nlayers = {json.dumps(layers)}\n'
     )
-    assert unplaced_modules(package, pyproject) == ["extras", "old_paths", "plugins", "run"]
+    assert unplaced_modules(package, pyproject) == ["configs", "extras", "plugins", "run"]
 
 
 # -- lint-imports fails on a violation of each contract --------------------------------

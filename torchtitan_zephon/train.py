@@ -8,23 +8,23 @@ dataloader and validator are replaced by Zephon's (the log says so). tyro
 parses the overrides into ``ZephonTrainer.Config``.
 
 Without ``--module`` / ``--config``, the command line is TorchTitan 0.2.2's (the
-TOML front end, what ``run_train.sh`` runs): ``titan.jobs.legacy_translate`` translates
+TOML front end, what ``run_train.sh`` runs): ``configs.legacy_translate`` translates
 the TOML file and the ``--section.key`` overrides (0.2.2 spellings, or the 0.3
-spelling of a mapped path) through one table (``titan.jobs.legacy_config``);
+spelling of a mapped path) through one table (``configs.legacy_config``);
 ``model.name`` / ``model.flavor`` pick the job they are set on (``configs.TOML_JOBS``),
 the command line wins over the file, and a key without a 0.3 equivalent is refused
 before anything runs.
 
 The config managers that read both command lines live in
-``titan.jobs.command_line`` (importable from here too). Order: every relative
+``configs.command_line`` (importable from here too). Order: every relative
 path option on the command line is made absolute
 (``resolve_paths``) against ``$ZEPHON_LAUNCH_DIR`` (the folder ``run_train.sh`` was
 run from) or the working directory; the platform layer runs (on a machine without
 an accelerator it switches TorchTitan to CPU + gloo); the registry function's
-config becomes Zephon's (``titan.jobs.stock_config.zephon_config``) and gets the CPU defaults
+config becomes Zephon's (``configs.stock_config.zephon_config``) and gets the CPU defaults
 (``platform.cpu_config_defaults``) *before* tyro parses, so an explicit flag wins;
 after it, the chunked loss's chunk count is fitted to ``training.seq_len``
-(``titan.configs.loss_chunks``: refused only when ``--loss.num_chunks`` is given),
+(``titan.settings.loss_chunks``: refused only when ``--loss.num_chunks`` is given),
 and the settings no flag can ask of a CPU are mapped (``platform.cpu_parsed_settings``).
 
 Invariant: a refused start or a stopped job (the Zephon errors whose message says
@@ -45,8 +45,7 @@ import sys
 import time
 from typing import NoReturn
 
-from torchtitan_zephon.titan import platform
-from torchtitan_zephon.titan.jobs.command_line import (  # noqa: F401  (importable from here)
+from torchtitan_zephon.configs.command_line import (  # noqa: F401  (importable from here)
     PATH_OPTIONS,
     _option,
     parse_config,
@@ -55,6 +54,7 @@ from torchtitan_zephon.titan.jobs.command_line import (  # noqa: F401  (importab
     toml_front_end,
     unknown_options,
 )
+from torchtitan_zephon.titan import platform
 
 LAUNCH_DIR = "ZEPHON_LAUNCH_DIR"
 """Environment: the folder relative command-line paths are taken from (run_train.sh)."""
@@ -111,7 +111,7 @@ def main() -> None:
     from torchtitan_zephon.run.lock import FolderInUse
     from torchtitan_zephon.store.format import StoreError, error_kind
     from torchtitan_zephon.titan.components.trainer import JobStopped, SettingRefused
-    from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
+    from torchtitan_zephon.titan.settings.loss_chunks import fit_loss_chunks
     from torchtitan_zephon.titan.start.decision import StartRefused
     from torchtitan_zephon.tracker import TrackerError
 

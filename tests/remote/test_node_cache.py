@@ -361,7 +361,7 @@ def test_the_job_settings_put_the_cache_under_the_store_cache(monkeypatch, tmp_p
     from types import SimpleNamespace
 
     from torchtitan_zephon.job.settings import remote_options
-    from torchtitan_zephon.titan.configs.zephon_section import Zephon
+    from torchtitan_zephon.titan.settings.zephon_section import Zephon
 
     def job(**kw):
         return SimpleNamespace(zephon=Zephon(**kw))

@@ -149,10 +149,10 @@ def test_store_values_that_are_urls(fine_url) -> None:
 
 
 def _job(tmp: Path, **zephon: Any):
-    """The view Zephon's trainer hands the job layer (``titan.configs.job_view.JobView``) of the
+    """The view Zephon's trainer hands the job layer (``titan.settings.job_view.JobView``) of the
     tiny registry job with these ``--zephon.*`` values."""
-    from torchtitan_zephon.titan.configs.job_view import job_view
-    from torchtitan_zephon.titan.jobs.config_registry import llama3_tiny
+    from torchtitan_zephon.configs.config_registry import llama3_tiny
+    from torchtitan_zephon.titan.settings.job_view import job_view
 
     config = llama3_tiny()
     config.dump_folder = str(tmp)

@@ -33,8 +33,8 @@ def reference_fsdp_tp(e2e_root: Path) -> Path:
 def tiny_model() -> torch.nn.Module:
     """The tiny registry job's model as Zephon's trainer builds it on CPU (DocumentSDPA
     attention), initialised once (the validator tests' model)."""
+    from torchtitan_zephon.configs.config_registry import llama3_tiny
     from torchtitan_zephon.titan import platform
-    from torchtitan_zephon.titan.jobs.config_registry import llama3_tiny
 
     config = llama3_tiny()
     platform.cpu_config_defaults(config)

@@ -18,7 +18,7 @@ from torchtitan_zephon.order.mixture.spec import MixtureSpec
 from torchtitan_zephon.order.mixture.stream import MixtureStream
 from torchtitan_zephon.titan.components.accounting import TAGS, WRAP_WARNINGS, StepAccounting
 from torchtitan_zephon.titan.components.trainer import ZephonTrainer
-from torchtitan_zephon.titan.configs.zephon_section import Zephon
+from torchtitan_zephon.titan.settings.zephon_section import Zephon
 
 SEQ_LEN = 4
 

@@ -17,7 +17,7 @@ def parse():
     from torchtitan_zephon.titan import platform
 
     platform.apply()
-    from torchtitan_zephon.titan.configs.job_view import job_view
+    from torchtitan_zephon.titan.settings.job_view import job_view
     from torchtitan_zephon.train import parse_config
 
     def job(*overrides: str):
@@ -118,7 +118,7 @@ def parse_moe():
     from torchtitan_zephon.titan import platform
 
     platform.apply()
-    from torchtitan_zephon.titan.configs.job_view import job_view
+    from torchtitan_zephon.titan.settings.job_view import job_view
     from torchtitan_zephon.train import parse_config
 
     def job(*overrides: str):

@@ -16,7 +16,7 @@ from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning
 from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
-from torchtitan_zephon.titan.configs.job_view import JobView, batch_schedule, job_view
+from torchtitan_zephon.titan.settings.job_view import JobView, batch_schedule, job_view
 from torchtitan_zephon.titan.start.job_data import (
     ZephonJob,
     open_job_data,
@@ -32,7 +32,7 @@ def job(
     **zephon: Any,
 ) -> JobView:
     """The view of the tiny registry job (seq_len 32, local batch 2), run folder ``tmp``."""
-    from torchtitan_zephon.titan.jobs.config_registry import llama3_tiny
+    from torchtitan_zephon.configs.config_registry import llama3_tiny
 
     config = llama3_tiny()
     config.dump_folder = str(tmp)

@@ -21,7 +21,7 @@ def _view(*argv: str):
     from torchtitan_zephon.titan import platform
 
     platform.apply()
-    from torchtitan_zephon.titan.configs.job_view import job_view
+    from torchtitan_zephon.titan.settings.job_view import job_view
     from torchtitan_zephon.train import parse_config, parse_toml, toml_front_end
 
     args = list(argv)

@@ -24,12 +24,12 @@ from hypothesis import strategies as st
 pytest.importorskip("torchtitan.trainer", reason="TorchTitan 0.3 (torchtitan.trainer)")
 
 from tests.titan.launch import free_port  # noqa: E402
-from torchtitan_zephon.titan import init_draw as zinit  # noqa: E402
 from torchtitan_zephon.titan import platform  # noqa: E402
+from torchtitan_zephon.titan.weights import init_draw as zinit  # noqa: E402
 
 platform.apply()
 
-from torchtitan_zephon.titan.jobs import config_registry as configs  # noqa: E402
+from torchtitan_zephon.configs import config_registry as configs  # noqa: E402
 from torchtitan_zephon.titan.weights.init import (  # noqa: E402
     init_weights_topology_free,
     topology_free_parallelize,
@@ -291,7 +291,7 @@ def _shapes(spec) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
 def test_a_toml_of_the_model_of_each_config_function_starts_from_that_model(fn: str) -> None:
     """configs.TOML_JOBS, the one table a TOML's [model] name / flavor select a job
     from, has every family and flavor the registry trains, and builds that model."""
-    from torchtitan_zephon.titan.jobs.legacy_config import MODEL_FAMILIES
+    from torchtitan_zephon.configs.legacy_config import MODEL_FAMILIES
 
     spec = getattr(configs, fn)().model_spec
     assert spec.name in MODEL_FAMILIES.values() and spec.name in configs.TOML_JOBS, fn

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.titan.launch import REPO, TINY, job_env, train
-from torchtitan_zephon.titan.jobs.legacy_translate import translate
+from torchtitan_zephon.configs.legacy_translate import translate
 from torchtitan_zephon.train import resolve_paths
 
 PACKAGE = str(REPO / "torchtitan_zephon")
@@ -151,7 +151,7 @@ def test_an_unknown_option_is_one_line_with_the_spelling_that_works(tmp_path: Pa
 
 
 def test_unknown_options_name_the_closest_spelling():
-    from torchtitan_zephon.titan.jobs.config_registry import llama3_tiny
+    from torchtitan_zephon.configs.config_registry import llama3_tiny
     from torchtitan_zephon.train import unknown_options
 
     config = llama3_tiny()

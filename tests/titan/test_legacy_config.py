@@ -1,4 +1,4 @@
-"""Tests of titan/configs/legacy_config.py: 0.2.2 TOML keys and --section.key spellings
+"""Tests of titan/settings/legacy_config.py: 0.2.2 TOML keys and --section.key spellings
 carried onto the TorchTitan 0.3 config tree, checked against the real 0.3
 ``Trainer.Config`` (runs in the 0.3 environment)."""
 
@@ -30,18 +30,18 @@ from torchtitan.distributed.activation_checkpoint import (  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from torchtitan_zephon.titan.configs.zephon_section import Zephon  # noqa: E402
-from torchtitan_zephon.titan.jobs.legacy_config import (  # noqa: E402
+from torchtitan_zephon.configs.legacy_config import (  # noqa: E402
     COMPONENT_FIELDS,
     CONFIG_MODULE,
     TABLE,
 )
-from torchtitan_zephon.titan.jobs.legacy_translate import (  # noqa: E402
+from torchtitan_zephon.configs.legacy_translate import (  # noqa: E402
     LegacyConfigError,
     check_against,
     translate,
     translate_toml,
 )
+from torchtitan_zephon.titan.settings.zephon_section import Zephon  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tests.titan.expect import assert_refused, assert_unchanged, tree
 from tests.titan.launch import TINY, train, train03
 from tests.titan.test_init import REGISTRY
-from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks, largest_divisor_up_to
+from torchtitan_zephon.titan.settings.loss_chunks import fit_loss_chunks, largest_divisor_up_to
 
 LENGTHS = [62, 100, 1000, 4095, 4096, 61]
 

@@ -14,7 +14,7 @@ from torchtitan_zephon.order.mixture.config import MixtureError
 from torchtitan_zephon.order.stream import split_keys
 from torchtitan_zephon.titan import platform
 from torchtitan_zephon.titan.components.validate import ZephonValidator
-from torchtitan_zephon.titan.configs.job_view import JobView
+from torchtitan_zephon.titan.settings.job_view import JobView
 from torchtitan_zephon.titan.start.job_data import resolve_data
 
 platform.apply()

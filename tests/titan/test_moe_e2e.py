@@ -1,5 +1,5 @@
 """End-to-end on TorchTitan 0.3 for the MoE model: Zephon's ``deepseek_v3_debug`` (the tiny
-DeepSeek-V3-style MoE of ``titan.jobs.models``) trains on 2 gloo CPU ranks with expert
+DeepSeek-V3-style MoE of ``configs.models``) trains on 2 gloo CPU ranks with expert
 parallelism 2 (tokens cross ranks through the platform's all_to_all) and resumes at 1
 rank (EP 1) on the same data, with the same losses within ``TOPOLOGY_RTOL``.
 

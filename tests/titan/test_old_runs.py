@@ -32,7 +32,8 @@ from tests.titan.expect import (  # noqa: E402
 )
 from tests.titan.launch import REPO, train  # noqa: E402
 from torchtitan_zephon.run import recorded as runs  # noqa: E402
-from torchtitan_zephon.titan import old_runs, platform  # noqa: E402
+from torchtitan_zephon.titan import platform  # noqa: E402
+from torchtitan_zephon.titan.start import old_runs  # noqa: E402
 
 platform.apply()
 
@@ -58,7 +59,7 @@ def old_run(root: Path, name: str) -> Path:
 def test_the_map_sends_every_022_llama3_key_onto_the_03_models():
     """Every key of the 0.2.2 checkpoint maps; the model keys land exactly on the 0.3
     llama3 tiny model's state_dict keys, the optimizer keys on its parameters."""
-    from torchtitan_zephon.titan.jobs.config_registry import llama3_tiny
+    from torchtitan_zephon.configs.config_registry import llama3_tiny
 
     keys = fixture_keys()
     old = old_runs.map_checkpoint(CHECKPOINT, keys, "llama3")
@@ -89,7 +90,7 @@ def test_the_map_sends_022_llama3_8b_names_onto_03_llama3_8b():
     one to one onto 0.3's 8B: its state_dict keys, and (fused q/k/v) its parameters."""
     import json
 
-    from torchtitan_zephon.titan.jobs.models import llama3_model
+    from torchtitan_zephon.configs.models import llama3_model
 
     recorded = json.loads((FIXTURE.parent / "llama3_8b_keys_022.json").read_text())["8B"]
     with torch.device("meta"):

@@ -83,8 +83,8 @@ def test_cpu_memory_monitor_reports_peak_rss():
 
 
 def test_cpu_config_defaults_fp32_sdpa_no_cuda_graphs(monkeypatch):
+    from torchtitan_zephon.configs.config_registry import llama3_tiny
     from torchtitan_zephon.titan.components.attention import DocumentSDPA
-    from torchtitan_zephon.titan.jobs.config_registry import llama3_tiny
 
     monkeypatch.delenv("ZEPHON_CPU_BF16", raising=False)
     config = llama3_tiny()
@@ -137,7 +137,7 @@ def test_on_cpu_here():
 
 
 def test_cpu_parsed_settings_map_pinned_memory_staging_to_async():
-    from torchtitan_zephon.titan.jobs.config_registry import llama3_tiny
+    from torchtitan_zephon.configs.config_registry import llama3_tiny
 
     config = llama3_tiny()
     config.checkpoint.async_mode = "async_with_pinned_mem"

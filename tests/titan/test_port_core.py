@@ -97,7 +97,7 @@ def test_the_zephon_dataloader_refuses_to_be_built_without_zephons_trainer() -> 
 
 
 def _tiny_initial_weights(seed: int) -> dict[str, torch.Tensor]:
-    from torchtitan_zephon.titan.jobs.models import llama3_model
+    from torchtitan_zephon.configs.models import llama3_model
     from torchtitan_zephon.titan.weights.init import topology_free_parallelize
 
     spec = llama3_model("tiny")  # built only: the attention backend is never run

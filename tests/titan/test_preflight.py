@@ -50,7 +50,7 @@ def job(run: Path, **checkpoint) -> SimpleNamespace:
     zephon = SimpleNamespace(
         allow_changes=[], ignore_log_mismatch=False, start_over=False, audit="ids"
     )
-    return SimpleNamespace(  # the fields of titan.configs.job_view.JobView the preflight reads
+    return SimpleNamespace(  # the fields of titan.settings.job_view.JobView the preflight reads
         dump_folder=str(run),
         steps=8,
         checkpoint=SimpleNamespace(**ck),

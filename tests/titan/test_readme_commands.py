@@ -141,8 +141,8 @@ def _parse(args: list[str]):
 def test_each_training_command_passes_the_trainers_checks(
     command: Command, monkeypatch: pytest.MonkeyPatch
 ):
-    from torchtitan_zephon.titan.configs.job_view import batch_schedule, job_view
-    from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
+    from torchtitan_zephon.titan.settings.job_view import batch_schedule, job_view
+    from torchtitan_zephon.titan.settings.loss_chunks import fit_loss_chunks
     from torchtitan_zephon.titan.start.checks import check_job_config
 
     t = training(command)

@@ -13,9 +13,9 @@ import pytest
 
 pytest.importorskip("torchtitan.config.configurable", reason="needs TorchTitan 0.3")
 
+from torchtitan_zephon.configs import config_registry as configs  # noqa: E402
+from torchtitan_zephon.configs.legacy_translate import LegacyConfigError  # noqa: E402
 from torchtitan_zephon.titan import platform  # noqa: E402
-from torchtitan_zephon.titan.jobs import config_registry as configs  # noqa: E402
-from torchtitan_zephon.titan.jobs.legacy_translate import LegacyConfigError  # noqa: E402
 from torchtitan_zephon.train import parse_toml, toml_front_end  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -169,7 +169,7 @@ def test_torchtitans_note_on_its_own_default_is_not_logged(caplog):
 
     from torchtitan.components.checkpoint import CheckpointManager
 
-    from torchtitan_zephon.titan.jobs import config_registry
+    from torchtitan_zephon.configs import config_registry
 
     with caplog.at_level(logging.WARNING):
         config_registry.llama3_tiny()

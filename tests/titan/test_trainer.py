@@ -45,7 +45,7 @@ def opened(monkeypatch: pytest.MonkeyPatch) -> Counter:
 def trainer_config(run: Path, **zephon: Any) -> ZephonTrainer.Config:
     """The tiny registry job (CPU defaults applied, as train.py does), run folder ``run``,
     no checkpoints, validation on."""
-    from torchtitan_zephon.titan.jobs.config_registry import llama3_tiny
+    from torchtitan_zephon.configs.config_registry import llama3_tiny
 
     config = llama3_tiny()
     platform.cpu_config_defaults(config)

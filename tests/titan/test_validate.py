@@ -20,7 +20,7 @@ from torchtitan_zephon.titan.components.validate import (
     ZephonValidator,
     microbatch_size,
 )
-from torchtitan_zephon.titan.configs.job_view import JobView
+from torchtitan_zephon.titan.settings.job_view import JobView
 from torchtitan_zephon.titan.start.job_data import ZephonJob, open_job_data
 
 platform.apply()

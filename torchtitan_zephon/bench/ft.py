@@ -340,7 +340,7 @@ def quorum_cost(o: dict[str, Any], batch: int) -> dict[str, Any]:
 
 
 def run(opts: dict) -> dict:
-    from torchtitan_zephon.titan.jobs import config_registry
+    from torchtitan_zephon.configs import config_registry
 
     base = QUICK if opts.get("quick") else DEFAULTS
     o = {**base, **{k: v for k, v in opts.items() if v is not None and k in base}}

@@ -24,8 +24,8 @@ import torch.nn.functional as F
 
 def build_model(config_name: str) -> tuple[torch.nn.Module, object, int, int]:
     """The registry job's model on CPU, initialised; (model, model config, vocab, seq_len)."""
+    from torchtitan_zephon.configs import config_registry
     from torchtitan_zephon.titan import platform
-    from torchtitan_zephon.titan.jobs import config_registry
 
     config = getattr(config_registry, config_name)()
     platform.cpu_config_defaults(config)

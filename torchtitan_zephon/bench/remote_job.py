@@ -30,7 +30,7 @@ def _job_config(name: str) -> Any:
     options, irrelevant here, silenced)."""
     import logging
 
-    from torchtitan_zephon.titan.jobs import config_registry as configs
+    from torchtitan_zephon.configs import config_registry as configs
 
     logging.disable(logging.WARNING)
     try:
@@ -40,7 +40,7 @@ def _job_config(name: str) -> Any:
 
 
 def _job_shape(config: Any) -> dict[str, int]:
-    from torchtitan_zephon.titan.configs.zephon_section import Zephon
+    from torchtitan_zephon.titan.settings.zephon_section import Zephon
 
     t = config.training
     return {

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
+from torchtitan_zephon.configs import config_registry as _configs
 from torchtitan_zephon.titan.components.attention import document_positions
 from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.components.trainer import ZephonTrainer
-from torchtitan_zephon.titan.jobs import config_registry as _configs
 
 
 class SyntheticDataLoader(ZephonDataLoader):

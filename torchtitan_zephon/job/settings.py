@@ -3,7 +3,7 @@
 Role: what ``titan`` asks of the job layer so that it neither ingests nor opens a
 store itself. ``raw_inputs`` reads how a trainer job prepares a store value that
 names raw inputs (``hf_assets_path``, ``zephon.text_field``, ``zephon.split``,
-``zephon.cache_dir``) from its job (``titan.configs.job_view.JobView``: ``zephon`` and
+``zephon.cache_dir``) from its job (``titan.settings.job_view.JobView``: ``zephon`` and
 ``hf_assets_path``); ``remote_options`` how a store in object storage is read
 (``zephon.read_ahead_steps``, ``zephon.read_ahead_bytes``, ``zephon.request_timeout_s``,
 ``zephon.cache_bytes``: the node cache under the store cache folder);
@@ -93,7 +93,7 @@ def remote_options(job_config: Any) -> RemoteOptions:
     zephon.request_timeout_s (30 s per attempt) and zephon.cache_bytes (0: no node
     cache; else the cache lives under the store cache folder, ``$ZEPHON_CACHE`` else
     zephon.cache_dir), read from the ``zephon`` section the trainer hands over
-    (``titan.configs.job_view.JobView.zephon``). A value out of range is a ``ValueError`` naming
+    (``titan.settings.job_view.JobView.zephon``). A value out of range is a ``ValueError`` naming
     the setting (``RemoteOptions`` says what each allows): the trainer asks this at
     start for every job."""
     zc = job_config.zephon

@@ -1,16 +1,17 @@
 """The TorchTitan (0.3) side of torchtitan_zephon, one folder per seam where it hooks in,
 layered: each imports only those below it (contract ``titan-layers``):
 
-- ``jobs/``: the registry, a stock registry's job made Zephon's, the model flavors,
-  the TOML front end and the command lines (how a job is named and parsed);
 - ``platform``: the platform layer (CPU + gloo where there is no accelerator);
 - ``components/``: the trainer, dataloader and validator TorchTitan builds, and what
   they share (attention masks, accounting, the run folder's checkpoints);
 - ``start/``: checks, the job's data opened once, preflight, the start decision and
   old runs (before the first step);
 - ``ft/``: torchft (replica groups);
-- ``configs/`` and ``weights/``: the ``[zephon]`` section and the job's view;
+- ``settings/`` and ``weights/``: the ``[zephon]`` section and the job's view;
   topology-free initial weights.
+
+How a job is named and parsed (the registry, the TOML front end, the command lines)
+is one floor up, in ``torchtitan_zephon.configs``.
 
 Importing this package makes ``import torchtitan`` work where triton is absent.
 """

@@ -22,7 +22,7 @@ from typing import Any
 from torchtitan.tools.logging import logger
 
 from torchtitan_zephon.run import recorded as runs
-from torchtitan_zephon.titan.configs.job_view import JobView
+from torchtitan_zephon.titan.settings.job_view import JobView
 
 
 def move_abandoned(job: JobView, abandoned: list[Any]) -> str | None:

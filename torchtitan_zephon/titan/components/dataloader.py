@@ -37,7 +37,7 @@ from torchtitan_zephon.order.resume import ResumeDecision
 from torchtitan_zephon.order.state import RECORD_KEY, DataState
 from torchtitan_zephon.order.stream import StreamPlan
 from torchtitan_zephon.titan.components.attention import document_positions
-from torchtitan_zephon.titan.configs.job_view import JobView, batch_schedule
+from torchtitan_zephon.titan.settings.job_view import JobView, batch_schedule
 from torchtitan_zephon.titan.start.decision import with_trainer_hint
 from torchtitan_zephon.titan.start.job_data import (
     ZephonJob,

@@ -63,13 +63,13 @@ from torchtitan_zephon.titan.components.attention import with_document_masks
 from torchtitan_zephon.titan.components.checkpoint_folder import keep_newest, move_abandoned
 from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.components.validate import ZephonValidator
-from torchtitan_zephon.titan.configs.job_view import JobView, job_view
-from torchtitan_zephon.titan.configs.loss_chunks import fit_loss_chunks
-from torchtitan_zephon.titan.configs.zephon_section import Zephon
 from torchtitan_zephon.titan.ft.heal import HEAL_KEY, Healing, HealingRefused
 from torchtitan_zephon.titan.ft.quorum import SharedReplicaId, start_manager
 from torchtitan_zephon.titan.ft.settings import lighthouse_url
 from torchtitan_zephon.titan.ft.step import train_step_ft
+from torchtitan_zephon.titan.settings.job_view import JobView, job_view
+from torchtitan_zephon.titan.settings.loss_chunks import fit_loss_chunks
+from torchtitan_zephon.titan.settings.zephon_section import Zephon
 from torchtitan_zephon.titan.start import old_runs, preflight
 from torchtitan_zephon.titan.start.checks import check_job_config
 from torchtitan_zephon.titan.start.job_data import ZephonJob, build_context

@@ -50,7 +50,7 @@ from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.stream import DataPlan
 from torchtitan_zephon.store.format import DataUnreadable, StoreError
 from torchtitan_zephon.titan.components.attention import document_positions, with_document_masks
-from torchtitan_zephon.titan.configs.job_view import batch_schedule
+from torchtitan_zephon.titan.settings.job_view import batch_schedule
 from torchtitan_zephon.titan.start.job_data import (
     ZephonJob,
     eos_id_of,

@@ -26,7 +26,7 @@ import urllib.error
 import urllib.request
 from urllib.parse import urlsplit
 
-from torchtitan_zephon.titan.configs.job_view import JobView, batch_schedule
+from torchtitan_zephon.titan.settings.job_view import JobView, batch_schedule
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 LIGHTHOUSE_TIMEOUT_S = 5.0

@@ -11,7 +11,7 @@ frequencies; the ``--fault_tolerance.*`` settings (``ft.settings``); and the set
 or not, by asking ``job.settings.remote_options`` (their owner) rather than at the
 first remote open.
 
-Invariant: ``check_job_config`` reads only the job's view (``titan.configs.job_view``)
+Invariant: ``check_job_config`` reads only the job's view (``titan.settings.job_view``)
 and the world size; it changes nothing. A job it accepts passes these
 TorchTitan asserts; one it refuses raises ``ValueError`` naming the setting,
 the value found, what would work and the flag to change.
@@ -24,8 +24,8 @@ import os
 
 from torchtitan_zephon.job.settings import remote_options
 from torchtitan_zephon.order.layout import divisors
-from torchtitan_zephon.titan.configs.job_view import JobView
 from torchtitan_zephon.titan.ft.settings import check_fault_tolerance
+from torchtitan_zephon.titan.settings.job_view import JobView
 
 
 def check_job_config(job: JobView, world_size: int | None = None) -> None:

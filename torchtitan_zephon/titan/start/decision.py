@@ -29,7 +29,7 @@ from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.run import recorded as runs
-from torchtitan_zephon.titan.configs.job_view import JobView
+from torchtitan_zephon.titan.settings.job_view import JobView
 from torchtitan_zephon.titan.start import old_runs
 
 

@@ -53,7 +53,7 @@ from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.packing import padding_warning
 from torchtitan_zephon.store.format import MAX_BLOCK_TOKENS
-from torchtitan_zephon.titan.configs.job_view import JobView, batch_schedule
+from torchtitan_zephon.titan.settings.job_view import JobView, batch_schedule
 
 
 def _log(message: str) -> None:

@@ -239,7 +239,7 @@ def _qkv_order(key: str) -> int:
 def check(info: Any, job: Any) -> OldCheckpoint | None:
     """The preflight's check of the checkpoint TorchTitan will load, a resume or model
     only (a verified ``runs.CheckpointInfo``)
-    for ``job`` (a ``titan.configs.job_view.JobView``; its model is read only for a 0.2.2
+    for ``job`` (a ``titan.settings.job_view.JobView``; its model is read only for a 0.2.2
     checkpoint): the map when 0.2.2 wrote it, None when 0.3 did; OldRunRefused when it
     does not map."""
     if written_by_022(info.keys) is None:

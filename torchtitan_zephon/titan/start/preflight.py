@@ -32,7 +32,7 @@ The job's data is opened here, once per process: ``StartDecision.data`` is the
 object the trainer hands to the dataloader and the validator.
 
 Invariants:
-- ``decide_start`` only reads (the job's view, ``titan.configs.job_view``, and the files):
+- ``decide_start`` only reads (the job's view, ``titan.settings.job_view``, and the files):
   a refused start leaves the run folder as it was.
 - The choice of checkpoint is a pure function of the job and the files, so every
   rank reaches the same one, and the one TorchTitan loads (``titan.start.decision``).
@@ -56,7 +56,7 @@ from torchtitan_zephon.job.settings import builtin_tokenizer
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.resume import allowed_fields
 from torchtitan_zephon.run import recorded as runs
-from torchtitan_zephon.titan.configs.job_view import JobView
+from torchtitan_zephon.titan.settings.job_view import JobView
 from torchtitan_zephon.titan.start.decision import (
     StartDecision,
     StartRefused,

@@ -129,7 +129,7 @@ def parse_config(argv: list[str]) -> Any:
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import logger
 
-    from torchtitan_zephon.titan.jobs.stock_config import zephon_config
+    from torchtitan_zephon.configs.stock_config import zephon_config
 
     argv = merge_list_options(argv)
     loaded: list[Any] = []
@@ -218,7 +218,7 @@ def unknown_options(argv: list[str], config: Any) -> str | None:
     option names a field (tyro failed for another reason)."""
     import difflib
 
-    from torchtitan_zephon.titan.jobs.legacy_config import TABLE
+    from torchtitan_zephon.configs.legacy_config import TABLE
 
     paths = _leaf_paths(config)
     sections = {p.split(".", 1)[0] for p in paths}
@@ -260,8 +260,8 @@ def parse_toml(argv: list[str]) -> Any:
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import logger
 
-    from torchtitan_zephon.titan.jobs.config_registry import TOML_JOBS
-    from torchtitan_zephon.titan.jobs.legacy_translate import (
+    from torchtitan_zephon.configs.config_registry import TOML_JOBS
+    from torchtitan_zephon.configs.legacy_translate import (
         LegacyConfigError,
         check_against,
         translate,

@@ -10,7 +10,7 @@ line overrides any value (``--training.steps 8``, ``--zephon.store PATH``, ...).
 * ``llama3_tiny``: the end-to-end test job (``tests/titan/tiny.toml``): flavor "tiny".
 * ``llama3_8b``: TorchTitan 0.3's Llama 3 8B on a Zephon store
   (``train_configs/llama3_8b.toml``'s job).
-* ``deepseek_v3_debug``: the tiny DeepSeek-V3-style MoE (``titan.jobs.models`` flavor
+* ``deepseek_v3_debug``: the tiny DeepSeek-V3-style MoE (``configs.models`` flavor
   "tiny") on the builtin store, 2 CPU ranks in seconds
   (``train_configs/deepseek_v3_debug.toml``).
 * ``deepseek_v3_16b``: TorchTitan 0.3's DeepSeek-V3 16B job on a Zephon store.
@@ -23,7 +23,7 @@ name a ``zephon.store`` made with the model's tokenizer (``hf_assets_path``);
 
 ``TOML_JOBS`` is the one table of which job a TOML job config (``--job.config_file``,
 the 0.2.2 spelling) starts from: its ``[model] name`` (through
-``titan.jobs.legacy_config.MODEL_FAMILIES``) picks the family, its ``flavor`` the model;
+``configs.legacy_config.MODEL_FAMILIES``) picks the family, its ``flavor`` the model;
 the job is TorchTitan's defaults (0.2.2's JobConfig defaults, as far as 0.3 kept
 them) around that model, its loss and one catch-all AdamW parameter group, and the
 TOML's keys are set on it as overrides. Every family and flavor a config function
@@ -31,7 +31,7 @@ here trains has its entry (tests/titan/test_init.py).
 
 Invariant: every public lowercase callable of this module is a config function
 (TorchTitan lists them when ``--config`` names none of them); the model flavors
-are ``titan.jobs.models``'.
+are ``configs.models``'.
 """
 
 from __future__ import annotations
@@ -48,12 +48,12 @@ from torchtitan.config.configs import CommConfig, DebugConfig
 from torchtitan.distributed.activation_checkpoint import SelectiveAC
 from torchtitan.protocols.model_spec import ModelSpec
 
+from torchtitan_zephon.configs import models
 from torchtitan_zephon.job import settings
 from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.components.trainer import ZephonTrainer
 from torchtitan_zephon.titan.components.validate import ZephonValidator
-from torchtitan_zephon.titan.configs.zephon_section import Zephon
-from torchtitan_zephon.titan.jobs import models
+from torchtitan_zephon.titan.settings.zephon_section import Zephon
 
 DEFAULT_NOTE = "initial_load_model_only=True has no effect without an initial_load_path"
 """What TorchTitan logs each time a checkpoint section is made with its own default
@@ -182,7 +182,7 @@ def llama3_8b() -> ZephonTrainer.Config:
 
 
 def deepseek_v3_debug() -> ZephonTrainer.Config:
-    """The tiny DeepSeek-V3-style MoE (``titan.jobs.models`` deepseek_v3 flavor "tiny") on the
+    """The tiny DeepSeek-V3-style MoE (``configs.models`` deepseek_v3 flavor "tiny") on the
     builtin store: 2 CPU ranks (``--parallelism.expert_parallel_degree 2`` for EP), fp32,
     deterministic; the job of ``train_configs/deepseek_v3_debug.toml``."""
     config = llama3_tiny()
@@ -285,5 +285,5 @@ TOML_JOBS: dict[str, Callable[[str], ZephonTrainer.Config]] = {
     "qwen3": lambda flavor: _toml_job(models.qwen3_model(flavor)),
 }
 """Model family (``legacy_config.MODEL_FAMILIES``' values) -> flavor -> the job a TOML
-file's keys are set on (the flavors: ``titan.jobs.models``', Zephon's and TorchTitan's); a
+file's keys are set on (the flavors: ``configs.models``', Zephon's and TorchTitan's); a
 flavor the family lacks raises ``ValueError``."""

@@ -1,9 +1,10 @@
-"""The jobs: how a job is named and parsed (TorchTitan 0.3's config seam), the top
-floor of ``titan/``.
+"""The jobs: how a job is named and parsed (TorchTitan 0.3's config seam), above
+``titan/``.
 
 - ``config_registry``: Zephon's registry, named ``--module torchtitan_zephon.configs
-  --config FN`` on the command line (``old_paths``: the same module), and the jobs a
-  TOML file picks (``TOML_JOBS``);
+  --config FN`` on the command line (TorchTitan imports
+  ``torchtitan_zephon.configs.config_registry``), and the jobs a TOML file picks
+  (``TOML_JOBS``);
 - ``stock_config``: a stock TorchTitan registry job made Zephon's;
 - ``models``: the model flavors the registry names;
 - ``legacy_config`` / ``legacy_translate``: the TOML front end (TorchTitan 0.2.2's

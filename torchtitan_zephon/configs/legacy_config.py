@@ -15,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from torchtitan_zephon.titan.configs.zephon_section import Zephon
+from torchtitan_zephon.titan.settings.zephon_section import Zephon
 
 __all__ = [
     "AC_MODES",

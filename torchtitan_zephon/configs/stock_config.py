@@ -20,7 +20,7 @@ from torchtitan.trainer import Trainer
 from torchtitan_zephon.titan.components.dataloader import ZephonDataLoader
 from torchtitan_zephon.titan.components.trainer import ZephonTrainer
 from torchtitan_zephon.titan.components.validate import ZephonValidator
-from torchtitan_zephon.titan.configs.zephon_section import Zephon
+from torchtitan_zephon.titan.settings.zephon_section import Zephon
 
 
 def zephon_config(config: Any) -> tuple[ZephonTrainer.Config, list[str]]:

@@ -1,4 +1,4 @@
-"""The configs at the bottom of ``titan/``: what a job's settings are, whatever
+"""The settings at the bottom of ``titan/``: what a job's settings are, whatever
 front end or builder made them.
 
 - ``zephon_section``: the ``[zephon]`` section (``Zephon``);
@@ -6,6 +6,7 @@ front end or builder made them.
   (``JobView``, ``job_view``), and the global batch schedule (``batch_schedule``);
 - ``loss_chunks``: the chunked loss's chunk count fitted to ``seq_len``.
 
-The jobs and the command lines that name them are one floor up, in ``titan.jobs``.
+The jobs and the command lines that name them are above ``titan/``, in
+``torchtitan_zephon.configs``.
 This package re-exports nothing: import the modules.
 """

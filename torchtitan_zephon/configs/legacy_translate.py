@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_zephon.titan.jobs.legacy_config import (
+from torchtitan_zephon.configs.legacy_config import (
     AC_MODES,
     COMPONENT_FIELDS,
     CONFIG_MODULE,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from torchtitan_zephon.order.layout import BatchSchedule
-from torchtitan_zephon.titan.configs.zephon_section import Zephon
+from torchtitan_zephon.titan.settings.zephon_section import Zephon
 
 
 @dataclass(frozen=True)
