@@ -8,9 +8,9 @@ dataloader and validator are replaced by Zephon's (the log says so). tyro
 parses the overrides into ``ZephonTrainer.Config``.
 
 Without ``--module`` / ``--config``, the command line is TorchTitan 0.2.2's (the
-TOML front end, what ``run_train.sh`` runs): ``configs.legacy_translate`` translates
+TOML front end, what ``run_train.sh`` runs): ``configs.toml_front`` translates
 the TOML file and the ``--section.key`` overrides (0.2.2 spellings, or the 0.3
-spelling of a mapped path) through one table (``configs.legacy_config``);
+spelling of a mapped path) through one table (``configs.toml_table``);
 ``model.name`` / ``model.flavor`` pick the job they are set on (``configs.TOML_JOBS``),
 the command line wins over the file, and a key without a 0.3 equivalent is refused
 before anything runs.
@@ -127,7 +127,7 @@ def main() -> None:
         for change in platform.cpu_parsed_settings(config):  # what no flag can ask of a CPU
             if int(os.environ.get("RANK", "0")) == 0:
                 logger.info(f"CPU platform: {change}")
-    except (ValueError, ImportError) as e:  # a TOML key 0.3 cannot carry (LegacyConfigError),
+    except (ValueError, ImportError) as e:  # a TOML key 0.3 cannot carry (TomlConfigError),
         stop(f"Zephon refused to start: {e}")  # an unknown --module / --config
     trainer = None
     try:

@@ -291,7 +291,7 @@ def _shapes(spec) -> dict[str, tuple[int, ...]]:  # noqa: ANN001
 def test_a_toml_of_the_model_of_each_config_function_starts_from_that_model(fn: str) -> None:
     """configs.TOML_JOBS, the one table a TOML's [model] name / flavor select a job
     from, has every family and flavor the registry trains, and builds that model."""
-    from torchtitan_zephon.configs.legacy_config import MODEL_FAMILIES
+    from torchtitan_zephon.configs.toml_table import MODEL_FAMILIES
 
     spec = getattr(configs, fn)().model_spec
     assert spec.name in MODEL_FAMILIES.values() and spec.name in configs.TOML_JOBS, fn

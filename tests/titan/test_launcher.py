@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.titan.launch import REPO, TINY, job_env, train
-from torchtitan_zephon.configs.legacy_translate import translate
+from torchtitan_zephon.configs.toml_front import translate
 from torchtitan_zephon.train import resolve_paths
 
 PACKAGE = str(REPO / "torchtitan_zephon")

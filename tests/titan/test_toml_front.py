@@ -14,7 +14,7 @@ import pytest
 pytest.importorskip("torchtitan.config.configurable", reason="needs TorchTitan 0.3")
 
 from torchtitan_zephon.configs import config_registry as configs  # noqa: E402
-from torchtitan_zephon.configs.legacy_translate import LegacyConfigError  # noqa: E402
+from torchtitan_zephon.configs.toml_front import TomlConfigError  # noqa: E402
 from torchtitan_zephon.titan import platform  # noqa: E402
 from torchtitan_zephon.train import parse_toml, toml_front_end  # noqa: E402
 
@@ -85,14 +85,14 @@ def test_no_file_starts_from_022_defaults():
 )  # fmt: skip
 def test_refusals_name_the_key(monkeypatch, argv, message):
     monkeypatch.chdir(ROOT)
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         parse_toml(["--job.config_file", str(TINY), *argv])
     assert str(e.value).startswith(message), str(e.value)
 
 
 def test_a_family_without_a_toml_job_is_refused(monkeypatch):
     monkeypatch.delitem(configs.TOML_JOBS, "qwen3", raising=False)
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         parse_toml(["--job.config_file", str(TINY), "--model.name", "qwen3"])
     assert "model.name 'qwen3' selects the qwen3 family, which has no TOML job" in str(e.value)
     assert "--module torchtitan_zephon.configs --config FN" in str(e.value)

@@ -7,7 +7,7 @@
   (``TOML_JOBS``);
 - ``stock_config``: a stock TorchTitan registry job made Zephon's;
 - ``models``: the model flavors the registry names;
-- ``legacy_config`` / ``legacy_translate``: the TOML front end (TorchTitan 0.2.2's
+- ``toml_table`` / ``toml_front``: the TOML front end (TorchTitan 0.2.2's
   spellings) and its one table;
 - ``command_line``: the config managers that read both command lines
   (``--module``/``--config`` and the TOML one), called by ``torchtitan_zephon.train``.

@@ -4,7 +4,7 @@ Role: ``parse_config`` reads ``--module M --config FN [overrides]`` (a registry 
 made Zephon's by ``stock_config`` and given the CPU defaults before tyro parses, so an
 explicit flag wins); ``parse_toml`` reads TorchTitan 0.2.2's command line
 (``--job.config_file F.toml`` and ``--section.key`` overrides, through
-``legacy_translate``'s one table onto the job ``TOML_JOBS`` picks);
+``toml_front``'s one table onto the job ``TOML_JOBS`` picks);
 ``toml_front_end`` says which of the two a command line is; ``resolve_paths`` makes
 every relative path option absolute against the folder the command was run in;
 ``unknown_options`` names an option the job's config has no field for, in one line.
@@ -214,11 +214,11 @@ def _leaf_paths(node: Any, prefix: str = "") -> set[str]:
 def unknown_options(argv: list[str], config: Any) -> str | None:
     """One line naming the first ``--section.key`` of ``argv`` that ``config`` has no
     field for, with the closest valid spelling (TorchTitan 0.2.2's spelling of a 0.3
-    path through ``legacy_config.TABLE``, else the closest path); None when every
+    path through ``toml_table.TABLE``, else the closest path); None when every
     option names a field (tyro failed for another reason)."""
     import difflib
 
-    from torchtitan_zephon.configs.legacy_config import TABLE
+    from torchtitan_zephon.configs.toml_table import TABLE
 
     paths = _leaf_paths(config)
     sections = {p.split(".", 1)[0] for p in paths}
@@ -253,16 +253,16 @@ def toml_front_end(argv: list[str]) -> bool:
 
 def parse_toml(argv: list[str]) -> Any:
     """A 0.2.2 command line (``--job.config_file F`` and ``--section.key`` overrides) as
-    ``ZephonTrainer.Config``: translated by ``legacy_translate`` onto the job that
+    ``ZephonTrainer.Config``: translated by ``toml_front`` onto the job that
     ``model.name`` / ``model.flavor`` select (0.2.2's defaults: llama3, "debugmodel"),
     adjusted for the platform, then parsed by tyro (TOML values first, the command
-    line's after them). Raises ``LegacyConfigError`` for what cannot be carried."""
+    line's after them). Raises ``TomlConfigError`` for what cannot be carried."""
     from torchtitan.config import ConfigManager
     from torchtitan.tools.logging import logger
 
     from torchtitan_zephon.configs.config_registry import TOML_JOBS
-    from torchtitan_zephon.configs.legacy_translate import (
-        LegacyConfigError,
+    from torchtitan_zephon.configs.toml_front import (
+        TomlConfigError,
         check_against,
         translate,
     )
@@ -270,7 +270,7 @@ def parse_toml(argv: list[str]) -> Any:
     argv = merge_list_options(argv)
     config_file = _last_config_file(argv)
     if config_file is not None and not os.path.isfile(config_file):
-        raise LegacyConfigError(
+        raise TomlConfigError(
             f"--job.config_file {config_file} is not a file; expected a TOML job config (e.g. "
             "train_configs/debug_model.toml of the repository). A relative path is taken from "
             "the folder the command was run in."
@@ -280,7 +280,7 @@ def parse_toml(argv: list[str]) -> Any:
     named = f"model.name {t.model_name!r}" if t.model_name else "model.name (unset: llama3)"
     job = TOML_JOBS.get(family)
     if job is None:
-        raise LegacyConfigError(
+        raise TomlConfigError(
             f"{named} selects the {family} family, which has no TOML job yet; expected one of "
             f"{', '.join(map(repr, TOML_JOBS))}, or run a config function: --module "
             "torchtitan_zephon.configs --config FN."
@@ -288,7 +288,7 @@ def parse_toml(argv: list[str]) -> Any:
     try:
         base = job(flavor)
     except ValueError as e:
-        raise LegacyConfigError(f"model.flavor {flavor!r} ({named}): {e}.") from None
+        raise TomlConfigError(f"model.flavor {flavor!r} ({named}): {e}.") from None
     check_against(base, t)
     args = t.tyro_args(base)
     consumed = ", ".join(s.key for s in t.consumed) or "none"

@@ -23,7 +23,7 @@ name a ``zephon.store`` made with the model's tokenizer (``hf_assets_path``);
 
 ``TOML_JOBS`` is the one table of which job a TOML job config (``--job.config_file``,
 the 0.2.2 spelling) starts from: its ``[model] name`` (through
-``configs.legacy_config.MODEL_FAMILIES``) picks the family, its ``flavor`` the model;
+``configs.toml_table.MODEL_FAMILIES``) picks the family, its ``flavor`` the model;
 the job is TorchTitan's defaults (0.2.2's JobConfig defaults, as far as 0.3 kept
 them) around that model, its loss and one catch-all AdamW parameter group, and the
 TOML's keys are set on it as overrides. Every family and flavor a config function
@@ -284,6 +284,6 @@ TOML_JOBS: dict[str, Callable[[str], ZephonTrainer.Config]] = {
     "deepseek_v3": lambda flavor: _toml_job(models.deepseek_v3_model(flavor)),
     "qwen3": lambda flavor: _toml_job(models.qwen3_model(flavor)),
 }
-"""Model family (``legacy_config.MODEL_FAMILIES``' values) -> flavor -> the job a TOML
+"""Model family (``toml_table.MODEL_FAMILIES``' values) -> flavor -> the job a TOML
 file's keys are set on (the flavors: ``configs.models``', Zephon's and TorchTitan's); a
 flavor the family lacks raises ``ValueError``."""

@@ -6,7 +6,7 @@ Invariant: ``TABLE`` owns the mapping. Every key of 0.2.2's JobConfig and every 
 of ``Zephon`` has exactly one ``Entry``: mapped to a 0.3 path, subsumed, renamed,
 refused (with the reason, and the 0.2.2 value accepted as a no-op, if any), or
 special (model selection, optimizer betas, the activation-checkpoint mode). This
-module is data; ``legacy_translate`` reads TOML files and command lines through it.
+module is data; ``toml_front`` reads TOML files and command lines through it.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Entry:
     """One 0.2.2 key. ``kind``: "map" -> ``path``; "subsumed": accepted, nothing to
     set; "refused": an error, unless the value equals ``noop`` (the 0.2.2 value that
     means "off", which 0.3 does anyway); "renamed": an error naming ``path``;
-    "special": handled by ``legacy_translate`` (model selection, optimizer betas, the
+    "special": handled by ``toml_front`` (model selection, optimizer betas, the
     activation-checkpoint mode). ``value``: how the command line spells it."""
 
     key: str
@@ -85,7 +85,7 @@ TABLE: dict[str, Entry] = {
         Entry(
             "job.description",
             "subsumed",
-            why="0.3 has no field for it: LegacyTranslation.description carries it",
+            why="0.3 has no field for it: TomlTranslation.description carries it",
         ),
         Entry("job.print_config", "map", "debug.print_config", value="flag"),
         Entry("job.save_config_file", "map", "debug.save_config_file"),

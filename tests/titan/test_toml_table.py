@@ -1,4 +1,4 @@
-"""Tests of titan/settings/legacy_config.py: 0.2.2 TOML keys and --section.key spellings
+"""Tests of titan/settings/toml_table.py: 0.2.2 TOML keys and --section.key spellings
 carried onto the TorchTitan 0.3 config tree, checked against the real 0.3
 ``Trainer.Config`` (runs in the 0.3 environment)."""
 
@@ -30,16 +30,16 @@ from torchtitan.distributed.activation_checkpoint import (  # noqa: E402
 from torchtitan.models.llama3.config_registry import llama3_debugmodel  # noqa: E402
 from torchtitan.trainer import Trainer  # noqa: E402
 
-from torchtitan_zephon.configs.legacy_config import (  # noqa: E402
-    COMPONENT_FIELDS,
-    CONFIG_MODULE,
-    TABLE,
-)
-from torchtitan_zephon.configs.legacy_translate import (  # noqa: E402
-    LegacyConfigError,
+from torchtitan_zephon.configs.toml_front import (  # noqa: E402
+    TomlConfigError,
     check_against,
     translate,
     translate_toml,
+)
+from torchtitan_zephon.configs.toml_table import (  # noqa: E402
+    COMPONENT_FIELDS,
+    CONFIG_MODULE,
+    TABLE,
 )
 from torchtitan_zephon.titan.settings.zephon_section import Zephon  # noqa: E402
 
@@ -215,7 +215,7 @@ def _repo_spellings() -> set[str]:
     files += sorted((ROOT / "tests").rglob("*.py"))
     found: set[str] = set()
     for path in files:
-        if path.name == "test_legacy_config.py":
+        if path.name == "test_toml_table.py":
             continue  # its own deliberate misspellings
         for m in SPELLING.finditer(path.read_text(errors="replace")):
             found.add(m.group(0).rstrip(".-"))
@@ -229,7 +229,7 @@ def test_a_03_only_option_is_a_03_path_the_toml_front_end_refuses():
     for s in ONLY_03:
         key = s.removeprefix("--")
         assert key in tree and key not in TABLE, s
-        with pytest.raises(LegacyConfigError, match=re.escape(key)):
+        with pytest.raises(TomlConfigError, match=re.escape(key)):
             translate(["--job.config_file", str(ROOT / "tests/titan/tiny.toml"), s, "2"])
 
 
@@ -440,7 +440,7 @@ def _toml(tmp_path: Path, text: str) -> str:
 
 def test_unknown_toml_key_names_key_file_and_close_match(tmp_path):
     path = _toml(tmp_path, "[validation]\nfrq = 3\n")
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate_toml(path)
     assert str(e.value) == (
         f"Unknown key validation.frq in TOML file {path}. Did you mean validation.freq?"
@@ -448,32 +448,32 @@ def test_unknown_toml_key_names_key_file_and_close_match(tmp_path):
 
 
 def test_unknown_option_names_close_matches_with_dashes():
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate(["--checkpoint.intervall", "3"])
     assert str(e.value) == (
         "Unknown option --checkpoint.intervall on the command line. "
         "Did you mean --checkpoint.interval?"
     )
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate(["--no-validation.enable"])
     assert str(e.value) == (
         "Unknown option --no-validation.enable on the command line. "
         "A flag is turned off as --validation.no-enable."
     )
-    with pytest.raises(LegacyConfigError, match="No known key is spelled like it"):
+    with pytest.raises(TomlConfigError, match="No known key is spelled like it"):
         translate(["--zzz.qqq", "1"])
 
 
 def test_key_without_equivalent_names_key_file_and_reason(tmp_path):
     path = _toml(tmp_path, "[parallelism]\nexpert_tensor_parallel_degree = 2\n")
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate_toml(path)
     assert str(e.value) == (
         f"parallelism.expert_tensor_parallel_degree = 2 in TOML file {path} has no equivalent "
         "in TorchTitan 0.3: expert tensor parallelism (ETP) was removed (only 1, its 0.2.2 "
         "default, is accepted); remove it."
     )
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate(["--training.dataset", "c4"])
     assert str(e.value) == (
         "--training.dataset c4 on the command line has no equivalent in TorchTitan 0.3: "
@@ -492,23 +492,23 @@ def test_a_noop_value_of_a_removed_key_is_accepted_and_reported(tmp_path):
 
 def test_renamed_and_foreign_keys_give_the_new_spelling(tmp_path):
     path = _toml(tmp_path, '[model]\ntokenizer_path = "tok"\n')
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate_toml(path)
     assert str(e.value) == (
         f"model.tokenizer_path in TOML file {path} is now model.hf_assets_path "
         "(0.2.2 had deprecated it); rename it."
     )
     path = _toml(tmp_path, '[job]\ncustom_config_module = "my.module"\n')
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate_toml(path)
     assert str(e.value).startswith(
         f"job.custom_config_module = 'my.module' in TOML file {path}: TorchTitan 0.3 has no "
         "custom config modules; a job is a config registry function (--module M --config FN"
     )
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate(["--activation_checkpoint.selective_ac_option", "2"])
     assert "its selective activation checkpointing is per-op" in str(e.value)
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate(["--model.name", "gpt9"])
     assert str(e.value).startswith(
         "--model.name gpt9 on the command line is not a model Zephon trains; expected one of"
@@ -516,23 +516,23 @@ def test_renamed_and_foreign_keys_give_the_new_spelling(tmp_path):
 
 
 def test_bad_flag_spellings_and_values(tmp_path):
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate(["--checkpoint.enable=false"])
     assert str(e.value) == (
         "--checkpoint.enable on the command line is a flag and takes no value: spell "
         "--checkpoint.enable to turn it on, --checkpoint.no-enable to turn it off."
     )
     path = _toml(tmp_path, '[checkpoint]\nenable = "yes"\n')
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate_toml(path)
     assert str(e.value) == f"checkpoint.enable = 'yes' in TOML file {path}: expected true or false."
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate(["--training.steps"])
     assert (
         str(e.value)
         == "--training.steps on the command line needs a value: --training.steps VALUE."
     )
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         translate(["--job.config_file", str(tmp_path / "missing.toml")])
     assert str(e.value).startswith(
         f"The config file {tmp_path / 'missing.toml'} (--job.config_file) does not exist"
@@ -648,9 +648,9 @@ def test_activation_checkpoint_mode_selects_the_03_class():
     config = _parse(t.tyro_args())
     assert config.activation_checkpoint.memory_budget == 0.3
     t = translate(["--activation_checkpoint.debug"])
-    with pytest.raises(LegacyConfigError, match="without activation_checkpoint.mode"):
+    with pytest.raises(TomlConfigError, match="without activation_checkpoint.mode"):
         t.tyro_args()
-    with pytest.raises(LegacyConfigError, match="has no activation checkpointing"):
+    with pytest.raises(TomlConfigError, match="has no activation checkpointing"):
         t.tyro_args(_base(activation_checkpoint=None))
 
 
@@ -661,7 +661,7 @@ def test_an_empty_list_is_left_to_the_base_or_refused():
     assert t.tyro_args(base) == []  # the base holds [] already
     assert _parse(t.tyro_args(base), base).zephon.allow_changes == []
     t = translate(["--compile.components", ""])
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         t.tyro_args(base)  # base: ["model", "loss"]
     assert str(e.value) == (
         "--compile.components '' on the command line: TorchTitan 0.3's command line cannot "
@@ -673,7 +673,7 @@ def test_an_empty_list_is_left_to_the_base_or_refused():
 def test_check_against_refuses_a_config_without_the_path():
     t = translate(["--validation.local_batch_size", "2"])
     check_against(_base(), t)
-    with pytest.raises(LegacyConfigError) as e:
+    with pytest.raises(TomlConfigError) as e:
         check_against(llama3_debugmodel(), t)  # stock 0.3 validator: no microbatch_size
     assert str(e.value) == (
         "--validation.local_batch_size on the command line maps to validator.microbatch_size, "

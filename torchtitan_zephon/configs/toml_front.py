@@ -2,9 +2,9 @@
 ``--section.key value`` overrides) translated onto the TorchTitan 0.3 config tree
 (``Trainer.Config`` plus Zephon's ``zephon`` section), as tyro arguments.
 
-Invariant: every key is read through ``legacy_config.TABLE`` (the one table that owns
+Invariant: every key is read through ``toml_table.TABLE`` (the one table that owns
 the mapping), and mapped to its 0.3 path, subsumed (accepted, and reported in
-``LegacyTranslation.consumed``), or refused with a ``LegacyConfigError`` that names
+``TomlTranslation.consumed``), or refused with a ``TomlConfigError`` that names
 the key as the user spelled it, where it came from, and its new spelling where one
 exists. Nothing is silently ignored; an unknown key is refused with its close
 matches. Command-line values win over the TOML file's.
@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from torchtitan_zephon.configs.legacy_config import (
+from torchtitan_zephon.configs.toml_table import (
     AC_MODES,
     COMPONENT_FIELDS,
     CONFIG_MODULE,
@@ -34,8 +34,8 @@ except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib  # type: ignore[no-redef]
 
 __all__ = [
-    "LegacyConfigError",
-    "LegacyTranslation",
+    "TomlConfigError",
+    "TomlTranslation",
     "Setting",
     "check_against",
     "translate",
@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 
-class LegacyConfigError(ValueError):
+class TomlConfigError(ValueError):
     """A 0.2.2 config key or value that cannot be carried onto TorchTitan 0.3."""
 
 
@@ -63,7 +63,7 @@ class Setting:
 
 
 @dataclass(frozen=True)
-class LegacyTranslation:
+class TomlTranslation:
     """The 0.3 reading of a 0.2.2 TOML file and command line."""
 
     settings: tuple[Setting, ...]
@@ -113,7 +113,7 @@ def _render(s: Setting, base: Any) -> list[str]:
     if value == []:
         if base is not None and _held(base, path) == []:
             return []
-        raise LegacyConfigError(
+        raise TomlConfigError(
             f"{_where(s, True)}: TorchTitan 0.3's command line cannot spell an empty list for "
             f"{path}, and the selected config does not hold one; set it in the config registry "
             "function, or remove the key."
@@ -133,19 +133,19 @@ def _render(s: Setting, base: Any) -> list[str]:
 def _base_ac_mode(base: Any, first: Setting) -> str:
     where = _where(first)
     if base is None:
-        raise LegacyConfigError(
+        raise TomlConfigError(
             f"{where} sets an activation-checkpoint option without activation_checkpoint.mode; "
             'set activation_checkpoint.mode ("selective", "full" or "memory_budget") as well.'
         )
     ac = getattr(base, "activation_checkpoint", None)
     if ac is None:
-        raise LegacyConfigError(
+        raise TomlConfigError(
             f"{where} sets an activation-checkpoint option, but the selected config has no activation "
             'checkpointing; set activation_checkpoint.mode ("selective", "full" or "memory_budget") as well.'
         )
     name = type(ac).__qualname__.split(".")[0]
     if name not in _AC_CLASS_MODES:
-        raise LegacyConfigError(
+        raise TomlConfigError(
             f"{where}: the selected config's activation checkpointing ({type(ac).__qualname__}) is not one of "
             f"{', '.join(_AC_CLASS_MODES)}; set activation_checkpoint.mode."
         )
@@ -206,7 +206,7 @@ def _parse_cli(argv: Sequence[str]) -> list[Setting]:
     while i < len(argv):
         tok = argv[i]
         if not tok.startswith("--"):
-            raise LegacyConfigError(
+            raise TomlConfigError(
                 f"{tok!r} on the command line is not an option: options are spelled --section.key VALUE."
             )
         name, eq, inline = tok[2:].partition("=")
@@ -217,12 +217,12 @@ def _parse_cli(argv: Sequence[str]) -> list[Setting]:
             if norm.startswith("no_") and (flag := _lookup(norm[3:])) and flag[0].value == "flag":
                 section, _, leaf = flag[0].key.rpartition(".")
                 hint = f"A flag is turned off as --{section}.no-{leaf}."
-            raise LegacyConfigError(f"Unknown option --{name} on the command line. {hint}")
+            raise TomlConfigError(f"Unknown option --{name} on the command line. {hint}")
         entry, negated = found
         i += 1
         if entry.value == "flag":
             if eq:
-                raise LegacyConfigError(
+                raise TomlConfigError(
                     f"--{name} on the command line is a flag and takes no value: spell --{name} to turn it on, "
                     f"--{_negation(name)} to turn it off."
                 )
@@ -240,7 +240,7 @@ def _parse_cli(argv: Sequence[str]) -> list[Setting]:
                 value = argv[i]
                 i += 1
             else:
-                raise LegacyConfigError(
+                raise TomlConfigError(
                     f"--{name} on the command line needs a value: --{name} VALUE."
                 )
             if entry.value == "list":
@@ -268,24 +268,24 @@ def _read_toml(path: str) -> list[Setting]:
         with open(path, "rb") as f:
             data = tomllib.load(f)
     except FileNotFoundError:
-        raise LegacyConfigError(
+        raise TomlConfigError(
             f"The config file {path} (--job.config_file) does not exist; give the path of a TOML job config, "
             "e.g. train_configs/debug_model.toml."
         ) from None
     except (OSError, tomllib.TOMLDecodeError) as e:
-        raise LegacyConfigError(
+        raise TomlConfigError(
             f"The config file {path} (--job.config_file) is not readable TOML: {e}."
         ) from None
     out = []
     for key, value in _flatten(data):
         if key not in TABLE:
-            raise LegacyConfigError(f"Unknown key {key} in {origin}. {_suggest(key)}")
+            raise TomlConfigError(f"Unknown key {key} in {origin}. {_suggest(key)}")
         if key == "job.config_file":
-            raise LegacyConfigError(
+            raise TomlConfigError(
                 f"{key} in {origin}: a TOML file cannot name another; remove it (give the file with --job.config_file)."
             )
         if TABLE[key].value == "flag" and not isinstance(value, bool):
-            raise LegacyConfigError(f"{key} = {value!r} in {origin}: expected true or false.")
+            raise TomlConfigError(f"{key} = {value!r} in {origin}: expected true or false.")
         out.append(Setting(key, value, origin, key))
     return out
 
@@ -296,7 +296,7 @@ def _same(value: Any, noop: Any) -> bool:
     return type(value) is type(noop) and value == noop
 
 
-def _resolve(raw: list[Setting], config_file: str | None) -> LegacyTranslation:
+def _resolve(raw: list[Setting], config_file: str | None) -> TomlTranslation:
     settings: list[Setting] = []
     consumed: list[Setting] = []
     picked: dict[str, Setting] = {}
@@ -308,7 +308,7 @@ def _resolve(raw: list[Setting], config_file: str | None) -> LegacyTranslation:
         elif entry.kind == "subsumed":
             consumed.append(Setting("", s.value, s.origin, s.key))
         elif entry.kind == "renamed":
-            raise LegacyConfigError(f"{where} is now {entry.path} ({entry.why}); rename it.")
+            raise TomlConfigError(f"{where} is now {entry.path} ({entry.why}); rename it.")
         elif entry.kind == "refused":
             if entry.noop is not NO_NOOP and _same(s.value, entry.noop):
                 consumed.append(Setting("", s.value, s.origin, s.key))
@@ -318,14 +318,14 @@ def _resolve(raw: list[Setting], config_file: str | None) -> LegacyTranslation:
                 if entry.noop is NO_NOOP
                 else f" (only {entry.noop!r}, its 0.2.2 default, is accepted)"
             )
-            raise LegacyConfigError(
+            raise TomlConfigError(
                 f"{_where(s, True)} has no equivalent in TorchTitan 0.3: {entry.why}{keep}; remove it."
             )
         else:
             picked[entry.key] = s  # later wins
             if entry.key in ("job.custom_config_module", "experimental.custom_args_module"):
                 if s.value not in (CONFIG_MODULE, ""):
-                    raise LegacyConfigError(
+                    raise TomlConfigError(
                         f"{_where(s, True)}: TorchTitan 0.3 has no custom config modules; a job is a config "
                         f"registry function (--module M --config FN returning a Trainer.Config subclass). Only "
                         f"{CONFIG_MODULE!r}, which the Zephon configs subsume, is accepted; remove it."
@@ -333,13 +333,13 @@ def _resolve(raw: list[Setting], config_file: str | None) -> LegacyTranslation:
                 consumed.append(Setting("", s.value, s.origin, s.key))
             elif entry.key == "activation_checkpoint.mode":
                 if s.value not in AC_MODES:
-                    raise LegacyConfigError(
+                    raise TomlConfigError(
                         f"{_where(s, True)}: expected one of {', '.join(map(repr, AC_MODES))}."
                     )
                 settings.append(Setting("activation_checkpoint", s.value, s.origin, s.key))
             elif entry.key == "activation_checkpoint.selective_ac_option":
                 if s.value != "op":
-                    raise LegacyConfigError(
+                    raise TomlConfigError(
                         f"{_where(s, True)} has no equivalent in TorchTitan 0.3: its selective activation "
                         'checkpointing is per-op ("op"), not every N-th block; set it to "op", or '
                         'activation_checkpoint.mode = "full", or remove it.'
@@ -349,7 +349,7 @@ def _resolve(raw: list[Setting], config_file: str | None) -> LegacyTranslation:
                 try:
                     float(s.value)
                 except (TypeError, ValueError):
-                    raise LegacyConfigError(
+                    raise TomlConfigError(
                         f"{_where(s, True)}: expected a number, e.g. 0.9."
                     ) from None
                 b1, b2 = picked.get("optimizer.beta1"), picked.get("optimizer.beta2")
@@ -363,12 +363,12 @@ def _resolve(raw: list[Setting], config_file: str | None) -> LegacyTranslation:
     if name is not None:
         family = MODEL_FAMILIES.get(str(name.value))
         if family is None:
-            raise LegacyConfigError(
+            raise TomlConfigError(
                 f"{_where(name, True)} is not a model Zephon trains; expected one of "
                 f"{', '.join(map(repr, MODEL_FAMILIES))}."
             )
     desc = next((str(s.value) for s in reversed(raw) if s.path == "job.description"), None)
-    return LegacyTranslation(
+    return TomlTranslation(
         settings=tuple(settings),
         model=family,
         model_name=None if name is None else str(name.value),
@@ -379,12 +379,12 @@ def _resolve(raw: list[Setting], config_file: str | None) -> LegacyTranslation:
     )
 
 
-def translate_toml(path: str) -> LegacyTranslation:
+def translate_toml(path: str) -> TomlTranslation:
     """The 0.3 reading of a 0.2.2 TOML job config."""
     return _resolve(_read_toml(path), path)
 
 
-def translate(argv: Sequence[str]) -> LegacyTranslation:
+def translate(argv: Sequence[str]) -> TomlTranslation:
     """The 0.3 reading of a 0.2.2 command line: the TOML named by
     ``--job.config_file`` (if any) first, then the options, which win."""
     cli = _parse_cli(argv)
@@ -413,7 +413,7 @@ def _held(config: Any, path: str) -> Any:
     return node
 
 
-def check_against(config: Any, translation: LegacyTranslation) -> None:
+def check_against(config: Any, translation: TomlTranslation) -> None:
     """Refuse, naming the 0.2.2 key, any setting whose 0.3 path the loaded config
     (a ``Trainer.Config`` instance, e.g. a registry function's) does not have: a
     stock dataloader or validator without Zephon's fields, an optimizer without one
@@ -434,7 +434,7 @@ def check_against(config: Any, translation: LegacyTranslation) -> None:
                 extra = (
                     f" ({COMPONENT_FIELDS[s.path]} has it)" if s.path in COMPONENT_FIELDS else ""
                 )
-                raise LegacyConfigError(
+                raise TomlConfigError(
                     f"{_where(s)} maps to {s.path}, but the selected config has no {missing} (found {have})"
                     f"{extra}; choose a config that has it, or remove the key."
                 )
