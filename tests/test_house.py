@@ -4,10 +4,6 @@ no class is assembled from mixins split out of it (a private base class would cr
 modules); and no import circle between the modules (issue 29 point 3; issue 44 part 4
 replaced the 450-line rule by the private-name rule).
 
-The private names that still cross modules are listed in ``PRIVATE_CROSSINGS``: the
-debt issue 44 part (c) pays off. The list only shrinks: a new crossing fails, and so
-does a listed one that is gone (take it off the list).
-
 Every import counts: at module level, inside a function, and under
 ``if TYPE_CHECKING:``. ``from P import NAME`` is an import of ``P.NAME`` when that is
 a module of the package, else of ``P``. A package's ``__init__`` is the module ``P``;
@@ -23,46 +19,6 @@ from pathlib import Path
 from tests.test_imports import PACKAGE, parse
 
 ROOT = PACKAGE.name
-
-PRIVATE_CROSSINGS = frozenset(
-    line.strip()
-    for line in """
-    bench.prepare -> ingest.encode._encode_chunk
-    bench.prepare -> ingest.encode._init_worker
-    bench.prepare -> ingest.stage._CHUNK_CHARS
-    bench.prepare -> ingest.stage._CHUNK_DOCS
-    bench.remote -> bench.bucket._bucket_env
-    bench.remote -> bench.bucket._environ
-    bench.remote -> bench.bucket._free_port
-    bench.remote -> bench.bucket._process
-    bench.remote -> bench.bucket._upload
-    bench.remote -> bench.bucket._wait_in_flight
-    bench.remote -> bench.remote_job._job_config
-    bench.remote -> bench.remote_job._job_shape
-    bench.remote -> bench.remote_job._model_step
-    bench.remote_job -> bench.bucket._wait_in_flight
-    cli.open_data -> cli.checkpoint_heads._checkpoint_folder
-    cli.open_data -> cli.plan._open_store
-    cli.open_data -> cli.plan._raw_inputs
-    cli.open_data -> cli.plan._schedule
-    cli.open_data -> cli.plan._skip_steps
-    cli.spikes -> cli.open_data._checkpoint_folder
-    job.loader -> job.read_ahead._ReadAhead
-    store.location -> store.object_client._Gate
-    store.location -> store.object_client._client_options
-    store.location -> store.object_client._serve
-    store.location -> store.object_client._stop
-    store.location -> store.object_faults._Unanswered
-    store.remote -> store.remote_units._Fetch
-    store.remote -> store.remote_units._RemoteUnits
-    store.remote -> store.remote_units._Step
-    store.remote -> store.remote_units._open_blocks
-    store.remote -> store.remote_units._read_checksums
-    train -> configs.command_line._option
-    """.split("\n")
-) - {""}
-"""``importer -> module.name`` (package prefix left out) of each private name still
-imported or used across modules: issue 44 part (c)'s debt."""
 
 
 def module_files(package: Path) -> dict[str, Path]:
@@ -196,15 +152,12 @@ def private_crossings(package: Path) -> set[str]:
     return {line.replace(prefix, "") for line in out}
 
 
-def test_no_private_name_crosses_modules_beyond_the_listed_debt() -> None:
-    found = private_crossings(PACKAGE)
-    new = sorted(found - PRIVATE_CROSSINGS)
-    assert not new, (
-        f"private names used across modules: {new}. Make the name public in the module that "
-        "owns the concept, or move its user there (a module holds one concept)."
+def test_no_private_name_crosses_modules() -> None:
+    found = sorted(private_crossings(PACKAGE))
+    assert not found, (
+        f"private names used across modules: {found}. Make the name public in the module "
+        "that owns the concept, or move its user there (a module holds one concept)."
     )
-    gone = sorted(PRIVATE_CROSSINGS - found)
-    assert not gone, f"take these off PRIVATE_CROSSINGS, they no longer cross: {gone}"
 
 
 def tiny_package(tmp_path: Path, modules: dict[str, str]) -> Path:

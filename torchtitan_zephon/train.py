@@ -47,7 +47,7 @@ from typing import NoReturn
 
 from torchtitan_zephon.configs.command_line import (  # noqa: F401  (importable from here)
     PATH_OPTIONS,
-    _option,
+    option_name,
     parse_config,
     parse_toml,
     resolve_paths,
@@ -120,7 +120,7 @@ def main() -> None:
     init_logger()
     try:
         config = parse_toml(argv) if toml_front_end(argv) else parse_config(argv)
-        explicit = any(_option(a) == "loss.num_chunks" for a in argv)
+        explicit = any(option_name(a) == "loss.num_chunks" for a in argv)
         note = fit_loss_chunks(config, explicit=explicit)  # after --training.seq_len
         if note:
             logger.info(f"Zephon: {note}")

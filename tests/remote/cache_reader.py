@@ -8,7 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
-from torchtitan_zephon.store.remote import RemoteOptions, RemoteTokenStore
+from torchtitan_zephon.store.remote import RemoteTokenStore
+from torchtitan_zephon.store.remote_options import RemoteOptions
 from torchtitan_zephon.store.urls import parse_url
 
 

@@ -30,7 +30,8 @@ from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.remote import RemoteOptions, RemoteTokenStore
+from torchtitan_zephon.store.remote import RemoteTokenStore
+from torchtitan_zephon.store.remote_options import RemoteOptions
 from torchtitan_zephon.store.upgrade import add_block_checksums
 from torchtitan_zephon.store.urls import parse_url
 

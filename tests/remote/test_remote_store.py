@@ -19,7 +19,8 @@ from tests.remote.conftest import SECRET, SESSION
 from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.remote import RemoteOptions, RemoteTokenStore
+from torchtitan_zephon.store.remote import RemoteTokenStore
+from torchtitan_zephon.store.remote_options import RemoteOptions
 from torchtitan_zephon.store.urls import parse_url, redact, scrub
 
 

@@ -1,4 +1,4 @@
-"""The slots of a store's range requests (store/location.py ``_Gate``): never more
+"""The slots of a store's range requests (store/object_client.py ``RequestGate``): never more
 holders than slots, a freed slot goes to the oldest urgent waiter (else the oldest
 other one), a cancelled waiter leaves no trace and no slot stays free while a request
 waits. Hypothesis drives random acquires, releases and cancels (one right after its slot was handed over)
@@ -12,7 +12,7 @@ from collections import deque
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchtitan_zephon.store.object_client import _Gate
+from torchtitan_zephon.store.object_client import RequestGate
 
 OPS = st.lists(
     st.one_of(
@@ -29,7 +29,7 @@ OPS = st.lists(
 @given(size=st.integers(1, 4), ops=OPS)
 def test_the_gate_matches_its_model(size: int, ops: list[tuple[str, object]]) -> None:
     async def run() -> None:
-        gate = _Gate(size)
+        gate = RequestGate(size)
         tasks: list[asyncio.Task] = []
         holding: list[int] = []  # request numbers holding a slot, as the model says
         waiting: tuple[deque[int], deque[int]] = (deque(), deque())  # urgent, other

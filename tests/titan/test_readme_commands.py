@@ -131,10 +131,11 @@ def _parse(args: list[str]):
     from torchtitan_zephon.titan import platform
 
     platform.apply()
-    from torchtitan_zephon.train import _option, parse_config, parse_toml, toml_front_end
+    from torchtitan_zephon.configs.command_line import option_name
+    from torchtitan_zephon.train import parse_config, parse_toml, toml_front_end
 
     config = parse_toml(args) if toml_front_end(args) else parse_config(args)
-    return config, any(_option(a) == "loss.num_chunks" for a in args)
+    return config, any(option_name(a) == "loss.num_chunks" for a in args)
 
 
 @pytest.mark.parametrize("command", TRAINING, ids=str)

@@ -28,7 +28,7 @@ BUCKET = "zephon-bench"
 # ---------------------------------------------------------------- the bucket
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -47,7 +47,7 @@ server.stop()
 
 
 @contextlib.contextmanager
-def _process(argv: list[str]) -> Iterator[str]:
+def background_process(argv: list[str]) -> Iterator[str]:
     """A child process that prints one line when ready and stops when its stdin closes;
     that line."""
     proc = subprocess.Popen(
@@ -69,7 +69,7 @@ def _process(argv: list[str]) -> Iterator[str]:
 
 
 @contextlib.contextmanager
-def _environ(values: dict[str, str]) -> Iterator[None]:
+def environment(values: dict[str, str]) -> Iterator[None]:
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
     try:
@@ -82,7 +82,7 @@ def _environ(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _bucket_env(endpoint: str) -> dict[str, str]:
+def bucket_env(endpoint: str) -> dict[str, str]:
     """The standard AWS variables for the loopback server (marker credentials)."""
     return {
         "AWS_ENDPOINT_URL": endpoint,
@@ -124,7 +124,7 @@ def with_block_tokens(store: Path, folder: Path, block_tokens: int) -> Path:
     return folder
 
 
-def _upload(endpoint: str, folder: Path, prefix: str) -> str:
+def upload(endpoint: str, folder: Path, prefix: str) -> str:
     import boto3
 
     client = boto3.client("s3", endpoint_url=endpoint, **_boto_keys())
@@ -205,7 +205,7 @@ def rank_loader(store: Any, seq_len: int, batch: int, **kw: Any) -> Any:
     )
 
 
-def _wait_in_flight(store: Any) -> None:
+def wait_in_flight(store: Any) -> None:
     """Let what the store has in flight land (it counts as fetched)."""
     deadline = time.time() + 120
     while getattr(store, "_queued", None) or any(

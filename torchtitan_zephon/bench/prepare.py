@@ -38,7 +38,7 @@ from torchtitan_zephon.bench.measure import ratio
 from torchtitan_zephon.ingest.inputs import InputFile
 from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.ingest.readers import iter_documents
-from torchtitan_zephon.ingest.stage import _CHUNK_CHARS, _CHUNK_DOCS, assign_units
+from torchtitan_zephon.ingest.stage import CHUNK_CHARS, CHUNK_DOCS, assign_units
 from torchtitan_zephon.ingest.tokenizer import load_tokenizer_info
 from torchtitan_zephon.ingest.units import cut_units
 from torchtitan_zephon.store.format import CHECKSUMS, DOC_OFFSETS, MANIFEST, TOKENS
@@ -85,7 +85,7 @@ def _rank_chunks(jsonl: Path, unit_bytes: int, nproc: int) -> list[list[list[str
         for text in iter_documents(src, "text", u.part):
             chunk.append(text)
             chars += len(text)
-            if chars >= _CHUNK_CHARS or len(chunk) >= _CHUNK_DOCS:
+            if chars >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
                 shares[owner[u.index]].append(chunk)
                 chunk, chars = [], 0
         if chunk:
@@ -96,11 +96,11 @@ def _rank_chunks(jsonl: Path, unit_bytes: int, nproc: int) -> list[list[list[str
 def _encode_share(tokenizer_json: str, eos_id: int, chunks: list[list[str]], start, out) -> None:
     from torchtitan_zephon.ingest import encode
 
-    encode._init_worker(tokenizer_json, eos_id, limit_threads=True)
-    encode._encode_chunk(["warm up"])
+    encode.init_worker(tokenizer_json, eos_id, limit_threads=True)
+    encode.encode_chunk(["warm up"])
     start.wait(timeout=600)
     t0, cpu0 = time.perf_counter(), time.process_time()
-    tokens = sum(int(encode._encode_chunk(c)[0].size) for c in chunks)
+    tokens = sum(int(encode.encode_chunk(c)[0].size) for c in chunks)
     out.put((tokens, time.perf_counter() - t0, time.process_time() - cpu0))
 
 

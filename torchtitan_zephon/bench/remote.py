@@ -48,25 +48,25 @@ from typing import Any
 
 from torchtitan_zephon.bench.bucket import (
     MOTO,
-    _bucket_env,
-    _environ,
-    _free_port,
-    _process,
-    _upload,
-    _wait_in_flight,
+    background_process,
+    bucket_env,
     download_store,
+    environment,
+    free_port,
     make_store,
     rank_loader,
     request_ms,
+    upload,
+    wait_in_flight,
     with_block_tokens,
 )
 from torchtitan_zephon.bench.measure import ratio
 from torchtitan_zephon.bench.remote_job import (
     LATE_STEP,
-    _job_config,
-    _job_shape,
-    _model_step,
     first_batches,
+    job_config,
+    job_shape,
+    model_step,
     train,
 )
 
@@ -136,7 +136,7 @@ def stream(
     in_flight = list(getattr(getattr(source, "_remote", None), "_steps", ()))
     loader.close()
     if not store.mapped:
-        _wait_in_flight(store)
+        wait_in_flight(store)
         for step in in_flight:  # packed pieces read ahead: they count as fetched
             step.future.exception()
         fetched = store.fetched_bytes
@@ -174,8 +174,8 @@ def run(opts: dict) -> dict:
         }
     base = QUICK if opts.get("quick") else DEFAULTS
     o = {**base, **{k: v for k, v in opts.items() if v is not None and k in base}}
-    config = _job_config(o["job"])
-    job = _job_shape(config)
+    config = job_config(o["job"])
+    job = job_shape(config)
     job_steps = o["job_steps"] or job["steps"]
     res: dict[str, Any] = {
         "suite": "remote",
@@ -193,26 +193,26 @@ def run(opts: dict) -> dict:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="zephon-bench-")))
         local = make_store(tmp / "store", o["tokens"])
         store_bytes = sum(p.stat().st_size for p in local.iterdir())
-        port = _free_port()
-        stack.enter_context(_process([sys.executable, "-c", MOTO, str(port)]))
+        port = free_port()
+        stack.enter_context(background_process([sys.executable, "-c", MOTO, str(port)]))
         moto = f"http://127.0.0.1:{port}"
-        url = _upload(moto, local, "store")
+        url = upload(moto, local, "store")
         # the default job reads a store whose blocks are its seq_len (prepare --block-tokens)
         local_job = with_block_tokens(local, tmp / "store-job", job["seq_len"])
-        url_job = _upload(moto, local_job, "store-job")
+        url_job = upload(moto, local_job, "store-job")
         proxies = {
             ms: stack.enter_context(
-                _process(
+                background_process(
                     [sys.executable, "-m", "torchtitan_zephon.bench.latency_proxy", moto, str(ms)]
                 )
             )
             for ms in LATENCIES_MS
         }
-        envs = {ms: _bucket_env(endpoint) for ms, endpoint in proxies.items()}
+        envs = {ms: bucket_env(endpoint) for ms, endpoint in proxies.items()}
         res["store_bytes"] = store_bytes
         res["request_ms"] = {}
         for ms in LATENCIES_MS:
-            with _environ(envs[ms]):
+            with environment(envs[ms]):
                 res["request_ms"][str(ms)] = request_ms(url, o["gets"])
 
         # 1. one rank's stream: local, the bucket at each latency, then the other ways
@@ -224,7 +224,7 @@ def run(opts: dict) -> dict:
         rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in cases}
         for r in range(o["rounds"]):
             for name, (where, mode, ms) in cases.items():
-                with _environ(envs[ms] if ms is not None else {}):
+                with environment(envs[ms] if ms is not None else {}):
                     rounds[name].append(stream(where, o, r + 1, mode, tmp))
         for r in range(o["rounds"]):  # every way read the same batches
             firsts = {name: v[r]["first"] for name, v in rounds.items()}
@@ -245,7 +245,7 @@ def run(opts: dict) -> dict:
         packed_rounds: dict[str, list[dict[str, Any]]] = {k: [] for k in packed_cases}
         for r in range(o["rounds"]):
             for name, (where, ms) in packed_cases.items():
-                with _environ(envs[ms] if ms is not None else {}):
+                with environment(envs[ms] if ms is not None else {}):
                     packed_rounds[name].append(
                         stream(where, o, r + 1, "read_ahead", tmp, packed=True)
                     )
@@ -260,8 +260,8 @@ def run(opts: dict) -> dict:
         }
 
         # 2. the default job at 20 ms, local as the reference
-        step_fn = _model_step(config)
-        with _environ(envs[JOB_LATENCY_MS]):
+        step_fn = model_step(config)
+        with environment(envs[JOB_LATENCY_MS]):
             res["job_remote"] = train(url_job, job, job_steps, step_fn)
             res["job_remote_512"] = train(url, job, job_steps, step_fn)
         res["job_local"] = train(str(local), job, job_steps, step_fn)

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.bench.bucket import _wait_in_flight, rank_loader
+from torchtitan_zephon.bench.bucket import rank_loader, wait_in_flight
 from torchtitan_zephon.bench.measure import child_times
 
 LATE_STEP = 1_000_000
@@ -25,7 +25,7 @@ LATE_STEP = 1_000_000
 # ---------------------------------------------------------------- the default job
 
 
-def _job_config(name: str) -> Any:
+def job_config(name: str) -> Any:
     """The registry job ``name``'s config (TorchTitan's warnings about its checkpoint
     options, irrelevant here, silenced)."""
     import logging
@@ -39,7 +39,7 @@ def _job_config(name: str) -> Any:
         logging.disable(logging.NOTSET)
 
 
-def _job_shape(config: Any) -> dict[str, int]:
+def job_shape(config: Any) -> dict[str, int]:
     from torchtitan_zephon.titan.settings.zephon_section import Zephon
 
     t = config.training
@@ -53,7 +53,7 @@ def _job_shape(config: Any) -> dict[str, int]:
     }
 
 
-def _model_step(config: Any) -> Any:
+def model_step(config: Any) -> Any:
     """A CPU training step of the job's model on one micro-batch (the job's optimizer
     kind and clipping; attention as the trainer runs it on CPU: DocumentSDPA)."""
     import torch
@@ -110,7 +110,7 @@ def train(where: str, job: dict[str, int], steps: int, step_fn: Any) -> dict[str
     loader.close()
     fetched = 0
     if not store.mapped:
-        _wait_in_flight(store)
+        wait_in_flight(store)
         fetched = store.fetched_bytes
         store.close()
     trained = steps * per_step * job["batch"] * (job["seq_len"] + 1) * store.dtype.itemsize

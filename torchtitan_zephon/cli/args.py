@@ -11,6 +11,9 @@ import argparse
 import math
 from collections.abc import Callable
 
+from torchtitan_zephon.order.layout import BatchSchedule
+from torchtitan_zephon.order.skips import SkipSteps
+
 
 def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
     """An integer >= ``low`` (and <= ``high`` when given)."""
@@ -37,3 +40,19 @@ def positive_float(text: str) -> float:
     if not 0 < value < math.inf:
         raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
     return value
+
+
+def schedule_arg(text: str) -> BatchSchedule:
+    """``--global-batch-size``: a batch schedule (``G`` or ``S:G,...``)."""
+    try:
+        return BatchSchedule.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def skip_steps_arg(text: str) -> SkipSteps:
+    """``--skip-steps``: skip ranges (``S:N,...``)."""
+    try:
+        return SkipSteps.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None

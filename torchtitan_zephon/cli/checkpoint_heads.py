@@ -53,7 +53,7 @@ class CheckpointHeads:
         self.notes: list[str] = []
         self._found: dict[int, str] = {}
         run = run_folder(log_file)
-        for c in runs.checkpoints(run, _checkpoint_folder(run)) if run else []:
+        for c in runs.checkpoints(run, checkpoint_folder(run)) if run else []:
             self._add(runs.verify_checkpoint(c))
         self._steps = sorted({e["head"]["step"] for e in self.checked if e["head"]})
         self._wanted = set(self._steps)
@@ -150,7 +150,7 @@ class CheckpointHeads:
         return out
 
 
-def _checkpoint_folder(run: Path) -> str:
+def checkpoint_folder(run: Path) -> str:
     """``checkpoint.folder`` of the run's newest start (``zephon/run_data.json``), else of
     the job config the run saved, else TorchTitan's default."""
     folder = recorded(read_run_data(run), "checkpoint_folder")

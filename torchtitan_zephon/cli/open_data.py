@@ -19,16 +19,14 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.cli.args import int_in
+from torchtitan_zephon.cli.args import int_in, schedule_arg, skip_steps_arg
 from torchtitan_zephon.cli.inspect_run import is_run
 from torchtitan_zephon.cli.plan import (
-    _open_store,
-    _raw_inputs,
-    _schedule,
-    _skip_steps,
     add_exclude_argument,
+    given_raw_inputs,
     leave_out,
     load_exclude,
+    open_named_store,
 )
 from torchtitan_zephon.cli.run_history import RunHistory, TrainedUnder
 from torchtitan_zephon.cli.step_data import ShowError, StepData
@@ -72,12 +70,12 @@ def add_data_arguments(p: argparse.ArgumentParser, *, target: str = "TARGET") ->
     )
     p.add_argument("--seq-len", type=int_in(1), default=None, metavar="L")
     p.add_argument(
-        "--global-batch-size", type=_schedule, default=None, metavar="G",
+        "--global-batch-size", type=schedule_arg, default=None, metavar="G",
         help="'64' or a schedule '1:64,1000:128'",
     )  # fmt: skip
     p.add_argument("--seed", type=int, default=None, metavar="S")
     p.add_argument(
-        "--skip-steps", type=_skip_steps, default=SkipSteps(), metavar="S:N,...",
+        "--skip-steps", type=skip_steps_arg, default=SkipSteps(), metavar="S:N,...",
         help="with a store or mixture: the trainer's zephon.skip_steps",
     )  # fmt: skip
     p.add_argument(
@@ -139,7 +137,7 @@ def _open_given(args: argparse.Namespace, command: str) -> StepData:
 
     schedule: BatchSchedule = args.global_batch_size
     extra = {SKIP_FIELD: args.skip_steps.to_json()} if args.skip_steps else {}
-    raw = _raw_inputs(args, command)
+    raw = given_raw_inputs(args, command)
     if args.mixture:
         data = JobData.open_mixture(
             MixtureConfig.load(args.mixture),
@@ -155,7 +153,7 @@ def _open_given(args: argparse.Namespace, command: str) -> StepData:
         what = f"the mixture {args.mixture}"
         names = list(data.names)
     else:
-        store = _open_store(args.target, raw)
+        store = open_named_store(args.target, raw)
         what = f"the store {args.target}"
         one = store_data(store, args.seq_len, args.heldout_samples, schedule, what=what)
         leave_out(one, args.exclude)
@@ -167,12 +165,6 @@ def _open_given(args: argparse.Namespace, command: str) -> StepData:
     if note:
         data.notes.append(note)
     return data
-
-
-def _checkpoint_folder(run: Path) -> str:
-    from torchtitan_zephon.cli.checkpoint_heads import _checkpoint_folder as folder
-
-    return folder(run)
 
 
 def _open_run(run: Path, args: argparse.Namespace) -> StepData:
@@ -305,7 +297,7 @@ def _run_store(config: DataConfig, candidates: list[Any], notes: list[str]) -> T
             store = (
                 TokenStore.open(builtin_store_path(progress=False))
                 if value is None
-                else _open_store(value, None)
+                else open_named_store(value, None)
             )
         except (ValueError, OSError) as e:
             tried.append(f"{value or 'the builtin store'} ({e})")
@@ -347,7 +339,7 @@ def _run_mixture_stores(
         location = opened.get(name) if isinstance(opened, dict) else None
         if isinstance(location, str) and location:
             try:
-                store = _open_store(location, None)
+                store = open_named_store(location, None)
             except (ValueError, OSError):
                 continue
             if store.fingerprint == wanted[name]:

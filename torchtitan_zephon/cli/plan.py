@@ -33,7 +33,7 @@ import json
 import sys
 from typing import TYPE_CHECKING
 
-from torchtitan_zephon.cli.args import int_in
+from torchtitan_zephon.cli.args import int_in, schedule_arg, skip_steps_arg
 from torchtitan_zephon.ingest.cache import RawInputs, names_store
 from torchtitan_zephon.job.packing import open_packing, packing_note
 from torchtitan_zephon.job.stores import store_location
@@ -69,20 +69,6 @@ def _steps(text: str) -> tuple[int, int]:
     if not 1 <= a <= b:
         raise argparse.ArgumentTypeError(f"expected 1 <= FIRST <= LAST, got {text!r}")
     return a, b
-
-
-def _schedule(text: str) -> BatchSchedule:
-    try:
-        return BatchSchedule.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _skip_steps(text: str) -> SkipSteps:
-    try:
-        return SkipSteps.parse(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -153,7 +139,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument(
         "--global-batch-size",
-        type=_schedule,
+        type=schedule_arg,
         required=True,
         metavar="G",
         help="'64' or a schedule '1:64,1000:128'",
@@ -161,7 +147,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--seed", type=int, required=True, metavar="S")
     p.add_argument(
         "--skip-steps",
-        type=_skip_steps,
+        type=skip_steps_arg,
         default=SkipSteps(),
         metavar="S:N,...",
         help="the trainer's zephon.skip_steps: at step S, skip the data of N steps",
@@ -231,10 +217,10 @@ def run(args: argparse.Namespace) -> int:
             "slice with --dp-degree D --dp-rank R."
         )
     schedule.check_layout(args.dp_degree, args.local_batch_size or 1)
-    raw = _raw_inputs(args)
+    raw = given_raw_inputs(args)
     if args.mixture:
         return run_mixture(args, schedule, raw)
-    store = _open_store(args.store, raw)
+    store = open_named_store(args.store, raw)
     available = store.num_samples(args.seq_len)
     packed = None
     if args.packing != "none":
@@ -326,7 +312,7 @@ def _say_exclusions(exclusions: Exclusions | None, last: int) -> None:
         print(f"zephon plan: exclude {text}{later}.", file=sys.stderr)
 
 
-def _raw_inputs(args: argparse.Namespace, command: str = "plan") -> RawInputs | None:
+def given_raw_inputs(args: argparse.Namespace, command: str = "plan") -> RawInputs | None:
     """How raw inputs are prepared (None without --tokenizer): as the trainer does it;
     ``command`` names the ``zephon`` subcommand in what it logs."""
     if args.tokenizer is None:
@@ -358,7 +344,7 @@ def store_name(value: str, store: TokenStore) -> str:
     return f"the store {value!r} ({store.path})"
 
 
-def _open_store(value: str, raw: RawInputs | None) -> TokenStore:
+def open_named_store(value: str, raw: RawInputs | None) -> TokenStore:
     """The store ``--store`` names: a store folder, ``builtin:PART``, or raw inputs."""
     if raw is None and not value.startswith("builtin:"):
         try:

@@ -36,7 +36,8 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.cli.args import int_in, positive_float
-from torchtitan_zephon.cli.open_data import _checkpoint_folder, open_step_data
+from torchtitan_zephon.cli.checkpoint_heads import checkpoint_folder
+from torchtitan_zephon.cli.open_data import open_step_data
 from torchtitan_zephon.cli.plan import add_exclude_argument
 from torchtitan_zephon.cli.show import format_sample, step_samples
 from torchtitan_zephon.cli.step_data import ShowError, StepData, say_notes
@@ -242,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
             data = open_step_data(ns, "spikes")
         except ValueError as e:  # the losses are still worth listing
             problem = str(e)
-    folder = _checkpoint_folder(run_dir)
+    folder = checkpoint_folder(run_dir)
     ckpts = [c.step for c in runs.checkpoints(run_dir, folder) if c.complete]
     skips = data.skips if data is not None else SkipSteps()
     if not args.json:

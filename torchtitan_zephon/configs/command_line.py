@@ -48,7 +48,7 @@ directory. Not here: paths TorchTitan takes inside the dump folder
 comm.save_traces_folder, debug.save_config_file)."""
 
 
-def _option(arg: str) -> str:
+def option_name(arg: str) -> str:
     """The option an argument names, ``--hf-assets-path=x`` -> ``hf_assets_path`` ("" for
     a value)."""
     key = arg.split("=", 1)[0]
@@ -74,7 +74,7 @@ def resolve_paths(argv: list[str], base: str | os.PathLike) -> list[str]:
     out = list(argv)
     for i, arg in enumerate(out):
         key, eq, value = arg.partition("=")
-        option = _option(arg)
+        option = option_name(arg)
         if option not in PATH_OPTIONS:
             continue
         if eq:
@@ -99,7 +99,7 @@ def merge_list_options(argv: list[str]) -> list[str]:
     lists: dict[str, list[str]] = {}
     i = 0
     while i < len(argv):
-        option = _option(argv[i])
+        option = option_name(argv[i])
         if option not in LIST_OPTIONS:
             out.append(argv[i])
             i += 1
@@ -223,7 +223,7 @@ def unknown_options(argv: list[str], config: Any) -> str | None:
     paths = _leaf_paths(config)
     sections = {p.split(".", 1)[0] for p in paths}
     for arg in argv:
-        key = _option(arg)
+        key = option_name(arg)
         if not key or key in ("module", "config", "help", "h") or key in paths:
             continue
         head, _, leaf = key.rpartition(".")
@@ -248,7 +248,7 @@ def unknown_options(argv: list[str], config: Any) -> str | None:
 
 def toml_front_end(argv: list[str]) -> bool:
     """Whether ``argv`` is a 0.2.2 command line (no ``--module`` / ``--config``)."""
-    return not any(_option(a) in ("module", "config") for a in argv)
+    return not any(option_name(a) in ("module", "config") for a in argv)
 
 
 def parse_toml(argv: list[str]) -> Any:
@@ -313,7 +313,7 @@ def _last_config_file(argv: list[str]) -> str | None:
     """The last ``--job.config_file`` (the one the translation reads)."""
     found = None
     for i, a in enumerate(argv):
-        if _option(a) != "job.config_file":
+        if option_name(a) != "job.config_file":
             continue
         if "=" in a:
             found = a.split("=", 1)[1]

@@ -28,7 +28,8 @@ _WORKER_TOKENIZER: Any = None
 _WORKER_EOS: int = -1
 
 
-def _init_worker(tokenizer_json: str, eos_id: int, limit_threads: bool) -> None:
+def init_worker(tokenizer_json: str, eos_id: int, limit_threads: bool) -> None:
+    """Load this process's tokenizer (``encode_chunk`` uses it) and the EOS id."""
     global _WORKER_TOKENIZER, _WORKER_EOS
     if limit_threads:
         os.environ["TOKENIZERS_PARALLELISM"] = "false"
@@ -38,7 +39,7 @@ def _init_worker(tokenizer_json: str, eos_id: int, limit_threads: bool) -> None:
     _WORKER_EOS = eos_id
 
 
-def _encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+def encode_chunk(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Tokens (uint32, each document followed by EOS) and per-document lengths."""
     tok = _WORKER_TOKENIZER
     encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
@@ -67,9 +68,9 @@ def encode_in_order(
     time, so results are taken back in order without reordering buffers.
     """
     if workers <= 1:
-        _init_worker(tokenizer_json, eos_id, limit_threads=False)
+        init_worker(tokenizer_json, eos_id, limit_threads=False)
         for k, texts in chunks:
-            yield (k, *_encode_chunk(texts))
+            yield (k, *encode_chunk(texts))
         return
     pool = WorkerPool(workers, tokenizer_json, eos_id)
     finished = False
@@ -209,13 +210,13 @@ def _worker_main(tasks: Connection, results: Connection, tokenizer_json: str, eo
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})  # now ignored
     try:
-        _init_worker(tokenizer_json, eos_id, limit_threads=True)
+        init_worker(tokenizer_json, eos_id, limit_threads=True)
         while True:
             texts = tasks.recv()
             if texts is None:
                 return
             try:
-                reply: tuple[bool, Any] = (True, _encode_chunk(texts))
+                reply: tuple[bool, Any] = (True, encode_chunk(texts))
             except BaseException as e:  # tokenizers panics are BaseExceptions
                 reply = (False, f"{type(e).__name__}: {e}")
             results.send(reply)

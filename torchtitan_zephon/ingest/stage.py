@@ -41,8 +41,11 @@ from torchtitan_zephon.ingest.tokenizer import TokenizerInfo
 from torchtitan_zephon.ingest.units import Unit, source_stat, unit_input_hash
 from torchtitan_zephon.store.format import StoreError
 
-_CHUNK_CHARS = 1 << 20
-_CHUNK_DOCS = 2048
+CHUNK_CHARS = 1 << 20
+CHUNK_DOCS = 2048
+"""Prepare encodes a unit's documents in chunks: a chunk ends once it holds
+``CHUNK_CHARS`` characters or ``CHUNK_DOCS`` documents (``zephon bench prepare`` cuts
+them the same way)."""
 
 
 @dataclass
@@ -223,7 +226,7 @@ def _unit_chunks(
             for text in iter_documents(src, text_field, u.part):
                 chunk.append(text)
                 chars += len(text)
-                if chars >= _CHUNK_CHARS or len(chunk) >= _CHUNK_DOCS:
+                if chars >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
                     yield (u.index, False), chunk
                     chunk, chars = [], 0
             check_unchanged(src, stats[u.source])

@@ -21,8 +21,8 @@ package re-exports nothing):
   O(sources) from the plan's counts; ``documents_started``: O(global batch), for a
   background thread).
 - ``loader``: the per-rank loader (``ZephonLoader``: this rank's slice of each step,
-  read ahead, checked and pinned) over that data; ``read_ahead``, its read-ahead of
-  stores in object storage; ``documents``, the per-document positions of a batch;
+  read ahead from stores in object storage, checked and pinned) over that data;
+  ``documents``, the per-document positions of a batch;
 - ``packing``, ``packed``, ``packed_remote``: whole documents in every sample
   (``zephon.packing``): a store's packing index on disk, a store read as packed
   samples (``PackedSource``), their pieces read by range from object storage;

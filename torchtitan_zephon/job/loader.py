@@ -36,9 +36,22 @@ are views of two buffers. Plans and windows grow from one micro-batch after a st
 reset, so the first batch waits for one micro-batch's work. Without either, each micro-
 batch is prepared on demand in the caller's thread.
 
-Read-ahead (stores in object storage) is ``read_ahead``'s part of the loader. With it a
-window never holds micro-batches of two steps: a step whose bytes have arrived is
-delivered whatever happens to the reads of the steps after it.
+Read-ahead (stores in object storage): the loader announces to its data, step by step,
+the rank's keys of every step of a window it starts and of the ``read_ahead_steps``
+after the window's last step (``JobData.read_ahead``; default: the data's, 0 for local
+stores), so their byte ranges are fetched in the background (``store.remote``) before a
+window asks for them; a window whose bytes have not arrived waits for them, and that
+wait is the trainer's data wait. The effective lead is therefore the steps of the
+windows in production (``max(1, num_workers)`` windows of up to ``window`` micro-
+batches, and the one being delivered) plus ``read_ahead_steps`` (``lead_steps``). A
+reset or a resume drops what was announced and announces again from the first
+undelivered step. The first window after a start, a reset or a resume announces its own
+steps only, and the next window (started once the first was taken, with ``num_workers``
+<= 1) the read-ahead beyond: so the first step after a resume waits only for its own
+windows, and the read-ahead of later steps runs behind it. Announcing costs one plan
+call per step in the caller's thread; the fetching and checking run on the store's fetch
+thread. With read-ahead a window never holds micro-batches of two steps: a step whose
+bytes have arrived is delivered whatever happens to the reads of the steps after it.
 
 The run's end (``last_step``: training.steps) bounds only what is read ahead (see the
 invariant): a caller that asks past it gets its batches, made on demand.
@@ -57,7 +70,6 @@ import torch
 from torchtitan_zephon.job.data import JobData, as_job_data
 from torchtitan_zephon.job.documents import document_positions
 from torchtitan_zephon.job.plans import decide_resume
-from torchtitan_zephon.job.read_ahead import _ReadAhead
 from torchtitan_zephon.job.source import unlabel
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import BatchSchedule, check_batch_layout
@@ -81,7 +93,7 @@ MAX_WINDOW = 64
 PLAN_IDS = 1 << 12  # sample ids planned at once, at most: one plan call per this many ids
 
 
-class ZephonLoader(_ReadAhead):
+class ZephonLoader:
     """Infinite, deterministic micro-batch stream for one DP rank."""
 
     def __init__(
@@ -171,6 +183,37 @@ class ZephonLoader(_ReadAhead):
         self.last_step = None if last_step is None else int(last_step)
         self._announced = 1  # first step whose keys were not yet announced to the data
         self._first_window = True  # the next window is the first since a start or reset
+
+    # ------------------------------------------------------------------ read-ahead
+
+    @property
+    def announced_through(self) -> int:
+        """Last step whose keys were announced to the data (the step before the first
+        undelivered one when none was since the start, a reset or a resume)."""
+        return self._announced - 1
+
+    def lead_steps(self, step: int) -> int:
+        """At most how many steps after ``step`` (the step being delivered) have their
+        windows announced, with ``step``'s micro-batches per step: the steps of the
+        window being delivered and of the windows in production, then
+        ``read_ahead_steps`` more (never past ``last_step``)."""
+        microbatches = self.window * (max(1, self.num_workers) + 1)
+        per_step = self.grad_accumulation_steps(step)
+        lead = -(-microbatches // per_step) + self.read_ahead_steps
+        if self.last_step is not None:
+            lead = max(0, min(lead, self.last_step - step))
+        return lead
+
+    def _read_ahead(self, first: int, last: int, ahead: int) -> None:
+        """Announce the rank's keys of steps ``first`` .. ``last + ahead`` (at most
+        ``last_step``) not yet announced, in step order."""
+        end = last + ahead + 1
+        if self.last_step is not None:
+            end = min(end, self.last_step + 1)
+        for s in range(max(self._announced, first), end):
+            keys = self.plan.rank_ids(s, self.dp_rank, self.dp_degree)
+            self.data.read_ahead(keys, self.seq_len)
+        self._announced = max(self._announced, end)
 
     # ------------------------------------------------------------------ batches
 

@@ -4,7 +4,7 @@ range, ahead of the plan.
 Role: ``RemoteSpans(store)`` reads token spans ``[begin, begin + take)`` (the pieces of
 packed samples, ``job.packed``) from a ``store.remote.RemoteTokenStore``, which is not
 memory-mapped. ``announce(begin, take)`` starts fetching one future step's spans in the
-background (the loader's read-ahead, ``job.read_ahead``, through
+background (the loader's read-ahead, ``job.loader``, through
 ``PackedSource.read_ahead``); ``read(begin, take)`` serves the spans announced
 (waiting for those still on the way) and fetches the others now. Both go through the
 store's ``_fetch_ranges``: neighbouring and overlapping spans coalesced into one

@@ -49,16 +49,13 @@ from torchtitan_zephon.store.object_client import (
     REQUEST_TIMEOUT_S,
     RETRIES,
     UPLOAD_PART,
-    _client_options,
-    _Gate,
-    _serve,
-    _stop,
+    RequestGate,
+    client_options,
+    serve_loop,
     stamp_ns,
+    stop_loop,
 )
-from torchtitan_zephon.store.object_faults import (
-    _Unanswered,
-    request_failure,
-)
+from torchtitan_zephon.store.object_faults import request_failure, unanswered
 from torchtitan_zephon.store.urls import (
     ObjectURL,
     scrub,
@@ -103,7 +100,7 @@ class ObjectFiles:
         self.url = url
         self.timeout_s = float(request_timeout_s)
         self.max_requests = int(max_requests)
-        options = _client_options(url, self.timeout_s)
+        options = client_options(url, self.timeout_s)
         self.retries = int(retries)
         # Retries are obstore's (its classification of transient failures, per cloud),
         # bounded here: RETRIES attempts after the first, each within timeout_s, with
@@ -130,7 +127,7 @@ class ObjectFiles:
         self._lock = threading.Lock()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
-        self._gate: _Gate | None = None
+        self._gate: RequestGate | None = None
         self._reads: dict[asyncio.Task, list[StoreError | None]] = {}  # pending: why failed
         self._in_flight, self._heard = 0, 0.0  # requests sent; the endpoint's last answer
         self._silent_at: float | None = None  # when a request last failed for want of one
@@ -142,15 +139,15 @@ class ObjectFiles:
         with self._lock:
             if self._loop is None:
                 loop = asyncio.new_event_loop()
-                self._gate = _Gate(self.max_requests)  # used on the loop only
+                self._gate = RequestGate(self.max_requests)  # used on the loop only
                 # The thread holds no reference to self, so an unused ObjectFiles is
                 # collected (its finalizer stops the thread); at interpreter exit the
                 # finalizer runs too, before modules are torn down.
                 self._thread = threading.Thread(
-                    target=_serve, args=(loop,), name="zephon-fetch", daemon=True
+                    target=serve_loop, args=(loop,), name="zephon-fetch", daemon=True
                 )
                 self._thread.start()
-                self._stop = weakref.finalize(self, _stop, loop, self._thread)
+                self._stop = weakref.finalize(self, stop_loop, loop, self._thread)
                 global _USED
                 _USED = True
                 self._loop = loop
@@ -338,7 +335,7 @@ class ObjectFiles:
             except Exception as e:
                 failed = self._failure(e, name, "reading")
                 read[0] = read[0] or failed  # before the slot is freed: marks the read,
-                if isinstance(failed, _Unanswered):  # and every read pending, failed
+                if unanswered(failed):  # and every read pending, failed
                     self._silent_at = loop.time()
                     for why in self._reads.values():
                         why[0] = why[0] or failed
@@ -368,7 +365,7 @@ class ObjectFiles:
         self, reads: list[tuple[str, list[int], list[int]]], then: Any, urgent: bool
     ) -> Any:
         """One read's requests: the first failure cancels the others; one for want of an
-        endpoint (``_Unanswered``) also fails every other read pending, at once."""
+        endpoint (``object_faults.unanswered``) also fails every other read pending, at once."""
         me = asyncio.current_task()
         assert me is not None
         read: list[StoreError | None] = [None]

@@ -51,7 +51,7 @@ UPLOAD_PART = 16 << 20
 """Part size of a multipart upload (files larger than this are uploaded in parts)."""
 
 
-class _Gate:
+class RequestGate:
     """``size`` slots for requests, on the fetch thread's loop: a slot freed goes to the
     oldest urgent waiter, else to the oldest other one."""
 
@@ -102,7 +102,7 @@ def _loopback(url: str) -> bool:
         return False
 
 
-def _client_options(url: ObjectURL, timeout_s: float) -> dict[str, Any]:
+def client_options(url: ObjectURL, timeout_s: float) -> dict[str, Any]:
     # Each attempt is limited to timeout_s by obstore (then retried, see RETRIES).
     options: dict[str, Any] = {
         "timeout": timedelta(seconds=timeout_s),
@@ -121,7 +121,7 @@ def _client_options(url: ObjectURL, timeout_s: float) -> dict[str, Any]:
     return options
 
 
-def _serve(loop: asyncio.AbstractEventLoop) -> None:
+def serve_loop(loop: asyncio.AbstractEventLoop) -> None:
     """The body of an ``ObjectFiles`` thread: run ``loop`` until stopped, then let its
     cancelled tasks finish and close it (on this thread, where it ran)."""
     asyncio.set_event_loop(loop)
@@ -137,7 +137,7 @@ def _serve(loop: asyncio.AbstractEventLoop) -> None:
             loop.close()
 
 
-def _stop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
+def stop_loop(loop: asyncio.AbstractEventLoop, thread: threading.Thread) -> None:
     """Cancel the tasks of an ``ObjectFiles`` loop, stop it, and wait for its thread."""
 
     def shut() -> None:

@@ -41,6 +41,12 @@ class _Unanswered(StoreError):
     reads pending (``ObjectFiles``)."""
 
 
+def unanswered(error: BaseException) -> bool:
+    """Whether ``error`` is a request that failed for want of a working endpoint (it then
+    fails the other reads pending)."""
+    return isinstance(error, _Unanswered)
+
+
 class MissingBucket(MissingObject):
     """The bucket (container) itself does not exist."""
 
