@@ -157,7 +157,7 @@ def test_index_lookup_agrees_with_a_full_read(tmp_path_factory, plan, damage):
     for back, steps, other_data in plan:
         head = heads[min(back, len(heads) - 1)]
         job = tracker(path, seed=1 if other_data else 0)
-        if job.check_resume(head) is not None:
+        if job.cannot_continue(head) is not None:
             continue
         job.resume(head, TOPO)
         for s in range(head["step"] + 1, head["step"] + steps + 1):
@@ -178,8 +178,8 @@ def test_index_lookup_agrees_with_a_full_read(tmp_path_factory, plan, damage):
             o.record(s, 0, ids(s))
         shutil.copy(index_path(other), index_path(path))
     for head in heads[1:]:  # step 0 is a fresh start: nothing to look up
-        fast = tracker(path).check_resume(head)
-        slow = tracker(path)._check_resume_by_reading(head["step"], head["chain"])
+        fast = tracker(path).cannot_continue(head)
+        slow = tracker(path)._cannot_continue_by_reading(head["step"], head["chain"])
         assert (fast is None) == (slow is None), (head, fast, slow)
 
 
@@ -196,13 +196,13 @@ def test_resume_reads_only_the_index_when_it_can(tmp_path, monkeypatch):
     def no_full_read(*a, **k):
         raise AssertionError("the full log was read")
 
-    monkeypatch.setattr(writer.SequenceTracker, "_check_resume_by_reading", no_full_read)
-    assert tracker(path).check_resume(head) is None
+    monkeypatch.setattr(writer.SequenceTracker, "_cannot_continue_by_reading", no_full_read)
+    assert tracker(path).cannot_continue(head) is None
     monkeypatch.undo()
     (tmp_path / "log.jsonl.idx").unlink()  # lost: one full read rebuilds it
-    assert tracker(path).check_resume(head) is None
-    monkeypatch.setattr(writer.SequenceTracker, "_check_resume_by_reading", no_full_read)
-    assert tracker(path).check_resume(head) is None
+    assert tracker(path).cannot_continue(head) is None
+    monkeypatch.setattr(writer.SequenceTracker, "_cannot_continue_by_reading", no_full_read)
+    assert tracker(path).cannot_continue(head) is None
 
 
 def _reordered(tmp_path, order: list[int], *, resume_at: int | None = None):

@@ -408,7 +408,7 @@ def test_a_log_that_lost_the_record_its_latest_checkpoint_vouches_for_is_broken(
     # the trainer's own resume check says the same of this folder
     head = runs.read_data_state(ckpt).tracker
     tracker = SequenceTracker(log_path(run), config=data_config(), writer=True)
-    assert tracker.check_resume(head, repair_index=False) == "it has no record of step 8"
+    assert tracker.cannot_continue(head, repair_index=False) == "it has no record of step 8"
     rc, out, _ = verify(capsys, run, "--json")
     report = json.loads(out)
     assert rc == 1 and not report["intact"] and report["problems"] == 1

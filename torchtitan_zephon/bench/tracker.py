@@ -114,7 +114,7 @@ def resume_time(path: Path, steps: int, repeats: int = 5) -> dict[str, float]:
         for _ in range(repeats):
             t = SequenceTracker(path, config=_config(), writer=True)
             t0 = time.perf_counter()
-            problem = t.check_resume(head)
+            problem = t.cannot_continue(head)
             times.append(time.perf_counter() - t0)
             if problem is not None:
                 raise RuntimeError(f"bench log {path} does not resume at step {step}: {problem}")

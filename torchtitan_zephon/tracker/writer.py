@@ -134,7 +134,7 @@ class SequenceTracker:
             }
         )
 
-    def check_resume(self, head: dict[str, Any], *, repair_index: bool = True) -> str | None:
+    def cannot_continue(self, head: dict[str, Any], *, repair_index: bool = True) -> str | None:
         """Why the log cannot continue from the checkpoint's chain ``head`` (None: it can).
 
         The writer looks the record up through the index (O(1) in the log's length)
@@ -153,9 +153,9 @@ class SequenceTracker:
                 and self.index.superseded_after(offset, step) is False
             ):
                 return None
-        return self._check_resume_by_reading(step, chain, repair_index)
+        return self._cannot_continue_by_reading(step, chain, repair_index)
 
-    def _check_resume_by_reading(self, step: int, chain: str, repair: bool = True) -> str | None:
+    def _cannot_continue_by_reading(self, step: int, chain: str, repair: bool = True) -> str | None:
         """The full read: authoritative, and it rebuilds the index."""
         if not self.path.is_file():
             return f"no sequence log at {self.path}"
@@ -204,7 +204,7 @@ class SequenceTracker:
         then the problem is returned and recorded in the resume event.
         """
         step, chain = int(head["step"]), str(head["chain"])
-        problem = self.check_resume(head)
+        problem = self.cannot_continue(head)
         extra = dict(details or {})
         if problem is not None:
             msg = (

@@ -130,7 +130,7 @@ class MixtureSpec:
 
     def is_written_as(self, data: Mapping[str, Any] | None) -> bool:
         """True when ``data`` is this spec's JSON under this rule or an older one it
-        reads (a run continued under its saved rule, ``state.check_resume``)."""
+        reads (a run continued under its saved rule, ``order.resume.check_resume``)."""
         if not isinstance(data, Mapping) or data.get("format") not in (
             SPEC_FORMAT,
             *_OLD_SPEC_FORMATS,

@@ -290,7 +290,7 @@ def decide_start(
         if writer and zc.audit != "off" and head is not None and int(head["step"]) == done:
             path = log_path(job.dump_folder)
             tracker = SequenceTracker(path, config=config, writer=True)
-            problem = tracker.check_resume(head, repair_index=False)
+            problem = tracker.cannot_continue(head, repair_index=False)
             if problem is not None and not zc.ignore_log_mismatch:
                 raise StartRefused(log_mismatch(path, done, problem))
         return start
