@@ -38,6 +38,11 @@ torchrun's summary). Any other exception propagates as it is.
 
 from __future__ import annotations
 
+import gc
+
+if __name__ == "__main__":  # a worker process: see ``exit_quickly``
+    gc.disable()
+
 import fcntl
 import json
 import os
@@ -163,5 +168,20 @@ def main() -> None:
     logger.info("Process group destroyed")
 
 
+def exit_quickly() -> None:
+    """A worker's process costs: automatic garbage collection is off from its first
+    import until TorchTitan's trainer takes it over (its ``GarbageCollection`` turns it
+    off again and collects every ``training.gc_freq`` steps), which saves ~0.7 s of
+    imports; at exit one full collection finalizes every unreachable object (files are
+    flushed and closed as before), then the survivors are frozen, so the interpreter's
+    teardown does not traverse the objects of torch and TorchTitan again (~1.7 s a
+    process on a CPU core)."""
+    gc.collect()
+    gc.freeze()
+
+
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:
+        exit_quickly()
