@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from fractions import Fraction
 
+import pytest
+
 from tests.order import schedules
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.plan import MixturePlan
@@ -57,8 +59,13 @@ def check_single(count: int) -> None:
         assert worst(case) <= bound, f"single-entry schedule {i} breaks the bound {bound}"
 
 
+def test_the_first_schedules_with_weight_changes_end_where_the_rule_recorded():
+    check_changes(1100)  # ~5 s: two of the recorded schedules over one sample
+
+
+@pytest.mark.slow  # all of them, ~15 s (issue 44 part e)
 def test_schedules_with_weight_changes_end_where_the_rule_recorded():
-    check_changes(3000)  # ~15 s
+    check_changes(3000)
 
 
 def test_single_entry_schedules_keep_the_bound():

@@ -115,6 +115,8 @@ def test_a_bucket_run_equals_a_run_on_the_local_copy(
     assert (report["steps_compared"], report["tokens_compared"], report["matches"]) == (8, 8, 8)
 
 
+# slow (issue 44 part e): packing x a store in a bucket, each proven alone by default
+@pytest.mark.slow
 def test_a_packed_run_from_the_bucket_resumed_on_one_rank_matches_the_local_one(
     s3, packed_one_rank: Path, tmp_path: Path
 ) -> None:

@@ -174,6 +174,10 @@ def test_tp_must_divide_the_moe_models_heads(parse_moe):
     assert "deepseek_v3 flavor tiny" in msg and "TP degrees that work: [1, 2, 4]" in msg
 
 
+# slow (issue 44 part e): the EP check in-process
+# (test_ep_must_divide_the_experts_and_the_ranks_it_borrows), the checks' refusal path end
+# to end by default
+@pytest.mark.slow
 def test_trainer_refuses_an_ep_degree_before_building_anything(tmp_path: Path):
     """End to end: EP 2 on 1 rank stops with the check's message, nothing written."""
     job = train03(tmp_path / "log", 1, "--dump_folder", str(tmp_path / "run"),

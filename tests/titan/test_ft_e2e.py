@@ -149,6 +149,9 @@ def test_every_group_dies_after_a_checkpoint_and_all_restart_exactly(
     assert_verify_match(runs[0], runs[1])
 
 
+# slow (issue 44 part e): torchft groups x an elastic resume on another degree, each proven
+# alone by default
+@pytest.mark.slow
 def test_a_group_folder_resumes_without_torchft_on_another_degree(
     two_groups: list[Path], one_group: Path, tmp_path: Path
 ) -> None:

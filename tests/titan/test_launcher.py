@@ -246,9 +246,11 @@ def test_store_changed_mid_run_stops_with_one_line_even_from_a_filtered_rank(tmp
     ("args", "message"),
     [
         (("--zephon.store", "missing_store"), "Zephon refused to start: StartRefused: token store"),
-        (
+        pytest.param(
             ("--parallelism.tensor_parallel_degree", "3"),
             "Zephon refused to start: ValueError: the job has 2 ranks, which is not a multiple",
+            marks=pytest.mark.slow,  # the checks' refusal path: tests/titan/test_checks.py
+            id="tp3",  # (issue 44 part e)
         ),
     ],
 )

@@ -72,6 +72,8 @@ def test_fresh_moe_runs_follow_one_loss_curve(
     assert_losses(fresh_ep2, run, range(1, 9), rtol=TOPOLOGY_RTOL)
 
 
+# slow (issue 44 part e): packing x the MoE, each proven alone by default
+@pytest.mark.slow
 def test_a_packed_moe_run_resumed_at_one_rank_matches_the_two_rank_ep_run(
     tmp_path: Path,
 ) -> None:

@@ -84,6 +84,9 @@ def two_nodes_lose_one(
     return agents[0]
 
 
+# slow (issue 44 part e): a real node loss (test_lose_a_node_elastic_agent_resumes_alone) x
+# a resume on fewer ranks (tests/cli/test_verify.py), each proven by default
+@pytest.mark.slow
 def test_lose_a_node_and_restart_on_one(e2e_root: Path, uninterrupted: Path):
     run = e2e_root / "node_loss_manual"
     survivor = two_nodes_lose_one(run, nnodes="2")

@@ -181,6 +181,9 @@ def _add_key(checkpoint: Path, like: str, name: str) -> None:
         pickle.dump(metadata, f)
 
 
+# slow (issue 44 part e): the old-run refusal path is proven by
+# test_022_checkpoint_is_refused_for_another_model_family, the map in-process
+@pytest.mark.slow
 def test_022_checkpoint_with_an_unmapped_key_is_refused(e2e_root: Path):
     run = old_run(e2e_root, "old_022_unmapped")
     ckpt = run / "checkpoint" / "step-2"
@@ -212,6 +215,10 @@ def test_022_checkpoint_is_refused_for_another_model_family(e2e_root: Path):
     assert_unchanged(before, tree(run))
 
 
+# slow (issue 44 part e): the old-run refusal path is proven by
+# test_022_checkpoint_is_refused_for_another_model_family, verify_checkpoint in-process
+# (test_preflight.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated shard", "unreadable metadata"])
 def test_unreadable_022_checkpoint_is_refused(e2e_root: Path, damage: str):
     run = old_run(e2e_root, f"old_022_{damage.replace(' ', '_')}")
@@ -275,6 +282,9 @@ def test_022_model_only_checkpoint_is_an_initial_load_through_the_map(e2e_root: 
         assert torch.equal(new[old_runs.parameter_name(key)], value), key
 
 
+# slow (issue 44 part e): the old-run refusal path is proven by
+# test_022_checkpoint_is_refused_for_another_model_family
+@pytest.mark.slow
 def test_022_model_only_checkpoint_for_another_model_family_is_refused(e2e_root: Path):
     run = e2e_root / "old_022_model_only_family"
     run.mkdir()

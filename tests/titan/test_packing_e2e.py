@@ -97,6 +97,8 @@ def test_show_and_where_name_the_packed_samples_of_a_packing_run(one_rank: Path,
     ).items()
 
 
+# slow (issue 44 part e): packing x torchft groups, each proven alone by default
+@pytest.mark.slow
 def test_two_torchft_groups_train_the_packed_run_exactly(one_rank: Path, tmp_path: Path) -> None:
     """Under torchft each group trains whole packed samples of its part and divides its
     loss by the labelled tokens of all of B(s): two replica groups log what the 1-rank

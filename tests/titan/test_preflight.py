@@ -557,6 +557,10 @@ def test_the_trainer_refuses_a_missing_tokenizer_folder_naming_the_store_tokeniz
     assert not run.exists()
 
 
+# slow (issue 44 part e): the store-size checks in-process
+# (test_a_store_too_short_or_too_small_is_refused_saying_what_to_change), the preflight
+# refusal path end to end by default
+@pytest.mark.slow
 def test_the_trainer_refuses_a_store_of_one_training_sample(lines_store, tmp_path):
     """Issue 18: a store smaller than one global batch trained silently on repeats. One
     training sample is refused, and nothing is written; three train, with one warning
@@ -576,6 +580,10 @@ def test_the_trainer_refuses_a_store_of_one_training_sample(lines_store, tmp_pat
     assert not run.exists()
 
 
+# slow (issue 44 part e): the store-size checks in-process
+# (test_a_store_too_short_or_too_small_is_refused_saying_what_to_change), the preflight
+# refusal path end to end by default
+@pytest.mark.slow
 def test_the_trainer_warns_once_for_a_store_smaller_than_a_batch(lines_store, tmp_path):
     from tests.titan.launch import train
 

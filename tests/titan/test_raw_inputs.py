@@ -83,6 +83,9 @@ def _dataset_dict(path: Path) -> Path:
     return path
 
 
+# slow (issue 44 part e): the raw-input messages in-process
+# (test_raw_input_errors_name_the_trainers_options), the refusal path end to end by default
+@pytest.mark.slow
 def test_a_split_the_dataset_dict_lacks_is_refused_in_the_trainers_spelling(tmp_path: Path):
     """Issue 18: the trainer reads raw DatasetDict inputs by split (--zephon.split); one
     it does not have is refused before anything is written, listing the splits there
@@ -120,3 +123,10 @@ def test_raw_input_errors_name_the_trainers_options(tmp_path: Path, monkeypatch)
     for split, documents in (("", 20), ("validation", 10), ("all", 30)):
         location = store_location(str(dd), raw_inputs(job(tmp_path, store=str(dd), split=split)))
         assert TokenStore.open(location).num_documents == documents
+    with pytest.raises(StoreError) as e:  # end to end: the slow test above
+        store_location(str(dd), raw_inputs(job(tmp_path, store=str(dd), split="test")))
+    assert (
+        "is a Hugging Face DatasetDict with the splits ['train', 'validation']; it has no "
+        "split 'test'. Choose one with --zephon.split NAME, or --zephon.split all"
+    ) in str(e.value)
+    assert "--split" not in str(e.value).replace("--zephon.split", "")
