@@ -43,6 +43,9 @@ def test_resume_at_one_rank_matches_the_two_rank_run(fresh: Path, tmp_path: Path
     assert_verify_match(fresh, resumed)
 
 
+# slow (issue 44 part e): the same refusal end to end by default
+# (tests/titan/test_run_folder.py::test_start_that_would_supersede_a_history_is_refused)
+@pytest.mark.slow
 def test_a_start_that_would_supersede_history_changes_nothing(fresh: Path) -> None:
     before = tree(fresh)
     job = train03(fresh.parent / "elsewhere-log", 1, "--dump_folder", str(fresh),

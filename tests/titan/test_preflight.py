@@ -532,6 +532,10 @@ def test_a_missing_or_unloadable_tokenizer_is_refused_naming_the_store_tokenizer
 # ---------------------------------------------------------------- the same, under torchrun
 
 
+# slow (issue 44 part e): the same message in-process
+# (test_a_missing_or_unloadable_tokenizer_is_refused_naming_the_store_tokenizer), the
+# preflight refusal path end to end by default
+@pytest.mark.slow
 def test_the_trainer_refuses_a_missing_tokenizer_folder_naming_the_store_tokenizer(
     lines_store, tmp_path
 ):
