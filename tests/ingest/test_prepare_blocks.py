@@ -17,9 +17,9 @@ from tests.conftest import drop_block_checksums
 from tests.ingest.test_prepare_distributed import _in_threads
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.ingest.prepare import prepare_store
+from torchtitan_zephon.migrate.old_stores import add_block_checksums
 from torchtitan_zephon.store.format import StoreError, num_blocks
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.upgrade import add_block_checksums
 from torchtitan_zephon.store.writer import create_block_file, write_block_info, write_block_range
 
 

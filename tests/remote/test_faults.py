@@ -14,11 +14,11 @@ import pytest
 
 from tests.conftest import copy_store
 from tests.remote.conftest import SECRET, SESSION
+from torchtitan_zephon.migrate.old_stores import add_block_checksums
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.remote import RemoteTokenStore
 from torchtitan_zephon.store.remote_options import RemoteOptions
-from torchtitan_zephon.store.upgrade import add_block_checksums
 from torchtitan_zephon.store.urls import CREDENTIAL_VARIABLES, parse_url
 
 

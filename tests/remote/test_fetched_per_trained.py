@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from torchtitan_zephon.job.loader import ZephonLoader
+from torchtitan_zephon.migrate.old_stores import add_block_checksums
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.upgrade import add_block_checksums
 from torchtitan_zephon.store.writer import write_derived_store
 
 

@@ -15,12 +15,12 @@ from hypothesis import strategies as st
 from tests.conftest import copy_store, edit_token
 from tests.remote.cache_reader import read
 from tests.remote.conftest import SECRET, SESSION
+from torchtitan_zephon.migrate.old_stores import add_block_checksums
 from torchtitan_zephon.store.cache import FOLDER, NodeCache
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.remote import RemoteTokenStore
 from torchtitan_zephon.store.remote_options import RemoteOptions
-from torchtitan_zephon.store.upgrade import add_block_checksums
 from torchtitan_zephon.store.urls import parse_url
 
 SEQ = 512  # a window is one block and the next block's first token

@@ -25,6 +25,7 @@ from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.job.packed import PackedSource
 from torchtitan_zephon.job.packing import index_folder, open_packing
+from torchtitan_zephon.migrate.old_stores import add_block_checksums
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.state import DataState
@@ -32,7 +33,6 @@ from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.remote import RemoteTokenStore
 from torchtitan_zephon.store.remote_options import RemoteOptions
-from torchtitan_zephon.store.upgrade import add_block_checksums
 from torchtitan_zephon.store.urls import parse_url
 
 SEQ_LENS = (16, 64, 100)

@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from torchtitan_zephon.job.data import JobData
 from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.job.source import WindowSource
+from torchtitan_zephon.migrate.old_stores import add_block_checksums
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.upgrade import add_block_checksums
 from torchtitan_zephon.store.writer import write_derived_store
 
 

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 
 from tests.conftest import copy_store, edit_token
 from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.migrate.old_stores import add_block_checksums
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.upgrade import add_block_checksums
 
 
 @pytest.fixture(scope="module")

@@ -27,8 +27,8 @@ from tests.titan.launch import REPO, copy_run_until, train03
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.ingest.builtin import builtin_store_path
 from torchtitan_zephon.job.packing import index_folder, read_index
+from torchtitan_zephon.migrate.old_stores import add_block_checksums
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.upgrade import add_block_checksums
 
 pytest.importorskip("torchtitan.trainer", reason="TorchTitan 0.3 (torchtitan.trainer)")
 

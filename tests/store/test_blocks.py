@@ -13,9 +13,9 @@ import xxhash
 
 from tests.conftest import copy_store, drop_block_checksums, edit_token
 from torchtitan_zephon.cli.main import main
+from torchtitan_zephon.migrate.old_stores import add_block_checksums
 from torchtitan_zephon.store.format import BLOCK_TOKENS, StoreError, num_blocks
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.upgrade import add_block_checksums
 
 
 def _expected_blocks(store: TokenStore) -> np.ndarray:

@@ -14,10 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import copy_store, edit_token, make_v1
+from torchtitan_zephon.migrate.old_stores import upgrade_store
 from torchtitan_zephon.store.format import StoreError, UncheckedStoreWarning, manifest_fingerprint
 from torchtitan_zephon.store.group import StoreGroup
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.upgrade import upgrade_store
 from torchtitan_zephon.store.writer import write_checksums
 
 

@@ -31,9 +31,9 @@ from tests.titan.expect import (  # noqa: E402
     tree,
 )
 from tests.titan.launch import REPO, train  # noqa: E402
+from torchtitan_zephon.migrate import old_runs  # noqa: E402
 from torchtitan_zephon.run import recorded as runs  # noqa: E402
 from torchtitan_zephon.titan import platform  # noqa: E402
-from torchtitan_zephon.titan.start import old_runs  # noqa: E402
 
 platform.apply()
 

@@ -96,7 +96,7 @@ def make_store(folder: Path, num_tokens: int, block_tokens: int = 512) -> Path:
     """The builtin store's tokens (and documents) repeated to ``num_tokens`` tokens, in
     ``folder``, with block checksums of ``block_tokens``."""
     from torchtitan_zephon.bench.corpus import builtin_store
-    from torchtitan_zephon.store.upgrade import add_block_checksums
+    from torchtitan_zephon.migrate.old_stores import add_block_checksums
     from torchtitan_zephon.store.writer import write_derived_store
 
     base = builtin_store()
@@ -117,7 +117,7 @@ def with_block_tokens(store: Path, folder: Path, block_tokens: int) -> Path:
     ``block_tokens`` (``inspect --upgrade --block-tokens``): same fingerprint, same tokens."""
     import shutil
 
-    from torchtitan_zephon.store.upgrade import add_block_checksums
+    from torchtitan_zephon.migrate.old_stores import add_block_checksums
 
     shutil.copytree(store, folder)
     add_block_checksums(folder, block_tokens)

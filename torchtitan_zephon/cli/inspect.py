@@ -29,6 +29,7 @@ from typing import Any
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.cli.inspect_run import RUN_KINDS
 from torchtitan_zephon.ingest.cache_contents import describe_cache, is_cache
+from torchtitan_zephon.migrate.old_stores import add_block_checksums, upgrade_store
 from torchtitan_zephon.store.format import (
     BLOCK_TOKENS,
     BLOCKS,
@@ -41,7 +42,6 @@ from torchtitan_zephon.store.format import (
 )
 from torchtitan_zephon.store.opening import read_blocks_info
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.upgrade import add_block_checksums, upgrade_store
 from torchtitan_zephon.store.urls import is_url, parse_url, redact, refuse_mistyped_url
 
 

@@ -4,7 +4,7 @@ Role: the checks ``reader.TokenStore.open`` makes of a store folder. The manifes
 (``open_manifest``): a folder holding one, in the store format, of a readable version,
 every field the reader uses well-formed (source records too), the recorded fingerprint
 the one its contents hash to, at least one token. The content section
-(``read_content``): the manifest's, or the content.json that ``upgrade.upgrade_store``
+(``read_content``): the manifest's, or the content.json that ``migrate.old_stores.upgrade_store``
 put beside a version-1 store. checksums.bin (``map_checksums``): the content section
 well-formed, the file mapped at the size it implies and its xxh3-128 the one recorded.
 

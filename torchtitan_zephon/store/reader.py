@@ -28,12 +28,12 @@ chunk or above the highest (say, all but held-out samples at the end) costs one
 comparison, any other looks up each sample's chunks.
 
 Version-1 stores (written before checksums) still open, with an
-``UncheckedStoreWarning``, and their reads are not checked. ``upgrade.upgrade_store``
+``UncheckedStoreWarning``, and their reads are not checked. ``migrate.old_stores.upgrade_store``
 (``zephon inspect STORE --upgrade``) adds checksums.bin and content.json (the
 content section) beside the unchanged manifest, so the fingerprint, and every
 checkpoint and sequence log that names it, stays valid (older zephon versions
 still open the store); the checksums then vouch for the content as it was at
-the upgrade. ``upgrade.add_block_checksums`` (also ``--upgrade``) adds the finer
+the upgrade. ``migrate.old_stores.add_block_checksums`` (also ``--upgrade``) adds the finer
 block checksums (``format``) that reads from object storage check; a local store's
 reads keep checking whole chunks and never open them. ``TokenStore.check`` (``zephon
 inspect STORE --check``) hashes everything and reports each bad chunk (and block). The checksums catch corruption and

@@ -3,7 +3,7 @@
 Role: the writes a store's files need beyond prepare's token and offset files:
 checksums.bin and the content section (whole, or a range of chunks per process),
 blocks.bin and blocks.json (``format``'s block checksums: whole, or a range of
-blocks per process; ``zephon prepare`` and ``upgrade.add_block_checksums`` both
+blocks per process; ``zephon prepare`` and ``migrate.old_stores.add_block_checksums`` both
 write them here), a store built from tokens already prepared
 (``write_derived_store``) and a slice of a store's whole documents for tests and
 benchmarks (``slice_store``).

@@ -55,6 +55,7 @@ from torchtitan.tools.logging import logger
 from torchtitan.trainer import Trainer
 
 from torchtitan_zephon.job.run_data import record_job, run_data_path
+from torchtitan_zephon.migrate import old_runs
 from torchtitan_zephon.run.lock import RunFolderLock
 from torchtitan_zephon.run.process import torchrun_agent
 from torchtitan_zephon.store.format import DataUnreadable, StoreError, error_kind
@@ -70,7 +71,7 @@ from torchtitan_zephon.titan.ft.step import train_step_ft
 from torchtitan_zephon.titan.settings.job_view import JobView, job_view
 from torchtitan_zephon.titan.settings.loss_chunks import fit_loss_chunks
 from torchtitan_zephon.titan.settings.zephon_section import Zephon
-from torchtitan_zephon.titan.start import old_runs, preflight
+from torchtitan_zephon.titan.start import preflight
 from torchtitan_zephon.titan.start.checks import check_job_config
 from torchtitan_zephon.titan.start.job_data import ZephonJob, build_context
 from torchtitan_zephon.titan.weights.init import topology_free_parallelize

@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from torchtitan_zephon.job.data import JobData
+from torchtitan_zephon.migrate import old_runs
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.titan.settings.job_view import JobView
-from torchtitan_zephon.titan.start import old_runs
 
 
 def with_trainer_hint(e: DataStateMismatch) -> DataStateMismatch:
@@ -75,7 +75,7 @@ class StartDecision:
     (TorchTitan takes the newest) picks them, and no ``keep_latest_k`` purge weighs them."""
     old_run: old_runs.OldCheckpoint | None = None
     """The key map of the checkpoint TorchTitan loads (a resume, or model only) when the
-    0.2.2-based code wrote it (``titan.start.old_runs``)."""
+    0.2.2-based code wrote it (``migrate.old_runs``)."""
 
 
 StartPlan = StartDecision  # its name before 'plan' meant the order only

@@ -9,7 +9,7 @@ passing over checkpoints whose files are incomplete or corrupt
 * the sequence log against the checkpoint's chain head (global rank 0),
 * a checkpoint that cannot be resumed (model-only, no Zephon data state, data
   state excluded from loading), and one written by the 0.2.2-based code whose keys
-  do not map onto the job's (``titan.start.old_runs``: only llama3 maps),
+  do not map onto the job's (``migrate.old_runs``: only llama3 maps),
 * a run folder that holds a history (sequence log steps, checkpoints) the job
   would not resume from, unless ``zephon.start_over``, an elastic restart of
   the same job, or a requeue: no whole checkpoint, and a log that records only
