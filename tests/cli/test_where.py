@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from tests.cli.test_show import mixture_file, write_run  # noqa: F401 - a fixture
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.cli.step_data import StepData
 from torchtitan_zephon.cli.where import where
 from torchtitan_zephon.job.data import JobData
+from torchtitan_zephon.job.step_data import StepData
 from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.mixture.config import MixtureConfig, MixtureError

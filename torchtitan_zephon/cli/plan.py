@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 from torchtitan_zephon.cli.args import int_in, schedule_arg, skip_steps_arg
 from torchtitan_zephon.ingest.cache import RawInputs, names_store
 from torchtitan_zephon.job.packing import open_packing, packing_note
-from torchtitan_zephon.job.stores import store_location
+from torchtitan_zephon.job.stores import RAW_HINT, open_named_store
 from torchtitan_zephon.order.data_config import SKIP_FIELD
 from torchtitan_zephon.order.exclusions import Exclusions
 from torchtitan_zephon.order.layout import BatchSchedule
@@ -49,7 +49,6 @@ from torchtitan_zephon.order.store_size import (
     store_fix,
 )
 from torchtitan_zephon.order.stream import DataPlan
-from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
 
 if TYPE_CHECKING:
@@ -329,31 +328,12 @@ def given_raw_inputs(args: argparse.Namespace, command: str = "plan") -> RawInpu
     )
 
 
-RAW_HINT = (
-    "pass --tokenizer DIR (the trainer's hf_assets_path; TOML: model.hf_assets_path) and, when the text is not in "
-    "the field 'text', --text-field F (the trainer's zephon.text_field): zephon plan then "
-    "prepares them into the store cache as the trainer does"
-)
-
-
 def store_name(value: str, store: TokenStore) -> str:
     """The store as the user named it, and where it is when that differs (a builtin
     part, raw inputs prepared into the cache)."""
     if str(store.path) == value:
         return f"the store {value}"
     return f"the store {value!r} ({store.path})"
-
-
-def open_named_store(value: str, raw: RawInputs | None) -> TokenStore:
-    """The store ``--store`` names: a store folder, ``builtin:PART``, or raw inputs."""
-    if raw is None and not value.startswith("builtin:"):
-        try:
-            return TokenStore.open(value)
-        except StoreError as e:
-            if names_store(value):
-                raise
-            raise StoreError(f"{e} {value!r} names raw inputs: {RAW_HINT}.") from None
-    return TokenStore.open(store_location(value, raw))
 
 
 def run_mixture(

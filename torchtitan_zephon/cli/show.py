@@ -36,8 +36,8 @@ import json
 from typing import Any
 
 from torchtitan_zephon.cli.args import int_in
-from torchtitan_zephon.cli.open_data import add_data_arguments, open_step_data
-from torchtitan_zephon.cli.step_data import MAX_CHARS, ShowError, StepData, say_notes
+from torchtitan_zephon.cli.open_data import ShowError, add_data_arguments, open_step_data, say_notes
+from torchtitan_zephon.job.step_data import MAX_CHARS, StepData
 from torchtitan_zephon.order.layout import rank_slice
 
 # ---------------------------------------------------------------- the command

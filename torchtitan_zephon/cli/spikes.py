@@ -37,10 +37,10 @@ import numpy as np
 
 from torchtitan_zephon.cli.args import int_in, positive_float
 from torchtitan_zephon.cli.checkpoint_heads import checkpoint_folder
-from torchtitan_zephon.cli.open_data import open_step_data
+from torchtitan_zephon.cli.open_data import ShowError, open_step_data, say_notes
 from torchtitan_zephon.cli.plan import add_exclude_argument
 from torchtitan_zephon.cli.show import format_sample, step_samples
-from torchtitan_zephon.cli.step_data import ShowError, StepData, say_notes
+from torchtitan_zephon.job.step_data import StepData
 from torchtitan_zephon.order.skips import SkipSteps
 from torchtitan_zephon.run import recorded as runs
 

@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.cli.args import int_in
-from torchtitan_zephon.cli.open_data import add_data_arguments, open_step_data
-from torchtitan_zephon.cli.step_data import ShowError, StepData, document_span, say_notes
+from torchtitan_zephon.cli.open_data import ShowError, add_data_arguments, open_step_data, say_notes
+from torchtitan_zephon.job.step_data import StepData, document_span
 from torchtitan_zephon.order.permutation import Permutation
 from torchtitan_zephon.order.skips import MAX_STEP
 from torchtitan_zephon.order.stream import SourceShape

@@ -79,3 +79,23 @@ def open_mixture_stores(
         except (StoreError, ValueError) as e:
             raise MixtureError(f"mixture source {s.name!r}: {e}") from None
     return stores
+
+
+RAW_HINT = (  # said by the zephon commands that open a store by name
+    "pass --tokenizer DIR (the trainer's hf_assets_path; TOML: model.hf_assets_path) and, when the text is not in "
+    "the field 'text', --text-field F (the trainer's zephon.text_field): zephon plan then "
+    "prepares them into the store cache as the trainer does"
+)
+
+
+def open_named_store(value: str, raw: RawInputs | None) -> TokenStore:
+    """The store ``value`` names (``zephon plan --store``, ``show STORE``, a run's recorded
+    store): a store folder, ``builtin:PART``, or raw inputs (prepared with ``raw``)."""
+    if raw is None and not value.startswith("builtin:"):
+        try:
+            return TokenStore.open(value)
+        except StoreError as e:
+            if names_store(value):
+                raise
+            raise StoreError(f"{e} {value!r} names raw inputs: {RAW_HINT}.") from None
+    return TokenStore.open(store_location(value, raw))

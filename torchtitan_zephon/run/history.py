@@ -1,4 +1,4 @@
-"""A run's history of data configs, for ``zephon show``, ``where`` and ``spikes``: the
+"""A run's history of data configs (``zephon show``, ``where`` and ``spikes`` ask it): the
 jobs of its effective history (the start and resume events of its sequence log from the
 last start on, each with the data config it trained under and its position anchor), the
 last trained step, and, for a trained step, the job that trained it and the ids digest
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.cli.step_data import ShowError
 from torchtitan_zephon.order.data_config import DataConfig, DataStateMismatch
 from torchtitan_zephon.order.layout import Layout
 from torchtitan_zephon.run import recorded as runs
+from torchtitan_zephon.run.recorded import RunError
 from torchtitan_zephon.tracker import read_log
 from torchtitan_zephon.tracker.index import LogIndex
 
@@ -56,7 +56,7 @@ class RunHistory:
         events = [e for e in self.reader.events if e.get("event") in ("start", "resume")]
         events = [e for e in events if isinstance(e.get("data_config"), dict)]
         if not events:
-            raise ShowError(
+            raise RunError(
                 f"the run {run} has no start or resume event with a data config in its "
                 "sequence log (zephon/sequence_log.jsonl): it was not trained with Zephon's "
                 "tracker (zephon.audit off?). Name the data instead: a store with --seq-len, "
@@ -69,7 +69,7 @@ class RunHistory:
             try:
                 config = DataConfig.from_dict(event["data_config"])
             except DataStateMismatch as e:
-                raise ShowError(
+                raise RunError(
                     f"the run {run}'s sequence log holds a bad data config: {e}"
                 ) from None
             self.jobs.append(TrainedUnder(event, config, _anchor(history[: i + 1])))
