@@ -29,13 +29,17 @@ class S3:
     bucket: str = BUCKET
 
     def upload(self, store: Path, prefix: str, *, skip: tuple[str, ...] = ()) -> str:
-        """Upload the files of ``store`` under ``prefix`` (manifest.json last); its URL."""
-        files = sorted(p for p in store.iterdir() if p.is_file() and p.name not in skip)
+        """Upload the files of ``store`` under ``prefix`` (a sharded store's shard files
+        too, manifest.json last); its URL."""
+        files = sorted(
+            p
+            for p in store.rglob("*")
+            if p.is_file() and p.relative_to(store).as_posix() not in skip
+        )
         files.sort(key=lambda p: p.name == "manifest.json")
         for p in files:
-            self.client.put_object(
-                Bucket=self.bucket, Key=f"{prefix}/{p.name}", Body=p.read_bytes()
-            )
+            key = f"{prefix}/{p.relative_to(store).as_posix()}"
+            self.client.put_object(Bucket=self.bucket, Key=key, Body=p.read_bytes())
         return f"s3://{self.bucket}/{prefix}"
 
     def put(self, key: str, body: bytes) -> None:

@@ -49,9 +49,9 @@ class PackedSource:
         # A local store: plain views of the maps (slicing them is cheaper than slicing a
         # memmap). One in object storage: its pieces read by range (``job.packed_remote``).
         self._remote = None if store.mapped else RemoteSpans(store)
-        self._tokens = np.asarray(store.tokens) if store.mapped else None
+        self._tokens = store.token_array
+        self._padding: dict[int, np.ndarray] = {}
         self._starts, self._pieces = np.asarray(packed.starts), np.asarray(packed.pieces)
-        self._views: dict[int, np.ndarray] = {}
         # Per packed sample (O(samples), built once): whether it is one seq_len piece of
         # a longer document, a plain window there, and where that window starts (0 for
         # the others: a row of the gather that is written over).
@@ -167,12 +167,7 @@ class PackedSource:
         if check:
             for b in begin[window].tolist():
                 self._check(b, seq_len + 1)
-        sliding = self._sliding(seq_len)  # one gather; the other rows are written over
-        out = (
-            sliding[begin]
-            if sliding.shape[0]
-            else np.empty((keys.size, seq_len + 1), sliding.dtype)
-        )
+        out = self.store.token_rows(begin, seq_len + 1)  # one gather; others written over
         if np.count_nonzero(window) == keys.size:  # every sample a window, every label trained
             return out, None
         # The others hold whole documents (every piece ends its document: a piece that
@@ -199,11 +194,11 @@ class PackedSource:
 
     def _padding_row(self, seq_len: int) -> np.ndarray:
         """seq_len + 1 EOS tokens (read-only, kept): the padding a row ends with."""
-        row = self._views.get(-seq_len)
+        row = self._padding.get(seq_len)
         if row is None:
             row = np.full(seq_len + 1, self.store.eos_id, dtype=self.store.dtype)
             row.flags.writeable = False
-            self._views[-seq_len] = row
+            self._padding[seq_len] = row
         return row
 
     def id_limit(self, vocab_size: int | None) -> int | None:
@@ -252,19 +247,6 @@ class PackedSource:
         for a document longer than seq_len one per piece). O(pieces), vectorized."""
         index = np.flatnonzero(np.asarray(self.packed.pieces[:, 0]) == doc)
         return np.unique(np.searchsorted(self.packed.starts, index, side="right") - 1)
-
-    def _sliding(self, seq_len: int) -> np.ndarray:
-        """Read-only [num_tokens - seq_len, seq_len + 1] view: row i is tokens i .. i +
-        seq_len (no copy)."""
-        view = self._views.get(seq_len)
-        if view is None:
-            item = self._tokens.itemsize
-            rows = max(self._tokens.size - seq_len, 0)
-            view = np.lib.stride_tricks.as_strided(
-                self._tokens, shape=(rows, seq_len + 1), strides=(item, item), writeable=False
-            )
-            self._views[seq_len] = view
-        return view
 
     def _check(self, begin: int, length: int) -> None:
         """Check the store's chunks under tokens [begin, begin + length)."""

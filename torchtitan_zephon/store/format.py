@@ -29,6 +29,10 @@ Layout on disk::
     <store>/blocks.bin       optional (prepare, ``inspect --upgrade``): one uint64 per block
     <store>/blocks.json      optional, written after blocks.bin: what blocks.bin is (below)
 
+A sharded store (``shards``) holds its tokens in ``<store>/tokens/000000.bin``, ... and
+lists them in ``<store>/shards.json`` instead of tokens.bin; its other files, the
+manifest included, are those of the one-file store of the same tokens.
+
 The content section: ``algorithm`` ("xxh3_64"), ``chunk_tokens``,
 ``checksums_xxh3_128`` (of checksums.bin), ``doc_offsets_xxh3_128`` (checked by
 ``check`` only: training does not read document offsets) and ``max_token_id``.
@@ -94,6 +98,10 @@ CHECKSUM_ALGORITHM = "xxh3_64"
 BLOCKS = "blocks.bin"
 BLOCKS_INFO = "blocks.json"
 BLOCKS_FORMAT = "zephon-block-checksums"
+SHARDS = "shards.json"
+"""A sharded store's list of shards (``shards``), in place of tokens.bin."""
+SHARD_FOLDER = "tokens"
+"""The folder of a sharded store's shard files."""
 BLOCK_TOKENS = 512
 """The default ``block_tokens``: tokens a block checksum covers (plus the next block's
 first: blocks overlap by one); a store records its own in blocks.json."""
@@ -102,9 +110,10 @@ MAX_BLOCK_TOKENS = CHUNK_TOKENS
 BUILTIN_PREFIX = "builtin:"
 """A store value starting with this names a part of the builtin corpus (``ingest.builtin``),
 not a path."""
-STORE_FILES = (TOKENS, DOC_OFFSETS, CHECKSUMS, CONTENT, BLOCKS, BLOCKS_INFO, MANIFEST)
-"""Every file a store may hold, the manifest last: the order a copy writes them in (a
-copy cut before its manifest is no store)."""
+STORE_FILES = (TOKENS, DOC_OFFSETS, CHECKSUMS, CONTENT, BLOCKS, BLOCKS_INFO, SHARDS, MANIFEST)
+"""Every file a store may hold at its top (a sharded store's shard files are under
+``SHARD_FOLDER``, written before shards.json), the manifest last: the order a copy writes
+them in (a copy cut before its manifest is no store)."""
 
 DTYPES = {"uint16": np.dtype("<u2"), "uint32": np.dtype("<u4")}
 REPREPARE = "Re-run `zephon prepare` to rebuild the store."
@@ -199,12 +208,13 @@ def content_checksums(
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}.")
-    tokens = np.ascontiguousarray(tokens)
+    if isinstance(tokens, np.ndarray):  # else a store's shards (``shards.ShardedTokens``)
+        tokens = np.ascontiguousarray(tokens)
     n = -(-tokens.size // chunk_tokens)
     sums = np.empty(n, dtype="<u8")
     maxima = np.empty(n, dtype=np.int64)
     for c in range(n):
-        chunk = tokens[c * chunk_tokens : (c + 1) * chunk_tokens]
+        chunk = np.ascontiguousarray(tokens[c * chunk_tokens : (c + 1) * chunk_tokens])
         sums[c] = xxhash.xxh3_64_intdigest(chunk)
         maxima[c] = int(chunk.max())
     return sums, maxima
@@ -275,13 +285,14 @@ def block_checksums(tokens: np.ndarray, seed: int, block_tokens: int) -> np.ndar
     """The checksums (uint64) of the blocks of ``block_tokens`` of ``tokens``: a store's
     tokens from a block's start to a block's end or the store's end (a store's whole
     tokens, or a range read)."""
-    tokens = np.ascontiguousarray(tokens)
+    if isinstance(tokens, np.ndarray):  # else a store's shards (``shards.ShardedTokens``)
+        tokens = np.ascontiguousarray(tokens)
     n = max(1, -(-(tokens.size - 1) // block_tokens)) if tokens.size else 0
     sums = np.empty(n, dtype="<u8")
     digest = xxhash.xxh3_64_intdigest
     for b in range(n):
         lo = b * block_tokens
-        sums[b] = digest(tokens[lo : lo + block_tokens + 1], seed)
+        sums[b] = digest(np.ascontiguousarray(tokens[lo : lo + block_tokens + 1]), seed)
     return sums
 
 

@@ -3,8 +3,9 @@
 Role: ``StoreGroup`` serves rows of (store, sample id) pairs across stores of one
 dtype, each checked like the store's own read.
 
-Stores read by range (object storage) have no map: a group holding one gathers its
-rows store by store, through each store's own ``windows``.
+Stores read by range (object storage) have no map, and sharded stores (``shards``)
+one per shard: a group holding one gathers its rows store by store, through each
+store's own ``windows``.
 
 Invariant: row k of ``windows(sources, ids, seq_len)`` equals
 ``stores[sources[k]].windows([ids[k]], seq_len)[0]``, and the group reads only rows
@@ -60,9 +61,10 @@ class StoreGroup:
             )
         self.stores = list(stores)
         self.dtype = self.stores[0].dtype
-        # Stores read by range (``remote.RemoteTokenStore``) have no map: their rows are
-        # gathered store by store, through each store's own ``windows``.
-        self.mapped = all(st.mapped for st in self.stores)
+        # Stores read by range (``remote.RemoteTokenStore``) have no map, sharded ones
+        # (``shards``) several: their rows are gathered store by store, through each
+        # store's own ``windows``.
+        self.mapped = all(st.mapped and not st.shards for st in self.stores)
         self._rows: dict[int, np.ndarray] = {}
         self._limits: dict[int, np.ndarray] = {}
         self._num_stores = np.uint64(len(self.stores))

@@ -56,6 +56,7 @@ from torchtitan_zephon.store.object_client import (
     stop_loop,
 )
 from torchtitan_zephon.store.object_faults import request_failure, unanswered
+from torchtitan_zephon.store.shards import byte_pieces
 from torchtitan_zephon.store.urls import (
     ObjectURL,
     scrub,
@@ -122,6 +123,7 @@ class ObjectFiles:
         self.etags: dict[str, str | None] = {}
         self.sizes: dict[str, int] = {}
         self.mtimes: dict[str, int] = {}
+        self.joined: dict[str, tuple[list[str], list[int]]] = {}  # name -> (parts, bounds)
         self.fetched_bytes = 0
         self.requests = 0
         self._lock = threading.Lock()
@@ -188,6 +190,20 @@ class ObjectFiles:
         self.etags[name] = meta.get("e_tag")
         self.mtimes[name] = stamp_ns(meta.get("last_modified"))
         return self.sizes[name]
+
+    def join(self, name: str, parts: Sequence[tuple[str, int]]) -> None:
+        """Read the objects ``parts`` ((name, size) in order) as one file ``name``, their
+        concatenation (a sharded store's tokens, ``store.shards``): a range of it is read
+        as the ranges of the parts it spans (``shards.byte_pieces``) and put back
+        together. A part is not looked at before its first read; that read records its
+        ETag, sent as ``If-Match`` on every later one (a part shorter than its size fails
+        the read that reaches past its end, naming it)."""
+        names = [str(n) for n, _ in parts]
+        bounds = [0]
+        for _, size in parts:
+            bounds.append(bounds[-1] + int(size))
+        self.joined[name] = (names, bounds)
+        self.sizes[name] = bounds[-1]
 
     def missing_store_reason(self) -> str:
         """Why the prefix holds no store: it is empty (or the bucket is missing), or what
@@ -318,6 +334,8 @@ class ObjectFiles:
         async def get() -> memoryview:  # the endpoint answered: once get_async returns
             result = await obstore.get_async(self._store, name, options=options)
             self._heard, self._silent_at = loop.time(), None
+            if not etag:  # a joined part's first read: pinned from here on (join)
+                self.etags.setdefault(name, result.meta.get("e_tag"))
             return memoryview(await result.bytes_async())
 
         for attempt in range(self.retries + 1):
@@ -414,7 +432,43 @@ class ObjectFiles:
         on the background thread: a content check, say). ``urgent``: a read waited for
         now, whose requests get free slots before those of reads ahead."""
         listed = [(name, list(a), list(b)) for name, a, b in reads]
+        if any(name in self.joined for name, _, _ in listed):
+            return self._run(self._gather_joined(listed, then, urgent))
         return self._run(self._gather(listed, then, urgent))
+
+    async def _gather_joined(
+        self, reads: list[tuple[str, list[int], list[int]]], then: Any, urgent: bool
+    ) -> Any:
+        """``_gather`` of reads of which some name a joined file: each of its ranges read
+        as the ranges of the parts it spans, then put back together."""
+        expanded: list[tuple[str, list[int], list[int]]] = []
+        shape: list[list[int]] = []  # per read, per range: how many pieces it was cut into
+        for name, starts, stops in reads:
+            if name not in self.joined:
+                expanded.append((name, starts, stops))
+                shape.append([])
+                continue
+            names, bounds = self.joined[name]
+            counts = []
+            for a, b in zip(starts, stops, strict=True):
+                pieces = byte_pieces(bounds, a, b)
+                expanded.extend((names[k], [lo], [hi]) for k, lo, hi in pieces)
+                counts.append(len(pieces))
+            shape.append(counts)
+        found = await self._gather(expanded, None, urgent)
+        out, k = [], 0
+        for (name, _, _), counts in zip(reads, shape, strict=True):
+            if name not in self.joined:
+                out.append(found[k])
+                k += 1
+                continue
+            ranges = []
+            for n in counts:
+                views = [found[k + j][0] for j in range(n)]
+                ranges.append(views[0] if n == 1 else memoryview(b"".join(views)))  # 0: b""
+                k += n
+            out.append(ranges)
+        return out if then is None else then(out)
 
     def submit(
         self,

@@ -118,6 +118,12 @@ def request_failure(
             f"credentials: looked for {variables}; or raise zephon.request_timeout_s."
         )
     status = re.search(r"status code: (\d{3})", text)
+    if status and status.group(1) == "416":  # a range past the end: a short object
+        return StoreError(
+            f"{where} is shorter than the store says: a read of it reached past its end "
+            "(the endpoint answered 416 InvalidRange). Upload the store again "
+            "(manifest.json last)."
+        )
     if status:
         code = re.search(r"<Code>(\w+)</Code>", text)
         said = f"{status.group(1)} {code.group(1)}" if code else status.group(1)

@@ -60,6 +60,7 @@ from torchtitan_zephon.store.format import (
     DOC_OFFSETS,
     DTYPES,
     REPREPARE,
+    SHARDS,
     TOKENS,
     ContentReport,
     StoreError,
@@ -77,6 +78,7 @@ from torchtitan_zephon.store.opening import (
     read_blocks_info,
     read_content,
 )
+from torchtitan_zephon.store.shards import ShardedTokens, open_shards, read_shards
 from torchtitan_zephon.store.urls import is_url, parse_url, refuse_mistyped_url
 
 
@@ -95,7 +97,7 @@ class TokenStore:
         self,
         path: Path | str,
         manifest: dict[str, Any],
-        tokens: np.ndarray | None,
+        tokens: np.ndarray | ShardedTokens | None,
         doc_offsets: np.ndarray | None,
         content: dict[str, Any] | None = None,
         checksums: np.ndarray | None = None,
@@ -115,10 +117,14 @@ class TokenStore:
         self.tokenizer_hash: str = manifest["tokenizer"]["sha256"]
         self.dtype = np.dtype(DTYPES[manifest["dtype"]])
         self.mapped = tokens is not None  # False: read by range (``remote.RemoteTokenStore``)
+        self.shards = len(tokens.parts) if isinstance(tokens, ShardedTokens) else 0
+        """Shard files holding the tokens (``store.shards``; 0: one tokens.bin)."""
         self.content = content  # the content section (manifest, or content.json for version 1)
         self.checksums = checksums
         # Plain ndarray views of the same maps: slicing them is cheaper than slicing a memmap.
-        self._token_array = None if tokens is None else tokens.view(np.ndarray)
+        self._token_array = (
+            tokens if not isinstance(tokens, np.ndarray) else tokens.view(np.ndarray)
+        )
         self._sums = None if checksums is None else checksums.view(np.ndarray)
         self.chunk_tokens: int | None = int(content["chunk_tokens"]) if content else None
         self.max_token_id: int | None = int(content["max_token_id"]) if content else None
@@ -166,7 +172,18 @@ class TokenStore:
         root = Path(path)
         manifest = open_manifest(root)
         num_tokens = int(manifest["num_tokens"])
-        tokens = map_file(root / TOKENS, DTYPES[manifest["dtype"]], num_tokens)
+        counts = read_shards(root, manifest)
+        if counts is None:
+            tokens: np.ndarray | ShardedTokens = map_file(
+                root / TOKENS, DTYPES[manifest["dtype"]], num_tokens
+            )
+        elif (root / TOKENS).exists():
+            raise StoreError(
+                f"token store {str(root)!r} holds both {TOKENS} and {SHARDS}: its tokens "
+                f"are one or the other. Remove the one a copy left behind. {REPREPARE}"
+            )
+        else:
+            tokens = open_shards(root, counts, DTYPES[manifest["dtype"]])
         doc_offsets = map_file(root / DOC_OFFSETS, np.dtype("<i8"), int(manifest["num_documents"]))
         content, where = read_content(root, manifest)
         checksums = None
@@ -216,7 +233,34 @@ class TokenStore:
             # _unverified is 0 once every chunk was checked (or checks are off)
             if self._unverified and not self._checked_span(lo * seq_len, hi * seq_len + seq_len):
                 self._check_samples(ids, seq_len)
+        if self.shards:
+            return self.tokens.rows(ids * seq_len, seq_len + 1)
         return self._sample_view(seq_len, n)[ids]
+
+    @property
+    def token_array(self) -> np.ndarray | ShardedTokens | None:
+        """The tokens as the cheapest array to slice (None: read by range): a plain view
+        of the one map, or the shards (``shards.ShardedTokens``), unchecked."""
+        return self._token_array
+
+    def token_rows(self, starts: np.ndarray, width: int) -> np.ndarray:
+        """Rows ``[len(starts), width]`` of tokens from ``starts`` (any token index, each
+        row within the store), unchecked: the caller checks their chunks (packed samples,
+        ``job.packed``). A local store only."""
+        starts = np.asarray(starts, dtype=np.int64).ravel()
+        if self.shards:
+            return self.tokens.rows(starts, width)
+        view = self._views.get(-width)  # keyed apart from the sample views
+        if view is None:
+            item = self.tokens.dtype.itemsize
+            rows = max(self.num_tokens - width + 1, 0)
+            view = as_strided(
+                self.tokens, shape=(rows, width), strides=(item, item), writeable=False
+            )
+            self._views[-width] = view
+        if not view.shape[0]:
+            return np.empty((starts.size, width), self.dtype)
+        return view[starts]
 
     # ------------------------------------------------------------------ content checks
 
@@ -447,4 +491,5 @@ class TokenStore:
             + self.num_documents * 8
             + self.num_chunks * 8,
             "sources": m.get("sources", []),
+            **({"shards": self.shards} if self.shards else {}),
         }

@@ -76,6 +76,7 @@ from torchtitan_zephon.store.format import (
     DTYPES,
     MANIFEST,
     REPREPARE,
+    SHARDS,
     STORE_FILES,
     TOKENS,
     ContentReport,
@@ -98,6 +99,7 @@ from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.remote_options import (
     RemoteOptions,
 )
+from torchtitan_zephon.store.shards import check_shards, shard_name
 from torchtitan_zephon.store.urls import ObjectURL
 
 
@@ -143,6 +145,21 @@ class _Step:
 
     def __init__(self, fetch: _Fetch, rows: int) -> None:
         self.fetch, self.rows, self.served = fetch, rows, 0
+
+
+def _join_shards(
+    files: ObjectFiles, url: ObjectURL, manifest: dict[str, Any], dtype: np.dtype
+) -> int:
+    """The shards of a sharded store in object storage (``shards``), checked as a local
+    store's shards.json is and joined as its tokens.bin (``ObjectFiles.join``); their
+    number, or 0 when there is no shards.json (then tokens.bin is missing)."""
+    try:
+        text = bytes(files.read(SHARDS))
+    except MissingObject:
+        return 0
+    counts = check_shards(text, url.child(SHARDS), manifest)
+    files.join(TOKENS, [(shard_name(k), c * dtype.itemsize) for k, c in enumerate(counts)])
+    return len(counts)
 
 
 def _open_blocks(files: ObjectFiles, url: ObjectURL, manifest: dict[str, Any]) -> dict | None:
@@ -243,6 +260,7 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
         manifest = check_manifest(text, mshown, url.shown)
         dtype = DTYPES[manifest["dtype"]]
         num_tokens = int(manifest["num_tokens"])
+        shards = 0
         for name, kind, count in (
             (TOKENS, dtype, num_tokens),
             (DOC_OFFSETS, np.dtype("<i8"), int(manifest["num_documents"])),
@@ -250,6 +268,10 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
             try:
                 size = files.open_file(name)
             except MissingObject:
+                if name == TOKENS:  # a sharded store: its shards read as tokens.bin
+                    shards = _join_shards(files, url, manifest, dtype)
+                    if shards:
+                        continue
                 raise StoreError(
                     f"store file {url.child(name)!r} is missing. Upload the whole store "
                     f"again, {MANIFEST} last."
@@ -281,6 +303,7 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
             if blocks is None:  # chunk checks: checksums.bin read whole (8 B / chunk)
                 checksums = _read_checksums(files, url, num_tokens, chunk_tokens, recorded, where)
         store = cls(url.shown, manifest, None, None, content, checksums, verify=verify)
+        store.shards = shards
         store._files = files
         store.url = url
         store.options = options

@@ -5,8 +5,9 @@ checksums.bin and the content section (whole, or a range of chunks per process),
 blocks.bin and blocks.json (``format``'s block checksums: whole, or a range of
 blocks per process; ``zephon prepare`` and ``migrate.old_stores.add_block_checksums`` both
 write them here), a store built from tokens already prepared
-(``write_derived_store``) and a slice of a store's whole documents for tests and
-benchmarks (``slice_store``).
+(``write_derived_store``), a slice of a store's whole documents for tests and
+benchmarks (``slice_store``), and a copy of a store with its tokens as one file or as
+shards of another size (``write_store_as``, ``store.shards``).
 
 Invariant: checksums depend only on the bytes of tokens.bin and doc_offsets.bin
 (and ``chunk_tokens``): ``write_checksums`` and disjoint ``write_chunk_checksums``
@@ -23,6 +24,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +35,7 @@ from torchtitan_zephon.store.format import (
     BLOCKS_INFO,
     CHECKSUMS,
     CHUNK_TOKENS,
+    CONTENT,
     DOC_OFFSETS,
     DTYPES,
     FORMAT,
@@ -50,6 +53,7 @@ from torchtitan_zephon.store.format import (
     num_blocks,
 )
 from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.shards import shard_counts, write_shard_list, write_shards
 
 
 def write_checksums(
@@ -223,5 +227,40 @@ def slice_store(source: TokenStore, start: int, stop: int, output: str | os.Path
             "stop": stop,
         },
     )
+    os.rename(tmp, out)
+    return TokenStore.open(out)
+
+
+COPY_TOKENS = 1 << 26
+"""Tokens written per piece by ``write_store_as`` into one tokens.bin (bounded memory)."""
+
+
+def write_store_as(
+    store: TokenStore, output: str | os.PathLike, *, shard_tokens: int | None = None
+) -> TokenStore:
+    """Write the local store ``store`` again at ``output``, its tokens as one tokens.bin
+    (``shard_tokens`` None) or as shards of ``shard_tokens`` tokens (the last shorter),
+    and open it. Every other file is copied byte for byte, the manifest last: the copy
+    has ``store``'s fingerprint, samples and order (``store.shards``)."""
+    if not store.mapped:
+        raise StoreError(f"{store.path} is read by range: copy a local store.")
+    out = Path(output)
+    if out.exists():
+        raise StoreError(f"output {str(out)!r} already exists; choose another path.")
+    root = Path(store.path)
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    tmp.mkdir(parents=True)
+    tokens = store.token_array
+    if shard_tokens is None:
+        with open(tmp / TOKENS, "wb") as f:
+            for start in range(0, store.num_tokens, COPY_TOKENS):
+                f.write(np.ascontiguousarray(tokens[start : start + COPY_TOKENS]).tobytes())
+    else:
+        counts = shard_counts(store.num_tokens, shard_tokens)
+        write_shards(tokens, tmp, counts)
+        write_shard_list(tmp, store.fingerprint, counts)
+    for name in (DOC_OFFSETS, CHECKSUMS, CONTENT, BLOCKS, BLOCKS_INFO, MANIFEST):  # manifest last
+        if (root / name).is_file():
+            shutil.copyfile(root / name, tmp / name)
     os.rename(tmp, out)
     return TokenStore.open(out)
