@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -441,3 +442,34 @@ def test_a_failed_prepare_of_objects_leaves_no_spool_file_and_inspect_names_the_
     assert "  object storage (2):\n" in out
     assert "remote-inputs  0 bytes, 0 files: spool files of raw objects a prepare is reading" in out
     assert "remote-output  0 bytes, 0 files: stores `zephon prepare --output URL` built here" in out
+
+
+def test_a_sharded_store_is_written_to_the_bucket_by_each_rank_manifest_last(
+    capsys, s3, tmp_path: Path, tokenizer_dir: Path, corpus: Path, monkeypatch
+) -> None:
+    """Issue 45 part a2: --shard-bytes into a bucket: two ranks upload their own shards,
+    then rank 0 the shard list and the manifest; the one-file store's fingerprint."""
+    from tests.ingest.test_prepare_distributed import _in_threads
+
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    local = prepare_store([str(corpus)], str(tokenizer_dir), str(tmp_path / "l"), progress=False)
+    url = f"s3://{s3.bucket}/sharded/store"
+    results = _in_threads(
+        2,
+        lambda ranks: prepare_store(
+            [str(corpus)], str(tokenizer_dir), url, progress=False, ranks=ranks,
+            unit_bytes=2000, shard_bytes=700,
+        ),
+    )  # fmt: skip
+    assert not any(isinstance(r, BaseException) for r in results), results
+    keys = _keys(s3, "sharded/store/")
+    shards = [k for k in keys if k.startswith("sharded/store/tokens/")]
+    assert len(shards) > 2 and "sharded/store/tokens.bin" not in keys
+    assert "sharded/store/shards.json" in keys
+    store = TokenStore.open(url)
+    assert isinstance(store, RemoteTokenStore) and store.shards == len(shards)
+    assert store.fingerprint == local.fingerprint
+    ids = np.arange(local.num_samples(64))
+    np.testing.assert_array_equal(store.windows(ids, 64), local.windows(ids, 64))
+    assert main(["inspect", url, "--check"]) == 0
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # nothing kept

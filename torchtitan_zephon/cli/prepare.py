@@ -26,6 +26,7 @@ from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.ingest.ranks import PrepareFailed
 from torchtitan_zephon.ingest.units import UNIT_BYTES
 from torchtitan_zephon.store.format import BLOCK_TOKENS, MAX_BLOCK_TOKENS
+from torchtitan_zephon.store.shards import SHARD_BYTES
 from torchtitan_zephon.store.urls import is_url, local_path, refuse_mistyped_url, refuse_url
 
 
@@ -80,7 +81,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         type=int_in(1),
         default=UNIT_BYTES,
         metavar="N",
-        help=f"input bytes per work unit (default {UNIT_BYTES}; the store does not depend on it)",
+        help=f"input bytes per work unit (default {UNIT_BYTES}; the store's tokens and "
+        "fingerprint do not depend on it; a sharded store's shards follow the units)",
+    )
+    p.add_argument(
+        "--shard-bytes",
+        type=int_in(1),
+        default=SHARD_BYTES,
+        metavar="N",
+        help=f"a store of more token bytes keeps its tokens in shard files (objects) of at "
+        f"most N bytes instead of one tokens.bin (default {SHARD_BYTES}, 1 GiB: far below "
+        "every object store's cap): each unit's tokens are one shard or more, written once; "
+        "the fingerprint, samples and order do not depend on it",
     )
     p.add_argument(
         "--block-tokens",
@@ -167,6 +179,7 @@ def run(args: argparse.Namespace) -> int:
             report=report,
             split=args.split,
             block_tokens=args.block_tokens,
+            shard_bytes=args.shard_bytes,
             cache_dir=args.cache_dir,
         )
     except PrepareFailed:

@@ -28,7 +28,10 @@ from torchtitan_zephon.ingest.parts import (
     ASSEMBLY,
     PARTS,
     create_store_files,
+    part_shards,
+    write_part_documents,
     write_part_into_store,
+    write_part_shards,
 )
 from torchtitan_zephon.ingest.ranks import Ranks, together
 from torchtitan_zephon.ingest.stage import Work, assign_units, check_unchanged, unreadable
@@ -47,6 +50,7 @@ from torchtitan_zephon.store.format import (
     num_chunks,
 )
 from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.shards import open_shards, write_shard_list
 from torchtitan_zephon.store.writer import (
     create_block_file,
     write_block_info,
@@ -80,10 +84,16 @@ def assemble(
     staging: Path,
     gathered: list[tuple[int, dict[str, Any]]],
     block_tokens: int,
+    shard_bytes: int | None = None,
 ) -> TokenStore:
     """Phase 3: every rank copies its parts into the store's files at their offsets and
     hashes its share of the checksum chunks and of the sources; rank 0 writes the
-    manifest and renames the store to ``out``; block checksums of ``block_tokens``."""
+    manifest and renames the store to ``out``; block checksums of ``block_tokens``.
+
+    ``shard_bytes``: a store of more token bytes is sharded (``store.shards``): each
+    part becomes its own shards (linked when it is one, cut at ``shard_bytes``
+    otherwise) instead of being copied into tokens.bin, so its tokens are written once;
+    the shards follow the units, the manifest (fingerprint) is the one-file store's."""
     records = dict(gathered)
     units, sources = work.units, work.sources
     token_starts, doc_starts, num_tokens, num_docs = _layout(records, units)
@@ -95,12 +105,19 @@ def assemble(
     itemsize = 2 if work.dtype_name == "uint16" else 4
     chunks = num_chunks(num_tokens)
     assembly = staging / ASSEMBLY
+    shard_tokens = max(1, shard_bytes // itemsize) if shard_bytes else 0
+    sharded = bool(shard_tokens) and num_tokens > shard_tokens
+    first_shard, counts = [], []  # per unit: its first shard; per shard: its tokens
+    for u in units:
+        first_shard.append(len(counts))
+        if sharded:
+            counts += part_shards(records[u.index], shard_tokens)
 
     def create() -> None:
         if ranks.rank == 0:
             if assembly.exists():  # a killed run's
                 shutil.rmtree(assembly)
-            create_store_files(assembly, num_tokens, num_docs, chunks, itemsize)
+            create_store_files(assembly, num_tokens, num_docs, chunks, itemsize, sharded=sharded)
 
     together(ranks, create)
     owner = assign_units(units, ranks.world_size)
@@ -108,13 +125,24 @@ def assemble(
 
     def copy() -> None:
         for u in units:
-            if owner[u.index] == ranks.rank:
-                write_part_into_store(
-                    assembly, parts, records[u.index], token_starts[u.index],
-                    doc_starts[u.index], itemsize,
-                )  # fmt: skip
+            if owner[u.index] != ranks.rank:
+                continue
+            rec, start, doc = records[u.index], token_starts[u.index], doc_starts[u.index]
+            if sharded:
+                write_part_shards(
+                    assembly, parts, rec, first_shard[u.index], shard_tokens, itemsize
+                )
+                write_part_documents(assembly, parts, rec, start, doc)
+            else:
+                write_part_into_store(assembly, parts, rec, start, doc, itemsize)
 
     together(ranks, copy)
+
+    def tokens() -> Any:  # the assembled tokens, once every rank wrote its share
+        if sharded:
+            return open_shards(assembly, counts, DTYPES[work.dtype_name])
+        return map_file(assembly / TOKENS, DTYPES[work.dtype_name], num_tokens)
+
     manifest: dict[str, Any] = {
         "format": FORMAT,
         "version": FORMAT_VERSION,
@@ -137,7 +165,11 @@ def assemble(
     def hash_share() -> tuple[int, list[tuple[int, dict[str, Any]]]]:
         r, w = ranks.rank, ranks.world_size
         first, stop = chunks * r // w, chunks * (r + 1) // w
-        top = write_chunk_checksums(assembly, manifest, first, stop) if stop > first else -1
+        top = (
+            write_chunk_checksums(assembly, manifest, first, stop, tokens=tokens())
+            if stop > first
+            else -1
+        )
         recs = []
         for k, src in enumerate(sources):
             if source_owner[k] == r:
@@ -172,10 +204,9 @@ def assemble(
 
     def block_share() -> None:
         r, w, blocks = ranks.rank, ranks.world_size, num_blocks(num_tokens, block_tokens)
-        tokens = map_file(assembly / TOKENS, DTYPES[work.dtype_name], num_tokens)
         write_block_range(
             assembly,
-            tokens,
+            tokens(),
             manifest["fingerprint"],
             blocks * r // w,
             blocks * (r + 1) // w,
@@ -188,6 +219,8 @@ def assemble(
         if ranks.rank != 0:
             return
         write_block_info(assembly, manifest["fingerprint"], num_tokens, block_tokens)
+        if sharded:
+            write_shard_list(assembly, manifest["fingerprint"], counts)
         (assembly / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
         if out.exists():
             out.rmdir()  # an empty folder, checked at the start

@@ -31,14 +31,22 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import json
 import os
 import posixpath
 import uuid
 from pathlib import Path
 
 from torchtitan_zephon.ingest.input_file import GLOB_CHARS, InputFile, RemoteObject, kind_of
-from torchtitan_zephon.store.format import MANIFEST, STORE_FILES, StoreError
+from torchtitan_zephon.store.format import (
+    MANIFEST,
+    SHARD_FOLDER,
+    SHARDS,
+    STORE_FILES,
+    StoreError,
+)
 from torchtitan_zephon.store.location import ObjectFiles
+from torchtitan_zephon.store.shards import shard_name
 from torchtitan_zephon.store.urls import ObjectURL, parse_url, redact
 
 SPOOL = "remote-inputs"
@@ -254,7 +262,7 @@ def check_output(url: ObjectURL) -> None:
             f"output {url.shown} already holds a token store (manifest.json); choose another "
             "prefix or delete it first."
         )
-    other = [n for n in names if n not in STORE_FILES]
+    other = [n for n in names if n not in STORE_FILES and not n.startswith(f"{SHARD_FOLDER}/")]
     if other:
         shown = ", ".join(repr(n) for n in other[:5])
         raise StoreError(
@@ -263,8 +271,24 @@ def check_output(url: ObjectURL) -> None:
         )
 
 
+def upload_shards(folder: Path, url: ObjectURL, rank: int, world_size: int) -> None:
+    """Upload this rank's shards of the sharded store ``folder`` (shard k is rank k mod
+    ``world_size``'s: each rank writes whole shards of its own) under ``url``; none for a
+    one-file store. Before ``upload_store``, which writes shards.json and the manifest."""
+    if not (folder / SHARDS).is_file():
+        return
+    count = len(json.loads((folder / SHARDS).read_text())["tokens"])
+    files = ObjectFiles(url)
+    try:
+        for k in range(rank, count, world_size):
+            files.upload(shard_name(k), folder / shard_name(k))
+    finally:
+        files.close()
+
+
 def upload_store(folder: Path, url: ObjectURL) -> None:
-    """Upload the store files of ``folder`` under ``url``, manifest.json last."""
+    """Upload the store files of ``folder`` under ``url``, manifest.json last (a sharded
+    store's shards first: ``upload_shards``)."""
     files = ObjectFiles(url)
     try:
         for name in STORE_FILES:

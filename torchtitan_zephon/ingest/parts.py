@@ -5,7 +5,8 @@ part in ``<parent>/.<name>.prepare/parts/``: ``KEY.tokens`` (the unit's tokens i
 the store's dtype), ``KEY.docs`` (its documents' start offsets, from 0, int64) and
 ``KEY.json``, the part's record, written last. The staging folder's ``store/`` is
 where the parts are assembled into the store's files (each at its offset, by any
-number of processes) before the store is renamed to the output.
+number of processes; in a sharded store each part is one or more shards, a part of
+one shard linked, not copied) before the store is renamed to the output.
 
 Invariants:
 - A part whose record exists is finished: the record is written atomically (a
@@ -34,10 +35,12 @@ import xxhash
 from torchtitan_zephon.store.format import (
     CHECKSUMS,
     DOC_OFFSETS,
+    SHARD_FOLDER,
     TOKENS,
     StoreError,
     canonical_json,
 )
+from torchtitan_zephon.store.shards import shard_counts, shard_name
 from torchtitan_zephon.store.writer import pwrite_all
 
 PARTS = "parts"
@@ -220,14 +223,24 @@ def load_part(
     return record
 
 
-def create_store_files(store: Path, num_tokens: int, num_docs: int, num_chunks: int, itemsize: int):
-    """Create the assembled store's files at their final sizes (holes, filled by the parts)."""
+def create_store_files(
+    store: Path,
+    num_tokens: int,
+    num_docs: int,
+    num_chunks: int,
+    itemsize: int,
+    *,
+    sharded: bool = False,
+):
+    """Create the assembled store's files at their final sizes (holes, filled by the parts);
+    a sharded store's tokens folder instead of tokens.bin (``sharded``)."""
     store.mkdir(parents=True, exist_ok=True)
-    for name, size in (
-        (TOKENS, num_tokens * itemsize),
-        (DOC_OFFSETS, num_docs * 8),
-        (CHECKSUMS, num_chunks * 8),
-    ):
+    files = [(DOC_OFFSETS, num_docs * 8), (CHECKSUMS, num_chunks * 8)]
+    if sharded:
+        (store / SHARD_FOLDER).mkdir()
+    else:
+        files.insert(0, (TOKENS, num_tokens * itemsize))
+    for name, size in files:
         with open(store / name, "wb") as fh:
             fh.truncate(size)
 
@@ -242,7 +255,7 @@ def write_part_into_store(
 ) -> None:
     """Copy a part's tokens to ``token_start`` of tokens.bin and its document starts,
     shifted by ``token_start``, to document ``doc_start`` of doc_offsets.bin."""
-    tokens, docs, _ = _paths(parts, record["key"])
+    tokens, _, _ = _paths(parts, record["key"])
     fd = os.open(store / TOKENS, os.O_WRONLY)
     try:
         offset = token_start * itemsize
@@ -252,6 +265,46 @@ def write_part_into_store(
                 offset += len(block)
     finally:
         os.close(fd)
+    write_part_documents(store, parts, record, token_start, doc_start)
+
+
+def part_shards(record: dict[str, Any], shard_tokens: int) -> list[int]:
+    """The tokens of each shard a part becomes in a sharded store: the part whole when
+    it holds at most ``shard_tokens`` tokens, else cut into shards of ``shard_tokens``
+    (the last shorter); none for a part without tokens."""
+    n = int(record["tokens"])
+    return shard_counts(n, shard_tokens) if n else []
+
+
+def write_part_shards(
+    store: Path,
+    parts: Path,
+    record: dict[str, Any],
+    first_shard: int,
+    shard_tokens: int,
+    itemsize: int,
+) -> None:
+    """A part's tokens as shards ``first_shard``, ... of a sharded store (``store.shards``):
+    a part that is one shard is linked (a second name of its file: its tokens are not
+    written again), a larger one cut into shards (written)."""
+    tokens, _, _ = _paths(parts, record["key"])
+    counts = part_shards(record, shard_tokens)
+    if len(counts) == 1:
+        target = store / shard_name(first_shard)
+        target.unlink(missing_ok=True)
+        os.link(tokens, target)
+        return
+    with open(tokens, "rb") as fh:
+        for k, count in enumerate(counts):
+            (store / shard_name(first_shard + k)).write_bytes(fh.read(count * itemsize))
+
+
+def write_part_documents(
+    store: Path, parts: Path, record: dict[str, Any], token_start: int, doc_start: int
+) -> None:
+    """A part's document starts, shifted by ``token_start``, at document ``doc_start`` of
+    doc_offsets.bin."""
+    _, docs, _ = _paths(parts, record["key"])
     fd = os.open(store / DOC_OFFSETS, os.O_WRONLY)
     try:
         offset = doc_start * 8

@@ -25,7 +25,11 @@ splits of a Hugging Face DatasetDict are read: ``inputs.select_splits``; the
 manifest records them for such sources only); never on the
 number of ranks or workers, the unit size, chunking, absolute paths, timing or
 how many earlier runs were interrupted, nor on whether the inputs are read from
-local disk or object storage (``objects``). The output path holds either nothing
+local disk or object storage (``objects``). The one exception: a store of more than
+``shard_bytes`` of tokens is sharded (``store.shards``), each unit's part becoming its
+own shards (its tokens written once), so which shard file holds which tokens follows
+the units (the unit size, ``shard_bytes``), still never the ranks or workers; the
+tokens, the manifest and the fingerprint are those of the one-file store. The output path holds either nothing
 or a complete store (renamed into place last; an output URL: manifest.json
 uploaded last, so a prefix without it is no store). A prepare that fails or is
 interrupted keeps its finished parts in ``.<name>.prepare`` beside the output
@@ -64,6 +68,7 @@ from torchtitan_zephon.ingest.objects import (
     is_object_url,
     output_url,
     release,
+    upload_shards,
     upload_store,
 )
 from torchtitan_zephon.ingest.parts import WriterLock, finished_parts, staging_folder
@@ -78,6 +83,7 @@ from torchtitan_zephon.store.format import (
     fingerprint,
 )
 from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.shards import SHARD_BYTES
 from torchtitan_zephon.store.urls import ObjectURL
 
 
@@ -101,6 +107,7 @@ def prepare_store(
     on_progress: Callable[[dict[str, Any]], None] | None = None,
     cache_dir: str = "",
     block_tokens: int = BLOCK_TOKENS,
+    shard_bytes: int | None = SHARD_BYTES,
 ) -> TokenStore:
     """Tokenize ``inputs`` into a new token store at ``output`` and open it.
 
@@ -118,7 +125,10 @@ def prepare_store(
     ``block_tokens``: tokens per block checksum (``store.format``: pick the jobs'
     seq_len or a divisor of it); an integer in [1, ``MAX_BLOCK_TOKENS``], checked before
     anything is read or written. Blocks are not part of the manifest: the fingerprint
-    does not depend on it.
+    does not depend on it. ``shard_bytes``: a store of more token bytes keeps its tokens
+    in shards of at most that many bytes (``store.shards``: each unit's part one shard or
+    more, its tokens written once), not one tokens.bin; None: one tokens.bin always.
+    Shards are not part of the manifest either.
 
     Inputs and ``output`` may be object-storage URLs (``objects``): objects are
     streamed to spool files in ``<cache>/remote-inputs`` and removed when the prepare
@@ -128,6 +138,11 @@ def prepare_store(
     ranks must share it when the output is a URL (they share the staging folder).
     """
     block_tokens = check_block_tokens(block_tokens)
+    if shard_bytes is not None and (type(shard_bytes) is not int or shard_bytes < 1):
+        raise StoreError(
+            f"shard_bytes must be an integer >= 1 (the most token bytes of one shard file), "
+            f"or None for one tokens.bin; got {shard_bytes!r}; nothing was written."
+        )
     ranks = ranks or OneProcess()
     t0, cpu0 = time.perf_counter(), _cpu_seconds()
     remote = output_url(output) if is_object_url(output) else None
@@ -177,11 +192,13 @@ def prepare_store(
         if on_progress is not None:
             on_progress({"phase": "assembling"})
         store = assemble(
-            ranks, mine, out, staging, [s for st in stats for s in st[0]], block_tokens
-        )
+            ranks, mine, out, staging, [s for st in stats for s in st[0]], block_tokens,
+            shard_bytes,
+        )  # fmt: skip
         if remote is not None:
             if on_progress is not None:
                 on_progress({"phase": "uploading"})
+            together(ranks, lambda: upload_shards(out, remote, ranks.rank, ranks.world_size))
             together(ranks, lambda: upload_store(out, remote) if ranks.rank == 0 else None)
             together(ranks, lambda: shutil.rmtree(out) if ranks.rank == 0 else None)
             store = TokenStore.open(remote.text)

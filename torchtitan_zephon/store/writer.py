@@ -80,16 +80,19 @@ def write_chunk_checksums(
     stop: int,
     *,
     chunk_tokens: int = CHUNK_TOKENS,
+    tokens: Any = None,
 ) -> int:
-    """Hash chunks ``[first, stop)`` of tokens.bin and write their checksums at their place
-    in ``checksums.bin``, which already has its final size (``num_chunks`` x 8 bytes);
+    """Hash chunks ``[first, stop)`` of tokens.bin (or of ``tokens``: a sharded store's,
+    ``shards.ShardedTokens``) and write their checksums at their place in
+    ``checksums.bin``, which already has its final size (``num_chunks`` x 8 bytes);
     return the largest token id of these chunks (-1 for none).
 
     Several processes may each write a disjoint range: together they write the same
     bytes as ``write_checksums``, and ``content_section`` then completes the section.
     """
     root = Path(store_dir)
-    tokens = map_file(root / TOKENS, DTYPES[manifest["dtype"]], int(manifest["num_tokens"]))
+    if tokens is None:
+        tokens = map_file(root / TOKENS, DTYPES[manifest["dtype"]], int(manifest["num_tokens"]))
     sums, maxima = content_checksums(
         tokens[first * chunk_tokens : stop * chunk_tokens], chunk_tokens
     )
