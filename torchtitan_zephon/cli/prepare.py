@@ -24,8 +24,9 @@ from torchtitan_zephon.ingest.inputs import ALL_SPLITS
 from torchtitan_zephon.ingest.objects import output_url
 from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.ingest.ranks import PrepareFailed
+from torchtitan_zephon.ingest.token_files import INPUT_FORMATS
 from torchtitan_zephon.ingest.units import UNIT_BYTES
-from torchtitan_zephon.store.format import BLOCK_TOKENS, MAX_BLOCK_TOKENS
+from torchtitan_zephon.store.format import BLOCK_TOKENS, MAX_BLOCK_TOKENS, StoreError
 from torchtitan_zephon.store.shards import SHARD_BYTES
 from torchtitan_zephon.store.urls import is_url, local_path, refuse_mistyped_url, refuse_url
 
@@ -53,6 +54,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "object-storage URLs of the same ('s3://BUCKET/corpus/*.jsonl.gz'); sources "
         "are named relative to the deepest folder holding them all, so a folder and a glob "
         "of its files give the same store",
+    )
+    p.add_argument(
+        "--input-format",
+        choices=INPUT_FORMATS,
+        default="text",
+        help="text to tokenize (default), or token files read in place, only metadata "
+        "written: megatron (Megatron-LM indexed datasets: PREFIX, PREFIX.bin or PREFIX.idx, "
+        "documents ended by EOD: --append-eod) or numpy (OLMo's raw token arrays, "
+        "documents ended by EOS); checked against --tokenizer",
     )
     p.add_argument("--tokenizer", required=True, metavar="DIR", help="folder with tokenizer.json")
     p.add_argument(
@@ -164,6 +174,8 @@ def run(args: argparse.Namespace) -> int:
     _check_urls(args)
     if args.report:
         _check_report_path(args.report)
+    if args.input_format != "text":
+        return _register(args)
     ranks = ranks_from_env()
     report: dict[str, Any] = {}
     try:
@@ -203,6 +215,31 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in _split_lines(report["splits"], args.split):
         print(line)
+    return 0
+
+
+def _register(args: argparse.Namespace) -> int:
+    """``--input-format megatron|numpy``: the files registered as a store, read in place."""
+    from torchtitan_zephon.ingest.token_files import register_store
+
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise StoreError(
+            "registering token files (--input-format) runs in one process: it reads each "
+            "token once and writes only metadata; run it without torchrun."
+        )
+    urls = [v for v in [*args.inputs, args.output] if is_url(v)]
+    if urls:
+        raise StoreError(
+            f"{urls[0]}: token files are registered in place from a local folder, into a "
+            "local store (token files in a bucket are not read in place yet: copy them, or "
+            "prepare the text into the bucket); nothing was written."
+        )
+    store = register_store(args.inputs, args.input_format, args.tokenizer, args.output)
+    print(
+        f"registered {store.path}: {store.num_tokens} tokens, {store.num_documents} "
+        f"documents in {store.shards} {args.input_format} file(s) read in place, "
+        f"{store.manifest['dtype']}, fingerprint {store.fingerprint}"
+    )
     return 0
 
 

@@ -50,7 +50,7 @@ from torchtitan_zephon.store.format import (
     num_chunks,
 )
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.shards import open_shards, write_shard_list
+from torchtitan_zephon.store.shards import ShardList, open_shards, write_shard_list
 from torchtitan_zephon.store.writer import (
     create_block_file,
     write_block_info,
@@ -140,7 +140,7 @@ def assemble(
 
     def tokens() -> Any:  # the assembled tokens, once every rank wrote its share
         if sharded:
-            return open_shards(assembly, counts, DTYPES[work.dtype_name])
+            return open_shards(assembly, ShardList(counts), DTYPES[work.dtype_name])
         return map_file(assembly / TOKENS, DTYPES[work.dtype_name], num_tokens)
 
     manifest: dict[str, Any] = {

@@ -172,8 +172,8 @@ class TokenStore:
         root = Path(path)
         manifest = open_manifest(root)
         num_tokens = int(manifest["num_tokens"])
-        counts = read_shards(root, manifest)
-        if counts is None:
+        shards = read_shards(root, manifest)
+        if shards is None:
             tokens: np.ndarray | ShardedTokens = map_file(
                 root / TOKENS, DTYPES[manifest["dtype"]], num_tokens
             )
@@ -183,7 +183,7 @@ class TokenStore:
                 f"are one or the other. Remove the one a copy left behind. {REPREPARE}"
             )
         else:
-            tokens = open_shards(root, counts, DTYPES[manifest["dtype"]])
+            tokens = open_shards(root, shards, DTYPES[manifest["dtype"]])
         doc_offsets = map_file(root / DOC_OFFSETS, np.dtype("<i8"), int(manifest["num_documents"]))
         content, where = read_content(root, manifest)
         checksums = None

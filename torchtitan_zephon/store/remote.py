@@ -157,7 +157,14 @@ def _join_shards(
         text = bytes(files.read(SHARDS))
     except MissingObject:
         return 0
-    counts = check_shards(text, url.child(SHARDS), manifest)
+    shards = check_shards(text, url.child(SHARDS), manifest)
+    if shards.files is not None:
+        raise StoreError(
+            f"{url.child(SHARDS)} names token files read in place ({shards.files[0]}, ...): "
+            "such a store is opened from a local folder; in a bucket, a store holds its "
+            "shards under its prefix (zephon prepare --output URL)."
+        )
+    counts = shards.counts
     files.join(TOKENS, [(shard_name(k), c * dtype.itemsize) for k, c in enumerate(counts)])
     return len(counts)
 

@@ -13,6 +13,10 @@ tokens, little-endian, in the manifest's dtype) and says so in ``shards.json``::
 instead of ``tokens.bin``. Everything else of the store (manifest, doc_offsets.bin,
 checksums.bin, blocks) is the same file as in the one-file store of the same tokens.
 
+A store over token files read in place (``ingest.token_files``: Megatron-LM's ``.bin``,
+OLMo's numpy files) lists them instead: ``"files": [path, ...]``, one per shard (an
+absolute path, or relative to the store folder), read where they are, never copied.
+
 Invariants:
 - Sharding is a storage detail: shards.json is not part of the manifest, so the same
   tokens as one file or as shards of any sizes have the same manifest, hence the same
@@ -37,6 +41,7 @@ import bisect
 import json
 import os
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,20 +69,38 @@ def shard_counts(num_tokens: int, shard_tokens: int) -> list[int]:
     return [int(shard_tokens)] * full + ([rest] if rest else [])
 
 
-def shard_section(fingerprint: str, counts: Sequence[int]) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ShardList:
+    """What shards.json says: the tokens of each shard and, for token files read in
+    place, each shard's file (None: ``shard_name`` in the store folder)."""
+
+    counts: list[int]
+    files: list[str] | None = None
+
+    def path(self, root: Path, k: int) -> Path:
+        """The file of shard ``k`` of the store folder ``root``."""
+        return root / (self.files[k] if self.files is not None else shard_name(k))
+
+
+def shard_section(
+    fingerprint: str, counts: Sequence[int], files: Sequence[str] | None = None
+) -> dict[str, Any]:
     """The content of shards.json for a store of fingerprint ``fingerprint`` whose shards
-    hold ``counts`` tokens."""
-    return {
+    hold ``counts`` tokens (in ``files``, read in place, when given)."""
+    section: dict[str, Any] = {
         "format": SHARDS_FORMAT,
         "version": 1,
         "fingerprint": fingerprint,
         "tokens": [int(c) for c in counts],
     }
+    if files is not None:
+        section["files"] = [str(f) for f in files]
+    return section
 
 
-def check_shards(text: str | bytes, where: str, manifest: dict[str, Any]) -> list[int]:
-    """The tokens per shard that shards.json (``text``, read from ``where``) records for
-    the store of ``manifest``, checked (see the module docstring); StoreError otherwise."""
+def check_shards(text: str | bytes, where: str, manifest: dict[str, Any]) -> ShardList:
+    """The shards that shards.json (``text``, read from ``where``) records for the store
+    of ``manifest``, checked (see the module docstring); StoreError otherwise."""
     try:
         info = json.loads(text)
     except (ValueError, RecursionError) as e:
@@ -112,10 +135,20 @@ def check_shards(text: str | bytes, where: str, manifest: dict[str, Any]) -> lis
             f"{where!r} lists {total} tokens in {len(counts)} shards; the manifest holds "
             f"{int(manifest['num_tokens'])}. {REPREPARE}"
         )
-    return counts
+    files = info.get("files")
+    if files is not None and (
+        not isinstance(files, list)
+        or len(files) != len(counts)
+        or not all(isinstance(f, str) and f for f in files)
+    ):
+        raise StoreError(
+            f"{where!r} must name one file per shard (field 'files': {len(counts)} paths). "
+            f"{REPREPARE}"
+        )
+    return ShardList(counts, files)
 
 
-def read_shards(root: Path, manifest: dict[str, Any]) -> list[int] | None:
+def read_shards(root: Path, manifest: dict[str, Any]) -> ShardList | None:
     """The checked tokens per shard of the store folder ``root`` (None: a one-file store,
     no shards.json)."""
     path = root / SHARDS
@@ -128,10 +161,12 @@ def read_shards(root: Path, manifest: dict[str, Any]) -> list[int] | None:
     return check_shards(text, str(path), manifest)
 
 
-def open_shards(root: Path, counts: Sequence[int], dtype: np.dtype) -> ShardedTokens:
+def open_shards(root: Path, shards: ShardList, dtype: np.dtype) -> ShardedTokens:
     """The shards of the store folder ``root`` memory-mapped read-only, each checked to
     exist at the size its count implies (``format.map_file``: a StoreError naming it)."""
-    return ShardedTokens([map_file(root / shard_name(k), dtype, c) for k, c in enumerate(counts)])
+    return ShardedTokens(
+        [map_file(shards.path(root, k), dtype, c) for k, c in enumerate(shards.counts)]
+    )
 
 
 class ShardedTokens:
@@ -234,11 +269,13 @@ def write_shards(tokens: Any, root: Path, counts: Sequence[int]) -> None:
         start += count
 
 
-def write_shard_list(root: Path, fingerprint: str, counts: Sequence[int]) -> None:
+def write_shard_list(
+    root: Path, fingerprint: str, counts: Sequence[int], files: Sequence[str] | None = None
+) -> None:
     """Write shards.json of the store folder ``root`` (aside, then renamed)."""
     path = root / SHARDS
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(shard_section(fingerprint, counts), indent=1) + "\n")
+    tmp.write_text(json.dumps(shard_section(fingerprint, counts, files), indent=1) + "\n")
     os.replace(tmp, path)
 
 
