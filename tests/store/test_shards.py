@@ -21,7 +21,7 @@ from torchtitan_zephon.job.packing import open_packing
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.store.format import TOKENS, StoreError
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.shards import SHARDS, ShardedTokens, byte_pieces, shard_name
+from torchtitan_zephon.store.shards import SHARDS, ShardedTokens, byte_ranges, shard_name
 from torchtitan_zephon.store.writer import write_store_as
 
 
@@ -151,7 +151,7 @@ def test_sharded_tokens_read_as_the_concatenation():
         tokens.rows(np.array([0, 4, 20]), 6), np.stack([whole[s : s + 6] for s in (0, 4, 20)])
     )
     bounds = [0, 10, 12, 40]
-    assert byte_pieces(bounds, 8, 30) == [(0, 8, 10), (1, 0, 2), (2, 0, 18)]
+    assert byte_ranges(bounds, 8, 30) == [(0, 8, 10), (1, 0, 2), (2, 0, 18)]
 
 
 # ---------------------------------------------------------------- bad shards

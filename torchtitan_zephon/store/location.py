@@ -56,7 +56,7 @@ from torchtitan_zephon.store.object_client import (
     stop_loop,
 )
 from torchtitan_zephon.store.object_faults import request_failure, unanswered
-from torchtitan_zephon.store.shards import byte_pieces
+from torchtitan_zephon.store.shards import byte_ranges
 from torchtitan_zephon.store.urls import (
     ObjectURL,
     scrub,
@@ -123,7 +123,7 @@ class ObjectFiles:
         self.etags: dict[str, str | None] = {}
         self.sizes: dict[str, int] = {}
         self.mtimes: dict[str, int] = {}
-        self.joined: dict[str, tuple[list[str], list[int]]] = {}  # name -> (parts, bounds)
+        self.joined: dict[str, tuple[list[str], list[int]]] = {}  # name -> (objects, bounds)
         self.fetched_bytes = 0
         self.requests = 0
         self._lock = threading.Lock()
@@ -191,16 +191,16 @@ class ObjectFiles:
         self.mtimes[name] = stamp_ns(meta.get("last_modified"))
         return self.sizes[name]
 
-    def join(self, name: str, parts: Sequence[tuple[str, int]]) -> None:
-        """Read the objects ``parts`` ((name, size) in order) as one file ``name``, their
+    def join(self, name: str, objects: Sequence[tuple[str, int]]) -> None:
+        """Read ``objects`` ((name, size) in order) as one file ``name``, their
         concatenation (a sharded store's tokens, ``store.shards``): a range of it is read
-        as the ranges of the parts it spans (``shards.byte_pieces``) and put back
-        together. A part is not looked at before its first read; that read records its
-        ETag, sent as ``If-Match`` on every later one (a part shorter than its size fails
+        as the ranges of the objects it spans (``shards.byte_ranges``) and put back
+        together. An object is not looked at before its first read; that read records its
+        ETag, sent as ``If-Match`` on every later one (one shorter than its size fails
         the read that reaches past its end, naming it)."""
-        names = [str(n) for n, _ in parts]
+        names = [str(n) for n, _ in objects]
         bounds = [0]
-        for _, size in parts:
+        for _, size in objects:
             bounds.append(bounds[-1] + int(size))
         self.joined[name] = (names, bounds)
         self.sizes[name] = bounds[-1]
@@ -334,7 +334,7 @@ class ObjectFiles:
         async def get() -> memoryview:  # the endpoint answered: once get_async returns
             result = await obstore.get_async(self._store, name, options=options)
             self._heard, self._silent_at = loop.time(), None
-            if not etag:  # a joined part's first read: pinned from here on (join)
+            if not etag:  # a joined object's first read: pinned from here on (join)
                 self.etags.setdefault(name, result.meta.get("e_tag"))
             return memoryview(await result.bytes_async())
 
@@ -440,7 +440,7 @@ class ObjectFiles:
         self, reads: list[tuple[str, list[int], list[int]]], then: Any, urgent: bool
     ) -> Any:
         """``_gather`` of reads of which some name a joined file: each of its ranges read
-        as the ranges of the parts it spans, then put back together."""
+        as the ranges of the objects it spans, then put back together."""
         expanded: list[tuple[str, list[int], list[int]]] = []
         shape: list[list[int]] = []  # per read, per range: how many pieces it was cut into
         for name, starts, stops in reads:
@@ -451,7 +451,7 @@ class ObjectFiles:
             names, bounds = self.joined[name]
             counts = []
             for a, b in zip(starts, stops, strict=True):
-                pieces = byte_pieces(bounds, a, b)
+                pieces = byte_ranges(bounds, a, b)
                 expanded.extend((names[k], [lo], [hi]) for k, lo, hi in pieces)
                 counts.append(len(pieces))
             shape.append(counts)

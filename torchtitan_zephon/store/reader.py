@@ -117,7 +117,7 @@ class TokenStore:
         self.tokenizer_hash: str = manifest["tokenizer"]["sha256"]
         self.dtype = np.dtype(DTYPES[manifest["dtype"]])
         self.mapped = tokens is not None  # False: read by range (``remote.RemoteTokenStore``)
-        self.shards = len(tokens.parts) if isinstance(tokens, ShardedTokens) else 0
+        self.shards = len(tokens.arrays) if isinstance(tokens, ShardedTokens) else 0
         """Shard files holding the tokens (``store.shards``; 0: one tokens.bin)."""
         self.content = content  # the content section (manifest, or content.json for version 1)
         self.checksums = checksums

@@ -170,15 +170,15 @@ def open_shards(root: Path, shards: ShardList, dtype: np.dtype) -> ShardedTokens
 
 
 class ShardedTokens:
-    """A store's tokens held by several arrays (its shards), read as one array."""
+    """A store's tokens held by several arrays (its shards' maps), read as one array."""
 
-    def __init__(self, parts: Sequence[np.ndarray]) -> None:
-        if not parts:
+    def __init__(self, arrays: Sequence[np.ndarray]) -> None:
+        if not arrays:
             raise ValueError("a sharded store has at least one shard")
-        self.parts = [p.view(np.ndarray) for p in parts]  # plain views: cheaper slices
-        self.dtype = self.parts[0].dtype
+        self.arrays = [a.view(np.ndarray) for a in arrays]  # plain views: cheaper slices
+        self.dtype = self.arrays[0].dtype
         self.itemsize = self.dtype.itemsize
-        self.bounds = np.cumsum([0] + [p.size for p in self.parts], dtype=np.int64)
+        self.bounds = np.cumsum([0] + [p.size for p in self.arrays], dtype=np.int64)
         self._starts = self.bounds[:-1].tolist()
         self.size = int(self.bounds[-1])
         self.shape = (self.size,)
@@ -189,11 +189,11 @@ class ShardedTokens:
         return self.size
 
     def __repr__(self) -> str:
-        return f"ShardedTokens({len(self.parts)} shards, {self.size} tokens, {self.dtype})"
+        return f"ShardedTokens({len(self.arrays)} shards, {self.size} tokens, {self.dtype})"
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
         """Every token in one array: a copy of the whole store (asked for explicitly)."""
-        whole = np.concatenate(self.parts)
+        whole = np.concatenate(self.arrays)
         return whole if dtype is None else whole.astype(dtype)
 
     def __getitem__(self, key: Any) -> Any:
@@ -207,7 +207,7 @@ class ShardedTokens:
             if not 0 <= i < self.size:
                 raise IndexError(f"token {int(key)} outside a store of {self.size} tokens")
             k = bisect.bisect_right(self._starts, i) - 1
-            return self.parts[k][i - self._starts[k]]
+            return self.arrays[k][i - self._starts[k]]
         return self.take(np.asarray(key))
 
     def slice(self, start: int, stop: int) -> np.ndarray:
@@ -217,15 +217,15 @@ class ShardedTokens:
             return np.zeros(0, dtype=self.dtype)
         k = bisect.bisect_right(self._starts, start) - 1
         base = self._starts[k]
-        if stop <= base + self.parts[k].size:
-            return self.parts[k][start - base : stop - base]
-        pieces = []
+        if stop <= base + self.arrays[k].size:
+            return self.arrays[k][start - base : stop - base]
+        spans = []
         while start < stop:
             base = self._starts[k]
-            end = min(stop, base + self.parts[k].size)
-            pieces.append(self.parts[k][start - base : end - base])
+            end = min(stop, base + self.arrays[k].size)
+            spans.append(self.arrays[k][start - base : end - base])
             start, k = end, k + 1
-        return np.concatenate(pieces)
+        return np.concatenate(spans)
 
     def take(self, index: np.ndarray) -> np.ndarray:
         """Tokens at the positions ``index`` (any shape), as ``ndarray[index]`` gives them."""
@@ -237,7 +237,7 @@ class ShardedTokens:
         out = np.empty(flat.size, dtype=self.dtype)
         for k in np.unique(shard).tolist():
             where = shard == k
-            out[where] = self.parts[k][flat[where] - self._starts[k]]
+            out[where] = self.arrays[k][flat[where] - self._starts[k]]
         return out.reshape(index.shape)
 
     def rows(self, starts: np.ndarray, width: int) -> np.ndarray:
@@ -279,7 +279,7 @@ def write_shard_list(
     os.replace(tmp, path)
 
 
-def byte_pieces(bounds: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int]]:
+def byte_ranges(bounds: Sequence[int], start: int, stop: int) -> list[tuple[int, int, int]]:
     """Byte range [start, stop) of the concatenated shards (shard k holding bytes
     [bounds[k], bounds[k + 1])) as (shard, start, stop) ranges within each shard, in
     order: how a read by range of a sharded store in object storage is cut."""
