@@ -29,6 +29,7 @@ from torchtitan_zephon.ingest.builtin import builtin_store_path
 from torchtitan_zephon.job.packing import index_folder, read_index
 from torchtitan_zephon.migrate.old_stores import add_block_checksums
 from torchtitan_zephon.store.reader import TokenStore
+from torchtitan_zephon.store.writer import write_store_as
 
 pytest.importorskip("torchtitan.trainer", reason="TorchTitan 0.3 (torchtitan.trainer)")
 
@@ -115,19 +116,21 @@ def test_a_bucket_run_equals_a_run_on_the_local_copy(
     assert (report["steps_compared"], report["tokens_compared"], report["matches"]) == (8, 8, 8)
 
 
-# slow (issue 44 part e): packing x a store in a bucket, each proven alone by default
-@pytest.mark.slow
-def test_a_packed_run_from_the_bucket_resumed_on_one_rank_matches_the_local_one(
+def test_a_packed_run_from_a_sharded_bucket_store_resumed_on_one_rank_matches_the_local_one(
     s3, packed_one_rank: Path, tmp_path: Path
 ) -> None:
-    """``--zephon.packing best_fit`` on the docs store in the bucket: 2 ranks, killed
+    """Issue 45 part a: ``--zephon.packing best_fit`` on the docs store as shards of
+    1,000 tokens (pieces and samples across shard bounds) in the bucket: 2 ranks, killed
     after checkpoint 4, resumed on 1 rank through the node cache; each builds the
     packing index in its own cache; both train exactly what the uninterrupted 1-rank
-    packed run of the local store trains (verify MATCH, losses within the tolerance)."""
+    packed run of the local one-file store trains (verify MATCH, losses within the
+    tolerance)."""
     local = tmp_path / "docs"
     shutil.copytree(builtin_store_path(part="docs"), local)
     add_block_checksums(local, block_tokens=256)  # a seq_len piece is whole blocks
-    url = s3.upload(local, "e2e/docs")
+    sharded = write_store_as(TokenStore.open(local), tmp_path / "docs-sharded", shard_tokens=1000)
+    assert sharded.shards > 2
+    url = s3.upload(Path(sharded.path), "e2e/docs")
     args = (*PACKED[:4], "--zephon.store", url, *PACKED[6:], *REMOTE)
     caches = [tmp_path / "cache-two", tmp_path / "cache-one"]
     two = tmp_path / "two_ranks"
