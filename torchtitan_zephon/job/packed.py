@@ -27,7 +27,6 @@ from __future__ import annotations
 import numpy as np
 
 from torchtitan_zephon.job.packed_remote import RemoteSpans
-from torchtitan_zephon.job.packing import document_lengths
 from torchtitan_zephon.job.source import Unlabelled
 from torchtitan_zephon.job.vocab import store_id_limit, store_out_of_vocab
 from torchtitan_zephon.order.packing import PackedSamples
@@ -44,24 +43,36 @@ class PackedSource:
         self.packed = packed
         self.seq_len = int(packed.seq_len)
         self.available = int(packed.num_samples)
-        self._doc_offsets = np.asarray(store.doc_offsets, dtype=np.int64)
-        self._doc_lengths = document_lengths(store)
+        self._doc_offsets = np.asarray(store.doc_offsets, dtype=np.int64)  # a map: no copy
         # A local store: plain views of the maps (slicing them is cheaper than slicing a
         # memmap). One in object storage: its pieces read by range (``job.packed_remote``).
         self._remote = None if store.mapped else RemoteSpans(store)
         self._tokens = store.token_array
         self._padding: dict[int, np.ndarray] = {}
         self._starts, self._pieces = np.asarray(packed.starts), np.asarray(packed.pieces)
-        # Per packed sample (O(samples), built once): whether it is one seq_len piece of
-        # a longer document, a plain window there, and where that window starts (0 for
-        # the others: a row of the gather that is written over).
-        first = self._pieces[self._starts[:-1]]
-        self._window = (np.diff(self._starts) == 1) & (first[:, 2] == packed.seq_len)
-        self._window &= first[:, 1] + packed.seq_len < self._doc_lengths[first[:, 0]]
-        self._begin = np.where(self._window, self._doc_offsets[first[:, 0]] + first[:, 1], 0)
+        # Nothing here is built per document or per sample: what a read needs of the
+        # index, the document offsets and lengths is looked up for its samples alone.
 
     def __repr__(self) -> str:
         return f"PackedSource({self.store!r}, seq_len={self.seq_len})"
+
+    def _lengths(self, docs: np.ndarray) -> np.ndarray:
+        """Tokens of documents ``docs`` (each with its EOS), from their offsets."""
+        docs = np.asarray(docs, dtype=np.int64)
+        offsets, last = self._doc_offsets, self._doc_offsets.size - 1
+        ends = np.where(
+            docs < last, offsets[np.minimum(docs + 1, last)], np.int64(self.store.num_tokens)
+        )
+        return ends - offsets[docs]
+
+    def _windows_at(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """For packed samples ``keys``: where each starts in the store when it is one
+        seq_len piece of a longer document (a plain window there, every label trained;
+        0 for the others: a row of the gather that is written over), and whether it is."""
+        first = self._pieces[self._starts[keys]]
+        window = (self._starts[keys + 1] - self._starts[keys] == 1) & (first[:, 2] == self.seq_len)
+        window &= first[:, 1] + self.seq_len < self._lengths(first[:, 0])
+        return np.where(window, self._doc_offsets[first[:, 0]] + first[:, 1], 0), window
 
     def _rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Pieces of samples ``keys``: (row of each piece, its first token in the store,
@@ -101,7 +112,7 @@ class PackedSource:
         """Tokens read for each piece: its own, and for a piece that does not end its
         document one more (the label of its last token)."""
         length = piece[:, 2]
-        return length + (piece[:, 1] + length != self._doc_lengths[piece[:, 0]])
+        return length + (piece[:, 1] + length != self._lengths(piece[:, 0]))
 
     def unlabelled(self, keys: np.ndarray, seq_len: int) -> Unlabelled | None:
         """``rows``' inputs of samples ``keys`` that train no label, from the
@@ -115,7 +126,7 @@ class PackedSource:
     ) -> Unlabelled | None:
         """``unlabelled`` of ``n`` samples from their pieces (``_rows``)."""
         length = piece[:, 2]
-        ends_doc = piece[:, 1] + length == self._doc_lengths[piece[:, 0]]
+        ends_doc = piece[:, 1] + length == self._lengths(piece[:, 0])
         last = rows * seq_len + _piece_offsets(rows, length) + length - 1
         used = np.bincount(rows, weights=length, minlength=n).astype(np.int64)
         padded = np.flatnonzero(used < seq_len)
@@ -128,7 +139,7 @@ class PackedSource:
         last token, the padding)."""
         rows, _, piece = self._rows(keys)
         length = piece[:, 2]
-        ends_doc = piece[:, 1] + length == self._doc_lengths[piece[:, 0]]
+        ends_doc = piece[:, 1] + length == self._lengths(piece[:, 0])
         out = np.ones((np.size(keys), seq_len), dtype=bool)
         col = _ranks_within_rows(rows, length, length)
         out[np.repeat(rows, length), col] = False
@@ -162,7 +173,7 @@ class PackedSource:
                 self._windows_of(keys.size, rows, begin, piece, seq_len),
                 self._unlabelled_of(keys.size, rows, piece, seq_len),
             )
-        begin, window = self._begin[keys], self._window[keys]
+        begin, window = self._windows_at(keys)
         check = self.store.unchecked_chunks > 0
         if check:
             for b in begin[window].tolist():
@@ -210,7 +221,7 @@ class PackedSource:
     def labelled_tokens(self, keys: np.ndarray) -> int:
         """Labels trained in samples ``keys`` (from the index: no token is read)."""
         _, _, piece = self._rows(keys)
-        ends_doc = piece[:, 1] + piece[:, 2] == self._doc_lengths[piece[:, 0]]
+        ends_doc = piece[:, 1] + piece[:, 2] == self._lengths(piece[:, 0])
         return int(piece[:, 2].sum() - ends_doc.sum())
 
     def documents(self, key: int) -> list[dict[str, int]]:
@@ -222,7 +233,7 @@ class PackedSource:
                 "document": doc,
                 "start": start,
                 "stop": start + length,
-                "length": int(self._doc_lengths[doc]),
+                "length": int(self._lengths(np.array([doc]))[0]),
             }
             for doc, start, length in np.asarray(self.packed.sample(key)).tolist()
         ]
