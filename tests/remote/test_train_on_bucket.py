@@ -116,6 +116,11 @@ def test_a_bucket_run_equals_a_run_on_the_local_copy(
     assert (report["steps_compared"], report["tokens_compared"], report["matches"]) == (8, 8, 8)
 
 
+# slow (issue 44 part e): issue 45's end-to-end check; the sharded store's reads are
+# proven against the one-file store in-process (tests/store/test_shards.py, locally;
+# tests/remote/test_sharded_remote.py, in the bucket), packing from a bucket by
+# test_a_bucket_run_killed_after_a_checkpoint_resumes_on_one_rank_from_the_bucket's path
+@pytest.mark.slow
 def test_a_packed_run_from_a_sharded_bucket_store_resumed_on_one_rank_matches_the_local_one(
     s3, packed_one_rank: Path, tmp_path: Path
 ) -> None:

@@ -75,6 +75,9 @@ def test_resume_from_two_ranks(
     assert abs(val[8] - val_ref[8]) <= TOPOLOGY_RTOL * val_ref[8], (val, val_ref)
 
 
+# slow (issue 44 part e): the other direction (2 -> 1) by tests/cli/test_verify.py; the same
+# rule
+@pytest.mark.slow
 def test_resume_one_rank_to_two(e2e_root: Path, reference: Path, reference_one_rank: Path):
     one = reference_one_rank
     assert_same_data(reference, one, range(1, 9))
@@ -84,6 +87,10 @@ def test_resume_one_rank_to_two(e2e_root: Path, reference: Path, reference_one_r
     assert_losses(one, run, range(5, 9), rtol=TOPOLOGY_RTOL)
 
 
+# slow (issue 44 part e): TP x an elastic resume; TP by
+# test_train_e2e.py::test_tp_two_ranks_trains_on_the_same_data, resumes on other degrees by
+# tests/cli/test_verify.py
+@pytest.mark.slow
 def test_resume_fsdp_x_tp_to_fsdp(e2e_root: Path, reference_fsdp_tp: Path, reference: Path):
     run = copy_run_until(reference_fsdp_tp, e2e_root / "fsdp_x_tp_to_fsdp", 4)
     train(run, 2).check()
@@ -111,6 +118,9 @@ def other_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "store"
 
 
+# slow (issue 44 part e): a data config change refused end to end by test_mixture_e2e.py and
+# test_packing_e2e.py, every field in-process
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, overrides, expected",
     [
@@ -132,6 +142,9 @@ def test_changed_data_config_is_refused(
     assert_unchanged(before, tree(run))
 
 
+# slow (issue 44 part e): the opt-in in-process (tests/order/test_state.py), a resume across
+# a data config change by test_mixture_e2e.py
+@pytest.mark.slow
 def test_changed_seed_accepted_with_explicit_opt_in(e2e_root: Path, reference: Path):
     run = copy_run_until(reference, e2e_root / "seed_opt_in", 4)
     train(run, 2, "--zephon.seed", "5", "--zephon.allow_changes", "seed").check()

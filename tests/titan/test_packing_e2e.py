@@ -43,6 +43,9 @@ def one_rank(packed_one_rank: Path) -> Path:
     return packed_one_rank
 
 
+# slow (issue 44 part e): a packed resume on another rank count is proven by
+# test_a_packed_mixture_resumed_under_another_rank_count_trains_the_uninterrupted_run
+@pytest.mark.slow
 def test_a_packed_run_resumed_on_one_rank_matches_the_uninterrupted_one(
     one_rank: Path, tmp_path: Path
 ) -> None:

@@ -86,6 +86,7 @@ def dp2(tmp_path_factory: pytest.TempPathFactory):
                 "2",
             ),
             id="local_batch_8",
+            marks=pytest.mark.slow,  # micro-batches of PP: the windows case (issue 44 part e)
         ),  # fmt: skip
     ],
 )

@@ -101,6 +101,10 @@ def test_start_that_would_supersede_a_history_is_refused(
     assert_unchanged(before, tree(run))
 
 
+# slow (issue 44 part e): the decision in-process
+# (tests/titan/test_preflight.py::test_a_requeue_that_checkpointed_nothing_starts_again), a
+# real kill and restart by test_node_loss.py
+@pytest.mark.slow
 def test_a_requeue_after_a_kill_before_the_first_checkpoint_starts_again(
     e2e_root: Path, reference: Path
 ):
@@ -168,6 +172,10 @@ def test_dead_jobs_lock_and_truncated_checkpoint(e2e_root: Path, reference: Path
     assert not lock_path(run).exists()  # released at the clean end
 
 
+# slow (issue 44 part e): the refusal in-process
+# (tests/titan/test_preflight.py::test_model_only_checkpoint_names_the_last_full_one), a
+# resume refused end to end by default
+@pytest.mark.slow
 def test_model_only_last_checkpoint_says_what_to_do(e2e_root: Path):
     """TorchTitan's default saves the last step model-only: a longer run cannot resume
     from it; the refusal names the last full checkpoint, which then resumes."""

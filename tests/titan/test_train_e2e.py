@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from tests.titan.expect import assert_losses, assert_same_data, log_records, resume_events
 from tests.titan.launch import copy_run_until, train
 from torchtitan_zephon.run import recorded as runs
@@ -36,11 +38,17 @@ def test_tp_two_ranks_trains_on_the_same_data(e2e_root: Path, reference: Path):
     assert_same_data(reference, run, range(1, 9))
 
 
+# slow (issue 44 part e): FSDP x TP on 4 ranks; TP on 2 ranks by
+# test_tp_two_ranks_trains_on_the_same_data
+@pytest.mark.slow
 def test_fsdp_tp_four_ranks_trains_on_the_same_data(reference_fsdp_tp: Path, reference: Path):
     assert_trained(reference_fsdp_tp)
     assert_same_data(reference, reference_fsdp_tp, range(1, 9))
 
 
+# slow (issue 44 part e): a resume at the same degree, exact, by
+# test_ft_e2e.py::test_every_group_dies_after_a_checkpoint_and_all_restart_exactly
+@pytest.mark.slow
 def test_resume_same_world_size_is_exact(e2e_root: Path, reference: Path):
     run = copy_run_until(reference, e2e_root / "resume_same", 4)
     train(run, 2).check()
