@@ -29,6 +29,7 @@ from typing import Any
 from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.cli.inspect_run import RUN_KINDS
 from torchtitan_zephon.ingest.cache_contents import describe_cache, is_cache
+from torchtitan_zephon.job.packing import check_beside
 from torchtitan_zephon.migrate.old_stores import add_block_checksums, upgrade_store
 from torchtitan_zephon.store.format import (
     BLOCK_TOKENS,
@@ -265,7 +266,9 @@ def _store_actions(path: Path, args: argparse.Namespace) -> int:
     if args.check:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UncheckedStoreWarning)
-            report = TokenStore.open(path).check()
+            store = TokenStore.open(path)
+            report = store.check()
+        report.problems.extend(check_beside(store))  # the packing indexes it keeps
         info["check"] = report.to_dict()
     print(json.dumps(info, indent=2) if args.json else _format_store(info))
     return 1 if report is not None and not report.ok else 0

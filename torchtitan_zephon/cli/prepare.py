@@ -114,6 +114,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "exactly its own blocks; the fingerprint does not depend on it",
     )
     p.add_argument(
+        "--pack-seq-len",
+        type=seq_lens_arg,
+        default=(),
+        metavar="L[,L...]",
+        help="also build the store's packing index (zephon.packing best_fit) at each of these "
+        "seq_lens and keep it in the store (packing/), its chunks shared by the ranks: a job "
+        "opening the local store then maps it, building nothing (a store without one is "
+        "packed into each node's cache at its first use)",
+    )
+    p.add_argument(
         "--cache-dir",
         default="",
         metavar="DIR",
@@ -174,6 +184,12 @@ def run(args: argparse.Namespace) -> int:
     _check_urls(args)
     if args.report:
         _check_report_path(args.report)
+    if args.pack_seq_len and is_url(args.output) and not args.output.lower().startswith("file://"):
+        raise StoreError(
+            "--pack-seq-len keeps the packing index in a local store; a store in a bucket is "
+            "packed into each node's cache at its first use (drop --pack-seq-len); nothing "
+            "was written."
+        )
     if args.input_format != "text":
         return _register(args)
     ranks = ranks_from_env()
@@ -194,6 +210,7 @@ def run(args: argparse.Namespace) -> int:
             shard_bytes=args.shard_bytes,
             cache_dir=args.cache_dir,
         )
+        packed = [_pack(store, seq_len, ranks) for seq_len in args.pack_seq_len]
     except PrepareFailed:
         if ranks.rank != 0:  # rank 0 prints the same message
             return 2
@@ -215,7 +232,22 @@ def run(args: argparse.Namespace) -> int:
     )
     for line in _split_lines(report["splits"], args.split):
         print(line)
+    for line in packed:
+        print(line)
     return 0
+
+
+def seq_lens_arg(value: str) -> tuple[int, ...]:
+    """``--pack-seq-len``: seq_lens >= 1, comma separated."""
+    try:
+        lens = tuple(int(v) for v in value.split(","))
+    except ValueError:
+        lens = ()
+    if not lens or min(lens) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected seq_lens >= 1, comma separated (e.g. 2048 or 2048,4096), got {value!r}"
+        )
+    return lens
 
 
 def _register(args: argparse.Namespace) -> int:
@@ -235,12 +267,27 @@ def _register(args: argparse.Namespace) -> int:
             "prepare the text into the bucket); nothing was written."
         )
     store = register_store(args.inputs, args.input_format, args.tokenizer, args.output)
+    packed = [_pack(store, seq_len) for seq_len in args.pack_seq_len]
     print(
         f"registered {store.path}: {store.num_tokens} tokens, {store.num_documents} "
         f"documents in {store.shards} {args.input_format} file(s) read in place, "
         f"{store.manifest['dtype']}, fingerprint {store.fingerprint}"
     )
+    for line in packed:
+        print(line)
     return 0
+
+
+def _pack(store: Any, seq_len: int, ranks: Any = None) -> str:
+    """``--pack-seq-len``: the store's own packing index at ``seq_len``, and what it is."""
+    from torchtitan_zephon.job.packing import build_beside, read_beside
+
+    folder = build_beside(store, seq_len, ranks)
+    packed = read_beside(store, seq_len, folder)
+    return (
+        f"packed at seq_len {seq_len}: {packed.num_samples} samples, padding "
+        f"{packed.padding_fraction():.2%} (index kept in {folder})"
+    )
 
 
 def _split_lines(splits: list[dict[str, Any]], asked: str) -> list[str]:

@@ -12,6 +12,16 @@ holds ``starts.npy`` and ``pieces.npy`` (memory-mapped on open) and ``manifest.j
 the store's fingerprint, ``seq_len``, the packing field (method and constants), the
 counts, and the xxh3-128 of both arrays.
 
+Kept with the store (issue 45): ``build_beside`` writes the index into the store's own
+folder, ``<store>/packing/best_fit-L<seq_len>-v<format>/`` (the same files), once, as
+part of ``zephon prepare --pack-seq-len L`` (or a registration): the documents' chunks
+are shared by the prepare's ranks (each packs its chunks into a staging folder beside
+it; rank 0 joins them in chunk order, so any number of ranks writes the bytes of one
+process). ``open_packing`` maps a local store's own index first: opening then builds,
+reads and hashes nothing in proportion to the corpus (its manifest and the arrays'
+sizes are checked; ``zephon inspect STORE --check`` hashes them); a store without one
+is packed into the cache as before.
+
 Invariants:
 - An index is used only for the store, ``seq_len`` and packing constants it was built
   for, and only when its arrays hash to what its manifest says: anything else (another
@@ -40,7 +50,14 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.ingest.cache_folder import build_once, cache_root
-from torchtitan_zephon.order.packing import PackedSamples, pack, packing_field
+from torchtitan_zephon.ingest.ranks import OneProcess, together
+from torchtitan_zephon.order.packing import (
+    PackedSamples,
+    chunks,
+    pack,
+    pack_chunk,
+    packing_field,
+)
 from torchtitan_zephon.store.format import (
     DOC_OFFSETS,
     MANIFEST,
@@ -51,6 +68,8 @@ from torchtitan_zephon.store.format import (
 from torchtitan_zephon.store.reader import TokenStore
 
 STARTS, PIECES = "starts.npy", "pieces.npy"
+STORE_PACKING = "packing"
+"""The folder of a store's own packing indexes, beside its files (``build_beside``)."""
 
 
 def document_lengths(store: TokenStore) -> np.ndarray:
@@ -59,11 +78,22 @@ def document_lengths(store: TokenStore) -> np.ndarray:
     return np.diff(np.append(offsets, np.int64(store.num_tokens)))
 
 
-def index_folder(store: TokenStore, seq_len: int, cache_dir: str = "") -> Path:
+def _index_name(seq_len: int) -> str:
     field = packing_field("best_fit")
     assert field is not None
-    name = f"best_fit-L{int(seq_len)}-v{field['format']}"
-    return cache_root(cache_dir) / "packing" / store.fingerprint / name
+    return f"best_fit-L{int(seq_len)}-v{field['format']}"
+
+
+def index_folder(store: TokenStore, seq_len: int, cache_dir: str = "") -> Path:
+    return cache_root(cache_dir) / "packing" / store.fingerprint / _index_name(seq_len)
+
+
+def beside_folder(store: TokenStore, seq_len: int) -> Path | None:
+    """The store's own index folder at ``seq_len`` (``build_beside``); None for a store
+    read by range."""
+    if not store.mapped:
+        return None
+    return Path(store.path) / STORE_PACKING / _index_name(seq_len)
 
 
 def _manifest(store: TokenStore, packed: PackedSamples, folder: Path) -> dict[str, Any]:
@@ -83,26 +113,101 @@ def _manifest(store: TokenStore, packed: PackedSamples, folder: Path) -> dict[st
     }
 
 
-def build_index(store: TokenStore, seq_len: int, dest: Path, workers: int = 1) -> None:
-    """Pack ``store``'s documents at ``seq_len`` into the index folder ``dest`` (its
-    document offsets checked against the manifest first)."""
+def build_beside(store: TokenStore, seq_len: int, ranks: Any = None) -> Path:
+    """Build ``store``'s packing index at ``seq_len`` into its own folder
+    (``beside_folder``), its chunks shared by ``ranks`` (an ``ingest.ranks.Ranks``;
+    default: this process alone), and return the folder (see the module docstring)."""
+    ranks = ranks or OneProcess()
+    folder = beside_folder(store, seq_len)
+    if folder is None:
+        raise StoreError(f"{store.path} is read by range: build its packing index locally.")
+    staging = folder.parent / f".{folder.name}.build"
+    lengths = document_lengths(store)
+    spans = chunks(int(lengths.size))
+
+    def start() -> None:
+        if ranks.rank == 0:
+            _check_offsets(store)
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True)
+
+    def pack_mine() -> None:
+        for k in range(ranks.rank, len(spans), ranks.world_size):
+            a, b = spans[k]
+            sizes, rows = pack_chunk(lengths[a:b], a, seq_len)
+            np.save(staging / f"{k}.sizes.npy", sizes)
+            np.save(staging / f"{k}.rows.npy", rows)
+
+    def join() -> None:
+        if ranks.rank != 0:
+            return
+        parts = [(np.load(staging / f"{k}.sizes.npy"), np.load(staging / f"{k}.rows.npy"))
+                 for k in range(len(spans))]  # fmt: skip
+        sizes = np.concatenate([s for s, _ in parts]) if parts else np.zeros(0, np.int64)
+        rows = np.concatenate([r for _, r in parts]) if parts else np.zeros((0, 3), np.int64)
+        starts = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(sizes, out=starts[1:])
+        dest = staging / "index"
+        _write_index(store, PackedSamples(int(seq_len), starts, rows), dest)
+        if folder.exists():
+            shutil.rmtree(folder)
+        os.rename(dest, folder)
+        shutil.rmtree(staging, ignore_errors=True)
+
+    for step in (start, pack_mine, join):
+        together(ranks, step)
+    return folder
+
+
+def read_beside(store: TokenStore, seq_len: int, folder: Path) -> PackedSamples:
+    """The store's own index in ``folder``, mapped: its manifest checked against
+    ``store`` and ``seq_len`` and its arrays against the manifest's counts, without
+    reading them (DamagedIndex otherwise; ``zephon inspect --check`` hashes them)."""
+    return read_index(store, seq_len, folder, hash_arrays=False)
+
+
+def check_beside(store: TokenStore) -> list[str]:
+    """What is wrong with the store's own packing indexes (``zephon inspect STORE
+    --check``): each read whole and hashed against its manifest."""
+    root = Path(store.path) / STORE_PACKING
+    problems = []
+    for folder in sorted(root.glob("best_fit-L*-v*")) if store.mapped and root.is_dir() else []:
+        try:
+            seq_len = int(folder.name.split("-L", 1)[1].split("-", 1)[0])
+            read_index(store, seq_len, folder)
+        except (DamagedIndex, ValueError) as e:
+            problems.append(str(e))
+    return problems
+
+
+def _check_offsets(store: TokenStore) -> None:
     content = store.content
     if content is not None and store.doc_offsets_xxh3_128() != content["doc_offsets_xxh3_128"]:
         raise StoreError(
             f"{DOC_OFFSETS} of the store {store.path} does not match its recorded checksum "
             f"(document boundaries changed after preparation): it cannot be packed. {REPREPARE}"
         )
+
+
+def _write_index(store: TokenStore, packed: PackedSamples, dest: Path) -> None:
+    dest.mkdir(parents=True)
+    np.save(dest / STARTS, packed.starts)
+    np.save(dest / PIECES, packed.pieces)
+    manifest = _manifest(store, packed, dest)
+    (dest / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+
+
+def build_index(store: TokenStore, seq_len: int, dest: Path, workers: int = 1) -> None:
+    """Pack ``store``'s documents at ``seq_len`` into the index folder ``dest`` (its
+    document offsets checked against the manifest first)."""
+    _check_offsets(store)
     lengths = document_lengths(store)
     if workers > 1:
         with ProcessPoolExecutor(max_workers=workers) as pool:
             packed = pack(lengths, seq_len, map_fn=pool.map)
     else:
         packed = pack(lengths, seq_len)
-    dest.mkdir(parents=True)
-    np.save(dest / STARTS, packed.starts)
-    np.save(dest / PIECES, packed.pieces)
-    manifest = _manifest(store, packed, dest)
-    (dest / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
+    _write_index(store, packed, dest)
 
 
 class DamagedIndex(StoreError):
@@ -117,10 +222,12 @@ class DamagedIndex(StoreError):
         self.why = why
 
 
-def read_index(store: TokenStore, seq_len: int, folder: Path) -> PackedSamples:
+def read_index(
+    store: TokenStore, seq_len: int, folder: Path, *, hash_arrays: bool = True
+) -> PackedSamples:
     """The index in ``folder``, checked against ``store`` and ``seq_len``; DamagedIndex
     (a StoreError naming the folder once) when it is not theirs or its arrays do not
-    hash as recorded."""
+    hash as recorded (``hash_arrays``: read whole to check; else only their shapes)."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         want = {
@@ -136,7 +243,7 @@ def read_index(store: TokenStore, seq_len: int, folder: Path) -> PackedSamples:
                 f"differs in {', '.join(wrong)})",
             )
         for name, key in ((STARTS, "starts_xxh3_128"), (PIECES, "pieces_xxh3_128")):
-            if file_xxh3_128(folder / name) != manifest.get(key):
+            if hash_arrays and file_xxh3_128(folder / name) != manifest.get(key):
                 raise DamagedIndex(
                     folder, f"is damaged: {name} does not hash to what its manifest records "
                     "(edited or torn)",
@@ -148,7 +255,11 @@ def read_index(store: TokenStore, seq_len: int, folder: Path) -> PackedSamples:
     except (OSError, ValueError, KeyError) as e:
         raise DamagedIndex(folder, f"cannot be read ({e})") from None
     packed = PackedSamples(seq_len=int(seq_len), starts=starts, pieces=pieces)
-    if packed.num_samples != manifest.get("num_samples") or pieces.shape[1:] != (3,):
+    if (
+        packed.num_samples != manifest.get("num_samples")
+        or packed.num_pieces != manifest.get("num_pieces")
+        or pieces.shape[1:] != (3,)
+    ):
         raise DamagedIndex(folder, "does not hold what its manifest says")
     return packed
 
@@ -161,12 +272,17 @@ def open_packing(
     workers: int = 1,
     log: Callable[[str], None] | None = None,
 ) -> tuple[PackedSamples, Path]:
-    """``store``'s packing index at ``seq_len`` and its folder, built on first use."""
+    """``store``'s packing index at ``seq_len`` and its folder: the store's own
+    (``build_beside``: mapped, nothing built or hashed), else the cache's, built on
+    first use."""
     if store.doc_offsets is None:
         raise StoreError(
             f"the store {store.path} has no document offsets to pack: write it again with "
             "zephon prepare."
         )
+    beside = beside_folder(store, seq_len)
+    if beside is not None and (beside / MANIFEST).is_file():  # the store's own: mapped
+        return read_beside(store, seq_len, beside), beside
     folder = index_folder(store, seq_len, cache_dir)
 
     def built() -> PackedSamples:
