@@ -79,6 +79,8 @@ def test_a_job_maps_the_stores_own_index_and_builds_nothing(store, store_path, t
     folder = build_beside(own, 32)
     packed, found = open_packing(own, 32)
     assert found == folder and not cache.exists()  # nothing built in the cache
+    want = pack(document_lengths(store), 32)  # what the note and warning say: recorded
+    assert packed.recorded == (int(want.pieces[:, 2].sum()), want.split_documents())
     built, _ = open_packing(store, 32)  # the original store: packed into the cache
     assert cache.exists()
     assert np.array_equal(packed.pieces, built.pieces)

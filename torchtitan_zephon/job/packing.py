@@ -254,7 +254,13 @@ def read_index(
         raise
     except (OSError, ValueError, KeyError) as e:
         raise DamagedIndex(folder, f"cannot be read ({e})") from None
-    packed = PackedSamples(seq_len=int(seq_len), starts=starts, pieces=pieces)
+    recorded = (manifest.get("tokens"), manifest.get("split_documents"))
+    packed = PackedSamples(
+        seq_len=int(seq_len),
+        starts=starts,
+        pieces=pieces,
+        recorded=recorded if all(type(v) is int for v in recorded) else None,  # type: ignore[arg-type]
+    )
     if (
         packed.num_samples != manifest.get("num_samples")
         or packed.num_pieces != manifest.get("num_pieces")

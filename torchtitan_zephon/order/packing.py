@@ -117,6 +117,10 @@ class PackedSamples:
     seq_len: int
     starts: np.ndarray  # int64 [num_samples + 1]
     pieces: np.ndarray  # int64 [num_pieces, 3]
+    recorded: tuple[int, int] | None = None
+    """(tokens, split documents) as the index's manifest records them: ``tokens`` and
+    ``split_documents`` then read no piece (an index kept with its store is mapped, and
+    a job opening it reads nothing in proportion to the corpus)."""
 
     @property
     def num_samples(self) -> int:
@@ -132,6 +136,8 @@ class PackedSamples:
 
     def tokens(self) -> int:
         """Tokens of documents in all samples (the rest of the samples is padding)."""
+        if self.recorded is not None:
+            return self.recorded[0]
         return int(self.pieces[:, 2].sum()) if self.num_pieces else 0
 
     def padding_fraction(self) -> float:
@@ -141,6 +147,8 @@ class PackedSamples:
 
     def split_documents(self) -> int:
         """Documents cut into more than one piece (longer than ``seq_len``)."""
+        if self.recorded is not None:
+            return self.recorded[1]
         if not self.num_pieces:
             return 0
         return int(np.count_nonzero(self.pieces[:, 1] == self.seq_len))
