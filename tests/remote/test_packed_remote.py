@@ -102,9 +102,10 @@ def test_the_index_of_a_bucket_is_the_local_one(urls, fine_store, caches) -> Non
         again = TokenStore.open(urls["fine"])
         opened = again.fetched_bytes
         open_packing(again, seq_len, cache_dir=caches["remote"])
-        # the index is read from the cache: only the document offsets are fetched (the
-        # packed data reads them anyway)
-        assert again.fetched_bytes - opened == 8 * again.num_documents
+        # the index is read from the cache: nothing of the store is fetched (issue 45
+        # part c: the packed source reads the document offsets it needs by page; before,
+        # opening fetched them whole, 8 bytes a document)
+        assert again.fetched_bytes - opened == 0
 
 
 @settings(
@@ -267,3 +268,49 @@ def test_a_mixture_with_a_source_in_a_bucket_packs_as_on_local_disk(
                 assert torch.equal(x["input"], fx["input"]) and torch.equal(y, fy)
                 assert not bucket._steps and not bucket._queued  # no window read ahead
             assert web._remote.held_bytes > 0  # the pieces of the steps ahead, fetched
+
+
+def test_a_kept_index_in_the_bucket_is_read_by_page_and_nothing_is_built(s3, store_path, tmp_path):
+    """Issue 45 part c: the packing index kept with the store, uploaded with it: a node
+    opening the store in the bucket reads the index and the document offsets by page,
+    only what its samples need, and builds nothing in its cache."""
+    from torchtitan_zephon.job.packing import build_beside
+    from torchtitan_zephon.store.paged import PAGE_BYTES
+    from torchtitan_zephon.store.writer import write_store_as
+
+    local = write_store_as(TokenStore.open(store_path), tmp_path / "kept")
+    build_beside(local, 64)
+    url = s3.upload(Path(local.path), "kept/store")
+    remote = TokenStore.open(url)
+    cache = tmp_path / "cache"
+    packed, where = open_packing(remote, 64, cache_dir=str(cache))
+    assert where == f"{url}/packing/best_fit-L64-v1" and not cache.exists()
+    want, _ = open_packing(local, 64)
+    source, reference = PackedSource(remote, packed), PackedSource(local, want)
+    keys = np.array([3, 0, 7, want.num_samples - 1])
+    for a, b in zip(source.rows(keys, 64), reference.rows(keys, 64), strict=True):
+        assert (a is None and b is None) or np.array_equal(
+            np.asarray(a, dtype=object), np.asarray(b, dtype=object)
+        )
+    assert np.array_equal(source.windows(keys, 64), reference.windows(keys, 64))
+    assert source.documents(3) == reference.documents(3)
+    assert remote._doc_offsets is None  # never fetched whole: read by page
+    assert packed.starts.size == want.starts.size and len(packed.pieces._pages) <= 4
+    assert PAGE_BYTES >= 1 << 16
+
+
+def test_prepare_into_a_bucket_keeps_the_index_there(
+    s3, corpus_dir, tokenizer_dir, tmp_path, capsys, monkeypatch
+):
+    from torchtitan_zephon.cli.main import main
+
+    monkeypatch.setenv("ZEPHON_CACHE", str(tmp_path / "cache"))
+    url = f"s3://{s3.bucket}/kept/prepared"
+    code = main(["prepare", str(corpus_dir), "--tokenizer", str(tokenizer_dir), "--output", url,
+                 "--quiet", "--workers", "1", "--pack-seq-len", "32"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0 and f"index kept in {url}/packing/best_fit-L32-v1" in out
+    remote = TokenStore.open(url)
+    packed, where = open_packing(remote, 32, cache_dir=str(tmp_path / "node"))
+    assert where.startswith(url) and not (tmp_path / "node").exists()
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # staging removed

@@ -184,12 +184,6 @@ def run(args: argparse.Namespace) -> int:
     _check_urls(args)
     if args.report:
         _check_report_path(args.report)
-    if args.pack_seq_len and is_url(args.output) and not args.output.lower().startswith("file://"):
-        raise StoreError(
-            "--pack-seq-len keeps the packing index in a local store; a store in a bucket is "
-            "packed into each node's cache at its first use (drop --pack-seq-len); nothing "
-            "was written."
-        )
     if args.input_format != "text":
         return _register(args)
     ranks = ranks_from_env()
@@ -210,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
             shard_bytes=args.shard_bytes,
             cache_dir=args.cache_dir,
         )
-        packed = [_pack(store, seq_len, ranks) for seq_len in args.pack_seq_len]
+        packed = [_pack(store, seq_len, ranks, args.cache_dir) for seq_len in args.pack_seq_len]
     except PrepareFailed:
         if ranks.rank != 0:  # rank 0 prints the same message
             return 2
@@ -278,12 +272,12 @@ def _register(args: argparse.Namespace) -> int:
     return 0
 
 
-def _pack(store: Any, seq_len: int, ranks: Any = None) -> str:
+def _pack(store: Any, seq_len: int, ranks: Any = None, cache_dir: str = "") -> str:
     """``--pack-seq-len``: the store's own packing index at ``seq_len``, and what it is."""
-    from torchtitan_zephon.job.packing import build_beside, read_beside
+    from torchtitan_zephon.job.packing import build_beside, open_packing
 
-    folder = build_beside(store, seq_len, ranks)
-    packed = read_beside(store, seq_len, folder)
+    folder = build_beside(store, seq_len, ranks, cache_dir)
+    packed, _ = open_packing(store, seq_len)
     return (
         f"packed at seq_len {seq_len}: {packed.num_samples} samples, padding "
         f"{packed.padding_fraction():.2%} (index kept in {folder})"

@@ -43,13 +43,21 @@ class PackedSource:
         self.packed = packed
         self.seq_len = int(packed.seq_len)
         self.available = int(packed.num_samples)
-        self._doc_offsets = np.asarray(store.doc_offsets, dtype=np.int64)  # a map: no copy
+        # A local store's offsets: its map (no copy); a store in object storage: read by
+        # page, only those looked up (``store.paged``), never the whole file.
+        self._doc_offsets = (
+            np.asarray(store.doc_offsets, dtype=np.int64) if store.mapped else store.paged_offsets()
+        )
         # A local store: plain views of the maps (slicing them is cheaper than slicing a
         # memmap). One in object storage: its pieces read by range (``job.packed_remote``).
         self._remote = None if store.mapped else RemoteSpans(store)
         self._tokens = store.token_array
         self._padding: dict[int, np.ndarray] = {}
-        self._starts, self._pieces = np.asarray(packed.starts), np.asarray(packed.pieces)
+        # Maps (as plain views: cheaper to index), or arrays read by page (``store.paged``).
+        self._starts, self._pieces = (
+            np.asarray(a) if isinstance(a, np.ndarray) else a
+            for a in (packed.starts, packed.pieces)
+        )
         # Nothing here is built per document or per sample: what a read needs of the
         # index, the document offsets and lengths is looked up for its samples alone.
 

@@ -65,6 +65,8 @@ from torchtitan_zephon.store.format import (
     StoreError,
     file_xxh3_128,
 )
+from torchtitan_zephon.store.location import ObjectFiles
+from torchtitan_zephon.store.object_faults import MissingObject
 from torchtitan_zephon.store.reader import TokenStore
 
 STARTS, PIECES = "starts.npy", "pieces.npy"
@@ -113,15 +115,21 @@ def _manifest(store: TokenStore, packed: PackedSamples, folder: Path) -> dict[st
     }
 
 
-def build_beside(store: TokenStore, seq_len: int, ranks: Any = None) -> Path:
+def build_beside(
+    store: TokenStore, seq_len: int, ranks: Any = None, cache_dir: str = ""
+) -> Path | str:
     """Build ``store``'s packing index at ``seq_len`` into its own folder
     (``beside_folder``), its chunks shared by ``ranks`` (an ``ingest.ranks.Ranks``;
-    default: this process alone), and return the folder (see the module docstring)."""
+    default: this process alone), and return the folder (see the module docstring).
+    A store in object storage gets it under its prefix (``<prefix>/packing/...``,
+    uploaded by rank 0, manifest last), staged in the cache (``cache_dir``, which the
+    ranks must share), and the URL is returned."""
     ranks = ranks or OneProcess()
     folder = beside_folder(store, seq_len)
-    if folder is None:
-        raise StoreError(f"{store.path} is read by range: build its packing index locally.")
-    staging = folder.parent / f".{folder.name}.build"
+    if folder is None:  # in a bucket: staged in the cache, uploaded
+        staging = cache_root(cache_dir) / "packing-build" / store.fingerprint / _index_name(seq_len)
+    else:
+        staging = folder.parent / f".{folder.name}.build"
     lengths = document_lengths(store)
     spans = chunks(int(lengths.size))
 
@@ -149,14 +157,27 @@ def build_beside(store: TokenStore, seq_len: int, ranks: Any = None) -> Path:
         np.cumsum(sizes, out=starts[1:])
         dest = staging / "index"
         _write_index(store, PackedSamples(int(seq_len), starts, rows), dest)
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.rename(dest, folder)
+        if folder is None:
+            _upload(store, seq_len, dest)
+        else:
+            if folder.exists():
+                shutil.rmtree(folder)
+            os.rename(dest, folder)
         shutil.rmtree(staging, ignore_errors=True)
 
     for step in (start, pack_mine, join):
         together(ranks, step)
-    return folder
+    return folder if folder is not None else f"{store.path}/{STORE_PACKING}/{_index_name(seq_len)}"
+
+
+def _upload(store: Any, seq_len: int, dest: Path) -> None:
+    """The index files in ``dest`` uploaded under the store's prefix, manifest last."""
+    files = ObjectFiles(store.url)
+    try:
+        for name in (STARTS, PIECES, MANIFEST):
+            files.upload(f"{STORE_PACKING}/{_index_name(seq_len)}/{name}", dest / name)
+    finally:
+        files.close()
 
 
 def read_beside(store: TokenStore, seq_len: int, folder: Path) -> PackedSamples:
@@ -178,6 +199,57 @@ def check_beside(store: TokenStore) -> list[str]:
         except (DamagedIndex, ValueError) as e:
             problems.append(str(e))
     return problems
+
+
+def read_kept_remote(store: Any, seq_len: int) -> tuple[PackedSamples, str] | None:
+    """The packing index a store in object storage keeps at ``seq_len``
+    (``<prefix>/packing/best_fit-L<seq_len>-v<format>/``, uploaded with it) and its URL:
+    its manifest read and checked, its arrays read by page as they are looked up
+    (``store.paged``); None when the store keeps none."""
+    name = f"{STORE_PACKING}/{_index_name(seq_len)}"
+    shown = f"{store.path}/{name}"
+    try:
+        manifest = json.loads(store.read_file(f"{name}/{MANIFEST}"))
+    except MissingObject:
+        return None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise DamagedIndex(shown, f"cannot be read ({e})") from None
+    _check_manifest(store, seq_len, manifest, shown)
+    starts = store.paged_npy(f"{name}/{STARTS}")
+    pieces = store.paged_npy(f"{name}/{PIECES}")
+    packed = PackedSamples(int(seq_len), starts, pieces, _recorded(manifest))  # type: ignore[arg-type]
+    _check_counts(packed, manifest, shown)
+    return packed, shown
+
+
+def _check_manifest(store: TokenStore, seq_len: int, manifest: Any, folder: Any) -> None:
+    want = {
+        "store_fingerprint": store.fingerprint,
+        "seq_len": int(seq_len),
+        "packing": packing_field("best_fit"),
+    }
+    got = manifest if isinstance(manifest, dict) else {}
+    wrong = sorted(k for k, v in want.items() if got.get(k) != v)
+    if wrong:
+        raise DamagedIndex(
+            folder,
+            f"is not the one of store {store.fingerprint[:16]}... at seq_len {seq_len} (it "
+            f"differs in {', '.join(wrong)})",
+        )
+
+
+def _recorded(manifest: dict[str, Any]) -> tuple[int, int] | None:
+    recorded = (manifest.get("tokens"), manifest.get("split_documents"))
+    return recorded if all(type(v) is int for v in recorded) else None  # type: ignore[return-value]
+
+
+def _check_counts(packed: PackedSamples, manifest: dict[str, Any], folder: Any) -> None:
+    if (
+        packed.num_samples != manifest.get("num_samples")
+        or packed.num_pieces != manifest.get("num_pieces")
+        or tuple(packed.pieces.shape[1:]) != (3,)
+    ):
+        raise DamagedIndex(folder, "does not hold what its manifest says")
 
 
 def _check_offsets(store: TokenStore) -> None:
@@ -214,7 +286,7 @@ class DamagedIndex(StoreError):
     """A packing index on disk that is not the one asked for, or is damaged; ``why``
     says what, without the folder."""
 
-    def __init__(self, folder: Path, why: str) -> None:
+    def __init__(self, folder: Path | str, why: str) -> None:
         super().__init__(
             f"the packing index {folder} {why}; it is a cache: remove it, and the next use "
             "builds it again"
@@ -230,18 +302,7 @@ def read_index(
     hash as recorded (``hash_arrays``: read whole to check; else only their shapes)."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
-        want = {
-            "store_fingerprint": store.fingerprint,
-            "seq_len": int(seq_len),
-            "packing": packing_field("best_fit"),
-        }
-        wrong = sorted(k for k, v in want.items() if manifest.get(k) != v)
-        if wrong:
-            raise DamagedIndex(
-                folder,
-                f"is not the one of store {store.fingerprint[:16]}... at seq_len {seq_len} (it "
-                f"differs in {', '.join(wrong)})",
-            )
+        _check_manifest(store, seq_len, manifest, folder)
         for name, key in ((STARTS, "starts_xxh3_128"), (PIECES, "pieces_xxh3_128")):
             if hash_arrays and file_xxh3_128(folder / name) != manifest.get(key):
                 raise DamagedIndex(
@@ -254,19 +315,8 @@ def read_index(
         raise
     except (OSError, ValueError, KeyError) as e:
         raise DamagedIndex(folder, f"cannot be read ({e})") from None
-    recorded = (manifest.get("tokens"), manifest.get("split_documents"))
-    packed = PackedSamples(
-        seq_len=int(seq_len),
-        starts=starts,
-        pieces=pieces,
-        recorded=recorded if all(type(v) is int for v in recorded) else None,  # type: ignore[arg-type]
-    )
-    if (
-        packed.num_samples != manifest.get("num_samples")
-        or packed.num_pieces != manifest.get("num_pieces")
-        or pieces.shape[1:] != (3,)
-    ):
-        raise DamagedIndex(folder, "does not hold what its manifest says")
+    packed = PackedSamples(int(seq_len), starts, pieces, _recorded(manifest))
+    _check_counts(packed, manifest, folder)
     return packed
 
 
@@ -281,7 +331,7 @@ def open_packing(
     """``store``'s packing index at ``seq_len`` and its folder: the store's own
     (``build_beside``: mapped, nothing built or hashed), else the cache's, built on
     first use."""
-    if store.doc_offsets is None:
+    if store.mapped and store.doc_offsets is None:  # (one in a bucket reads them by page)
         raise StoreError(
             f"the store {store.path} has no document offsets to pack: write it again with "
             "zephon prepare."
@@ -289,6 +339,10 @@ def open_packing(
     beside = beside_folder(store, seq_len)
     if beside is not None and (beside / MANIFEST).is_file():  # the store's own: mapped
         return read_beside(store, seq_len, beside), beside
+    if not store.mapped:
+        kept = read_kept_remote(store, seq_len)
+        if kept is not None:  # the store's own, in the bucket: read by page
+            return kept
     folder = index_folder(store, seq_len, cache_dir)
 
     def built() -> PackedSamples:

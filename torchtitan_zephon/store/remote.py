@@ -95,6 +95,7 @@ from torchtitan_zephon.store.opening import (
     check_content,
     check_manifest,
 )
+from torchtitan_zephon.store.paged import PagedArray
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.remote_options import (
     RemoteOptions,
@@ -335,6 +336,7 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._doc_offsets: np.ndarray | None = None
+        self._paged_offsets: PagedArray | None = None
         super().__init__(*args, **kwargs)
         self._lock = threading.Lock()
         self._steps: deque[_Step] = deque()  # steps read ahead, oldest first
@@ -378,6 +380,23 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
     @doc_offsets.setter
     def doc_offsets(self, value: np.ndarray | None) -> None:
         self._doc_offsets = value
+
+    def paged_offsets(self) -> PagedArray:
+        """The document offsets read by page, only those looked up (``paged``): what a
+        packed source asks per sample, never the whole file."""
+        if self._paged_offsets is None:
+            self._paged_offsets = PagedArray(self._files, DOC_OFFSETS, "<i8", (self.num_documents,))
+        return self._paged_offsets
+
+    def paged_npy(self, name: str) -> PagedArray:
+        """The ``.npy`` array in the store's file ``name`` (a packing index kept with the
+        store, ``job.packing``), read by page."""
+        return PagedArray.of_npy(self._files, name, self.url.child(name))
+
+    def read_file(self, name: str) -> bytes:
+        """The whole (small) file ``name`` of the store: ``MissingObject`` when there is
+        none."""
+        return bytes(self._files.read(name))
 
     def all_tokens(self) -> np.ndarray:
         """Every token, fetched whole (``check``: one pass over the store)."""
