@@ -242,12 +242,45 @@ class ShardedTokens:
 
     def rows(self, starts: np.ndarray, width: int) -> np.ndarray:
         """Rows ``[len(starts), width]``: row r is tokens [starts[r], starts[r] + width),
-        each within the store. A row inside one shard is one copy of its slice."""
+        each within the store. The rows inside one shard are one gather from a sliding
+        view of it (no copy of the shard); a row across shards is put together."""
         starts = np.asarray(starts, dtype=np.int64).ravel()
-        out = np.empty((starts.size, int(width)), dtype=self.dtype)
-        for r, s in enumerate(starts.tolist()):
-            out[r] = self.slice(s, s + width)
+        width = int(width)
+        out = np.empty((starts.size, width), dtype=self.dtype)
+        if not starts.size:
+            return out
+        shard = np.searchsorted(self.bounds, starts, side="right") - 1
+        ends = self.bounds[np.minimum(shard + 1, len(self.arrays))]
+        inside = starts + width <= ends
+        if starts.size <= 256:  # a micro-batch: one slice per row beats grouping by shard
+            local = (starts - self.bounds[shard]).tolist()
+            for r, (k, lo, ok) in enumerate(
+                zip(shard.tolist(), local, inside.tolist(), strict=True)
+            ):
+                if ok:
+                    out[r] = self.arrays[k][lo : lo + width]
+                else:
+                    out[r] = self.slice(int(starts[r]), int(starts[r]) + width)
+            return out
+        order = np.argsort(shard, kind="stable")
+        cuts = np.flatnonzero(np.diff(shard[order])) + 1
+        for rows in np.split(order, cuts):
+            k = int(shard[rows[0]])
+            ok = rows[inside[rows]]
+            out[ok] = self._sliding(k, width)[starts[ok] - self._starts[k]]
+            for r in rows[~inside[rows]].tolist():
+                out[r] = self.slice(int(starts[r]), int(starts[r]) + width)
         return out
+
+    def _sliding(self, k: int, width: int) -> np.ndarray:
+        """Read-only [size - width + 1, width] view of shard ``k``: row i is its tokens
+        i .. i + width (no copy)."""
+        shard = self.arrays[k]
+        item = shard.itemsize
+        n = max(shard.size - width + 1, 0)
+        return np.lib.stride_tricks.as_strided(
+            shard, shape=(n, width), strides=(item, item), writeable=False
+        )
 
 
 def write_shards(tokens: Any, root: Path, counts: Sequence[int]) -> None:
