@@ -296,16 +296,16 @@ def test_a_mixture_opened_again_is_a_new_object_checked_afresh(slices, tmp_path)
     assert mixture(stores, text) is not again
 
 
-def test_ids_at_far_slots_with_huge_epochs():
+def test_ids_at_far_positions_with_huge_epochs():
     """(source, epoch) pairs too large to pack in one int64 take the slower path alike."""
     from torchtitan_zephon.order.mixture.spec import MixtureSpec
 
     spec = MixtureSpec.build({"a": 1, "b": 3}, [(1, {"a": 1, "b": 1})])
     plan = MixturePlan(spec, 7, BatchSchedule([(1, 4)]))
     for step in (5, 10**18):  # epochs of 'a' near 2 x 10^18: past the packed path
-        first, count = plan.step_slots(step)
-        sources, ids = plan.ids_for_slots(first, count)
-        before = plan.counts_at_slot(first)
+        first, count = plan.step_positions(step)
+        sources, ids = plan.ids_for_positions(first, count)
+        before = plan.counts_at_position(first)
         seen = {0: 0, 1: 0}
         for s, i in zip(sources.tolist(), ids.tolist(), strict=True):
             position = int(before[s]) + seen[s]
@@ -329,8 +329,8 @@ def test_sources_of_another_tokenizer_are_refused(slices, corpus_dir, tmp_path):
         mixture(slices, text)
 
 
-def test_an_accepted_batch_schedule_edit_continues_at_the_saved_slot(slices):
-    """allow_changes=["schedule"] on a mixture: no slot skipped or repeated; the new
+def test_an_accepted_batch_schedule_edit_continues_at_the_saved_position(slices):
+    """allow_changes=["schedule"] on a mixture: no position skipped or repeated; the new
     batch sizes from the resume on, every key a valid sample of its source."""
     source = mixture(slices)
     ld = loader(source, 1, 0, 12, schedule="12")

@@ -56,10 +56,10 @@ def reference_epochs(plan, steps, skips, sizes, seeds, entries=()) -> list[list[
 
 
 def rule_sources(plan, step: int) -> np.ndarray:
-    """The source of each slot of a step (no skips: the rule indexes slots by step)."""
+    """The source of each position of a step (no skips: the rule indexes positions by step)."""
     if isinstance(plan, MixtureStream):
         m = plan.mixture
-        return m.slot_sources(*m.step_slots(step))
+        return m.position_sources(*m.step_positions(step))
     return np.zeros(plan.schedule.gbs(step), dtype=np.int64)
 
 

@@ -154,7 +154,7 @@ def test_mixture_left_out_samples_equal_the_reference(spec, seed, schedule, skip
     stream = MixtureStream(plan)
     rule = MixturePlan(spec, seed, schedule)
     walk = reference(
-        lambda u: rule.slot_sources(*rule.step_slots(u)),
+        lambda u: rule.position_sources(*rule.step_positions(u)),
         sizes,
         rule.source_seeds,
         skips,
@@ -162,7 +162,7 @@ def test_mixture_left_out_samples_equal_the_reference(spec, seed, schedule, skip
         steps,
     )
     check_against(stream, [make_keys(src, ids) for src, ids in walk], steps, data)
-    for step in range(1, steps + 1):  # exact per-source counts: the slots stay
+    for step in range(1, steps + 1):  # exact per-source counts: the positions stay
         assert np.array_equal(plan.step_counts(step), rule.step_counts(step))
 
 
@@ -184,7 +184,7 @@ def test_mixture_schedules_of_the_benchmark_with_left_out_samples(case):
     rule = MixturePlan(spec, 9, schedule)
     steps = min(case["horizon"], 80)
     walk = reference(
-        lambda u: rule.slot_sources(*rule.step_slots(u)),
+        lambda u: rule.position_sources(*rule.step_positions(u)),
         [sizes[x] for x in spec.names],
         rule.source_seeds,
         SkipSteps(),

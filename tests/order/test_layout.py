@@ -98,13 +98,13 @@ def test_a_window_and_the_microbatch_walk_equal_the_per_step_slices(stream, data
     b = b if all((g // d) % b == 0 for _, g in layout.schedule.entries) else 1
     index = data.draw(st.integers(0, layout.schedule.gbs(step) // d // b - 1))
     n = data.draw(st.integers(1, 30))
-    slots, cursor = layout.microbatch_places((step, index), n, d, b)
-    assert len(slots) == n and slots[0][:2] == (step, index)
+    places, cursor = layout.microbatch_places((step, index), n, d, b)
+    assert len(places) == n and places[0][:2] == (step, index)
     ids = stream.rank_stream_ids(step, index * b, n * b, r, d).reshape(n, b)
-    for (s, k, last), row in zip(slots, ids, strict=True):
+    for (s, k, last), row in zip(places, ids, strict=True):
         batches = stream.microbatch_ids(s, r, d, b)
         assert np.array_equal(row, batches[k]) and last == (k + 1 == len(batches))
-    s, k, last = slots[-1]
+    s, k, last = places[-1]
     assert cursor == ((s + 1, 0) if last else (s, k + 1))
 
 

@@ -56,11 +56,11 @@ def least_worst(
 
 
 def replay(spec: MixtureSpec, batch: BatchSchedule, steps: int) -> list[list[int]]:
-    """Slow reference: every slot from step 1, exact fractions, no tables, no heaps.
+    """Slow reference: every position from step 1, exact fractions, no tables, no heaps.
 
     Earliest deadline first on Tijdeman's windows: with m sources of weight > 0
-    and d = 1/(2m-2), a source may take a slot when deficit + weight >= d; its
-    deadline is floor((1 - d - deficit) / weight) slots from now; ties go to
+    and d = 1/(2m-2), a source may take a position when deficit + weight >= d; its
+    deadline is floor((1 - d - deficit) / weight) positions from now; ties go to
     the smaller name; without a candidate the largest deficit + weight wins.
     A step whose end would leave a source of weight > 0 more than 1 from its
     target takes ``least_worst`` counts instead when they leave those sources'
@@ -96,12 +96,12 @@ def replay(spec: MixtureSpec, batch: BatchSchedule, steps: int) -> list[list[int
         after = [before[i] + w[i] * g for i in range(n)]
         counts = least_worst(after, w, g, names) if pattern_worst > 1 else None
         if counts and max(abs(after[i] - counts[i]) for i in active) < pattern_worst:
-            slots = [
+            positions = [
                 (Fraction(2 * k + 1, 2 * c), names[i], i)
                 for i, c in enumerate(counts)
                 for k in range(c)
             ]
-            row = [i for _, _, i in sorted(slots)]
+            row = [i for _, _, i in sorted(positions)]
             deficit = [after[i] - counts[i] for i in range(n)]
         out.append(row)
     return out
@@ -218,7 +218,7 @@ def test_lookup_at_a_random_step_equals_replay(spec, batch, data):
 
 
 def test_far_steps_follow_the_period():
-    # One entry, constant GBS: the slot pattern repeats every `period` slots, so
+    # One entry, constant GBS: the position pattern repeats every `period` positions, so
     # step s and step s + period draw from the same sources.
     spec = MixtureSpec.build(
         {"web": 10**9, "code": 10**7, "math": 10**5},
@@ -351,7 +351,7 @@ def test_source_order_and_other_sources_do_not_change_a_source_stream():
         (sa, ia), (sb, ib) = pa.global_ids(step), pb.global_ids(step)
         assert [pa.names[i] for i in sa] == [pb.names[i] for i in sb]
         assert np.array_equal(ia, ib)
-    # Adding a source changes the slot pattern, never another source's order of samples.
+    # Adding a source changes the position pattern, never another source's order of samples.
     c = MixtureSpec.build({**sizes, "extra": 30}, [(1, {**sched[0][1], "extra": 4})])
     pc = MixturePlan(c, 9, BatchSchedule([(1, 8)]))
     web_a = np.concatenate([pa.global_ids(s)[1][pa.global_ids(s)[0] == 0] for s in range(1, 6)])

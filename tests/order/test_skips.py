@@ -107,7 +107,7 @@ def reference_mixture(spec, seed, schedule, skips, steps):
     rule = MixturePlan(spec, seed, schedule)
     n = len(spec.names)
     last = steps + max([n for _, n in skips.entries], default=0)
-    sources = [rule.slot_sources(*rule.step_slots(u)) for u in range(1, last + 1)]
+    sources = [rule.position_sources(*rule.step_positions(u)) for u in range(1, last + 1)]
     skip_at = dict(skips.entries)
     pointer = np.zeros(n, dtype=np.int64)
     out = []
@@ -193,7 +193,7 @@ def test_mixture_skips_equal_the_reference(spec, seed, schedule, skips, data):
     steps = 32
     stream = MixtureStream(MixturePlan(spec, seed, Layout(schedule, skips=skips)))
     check_against(stream, reference_mixture(spec, seed, schedule, skips, steps), steps, data)
-    # the rule's slot assignment stays indexed by training step
+    # the rule's position assignment stays indexed by training step
     plain = MixturePlan(spec, seed, schedule)
     for step in range(1, steps + 1):
         assert np.array_equal(stream.mixture.step_counts(step), plain.step_counts(step))

@@ -16,8 +16,8 @@ The way back, with no scan of the stream:
   -> the draw that reads it: the skip map inverted (a stream position inside a
      skipped range is consumed and never trained: reported as ``skipped``)
   -> the training position: the draw itself for one store; for a mixture the
-     slot holding the source's k-th draw (a binary search over steps on the
-     rule's counts, then the step's slots)
+     position holding the source's k-th draw (a binary search over steps on the
+     rule's counts, then the step's positions)
   -> the step holding that position (a binary search over the layout's steps).
 
 Invariants:
@@ -259,7 +259,7 @@ def _hit(
     draw = draw_of(shape, source, q)
     if isinstance(draw, tuple):  # never trained: skipped, or left out from a step
         return Hit(epoch, sample, q, draw[0], left_out_from=draw[1])
-    found = data.plan.slot_of_draw(source, draw)
+    found = data.plan.place_of_draw(source, draw)
     if isinstance(found, str):  # before the resume anchor, or not drawn by MAX_STEP
         return Hit(epoch, sample, q, found, None)
     step, index = found

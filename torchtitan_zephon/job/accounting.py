@@ -12,11 +12,11 @@ batch): the plan's global ids, then one ``searchsorted`` over each source's docu
 offsets on the sorted sample starts), so the trainer computes it off its thread.
 
 Invariants (for every step s the plan trains):
-- ``samples[i]`` is the number of slots of step s whose sample comes from source i:
+- ``samples[i]`` is the number of positions of step s whose sample comes from source i:
   the count of i among the sources of ``plan.global_ids(s)``; they sum to GBS(s).
   ``tokens[i] = samples[i] x seq_len`` (the input tokens; each label is the next one).
 - ``cumulative[i]`` = sum of ``samples[i]`` over steps 1..s: the *trained* count, so
-  a skip range (``order.skips``) leaves it unchanged, as it leaves the slot
+  a skip range (``order.skips``) leaves it unchanged, as it leaves the position
   assignment. ``targets[i]`` = sum over t <= s of w_i(t) x GBS(t), exact (one store:
   the cumulative count itself); ``deviation = cumulative - target``.
 - ``epochs[i]`` is the epoch of source i's last trained sample (its stream position

@@ -13,7 +13,7 @@ Invariants:
 - ``plan_of(config, anchor)`` gives the same keys as the job data's plan
   (``job.data``), for any process, with no store opened (``zephon inspect``).
 - An accepted change of the batch schedule (a position anchor other than
-  (1, 0)) keeps the slot count exact; a mixture then assigns the slots from the
+  (1, 0)) keeps the position count exact; a mixture then assigns the positions from the
   anchor on as if the steps before it had been of equal size (an opted-in
   change: each source's next sample follows that plan).
 """

@@ -20,14 +20,15 @@ Glossary (one word per concept, used across the package):
 
 - store: a prepared token corpus on disk (``store.reader.TokenStore``).
 - sample: a fixed window of ``seq_len + 1`` tokens of a store, named by its id.
-- position: an index in the global stream (0, 1, 2, ...; a mixture's "slot"); each
-  position reads its source's *stream position* (the same index without skips); past
-  the skips it is an *effective position*, which left-out samples map on to the
-  stream position (``exclusions``). What users read (``zephon show`` / ``where``, the
-  README) says it the design's way: a step's places are its *slots*, and a sample's
-  *position* is its stream position. Inside ``mixture/`` a global position is still
-  called a slot (``ids_for_slots``) and a source's stream position a position; a
-  micro-batch's (step, index, last) is its *place* (``Layout.microbatch_places``).
+- position: an index in the global stream (0, 1, 2, ...), the one word for it, in a
+  mixture too (``MixturePlan.ids_for_positions``); each position reads its source's
+  *stream position* (its index in that source's own stream, without skips); past the
+  skips it is an *effective position*, which left-out samples map on to the stream
+  position (``exclusions``). ``zephon show --json`` keeps printing a step's positions
+  under the key ``slots`` (an interface: scripts read it).
+- place: where a sample is trained: a micro-batch's (step, index, last)
+  (``Layout.microbatch_places``), a source's draw's (step, index in the step)
+  (``StreamPlan.place_of_draw``).
 - step: one optimizer step (1-based), covering ``gbs(step)`` consecutive positions.
 - slice: one DP rank's contiguous part of a step.
 - micro-batch: ``local_batch_size`` consecutive samples of a slice (one forward).

@@ -35,7 +35,7 @@ Invariants:
   from_step <= its step only (``order.data_config.DataConfig.step_key``).
 - The map is a function of the effective position alone: the same at every DP
   degree, rank slice, micro-batch and window; a mixture keeps its per-source counts
-  (the slot assignment is untouched: the source's next sample fills the slot).
+  (the position assignment is untouched: the source's next sample fills the position).
 - Cost: per (entry level, epoch) the sorted in-epoch positions of the left-out ids,
   through ``Permutation.inverse`` (O(|A| log |A|), cached); a lookup is one
   ``searchsorted`` (O(log |A|)), whatever the step: no scan of the stream.

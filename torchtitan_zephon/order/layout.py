@@ -12,7 +12,7 @@ a ``Layout`` answer composed with that map, so a slicing change is made here onc
 
 Skips (``order.skips``) live here too, as positions: ``Layout.skip_ranges`` gives,
 per entry S:N, the positions ``[q, r)`` that steps S .. S + N - 1 cover. A skip never
-moves a step's positions (nor the mixture rule's slots, indexed by training step):
+moves a step's positions (nor the mixture rule's positions, indexed by training step):
 the stream maps each position to its source's stream position past what those
 ranges would have drawn (``order.skips.SkipMap``), so one store and a mixture skip
 alike and every rank, micro-batch and window sees the same map.
@@ -345,8 +345,6 @@ class Layout:
             places += [(step, k, k + 1 == per_step) for k in range(index, stop)]
             step, index = (step + 1, 0) if stop == per_step else (step, stop)
         return places, (step, index)
-
-    microbatch_slots = microbatch_places  # its name before one word meant one thing
 
     def rank_window(
         self, step: int, skip: int, count: int, dp_rank: int, dp_degree: int

@@ -8,7 +8,7 @@ source's stream position, built by the stream that owns the sources (one store:
 position ranges ``order.layout.Layout.skip_ranges`` gives: the layout stays the one
 home of step -> positions, and a skip never moves a step's positions.
 
-The map. Steps keep their positions, batch sizes and (in a mixture) the rule's slot
+The map. Steps keep their positions, batch sizes and (in a mixture) the rule's position
 assignment, all indexed by training step as without skips. For a source i (one
 store is one source) let ``c_i(p)`` be the positions before p that draw from i (p
 itself for one store; the mixture rule's counts). Entry j = (S_j, N_j) covers the

@@ -10,7 +10,7 @@ name samples by **sample keys**: int64 values ``source << SOURCE_SHIFT | id``
 (``make_keys`` / ``split_keys``); for one store the key is the sample id. Every
 stream also answers, whatever the data's kind, what the readers of a plan ask of its
 sources (``names``): the accounting (``step_draws``, ``epochs_of_draws``), ``zephon
-where``'s way back from a sample to its slot (``source_shape``, ``slot_of_draw``) and
+where``'s way back from a sample to its position (``source_shape``, ``place_of_draw``) and
 a mixture's guards (``check_max_epochs``, ``deviation_report``: nothing for one store),
 so nobody outside ``order`` asks which kind a plan is.
 
@@ -66,7 +66,7 @@ STORE_NAME = "store"
 
 @dataclass(frozen=True)
 class SourceShape:
-    """One source's stream as the way back from a sample to its slot needs it."""
+    """One source's stream as the way back from a sample to its position needs it."""
 
     first_id: int  # the first training id
     num_samples: int  # training samples
@@ -123,9 +123,9 @@ class StreamPlan(ABC):
         """Source ``source``'s stream as the way back from a sample needs it."""
 
     @abstractmethod
-    def slot_of_draw(self, source: int, draw: int) -> tuple[int, int] | str:
-        """(step, index in the step) of the slot that reads source ``source``'s
-        ``draw``-th trained sample (0-based), or why no slot of this plan does:
+    def place_of_draw(self, source: int, draw: int) -> tuple[int, int] | str:
+        """(step, index in the step) of the position that reads source ``source``'s
+        ``draw``-th trained sample (0-based), or why no position of this plan does:
         ``"trained"`` (before the plan's anchor: trained under its earlier counting) or
         ``"not drawn"`` (no step up to ``MAX_STEP`` draws it)."""
 
@@ -288,7 +288,7 @@ class DataPlan(StreamPlan):
             self.sample_offset, self.num_samples, self.seed, None, self.skip_map, self.exclusion_map
         )
 
-    def slot_of_draw(self, source: int, draw: int) -> tuple[int, int] | str:
+    def place_of_draw(self, source: int, draw: int) -> tuple[int, int] | str:
         """The layout's position ``draw`` as (step, index in the step); "trained" before
         the anchor."""
         layout = self.layout

@@ -97,7 +97,7 @@ class SegmentBuilder:
             seg, bad, chosen = self._pattern_until_bad(
                 weights, residual, ranks, step, end_step, counts, targets, corrections
             )
-            if seg.end_slot is None or seg.end_slot > seg.first_slot:
+            if seg.end_position is None or seg.end_position > seg.first_position:
                 self.segments.append(seg)
             if bad is None or chosen is None:
                 if end is None:
@@ -154,7 +154,7 @@ class SegmentBuilder:
             last = schedule.first_position(limit)
             counts = rep.counts(last)
             targets = [
-                t + w * (last - rep.first_slot) for t, w in zip(targets, weights, strict=True)
+                t + w * (last - rep.first_position) for t, w in zip(targets, weights, strict=True)
             ]
             step = limit
             seen.clear()
@@ -205,7 +205,7 @@ class SegmentBuilder:
                     bad = int(steps[k])
                     break
             if bad is not None:
-                seg.end_step, seg.end_slot = bad, schedule.first_position(bad)
+                seg.end_step, seg.end_position = bad, schedule.first_position(bad)
                 keep = steps < bad
                 steps, worst, who = steps[keep], worst[keep], who[keep]
             seg.report = worst_of(steps, worst, who, scale)
@@ -218,10 +218,10 @@ class SegmentBuilder:
     ) -> list[int] | None:
         """``least_worst_counts`` of ``step`` (in ``seg``) if they end it closer than
         the pattern's ``worst`` (the sources of weight > 0), else None."""
-        slot, gbs = self.schedule.first_position(step), self.schedule.gbs(step)
-        counts = seg.counts(slot)
+        position, gbs = self.schedule.first_position(step), self.schedule.gbs(step)
+        counts = seg.counts(position)
         after = [
-            t + w * (slot - seg.first_slot + gbs)
+            t + w * (position - seg.first_position + gbs)
             for t, w in zip(seg.start_targets, seg.weights, strict=True)
         ]
         deficit = [t - int(c) for t, c in zip(after, counts, strict=True)]

@@ -29,7 +29,7 @@ from torchtitan_zephon.store.urls import is_url, mistyped_url, redact
 
 MAX_PATTERN = 10**6
 """Largest common denominator of one schedule entry's normalized weights: the
-length of its slot pattern. 0.7/0.3 gives 10, three weights of 0.001/0.499/0.5
+length of its position pattern. 0.7/0.3 gives 10, three weights of 0.001/0.499/0.5
 give 1000; seven-decimal weights that do not simplify are refused."""
 _SOURCE_KEYS = {"name", "store", "heldout_samples", "max_epochs"}
 _ENTRY_KEYS = {"from_step", "weights"}
@@ -90,7 +90,7 @@ class WeightEntry:
 
     @property
     def period(self) -> int:
-        """Common denominator of the weights: the slot pattern length."""
+        """Common denominator of the weights: the position pattern length."""
         return math.lcm(*(w.denominator for w in self.weights.values()))
 
     def to_json(self) -> dict[str, Any]:

@@ -1,9 +1,9 @@
-"""The mixture plan: (source, sample id) of every slot and step.
+"""The mixture plan: (source, sample id) of every position and step.
 
 Role: ``MixturePlan`` builds a ``MixtureSpec``'s tables once over the batch
 schedule (``Layout.whole_schedule`` of its layout: every step from 1; the walk is
 ``build.SegmentBuilder``, the tables the rule's, ``rule``) and answers the sources
-and sample ids of any slots (positions) in O(slots + sources + 512), the
+and sample ids of any positions (positions) in O(positions + sources + 512), the
 per-source counts and targets before any step, its worst deviation and the
 ``max_epochs`` check. ``stream.MixtureStream`` shows it as a stream of sample keys.
 
@@ -11,7 +11,7 @@ Invariants: see the package docstring (``order.mixture``): pure in the spec, the
 seed and the batch schedule; every source's ids within one of its epochs are a
 permutation of its training samples; the layout's invariants hold (``order.layout``).
 Skips (``order.skips``) and left-out samples (``order.exclusions``) move only each
-source's stream position (``stream_positions``), never the slot assignment: every
+source's stream position (``stream_positions``), never the position assignment: every
 step keeps its exact per-source counts.
 """
 
@@ -62,7 +62,7 @@ def deviation_warning(worst: Fraction, who: str, step: int) -> str | None:
 
 
 class MixturePlan:
-    """(source, sample id) of every slot and global step of a mixture (its rank slices
+    """(source, sample id) of every position and global step of a mixture (its rank slices
     and micro-batches: ``MixtureStream``, the layout's).
 
     Built once per job from a ``MixtureSpec``, the seed and the global batch
@@ -106,13 +106,13 @@ class MixturePlan:
         self.segments: list[Segment | Repeat] = builder.segments
         self.corrected_steps = builder.corrected_steps
         self.first_correction: int | None = builder.first_correction
-        self._starts = [s.first_slot for s in self.segments]
+        self._starts = [s.first_position for s in self.segments]
         self.warnings = self._small_source_warnings()
         ranges = self.layout.skip_ranges() if self.layout.skips else []
         self.skip_map: SkipMap | None = (
             SkipMap(
-                np.array([self.counts_at_slot(q) for q, _ in ranges]),
-                np.array([self.counts_at_slot(r) for _, r in ranges]),
+                np.array([self.counts_at_position(q) for q, _ in ranges]),
+                np.array([self.counts_at_position(r) for _, r in ranges]),
             )
             if ranges
             else None
@@ -124,7 +124,7 @@ class MixturePlan:
                 continue
             starts = np.array(
                 [
-                    int(self.counts_at_slot(self.schedule.first_position(e.from_step))[i])
+                    int(self.counts_at_position(self.schedule.first_position(e.from_step))[i])
                     + self._skipped_up_to(e.from_step)[i]
                     for e in entries
                 ],
@@ -189,23 +189,23 @@ class MixturePlan:
                     )
         return out
 
-    def _segment_of(self, slot: int) -> Segment | Repeat:
-        return self.segments[bisect.bisect_right(self._starts, slot) - 1]
+    def _segment_of(self, position: int) -> Segment | Repeat:
+        return self.segments[bisect.bisect_right(self._starts, position) - 1]
 
-    def step_slots(self, step: int) -> tuple[int, int]:
-        """(first slot, number of slots) of global step ``step``."""
+    def step_positions(self, step: int) -> tuple[int, int]:
+        """(first position, number of positions) of global step ``step``."""
         return self.schedule.first_position(step), self.schedule.gbs(step)
 
-    def counts_at_slot(self, slot: int) -> np.ndarray:
-        """Per-source number of slots among [0, slot) (int64, mixture order)."""
-        if slot < 0:
-            raise ValueError(f"slots are >= 0, got {slot}.")
-        return self._segment_of(slot).counts(slot)
+    def counts_at_position(self, position: int) -> np.ndarray:
+        """Per-source number of positions among [0, position) (int64, mixture order)."""
+        if position < 0:
+            raise ValueError(f"slots are >= 0, got {position}.")
+        return self._segment_of(position).counts(position)
 
     def counts_before(self, step: int) -> np.ndarray:
         """Per-source samples drawn (trained) by steps 1 .. step-1 (without skips: each
         source's next stream position, ``stream_positions_before``)."""
-        return self.counts_at_slot(self.step_slots(step)[0])
+        return self.counts_at_position(self.step_positions(step)[0])
 
     def stream_positions_before(self, step: int) -> np.ndarray:
         """Per-source next stream position at ``step``: the samples steps 1 .. step-1
@@ -218,15 +218,15 @@ class MixturePlan:
 
     def step_counts(self, step: int) -> np.ndarray:
         """Per-source samples of step ``step``."""
-        first, gbs = self.step_slots(step)
-        return self.counts_at_slot(first + gbs) - self.counts_at_slot(first)
+        first, gbs = self.step_positions(step)
+        return self.counts_at_position(first + gbs) - self.counts_at_position(first)
 
     def targets_before(self, step: int) -> list[Fraction]:
         """Exact per-source targets ``sum over steps < step of w x GBS``."""
-        slot = self.step_slots(step)[0]
-        seg = self._segment_of(slot)
+        position = self.step_positions(step)[0]
+        seg = self._segment_of(position)
         return [
-            t + w * (slot - seg.first_slot)
+            t + w * (position - seg.first_position)
             for t, w in zip(seg.start_targets, seg.weights, strict=True)
         ]
 
@@ -293,42 +293,44 @@ class MixturePlan:
 
     # ------------------------------------------------------------ sample ids
 
-    def slot_sources(self, first: int, count: int) -> np.ndarray:
-        """Source index (int64) of each slot in [first, first + count)."""
+    def position_sources(self, first: int, count: int) -> np.ndarray:
+        """Source index (int64) of each position in [first, first + count)."""
         out = np.empty(count, dtype=np.int64)
         done = 0
         while done < count:
-            slot = first + done
-            k = bisect.bisect_right(self._starts, slot) - 1
+            position = first + done
+            k = bisect.bisect_right(self._starts, position) - 1
             seg = self.segments[k]
-            stop = first + count if seg.end_slot is None else min(first + count, seg.end_slot)
-            out[done : done + stop - slot] = seg.sources(slot, stop - slot)
-            done += stop - slot
+            stop = (
+                first + count if seg.end_position is None else min(first + count, seg.end_position)
+            )
+            out[done : done + stop - position] = seg.sources(position, stop - position)
+            done += stop - position
         return out
 
-    def ids_for_slots(
+    def ids_for_positions(
         self, first: int, count: int, *, step: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(source index, sample id) arrays (int64) of slots [first, first + count)."""
+        """(source index, sample id) arrays (int64) of positions [first, first + count)."""
         return self.ids_for_ranges([(first, count)], step=step)
 
     def ids_for_ranges(
         self, ranges: Sequence[tuple[int, int]], *, step: int | None = None
     ) -> tuple[np.ndarray, np.ndarray]:
-        """(source index, sample id) of the slots of ``ranges`` ([first, first + count)
+        """(source index, sample id) of the positions of ``ranges`` ([first, first + count)
         each), concatenated in order: a window of a DP rank's stream across steps.
 
-        Each slot's source comes from its segment's pattern, its position in that
+        Each position's source comes from its segment's pattern, its position in that
         source's stream from the counts before its range; the ids are then looked up
         with one permutation call per source and epoch for the whole window.
         """
-        sources, positions = self.slot_positions(ranges)
+        sources, positions = self.source_positions(ranges)
         if not sources.size:
             return sources, positions
         return sources, self._stream_ids(sources, positions, step)
 
-    def slot_positions(self, ranges: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-        """(source index, position in that source's stream) of the slots of ``ranges``,
+    def source_positions(self, ranges: Sequence[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, position in that source's stream) of the positions of ``ranges``,
         concatenated in order; positions are past the skips and the left-out samples
         (a source's epoch is its position // its num_samples)."""
         merged: list[tuple[int, int]] = []
@@ -339,14 +341,14 @@ class MixturePlan:
                 merged.append((first, count))
         sources_parts, positions_parts = [], []
         for first, count in merged:
-            src = self.slot_sources(first, count)
-            order = np.argsort(src, kind="stable")  # each source's slots, in slot order
+            src = self.position_sources(first, count)
+            order = np.argsort(src, kind="stable")  # each source's positions, in position order
             sorted_src = src[order]
             starts = np.searchsorted(sorted_src, sorted_src, side="left")
             occurrence = np.empty(count, dtype=np.int64)
             occurrence[order] = np.arange(count, dtype=np.int64) - starts
             sources_parts.append(src)
-            positions_parts.append(self.counts_at_slot(first)[src] + occurrence)
+            positions_parts.append(self.counts_at_position(first)[src] + occurrence)
         if not sources_parts:
             return np.empty(0, dtype=np.int64), np.empty(0, dtype=np.int64)
         sources = np.concatenate(sources_parts)
@@ -380,6 +382,6 @@ class MixturePlan:
         return map_many(perms, which.ravel(), within)
 
     def global_ids(self, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """(source index, sample id) of every slot of global step ``step``, in order."""
-        first, gbs = self.step_slots(step)
-        return self.ids_for_slots(first, gbs, step=step)
+        """(source index, sample id) of every position of global step ``step``, in order."""
+        first, gbs = self.step_positions(step)
+        return self.ids_for_positions(first, gbs, step=step)

@@ -1,6 +1,6 @@
-"""The mixture rule: which source each slot of a step goes to.
+"""The mixture rule: which source each position of a step goes to.
 
-Role: the slot-assignment machinery ``MixturePlan`` builds its tables from: the
+Role: the position-assignment machinery ``MixturePlan`` builds its tables from: the
 earliest-deadline pattern of one weight entry (``simulate``, kept as a
 ``Pattern``), the least-worst counts of a corrected step (``least_worst_counts``),
 their order within a step (``spread``), and the tables (``Segment``: a run of
@@ -31,14 +31,14 @@ from torchtitan_zephon.order.mixture.config import (
     MixtureError,
 )
 
-_CHECKPOINT = 512  # slots between prefix-count checkpoints of a pattern table
+_CHECKPOINT = 512  # positions between prefix-count checkpoints of a pattern table
 
 
 class Pattern:
-    """The slot -> source assignment of one weight segment, periodic after a prefix.
+    """The position -> source assignment of one weight segment, periodic after a prefix.
 
-    ``local`` holds, per simulated slot, an index into ``active`` (the sources
-    with weight > 0): ``prefix`` slots, then one period of ``cycle`` slots that
+    ``local`` holds, per simulated position, an index into ``active`` (the sources
+    with weight > 0): ``prefix`` positions, then one period of ``cycle`` positions that
     repeats forever (``cycle`` = 0 when the segment is shorter than that).
     """
 
@@ -60,13 +60,13 @@ class Pattern:
         )
 
     def _local_counts(self, x: int) -> np.ndarray:
-        """Counts per active source of simulated slots [0, x), x <= len(local)."""
+        """Counts per active source of simulated positions [0, x), x <= len(local)."""
         q = x // _CHECKPOINT
         tail = self.local[q * _CHECKPOINT : x]
         return self._checkpoints[q] + np.bincount(tail, minlength=len(self.active))
 
     def counts(self, t: int) -> np.ndarray:
-        """Counts per active source of the segment's slots [0, t)."""
+        """Counts per active source of the segment's positions [0, t)."""
         if t <= len(self.local):
             return self._local_counts(t)
         if not self.cycle:
@@ -75,7 +75,7 @@ class Pattern:
         return self._local_counts(self.prefix + rem) + full * self._cycle_counts
 
     def local_at(self, t0: int, count: int) -> np.ndarray:
-        """Indices into ``active`` of the segment's slots [t0, t0+count)."""
+        """Indices into ``active`` of the segment's positions [t0, t0+count)."""
         idx = np.arange(t0, t0 + count, dtype=np.int64)
         if self.cycle:
             wrap = idx >= self.prefix + self.cycle
@@ -91,12 +91,12 @@ def simulate(
 ) -> tuple[np.ndarray, np.ndarray, int, int]:
     """Chairman assignment of one weight segment, from the residuals it inherits.
 
-    Returns (active source indices, per-slot index into them, prefix, cycle).
+    Returns (active source indices, per-position index into them, prefix, cycle).
     Rule: earliest deadline first on Tijdeman's windows, in exact integer
     arithmetic. With m sources of weight > 0 and ``d = 1/(2m-2)``, a source is
-    a candidate for a slot when its deficit ``r`` (target - count) plus the
-    slot's accrual ``w`` is at least ``d`` (taking the slot leaves it at most
-    ``1 - d`` ahead); its deadline is the last slot before its deficit would
+    a candidate for a position when its deficit ``r`` (target - count) plus the
+    position's accrual ``w`` is at least ``d`` (taking the position leaves it at most
+    ``1 - d`` ahead); its deadline is the last position before its deficit would
     pass ``1 - d`` at the current weights. The candidate with the earliest
     deadline wins, ties to the smaller name. Tijdeman (1980) shows a sequence
     within ``1 - d`` exists for constant weights, and earliest-deadline-first
@@ -112,11 +112,11 @@ def simulate(
     if m == 1:
         return np.array(active, dtype=np.int64), np.zeros(1, dtype=np.uint16), 0, 1
     scale = math.lcm(period, 2 * m - 2, *(residual[i].denominator for i in active))
-    acc = [int(weights[i] * scale) for i in active]  # accrual per slot, scaled
+    acc = [int(weights[i] * scale) for i in active]  # accrual per position, scaled
     low = scale // (2 * m - 2)  # d
     high = scale - low  # 1 - d
     rank = [ranks[i] for i in active]
-    base_t = [0] * m  # each source's deficit is base_r at time base_t (+ acc per slot)
+    base_t = [0] * m  # each source's deficit is base_r at time base_t (+ acc per position)
     base_r = [int(residual[i] * scale) for i in active]
 
     def candidate_from(j: int) -> int:
@@ -217,7 +217,7 @@ def least_worst_counts(
 
 
 def spread(counts: Sequence[int], ranks: Sequence[int]) -> np.ndarray:
-    """A step's slots in order, given its per-source counts: source i's k-th sample
+    """A step's positions in order, given its per-source counts: source i's k-th sample
     sits at (2k+1)/(2 counts[i]) of the step, ties to the smaller name."""
     src = np.repeat(np.arange(len(counts), dtype=np.int64), counts)
     n = np.asarray(counts, dtype=np.int64)[src]
@@ -233,23 +233,23 @@ class Segment:
     weights: list[Fraction]  # per source, mixture order
     first_step: int
     end_step: int | None
-    first_slot: int
-    end_slot: int | None
+    first_position: int
+    end_position: int | None
     start_counts: np.ndarray  # per source
-    start_targets: list[Fraction]  # exact per-source targets at first_slot
+    start_targets: list[Fraction]  # exact per-source targets at first_position
     pattern: Pattern
     report: tuple[Fraction, int, int] | None = None
     """(worst deviation, source, first step) over its step ends, sources of weight > 0."""
 
-    def counts(self, slot: int) -> np.ndarray:
-        """Per-source counts of slots [0, slot) of the whole stream (slot in this segment)."""
+    def counts(self, position: int) -> np.ndarray:
+        """Per-source counts of positions [0, position) of the whole stream (position in this segment)."""
         out = self.start_counts.copy()
-        out[self.pattern.active] += self.pattern.counts(slot - self.first_slot)
+        out[self.pattern.active] += self.pattern.counts(position - self.first_position)
         return out
 
-    def sources(self, slot: int, count: int) -> np.ndarray:
-        """Source indices of slots [slot, slot + count) (all in this segment)."""
-        return self.pattern.active[self.pattern.local_at(slot - self.first_slot, count)]
+    def sources(self, position: int, count: int) -> np.ndarray:
+        """Source indices of positions [position, position + count) (all in this segment)."""
+        return self.pattern.active[self.pattern.local_at(position - self.first_position, count)]
 
     def step_ends(self, schedule: BatchSchedule) -> tuple[np.ndarray, np.ndarray]:
         """(steps, pattern positions) of this segment's step ends, each step end
@@ -270,7 +270,7 @@ class Segment:
             )
             if hi is not None and lo >= hi:
                 continue
-            x0 = schedule.first_position(lo) + g - self.first_slot
+            x0 = schedule.first_position(lo) + g - self.first_position
             count = None if hi is None else hi - lo
             if pat.cycle:
                 direct = (length - x0) // g + 1 if x0 <= length else 0
@@ -308,7 +308,7 @@ class Segment:
         worst = np.full(len(positions), -1, dtype=dtype)
         who = np.zeros(len(positions), dtype=np.int64)
         for j, i in enumerate(active):
-            picks = order[bounds_[j] : bounds_[j + 1]]  # slots source i takes, ascending
+            picks = order[bounds_[j] : bounds_[j + 1]]  # positions source i takes, ascending
             taken = np.searchsorted(picks, positions, side="left").astype(dtype)
             dev = int(residual[i] * scale) + int(self.weights[i] * scale) * pos - scale * taken
             dev = np.abs(dev)
@@ -320,7 +320,7 @@ class Segment:
 
 class Repeat:
     """Steps that repeat an earlier block of segments: ``block`` covers the
-    ``span`` steps from slot ``block_slot``, and every repetition adds ``delta``
+    ``span`` steps from position ``block_position``, and every repetition adds ``delta``
     to each source's count (the residuals are the same at each block start).
     The last repetition may be partial (``end_step`` need not be a whole number
     of spans away)."""
@@ -330,41 +330,41 @@ class Repeat:
         weights: list[Fraction],
         first_step: int,
         end_step: int | None,
-        first_slot: int,
+        first_position: int,
         start_counts: np.ndarray,
         start_targets: list[Fraction],
         block: list[Segment],
-        block_slot: int,
+        block_position: int,
         delta: np.ndarray,
         span: int,
     ) -> None:
         self.weights = weights
         self.first_step, self.end_step = first_step, end_step
-        self.first_slot = first_slot
-        self.slots = first_slot - block_slot
-        self.end_slot = (  # one batch size throughout: slots // span per step
+        self.first_position = first_position
+        self.positions = first_position - block_position
+        self.end_position = (  # one batch size throughout: positions // span per step
             None
             if end_step is None
-            else first_slot + (end_step - first_step) * (self.slots // span)
+            else first_position + (end_step - first_step) * (self.positions // span)
         )
         self.start_counts, self.start_targets = start_counts, start_targets
-        self.block, self.block_slot, self.delta, self.span = block, block_slot, delta, span
-        self._starts = [b.first_slot for b in block]
+        self.block, self.block_position, self.delta, self.span = block, block_position, delta, span
+        self._starts = [b.first_position for b in block]
 
-    def _locate(self, slot: int) -> tuple[int, int, Segment]:
-        q, within = divmod(slot - self.first_slot, self.slots)
-        orig = self.block_slot + within
+    def _locate(self, position: int) -> tuple[int, int, Segment]:
+        q, within = divmod(position - self.first_position, self.positions)
+        orig = self.block_position + within
         return q + 1, orig, self.block[bisect.bisect_right(self._starts, orig) - 1]
 
-    def counts(self, slot: int) -> np.ndarray:
-        q, orig, seg = self._locate(slot)
+    def counts(self, position: int) -> np.ndarray:
+        q, orig, seg = self._locate(position)
         return seg.counts(orig) + q * self.delta
 
-    def sources(self, slot: int, count: int) -> np.ndarray:
+    def sources(self, position: int, count: int) -> np.ndarray:
         parts = []
         while count > 0:
-            _, orig, seg = self._locate(slot)
-            take = min(count, int(seg.end_slot) - orig)
+            _, orig, seg = self._locate(position)
+            take = min(count, int(seg.end_position) - orig)
             parts.append(seg.sources(orig, take))
-            slot, count = slot + take, count - take
+            position, count = position + take, count - take
         return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)

@@ -1,12 +1,12 @@
 """The mixture's stream: a ``MixturePlan`` as sample keys over its layout.
 
 Role: ``MixtureStream`` is the ``order.stream.StreamPlan`` of a mixture: it maps
-positions (a mixture plan's slots) to sample keys ``source << 40 | id``
+positions (a mixture plan's positions) to sample keys ``source << 40 | id``
 (``order.stream.make_keys``); its steps, rank slices, micro-batches and windows are
 the plan's layout's (``order.layout.Layout``), as for one store.
 
 Invariant: the key of position p is ``make_keys`` of the plan's (source index,
-sample id) of slot p, whatever the call (one position, a step, a window of a rank's
+sample id) of position p, whatever the call (one position, a step, a window of a rank's
 stream), so the layout's invariants hold for a mixture as for one store.
 """
 
@@ -36,10 +36,10 @@ class MixtureStream(StreamPlan):
         self.names = mixture.names
 
     def ids_for_positions(self, first: int, count: int) -> np.ndarray:
-        return make_keys(*self.mixture.ids_for_slots(first, count))
+        return make_keys(*self.mixture.ids_for_positions(first, count))
 
     def _keys(self, first: int, count: int, step: int) -> np.ndarray:
-        return make_keys(*self.mixture.ids_for_slots(first, count, step=step))
+        return make_keys(*self.mixture.ids_for_positions(first, count, step=step))
 
     def _window_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """One permutation call per source and epoch for the whole window."""
@@ -47,8 +47,8 @@ class MixtureStream(StreamPlan):
         return make_keys(*self.mixture.ids_for_ranges(ranges))
 
     def positions_of(self, first: int, count: int) -> np.ndarray:
-        """The stream position of each slot [first, first + count) in its source's stream."""
-        return self.mixture.slot_positions([(first, count)])[1]
+        """The stream position of each position [first, first + count) in its source's stream."""
+        return self.mixture.source_positions([(first, count)])[1]
 
     def step_draws(self, step: int) -> StepDraws:
         mix = self.mixture
@@ -74,10 +74,10 @@ class MixtureStream(StreamPlan):
             m.exclusion_maps[source],
         )
 
-    def slot_of_draw(self, source: int, draw: int) -> tuple[int, int] | str:
-        """The slot of the source's draw: the first step whose end passes the draw (a
+    def place_of_draw(self, source: int, draw: int) -> tuple[int, int] | str:
+        """The position of the source's draw: the first step whose end passes the draw (a
         doubling search, then bisection over the plan's O(sources) counts), then the
-        draw's slot among the step's slots of that source."""
+        draw's position among the step's positions of that source."""
         m = self.mixture
 
         def before(step: int) -> int:  # the source's draws in steps < step
@@ -97,9 +97,9 @@ class MixtureStream(StreamPlan):
                 lo = mid + 1
         if lo < self.anchor_step:
             return "trained"
-        first, gbs = m.step_slots(lo)
-        slots = np.nonzero(m.slot_sources(first, gbs) == source)[0]
-        return lo, int(slots[draw - before(lo)])
+        first, gbs = m.step_positions(lo)
+        positions = np.nonzero(m.position_sources(first, gbs) == source)[0]
+        return lo, int(positions[draw - before(lo)])
 
     def check_max_epochs(self, last_step: int) -> None:
         self.mixture.check_max_epochs(last_step)
