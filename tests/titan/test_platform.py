@@ -147,6 +147,10 @@ def test_cpu_parsed_settings_map_pinned_memory_staging_to_async():
     assert platform.cpu_parsed_settings(config) == []  # nothing else to map
 
 
+# slow (issue 44 part e): the mapping in-process
+# (test_cpu_parsed_settings_map_pinned_memory_staging_to_async), async saves end to end by
+# tests/titan/test_checkpoint_folder.py
+@pytest.mark.slow
 def test_async_with_pinned_mem_on_cpu_checkpoints_and_resumes(tmp_path):
     """Issue 43 case 4: DCP's pinned-memory stager raised at the first save on a CPU,
     after steps were logged. Mapped to ``async`` with one log line: the job saves, and
