@@ -58,10 +58,10 @@ def keep_local_shard(target: torch.Tensor, full: torch.Tensor) -> None:
     shards of FSDP x TP, Replicate), cut locally without communication.
     """
     if isinstance(target, DTensor):
-        piece = distribute_tensor(
+        local = distribute_tensor(
             full, target.device_mesh, target.placements, src_data_rank=None
         ).to_local()
-        target.to_local().copy_(piece)
+        target.to_local().copy_(local)
     else:
         target.copy_(full)
 
