@@ -105,22 +105,33 @@ class PackedSource:
         return self._windows_of(np.size(keys), *self._rows(keys), seq_len)
 
     def _windows_of(
-        self, n: int, rows: np.ndarray, begin: np.ndarray, piece: np.ndarray, seq_len: int
+        self,
+        n: int,
+        rows: np.ndarray,
+        begin: np.ndarray,
+        piece: np.ndarray,
+        seq_len: int,
+        ends: np.ndarray | None = None,
     ) -> np.ndarray:
-        """``windows`` of ``n`` samples from their pieces (``_rows``)."""
+        """``windows`` of ``n`` samples from their pieces (``_rows``; ``ends``: which
+        end their document, ``_ends_doc``, when the caller has them)."""
         length = piece[:, 2]
-        take = self._take(piece)
+        take = self._take(piece, ends)
         tokens = self._read(begin, take)
         out = np.full((n, seq_len + 1), self.store.eos_id, dtype=self.store.dtype)
         col = _ranks_within_rows(rows, take, length)
         out[np.repeat(rows, take), col] = tokens
         return out
 
-    def _take(self, piece: np.ndarray) -> np.ndarray:
+    def _ends_doc(self, piece: np.ndarray) -> np.ndarray:
+        """Whether each piece ends its document (two offset lookups a piece)."""
+        return piece[:, 1] + piece[:, 2] == self._lengths(piece[:, 0])
+
+    def _take(self, piece: np.ndarray, ends: np.ndarray | None = None) -> np.ndarray:
         """Tokens read for each piece: its own, and for a piece that does not end its
         document one more (the label of its last token)."""
-        length = piece[:, 2]
-        return length + (piece[:, 1] + length != self._lengths(piece[:, 0]))
+        ends = self._ends_doc(piece) if ends is None else ends
+        return piece[:, 2] + ~ends
 
     def unlabelled(self, keys: np.ndarray, seq_len: int) -> Unlabelled | None:
         """``rows``' inputs of samples ``keys`` that train no label, from the
@@ -130,11 +141,16 @@ class PackedSource:
         return self._unlabelled_of(np.size(keys), rows, piece, seq_len)
 
     def _unlabelled_of(
-        self, n: int, rows: np.ndarray, piece: np.ndarray, seq_len: int
+        self,
+        n: int,
+        rows: np.ndarray,
+        piece: np.ndarray,
+        seq_len: int,
+        ends: np.ndarray | None = None,
     ) -> Unlabelled | None:
         """``unlabelled`` of ``n`` samples from their pieces (``_rows``)."""
         length = piece[:, 2]
-        ends_doc = piece[:, 1] + length == self._lengths(piece[:, 0])
+        ends_doc = self._ends_doc(piece) if ends is None else ends
         last = rows * seq_len + _piece_offsets(rows, length) + length - 1
         used = np.bincount(rows, weights=length, minlength=n).astype(np.int64)
         padded = np.flatnonzero(used < seq_len)
@@ -177,9 +193,10 @@ class PackedSource:
             self._rows(keys)  # raises, naming the range
         if self._remote is not None:  # read by range: the vectorized rows, checked
             rows, begin, piece = self._rows(keys)  # once, for both
+            ends = self._ends_doc(piece)  # and the documents' ends once
             return (
-                self._windows_of(keys.size, rows, begin, piece, seq_len),
-                self._unlabelled_of(keys.size, rows, piece, seq_len),
+                self._windows_of(keys.size, rows, begin, piece, seq_len, ends),
+                self._unlabelled_of(keys.size, rows, piece, seq_len, ends),
             )
         begin, window = self._windows_at(keys)
         check = self.store.unchecked_chunks > 0
