@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import copy_store, edit_token, make_v1
-from torchtitan_zephon.job.loader import MAX_WINDOW, DataStateMismatch, ZephonLoader
+from torchtitan_zephon.job.loader import MAX_BUNDLE, DataStateMismatch, ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.store.format import (
     DataUnreadable,
@@ -314,7 +314,7 @@ def test_store_without_checksums_has_each_batch_checked_against_vocab(tmp_path, 
     assert "outside the model's vocabulary of 5000 ids" in msg and "--check" in msg
 
 
-# ---------------------------------------------------------------- prefetch windows
+# ---------------------------------------------------------------- prefetch bundles
 
 
 @settings(max_examples=15, deadline=None)
@@ -323,10 +323,10 @@ def test_store_without_checksums_has_each_batch_checked_against_vocab(tmp_path, 
     multiples=st.lists(st.integers(1, 3), min_size=1, max_size=3),
     starts=st.lists(st.integers(2, 9), max_size=2, unique=True),
     seed=st.integers(0, 10**6),
-    num_samples=st.integers(5, 40),  # an epoch every few steps: windows span epochs
+    num_samples=st.integers(5, 40),  # an epoch every few steps: bundles span epochs
     mode=st.sampled_from([(0, 0), (0, 2), (1, 1), (2, 3)]),  # (num_workers, prefetch)
 )
-def test_window_path_equals_per_step_path(
+def test_bundle_path_equals_per_step_path(
     store, layout, multiples, starts, seed, num_samples, mode
 ):
     d, b = layout
@@ -338,7 +338,7 @@ def test_window_path_equals_per_step_path(
         store, d, rank, b, workers=mode[0], prefetch=mode[1], seed=seed, schedule=schedule,
         num_samples=num_samples,
     ) as ld:  # fmt: skip
-        assert ld.window == (1 if mode == (0, 0) else MAX_WINDOW)  # tiny micro-batches
+        assert ld.max_bundle == (1 if mode == (0, 0) else MAX_BUNDLE)  # tiny micro-batches
         got = _take_steps(ld, 12)
         plan = ld.plan
     for s, rows in enumerate(got, start=1):

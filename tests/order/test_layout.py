@@ -2,7 +2,7 @@
 
 Hypothesis tries to break the invariants the layout's docstring states: rank slices
 concatenate to the step, micro-batches to the slice, consecutive steps are adjacent,
-and a window of a rank's stream (and the loader's micro-batch walk) equals the per-step
+and a range of a rank's stream (and the loader's micro-batch walk) equals the per-step
 slices concatenated: any DP degree dividing the batch, any micro-batch size dividing the
 slice, batch-size schedule changes and resume anchors.
 """
@@ -74,7 +74,7 @@ def test_rank_slices_and_microbatches_concatenate_to_the_step(stream, data):
 
 @settings(max_examples=120, deadline=None)
 @given(stream=streams(), data=st.data())
-def test_a_window_and_the_microbatch_walk_equal_the_per_step_slices(stream, data):
+def test_a_range_and_the_microbatch_walk_equal_the_per_step_slices(stream, data):
     layout = stream.layout
     d = data.draw(st.sampled_from(_divisors(math.gcd(*(g for _, g in layout.schedule.entries)))))
     r = data.draw(st.integers(0, d - 1))
@@ -83,10 +83,10 @@ def test_a_window_and_the_microbatch_walk_equal_the_per_step_slices(stream, data
     rank_stream = np.concatenate(per_step)
     skip = data.draw(st.integers(0, len(rank_stream)))
     count = data.draw(st.integers(0, len(rank_stream) - skip))
-    window = stream.rank_stream_ids(step, skip, count, r, d)
-    assert window.dtype == np.int64
-    assert np.array_equal(window, rank_stream[skip : skip + count])
-    starts, counts = layout.rank_window(step, skip, count, r, d)
+    got = stream.rank_stream_ids(step, skip, count, r, d)
+    assert got.dtype == np.int64
+    assert np.array_equal(got, rank_stream[skip : skip + count])
+    starts, counts = layout.rank_ranges(step, skip, count, r, d)
     assert (counts > 0).all() and int(counts.sum()) == count
     positions = [p for a, n in zip(starts.tolist(), counts.tolist(), strict=True)
                  for p in range(a, a + n)]  # fmt: skip

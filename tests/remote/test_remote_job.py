@@ -72,7 +72,7 @@ def test_the_loader_reads_ahead_and_serves_the_local_batches(fine_url, fine_stor
     for a, b in zip(got, want, strict=True):
         assert torch.equal(a, b)
     announced = remote._announced - 1  # steps whose windows were fetched
-    window_steps = remote.window // 2  # the loader's prefetch window, in steps
+    bundle_steps = remote.max_bundle // 2  # the loader's prefetch bundle, in steps
     remote.close()
     row = (seq_len + 1) * 2
     trained = 2 * steps * 2 * row  # micro-batches x rows x bytes
@@ -86,9 +86,9 @@ def test_the_loader_reads_ahead_and_serves_the_local_batches(fine_url, fine_stor
     # windows of the steps announced were read.
     assert remote_store.served_bytes <= announced * 4 * row
     assert remote_store.served_bytes <= fetched <= announced * 4 * row * 192 / 129
-    # beyond the steps trained: two prefetch windows (one taken, one pending), then
+    # beyond the steps trained: two prefetch bundles (one taken, one pending), then
     # read_ahead_steps
-    assert announced <= steps + 2 * window_steps + 4
+    assert announced <= steps + 2 * bundle_steps + 4
 
 
 def test_a_resume_from_the_bucket_continues_as_from_the_local_copy(fine_url, fine_store):

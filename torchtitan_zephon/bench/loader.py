@@ -211,8 +211,8 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
         (
             "zephon us/micro-batch: plan | gather | tensors",
             f"{b['plan_us']:.1f} | {b['gather_us']:.1f} | {b['to_tensors_us']:.1f}",
-            f"plan = {b['plan_share']:.0%}; planned {b['plan_window']} and made "
-            f"{b['window']} micro-batches at a time",
+            f"plan = {b['plan_share']:.0%}; planned {b['plan']} and made "
+            f"{b['bundle']} micro-batches at a time",
         )
     )
     out += [

@@ -33,24 +33,24 @@ from torchtitan_zephon.store.reader import TokenStore
 
 def zephon_breakdown(store: TokenStore, seq_len: int, batch: int, seconds: float) -> dict:
     """Microseconds per micro-batch of the Zephon loader's parts, as its prefetch thread
-    does them: plan (the ids of ``plan_window`` micro-batches in one call), gather and
-    int64 tensors (``window`` micro-batches at once)."""
+    does them: plan (the ids of ``max_plan`` micro-batches in one call), gather and
+    int64 tensors (``max_bundle`` micro-batches at once)."""
     zl = zephon_loader(store, seq_len, batch, 0)
-    plan_ids = zl.plan_window * batch
+    plan_ids = zl.max_plan * batch
     starts = itertools.count(0, plan_ids)
     plan_rate = rate(
         lambda: zl.plan.rank_stream_ids(1, next(starts), plan_ids, 0, 1), 1, seconds / 3
     )
-    ids = zl.plan.rank_stream_ids(1, 0, zl.window * batch, 0, 1)
+    ids = zl.plan.rank_stream_ids(1, 0, zl.max_bundle * batch, 0, 1)
     gather_rate = rate(lambda: store.windows(ids, seq_len), 1, seconds / 3)
     tensor_rate = rate(lambda: zl.batch(ids), 1, seconds / 3)
     zl.close()
-    plan_us = 1e6 / plan_rate["per_s"] / zl.plan_window
-    batch_us = 1e6 / tensor_rate["per_s"] / zl.window
-    gather_us = 1e6 / gather_rate["per_s"] / zl.window
+    plan_us = 1e6 / plan_rate["per_s"] / zl.max_plan
+    batch_us = 1e6 / tensor_rate["per_s"] / zl.max_bundle
+    gather_us = 1e6 / gather_rate["per_s"] / zl.max_bundle
     return {
-        "window": zl.window,
-        "plan_window": zl.plan_window,
+        "bundle": zl.max_bundle,
+        "plan": zl.max_plan,
         "plan_us": plan_us,
         "gather_us": gather_us,
         "to_tensors_us": batch_us - gather_us,

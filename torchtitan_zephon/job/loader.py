@@ -20,7 +20,7 @@ Invariants:
   or on batches prefetched but not yet returned. Loading it under any DP layout that
   divides the global batch size continues the global stream exactly where it stopped;
   restoring is O(1).
-- With ``last_step``, no key of a later step is announced to the data, and no window
+- With ``last_step``, no key of a later step is announced to the data, and no bundle
   holding one is made before the caller asks for that step; the batches delivered do not
   depend on ``last_step``.
 - Every batch holds tokens the store checked against its content checksums (see
@@ -28,29 +28,29 @@ Invariants:
 
 Mechanics: the loader plans ahead: the next micro-batches (``Layout.microbatch_places``)
 and their sample ids come from one vectorized plan call (``StreamPlan.rank_stream_ids``,
-the layout's window of the rank's stream) per few hundred micro-batches. With
+the layout's range of the rank's stream) per few hundred micro-batches. With
 ``prefetch`` or ``num_workers``, ``max(1, num_workers)`` background threads each prepare
-a *window* of consecutive micro-batches (``window``: about 64K tokens, at least
+a *bundle* of consecutive micro-batches (``max_bundle``: about 64K tokens, at least
 ``prefetch`` micro-batches) with one gather and one int64 conversion; its micro-batches
-are views of two buffers. Plans and windows grow from one micro-batch after a start or a
+are views of two buffers. Plans and bundles grow from one micro-batch after a start or a
 reset, so the first batch waits for one micro-batch's work. Without either, each micro-
 batch is prepared on demand in the caller's thread.
 
 Read-ahead (stores in object storage): the loader announces to its data, step by step,
-the rank's keys of every step of a window it starts and of the ``read_ahead_steps``
-after the window's last step (``JobData.read_ahead``; default: the data's, 0 for local
+the rank's keys of every step of a bundle it starts and of the ``read_ahead_steps``
+after the bundle's last step (``JobData.read_ahead``; default: the data's, 0 for local
 stores), so their byte ranges are fetched in the background (``store.remote``) before a
-window asks for them; a window whose bytes have not arrived waits for them, and that
+bundle asks for them; a bundle whose bytes have not arrived waits for them, and that
 wait is the trainer's data wait. The effective lead is therefore the steps of the
-windows in production (``max(1, num_workers)`` windows of up to ``window`` micro-
+bundles in production (``max(1, num_workers)`` bundles of up to ``max_bundle`` micro-
 batches, and the one being delivered) plus ``read_ahead_steps`` (``lead_steps``). A
 reset or a resume drops what was announced and announces again from the first
-undelivered step. The first window after a start, a reset or a resume announces its own
-steps only, and the next window (started once the first was taken, with ``num_workers``
+undelivered step. The first bundle after a start, a reset or a resume announces its own
+steps only, and the next bundle (started once the first was taken, with ``num_workers``
 <= 1) the read-ahead beyond: so the first step after a resume waits only for its own
-windows, and the read-ahead of later steps runs behind it. Announcing costs one plan
+samples, and the read-ahead of later steps runs behind it. Announcing costs one plan
 call per step in the caller's thread; the fetching and checking run on the store's fetch
-thread. With read-ahead a window never holds micro-batches of two steps: a step whose
+thread. With read-ahead a bundle never holds micro-batches of two steps: a step whose
 bytes have arrived is delivered whatever happens to the reads of the steps after it.
 
 The run's end (``last_step``: training.steps) bounds only what is read ahead (see the
@@ -83,13 +83,13 @@ __all__ = ["DataStateMismatch", "MicroBatch", "ZephonLoader", "document_position
 MicroBatch = tuple[dict[str, torch.Tensor], torch.Tensor]
 # A micro-batch's place in the rank's stream: (step, index within the step, last of the step).
 Place = tuple[int, int, bool]
-Window = tuple[list[tuple[Place, MicroBatch]], Exception | None]  # then the failure that stopped it
+Bundle = tuple[list[tuple[Place, MicroBatch]], Exception | None]  # then the failure that stopped it
 
-# Tokens a prefetch window aims at (512 KiB of int64 inputs, as much of labels): enough
-# micro-batches that a thread hand-off per window costs little per micro-batch, few
-# enough that the window's buffers stay in cache; at most MAX_WINDOW micro-batches.
-WINDOW_TOKENS = 1 << 16
-MAX_WINDOW = 64
+# Tokens a prefetch bundle aims at (512 KiB of int64 inputs, as much of labels): enough
+# micro-batches that a thread hand-off per bundle costs little per micro-batch, few
+# enough that the bundle's buffers stay in cache; at most MAX_BUNDLE micro-batches.
+BUNDLE_TOKENS = 1 << 16
+MAX_BUNDLE = 64
 PLAN_IDS = 1 << 12  # sample ids planned at once, at most: one plan call per this many ids
 
 
@@ -151,16 +151,16 @@ class ZephonLoader:
         self.plan = data.plan(self.config)
         self._threaded = self.prefetch > 0 or self.num_workers > 0
         tokens = self.local_batch_size * self.seq_len
-        self.window = (
-            max(self.prefetch, min(MAX_WINDOW, max(1, WINDOW_TOKENS // tokens)))
+        self.max_bundle = (
+            max(self.prefetch, min(MAX_BUNDLE, max(1, BUNDLE_TOKENS // tokens)))
             if self._threaded
             else 1
-        )  # micro-batches per window job
-        # Micro-batches planned in one call, at most (a multiple of the window, about
-        # PLAN_IDS ids). From the start and after a reset, plans and windows start at one
+        )  # micro-batches per bundle job
+        # Micro-batches planned in one call, at most (a multiple of the bundle, about
+        # PLAN_IDS ids). From the start and after a reset, plans and bundles start at one
         # micro-batch and double up to these sizes, so a first batch costs no more than one.
-        self.plan_window = max(
-            self.window, PLAN_IDS // self.local_batch_size // self.window * self.window
+        self.max_plan = max(
+            self.max_bundle, PLAN_IDS // self.local_batch_size // self.max_bundle * self.max_bundle
         )
         self._next_step = 1
         self._delivered = (1, 0)  # next (step, micro-batch index) to hand to the caller
@@ -168,10 +168,10 @@ class ZephonLoader:
         self._planned: list[Place] = []  # planned places, with their ids, not yet handed out
         self._planned_ids = np.empty((0, self.local_batch_size), dtype=np.int64)
         self._planned_at = 0
-        self._plan_size = self._window_size = 1
+        self._plan_size = self._bundle_size = 1
         self._ready: deque[tuple[Place, MicroBatch]] = deque()  # produced, not yet delivered
         self._failure: Exception | None = None  # raised once self._ready is delivered
-        self._pending: deque[Future[Window]] = deque()
+        self._pending: deque[Future[Bundle]] = deque()
         self._executor: ThreadPoolExecutor | None = None
         if read_ahead_steps is None:
             read_ahead_steps = data.read_ahead_steps()
@@ -182,7 +182,7 @@ class ZephonLoader:
             raise ValueError(f"last_step must be >= 1 (or None: no end), got {last_step}.")
         self.last_step = None if last_step is None else int(last_step)
         self._announced = 1  # first step whose keys were not yet announced to the data
-        self._first_window = True  # the next window is the first since a start or reset
+        self._first_bundle = True  # the next bundle is the first since a start or reset
 
     # ------------------------------------------------------------------ read-ahead
 
@@ -194,10 +194,10 @@ class ZephonLoader:
 
     def lead_steps(self, step: int) -> int:
         """At most how many steps after ``step`` (the step being delivered) have their
-        windows announced, with ``step``'s micro-batches per step: the steps of the
-        window being delivered and of the windows in production, then
+        keys announced, with ``step``'s micro-batches per step: the steps of the
+        bundle being delivered and of the bundles in production, then
         ``read_ahead_steps`` more (never past ``last_step``)."""
-        microbatches = self.window * (max(1, self.num_workers) + 1)
+        microbatches = self.max_bundle * (max(1, self.num_workers) + 1)
         per_step = self.grad_accumulation_steps(step)
         lead = -(-microbatches // per_step) + self.read_ahead_steps
         if self.last_step is not None:
@@ -290,27 +290,27 @@ class ZephonLoader:
         )
         self._planned, self._planned_ids, self._planned_at = places, ids.reshape(count, b), 0
         self._cursor = cursor
-        self._plan_size = min(2 * count, self.plan_window)
+        self._plan_size = min(2 * count, self.max_plan)
 
     def _advance(self) -> tuple[list[Place], np.ndarray]:
-        """The next window: its places and their ids [places, local_batch_size]."""
+        """The next bundle: its places and their ids [places, local_batch_size]."""
         if self._planned_at == len(self._planned):
             self._plan_ahead()
         k = self._planned_at
-        stop = min(k + self._window_size, len(self._planned))
+        stop = min(k + self._bundle_size, len(self._planned))
         end = self.last_step
         if end is not None and self._planned[k][0] <= end < self._planned[stop - 1][0]:
-            # a window ends at the run's last step: the next one starts only when asked
+            # a bundle ends at the run's last step: the next one starts only when asked
             stop = k + next(j for j, place in enumerate(self._planned[k:stop]) if place[0] > end)
-        if self.read_ahead_steps:  # a step waits only for its own bytes: one step a window
+        if self.read_ahead_steps:  # a step waits only for its own bytes: one step a bundle
             ends = [j for j, place in enumerate(self._planned[k:stop]) if place[2]]
             stop = k + ends[0] + 1 if ends else stop
         self._planned_at = stop
-        if self.read_ahead_steps:  # every step of the window, and the next ones
-            ahead = 0 if self._first_window else self.read_ahead_steps
+        if self.read_ahead_steps:  # every step of the bundle, and the next ones
+            ahead = 0 if self._first_bundle else self.read_ahead_steps
             self._read_ahead(self._planned[k][0], self._planned[stop - 1][0], ahead)
-        self._first_window = False
-        self._window_size = min(2 * self._window_size, self.window)
+        self._first_bundle = False
+        self._bundle_size = min(2 * self._bundle_size, self.max_bundle)
         return self._planned[k:stop], self._planned_ids[k:stop]
 
     def _make(self, places: list[Place], ids: np.ndarray) -> list[tuple[Place, MicroBatch]]:
@@ -325,7 +325,7 @@ class ZephonLoader:
             for k, place in enumerate(places)
         ]
 
-    def _produce(self, places: list[Place], ids: np.ndarray) -> Window:
+    def _produce(self, places: list[Place], ids: np.ndarray) -> Bundle:
         """``_make``; if that fails, the micro-batches one by one up to the first that
         fails, so every micro-batch before a failure is still delivered."""
         try:
@@ -342,13 +342,13 @@ class ZephonLoader:
         return done, None
 
     def _next_place_step(self) -> int:
-        """The step of the next micro-batch to put in a window."""
+        """The step of the next micro-batch to put in a bundle."""
         if self._planned_at < len(self._planned):
             return self._planned[self._planned_at][0]
         return self._cursor[0]
 
     def _fill(self, demand: bool = False) -> None:
-        """Keep ``max(1, num_workers)`` windows in production; past ``last_step``, only
+        """Keep ``max(1, num_workers)`` bundles in production; past ``last_step``, only
         the one the caller waits for (``demand``, none pending)."""
         if self._executor is None:
             self._executor = ThreadPoolExecutor(
@@ -361,8 +361,8 @@ class ZephonLoader:
                 return
             self._pending.append(self._executor.submit(self._produce, *self._advance()))
 
-    def _take_window(self) -> None:
-        """Move the next window's micro-batches into ``self._ready``, or raise its failure."""
+    def _take_bundle(self) -> None:
+        """Move the next bundle's micro-batches into ``self._ready``, or raise its failure."""
         if self._failure is not None:
             failure, self._failure = self._failure, None
             raise failure
@@ -385,7 +385,7 @@ class ZephonLoader:
     def __next__(self) -> MicroBatch:
         if not self._ready:
             try:
-                self._take_window()
+                self._take_bundle()
             except StoreError as e:
                 self._reset()  # rewind to the first undelivered micro-batch: never skip one
                 if isinstance(e, DataUnreadable):
@@ -416,11 +416,11 @@ class ZephonLoader:
         self._failure = None
         self._cursor = self._delivered
         self._planned, self._planned_at = [], 0
-        self._plan_size = self._window_size = 1
+        self._plan_size = self._bundle_size = 1
         if self.read_ahead_steps:
             self.data.drop_read_ahead()
         self._announced = self._delivered[0]
-        self._first_window = True
+        self._first_bundle = True
 
     def close(self) -> None:
         """Stop background threads and drop prefetched batches."""

@@ -32,9 +32,10 @@ Glossary (one word per concept, used across the package):
 - step: one optimizer step (1-based), covering ``gbs(step)`` consecutive positions.
 - slice: one DP rank's contiguous part of a step.
 - micro-batch: ``local_batch_size`` consecutive samples of a slice (one forward).
-- window: consecutive positions of one rank's stream, looked up and read ahead together
-  (``TokenStore.windows`` keeps its name: it reads the tokens of samples).
-- layout: the map step -> DP rank slice -> micro-batches -> windows, in positions, from
+- range (of a rank's stream): consecutive positions of one rank's stream, looked up
+  together (``Layout.rank_ranges``); a *window* is a sample's tokens
+  (``TokenStore.windows``).
+- layout: the map step -> DP rank slice -> micro-batches -> ranges, in positions, from
   the batch schedule and the resume anchor (``layout.Layout``, its one home).
 - source: one store of a mixture, by name (a ``[[source]]`` of a mixture file).
 - data: the job's data, opened once (``job.data.JobData``: one store, or a mixture);

@@ -1,4 +1,4 @@
-"""The batch layout: the ONE home of steps over positions, rank slices, micro-batches, windows.
+"""The batch layout: the ONE home of steps over positions, rank slices, micro-batches, ranges.
 
 Role: pure index math shared by every stream (one store, a mixture; ``order.stream``):
 the global batch schedule (``BatchSchedule``: step -> its positions
@@ -6,8 +6,8 @@ the global batch schedule (``BatchSchedule``: step -> its positions
 batch = DP degree x local batch x accumulation), and ``Layout``: a schedule placed on the stream by
 its anchor, which cuts a step into replica groups' parts (``part_slice``), DP rank
 slices (``rank_slice``) and micro-batches
-and walks one rank's stream as position ranges (``Layout.rank_window``). A stream
-only maps positions to sample keys; every rank, micro-batch and window it serves is
+and walks one rank's stream as position ranges (``Layout.rank_ranges``). A stream
+only maps positions to sample keys; every rank, micro-batch and range it serves is
 a ``Layout`` answer composed with that map, so a slicing change is made here once.
 
 Skips (``order.skips``) live here too, as positions: ``Layout.skip_ranges`` gives,
@@ -15,7 +15,7 @@ per entry S:N, the positions ``[q, r)`` that steps S .. S + N - 1 cover. A skip 
 moves a step's positions (nor the mixture rule's positions, indexed by training step):
 the stream maps each position to its source's stream position past what those
 ranges would have drawn (``order.skips.SkipMap``), so one store and a mixture skip
-alike and every rank, micro-batch and window sees the same map.
+alike and every rank, micro-batch and range sees the same map.
 
 The anchor (step a, position p) is the one way a resume that accepted a schedule
 change continues from the recorded position: step s >= a starts at
@@ -36,7 +36,7 @@ Invariants:
   concatenate to the step; the micro-batches of a slice, for any local batch size
   b dividing it, concatenate to the slice. Nothing depends on D, the rank or b
   except the cut points.
-- A window of a rank's stream (``Layout.rank_window``: ids ``[skip, skip + count)``
+- A range of a rank's stream (``Layout.rank_ranges``: ids ``[skip, skip + count)``
   of the rank's slices of steps s, s + 1, ... concatenated) is those per-step
   slices concatenated, cut at skip and count; its ranges are computed in a few
   numpy calls per schedule entry, O(1) in the step number.
@@ -260,7 +260,7 @@ class BatchSchedule:
 
 class Layout:
     """A batch schedule placed on the stream by its anchor: a step's positions, its DP
-    rank slices and micro-batches, and windows of one rank's stream (module docstring).
+    rank slices and micro-batches, and ranges of one rank's stream (module docstring).
 
     The anchor ``(step, position)`` pins step ``step`` to start at ``position``; the
     default (1, 0) is the plain schedule.
@@ -346,7 +346,7 @@ class Layout:
             step, index = (step + 1, 0) if stop == per_step else (step, stop)
         return places, (step, index)
 
-    def rank_window(
+    def rank_ranges(
         self, step: int, skip: int, count: int, dp_rank: int, dp_degree: int
     ) -> tuple[np.ndarray, np.ndarray]:
         """(starts, counts) int64 of the position ranges holding ids ``[skip, skip +

@@ -2,9 +2,9 @@
 
 Role: a *stream* is the global sequence of positions 0, 1, 2, ..., each holding
 one sample. ``StreamPlan`` is what every stream offers (keys per position, step,
-rank slice and micro-batch, and a window of a rank's stream): one implementation,
+rank slice and micro-batch, and a range of a rank's stream): one implementation,
 a ``order.layout.Layout`` (which positions) composed with the stream's own map from
-positions to keys (``ids_for_positions``, ``_window_keys``). ``DataPlan`` is the
+positions to keys (``ids_for_positions``, ``_range_keys``). ``DataPlan`` is the
 stream of one store; a mixture's is ``order.mixture.stream.MixtureStream``. Streams
 name samples by **sample keys**: int64 values ``source << SOURCE_SHIFT | id``
 (``make_keys`` / ``split_keys``); for one store the key is the sample id. Every
@@ -22,9 +22,9 @@ Invariants:
   without skips) and epochs are reshuffled. With left-out samples
   (``order.exclusions``) that skip-mapped position is an effective position, mapped
   past the left-out samples to the stream position q first.
-- A stream's keys of a step, rank slice, micro-batch or window are its keys of the
+- A stream's keys of a step, rank slice, micro-batch or range are its keys of the
   positions its ``Layout`` gives them, so the layout's invariants (rank slices
-  concatenate to the step, micro-batches to the slice, a window of a rank's stream
+  concatenate to the step, micro-batches to the slice, a range of a rank's stream
   equals its per-step slices concatenated) hold for every stream.
 """
 
@@ -88,9 +88,9 @@ class StepDraws:
 
 
 class StreamPlan(ABC):
-    """Sample keys of every step, rank slice, micro-batch and window of a rank's stream:
+    """Sample keys of every step, rank slice, micro-batch and range of a rank's stream:
     ``layout``'s positions, mapped to keys by the stream (``ids_for_positions`` for one
-    range, ``_window_keys`` for many, both vectorized)."""
+    range, ``_range_keys`` for many, both vectorized)."""
 
     layout: Layout
     names: list[str]
@@ -141,7 +141,7 @@ class StreamPlan(ABC):
         is its target at every step."""
 
     @abstractmethod
-    def _window_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def _range_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Keys of the position ranges ``[starts[k], starts[k] + counts[k])``, concatenated."""
 
     @property
@@ -178,10 +178,10 @@ class StreamPlan(ABC):
         """Keys ``[skip, skip + count)`` of DP rank ``dp_rank``'s stream from ``step`` on.
 
         The rank's stream is ``rank_ids(s, dp_rank, dp_degree)`` for s = step, step + 1,
-        ... concatenated; this computes a window of it (several steps, possibly across
+        ... concatenated; this computes a range of it (several steps, possibly across
         epochs) in a few numpy calls instead of one lookup per step, with equal values.
         """
-        return self._window_keys(*self.layout.rank_window(step, skip, count, dp_rank, dp_degree))
+        return self._range_keys(*self.layout.rank_ranges(step, skip, count, dp_rank, dp_degree))
 
     def microbatch_ids(
         self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
@@ -362,10 +362,10 @@ class DataPlan(StreamPlan):
                 ids[sel] = self.permutation(epoch).map(within[sel])
         return ids + self.sample_offset
 
-    def _window_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    def _range_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
         if len(starts) == 1:
             positions = starts[0] + np.arange(counts[0], dtype=np.int64)
-        else:  # range k's positions, each at its offset in the window
+        else:  # range k's positions, each at its offset in the range
             offsets = np.cumsum(counts) - counts
             positions = np.repeat(starts - offsets, counts) + np.arange(
                 int(counts.sum()), dtype=np.int64

@@ -2,11 +2,11 @@
 
 Role: ``MixtureStream`` is the ``order.stream.StreamPlan`` of a mixture: it maps
 positions (a mixture plan's positions) to sample keys ``source << 40 | id``
-(``order.stream.make_keys``); its steps, rank slices, micro-batches and windows are
+(``order.stream.make_keys``); its steps, rank slices, micro-batches and ranges are
 the plan's layout's (``order.layout.Layout``), as for one store.
 
 Invariant: the key of position p is ``make_keys`` of the plan's (source index,
-sample id) of position p, whatever the call (one position, a step, a window of a rank's
+sample id) of position p, whatever the call (one position, a step, a range of a rank's
 stream), so the layout's invariants hold for a mixture as for one store.
 """
 
@@ -41,8 +41,8 @@ class MixtureStream(StreamPlan):
     def _keys(self, first: int, count: int, step: int) -> np.ndarray:
         return make_keys(*self.mixture.ids_for_positions(first, count, step=step))
 
-    def _window_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """One permutation call per source and epoch for the whole window."""
+    def _range_keys(self, starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """One permutation call per source and epoch for the whole range."""
         ranges = list(zip(starts.tolist(), counts.tolist(), strict=True))
         return make_keys(*self.mixture.ids_for_ranges(ranges))
 
