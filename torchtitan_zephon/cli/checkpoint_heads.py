@@ -23,8 +23,8 @@ from typing import Any
 from torchtitan_zephon.job.run_data import read_run_data, recorded
 from torchtitan_zephon.run import recorded as runs
 from torchtitan_zephon.tracker import LOG_NAME, LogReader
-from torchtitan_zephon.tracker.blocks import RecordRun
-from torchtitan_zephon.tracker.reader import BLOCK_BYTES
+from torchtitan_zephon.tracker.fast_path import RecordRun
+from torchtitan_zephon.tracker.reader import STRETCH_BYTES
 from torchtitan_zephon.tracker.writer import head_problem
 
 
@@ -180,16 +180,16 @@ def _records_of(path: Path, heads: list[dict[str, Any]]) -> dict[tuple[int, str]
     out: dict[tuple[int, str], int] = {}
     with open(path, "rb") as f:
         lineno = 1
-        while block := f.read(BLOCK_BYTES):
-            block += f.readline()
+        while stretch := f.read(STRETCH_BYTES):
+            stretch += f.readline()
             for needle, step in needles.items():
-                at = block.find(needle)
+                at = stretch.find(needle)
                 while at >= 0:
-                    start = block.rfind(b"\n", 0, at) + 1
-                    end = block.find(b"\n", at)
-                    end = len(block) if end < 0 else end
+                    start = stretch.rfind(b"\n", 0, at) + 1
+                    end = stretch.find(b"\n", at)
+                    end = len(stretch) if end < 0 else end
                     try:
-                        entry = json.loads(block[start:end])
+                        entry = json.loads(stretch[start:end])
                     except (ValueError, RecursionError):
                         entry = None
                     if (
@@ -198,7 +198,7 @@ def _records_of(path: Path, heads: list[dict[str, Any]]) -> dict[tuple[int, str]
                         and entry.get("step") == step
                         and entry.get("chain") == needle.decode()
                     ):
-                        out[(step, needle.decode())] = lineno + block.count(b"\n", 0, start)
-                    at = block.find(needle, end)
-            lineno += block.count(b"\n")
+                        out[(step, needle.decode())] = lineno + stretch.count(b"\n", 0, start)
+                    at = stretch.find(needle, end)
+            lineno += stretch.count(b"\n")
     return out

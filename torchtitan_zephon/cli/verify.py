@@ -38,8 +38,8 @@ from typing import Any
 from torchtitan_zephon.cli.checkpoint_heads import CheckpointHeads
 from torchtitan_zephon.run.recorded import format_topology, log_reader, resumes, topology
 from torchtitan_zephon.tracker import LogReader
-from torchtitan_zephon.tracker.blocks import RecordRun
 from torchtitan_zephon.tracker.compare import Span, compare
+from torchtitan_zephon.tracker.fast_path import RecordRun
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:

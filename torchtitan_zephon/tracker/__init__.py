@@ -47,9 +47,9 @@ Beside the log, ``sequence_log.jsonl.idx`` and ``.events`` index it (a cache,
 see ``index``), so a resume finds its record in O(1) of the log's length.
 
 Modules: ``records`` (formats, digests, chain), ``reader`` (streamed reading and
-integrity) with ``pieces`` (its bytes in whole lines), ``step_order`` (missing,
+integrity) with ``stretches`` (its bytes in whole lines), ``step_order`` (missing,
 out-of-order, repeated steps), ``links`` (events linked to records) and ``forked``
-(the reader in a child process), ``blocks`` (the reader's fast path: a block of
+(the reader in a child process), ``fast_path`` (the reader's fast path: a stretch of
 record lines checked at once), ``index`` (the sidecar), ``writer``
 (``SequenceTracker``).
 No torch.distributed here: the trainer decides who writes (global rank 0).

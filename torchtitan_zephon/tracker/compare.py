@@ -11,7 +11,7 @@ outcome into the report and the verdict.
 
 Invariant: memory is bounded by the number of events and gaps, never by the
 number of steps; where both heads are in runs of consecutive records
-(``blocks.RecordRun``) the merge advances a run at a time and compares digests in
+(``fast_path.RecordRun``) the merge advances a run at a time and compares digests in
 bulk, with the same outcome as record by record (``Comparison.one``).
 """
 
@@ -25,7 +25,7 @@ import numpy as np
 from torchtitan_zephon.order.data_config import SKIP_FIELD
 from torchtitan_zephon.order.exclusions import EXCLUDE_FIELD, entries_up_to
 from torchtitan_zephon.order.skips import SkipSteps
-from torchtitan_zephon.tracker.blocks import RecordRun
+from torchtitan_zephon.tracker.fast_path import RecordRun
 from torchtitan_zephon.tracker.reader import LogReader, record_of_row
 
 DIGESTS = ("ids_digest", "tokens_digest")

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import Any
 
-from torchtitan_zephon.tracker.blocks import RecordRun
+from torchtitan_zephon.tracker.fast_path import RecordRun
 from torchtitan_zephon.tracker.reader import (
     LogReader,
     record_of_row,
@@ -25,7 +25,7 @@ from torchtitan_zephon.tracker.reader import (
 )
 from torchtitan_zephon.tracker.records import LogProblem, TrackerError
 
-_BLOCK = 4096
+_BATCH_ROWS = 4096
 
 
 def _serve(path: str, conn: Any) -> None:
@@ -44,7 +44,7 @@ def _serve(path: str, conn: Any) -> None:
                 conn.send(("batch", batch))
                 continue
             rows += batch
-            if len(rows) >= _BLOCK:
+            if len(rows) >= _BATCH_ROWS:
                 conn.send(("batch", rows))
                 rows = []
         if rows:

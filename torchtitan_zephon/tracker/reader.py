@@ -1,25 +1,25 @@
 """Reading a sequence log: effective history and integrity, streamed.
 
-A log is read in two passes, a few MB at a time (``BLOCK_BYTES``). The first
+A log is read in two passes, a few MB at a time (``STRETCH_BYTES``). The first
 parses only the events (start, resume, skip: a few per job). The second streams the
 step records in file order, recomputes each chain from the one before it, checks
 step order and event links, and yields the records of the *effective history*
-(those no later event supersedes) in increasing step order. A block of record
-lines in the writer's layout is checked at once (``blocks.check_block``: one
+(those no later event supersedes) in increasing step order. A stretch of record
+lines in the writer's layout is checked at once (``fast_path.check_stretch``: one
 sha256 per line, the rest column-wise) and comes out as a ``RecordRun``; any
-block it does not accept is read line by line, as with ``fast=False``.
+stretch it does not accept is read line by line, as with ``fast=False``.
 
-Beside it: ``pieces`` (the bytes in pieces of whole lines), ``step_order`` (missing,
+Beside it: ``stretches`` (the bytes in stretches of whole lines), ``step_order`` (missing,
 out-of-order and repeated steps), ``links`` (how events link to records), ``forked``
 (the same reading in a child process).
 
 Invariants:
-- Memory is bounded by the number of events, the block size and MAX_GAPS, never
+- Memory is bounded by the number of events, the stretch size and MAX_GAPS, never
   by the number of steps: ``LogReader.batches()`` yields; only ``read_log``
   materialises a dict.
-- The block fast path changes nothing but speed: ``batches()`` gives the same
+- The stretch fast path changes nothing but speed: ``batches()`` gives the same
   rows, problems, notes and errors with ``fast=True`` and ``fast=False``
-  (tests/test_tracker_blocks.py tampers with logs to try to break this).
+  (tests/test_tracker_fast_path.py tampers with logs to try to break this).
 - Every record's chain is recomputed (``records.chain_of_line`` on the line's
   bytes, or from the parsed body for lines of older layouts); the first record
   whose chain, step order or resume link is wrong is reported with its line and
@@ -41,9 +41,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.tracker.blocks import RecordRun, check_block
+from torchtitan_zephon.tracker.fast_path import RecordRun, check_stretch
 from torchtitan_zephon.tracker.links import ANNOTATIONS, check_annotation, check_event
-from torchtitan_zephon.tracker.pieces import has_event, pieces, regions, split_lines
 from torchtitan_zephon.tracker.records import (
     LOG_NAME,
     RECORD_LINE,
@@ -55,6 +54,7 @@ from torchtitan_zephon.tracker.records import (
     log_path,
 )
 from torchtitan_zephon.tracker.step_order import StepOrder
+from torchtitan_zephon.tracker.stretches import has_event, regions, split_lines, stretches
 
 FIELDS = ("step", "first_position", "num_samples", "ids_digest", "tokens_digest", "v", "chain")
 """A record's fields in the order ``LogReader.rows()`` gives them."""
@@ -75,15 +75,15 @@ def resolve(path: str | os.PathLike) -> Path:
     return path
 
 
-BLOCK_BYTES = 4 << 20
+STRETCH_BYTES = 4 << 20
 """How much of the log the reader takes at once (whole lines; at least one line)."""
 
 
 class LogReader:
     """One sequence log, read lazily: events up front, records streamed.
 
-    ``fast=False`` reads every line on its own (the reference the block fast path
-    of ``blocks.check_block`` is tested against)."""
+    ``fast=False`` reads every line on its own (the reference the stretch fast path
+    of ``fast_path.check_stretch`` is tested against)."""
 
     def __init__(self, path: str | os.PathLike, *, fast: bool = True) -> None:
         self.path = resolve(path)
@@ -108,14 +108,14 @@ class LogReader:
 
     # -- pass 1: events --------------------------------------------------
     def _scan_events(self) -> None:
-        for lineno0, offset0, piece, newlines in pieces(self.path, BLOCK_BYTES):
-            if piece.endswith(b"\n") and not has_event(piece):
-                text = piece.rstrip()  # the last non-blank line is the last one to read
+        for lineno0, offset0, stretch, newlines in stretches(self.path, STRETCH_BYTES):
+            if stretch.endswith(b"\n") and not has_event(stretch):
+                text = stretch.rstrip()  # the last non-blank line is the last one to read
                 if text:
-                    self.last_line = lineno0 + newlines - piece.count(b"\n", len(text))
-                    self._end = offset0 + piece.index(b"\n", len(text)) + 1
+                    self.last_line = lineno0 + newlines - stretch.count(b"\n", len(text))
+                    self._end = offset0 + stretch.index(b"\n", len(text)) + 1
                 continue
-            for lineno, offset, raw in split_lines(lineno0, offset0, piece):
+            for lineno, offset, raw in split_lines(lineno0, offset0, stretch):
                 if not raw.endswith(b"\n"):  # the last line, written without its newline
                     try:
                         json.loads(raw)
@@ -198,7 +198,7 @@ class LogReader:
         return rows_of_batches(self.batches())
 
     def batches(self) -> Iterator[RecordRun | list[tuple]]:
-        """``rows()`` in batches: a ``blocks.RecordRun`` for a block of lines the fast
+        """``rows()`` in batches: a ``fast_path.RecordRun`` for a stretch of lines the fast
         path accepts, else a list of row tuples."""
         self.problems, self.problem_count, self.notes, self.unbound = [], 0, [], []
         self._wanted = {
@@ -209,11 +209,11 @@ class LogReader:
         self._prev_step: int | None = None
         self._n_event = 0
         self._order = StepOrder()
-        for lineno0, offset0, piece, is_event in regions(
-            self.path, BLOCK_BYTES, self._event_lines, self._event_offsets, self._end
+        for lineno0, offset0, stretch, is_event in regions(
+            self.path, STRETCH_BYTES, self._event_lines, self._event_offsets, self._end
         ):
             if self.fast and not is_event and isinstance(self._prev_chain, str):
-                runs = check_block(piece, self._prev_step, self._prev_chain)
+                runs = check_stretch(stretch, self._prev_step, self._prev_chain)
                 if runs is not None:
                     for run in runs:
                         out = self._accept(run, lineno0)
@@ -222,7 +222,7 @@ class LogReader:
                             yield out
                     continue
             rows = []
-            for lineno, _, raw in split_lines(lineno0, offset0, piece):
+            for lineno, _, raw in split_lines(lineno0, offset0, stretch):
                 line = raw.rstrip(b"\r\n")
                 if line.strip():
                     row = self._line(lineno, line)

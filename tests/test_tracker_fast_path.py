@@ -1,8 +1,8 @@
-"""The reader's block fast path (tracker/blocks.py) against the per-line reading.
+"""The reader's stretch fast path (tracker/fast_path.py) against the per-line reading.
 
 ``LogReader(fast=False)`` takes every line on its own: the reference. Hypothesis
 tampers with real logs (deletes, repeats, swaps, edits bytes, inserts blank
-lines, cuts the tail) and reads them in blocks of random sizes; the one-log and
+lines, cuts the tail) and reads them in stretches of random sizes; the one-log and
 two-log ``zephon verify`` reports (verdict, counts, first problem, first
 mismatch, ranges) and any error must be the same both ways.
 """
@@ -23,12 +23,12 @@ from torchtitan_zephon.cli.verify import check_log, compare_logs
 from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.tracker import SequenceTracker, TrackerError, reader
-from torchtitan_zephon.tracker.blocks import RecordRun
 from torchtitan_zephon.tracker.compare import _Ranges
+from torchtitan_zephon.tracker.fast_path import RecordRun
 from torchtitan_zephon.tracker.forked import ForkedLogReader
-from torchtitan_zephon.tracker.pieces import count_lines, has_event
 from torchtitan_zephon.tracker.reader import LogReader
 from torchtitan_zephon.tracker.records import RECORD_LINE, record_line
+from torchtitan_zephon.tracker.stretches import count_lines, has_event
 
 TOPO = {"world_size": 2, "dp_degree": 2, "nnodes": 1}
 STEPS = 40
@@ -142,8 +142,8 @@ def outcome(fn, *paths: Path, fast: bool):
         return ("error", str(e))
 
 
-def both_ways(fn, *paths: Path, block: int):
-    with mock.patch.object(reader, "BLOCK_BYTES", block):
+def both_ways(fn, *paths: Path, size: int):
+    with mock.patch.object(reader, "STRETCH_BYTES", size):
         return outcome(fn, *paths, fast=True), outcome(fn, *paths, fast=False)
 
 
@@ -154,20 +154,20 @@ def both_ways(fn, *paths: Path, block: int):
     edits=st.lists(_edit, max_size=4),
     cut=st.none() | st.integers(0, 300),
     rechain=st.booleans(),
-    block=st.sampled_from([1, 200, 700, 2500, 1 << 20]),
+    size=st.sampled_from([1, 200, 700, 2500, 1 << 20]),
 )
 def test_fast_path_reports_what_the_per_line_reading_reports(
-    variant_a, variant_b, edits, cut, rechain, block
+    variant_a, variant_b, edits, cut, rechain, size
 ):
     with tempfile.TemporaryDirectory() as tmp:
         a, b = Path(tmp) / "a.jsonl", Path(tmp) / "b.jsonl"
         a.write_bytes(tamper(base_log(variant_a), edits, cut, rechain))
         b.write_bytes(base_log(variant_b))
-        fast, ref = both_ways(check_log, a, block=block)
+        fast, ref = both_ways(check_log, a, size=size)
         assert fast == ref
-        fast, ref = both_ways(compare_logs, a, b, block=block)
+        fast, ref = both_ways(compare_logs, a, b, size=size)
         assert fast == ref
-        fast, ref = both_ways(compare_logs, b, a, block=block)
+        fast, ref = both_ways(compare_logs, b, a, size=size)
         assert fast == ref
 
 
@@ -178,7 +178,7 @@ def test_untouched_logs_take_the_fast_path_and_match(tmp_path):
         batches = list(LogReader(path).batches())
         assert batches and all(isinstance(b, RecordRun) for b in batches), variant
         lengths = {len(line) for line in base_log(variant).split(b"\n")[1:-1]}
-        assert len(lengths) > 2  # several line lengths: several runs per block
+        assert len(lengths) > 2  # several line lengths: several runs per stretch
     a, b = tmp_path / "tokens.jsonl", tmp_path / "tokens-resume.jsonl"
     report = compare_logs(LogReader(a), LogReader(b))
     assert report["verdict"] == "match" and report["steps_compared"] == STEPS
@@ -200,9 +200,9 @@ def test_a_forked_reader_sends_the_same_batches(tmp_path):
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=40) | st.lists(st.sampled_from([b'"event"', b"v", b"e", b'"', b"\n", b"x"])).map(b"".join))  # fmt: skip
-def test_event_search_and_line_count_agree_with_bytes_methods(piece):
-    assert has_event(piece) == (b'"event"' in piece)
-    assert count_lines(piece) == piece.count(b"\n")
+def test_event_search_and_line_count_agree_with_bytes_methods(stretch):
+    assert has_event(stretch) == (b'"event"' in stretch)
+    assert count_lines(stretch) == stretch.count(b"\n")
 
 
 @settings(max_examples=300, deadline=None)

@@ -1,19 +1,19 @@
-"""Checking a block of step records at once: the reader's fast path.
+"""Checking a stretch of step records at once: the reader's fast path.
 
-A block is a run of whole log lines (each ending in a newline) with no event
-among them. ``check_block`` accepts it only when every line is a record in the
+A stretch is a run of whole log lines (each ending in a newline) with no event
+among them. ``check_stretch`` accepts it only when every line is a record in the
 writer's layout (``records.RECORD_LINE`` with ``"v":2``), the steps follow one
-another from the step before the block, and every chain follows from the one
+another from the step before the stretch, and every chain follows from the one
 before it; it then returns the records as ``RecordRun`` columns (raw digests,
 numpy integers) instead of one tuple per line. Lines of equal length are viewed
 as one 2-D byte array and checked column by column against a template taken from
 the run's first line; only the chain's sha256 is computed line by line.
 
-Invariant: ``check_block`` returns runs only where the per-line reading
-(``LogReader`` with the fast path off) would take every line of the block through
+Invariant: ``check_stretch`` returns runs only where the per-line reading
+(``LogReader`` with the fast path off) would take every line of the stretch through
 its writer's-layout path, with no problem, and yield exactly the rows
 ``RecordRun.row`` gives; in every other case it returns None and changes
-nothing, so the caller reads the block line by line and reports what it finds.
+nothing, so the caller reads the stretch line by line and reports what it finds.
 """
 
 from __future__ import annotations
@@ -158,13 +158,13 @@ def _check_run(a: np.ndarray, t: _Template, prev_step: int, prev_chain: bytes) -
     )
 
 
-def check_block(block: bytes, prev_step: int, prev_chain: str) -> list[RecordRun] | None:
-    """The records of ``block`` (whole lines, no event) following ``prev_step`` and
+def check_stretch(stretch: bytes, prev_step: int, prev_chain: str) -> list[RecordRun] | None:
+    """The records of ``stretch`` (whole lines, no event) following ``prev_step`` and
     ``prev_chain``, or None when any line needs the per-line reading."""
     prev = prev_chain.encode()
-    if not block.endswith(b"\n") or len(prev) != 64 or not 0 <= prev_step < 1 << 62:
+    if not stretch.endswith(b"\n") or len(prev) != 64 or not 0 <= prev_step < 1 << 62:
         return None
-    buf = np.frombuffer(block, dtype=np.uint8)
+    buf = np.frombuffer(stretch, dtype=np.uint8)
     ends = np.flatnonzero(buf == _NL)
     starts = np.empty_like(ends)
     starts[0] = 0
@@ -176,7 +176,7 @@ def check_block(block: bytes, prev_step: int, prev_chain: str) -> list[RecordRun
         start, n = int(starts[lo]), int(lengths[lo])
         if n <= _TAIL:
             return None
-        t = _Template.of(block[start : start + n])
+        t = _Template.of(stretch[start : start + n])
         if t is None:
             return None
         a = buf[start : start + (hi - lo) * (n + 1)].reshape(hi - lo, n + 1)
