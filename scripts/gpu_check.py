@@ -100,7 +100,7 @@ def engine_check(opts: argparse.Namespace, out: Path) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch import nn
 
-    from torchtitan_zephon.bench.corpus import builtin_store
+    from torchtitan_zephon.bench.builtin_corpus import builtin_store
     from torchtitan_zephon.job.loader import ZephonLoader
     from torchtitan_zephon.order.layout import BatchSchedule
 

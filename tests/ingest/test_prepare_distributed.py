@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import corpus_text
 from tests.titan.launch import kill_node
-from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, write_jsonl
+from torchtitan_zephon.bench.builtin_corpus import TOKENIZER_DIR, write_jsonl
 from torchtitan_zephon.ingest import stage as prepare_module
 from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.store.format import StoreError

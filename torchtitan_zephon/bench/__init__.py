@@ -14,7 +14,7 @@ samples trained twice or never against TorchTitan's torchft sharding; ``ft_loop`
 its training loop) and ``packing`` (padding and split documents against windows and
 first-fit, the packed loader's labelled tokens/s, the packing index's cost). Each exposes
 ``run(opts: dict) -> dict`` (a JSON-able result) and ``rows(result)`` (the
-printed table). Beside them: ``corpus`` and ``measure`` (what the suites share), and
+printed table). Beside them: ``builtin_corpus`` and ``measure`` (what the suites share), and
 the parts of ``loader``: ``contenders`` (the loaders compared), ``throughput`` and
 ``content_checks``.
 

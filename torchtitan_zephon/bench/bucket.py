@@ -95,7 +95,7 @@ def bucket_env(endpoint: str) -> dict[str, str]:
 def make_store(folder: Path, num_tokens: int, block_tokens: int = 512) -> Path:
     """The builtin store's tokens (and documents) repeated to ``num_tokens`` tokens, in
     ``folder``, with block checksums of ``block_tokens``."""
-    from torchtitan_zephon.bench.corpus import builtin_store
+    from torchtitan_zephon.bench.builtin_corpus import builtin_store
     from torchtitan_zephon.migrate.old_stores import add_block_checksums
     from torchtitan_zephon.store.writer import write_derived_store
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from torchtitan_zephon.bench.corpus import TOKENIZER_DIR
+from torchtitan_zephon.bench.builtin_corpus import TOKENIZER_DIR
 from torchtitan_zephon.job.loader import ZephonLoader
 from torchtitan_zephon.order.layout import BatchSchedule
 from torchtitan_zephon.order.state import DataState

@@ -33,9 +33,9 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from torchtitan_zephon.bench.builtin_corpus import builtin_store, write_jsonl
 from torchtitan_zephon.bench.contenders import state_at, trainer_record_bytes, zephon_loader
 from torchtitan_zephon.bench.content_checks import content_check_cost
-from torchtitan_zephon.bench.corpus import builtin_store, write_jsonl
 from torchtitan_zephon.bench.measure import first_batch_after_restore, paired_latency, ratio
 from torchtitan_zephon.bench.throughput import LOADERS, loader_throughput, zephon_breakdown
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from torchtitan_zephon.bench.corpus import builtin_store
+from torchtitan_zephon.bench.builtin_corpus import builtin_store
 from torchtitan_zephon.bench.measure import (
     first_batch_after_restore,
     paired_latency,

@@ -155,7 +155,7 @@ def _first_batch_after_resume(loader_data: Any, seq_len: int, batch: int) -> flo
 def run(opts: dict) -> dict:
     import tempfile
 
-    from torchtitan_zephon.bench.corpus import builtin_store
+    from torchtitan_zephon.bench.builtin_corpus import builtin_store
     from torchtitan_zephon.job.data import JobData
     from torchtitan_zephon.job.packing import document_lengths, open_packing
 

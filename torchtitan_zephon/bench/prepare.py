@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from torchtitan_zephon.bench.corpus import TOKENIZER_DIR, write_jsonl
+from torchtitan_zephon.bench.builtin_corpus import TOKENIZER_DIR, write_jsonl
 from torchtitan_zephon.bench.measure import ratio
 from torchtitan_zephon.ingest.inputs import InputFile
 from torchtitan_zephon.ingest.prepare import prepare_store

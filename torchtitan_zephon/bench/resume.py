@@ -68,6 +68,7 @@ def _median(runs: list[dict[str, float]]) -> dict[str, float]:
 
 
 def run(opts: dict) -> dict:
+    from torchtitan_zephon.bench.builtin_corpus import builtin_store, write_jsonl
     from torchtitan_zephon.bench.contenders import (
         state_at,
         stock_loader,
@@ -75,7 +76,6 @@ def run(opts: dict) -> dict:
         trainer_record_bytes,
         zephon_loader,
     )
-    from torchtitan_zephon.bench.corpus import builtin_store, write_jsonl
 
     base = QUICK if opts.get("quick") else DEFAULTS
     o = {**base, **{k: v for k, v in opts.items() if v is not None and k in base}}

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from torchtitan_zephon.bench import tracker as tracker_bench
-from torchtitan_zephon.bench.corpus import builtin_store
+from torchtitan_zephon.bench.builtin_corpus import builtin_store
 from torchtitan_zephon.bench.measure import latency, paired_latency, ratio
 from torchtitan_zephon.order.data_config import DataConfig
 from torchtitan_zephon.order.exclusions import ExcludeEntry
