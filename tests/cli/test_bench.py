@@ -157,3 +157,17 @@ def test_accounting(capsys):
     assert r["scalars_per_step"] == 3 * 7
     assert r["documents_per_step"] > 0
     assert r["meets"] == {"step_path_ms": r["step_path_ms"] < 1.0}
+
+
+@pytest.mark.slow  # 12 child processes (~60 s); tests/remote/test_virtual_corpus.py covers
+# the corpus and the server by default
+def test_corpus(capsys):
+    r = bench(capsys, "corpus")
+    assert r["corpora"]["virtual"]["documents"] > 10**10
+    assert r["corpora"]["real"]["documents"] == 4 * 65536
+    assert len(r["cases"]) == 12
+    for case in r["cases"]:
+        assert case["disk_bytes"] == 0  # a store read by range, its index kept with it
+        assert case["first_batch_s"] > 0 and case["gets_per_step"] > 0
+        if not case["packing"]:  # windows of seq_len 512 over 512-token blocks
+            assert case["fetch_ratio"] < 1.1

@@ -12,7 +12,10 @@ accounting's cost on the training step) and ``ft`` (replica groups under torchft
 group's death to the next commit against a whole-job restart, the sync quorum's cost,
 samples trained twice or never against TorchTitan's torchft sharding; ``ft_loop`` is
 its training loop) and ``packing`` (padding and split documents against windows and
-first-fit, the packed loader's labelled tokens/s, the packing index's cost). Each exposes
+first-fit, the packed loader's labelled tokens/s, the packing index's cost) and
+``corpus`` (one rank reading a virtual corpus of 10^10 documents from a loopback S3
+API against a real store of 10^6: first batch, memory, disk, bytes and requests;
+``virtual_corpus``, ``object_server`` and ``corpus_rank`` are its parts). Each exposes
 ``run(opts: dict) -> dict`` (a JSON-able result) and ``rows(result)`` (the
 printed table). Beside them: ``builtin_corpus`` and ``measure`` (what the suites share), and
 the parts of ``loader``: ``contenders`` (the loaders compared), ``throughput`` and
@@ -25,5 +28,5 @@ never from remembered numbers.
 
 SUITES = [
     "loader", "step", "resume", "scale", "prepare", "mixture", "remote", "accounting", "ft",
-    "packing",
+    "packing", "corpus",
 ]  # fmt: skip

@@ -38,7 +38,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
             "local disk (remote), the per-source accounting's cost on a step (accounting), "
             "replica groups under torchft against a whole-job restart and TorchTitan's "
             "torchft sharding (ft), whole-document packing against windows and first-fit "
-            "(packing). "
+            "(packing), one rank reading a virtual 10^13-token corpus from a loopback bucket "
+            "against a real store of 10^6 documents (corpus). "
             f"`all` runs every suite and writes {ALL_OUT}."
         ),
     )

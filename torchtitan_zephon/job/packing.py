@@ -80,14 +80,14 @@ def document_lengths(store: TokenStore) -> np.ndarray:
     return np.diff(np.append(offsets, np.int64(store.num_tokens)))
 
 
-def _index_name(seq_len: int) -> str:
+def index_name(seq_len: int) -> str:
     field = packing_field("best_fit")
     assert field is not None
     return f"best_fit-L{int(seq_len)}-v{field['format']}"
 
 
 def index_folder(store: TokenStore, seq_len: int, cache_dir: str = "") -> Path:
-    return cache_root(cache_dir) / "packing" / store.fingerprint / _index_name(seq_len)
+    return cache_root(cache_dir) / "packing" / store.fingerprint / index_name(seq_len)
 
 
 def beside_folder(store: TokenStore, seq_len: int) -> Path | None:
@@ -95,23 +95,38 @@ def beside_folder(store: TokenStore, seq_len: int) -> Path | None:
     read by range."""
     if not store.mapped:
         return None
-    return Path(store.path) / STORE_PACKING / _index_name(seq_len)
+    return Path(store.path) / STORE_PACKING / index_name(seq_len)
 
 
 def _manifest(store: TokenStore, packed: PackedSamples, folder: Path) -> dict[str, Any]:
+    return index_manifest(
+        store.fingerprint,
+        store.num_documents,
+        packed,
+        (file_xxh3_128(folder / STARTS), file_xxh3_128(folder / PIECES)),
+    )
+
+
+def index_manifest(
+    store_fingerprint: str, num_documents: int, packed: Any, hashes: tuple[str, str]
+) -> dict[str, Any]:
+    """The manifest of the packing index ``packed`` (a ``PackedSamples``, or anything
+    with its counts: ``seq_len``, ``num_samples``, ``num_pieces``, ``tokens()``,
+    ``padding_fraction()``, ``split_documents()``) of a store of ``num_documents``
+    documents, whose starts.npy and pieces.npy hash (xxh3-128) to ``hashes``."""
     return {
         "kind": "packing index",
-        "store_fingerprint": store.fingerprint,
-        "seq_len": packed.seq_len,
+        "store_fingerprint": store_fingerprint,
+        "seq_len": int(packed.seq_len),
         "packing": packing_field("best_fit"),
-        "num_documents": store.num_documents,
-        "num_samples": packed.num_samples,
-        "num_pieces": packed.num_pieces,
-        "tokens": packed.tokens(),
+        "num_documents": int(num_documents),
+        "num_samples": int(packed.num_samples),
+        "num_pieces": int(packed.num_pieces),
+        "tokens": int(packed.tokens()),
         "padding_fraction": packed.padding_fraction(),
-        "split_documents": packed.split_documents(),
-        "starts_xxh3_128": file_xxh3_128(folder / STARTS),
-        "pieces_xxh3_128": file_xxh3_128(folder / PIECES),
+        "split_documents": int(packed.split_documents()),
+        "starts_xxh3_128": hashes[0],
+        "pieces_xxh3_128": hashes[1],
     }
 
 
@@ -127,7 +142,7 @@ def build_beside(
     ranks = ranks or OneProcess()
     folder = beside_folder(store, seq_len)
     if folder is None:  # in a bucket: staged in the cache, uploaded
-        staging = cache_root(cache_dir) / "packing-build" / store.fingerprint / _index_name(seq_len)
+        staging = cache_root(cache_dir) / "packing-build" / store.fingerprint / index_name(seq_len)
     else:
         staging = folder.parent / f".{folder.name}.build"
     lengths = document_lengths(store)
@@ -167,7 +182,7 @@ def build_beside(
 
     for step in (start, pack_mine, join):
         together(ranks, step)
-    return folder if folder is not None else f"{store.path}/{STORE_PACKING}/{_index_name(seq_len)}"
+    return folder if folder is not None else f"{store.path}/{STORE_PACKING}/{index_name(seq_len)}"
 
 
 def _upload(store: Any, seq_len: int, dest: Path) -> None:
@@ -175,7 +190,7 @@ def _upload(store: Any, seq_len: int, dest: Path) -> None:
     files = ObjectFiles(store.url)
     try:
         for name in (STARTS, PIECES, MANIFEST):
-            files.upload(f"{STORE_PACKING}/{_index_name(seq_len)}/{name}", dest / name)
+            files.upload(f"{STORE_PACKING}/{index_name(seq_len)}/{name}", dest / name)
     finally:
         files.close()
 
@@ -206,7 +221,7 @@ def read_kept_remote(store: Any, seq_len: int) -> tuple[PackedSamples, str] | No
     (``<prefix>/packing/best_fit-L<seq_len>-v<format>/``, uploaded with it) and its URL:
     its manifest read and checked, its arrays read by page as they are looked up
     (``store.paged``); None when the store keeps none."""
-    name = f"{STORE_PACKING}/{_index_name(seq_len)}"
+    name = f"{STORE_PACKING}/{index_name(seq_len)}"
     shown = f"{store.path}/{name}"
     try:
         manifest = json.loads(store.read_file(f"{name}/{MANIFEST}"))

@@ -240,11 +240,18 @@ def content_section(
     """The manifest's ``content`` section of the store files in ``store_dir``, whose
     ``checksums.bin`` is complete and whose largest token id is ``max_token_id``."""
     root = Path(store_dir)
+    hashes = (file_xxh3_128(root / CHECKSUMS), file_xxh3_128(root / DOC_OFFSETS))
+    return content_fields(max_token_id, chunk_tokens, hashes)
+
+
+def content_fields(max_token_id: int, chunk_tokens: int, hashes: tuple[str, str]) -> dict[str, Any]:
+    """The content section of a store whose checksums.bin and doc_offsets.bin hash
+    (xxh3-128) to ``hashes``."""
     return {
         "algorithm": CHECKSUM_ALGORITHM,
         "chunk_tokens": int(chunk_tokens),
-        "checksums_xxh3_128": file_xxh3_128(root / CHECKSUMS),
-        "doc_offsets_xxh3_128": file_xxh3_128(root / DOC_OFFSETS),
+        "checksums_xxh3_128": hashes[0],
+        "doc_offsets_xxh3_128": hashes[1],
         "max_token_id": int(max_token_id),
     }
 
@@ -301,6 +308,13 @@ def block_section(
 ) -> dict[str, Any]:
     """The content of blocks.json for the complete ``blocks_file`` (blocks of
     ``block_tokens``) of the store whose fingerprint is ``fingerprint_``."""
+    return block_fields(fingerprint_, num_tokens, block_tokens, file_xxh3_128(blocks_file))
+
+
+def block_fields(
+    fingerprint_: str, num_tokens: int, block_tokens: int, blocks_hash: str
+) -> dict[str, Any]:
+    """blocks.json of a store (``block_section``) whose blocks.bin hashes to ``blocks_hash``."""
     return {
         "format": BLOCKS_FORMAT,
         "version": 1,
@@ -309,7 +323,7 @@ def block_section(
         "seed": "fingerprint[:16]",
         "fingerprint": fingerprint_,
         "num_blocks": num_blocks(num_tokens, block_tokens),
-        "blocks_xxh3_128": file_xxh3_128(blocks_file),
+        "blocks_xxh3_128": blocks_hash,
     }
 
 

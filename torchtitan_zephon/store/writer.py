@@ -175,21 +175,32 @@ def write_derived_store(
     dtype and EOS are ``like``'s. Checksums and fingerprint are computed fresh."""
     (folder / TOKENS).write_bytes(blob)
     (folder / DOC_OFFSETS).write_bytes(np.asarray(doc_offsets).astype("<i8").tobytes())
-    m = like.manifest
-    manifest: dict[str, Any] = {
-        "format": FORMAT,
-        "version": FORMAT_VERSION,
-        "tokenizer": m["tokenizer"],
-        "dtype": m["dtype"],
-        "eos_id": m["eos_id"],
-        "num_tokens": len(blob) // like.dtype.itemsize,
-        "num_documents": int(np.asarray(doc_offsets).size),
-        "text_field": m.get("text_field", "text"),
-        "sources": [{**source, "sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}],
-    }
+    source = {**source, "sha256": hashlib.sha256(blob).hexdigest(), "size": len(blob)}
+    manifest = derived_manifest(
+        like.manifest, len(blob) // like.dtype.itemsize, int(np.asarray(doc_offsets).size), source
+    )
     manifest["content"] = write_checksums(folder, manifest)
     manifest["fingerprint"] = manifest_fingerprint(manifest)
     (folder / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def derived_manifest(
+    like: dict[str, Any], num_tokens: int, num_documents: int, source: dict[str, Any]
+) -> dict[str, Any]:
+    """The manifest, before its content section and fingerprint, of a store of tokens
+    already prepared (``write_derived_store``): tokenizer, dtype and EOS are those of the
+    manifest ``like``; ``source`` is its one source record."""
+    return {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": like["tokenizer"],
+        "dtype": like["dtype"],
+        "eos_id": like["eos_id"],
+        "num_tokens": int(num_tokens),
+        "num_documents": int(num_documents),
+        "text_field": like.get("text_field", "text"),
+        "sources": [source],
+    }
 
 
 def slice_store(source: TokenStore, start: int, stop: int, output: str | os.PathLike) -> TokenStore:
