@@ -22,6 +22,11 @@ whole-file hashes are not computed (``virtual_corpus.NOT_COMPUTED``: only ``insp
 (their requests are the same kind and count by construction: the order is a uniform
 shuffle).
 
+Registering existing token files: the real store's documents written as an OLMo numpy
+token file (uint16, the builtin tokenizer's ids), registered (``zephon prepare FILE
+--input-format numpy``: read in place) and its packing index built beside it: seconds
+(and per TB of tokens read) and the bytes written as a fraction of the token bytes.
+
 Invariant: both corpora are measured in the same run, by the same code, through the
 same server; every ratio is computed from that run's figures.
 """
@@ -38,9 +43,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from torchtitan_zephon.bench.bucket import bucket_env
 from torchtitan_zephon.bench.object_server import Folder, ObjectServer
-from torchtitan_zephon.bench.virtual_corpus import LARGE, VirtualCorpus
+from torchtitan_zephon.bench.virtual_corpus import EOS_ID, LARGE, VirtualCorpus
 
 DEFAULTS = {"seq_len": 4096, "batch": 1, "steps": 16, "real_chunks": 16, "mean_tokens": 1000}
 QUICK = {"seq_len": 512, "batch": 1, "steps": 3, "real_chunks": 4, "mean_tokens": 40}
@@ -60,6 +67,49 @@ def materialize(corpus: VirtualCorpus, folder: Path) -> Path:
             for a in range(0, size, 1 << 26):
                 f.write(corpus.read(name, a, min(size, a + (1 << 26))))
     return folder
+
+
+def token_file(corpus: VirtualCorpus, path: Path, eos_id: int, vocab_size: int) -> int:
+    """``corpus``'s documents as an OLMo numpy token file (raw uint16, each document
+    ended by ``eos_id``) for a tokenizer of ``vocab_size`` ids; its bytes."""
+    with open(path, "wb") as f:
+        for a in range(0, corpus.num_tokens, 1 << 24):
+            t = corpus.tokens(a, a + (1 << 24)).astype(np.int64)
+            ids = t % (vocab_size - 2) + 2  # never eos_id (1 in the builtin tokenizer)
+            ids[t == EOS_ID] = eos_id
+            f.write(ids.astype("<u2").tobytes())
+    return path.stat().st_size
+
+
+def registration(corpus: VirtualCorpus, seq_len: int, tmp: Path) -> dict[str, Any]:
+    """``zephon prepare FILE --input-format numpy`` (``ingest.token_files``) of
+    ``corpus``'s documents, then the packing index at ``seq_len`` kept beside the store,
+    as ``--pack-seq-len`` builds it: seconds and bytes written for each."""
+    from torchtitan_zephon.ingest.builtin import TOKENIZER_DIR
+    from torchtitan_zephon.ingest.token_files import register_store
+    from torchtitan_zephon.ingest.tokenizer import load_tokenizer_info
+    from torchtitan_zephon.job.packing import build_beside
+
+    info = load_tokenizer_info(str(TOKENIZER_DIR))
+    source = tmp / "tokens.u16"
+    token_bytes = token_file(corpus, source, info.eos_id, info.vocab_size)
+    out = tmp / "registered"
+    t0 = time.perf_counter()
+    store = register_store([str(source)], "numpy", str(TOKENIZER_DIR), str(out))
+    register_s = time.perf_counter() - t0
+    written = folder_bytes(out)
+    t0 = time.perf_counter()
+    build_beside(store, seq_len)
+    pack_s = time.perf_counter() - t0
+    return {
+        "token_bytes": token_bytes,
+        "documents": store.num_documents,
+        "register_s": register_s,
+        "register_written": written,
+        "pack_s": pack_s,
+        "pack_written": folder_bytes(out) - written,
+        "tokens_in_place": not any(p.stat().st_size >= token_bytes for p in out.rglob("*")),
+    }
 
 
 def folder_bytes(folder: Path) -> int:
@@ -141,6 +191,7 @@ def run(opts: dict) -> dict:
         finally:
             server.close()
         real_bytes = folder_bytes(real)
+        registered = registration(small, seq_len, tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     corpora = {
@@ -158,7 +209,7 @@ def run(opts: dict) -> dict:
         },  # fmt: skip
     }
     return {"options": o, "corpora": corpora, "cases": cases, "goals": GOALS,
-            "prefix_gets_per_s": PREFIX_GETS_PER_S}  # fmt: skip
+            "prefix_gets_per_s": PREFIX_GETS_PER_S, "registration": registered}  # fmt: skip
 
 
 def _pair(r: dict, packing: bool, dp: int) -> tuple[dict, dict]:
@@ -212,4 +263,15 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
              f"S3 serves ~{r['prefix_gets_per_s']:,}/s per prefix: "
              + ("within" if worst <= r["prefix_gets_per_s"] else "OVER"))
         )  # fmt: skip
+    g = r["registration"]
+    tb = g["token_bytes"] / 1e12
+    out += [
+        (f"registering the real store's documents as a numpy token file ({g['token_bytes'] / 2**30:.2f} GiB, "
+         "uint16)", "seconds | bytes written / token bytes", "goal < 1 %"),
+        ("  zephon prepare FILE --input-format numpy", f"{g['register_s']:.1f} s ({g['register_s'] / tb:,.0f} s/TB) "
+         f"| {g['register_written'] / g['token_bytes']:.3%}", "the tokens read in place: "
+         + ("none copied" if g["tokens_in_place"] else "COPIED")),
+        (f"  + the packing index at seq_len {o['seq_len']}", f"{g['pack_s']:.1f} s ({g['pack_s'] / tb:,.0f} s/TB) | "
+         f"{g['pack_written'] / g['token_bytes']:.3%}", f"together {(g['register_written'] + g['pack_written']) / g['token_bytes']:.3%}"),
+    ]  # fmt: skip
     return out

@@ -8,7 +8,11 @@ tokenizing process per rank: ``--workers 1``), and measures, in the same run,
 the limit: the tokenizer alone (``encode_batch`` over the same documents, already
 in memory, in the chunks prepare makes, each process the units a rank would get,
 in the same order) in 1 and 2 processes, no reading and no writing. Reports tokens/s of each, prepare's share of the limit (target >= 90 %)
-and whether the 1- and 2-rank stores are byte-identical. Also prepares the file in
+and whether the 1- and 2-rank stores are byte-identical. Each prepares into shards
+(``--shard-bytes``: the input's bytes / 8, so each unit's part is one shard) and its bytes
+written (the kernel's count of the file pages its processes dirtied, ``ru_oublock``) are
+set against the token bytes: 1.0 plus the metadata when each token is written once; one
+more 2-rank prepare into one tokens.bin shows the parts-then-store way (2.0). Also prepares the file in
 one process with 1 and 2 tokenizer workers (the older comparison).
 
 Invariant: every figure comes from this invocation on this machine; the tokenizer
@@ -25,6 +29,7 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -41,7 +46,6 @@ from torchtitan_zephon.ingest.readers import iter_documents
 from torchtitan_zephon.ingest.stage import CHUNK_CHARS, CHUNK_DOCS, assign_units
 from torchtitan_zephon.ingest.tokenizer import load_tokenizer_info
 from torchtitan_zephon.ingest.units import cut_units
-from torchtitan_zephon.store.format import CHECKSUMS, DOC_OFFSETS, MANIFEST, TOKENS
 
 RANKS = (1, 2)
 WORKERS = (1, 2)
@@ -49,27 +53,44 @@ UNITS = 16
 TARGET = 0.9
 DEFAULTS: dict[str, Any] = {"max_docs": None, "repeat": 6, "rounds": 2}
 QUICK: dict[str, Any] = {"max_docs": 20, "repeat": 1, "rounds": 1}
-_FILES = (MANIFEST, TOKENS, DOC_OFFSETS, CHECKSUMS)
 _ENV = {"TOKENIZERS_PARALLELISM": "false", "RAYON_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
 
 
 def _same(a: Path, b: Path) -> bool:
-    return all((a / n).read_bytes() == (b / n).read_bytes() for n in _FILES)
+    files = sorted(p.relative_to(a) for p in a.rglob("*") if p.is_file())
+    return files == sorted(p.relative_to(b) for p in b.rglob("*") if p.is_file()) and all(
+        (a / n).read_bytes() == (b / n).read_bytes() for n in files
+    )
 
 
-def _torchrun_prepare(jsonl: Path, out: Path, nproc: int, unit_bytes: int) -> dict[str, Any]:
-    """One ``torchrun`` prepare; its report (tokens, seconds) and the wall time."""
+def _written_bytes() -> int:
+    """Bytes the waited-for child processes wrote to files so far (the kernel's count of
+    pages they dirtied: a hard link writes none)."""
+    return resource.getrusage(resource.RUSAGE_CHILDREN).ru_oublock * 512
+
+
+def _torchrun_prepare(
+    jsonl: Path, out: Path, nproc: int, unit_bytes: int, shard_bytes: int | None
+) -> dict[str, Any]:
+    """One ``torchrun`` prepare (into shards of ``shard_bytes``; None: one tokens.bin);
+    its report (tokens, seconds), the wall time and the bytes it wrote."""
     report = out.with_suffix(".report.json")
+    shards = ["--shard-bytes", str(shard_bytes or 1 << 62)]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
            f"--nproc-per-node={nproc}", "-m", "torchtitan_zephon", "prepare", str(jsonl),
            "--tokenizer", str(TOKENIZER_DIR), "--output", str(out), "--workers", "1",
-           "--unit-bytes", str(unit_bytes), "--quiet", "--report", str(report)]  # fmt: skip
+           "--unit-bytes", str(unit_bytes), *shards, "--quiet", "--report", str(report)]  # fmt: skip
+    written = _written_bytes()
     t0 = time.perf_counter()
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **_ENV})
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         raise RuntimeError(f"torchrun prepare failed ({res.returncode}):\n{res.stderr[-3000:]}")
-    return {**json.loads(report.read_text()), "wall_s": wall}
+    rep = json.loads(report.read_text())
+    token_bytes = sum(p.stat().st_size for p in out.rglob("*.bin") if p.name != "checksums.bin"
+                      and p.name != "doc_offsets.bin" and p.name != "blocks.bin")  # fmt: skip
+    return {**rep, "wall_s": wall, "written_bytes": _written_bytes() - written,
+            "token_bytes": token_bytes}  # fmt: skip
 
 
 def _rank_chunks(jsonl: Path, unit_bytes: int, nproc: int) -> list[list[list[str]]]:
@@ -166,14 +187,16 @@ def run(opts: dict) -> dict:
         res.update(input_bytes=size, unit_bytes=unit_bytes)
         shares = {n: _rank_chunks(jsonl, unit_bytes, n) for n in RANKS}
         stores: dict[int, Path] = {}
+        shard_bytes = max(4096, size // 8)  # several shards, each a unit's part or more
         runs: dict[int, dict[str, list[float]]] = {
-            n: {"seconds": [], "cpu": [], "wall": [], "limit": [], "limit_cpu": []} for n in RANKS
+            n: {"seconds": [], "cpu": [], "wall": [], "limit": [], "limit_cpu": [], "written": []}
+            for n in RANKS
         }
         for round_ in range(o["rounds"]):  # interleaved: the machine's load hits all alike
             for n in RANKS:
                 limit = _tokenizer_limit(shares[n])
                 out = Path(tmp) / f"ranks{n}-{round_}"
-                rep = _torchrun_prepare(jsonl, out, n, unit_bytes)
+                rep = _torchrun_prepare(jsonl, out, n, unit_bytes, shard_bytes)
                 if limit["tokens"] != rep["tokens"]:
                     raise RuntimeError(
                         f"the limit encoded {limit['tokens']} tokens, prepare {rep['tokens']}"
@@ -187,6 +210,7 @@ def run(opts: dict) -> dict:
                 runs[n]["wall"].append(rep["wall_s"])
                 runs[n]["limit"].append(limit["seconds"])
                 runs[n]["limit_cpu"].append(limit["cpu_seconds"])
+                runs[n]["written"].append(rep["written_bytes"] / rep["token_bytes"])
                 res.update(tokens=rep["tokens"], documents=rep["documents"], units=rep["units"])
         t = res["tokens"]
         for n in RANKS:
@@ -200,9 +224,13 @@ def run(opts: dict) -> dict:
                 "limit_tokens_per_cpu_s": t / min(x["limit_cpu"]),
                 "of_limit_cpu": min(x["limit_cpu"]) / min(x["cpu"]),
                 "tokens_per_s_wall": t / min(x["wall"]),
+                "written_per_token_byte": max(x["written"]),
                 "runs": x,
             }
         res["identical_ranks"] = _same(*(stores[n] for n in RANKS))
+        res["shards"] = len(list((stores[RANKS[-1]] / "tokens").glob("*.bin")))
+        one = _torchrun_prepare(jsonl, Path(tmp) / "one-file", RANKS[-1], unit_bytes, None)
+        res["one_file_written_per_token_byte"] = one["written_bytes"] / one["token_bytes"]
         res["scaling"] = ratio(res["ranks2"]["tokens_per_s"], res["ranks1"]["tokens_per_s"])
         res["meets"] = {f"ranks{n}": res[f"ranks{n}"]["of_limit"] >= TARGET for n in RANKS}
         res["rounds"] = o["rounds"]
@@ -248,7 +276,21 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
         (
             "1- and 2-rank stores byte-identical",
             "yes" if r["identical_ranks"] else "NO",
-            "manifest, tokens, doc offsets, checksums",
+            f"every file: manifest, shards.json and {r['shards']} shards, doc offsets, checksums",
+        ),
+        *(
+            (
+                f"bytes written / token bytes, {n} rank{'s' if n > 1 else ''}, into shards",
+                f"{r[f'ranks{n}']['written_per_token_byte']:.3f}",
+                "each token written once: a unit's part is its shard (a hard link); the rest "
+                "is metadata (the kernel's count of pages dirtied, worst of the rounds)",
+            )
+            for n in RANKS
+        ),
+        (
+            f"bytes written / token bytes, {RANKS[-1]} ranks, into one tokens.bin",
+            f"{r['one_file_written_per_token_byte']:.3f}",
+            "the parts, then the store assembled from them: each token twice",
         ),
         *(
             (
