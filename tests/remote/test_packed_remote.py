@@ -148,6 +148,7 @@ def test_a_step_read_ahead_is_served_without_a_request(urls, fine_store, caches)
     steps = [np.array([5, 1, 30]), np.array([2, 31, 9, 17])]
     for keys in steps:
         remote.read_ahead(keys, seq_len)
+    remote._remote.wait_for(np.concatenate(steps))  # announced from a thread of its own
     deadline = time.time() + 20
     while not all(s.future.done() for s in remote._remote._steps):
         assert time.time() < deadline

@@ -102,6 +102,8 @@ class PackedSource:
         """Rows [len(keys), seq_len + 1] in the store dtype: each sample's pieces, then
         EOS padding; after a piece that does not end its document, that document's next
         token (the label of the piece's last token)."""
+        if self._remote is not None:
+            self._remote.wait_for(keys)  # their step's read-ahead, if it is on its way
         return self._windows_of(np.size(keys), *self._rows(keys), seq_len)
 
     def _windows_of(
@@ -192,6 +194,7 @@ class PackedSource:
         if lo < 0 or hi >= self.packed.num_samples:
             self._rows(keys)  # raises, naming the range
         if self._remote is not None:  # read by range: the vectorized rows, checked
+            self._remote.wait_for(keys)  # their step's read-ahead, if it is on its way
             rows, begin, piece = self._rows(keys)  # once, for both
             ends = self._ends_doc(piece)  # and the documents' ends once
             return (
@@ -315,8 +318,12 @@ class PackedSource:
         """Fetch the pieces of one future step's samples ``keys`` in the background (a
         store in object storage; nothing for a local one)."""
         if self._remote is not None:
-            _, begin, piece = self._rows(keys)
-            self._remote.announce(begin, self._take(piece))
+            self._remote.announce_later(keys, self._spans)
+
+    def _spans(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The token spans samples ``keys`` read: (first token, tokens) of each piece."""
+        _, begin, piece = self._rows(keys)
+        return begin, self._take(piece)
 
     def drop_read_ahead(self) -> None:
         if self._remote is not None:

@@ -12,7 +12,11 @@ request, rounded out to whole blocks (chunks), through the node cache, checked o
 arrival. A step whose bytes would take those held past the store's
 ``read_ahead_bytes`` is not read ahead (its spans are fetched when read); a step's bytes
 are freed once each of its spans was served, or once a later step was read from (what
-a reset leaves); ``drop()`` forgets every step announced.
+a reset leaves); ``drop()`` forgets every step announced. ``announce_later(keys,
+spans)`` announces a step from a thread of its own, in order, once ``spans(keys)``
+found its spans: the packed source's index lookups, a request each, leave the loader's
+thread (``zephon bench corpus`` measured 0.7 s of them in a first batch); a read of a
+step waits for its announcement (``wait_for``), so no span is fetched twice.
 
 Invariant: ``read`` returns exactly the store's tokens of each span, concatenated, and
 every token of it was checked against its block's (chunk's) checksum before it is
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
@@ -48,6 +53,57 @@ class RemoteSpans:
         # (begin, take) -> [(its step, its request, its offset in that request's tokens)]
         self._spans: dict[tuple[int, int], list[tuple[_Announced, int, int]]] = {}
         self._held = 0
+        # Steps to announce once their spans are looked up (``announce_later``), in order.
+        self._later: deque[tuple[np.ndarray, Callable[[np.ndarray], Any], Future]] = deque()
+        self._pending: list[tuple[np.ndarray, Future]] = []
+        self._worker: threading.Thread | None = None
+
+    def announce_later(
+        self, keys: np.ndarray, spans: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+    ) -> None:
+        """``announce(*spans(keys))`` on a thread of this reader, in the order asked (returns
+        at once): finding a step's spans (a packed index and document offsets read by
+        page, a request each) leaves the caller's thread too. A read of any of ``keys``
+        waits for it first (``wait_for``)."""
+        keys = np.array(keys, dtype=np.int64).ravel()
+        future: Future = Future()
+        with self._lock:
+            self._later.append((keys, spans, future))
+            self._pending.append((keys, future))
+            if self._worker is None:
+                self._worker = threading.Thread(
+                    target=self._announce_queued, name="zephon-packed-ahead", daemon=True
+                )
+                self._worker.start()
+
+    def _announce_queued(self) -> None:
+        while True:
+            with self._lock:
+                if not self._later:
+                    self._worker = None  # a later announce_later starts another
+                    return
+                keys, spans, future = self._later.popleft()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                self.announce(*spans(keys))
+                future.set_result(None)
+            except BaseException as e:  # the read of these keys fetches them and says why
+                future.set_exception(e)
+
+    def wait_for(self, keys: np.ndarray) -> None:
+        """Wait until the steps announced later that hold any of ``keys`` are announced (a
+        failed one is left to the read, which fetches what it lacks and raises itself)."""
+        keys = np.asarray(keys, dtype=np.int64).ravel()
+        with self._lock:
+            self._pending = [(k, f) for k, f in self._pending if not f.done()]
+            pending = list(self._pending)
+        for k, future in pending:
+            if np.isin(keys, k).any():
+                try:
+                    future.result()
+                except Exception:
+                    pass
 
     @property
     def held_bytes(self) -> int:
@@ -133,7 +189,20 @@ class RemoteSpans:
                 del self._spans[key]
 
     def drop(self) -> None:
-        """Forget every step announced (the loader moved: a reset, a resume)."""
+        """Forget every step announced (the loader moved: a reset, a resume), those
+        still to be announced included."""
+        with self._lock:
+            later = [future for _, _, future in self._later]
+            self._later.clear()
+            running = [f for _, f in self._pending if f not in later]
+            self._pending = []
+        for future in later:
+            future.cancel()
+        for future in running:  # at most one: let it land, then forget it with the rest
+            try:
+                future.result()
+            except Exception:
+                pass
         with self._lock:
             self._steps.clear()
             self._spans.clear()
