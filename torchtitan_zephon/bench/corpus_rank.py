@@ -1,4 +1,4 @@
-"""One simulated rank of ``zephon bench corpus``, in a process of its own (so its peak
+"""One simulated rank of ``zephon bench corpus``, in a process of its own (so its
 resident memory is its own): ``python -m torchtitan_zephon.bench.corpus_rank URL
 SEQ_LEN BATCH DP PACKING STEPS``.
 
@@ -19,6 +19,7 @@ steps: what they cost), and the bytes of the samples delivered per step. Local d
 from __future__ import annotations
 
 import json
+import os
 import resource
 import sys
 import time
@@ -26,7 +27,12 @@ from typing import Any
 
 
 def _rss_mb() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """Resident memory now (Linux: /proc/self/statm), else the peak so far."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main(argv: list[str]) -> None:

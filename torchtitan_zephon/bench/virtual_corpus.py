@@ -294,13 +294,27 @@ class VirtualCorpus:
         return h.hexdigest()
 
     def _chunk_sums(self, first: int, stop: int) -> np.ndarray:
-        a, b = first * CHUNK_TOKENS, min(stop * CHUNK_TOKENS, self.num_tokens)
-        return content_checksums(self.tokens(a, b), CHUNK_TOKENS)[0]
+        step = max(1, _BATCH // CHUNK_TOKENS)  # chunks a batch of tokens at a time
+        sums = [
+            content_checksums(
+                self.tokens(c * CHUNK_TOKENS, min((c + step) * CHUNK_TOKENS, self.num_tokens)),
+                CHUNK_TOKENS,
+            )[0]
+            for c in range(first, min(stop, num_chunks(self.num_tokens, CHUNK_TOKENS)), step)
+        ]
+        return np.concatenate(sums) if sums else np.zeros(0, dtype="<u8")
 
     def _block_sums(self, first: int, stop: int) -> np.ndarray:
-        a = first * self.block_tokens
-        b = min(stop * self.block_tokens + 1, self.num_tokens)
-        return block_checksums(self.tokens(a, b), block_seed(self.fingerprint), self.block_tokens)
+        bt, seed = self.block_tokens, block_seed(self.fingerprint)
+        step = max(1, _BATCH // bt)  # blocks a batch of tokens at a time
+        last = min(stop, num_blocks(self.num_tokens, bt))
+        sums = [
+            block_checksums(
+                self.tokens(b * bt, min(min(b + step, last) * bt + 1, self.num_tokens)), seed, bt
+            )
+            for b in range(first, last, step)
+        ]
+        return np.concatenate(sums) if sums else np.zeros(0, dtype="<u8")
 
     def _block_info(self, files: dict[str, tuple[int, Any]]) -> dict[str, Any]:
         blocks_hash = self._hash(files, BLOCKS)
