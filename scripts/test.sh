@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The project's test command (README Quickstart, CI): sets up .venv on first use,
 # then lint, the import contract (lint-imports: pyproject.toml [tool.importlinter])
-# and the default test suite (about 26 min on 2 shared cores, more on slower machines: mostly real torchrun jobs; `-m slow` for more).
+# and the default test suite (about 24 min on 2 shared cores, more on slower machines: mostly real torchrun jobs; `-m slow` for more).
 # Extra arguments go to pytest, e.g. scripts/test.sh tests/order -x
 set -euo pipefail
 cd "$(dirname "$0")/.."
