@@ -29,6 +29,9 @@ def assert_trained(run: Path, steps: int = 8) -> None:
 
 def test_fsdp_two_ranks_trains_and_checkpoints(reference: Path):
     assert_trained(reference)
+    log = (reference / "train.log").read_text()
+    assert log.count("Training completed") == 2  # and no rank sleeps 2 s, nor says so
+    assert "Sleeping 2 seconds" not in log
 
 
 def test_tp_two_ranks_trains_on_the_same_data(e2e_root: Path, reference: Path):

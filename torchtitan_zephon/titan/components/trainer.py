@@ -37,6 +37,7 @@ without a traceback.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -101,7 +102,9 @@ class _TimeWithoutTheEndSleep:
     after it waits on them: ``close`` waits for this rank's own checkpoint, ending the
     process group is local, and torchrun (whose agent holds the rendezvous store) waits
     for every worker before it returns. It was 2 s of every job and of every end-to-end
-    test; the log still says "Sleeping 2 seconds" (TorchTitan's line, before the call)."""
+    test. TorchTitan's log line before the call ("Sleeping 2 seconds for other ranks to
+    complete") is left out of the log too (``_without_the_sleep_line``): it no longer
+    says what happens."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(time, name)
@@ -111,7 +114,15 @@ class _TimeWithoutTheEndSleep:
         del seconds
 
 
+SLEEP_LINE = "Sleeping 2 seconds for other ranks to complete"
+
+
+def _without_the_sleep_line(record: logging.LogRecord) -> bool:
+    return record.msg != SLEEP_LINE
+
+
 titan_trainer.time = _TimeWithoutTheEndSleep()  # type: ignore[assignment]
+logger.addFilter(_without_the_sleep_line)
 
 
 def zephon_debug() -> DebugConfig:
