@@ -278,3 +278,51 @@ def test_the_dp_degree_is_torchtitans_on_every_small_layout(parse):
             assert view.dp_degree(world) == titan, (rep, shard, cp, tp, pp, world)
             compared += titan is not None
     assert compared > 100
+
+
+def test_reproducible_accepts_fsdp_on_any_number_of_ranks(parse):
+    from torchtitan_zephon.titan.start.checks import check_job_config
+
+    for world in (1, 2, 3, 4):
+        check_job_config(parse("--zephon.reproducible"), world_size=world)
+
+
+@pytest.mark.parametrize(
+    "overrides, world, text",
+    [
+        (("--parallelism.data_parallel_replicate_degree", "2"), 4,
+         "zephon.reproducible covers data parallelism by FSDP (data_parallel_shard_degree) "
+         "only, not parallelism.data_parallel_replicate_degree = 2: set "
+         "--parallelism.data_parallel_replicate_degree 1, or turn zephon.reproducible off"),
+        (("--parallelism.tensor_parallel_degree", "2"), 2, "not parallelism.tensor_parallel_degree = 2"),
+        (("--parallelism.pipeline_parallel_degree", "2"), 2, "not parallelism.pipeline_parallel_degree = 2"),
+        (("--training.mixed_precision_param", "bfloat16"), 2,
+         "zephon.reproducible needs training.mixed_precision_param = float32, not bfloat16"),
+    ],
+)  # fmt: skip
+def test_reproducible_refuses_what_it_does_not_cover_in_one_line(parse, overrides, world, text):
+    msg = _refused(parse("--zephon.reproducible", *overrides), world)
+    assert text in msg and "\n" not in msg, msg
+
+
+def test_reproducible_refuses_moe_torchft_and_other_optimizers(parse, parse_moe):
+    import dataclasses
+
+    msg = _refused(parse_moe("--zephon.reproducible"), 1)
+    assert msg.startswith("zephon.reproducible does not cover MoE models yet (deepseek_v3 ")
+    ft = dataclasses.replace(parse("--zephon.reproducible").fault_tolerance, enable=True)
+    job = dataclasses.replace(parse("--zephon.reproducible"), fault_tolerance=ft)
+    from torchtitan_zephon.titan.reproducible.coverage import check_reproducible
+
+    with pytest.raises(ValueError, match="does not cover torchft replica groups yet"):
+        check_reproducible(job)
+    muon = dataclasses.replace(parse("--zephon.reproducible"), optimizers=("DistMuon",))
+    with pytest.raises(ValueError, match="computes Adam and AdamW updates exactly, not DistMuon"):
+        check_reproducible(muon)
+    ams = dataclasses.replace(
+        parse("--zephon.reproducible"), optimizer_flags=frozenset({"amsgrad"})
+    )
+    with pytest.raises(ValueError, match="without amsgrad"):
+        check_reproducible(ams)
+    assert parse().optimizers == ("AdamW",) and not parse().optimizer_flags
+    check_reproducible(dataclasses.replace(muon, zephon=parse().zephon))  # off: nothing checked

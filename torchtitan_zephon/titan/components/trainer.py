@@ -20,7 +20,8 @@ wrote is loaded through ``old_runs``' name map; after a rollback, an explicit
 step, once every rank has loaded K), and wraps the model spec's
 ``parallelize_fn`` so the built model's ``init_weights`` is topology-free
 (``init.topology_free_parallelize``, unless ``zephon.init = "torchtitan"``);
-(2) sets the gradient accumulation of each step from the batch schedule; (3)
+(2) sets the gradient accumulation of each step from the batch schedule (with
+``zephon.reproducible``, the step is ``titan.reproducible.step``'s: exact sums); (3)
 after each completed step appends the step's record to the sequence log (global
 rank 0), combining the DP ranks' token digests in rank order at audit level
 ``tokens``, and logs the step's per-source accounting (``titan.components.accounting``, unless
@@ -71,6 +72,9 @@ from torchtitan_zephon.titan.ft.heal import HEAL_KEY, Healing, HealingRefused
 from torchtitan_zephon.titan.ft.quorum import SharedReplicaId, start_manager
 from torchtitan_zephon.titan.ft.settings import lighthouse_url
 from torchtitan_zephon.titan.ft.step import train_step_ft
+from torchtitan_zephon.titan.reproducible.gradients import ExactGradients
+from torchtitan_zephon.titan.reproducible.optimizer import use_exact_steps
+from torchtitan_zephon.titan.reproducible.step import train_step_reproducible
 from torchtitan_zephon.titan.settings.job_view import JobView, job_view
 from torchtitan_zephon.titan.settings.loss_chunks import fit_loss_chunks
 from torchtitan_zephon.titan.settings.zephon_section import Zephon
@@ -148,6 +152,7 @@ class ZephonTrainer(Trainer):
         self.ft: Any = None  # torchft's Manager, with --fault_tolerance.enable
         self._lock: RunFolderLock | None = None
         self.accounting: StepAccounting | None = None  # built at the first step
+        self.exact: ExactGradients | None = None  # with zephon.reproducible
         try:  # before TorchTitan builds anything: clear errors
             _check_components(config)
             note = fit_loss_chunks(config, explicit=False)  # train.py fits it first
@@ -183,6 +188,12 @@ class ZephonTrainer(Trainer):
         with build_context(handoff):  # the dataloader and validator TorchTitan builds read it
             super().__init__(config)
         self.zephon_job = handoff
+        if config.zephon.reproducible:  # exact sums (checked at start: one model part)
+            self.exact = ExactGradients(self.model_parts[0])
+            try:
+                use_exact_steps(self.optimizers.optimizers)
+            except ValueError as e:
+                raise SettingRefused(str(e)) from e
         if start.old_run is not None:  # a 0.2.2 checkpoint: loaded through its key map
             old_runs.install(self.checkpointer, start.old_run)
         if self.ft is not None:  # what this group sends a healing peer, and takes from one
@@ -302,6 +313,9 @@ class ZephonTrainer(Trainer):
         if self.ft is not None:  # torchft: the quorum, this group's part, the commit
             step, tokens = train_step_ft(self, step)  # a later step when it healed
             self._record_step(step, tokens)
+        elif self.exact is not None:
+            train_step_reproducible(self, self.exact, data_iterator)
+            self._record_step(step)
         else:
             super().train_step(data_iterator)
             self._record_step(step)

@@ -86,6 +86,13 @@ class JobView:
     num_experts: int | None = None
     """Routed experts per MoE layer (None: the model has no MoE layer)."""
     fault_tolerance: FaultToleranceView = field(default_factory=FaultToleranceView)
+    mixed_precision_param: str = "float32"
+    """``training.mixed_precision_param``: the dtype FSDP computes in (on 1 rank
+    TorchTitan computes in the parameters' own dtype)."""
+    optimizers: tuple[str, ...] = ("AdamW",)
+    """The optimizer of each of ``optimizer.param_groups`` (TorchTitan's names)."""
+    optimizer_flags: frozenset[str] = frozenset()
+    """The boolean optimizer options some parameter group turns on (``amsgrad``, ...)."""
 
     @property
     def model(self) -> str:
@@ -160,6 +167,14 @@ def job_view(config: Any) -> JobView:
         zephon=getattr(config, "zephon", None) or Zephon(),
         num_experts=_num_experts(model),
         fault_tolerance=_fault_tolerance(getattr(config, "fault_tolerance", None)),
+        mixed_precision_param=config.training.mixed_precision_param,
+        optimizers=tuple(g.optimizer_name for g in config.optimizer.param_groups),
+        optimizer_flags=frozenset(
+            k
+            for g in config.optimizer.param_groups
+            for k, v in g.optimizer_kwargs.items()
+            if v is True
+        ),
     )
 
 

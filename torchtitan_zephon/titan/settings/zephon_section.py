@@ -188,3 +188,17 @@ class Zephon:
     different sizes follow the same loss curve. "torchtitan": TorchTitan's own init
     (DTensor random ops on the shards: the values depend on the sharding). A resume
     loads the weights from the checkpoint either way."""
+
+    reproducible: bool = False
+    """The same bits at any DP degree (issue 46): the parameters, the optimizer state
+    and every logged training loss and gradient norm of a step are identical whether
+    the job runs on 1 rank or under FSDP on any number of ranks, for a fixed
+    training.local_batch_size, seed and data config (a run resumed at another DP
+    degree follows the uninterrupted run bit for bit). Each micro-batch's gradient is
+    computed alone and the gradients, their norm and the loss are summed exactly
+    (fixed point in int64: titan/reproducible), at the cost of reducing 6 times the
+    gradient bytes. A change of TP, CP, PP or EP degree or of the micro-batch size is
+    outside the guarantee. Refused at start, in one line, with what it does not cover
+    yet: HSDP (data_parallel_replicate_degree > 1), TP, CP, PP, MoE models, torchft,
+    and training.mixed_precision_param other than float32. Not part of the data
+    config."""

@@ -25,6 +25,7 @@ import os
 from torchtitan_zephon.job.settings import remote_options
 from torchtitan_zephon.order.layout import divisors
 from torchtitan_zephon.titan.ft.settings import check_fault_tolerance
+from torchtitan_zephon.titan.reproducible.coverage import check_reproducible
 from torchtitan_zephon.titan.settings.job_view import JobView
 
 
@@ -39,6 +40,7 @@ def check_job_config(job: JobView, world_size: int | None = None) -> None:
     _check_frequencies(job)
     remote_options(job)  # raises ValueError for a remote setting out of range
     check_fault_tolerance(job, world)
+    check_reproducible(job)
 
 
 def _check_parallelism(job: JobView, world: int) -> tuple[int, int]:

@@ -1,0 +1,60 @@
+"""What ``zephon.reproducible`` covers, checked at start: a job it cannot make exact
+is refused in one line, before anything is built, never trained inexactly.
+
+Invariant: ``check_reproducible`` accepts a job only where every sum that feeds the
+update or the log goes through ``gradients`` (1 rank, or FSDP over the ranks,
+float32 compute, a dense model, no torchft, Adam or AdamW: ``optimizer``); everything else it refuses, naming the
+setting and what to set instead.
+"""
+
+from __future__ import annotations
+
+from torchtitan_zephon.titan.reproducible.optimizer import SUPPORTED, UNSUPPORTED_FLAGS
+from torchtitan_zephon.titan.settings.job_view import JobView
+
+WHAT = "zephon.reproducible"
+
+
+def check_reproducible(job: JobView) -> None:
+    """Raise ``ValueError`` for a job the setting does not cover (nothing when it is off)."""
+    if not job.zephon.reproducible:
+        return
+    for name, degree in (
+        ("data_parallel_replicate_degree", job.dp_replicate),
+        ("tensor_parallel_degree", job.tp),
+        ("context_parallel_degree", job.cp),
+        ("pipeline_parallel_degree", job.pp),
+    ):
+        if degree != 1:
+            raise ValueError(
+                f"{WHAT} covers data parallelism by FSDP (data_parallel_shard_degree) "
+                f"only, not parallelism.{name} = {degree}: set --parallelism.{name} 1, "
+                f"or turn {WHAT} off"
+            )
+    if job.num_experts is not None:
+        raise ValueError(
+            f"{WHAT} does not cover MoE models yet ({job.model} has {job.num_experts} routed "
+            f"experts, whose load-balancing counts are not summed exactly): turn {WHAT} off"
+        )
+    if job.fault_tolerance.enable:
+        raise ValueError(
+            f"{WHAT} does not cover torchft replica groups yet (fault_tolerance.enable): "
+            f"turn one of them off"
+        )
+    if job.mixed_precision_param != "float32":
+        raise ValueError(
+            f"{WHAT} needs training.mixed_precision_param = float32, not "
+            f"{job.mixed_precision_param}: TorchTitan computes in it under FSDP only, so 1 "
+            "rank and 2 would compute different gradients. Set "
+            "--training.mixed_precision_param float32"
+        )
+    for name in job.optimizers:
+        if name not in SUPPORTED:
+            raise ValueError(
+                f"{WHAT} computes {' and '.join(SUPPORTED)} updates exactly, not {name}: use "
+                f"AdamW (optimizer.name), or turn {WHAT} off"
+            )
+    for flag in sorted(job.optimizer_flags & UNSUPPORTED_FLAGS):
+        raise ValueError(
+            f"{WHAT} computes Adam and AdamW without {flag}: turn {flag} off, or turn {WHAT} off"
+        )
