@@ -161,6 +161,93 @@ def test_plot_is_a_png_of_the_expected_size(tmp_path, capsys):
     _check_png(png)
 
 
+# ---------------------------------------------------------------- zephon.reproducible
+
+EXACT = {"reproducible": True}
+
+
+def _pair(tmp_path, values_b: dict[int, float], topo_b: dict | None = EXACT, **log_b):
+    """Run a (zephon.reproducible, 2 ranks then 1 from step 6, local batch size 2) and run
+    b (a 2-rank run with ``topo_b`` over the same data unless ``log_b`` says otherwise)."""
+    values = {s: curve(s) for s in range(1, 11)}
+    a = write_log(tmp_path / "a", 10, resume_at=5, died_at=7, topology=EXACT)
+    write_events(a, values)
+    b = write_log(tmp_path / "b", 10, topology=topo_b, **log_b)
+    write_events(b, {**values, **values_b})
+    return a, b
+
+
+def test_two_reproducible_runs_are_expected_equal_to_the_bit(tmp_path, capsys):
+    a, b = _pair(tmp_path, {})
+    rc, out, _ = compare(capsys, a, b)
+    assert rc == 0, out
+    assert "both ran with zephon.reproducible at one micro-batch size and one data config: " in out
+    assert "equal to the bit expected (|b - a| <= 0 + 0 * |a|)" in out
+    assert "the same bits at every common step" in out
+    assert "verdict: PASS: all curves agree within |b - a| <= 0 + 0 * |a| (to the bit)" in out
+    rc, report = compare_json(capsys, a, b)
+    (pair,) = report["comparisons"]
+    assert (pair["expected"], pair["rtol"], pair["atol"]) == ("bits", 0.0, 0.0)
+    assert pair["training"] == {
+        "a": "zephon.reproducible, local batch size 2",
+        "b": "zephon.reproducible, local batch size 2",
+    }
+
+
+def test_a_reproducible_pair_that_differs_by_one_ulp_fails_and_says_it_is_not_summation_order(
+    tmp_path, capsys
+):
+    values = {s: curve(s) for s in range(1, 11)}
+    import numpy as np
+
+    below = np.nextafter(np.float32(values[5]), np.float32(0.0))  # TensorBoard keeps float32
+    a, b = _pair(tmp_path, {5: float(below)})
+    rc, out, _ = compare(capsys, a, b)
+    assert rc == 1, out
+    assert "the curves separate at step 5 (its losses differ in their bits)" in out
+    assert (
+        "the data is the same (verify: MATCH) and both runs are reproducible: a difference in "
+        "the bits is not summation order but a change in what was trained" in out
+    )
+    assert "1 step(s) outside |b - a| <= 0 + 0 * |a|, first at step 5" in out
+    assert compare(capsys, a, b, "--rtol", "1e-6")[0] == 0  # a tolerance given is used
+
+
+@pytest.mark.parametrize(
+    "topo_b, why",
+    [
+        ({}, "b ran without zephon.reproducible"),
+        ({"reproducible": True, "local_batch_size": 4},
+         "the micro-batch size differs (a: 2; b: 4), outside zephon.reproducible's guarantee"),
+    ],
+)  # fmt: skip
+def test_other_pairs_keep_the_tolerance_and_say_the_difference_is_summation_order(
+    tmp_path, capsys, topo_b, why
+):
+    values = {s: curve(s) for s in range(1, 11)}
+    a, b = _pair(tmp_path, {s: values[s] * (1 + 1e-7) for s in range(4, 11)}, topo_b)
+    rc, out, _ = compare(capsys, a, b)
+    assert rc == 0, out  # within the default 1e-5
+    assert "equal to the bit expected" not in out
+    assert "the curves separate at step 4 (its losses differ in their bits)" in out
+    assert (
+        "the data is the same (verify: MATCH): the difference is the summation order of the "
+        f"gradients, not the data ({why})" in out
+    )
+    rc, report = compare_json(capsys, a, b)
+    assert report["comparisons"][0]["expected"] == "tolerance"
+
+
+def test_curves_over_other_data_are_not_called_summation_order(tmp_path, capsys):
+    values = {s: curve(s) for s in range(1, 11)}
+    a, b = _pair(tmp_path, {s: values[s] * 1.01 for s in range(3, 11)}, {}, differ_at=(3,))
+    rc, out, _ = compare(capsys, a, b)
+    assert rc == 1
+    assert "the curves separate at step 3" in out
+    assert "the data is not shown to be the same (verify: MISMATCH): run `zephon verify " in out
+    assert "summation order" not in out
+
+
 # ---------------------------------------------------------------- real runs
 
 

@@ -50,12 +50,15 @@ def write_log(
     tokens_differ_at: tuple[int, ...] = (),
     died_saw_other_data: bool = False,
     config: DataConfig | None = None,
+    topology: dict | None = None,
 ) -> Path:
     """A run folder whose log covers ``first_step..steps``; with ``resume_at``, the first
     job ran to ``died_at`` and a 1-rank job resumed from ``resume_at``. Steps in
     ``differ_at`` see other ids, steps in ``tokens_differ_at`` other tokens; with
-    ``died_saw_other_data`` the first job saw other ids after ``resume_at``."""
+    ``died_saw_other_data`` the first job saw other ids after ``resume_at``; ``topology``
+    fields override the jobs' (2 ranks, then 1)."""
     tracker = SequenceTracker(log_path(run), config=config or data_config(), writer=True)
+    topo_2, topo_1 = {**TOPO_2, **(topology or {})}, {**TOPO_1, **(topology or {})}
 
     def record(s: int, other: bool = False) -> None:
         ids = step_ids(s, seed + (s in differ_at or other))
@@ -63,16 +66,16 @@ def write_log(
         tracker.record(s, (s - 1) * 8, ids, toks if tokens else None)
 
     if first_step == 1:
-        tracker.start(TOPO_2)
+        tracker.start(topo_2)
     else:  # a run whose log begins at a checkpoint copied from elsewhere
-        tracker.resume({"step": first_step - 1, "chain": "0" * 64}, TOPO_2, ignore_mismatch=True)
+        tracker.resume({"step": first_step - 1, "chain": "0" * 64}, topo_2, ignore_mismatch=True)
     heads = {}
     last = died_at if resume_at is not None else steps
     for s in range(first_step, last + 1):
         record(s, died_saw_other_data and resume_at is not None and s > resume_at)
         heads[s] = tracker.head()
     if resume_at is not None:
-        tracker.resume(heads[resume_at], TOPO_1)
+        tracker.resume(heads[resume_at], topo_1)
         for s in range(resume_at + 1, steps + 1):
             record(s)
     return run

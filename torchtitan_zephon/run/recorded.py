@@ -244,9 +244,10 @@ def read_data_state(checkpoint: str | os.PathLike) -> DataState:
 
 TOPOLOGY_KEYS = (
     "world_size", "dp_degree", "nnodes", "tp_degree", "local_batch_size", "replica_id",
-    "group_size",
+    "group_size", "reproducible",
 )  # fmt: skip
-"""The fields of a start / resume event that describe the job's topology."""
+"""The fields of a start / resume event that describe the job's topology (and
+``reproducible``: the job ran with ``zephon.reproducible``, absent otherwise)."""
 
 
 def sequence_log(path: str | os.PathLike) -> LogContents:
@@ -309,7 +310,10 @@ def topology(event: dict[str, Any]) -> dict[str, Any]:
 
 def format_topology(event: dict[str, Any]) -> str:
     """``world_size 2, dp_degree 2, nnodes 2, ...`` for humans."""
-    parts = [f"{k} {event[k]}" for k in TOPOLOGY_KEYS if k in event and k not in FT_KEYS]
+    named = [k for k in TOPOLOGY_KEYS if k in event and k not in (*FT_KEYS, "reproducible")]
+    parts = [f"{k} {event[k]}" for k in named]
+    if event.get("reproducible"):
+        parts.append("zephon.reproducible")
     if all(k in event for k in FT_KEYS):
         parts.append(
             f"torchft replica group {event['replica_id']} of group_size {event['group_size']}"

@@ -272,7 +272,8 @@ def _check_plan(plan: StreamPlan, data: Any, job: JobView) -> None:
 
 def topology_from_env(dp_degree: int, job: JobView) -> dict[str, Any]:
     """What a start or resume event records of the job's layout; a torchft replica
-    group's also its replica_id and group_size."""
+    group's also its replica_id and group_size, and ``reproducible`` (true) with
+    ``zephon.reproducible`` (what ``zephon compare`` reads)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", str(world)))
     ft = job.fault_tolerance
@@ -283,4 +284,5 @@ def topology_from_env(dp_degree: int, job: JobView) -> dict[str, Any]:
         "tp_degree": job.tp,
         "local_batch_size": job.local_batch_size,
         **({"replica_id": ft.replica_id, "group_size": ft.group_size} if ft.enable else {}),
+        **({"reproducible": True} if job.zephon.reproducible else {}),
     }
