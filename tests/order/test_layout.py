@@ -163,6 +163,47 @@ def test_the_parts_of_a_step_partition_it_contiguously_and_evenly(first, gbs, pa
     assert part_slice(first, gbs, step, 0, 1) == (first, gbs)
 
 
+@given(
+    first=st.integers(0, 10**12),
+    whole=st.integers(1, 512),
+    multiple_of=st.integers(1, 16),
+    parts=st.integers(1, 64),
+)
+def test_parts_in_whole_micro_batches_keep_every_micro_batch_whole(
+    first, whole, multiple_of, parts
+):
+    """zephon.reproducible (issue 46): every part is a multiple of ``multiple_of`` samples
+    (the local batch size), so every micro-batch of B(s), ``[k * m, (k + 1) * m)``, lies
+    in one part whatever the quorum: its gradient is computed alone, as at
+    any DP degree. The micro-batches are shared as evenly as possible, the larger parts first."""
+    from torchtitan_zephon.order.layout import part_slice
+
+    gbs = whole * multiple_of
+    if parts > whole:
+        with pytest.raises(ValueError, match=f"cannot be cut into {parts} parts"):
+            part_slice(first, gbs, 1, 0, parts, multiple_of)
+        return
+    cut = [part_slice(first, gbs, 1, i, parts, multiple_of) for i in range(parts)]
+    assert cut[0][0] == first and cut[-1][0] + cut[-1][1] == first + gbs
+    for (a, n), (b, _) in zip(cut, cut[1:], strict=False):
+        assert b == a + n
+    assert all((a - first) % multiple_of == 0 and n % multiple_of == 0 and n > 0 for a, n in cut)
+    sizes = [n // multiple_of for _, n in cut]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+    if multiple_of == 1:  # the sample-even cut of torchft without the setting
+        assert cut == [part_slice(first, gbs, 1, i, parts) for i in range(parts)]
+
+
+def test_a_global_batch_of_partial_micro_batches_is_refused():
+    from torchtitan_zephon.order.layout import part_slice
+
+    with pytest.raises(
+        ValueError, match="global batch of 10 samples is not a whole number of micro-batches of 4"
+    ):
+        part_slice(0, 10, 2, 0, 2, 4)
+    assert [part_slice(0, 8, 1, i, 3, 2) for i in range(3)] == [(0, 4), (4, 2), (6, 2)]
+
+
 def test_three_parts_of_eight_and_a_layout_step():
     """n = 3 at GBS 8 (issue 30's uneven case): 3, 3, 2 samples; the layout's step
     (after a batch-size change and a resume anchor) is what is cut."""

@@ -305,24 +305,37 @@ def test_reproducible_refuses_what_it_does_not_cover_in_one_line(parse, override
     assert text in msg and "\n" not in msg, msg
 
 
-def test_reproducible_refuses_moe_torchft_and_other_optimizers(parse, parse_moe):
+def test_reproducible_refuses_ep_torchft_groups_of_many_ranks_and_other_optimizers(
+    parse, parse_moe
+):
     import dataclasses
 
-    msg = _refused(parse_moe("--zephon.reproducible"), 1)
-    assert msg.startswith("zephon.reproducible does not cover MoE models yet (deepseek_v3 ")
+    from torchtitan_zephon.titan.start.checks import check_job_config
+
+    check_job_config(parse_moe("--zephon.reproducible"), world_size=2)  # EP 1
+    msg = _refused(
+        parse_moe("--zephon.reproducible", "--parallelism.expert_parallel_degree", "2"), 2
+    )
+    assert msg.startswith(
+        "zephon.reproducible covers MoE models at expert_parallel_degree 1 only, not "
+        "parallelism.expert_parallel_degree = 2"
+    ), msg
     ft = dataclasses.replace(parse("--zephon.reproducible").fault_tolerance, enable=True)
     job = dataclasses.replace(parse("--zephon.reproducible"), fault_tolerance=ft)
     from torchtitan_zephon.titan.reproducible.coverage import check_reproducible
 
-    with pytest.raises(ValueError, match="does not cover torchft replica groups yet"):
-        check_reproducible(job)
+    check_reproducible(job, 1)  # groups of one rank each
+    with pytest.raises(
+        ValueError, match="covers torchft replica groups of one rank each, not groups of 2 ranks"
+    ):
+        check_reproducible(job, 2)
     muon = dataclasses.replace(parse("--zephon.reproducible"), optimizers=("DistMuon",))
     with pytest.raises(ValueError, match="computes Adam and AdamW updates exactly, not DistMuon"):
-        check_reproducible(muon)
+        check_reproducible(muon, 1)
     ams = dataclasses.replace(
         parse("--zephon.reproducible"), optimizer_flags=frozenset({"amsgrad"})
     )
     with pytest.raises(ValueError, match="without amsgrad"):
-        check_reproducible(ams)
+        check_reproducible(ams, 1)
     assert parse().optimizers == ("AdamW",) and not parse().optimizer_flags
-    check_reproducible(dataclasses.replace(muon, zephon=parse().zephon))  # off: nothing checked
+    check_reproducible(dataclasses.replace(muon, zephon=parse().zephon), 1)  # off: nothing checked

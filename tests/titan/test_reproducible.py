@@ -1,11 +1,13 @@
-"""``zephon.reproducible``: the same bits at any DP degree and across an elastic resume
-between them (issue 46 parts a and b).
+"""``zephon.reproducible``: the same bits at any DP degree, across an elastic resume
+between them, with torchft replica groups and for the MoE (issue 46 parts a to c).
 
 Global batch 12, local batch 2 from scratch: DP 1, 2 and 3 (6, 3 and 2 micro-batches
 a rank) over 100 steps (slow), DP 1 and 3 over 20 (by default: the one-rank path and
 FSDP's exact reduce-scatter, 6 micro-batches against 2); the 3-rank run killed after
 its checkpoint at step 10 and resumed on 1 rank (and, slow, the 1-rank run resumed on
-3). Every logged loss and gradient norm, the final parameters and the optimizer state
+3); two torchft groups against one group, and (slow) one group killed and healed; (slow)
+the MoE on 1 and 2 ranks. Every logged loss and gradient norm, the final parameters and
+the optimizer state
 are the same bits (``zephon compare --rtol 0 --atol 0`` passes). Without the setting
 such runs differ by summation order within a few steps (issue 46: 3e-6 relative in
 20 steps at DP 2).
@@ -14,13 +16,15 @@ such runs differ by summation order within a few steps (issue 46: 3e-6 relative 
 from __future__ import annotations
 
 import re
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.titan.expect import assert_same_data, resume_events
-from tests.titan.launch import copy_run_until, train
+from tests.titan.launch import REPO, copy_run_until, train, train03
 from torchtitan_zephon.cli.main import main as zephon
 
 
@@ -36,7 +40,7 @@ LINE = re.compile(r"step:\s*(\d+)\s+\S*loss:\s*(\S+)\s+\S*grad_norm:\s*(\S+)")
 
 
 def _logged(run: Path) -> dict[int, tuple[str, str]]:
-    """Step -> (loss, grad_norm) as rank 0 printed them."""
+    """Step -> (loss, grad_norm) as rank 0 printed them (the last time it trained it)."""
     plain = re.sub(r"\x1b\[[0-9;]*m", "", (run / "train.log").read_text())
     return {int(m[1]): (m[2], m[3]) for m in LINE.finditer(plain)}
 
@@ -123,3 +127,114 @@ def test_a_1_rank_run_resumed_on_3_ranks_follows_the_3_rank_run_to_the_bit(exact
 def test_dp_1_2_and_3_give_the_same_bits_over_100_steps(tmp_path):
     runs = {n: train(tmp_path / f"dp{n}", n, *_job(100)).check().run for n in (1, 2, 3)}
     _assert_same_bits(runs, 100)
+
+
+def _ft_job(steps: int) -> tuple[str, ...]:
+    return (
+        "--training.global_batch_size", "6", "--training.steps", str(steps),
+        "--checkpoint.interval", str(steps), "--validator.no-enable", "--zephon.reproducible",
+    )  # fmt: skip
+
+
+def _group(run: Path, replica: int, url: str, steps: int) -> subprocess.Popen:
+    """Replica group ``replica`` of 2 (one rank, the tiny registry job) as its own job."""
+    from torchtitan_zephon.titan.ft.launch import group_command, group_env
+
+    run.mkdir(parents=True, exist_ok=True)
+    log = open(run / "train.log", "a")  # noqa: SIM115 - the child holds it; closed at exit
+    return subprocess.Popen(
+        group_command(run, replica, 2, *_ft_job(steps)), cwd=REPO, env=group_env(url),
+        stdout=log, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+
+
+def _assert_like_one_group(one: Path, run: Path, steps: int, first: int = 1) -> None:
+    want, got = _logged(one), _logged(run)
+    assert sorted(want) == list(range(1, steps + 1))
+    assert {s: got[s] for s in range(first, steps + 1)} == {
+        s: want[s] for s in range(first, steps + 1)
+    }
+    reference, state = dict(_tensors(_state(one, steps))), dict(_tensors(_state(run, steps)))
+    assert sorted(state) == sorted(reference)
+    differ = [k for k in reference if not _same_bits(reference[k], state[k])]
+    assert not differ, f"{run.name} differs from one group in {differ[:5]}"
+
+
+def test_two_torchft_groups_follow_one_group_to_the_bit(tmp_path):
+    """Two replica groups of one rank at a global batch of 6 (3 micro-batches of 2: the
+    parts hold 2 and 1 whole micro-batches, where a cut by samples would be 3 and 3)
+    against one group without torchft, 12 steps: the same logged bits, parameters and
+    optimizer state in both groups."""
+    from tests.titan.conftest import lighthouse_at
+
+    one = train03(tmp_path / "one", 1, *_ft_job(12)).check().run
+    runs = [tmp_path / f"group{r}" for r in range(2)]
+    with lighthouse_at(1) as url:
+        procs = [_group(run, r, url, 12) for r, run in enumerate(runs)]
+        for p, run in zip(procs, runs, strict=True):
+            assert p.wait(timeout=600) == 0, (run / "train.log").read_text()[-4000:]
+    texts = [(run / "train.log").read_text() for run in runs]
+    assert any("this group trains part 0 (4 of the step's 6 samples)" in t for t in texts)
+    assert any("this group trains part 1 (2 of the step's 6 samples)" in t for t in texts)
+    for run in runs:
+        _assert_like_one_group(one, run, 12)
+
+
+FT_STEPS = 240
+
+
+# slow (issue 44 part e): two groups to the bit by default (above), healing by
+# test_ft_e2e.py's test_a_killed_group_returns_heals_from_its_peer_and_takes_part_again
+@pytest.mark.slow
+def test_torchft_groups_killed_and_healed_follow_one_group_to_the_bit(tmp_path):
+    """Two replica groups of one rank at a global batch of 6 (3 micro-batches of 2: the
+    parts hold 2 and 1 whole micro-batches, where a cut by samples would be 3 and 3);
+    group 1 is killed after step 3 and restarted into its own folder, heals from group
+    0 and trains its part again. Group 0 trains with a quorum of 2, then alone, then of
+    2 again, and a step cut by the kill is trained again: its whole log, and group 1's
+    from its healing on, are the one-group run's (torchrun without torchft) to the bit,
+    and so are both groups' final parameters and optimizer state."""
+    from tests.titan.conftest import lighthouse_at
+    from torchtitan_zephon.run.process import kill_tree
+    from torchtitan_zephon.titan.ft.launch import last_step
+
+    one = train03(tmp_path / "one", 1, *_ft_job(FT_STEPS)).check().run
+    runs = [tmp_path / f"group{r}" for r in range(2)]
+    with lighthouse_at(1, heartbeat_timeout_ms=1000) as url:
+        procs = [_group(run, r, url, FT_STEPS) for r, run in enumerate(runs)]
+        deadline = time.time() + 300
+        while last_step(runs[1]) < 3:
+            assert procs[1].poll() is None and time.time() < deadline, "no step 3 in group 1"
+            time.sleep(0.02)
+        kill_tree(procs[1].pid)
+        procs[1].wait()
+        procs[1] = _group(runs[1], 1, url, FT_STEPS)  # returns, into its own folder
+        for p, run in zip(procs, runs, strict=True):
+            assert p.wait(timeout=600) == 0, (run / "train.log").read_text()[-4000:]
+    first = (runs[0] / "train.log").read_text()
+    assert "this group trains part 0 (4 of the step's 6 samples)" in first or (
+        "this group trains part 1 (2 of the step's 6 samples)" in first
+    )
+    back = (runs[1] / "train.log").read_text()
+    healed_at = int(back.split("healed this group from its peers at step ")[1].split(" ")[0])
+    assert 3 < healed_at < FT_STEPS
+    _assert_like_one_group(one, runs[0], FT_STEPS)  # every step, whatever the quorum
+    _assert_like_one_group(one, runs[1], FT_STEPS, first=healed_at + 1)
+
+
+# slow (issue 44 part e): the dense model's DP 1 against DP 3 by default; the MoE adds its
+# whole-number expert counts
+@pytest.mark.slow
+def test_the_moe_at_1_and_2_ranks_gives_the_same_bits(tmp_path):
+    """The MoE (deepseek_v3_debug: 4 routed experts, EP 1): the expert-balancing token
+    counts are whole numbers, summed exactly, so the experts' bias moves alike; 4 micro-
+    batches on 1 rank against 2 on each of 2 ranks (FSDP), 8 steps."""
+    job = ("--training.steps", "8", "--checkpoint.interval", "8", "--validator.no-enable",
+           "--zephon.reproducible")  # fmt: skip
+    runs = {
+        n: train03(tmp_path / f"moe{n}", n, *job, config="deepseek_v3_debug").check().run
+        for n in (1, 2)
+    }
+    _assert_same_bits(runs, 8)
+    biases = [k for k in dict(_tensors(_state(runs[1], 8))) if "expert_bias" in k]
+    assert biases, "the checkpoint holds the experts' bias"

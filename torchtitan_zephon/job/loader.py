@@ -257,15 +257,18 @@ class ZephonLoader:
             )
         ]
 
-    def part_microbatches(self, step: int, part: int, parts: int) -> list[MicroBatch]:
+    def part_microbatches(
+        self, step: int, part: int, parts: int, multiple_of: int = 1
+    ) -> list[MicroBatch]:
         """Under torchft: this rank's micro-batches of part ``part`` of ``parts`` of
-        ``step`` (participant ``part`` of the quorum's ``parts``; this loader's DP rank
-        and degree are the group's inner ones; ``Layout.part_microbatch_positions``).
-        Pure, like ``step_microbatches``: the data state moves only with ``committed``."""
+        ``step`` (participant ``part`` of the quorum's ``parts``, each part a multiple
+        of ``multiple_of`` samples; this loader's DP rank and degree are the group's inner ones;
+        ``Layout.part_microbatch_positions``). Pure, like ``step_microbatches``: the data
+        state moves only with ``committed``."""
         return [
             self.batch(ids)
             for ids in self.plan.part_microbatch_ids(
-                step, part, parts, self.dp_rank, self.dp_degree, self.local_batch_size
+                step, part, parts, self.dp_rank, self.dp_degree, self.local_batch_size, multiple_of
             )
         ]
 

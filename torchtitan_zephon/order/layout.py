@@ -27,9 +27,10 @@ Invariants:
 - Step s (1-based, at or after the anchor) covers positions
   ``[first, first + gbs(s))`` with consecutive steps adjacent: schedule changes
   never skip or repeat a position.
-- For any number of parts n <= gbs(s), the n parts (``part_slice``: a replica group's
-  share of the step under torchft) in part order concatenate to the step, their sizes
-  differ by at most one, and one part is the whole step. Within a part, the micro-batches
+- For any number of parts n <= gbs(s) / m, the n parts (``part_slice``: a replica
+  group's share of the step under torchft, each a multiple of m samples; m = 1, or the
+  local batch size under ``zephon.reproducible``) in part order concatenate to the
+  step, their sizes differ by at most m, and one part is the whole step. Within a part, the micro-batches
   of the group's inner DP ranks (``Layout.part_microbatch_positions``), rank by rank,
   concatenate to the part; every inner rank runs the same number of them, none empty.
 - For any DP degree D dividing gbs(s), the D rank slices in rank order
@@ -110,20 +111,35 @@ def rank_slice(first: int, gbs: int, step: int, dp_rank: int, dp_degree: int) ->
     return first + dp_rank * per_rank, per_rank
 
 
-def part_slice(first: int, gbs: int, step: int, part: int, parts: int) -> tuple[int, int]:
+def part_slice(
+    first: int, gbs: int, step: int, part: int, parts: int, multiple_of: int = 1
+) -> tuple[int, int]:
     """(first, count) of part ``part`` of ``parts`` of a step covering ``[first, first +
-    gbs)``: the step cut into ``parts`` contiguous parts as evenly as possible, in part
-    order, the first ``gbs % parts`` one sample larger. Under torchft, participant i of
-    n (in the quorum's order) trains part i of n; one part is the whole step."""
-    if not 1 <= parts <= gbs:
+    gbs)``: the step cut into ``parts`` contiguous parts, each a multiple of
+    ``multiple_of`` samples, as evenly as possible, in part order, the first ones
+    ``multiple_of`` samples larger. Under torchft, participant i of n (in the quorum's
+    order) trains part i of n; one part is the whole step. ``multiple_of`` > 1
+    (``zephon.reproducible``: the local batch size) keeps every micro-batch of the step
+    whole, whatever the quorum."""
+    m = multiple_of
+    if m < 1 or gbs % m:
         raise ValueError(
-            f"step {step}'s global batch of {gbs} samples cannot be cut into {parts} parts "
-            f"(1 to {gbs}): every part must hold at least one sample."
+            f"step {step}'s global batch of {gbs} samples is not a whole number of "
+            f"micro-batches of {m}."
+        )
+    whole = gbs // m  # the parts' building blocks: samples, or micro-batches of m
+    if not 1 <= parts <= whole:
+        what, each = (f"{gbs} samples", "sample") if m == 1 else (
+            f"{gbs} samples ({whole} micro-batches of {m})", "micro-batch"
+        )  # fmt: skip
+        raise ValueError(
+            f"step {step}'s global batch of {what} cannot be cut into {parts} parts "
+            f"(1 to {whole}): every part must hold at least one {each}."
         )
     if not 0 <= part < parts:
         raise ValueError(f"part must be in [0, {parts}), got {part}.")
-    size, larger = divmod(gbs, parts)
-    return first + part * size + min(part, larger), size + (part < larger)
+    size, larger = divmod(whole, parts)
+    return first + (part * size + min(part, larger)) * m, (size + (part < larger)) * m
 
 
 def part_microbatch_sizes(part_size: int, inner_rank: int, inner_degree: int, b: int) -> list[int]:
@@ -301,10 +317,12 @@ class Layout:
         """(first position, count) of DP rank ``dp_rank``'s contiguous slice of ``step``."""
         return rank_slice(*self.step_positions(step), step, dp_rank, dp_degree)
 
-    def part_positions(self, step: int, part: int, parts: int) -> tuple[int, int]:
+    def part_positions(
+        self, step: int, part: int, parts: int, multiple_of: int = 1
+    ) -> tuple[int, int]:
         """(first position, count) of part ``part`` of ``parts`` of ``step`` (``part_slice``:
-        a replica group's share under torchft)."""
-        return part_slice(*self.step_positions(step), step, part, parts)
+        a replica group's share under torchft, each a multiple of ``multiple_of`` samples)."""
+        return part_slice(*self.step_positions(step), step, part, parts, multiple_of)
 
     def microbatch_positions(
         self, step: int, dp_rank: int, dp_degree: int, local_batch_size: int
@@ -316,12 +334,20 @@ class Layout:
         return [(p, b) for p in range(first, first + count, b)]
 
     def part_microbatch_positions(
-        self, step: int, part: int, parts: int, inner_rank: int, inner_degree: int, b: int
+        self,
+        step: int,
+        part: int,
+        parts: int,
+        inner_rank: int,
+        inner_degree: int,
+        b: int,
+        multiple_of: int = 1,
     ) -> list[tuple[int, int]]:
         """(first position, count) of each micro-batch of inner DP rank ``inner_rank`` of
         ``inner_degree`` in part ``part`` of ``parts`` of ``step`` (torchft: participant
-        ``part`` of the quorum's ``parts``), in order (``part_microbatch_sizes``)."""
-        first, size = self.part_positions(step, part, parts)
+        ``part`` of the quorum's ``parts``, each a multiple of ``multiple_of`` samples), in order
+        (``part_microbatch_sizes``)."""
+        first, size = self.part_positions(step, part, parts, multiple_of)
         smallest, larger = divmod(size, inner_degree)
         first += inner_rank * smallest + min(inner_rank, larger)
         out = []

@@ -193,11 +193,21 @@ class StreamPlan(ABC):
         return [keys[p - first : p - first + n] for p, n in cuts]
 
     def part_microbatch_ids(
-        self, step: int, part: int, parts: int, inner_rank: int, inner_degree: int, b: int
+        self,
+        step: int,
+        part: int,
+        parts: int,
+        inner_rank: int,
+        inner_degree: int,
+        b: int,
+        multiple_of: int = 1,
     ) -> list[np.ndarray]:
         """The micro-batches of inner DP rank ``inner_rank`` in part ``part`` of ``parts``
-        of ``step`` (torchft; ``Layout.part_microbatch_positions``), in order."""
-        cuts = self.layout.part_microbatch_positions(step, part, parts, inner_rank, inner_degree, b)
+        of ``step`` (torchft, each part a multiple of ``multiple_of`` samples;
+        ``Layout.part_microbatch_positions``), in order."""
+        cuts = self.layout.part_microbatch_positions(
+            step, part, parts, inner_rank, inner_degree, b, multiple_of
+        )
         first = cuts[0][0]
         keys = self._keys(first, cuts[-1][0] + cuts[-1][1] - first, step)
         return [keys[p - first : p - first + n] for p, n in cuts]

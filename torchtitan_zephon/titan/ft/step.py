@@ -10,7 +10,11 @@ rank's micro-batches of part i of n of B(s), cut over the group's inner DP ranks
 (``ZephonLoader.part_microbatches``); forward and backward with every loss divided by
 the tokens of all of B(s); one SUM across the participants of every gradient and of
 the loss sum (``quorum.reduce_step``); gradient clipping; the group's commit vote.
-On a commit the optimizer, the LR schedule and the data state move on
+With ``zephon.reproducible`` the parts are cut in whole micro-batches
+(``order.layout.part_slice``, each part a multiple of the local batch size) and the gradients
+and the loss are exact sums over the group's micro-batches and, as int64 limbs, over
+the groups (``titan.reproducible.gradients``), clipped by the exact norm: the same bits
+as one group at any quorum. On a commit the optimizer, the LR schedule and the data state move on
 (``ZephonLoader.committed``); otherwise the gradients are dropped and step s is drawn
 again, on the same B(s), by the next quorum. The sequence log says so: a ``quorum``
 event (the groups, torchft's quorum id) before the first step a new quorum trains, a
@@ -37,6 +41,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torchtitan.components.loss import IGNORE_INDEX
 from torchtitan.distributed import utils as dist_utils
 from torchtitan.tools.logging import logger
 
@@ -47,6 +52,7 @@ from torchtitan_zephon.titan.ft.quorum import (
     reduce_step,
     sum_across_groups,
 )
+from torchtitan_zephon.titan.reproducible.gradients import ExactGradients, StepLoss, clip_exact
 from torchtitan_zephon.tracker import window_digests
 
 
@@ -91,6 +97,8 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
     in order (every participant's, gathered): what the sequence log records."""
     manager, dl = trainer.ft, trainer.dataloader
     loader = dl.loader
+    exact = trainer.exact  # zephon.reproducible: parts of whole micro-batches, exact sums
+    multiple_of = loader.local_batch_size if exact is not None else 1
     if manager.current_step() != step - 1:  # a fresh start or a resume at step - 1
         manager.load_state_dict({"step": step - 1, "batches_committed": 0})
     parallel_dims = trainer.parallel_dims
@@ -121,7 +129,9 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
         if quorum != getattr(trainer, "ft_quorum", None):  # said once per quorum change
             ft = trainer.config.fault_tolerance
             members = check_replica_ids(manager, ft.replica_id, ft.group_size, quorum.part)
-            first, count = loader.plan.layout.part_positions(step, quorum.part, quorum.parts)
+            first, count = loader.plan.layout.part_positions(
+                step, quorum.part, quorum.parts, multiple_of
+            )
             logger.info(
                 f"Zephon: torchft quorum of {quorum.parts} group(s) from step {step}: this "
                 f"group trains part {quorum.part} ({count} of the step's "
@@ -135,9 +145,12 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
                  "members": members},
             )  # fmt: skip
         loss_sum = torch.zeros((), dtype=torch.float32, device=trainer.device)
-        digests = _Digests(trainer, step, quorum) if dl.audit == "tokens" else None
+        digests = _Digests(trainer, step, quorum, multiple_of) if dl.audit == "tokens" else None
         drawn = time.perf_counter()
-        microbatches = loader.part_microbatches(step, quorum.part, quorum.parts)
+        microbatches = loader.part_microbatches(step, quorum.part, quorum.parts, multiple_of)
+        if exact is not None:
+            exact.begin()
+            exact_loss = StepLoss()
         trainer.metrics_processor.data_loading_times.append(time.perf_counter() - drawn)
         for input_dict, labels in microbatches:
             if digests is not None:
@@ -151,19 +164,27 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
                 global_valid_tokens=total,
             )
             loss_sum += loss.detach().float()
+            if exact is not None:
+                exact.after()
+                exact_loss.add(loss, total, (labels != IGNORE_INDEX).sum())
         counts = _expert_counts(trainer.model_parts)  # summed with the gradients: the
-        reduced = _gradients(trainer.model_parts) + counts  # bias update sees all of B(s)
-        mean_loss = reduce_step(manager, reduced, loss_sum)
-        if parallel_dims.dp_cp_enabled:  # this group's inner ranks each summed their own
-            mesh = parallel_dims.get_optional_mesh("loss")
-            mean_loss = dist_utils.dist_sum(torch.tensor(mean_loss, device=trainer.device), mesh)
-        grad_norm = dist_utils.clip_grad_norm_(
-            [p for m in trainer.model_parts for p in m.parameters()],
-            trainer.config.training.max_norm,
-            foreach=True,
-            pp_mesh=parallel_dims.get_optional_mesh("pp"),
-            ep_enabled=parallel_dims.ep_enabled,
-        )
+        if exact is not None:  # zephon.reproducible: exact sums, over the groups too
+            mean_loss, grad_norm = _reduce_exactly(trainer, exact, exact_loss, counts, manager)
+        else:
+            reduced = _gradients(trainer.model_parts) + counts  # bias update sees all of B(s)
+            mean_loss = reduce_step(manager, reduced, loss_sum)
+            if parallel_dims.dp_cp_enabled:  # this group's inner ranks each summed their own
+                mesh = parallel_dims.get_optional_mesh("loss")
+                mean_loss = dist_utils.dist_sum(
+                    torch.tensor(mean_loss, device=trainer.device), mesh
+                )
+            grad_norm = dist_utils.clip_grad_norm_(
+                [p for m in trainer.model_parts for p in m.parameters()],
+                trainer.config.training.max_norm,
+                foreach=True,
+                pp_mesh=parallel_dims.get_optional_mesh("pp"),
+                ep_enabled=parallel_dims.ep_enabled,
+            )
         tokens = digests.gathered(manager) if digests is not None else None
         if manager.should_commit():
             break
@@ -195,6 +216,30 @@ def train_step_ft(trainer: Any, step: int) -> tuple[int, bytes | None]:
     return step, tokens
 
 
+def _reduce_exactly(
+    trainer: Any, exact: ExactGradients, loss: StepLoss, counts: list[torch.Tensor], manager: Any
+) -> tuple[float, torch.Tensor]:
+    """``zephon.reproducible`` under torchft: the group's exact gradient and loss sums
+    (``titan.reproducible.gradients``) summed as integers over the participating groups
+    too, and so are the MoE's expert-balancing token counts (whole numbers held in
+    float32); then the exact clip. Returns (the step's loss, the gradient norm)."""
+    dims = trainer.parallel_dims
+    exact.finish(across=lambda limbs: sum_across_groups(manager, limbs))
+    if counts:
+        flat = torch.cat([c.detach().reshape(-1) for c in counts])
+        whole = sum_across_groups(manager, flat.to(torch.int64))
+        at = 0
+        for c in counts:
+            c.copy_(whole[at : at + c.numel()].view_as(c).to(c.dtype))
+            at += c.numel()
+    group = dims.get_mesh("batch").get_group() if dims.dp_enabled else None
+    mean_loss, _ = loss.reduce(
+        group, trainer.device, across=lambda s: sum_across_groups(manager, s)
+    )
+    grads = [p.grad for m in trainer.model_parts for p in m.parameters() if p.grad is not None]
+    return mean_loss, clip_exact(grads, trainer.config.training.max_norm)
+
+
 def step_label_tokens(loader: Any, step: int) -> int:
     """The labels step ``step`` trains over all of B(s), whatever part this group has:
     every token of a window, or (packed samples) what the packing index says."""
@@ -213,7 +258,7 @@ class _Digests:
     sample at its index in B(s); summed over the group's inner ranks, then across the
     participants, every slot holds its sample's digest."""
 
-    def __init__(self, trainer: Any, step: int, quorum: Any) -> None:
+    def __init__(self, trainer: Any, step: int, quorum: Any, multiple_of: int) -> None:
         loader = trainer.dataloader.loader
         self.trainer = trainer
         self.first = loader.plan.step_positions(step)[0]
@@ -221,7 +266,7 @@ class _Digests:
         self.cuts = iter(
             loader.plan.layout.part_microbatch_positions(
                 step, quorum.part, quorum.parts, loader.dp_rank, loader.dp_degree,
-                loader.local_batch_size,
+                loader.local_batch_size, multiple_of,
             )
         )  # fmt: skip
 

@@ -3,7 +3,8 @@ is refused in one line, before anything is built, never trained inexactly.
 
 Invariant: ``check_reproducible`` accepts a job only where every sum that feeds the
 update or the log goes through ``gradients`` (1 rank, or FSDP over the ranks,
-float32 compute, a dense model, no torchft, Adam or AdamW: ``optimizer``); everything else it refuses, naming the
+or torchft replica groups of one rank; float32 compute, MoE at EP 1, Adam or AdamW:
+``optimizer``); everything else it refuses, naming the
 setting and what to set instead.
 """
 
@@ -15,8 +16,9 @@ from torchtitan_zephon.titan.settings.job_view import JobView
 WHAT = "zephon.reproducible"
 
 
-def check_reproducible(job: JobView) -> None:
-    """Raise ``ValueError`` for a job the setting does not cover (nothing when it is off)."""
+def check_reproducible(job: JobView, world: int) -> None:
+    """Raise ``ValueError`` for a job of ``world`` ranks (a torchft group's own) the
+    setting does not cover (nothing when it is off)."""
     if not job.zephon.reproducible:
         return
     for name, degree in (
@@ -31,15 +33,17 @@ def check_reproducible(job: JobView) -> None:
                 f"only, not parallelism.{name} = {degree}: set --parallelism.{name} 1, "
                 f"or turn {WHAT} off"
             )
-    if job.num_experts is not None:
+    if job.ep != 1:
         raise ValueError(
-            f"{WHAT} does not cover MoE models yet ({job.model} has {job.num_experts} routed "
-            f"experts, whose load-balancing counts are not summed exactly): turn {WHAT} off"
+            f"{WHAT} covers MoE models at expert_parallel_degree 1 only, not "
+            f"parallelism.expert_parallel_degree = {job.ep}: set "
+            f"--parallelism.expert_parallel_degree 1, or turn {WHAT} off"
         )
-    if job.fault_tolerance.enable:
+    if job.fault_tolerance.enable and world > 1:
         raise ValueError(
-            f"{WHAT} does not cover torchft replica groups yet (fault_tolerance.enable): "
-            f"turn one of them off"
+            f"{WHAT} covers torchft replica groups of one rank each, not groups of {world} "
+            f"ranks (FSDP inside a group) yet: launch each group on one rank, or turn "
+            f"{WHAT} off"
         )
     if job.mixed_precision_param != "float32":
         raise ValueError(

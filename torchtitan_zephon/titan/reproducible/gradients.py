@@ -23,7 +23,7 @@ Two ways the gradients reach the sum:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -146,7 +146,12 @@ class ExactGradients:
             self.sums[name] = limbs if s is None else carry(s.add_(limbs))
             p.grad = None
 
-    def finish(self) -> None:
+    def finish(self, across: Callable[[torch.Tensor], Any] | None = None) -> None:
+        """Every parameter's ``.grad`` becomes the step's exact sum. ``across`` (torchft)
+        sums an int64 tensor over the participating replica groups in place: the limbs of
+        this group's sums go through it in one call first."""
+        if across is not None:
+            self._sum_across(across)
         if not self.sharded:
             for name, p in self.params:
                 grad = torch.zeros_like(p)  # a DTensor like p under FSDP on one rank
@@ -166,6 +171,32 @@ class ExactGradients:
                     f"zephon.reproducible: the gradient of {name} is not held where FSDP's "
                     "exact reduction wrote it; its sum would not be exact"
                 )
+
+    def _sum_across(self, across: Callable[[torch.Tensor], Any]) -> None:
+        if self.sharded:
+            missing = [r.name for r in self.reducers if r.sum is None]
+            if missing:
+                raise RuntimeError(
+                    f"zephon.reproducible: FSDP did not reduce the gradients of {missing[0]} "
+                    "in this step"
+                )
+            parts = [r.sum for r in self.reducers]
+        else:
+            for name, p in self.params:  # a group without micro-batches adds zeros
+                if name not in self.sums:
+                    local = p.to_local() if isinstance(p, DTensor) else p
+                    self.sums[name] = torch.zeros(
+                        (GRADIENTS.limbs, *local.shape), dtype=torch.int64, device=local.device
+                    )
+            parts = [self.sums[name] for name, _ in self.params]
+        flat = torch.cat([t.reshape(GRADIENTS.limbs, -1) for t in parts], dim=1)
+        across(flat)
+        carry(flat)
+        at = 0
+        for t in parts:
+            n = t[0].numel()
+            t.copy_(flat[:, at : at + n].reshape(t.shape))
+            at += n
 
 
 def _manages_parameters(module: nn.Module) -> bool:
@@ -235,10 +266,19 @@ class StepLoss:
             mean = value * global_tokens.cpu().to(torch.float32) / tokens.cpu().to(torch.float32)
             self.max = max(self.max, float(mean))
 
-    def reduce(self, group: dist.ProcessGroup | None, device: torch.device) -> tuple[float, float]:
-        """(the step's loss, the largest micro-batch mean), the same on every rank."""
+    def reduce(
+        self,
+        group: dist.ProcessGroup | None,
+        device: torch.device,
+        across: Callable[[torch.Tensor], Any] | None = None,
+    ) -> tuple[float, float]:
+        """(the step's loss, the largest micro-batch mean), the same on every rank:
+        summed over ``group`` (the DP ranks) and, with ``across`` (torchft), over the
+        replica groups (the mean is then this group's largest)."""
         s, m = self.sum.to(device), torch.tensor([self.max], dtype=torch.float64, device=device)
         if group is not None:
             dist.all_reduce(s, op=dist.ReduceOp.SUM, group=group)
             dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+        if across is not None:
+            across(s)
         return float(to_float(s.cpu(), GRADIENTS, torch.float32)), float(m.item())

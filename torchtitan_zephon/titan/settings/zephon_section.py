@@ -198,7 +198,9 @@ class Zephon:
     computed alone and the gradients, their norm and the loss are summed exactly
     (fixed point in int64: titan/reproducible), at the cost of reducing 6 times the
     gradient bytes. A change of TP, CP, PP or EP degree or of the micro-batch size is
-    outside the guarantee. Refused at start, in one line, with what it does not cover
-    yet: HSDP (data_parallel_replicate_degree > 1), TP, CP, PP, MoE models, torchft,
-    and training.mixed_precision_param other than float32. Not part of the data
-    config."""
+    outside the guarantee. torchft replica groups of one rank are covered (a step's
+    parts are then cut in whole micro-batches), and MoE models at EP 1. Refused at
+    start, in one line, with what it does not cover yet: HSDP
+    (data_parallel_replicate_degree > 1), TP, CP, PP, EP, torchft groups of more than
+    one rank, training.mixed_precision_param other than float32, optimizers other than
+    Adam / AdamW. Not part of the data config."""

@@ -40,7 +40,7 @@ def check_job_config(job: JobView, world_size: int | None = None) -> None:
     _check_frequencies(job)
     remote_options(job)  # raises ValueError for a remote setting out of range
     check_fault_tolerance(job, world)
-    check_reproducible(job)
+    check_reproducible(job, world)
 
 
 def _check_parallelism(job: JobView, world: int) -> tuple[int, int]:
