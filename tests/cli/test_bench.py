@@ -63,12 +63,20 @@ def test_loader(capsys, tmp_path):
 
 def test_step(capsys):
     r = bench(capsys, "step")
-    assert set(r["runs"]) == {"synthetic", "ids"}
+    assert set(r["runs"]) == {"synthetic", "ids", "reproducible@1"}
     for run in r["runs"].values():
         assert run["steps_per_s"] > 0 and 0 <= run["data_wait_pct"] < 100
         assert run["measured_steps"] >= 1
+        assert run["peak_rss_gib"] > 0 and run["parameters"] == 393_536  # llama3 tiny
     assert r["runs"]["synthetic"]["vs_synthetic"] == pytest.approx(1.0)
     assert "data_wait_ids" in r["meets"]
+    # zephon.reproducible beside the same job without it (audit ids), at 1 rank
+    c = r["reproducible"]["1"]
+    on, off = r["runs"]["reproducible@1"], r["runs"]["ids"]
+    assert c["steps_per_s"] == {"off": off["steps_per_s"], "on": on["steps_per_s"]}
+    assert c["speed_ratio"] == pytest.approx(on["steps_per_s"] / off["steps_per_s"])
+    assert c["memory_ratio"] == pytest.approx(on["peak_rss_gib"] / off["peak_rss_gib"])
+    assert c["reduced_bytes_per_micro_batch"] == {"off": 0, "on": 0}  # one rank reduces nothing
 
 
 def test_resume(capsys):
@@ -121,6 +129,8 @@ def test_prepare(capsys):
 def test_bad_level_is_a_clean_error(capsys):
     assert main(["bench", "step", "--levels", "everything"]) == 2
     assert "unknown audit levels" in capsys.readouterr().err
+    assert main(["bench", "step", "--reproducible", "two"]) == 2
+    assert "--reproducible takes comma-separated rank counts >= 1" in capsys.readouterr().err
 
 
 def test_mixture(capsys):

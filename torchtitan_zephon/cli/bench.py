@@ -74,6 +74,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     )
     p.add_argument("--levels", help="comma-separated audit levels to run, of off,ids,tokens (step)")
     p.add_argument(
+        "--reproducible",
+        metavar="RANKS",
+        help="comma-separated rank counts at which to run the job with and without "
+        "zephon.reproducible (step; default 1,2, --quick 1; 'none': skip)",
+    )
+    p.add_argument(
         "--slow",
         action="store_true",
         help="also the slow cases (scale: a 10,000,000-step sequence log, written once and cached)",
@@ -140,6 +146,7 @@ def run(args: argparse.Namespace) -> int:
             "steps",
             "nproc",
             "levels",
+            "reproducible",
             "slow",
         )  # fmt: skip
     }

@@ -12,8 +12,8 @@ Invariant (what issue 46 rests on): for any finite values below the grid's bound
 ``to_float(sum of to_limbs(x) over a multiset)`` depends on the multiset only, not on
 how it was split into partial sums, in what order, or on how many processes; a value
 at or above the bound, or not finite, is refused (``NotRepresentable``), never
-wrapped. Addends keep their fraction limbs in [0, 2**32] (``carry`` brings a sum
-back there), so 2**30 addends may be summed between two carries without overflow.
+wrapped. An addend's limbs are below 2**31 in magnitude, so up to 2**31 addends are
+summed without overflow (and without ``carry``, which only gives the canonical form).
 """
 
 from __future__ import annotations
@@ -57,38 +57,66 @@ SQUARES = Grid(top=32, limbs=4)
 """Squares of float32 gradients (exact in float64): |x| < 2**63, rounded to 2**-64."""
 
 
-def to_limbs(x: torch.Tensor, grid: Grid, what: str = "a value") -> torch.Tensor:
-    """The limbs of every element of ``x``: int64 of shape ``(grid.limbs, *x.shape)``.
-    Raises ``NotRepresentable`` naming ``what`` for a value not finite or too large."""
-    v = x.detach().to(torch.float64)
-    if v.numel():
-        peak = v.abs().max().item()  # nan propagates through max
+_ROUND = 1.5 * 2.0**52
+"""Added and subtracted in float64, it rounds a value below 2**51 to the nearest integer
+(ties to even): two additions, each rounding once, and far cheaper than ``floor``."""
+
+
+_SCRATCH: dict[tuple[str, int, torch.dtype, torch.device], torch.Tensor] = {}
+
+
+def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A work buffer kept between calls, one per (name, size, dtype, device): a fresh
+    buffer of tens of MB costs more in page faults than the arithmetic done in it."""
+    key = (name, int(numel), dtype, torch.device(device))
+    buf = _SCRATCH.get(key)
+    if buf is None:
+        buf = _SCRATCH[key] = torch.empty(int(numel), dtype=dtype, device=device)
+    return buf
+
+
+def to_limbs(
+    x: torch.Tensor, grid: Grid, what: str = "a value", out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The limbs of every element of ``x``: int64 of shape ``(grid.limbs, *x.shape)``
+    (written into ``out`` when given), each limb the nearest integer of what is left
+    (so in [-2**31, 2**31] after the first). Raises ``NotRepresentable`` naming ``what``
+    for a value not finite or too large. Computed in place in float64 work buffers
+    (``scratch``): the conversion is bound by memory."""
+    x = x.detach()
+    if x.numel():
+        peak = torch.linalg.vector_norm(x, float("inf")).item()  # nan propagates
         if not peak < grid.bound:
             raise NotRepresentable(
                 f"{what} holds {peak!r}: an exact sum takes finite values below "
                 f"{grid.bound:g} in magnitude"
             )
+    n = x.numel()
+    v = scratch("value", n, torch.float64, x.device).view(x.shape)
+    part = scratch("part", n, torch.float64, x.device).view(x.shape)
+    v.copy_(x)
     if grid.top:
-        v = v * 2.0**-grid.top  # a power of two: exact
-    out = torch.empty((grid.limbs, *v.shape), dtype=torch.int64, device=v.device)
-    whole = torch.floor(v)
-    out[0] = whole.to(torch.int64)
-    rest = v - whole  # exact: v has 24 (float32) or 48 (its square) significant bits
-    for j in range(1, grid.limbs):
-        rest = rest * _LIMB
-        part = torch.round(rest) if j == grid.limbs - 1 else torch.floor(rest)
-        out[j] = part.to(torch.int64)
-        rest = rest - part
+        v.mul_(2.0**-grid.top)  # a power of two: exact
+    if out is None:
+        out = torch.empty((grid.limbs, *x.shape), dtype=torch.int64, device=x.device)
+    for j in range(grid.limbs):
+        if j:
+            v.mul_(_LIMB)  # a power of two: exact
+        torch.add(v, _ROUND, out=part).sub_(_ROUND)  # the nearest integer, exactly
+        out[j].copy_(part)
+        v.sub_(part)  # exact: v has 24 (float32) or 48 (its square) significant bits
     return out
 
 
 def carry(limbs: torch.Tensor) -> torch.Tensor:
     """The same value with every fraction limb in [0, 2**32), in place (limb 0 takes
-    the carry, as a signed integer)."""
+    the carry, as a signed integer): ``to_float``'s canonical form. A sum needs it only
+    before 2**31 addends."""
+    high = scratch("carry", limbs[0].numel(), torch.int64, limbs.device).view(limbs[0].shape)
     for j in range(limbs.shape[0] - 1, 0, -1):
-        high = limbs[j] >> LIMB_BITS  # floor division: negative limbs borrow
-        limbs[j] &= _MASK
-        limbs[j - 1] += high
+        torch.bitwise_right_shift(limbs[j], LIMB_BITS, out=high)  # floor: negatives borrow
+        limbs[j].bitwise_and_(_MASK)
+        limbs[j - 1].add_(high)
     return limbs
 
 
@@ -106,10 +134,13 @@ def total(limbs: torch.Tensor, grid: Grid, chunk: int = 1 << 22) -> torch.Tensor
 def to_float(limbs: torch.Tensor, grid: Grid, dtype: torch.dtype) -> torch.Tensor:
     """The value of carried limbs as ``dtype``: a function of the integers alone (so of
     the multiset summed, not of how), rounded through float64."""
-    c = carry(limbs.clone())
-    v = c[0].to(torch.float64)
+    c = carry(limbs)  # the same value, in place
+    v = scratch("value", c[0].numel(), torch.float64, c.device).view(c[0].shape)
+    part = scratch("part", c[0].numel(), torch.float64, c.device).view(c[0].shape)
+    v.copy_(c[0])
     for j in range(1, grid.limbs):
-        v = v + c[j].to(torch.float64) * 2.0 ** (-LIMB_BITS * j)
+        part.copy_(c[j]).mul_(2.0 ** (-LIMB_BITS * j))  # exact: a 32-bit integer, scaled
+        v.add_(part)
     if grid.top:
-        v = v * 2.0**grid.top
-    return v.to(dtype)
+        v.mul_(2.0**grid.top)
+    return v.to(dtype, copy=True)

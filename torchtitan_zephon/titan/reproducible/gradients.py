@@ -37,6 +37,7 @@ from torchtitan_zephon.titan.reproducible.fixed_point import (
     GRADIENTS,
     SQUARES,
     carry,
+    scratch,
     to_float,
     to_limbs,
     total,
@@ -76,15 +77,20 @@ class ExactReduceScatter(ReduceScatter):
                 f"zephon.reproducible: FSDP reduced the gradients of {self.name} with {op}, "
                 "not a plain sum (a gradient divide factor other than 1)"
             )
-        world, n = group.size(), output_tensor.numel()
-        limbs = to_limbs(input_tensor, GRADIENTS, what=f"the gradient of {self.name}")
-        send = limbs.view(GRADIENTS.limbs, world, n).transpose(0, 1).contiguous()
-        got = torch.empty((GRADIENTS.limbs, n), dtype=torch.int64, device=output_tensor.device)
-        dist.reduce_scatter_tensor(got.view(-1), send.view(-1), op=dist.ReduceOp.SUM, group=group)
+        world, n, k = group.size(), output_tensor.numel(), GRADIENTS.limbs
+        device = output_tensor.device
+        limbs = to_limbs(
+            input_tensor, GRADIENTS, what=f"the gradient of {self.name}",
+            out=scratch("limbs", k * world * n, torch.int64, device).view(k, -1),
+        )  # fmt: skip
+        send = scratch("send", k * world * n, torch.int64, device).view(world, k, n)
+        send.copy_(limbs.view(k, world, n).transpose(0, 1))  # rank-major: rank r's chunk
+        got = scratch("got", k * n, torch.int64, device)
+        dist.reduce_scatter_tensor(got, send.view(-1), op=dist.ReduceOp.SUM, group=group)
         if self.sum is None:
-            self.sum, self.first = got, output_tensor
+            self.sum, self.first = got.view(k, n).clone(), output_tensor
         else:
-            carry(self.sum.add_(got))
+            self.sum.add_(got.view(k, n))  # fewer than 2**31 addends: no carry needed
         output_tensor.zero_()
         return None
 
@@ -141,9 +147,12 @@ class ExactGradients:
         for name, p in self.params:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             g = g.to_local() if isinstance(g, DTensor) else g
-            limbs = to_limbs(g, GRADIENTS, what=f"the gradient of {name}")
             s = self.sums.get(name)
-            self.sums[name] = limbs if s is None else carry(s.add_(limbs))
+            if s is None:
+                self.sums[name] = to_limbs(g, GRADIENTS, what=f"the gradient of {name}")
+            else:
+                out = scratch("limbs", s.numel(), torch.int64, s.device).view(s.shape)
+                s.add_(to_limbs(g, GRADIENTS, what=f"the gradient of {name}", out=out))
             p.grad = None
 
     def finish(self, across: Callable[[torch.Tensor], Any] | None = None) -> None:
@@ -191,7 +200,6 @@ class ExactGradients:
             parts = [self.sums[name] for name, _ in self.params]
         flat = torch.cat([t.reshape(GRADIENTS.limbs, -1) for t in parts], dim=1)
         across(flat)
-        carry(flat)
         at = 0
         for t in parts:
             n = t[0].numel()
@@ -223,8 +231,12 @@ def exact_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
             local = g.to_local()
         flat = local.detach().reshape(-1)
         for start in range(0, flat.numel(), CHUNK):
-            sq = flat[start : start + CHUNK].to(torch.float64).square()
-            acc += total(to_limbs(sq, SQUARES, what="a squared gradient"), SQUARES).cpu()
+            piece = flat[start : start + CHUNK]
+            sq = scratch("square", piece.numel(), torch.float64, piece.device)
+            sq.copy_(piece).square_()  # exact: a float32's square has 48 bits
+            out = scratch("limbs", SQUARES.limbs * piece.numel(), torch.int64, piece.device)
+            limbs = to_limbs(sq, SQUARES, "a squared gradient", out.view(SQUARES.limbs, -1))
+            acc += total(limbs, SQUARES).cpu()
             carry(acc)
     if len(meshes) > 1 or any(m.ndim != 1 for m in meshes):
         raise RuntimeError(

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from torchtitan_zephon.titan.reproducible.fixed_point import scratch
+
 SUPPORTED = {"Adam": torch.optim.Adam, "AdamW": torch.optim.AdamW}
 """The optimizers ``exact_step`` computes (TorchTitan's names)."""
 
@@ -65,10 +67,11 @@ def exact_step(optimizer: torch.optim.Optimizer, closure: Any = None) -> None:
                     x.mul_(1 - lr * decay)
                 else:
                     g = g + x * decay
-            m.mul_(beta1).add_(g * (1 - beta1))
-            v.mul_(beta2).add_(torch.mul(g, g).mul_(1 - beta2))
-            denom = v.sqrt().div_(math.sqrt(1 - beta2**step)).add_(eps)
-            x.sub_(torch.div(m, denom).mul_(lr / (1 - beta1**step)))
+            t = scratch("adam", g.numel(), g.dtype, g.device).view(g.shape)  # no page faults
+            m.mul_(beta1).add_(torch.mul(g, 1 - beta1, out=t))
+            v.mul_(beta2).add_(torch.mul(g, g, out=t).mul_(1 - beta2))
+            torch.sqrt(v, out=t).div_(math.sqrt(1 - beta2**step)).add_(eps)  # the denominator
+            x.sub_(torch.div(m, t, out=t).mul_(lr / (1 - beta1**step)))
 
 
 def use_exact_steps(optimizers: list[torch.optim.Optimizer]) -> None:
