@@ -12,7 +12,11 @@ Modes (``--mode auto`` picks one and says why):
   checkpoints every 10 steps; then a resume from step 10 at local batch 16 (no
   accumulation: another split of the same global batch), ``zephon verify``
   (MATCH expected) and ``zephon compare`` (rtol 2e-2: bf16, non-deterministic
-  kernels). Step time and data wait from TorchTitan's own metrics.
+  kernels). Step time and data wait from TorchTitan's own metrics. Then
+  ``zephon.reproducible`` (issue 46) on NCCL: the same job in fp32 with
+  deterministic kernels without and with the setting, the latter resumed from step
+  10 too, ``zephon compare`` of the two (the same bits expected), and the setting's
+  step time against the fp32 run's.
 * ``engine`` (anything older, e.g. torch 2.11 on a machine without network, or
   TorchTitan 0.3 missing): the engine alone, TorchTitan never imported: the Zephon
   loader into pinned memory and onto the GPU (``non_blocking`` copies), a plain
@@ -236,6 +240,16 @@ COMMON = [
     "--metrics.log_freq", "1", "--metrics.enable_tensorboard",
 ]  # fmt: skip
 RESUMED = ["--training.local_batch_size", "16"]  # the same global batch, no accumulation
+FP32 = ["--training.mixed_precision_param", "float32", "--debug.deterministic"]
+EXACT = [*FP32, "--zephon.reproducible"]  # issue 46: the same bits, at its cost
+RUNS: list[tuple[str, list[str], str | None]] = [
+    ("ref", [], None),
+    ("resumed", RESUMED, "ref"),  # a resume at another gradient-accumulation split
+    ("fp32", FP32, None),  # zephon.reproducible's baseline: fp32, deterministic kernels
+    ("exact", EXACT, None),
+    ("exact_resumed", EXACT, "exact"),  # resumed from step 10: the same bits expected
+]
+"""The full check's runs: (name, options, the run whose step-10 checkpoint it resumes)."""
 
 
 def full_args(dump: Path, extra: list[str]) -> list[str]:
@@ -288,31 +302,45 @@ def full_check(out: Path, run: Path) -> int:
         return rc
 
     shutil.rmtree(run, ignore_errors=True)
-    t0 = time.perf_counter()
-    if train(run / "ref", out / "ref.log", []) != 0:
-        return 1
-    print(f"  reference run: {time.perf_counter() - t0:.0f} s")
-    shutil.copytree(run / "ref", run / "resumed")
-    for step in (20, 30):
-        shutil.rmtree(run / "resumed" / "checkpoint" / f"step-{step}", ignore_errors=True)
-    if train(run / "resumed", out / "resumed.log", RESUMED) != 0:
-        return 1
+    for name, extra, source in RUNS:
+        t0 = time.perf_counter()
+        if source is not None:
+            shutil.copytree(run / source, run / name)
+            for step in (20, 30):
+                shutil.rmtree(run / name / "checkpoint" / f"step-{step}", ignore_errors=True)
+        if train(run / name, out / f"{name}.log", extra) != 0:
+            return 1
+        print(f"  {name}: {time.perf_counter() - t0:.0f} s")
     rc = 0
-    for cmd in (["verify"], ["compare", "--rtol", "2e-2"]):
+    checks = (
+        ("verify", "ref", "resumed", []),
+        ("compare", "ref", "resumed", ["--rtol", "2e-2"]),
+        ("compare", "exact", "exact_resumed", []),  # reproducible: tolerance 0
+    )
+    for cmd, a, b, extra in checks:
         p = subprocess.run(
-            [sys.executable, "-m", "torchtitan_zephon", cmd[0], str(run / "ref"), str(run / "resumed"), *cmd[1:]],
+            [sys.executable, "-m", "torchtitan_zephon", cmd, str(run / a), str(run / b), *extra],
             cwd=REPO, capture_output=True, text=True,
         )  # fmt: skip
-        (out / f"{cmd[0]}.txt").write_text(p.stdout + p.stderr)
-        print(f"  zephon {cmd[0]}: exit {p.returncode}: {p.stdout.strip().splitlines()[-1:]}")
+        (out / f"{cmd}_{b}.txt").write_text(p.stdout + p.stderr)
+        print(f"  zephon {cmd} {a} {b}: exit {p.returncode}: {p.stdout.strip().splitlines()[-1:]}")
         rc |= p.returncode
-    figures = {}
-    for tag in ("time_metrics/end_to_end(s)", "time_metrics/data_loading(%)", "tps"):
-        v = runs.read_scalars(run / "ref", tag)
-        later = [v[s] for s in sorted(v) if s > WARMUP]
-        if later:
-            figures[tag] = statistics.median(later)
-            print(f"  {tag}: median over steps {WARMUP + 1}..30 = {figures[tag]:.6g}")
+    figures: dict[str, dict[str, float]] = {}
+    for name in ("ref", "fp32", "exact"):
+        figures[name] = {}
+        for tag in ("time_metrics/end_to_end(s)", "time_metrics/data_loading(%)", "tps",
+                    "memory/max_reserved(GiB)"):  # fmt: skip
+            v = runs.read_scalars(run / name, tag)
+            later = [v[s] for s in sorted(v) if s > WARMUP]
+            if later:
+                figures[name][tag] = statistics.median(later)
+                print(
+                    f"  {name} {tag}: median over steps {WARMUP + 1}..30 = {figures[name][tag]:.6g}"
+                )
+    step = "time_metrics/end_to_end(s)"
+    if step in figures["fp32"] and step in figures["exact"]:
+        cost = figures["exact"][step] / figures["fp32"][step]
+        print(f"  zephon.reproducible: step time x{cost:.2f} of fp32 without it")
     (out / "full_check.json").write_text(json.dumps({"mode": "full", "figures": figures}, indent=1))
     return rc
 
@@ -354,7 +382,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(opts.out)
     if opts.dry_run:
         if mode == "full":
-            for name, extra in (("ref", []), ("resumed", RESUMED)):
+            for name, extra, _ in RUNS:
                 args = full_args(Path(opts.run) / name, extra)
                 print(
                     f"  {name}: torchrun --nproc_per_node=1 -m torchtitan_zephon.train {' '.join(args)}"

@@ -95,10 +95,14 @@ def test_full_check_dry_run_parses_both_runs(tmp_path: Path):
     r = _run(["--dry-run", "--mode", "full"], tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [x for x in r.stdout.splitlines() if "parses as:" in x]
-    assert len(lines) == 2, r.stdout
-    ref, resumed = lines
+    assert len(lines) == 5, r.stdout
+    ref, resumed, fp32, exact, exact_resumed = lines
     assert "seq_len 2048, local batch 8 x 2 micro-batches = global batch 16" in ref
     assert "local batch 16 x 1 micro-batches = global batch 16" in resumed
+    assert "mixed precision bfloat16" in ref and "mixed precision bfloat16" in resumed
+    for line in (fp32, exact, exact_resumed):  # zephon.reproducible and its baseline
+        assert "local batch 8 x 2 micro-batches" in line and "mixed precision float32" in line
+    assert "--zephon.reproducible" in r.stdout
     for line in lines:
-        assert "mixed precision bfloat16" in line and "checkpoint every 10" in line
+        assert "checkpoint every 10" in line
         assert "dataloader ZephonDataLoader.Config, validator ZephonValidator.Config" in line

@@ -298,6 +298,10 @@ def test_reproducible_accepts_fsdp_on_any_number_of_ranks(parse):
         (("--parallelism.pipeline_parallel_degree", "2"), 2, "not parallelism.pipeline_parallel_degree = 2"),
         (("--training.mixed_precision_param", "bfloat16"), 2,
          "zephon.reproducible needs training.mixed_precision_param = float32, not bfloat16"),
+        (("--debug.no-deterministic",), 1,
+         "zephon.reproducible needs debug.deterministic = true: a kernel that adds in whatever "
+         "order its threads finish (a GPU's atomics) computes another gradient on every run. "
+         "Set --debug.deterministic"),
     ],
 )  # fmt: skip
 def test_reproducible_refuses_what_it_does_not_cover_in_one_line(parse, overrides, world, text):

@@ -4,7 +4,7 @@ is refused in one line, before anything is built, never trained inexactly.
 Invariant: ``check_reproducible`` accepts a job only where every sum that feeds the
 update or the log goes through ``gradients`` (1 rank, or FSDP over the ranks,
 or torchft replica groups of one rank; float32 compute, MoE at EP 1, Adam or AdamW:
-``optimizer``); everything else it refuses, naming the
+``optimizer``; TorchTitan's deterministic kernels); everything else it refuses, naming the
 setting and what to set instead.
 """
 
@@ -44,6 +44,12 @@ def check_reproducible(job: JobView, world: int) -> None:
             f"{WHAT} covers torchft replica groups of one rank each, not groups of {world} "
             f"ranks (FSDP inside a group) yet: launch each group on one rank, or turn "
             f"{WHAT} off"
+        )
+    if not job.deterministic:
+        raise ValueError(
+            f"{WHAT} needs debug.deterministic = true: a kernel that adds in whatever order "
+            "its threads finish (a GPU's atomics) computes another gradient on every run. "
+            "Set --debug.deterministic"
         )
     if job.mixed_precision_param != "float32":
         raise ValueError(

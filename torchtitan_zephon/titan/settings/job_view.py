@@ -89,6 +89,8 @@ class JobView:
     mixed_precision_param: str = "float32"
     """``training.mixed_precision_param``: the dtype FSDP computes in (on 1 rank
     TorchTitan computes in the parameters' own dtype)."""
+    deterministic: bool = False
+    """``debug.deterministic``: TorchTitan's deterministic kernels (and algorithms)."""
     optimizers: tuple[str, ...] = ("AdamW",)
     """The optimizer of each of ``optimizer.param_groups`` (TorchTitan's names)."""
     optimizer_flags: frozenset[str] = frozenset()
@@ -168,6 +170,7 @@ def job_view(config: Any) -> JobView:
         num_experts=_num_experts(model),
         fault_tolerance=_fault_tolerance(getattr(config, "fault_tolerance", None)),
         mixed_precision_param=config.training.mixed_precision_param,
+        deterministic=bool(config.debug.deterministic),
         optimizers=tuple(g.optimizer_name for g in config.optimizer.param_groups),
         optimizer_flags=frozenset(
             k

@@ -203,4 +203,4 @@ class Zephon:
     start, in one line, with what it does not cover yet: HSDP
     (data_parallel_replicate_degree > 1), TP, CP, PP, EP, torchft groups of more than
     one rank, training.mixed_precision_param other than float32, optimizers other than
-    Adam / AdamW. Not part of the data config."""
+    Adam / AdamW, and debug.deterministic off. Not part of the data config."""
