@@ -285,19 +285,27 @@ def test_reproducible_accepts_fsdp_on_any_number_of_ranks(parse):
 
     for world in (1, 2, 3, 4):
         check_job_config(parse("--zephon.reproducible"), world_size=world)
+    hsdp = parse("--zephon.reproducible", "--parallelism.data_parallel_replicate_degree", "2")
+    check_job_config(hsdp, world_size=4)  # HSDP: 2 replicas of 2 shards
 
 
 @pytest.mark.parametrize(
     "overrides, world, text",
     [
-        (("--parallelism.data_parallel_replicate_degree", "2"), 4,
-         "zephon.reproducible covers data parallelism by FSDP (data_parallel_shard_degree) "
-         "only, not parallelism.data_parallel_replicate_degree = 2: set "
-         "--parallelism.data_parallel_replicate_degree 1, or turn zephon.reproducible off"),
+        (("--parallelism.data_parallel_replicate_degree", "2"), 2,
+         "zephon.reproducible covers HSDP with a shard group of 2 ranks or more, not "
+         "parallelism.data_parallel_replicate_degree = 2 over shards of one rank: set "
+         "--parallelism.data_parallel_shard_degree -1 (FSDP over every rank), or turn "
+         "zephon.reproducible off"),
+        (("--parallelism.context_parallel_degree", "2"), 2,
+         "zephon.reproducible covers data parallelism (FSDP, HSDP) only, not "
+         "parallelism.context_parallel_degree = 2: set --parallelism.context_parallel_degree "
+         "1, or turn zephon.reproducible off"),
         (("--parallelism.tensor_parallel_degree", "2"), 2, "not parallelism.tensor_parallel_degree = 2"),
         (("--parallelism.pipeline_parallel_degree", "2"), 2, "not parallelism.pipeline_parallel_degree = 2"),
         (("--training.mixed_precision_param", "bfloat16"), 2,
-         "zephon.reproducible needs training.mixed_precision_param = float32, not bfloat16"),
+         "zephon.reproducible is built and tested for float32 compute, not "
+         "training.mixed_precision_param = bfloat16 yet"),
         (("--debug.no-deterministic",), 1,
          "zephon.reproducible needs debug.deterministic = true: a kernel that adds in whatever "
          "order its threads finish (a GPU's atomics) computes another gradient on every run. "

@@ -103,6 +103,18 @@ def test_dp_1_and_3_give_the_same_bits(exact_runs):
     _assert_same_bits(exact_runs, 20)
 
 
+# slow (issue 44 part e): four ranks on two cores; FSDP's exact reduce-scatter by default
+@pytest.mark.slow
+def test_hsdp_gives_the_bits_of_one_rank(tmp_path):
+    """HSDP (2 replicas of 2 shards: the limbs are reduce-scattered over the shards, then
+    summed over the replicas as int64) against 1 rank, global batch 8, local batch 2."""
+    job = (*_job(10), "--training.global_batch_size", "8")
+    one = train(tmp_path / "one", 1, *job).check().run
+    hsdp = train(tmp_path / "hsdp", 4, *job,
+                 "--parallelism.data_parallel_replicate_degree", "2").check().run  # fmt: skip
+    _assert_same_bits({1: one, 4: hsdp}, 10)
+
+
 def _resumed(runs: dict[int, Path], tmp_path: Path, source: int, ranks: int) -> Path:
     """Run ``source`` killed after its checkpoint at step 10, resumed on ``ranks``."""
     run = copy_run_until(runs[source], tmp_path / f"{source}_to_{ranks}", 10)

@@ -2,7 +2,7 @@
 is refused in one line, before anything is built, never trained inexactly.
 
 Invariant: ``check_reproducible`` accepts a job only where every sum that feeds the
-update or the log goes through ``gradients`` (1 rank, or FSDP over the ranks,
+update or the log goes through ``gradients`` (1 rank, or FSDP / HSDP over the ranks,
 or torchft replica groups of one rank; float32 compute, MoE at EP 1, Adam or AdamW:
 ``optimizer``; TorchTitan's deterministic kernels); everything else it refuses, naming the
 setting and what to set instead.
@@ -21,17 +21,22 @@ def check_reproducible(job: JobView, world: int) -> None:
     setting does not cover (nothing when it is off)."""
     if not job.zephon.reproducible:
         return
+    if job.dp_replicate > 1 and job.dp_shard_degree(world) == 1:
+        raise ValueError(
+            f"{WHAT} covers HSDP with a shard group of 2 ranks or more, not "
+            f"parallelism.data_parallel_replicate_degree = {job.dp_replicate} over shards of "
+            f"one rank: set --parallelism.data_parallel_shard_degree -1 (FSDP over every "
+            f"rank), or turn {WHAT} off"
+        )
     for name, degree in (
-        ("data_parallel_replicate_degree", job.dp_replicate),
         ("tensor_parallel_degree", job.tp),
         ("context_parallel_degree", job.cp),
         ("pipeline_parallel_degree", job.pp),
     ):
         if degree != 1:
             raise ValueError(
-                f"{WHAT} covers data parallelism by FSDP (data_parallel_shard_degree) "
-                f"only, not parallelism.{name} = {degree}: set --parallelism.{name} 1, "
-                f"or turn {WHAT} off"
+                f"{WHAT} covers data parallelism (FSDP, HSDP) only, not parallelism."
+                f"{name} = {degree}: set --parallelism.{name} 1, or turn {WHAT} off"
             )
     if job.ep != 1:
         raise ValueError(
@@ -53,10 +58,9 @@ def check_reproducible(job: JobView, world: int) -> None:
         )
     if job.mixed_precision_param != "float32":
         raise ValueError(
-            f"{WHAT} needs training.mixed_precision_param = float32, not "
-            f"{job.mixed_precision_param}: TorchTitan computes in it under FSDP only, so 1 "
-            "rank and 2 would compute different gradients. Set "
-            "--training.mixed_precision_param float32"
+            f"{WHAT} is built and tested for float32 compute, not "
+            f"training.mixed_precision_param = {job.mixed_precision_param} yet. Set "
+            "--training.mixed_precision_param float32, or turn it off"
         )
     for name in job.optimizers:
         if name not in SUPPORTED:

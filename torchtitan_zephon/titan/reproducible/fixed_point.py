@@ -62,17 +62,19 @@ _ROUND = 1.5 * 2.0**52
 (ties to even): two additions, each rounding once, and far cheaper than ``floor``."""
 
 
-_SCRATCH: dict[tuple[str, int, torch.dtype, torch.device], torch.Tensor] = {}
+_SCRATCH: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
 
 
 def scratch(name: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A work buffer kept between calls, one per (name, size, dtype, device): a fresh
-    buffer of tens of MB costs more in page faults than the arithmetic done in it."""
-    key = (name, int(numel), dtype, torch.device(device))
+    """A work buffer of ``numel`` elements kept between calls: one per (name, dtype,
+    device), grown to the largest size asked for and sliced for smaller ones (so what is
+    kept is bounded by the largest tensor). A fresh buffer of tens of MB costs more in
+    page faults than the arithmetic done in it."""
+    key = (name, dtype, torch.device(device))
     buf = _SCRATCH.get(key)
-    if buf is None:
+    if buf is None or buf.numel() < numel:
         buf = _SCRATCH[key] = torch.empty(int(numel), dtype=dtype, device=device)
-    return buf
+    return buf[: int(numel)]
 
 
 def to_limbs(

@@ -52,10 +52,13 @@ class ExactReduceScatter(ReduceScatter):
     limbs, reduce-scattered with SUM and added to the module's sum for the step. FSDP
     is handed zeros; its first output of the step is the buffer its sharded gradients
     are views of (FSDP accumulates later outputs into them in place), so ``flush``
-    writes the sum there."""
+    writes the sum there. Under HSDP (``replicate``: the group of the module's replicas)
+    the sum is also added over the replicas, as int64, before it is written; FSDP's own
+    all-reduce then only adds the zeros it was handed."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, replicate: dist.ProcessGroup | None = None) -> None:
         self.name = name
+        self.replicate = replicate
         self.sum: torch.Tensor | None = None
         self.first: torch.Tensor | None = None
 
@@ -100,6 +103,8 @@ class ExactReduceScatter(ReduceScatter):
                 f"zephon.reproducible: FSDP did not reduce the gradients of {self.name} in "
                 "this step"
             )
+        if self.replicate is not None:
+            dist.all_reduce(self.sum, op=dist.ReduceOp.SUM, group=self.replicate)
         self.first.copy_(to_float(self.sum, GRADIENTS, self.first.dtype).view_as(self.first))
         self.sum = self.first = None
 
@@ -115,15 +120,16 @@ class ExactGradients:
         self.params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         self.reducers: list[ExactReduceScatter] = []
         states: set[int] = set()  # fully_shard([a, b]) makes a and b share one state
-        # FSDP on one rank copies instead of reducing (it never calls a reducer)
-        sharded = any(isinstance(p, DTensor) and p.device_mesh.size() > 1 for _, p in self.params)
+        # FSDP over a shard group of one rank copies instead of reducing (it never calls a
+        # reducer): then this rank's gradients are summed here (``after``)
+        sharded = any(_shard_size(p) > 1 for _, p in self.params)
         for name, module in model.named_modules():
             if sharded and isinstance(module, FSDPModule) and _manages_parameters(module):
                 state = id(module._get_fsdp_state())
                 if state in states:
                     continue
                 states.add(state)
-                reducer = ExactReduceScatter(name or "the model's root")
+                reducer = ExactReduceScatter(name or "the model's root", _replicas(module))
                 module.set_gradient_divide_factor(1.0)
                 module.set_force_sum_reduction_for_comms(True)
                 module.set_reduce_scatter_unused_params(True, recurse=False)
@@ -207,6 +213,27 @@ class ExactGradients:
             at += n
 
 
+def _shard_size(p: torch.Tensor) -> int:
+    """How many ranks hold a shard of ``p`` (1: a plain tensor or a replicated one)."""
+    if not isinstance(p, DTensor):
+        return 1
+    size = 1
+    for dim, placement in enumerate(p.placements):
+        if placement.is_shard():
+            size *= p.device_mesh.size(dim)
+    return size
+
+
+def _replicas(module: nn.Module) -> dist.ProcessGroup | None:
+    """The group over which FSDP module ``module``'s parameters are replicated (HSDP),
+    None when they are only sharded."""
+    for p in module.parameters():
+        if isinstance(p, DTensor):
+            dims = [d for d, pl in enumerate(p.placements) if pl.is_replicate()]
+            return p.device_mesh.get_group(dims[0]) if dims else None
+    return None
+
+
 def _manages_parameters(module: nn.Module) -> bool:
     """Whether FSDP module ``module`` manages parameters of its own (those of no FSDP
     module below it): a root whose parameters all sit in its children reduces nothing."""
@@ -221,13 +248,15 @@ def _manages_parameters(module: nn.Module) -> bool:
 
 def exact_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
     """The L2 norm of the gradients (float64 scalar): squares exact in float64, summed
-    exactly over elements, parameters and the shards of a DTensor's mesh."""
+    exactly over elements, parameters and the ranks that hold shards of a DTensor
+    (its mesh's sharded dimensions; replicas are counted once)."""
     acc = torch.zeros(SQUARES.limbs, dtype=torch.int64)
-    meshes = set()
+    layouts = set()
     for g in grads:
         local = g
         if isinstance(g, DTensor):
-            meshes.add(g.device_mesh)
+            shard_dims = tuple(d for d, pl in enumerate(g.placements) if pl.is_shard())
+            layouts.add((g.device_mesh, shard_dims))
             local = g.to_local()
         flat = local.detach().reshape(-1)
         for start in range(0, flat.numel(), CHUNK):
@@ -238,15 +267,16 @@ def exact_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
             limbs = to_limbs(sq, SQUARES, "a squared gradient", out.view(SQUARES.limbs, -1))
             acc += total(limbs, SQUARES).cpu()
             carry(acc)
-    if len(meshes) > 1 or any(m.ndim != 1 for m in meshes):
+    if len(layouts) > 1:
         raise RuntimeError(
-            "zephon.reproducible: the gradients are sharded over more than one data-parallel "
-            "dimension; the exact norm is built for FSDP alone"
+            "zephon.reproducible: the gradients are sharded in more than one layout; the "
+            "exact norm is built for FSDP / HSDP alone"
         )
-    for mesh in meshes:
-        device_acc = acc.to(mesh.device_type)
-        dist.all_reduce(device_acc, op=dist.ReduceOp.SUM, group=mesh.get_group())
-        acc = device_acc.cpu()
+    for mesh, shard_dims in layouts:
+        for dim in shard_dims:
+            device_acc = acc.to(mesh.device_type)
+            dist.all_reduce(device_acc, op=dist.ReduceOp.SUM, group=mesh.get_group(dim))
+            acc = device_acc.cpu()
     return to_float(acc, SQUARES, torch.float64).sqrt()
 
 

@@ -193,14 +193,14 @@ class Zephon:
     """The same bits at any DP degree (issue 46): the parameters, the optimizer state
     and every logged training loss and gradient norm of a step are identical whether
     the job runs on 1 rank or under FSDP on any number of ranks, for a fixed
-    training.local_batch_size, seed and data config (a run resumed at another DP
+    training.local_batch_size, seed and data config (FSDP or HSDP; a run resumed at another DP
     degree follows the uninterrupted run bit for bit). Each micro-batch's gradient is
     computed alone and the gradients, their norm and the loss are summed exactly
     (fixed point in int64: titan/reproducible), at the cost of reducing 6 times the
     gradient bytes. A change of TP, CP, PP or EP degree or of the micro-batch size is
     outside the guarantee. torchft replica groups of one rank are covered (a step's
     parts are then cut in whole micro-batches), and MoE models at EP 1. Refused at
-    start, in one line, with what it does not cover yet: HSDP
-    (data_parallel_replicate_degree > 1), TP, CP, PP, EP, torchft groups of more than
-    one rank, training.mixed_precision_param other than float32, optimizers other than
-    Adam / AdamW, and debug.deterministic off. Not part of the data config."""
+    start, in one line, with what it does not cover yet: TP, CP, PP, EP, replicas over
+    shards of one rank, torchft groups of more than one rank,
+    training.mixed_precision_param other than float32, optimizers other than Adam /
+    AdamW, and debug.deterministic off. Not part of the data config."""
