@@ -4,8 +4,8 @@ between them, with torchft replica groups and for the MoE (issue 46 parts a to c
 Global batch 12, local batch 2 from scratch: DP 1, 2 and 3 (6, 3 and 2 micro-batches
 a rank) over 100 steps (slow), DP 1 and 3 over 20 (by default: the one-rank path and
 FSDP's exact reduce-scatter, 6 micro-batches against 2); the 3-rank run killed after
-its checkpoint at step 10 and resumed on 1 rank (and, slow, the 1-rank run resumed on
-3); two torchft groups against one group, and (slow) one group killed and healed; (slow)
+its checkpoint at step 10 and resumed on 1 rank (and, slow, a 2-rank run resumed on 1
+and the 1-rank run resumed on 3); two torchft groups against one group, and (slow) one group killed and healed; (slow)
 the MoE on 1 and 2 ranks. Every logged loss and gradient norm, the final parameters and
 the optimizer state
 are the same bits (``zephon compare --rtol 0 --atol 0`` passes). Without the setting
@@ -25,6 +25,7 @@ import torch
 
 from tests.titan.expect import assert_same_data, resume_events
 from tests.titan.launch import REPO, copy_run_until, train, train03
+from torchtitan_zephon.cli.compare import bitwise_pair, run_training
 from torchtitan_zephon.cli.main import main as zephon
 
 
@@ -77,6 +78,9 @@ def _assert_same_bits(runs: dict[int, Path], steps: int) -> None:
     for n in others:
         assert_same_data(runs[first], runs[n], range(1, steps + 1))
     assert zephon(["compare", "--rtol", "0", "--atol", "0", *map(str, runs.values())]) == 0
+    trained = {n: run_training(r) for n, r in runs.items()}  # what compare reads of them
+    for n in others:  # both reproducible, one micro-batch size: bits expected by default
+        assert bitwise_pair(trained[first], trained[n]), trained
     logged = {n: _logged(r) for n, r in runs.items()}
     assert sorted(logged[first]) == list(range(1, steps + 1))
     for n in others:
@@ -127,6 +131,14 @@ def _resumed(runs: dict[int, Path], tmp_path: Path, source: int, ranks: int) -> 
 def test_a_3_rank_run_resumed_on_1_rank_follows_the_1_rank_run_to_the_bit(exact_runs, tmp_path):
     run = _resumed(exact_runs, tmp_path, 3, 1)
     _assert_same_bits({1: exact_runs[1], 31: run}, 20)
+
+
+@pytest.mark.slow
+def test_a_2_rank_run_resumed_on_1_rank_follows_the_1_rank_run_to_the_bit(exact_runs, tmp_path):
+    """The issue's case as written: 2 ranks killed after checkpoint 10, resumed on 1."""
+    two = train(tmp_path / "dp2", 2, *_job(20), "--checkpoint.interval", "10").check().run
+    run = _resumed({2: two}, tmp_path, 2, 1)
+    _assert_same_bits({1: exact_runs[1], 21: run}, 20)
 
 
 @pytest.mark.slow
