@@ -55,19 +55,19 @@ def _open(url: str, root: Path, limit: int = 1 << 20, **kw) -> RemoteTokenStore:
     return RemoteTokenStore.open_url(parse_url(url), options=options)
 
 
-def _unit_files(root: Path) -> list[Path]:
+def _block_files(root: Path) -> list[Path]:
     return sorted(p for p in (root / FOLDER).rglob("*.bin"))
 
 
 def test_a_restart_fetches_only_what_is_not_cached(blocked_url, blocked, tmp_path):
     """seq_len 512: sample i is block i (513 tokens, the last the next block's first)."""
-    unit = 513 * 2 + 8  # a block's tokens and its block checksum
+    block = 513 * 2 + 8  # a block's tokens and its block checksum
     local = TokenStore.open(blocked)
     first = _open(blocked_url, tmp_path)
     opened = first.fetched_bytes
     ids = np.array([0, 3, 5])
     np.testing.assert_array_equal(first.windows(ids, SEQ), local.windows(ids, SEQ))
-    assert first.fetched_bytes - opened == 3 * unit
+    assert first.fetched_bytes - opened == 3 * block
     assert first.cache.hits == 0 and first.cache.written == 3
     first.close()
 
@@ -75,17 +75,17 @@ def test_a_restart_fetches_only_what_is_not_cached(blocked_url, blocked, tmp_pat
     opened = again.fetched_bytes
     np.testing.assert_array_equal(again.windows(ids, SEQ), local.windows(ids, SEQ))
     assert again.fetched_bytes == opened  # every block from the cache
-    assert again.cache.hits == 3 and again.cache.hit_bytes == 3 * unit
+    assert again.cache.hits == 3 and again.cache.hit_bytes == 3 * block
     np.testing.assert_array_equal(
         again.windows(np.array([8]), SEQ), local.windows(np.array([8]), SEQ)
     )
-    assert again.fetched_bytes - opened == unit  # block 8: not cached, fetched alone
+    assert again.fetched_bytes - opened == block  # block 8: not cached, fetched alone
     before = again.fetched_bytes
     # seq_len 1024, sample 2 = blocks 4 and 5: only block 4 (not cached) is fetched
     np.testing.assert_array_equal(
         again.windows(np.array([2]), 1024), local.windows(np.array([2]), 1024)
     )
-    assert again.fetched_bytes - before == unit and again.cache.hits == 4
+    assert again.fetched_bytes - before == block and again.cache.hits == 4
     before = again.fetched_bytes
     again.read_ahead(ids, SEQ)  # the loader's way: read ahead, then served
     np.testing.assert_array_equal(again.windows(ids, SEQ), local.windows(ids, SEQ))
@@ -110,13 +110,13 @@ def test_cached_windows_equal_local_reads(blocked_url, blocked, tmp_path_factory
         before = remote.fetched_bytes
         np.testing.assert_array_equal(remote.windows(ids, seq_len), local.windows(ids, seq_len))
         assert remote.fetched_bytes == before
-        files = _unit_files(root)
+        files = _block_files(root)
         for path in files:  # damage some cached files: cut, flipped, emptied, misplaced
             how = data.draw(st.sampled_from(["keep", "keep", "cut", "flip", "empty", "other"]))
             raw = path.read_bytes()
             if not raw:  # damaged before and not read since
                 continue
-            if how == "other":  # another unit's file under this one's name
+            if how == "other":  # another block's file under this one's name
                 path.write_bytes(data.draw(st.sampled_from(files)).read_bytes())
             elif how == "cut":
                 path.write_bytes(raw[: data.draw(st.integers(0, len(raw) - 1))])
@@ -133,12 +133,12 @@ def test_chunk_checked_stores_cache_chunks(fine_url, fine_store, tmp_path):
     first = _open(fine_url, tmp_path)
     ids = np.array([1, 9])
     np.testing.assert_array_equal(first.windows(ids, 100), local.windows(ids, 100))
-    assert all("chunks-64" in str(p) for p in _unit_files(tmp_path))
+    assert all("chunks-64" in str(p) for p in _block_files(tmp_path))
     first.close()
     again = _open(fine_url, tmp_path)
     opened = again.fetched_bytes
     np.testing.assert_array_equal(again.windows(ids, 100), local.windows(ids, 100))
-    assert again.fetched_bytes == opened and again.cache.hits == len(_unit_files(tmp_path))
+    assert again.fetched_bytes == opened and again.cache.hits == len(_block_files(tmp_path))
     again.close()
 
 
@@ -149,7 +149,7 @@ def test_a_bad_cache_file_is_refetched_never_served(blocked_url, blocked, tmp_pa
     first = _open(blocked_url, tmp_path)
     first.windows(ids, SEQ)
     first.close()
-    files = _unit_files(tmp_path)
+    files = _block_files(tmp_path)
     assert len(files) == 2
     bad = files[0]
     data = bad.read_bytes()
@@ -169,11 +169,11 @@ def test_a_bad_cache_file_is_refetched_never_served(blocked_url, blocked, tmp_pa
 
 
 @pytest.mark.parametrize("kind", ["blocks", "chunks"])
-def test_a_file_under_another_units_name_is_refetched_never_served(
+def test_a_file_under_another_blocks_name_is_refetched_never_served(
     blocked_url, blocked, fine_url, fine_store, tmp_path, kind
 ):
     """0.bin copied over 1.bin (a whole, well-formed file of the same size, checked
-    good as unit 0): read as unit 1 it fails its check, is discarded and fetched."""
+    good as block 0): read as block 1 it fails its check, is discarded and fetched."""
     url, path, seq = (blocked_url, blocked, SEQ) if kind == "blocks" else (fine_url, fine_store, 63)
     local = TokenStore.open(path)
     ids = np.array([0, 1, 2])
@@ -182,13 +182,13 @@ def test_a_file_under_another_units_name_is_refetched_never_served(
     first.close()
     zero, one = first.cache.path(0), first.cache.path(1)
     assert zero.stat().st_size == one.stat().st_size
-    unit = one.stat().st_size
+    block = one.stat().st_size
     one.write_bytes(zero.read_bytes())
     again = _open(url, tmp_path)
     opened = again.fetched_bytes
     np.testing.assert_array_equal(again.windows(ids, seq), local.windows(ids, seq))
-    assert again.cache.discarded == 1 and again.cache.hits == len(_unit_files(tmp_path)) - 1
-    assert again.fetched_bytes - opened == unit  # unit 1 alone, fetched again
+    assert again.cache.discarded == 1 and again.cache.hits == len(_block_files(tmp_path)) - 1
+    assert again.fetched_bytes - opened == block  # block 1 alone, fetched again
     assert one.read_bytes() != zero.read_bytes()  # and cached again as itself
     again.close()
 
@@ -222,10 +222,10 @@ def test_a_leftover_temporary_file_is_never_used(blocked_url, blocked, tmp_path)
 
 
 def test_eviction_keeps_the_cache_under_its_bound(blocked_url, blocked, tmp_path):
-    """Each unit file is 513 * 2 + 8 bytes; a bound of 5 files' worth holds at most 5,
+    """Each block file is 513 * 2 + 8 bytes; a bound of 5 files' worth holds at most 5,
     the least recently used going first."""
-    unit = 513 * 2 + 8
-    limit = 5 * unit + 100
+    block = 513 * 2 + 8
+    limit = 5 * block + 100
     local = TokenStore.open(blocked)
     remote = _open(blocked_url, tmp_path, limit=limit)
     n = local.num_samples(SEQ)
@@ -235,7 +235,7 @@ def test_eviction_keeps_the_cache_under_its_bound(blocked_url, blocked, tmp_path
         )
         assert remote.cache.total_bytes() <= limit
     assert remote.cache.written > 5
-    kept = {int(p.stem) for p in _unit_files(tmp_path)}
+    kept = {int(p.stem) for p in _block_files(tmp_path)}
     assert n - 1 in kept and len(kept) <= 5  # the last block read is the most recent
     remote.close()
 
@@ -379,8 +379,8 @@ def test_the_job_settings_put_the_cache_under_the_store_cache(monkeypatch, tmp_p
     assert not (tmp_path / "env").exists()  # made when a remote store opens, not before
 
 
-def test_a_bound_below_one_unit_warns_that_the_cache_holds_nothing(blocked_url, tmp_path):
-    """cache_bytes smaller than one cached unit (a 513-token block and its sum) is a
+def test_a_bound_below_one_block_warns_that_the_cache_holds_nothing(blocked_url, tmp_path):
+    """cache_bytes smaller than one cached block (a 513-token block and its sum) is a
     cache that can never hold anything: said once at open, naming the setting."""
     with pytest.warns(UserWarning, match=r"zephon.cache_bytes = 1 is smaller than one cached"):
         _open(blocked_url, tmp_path / "tiny", limit=1).close()

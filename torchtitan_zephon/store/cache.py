@@ -1,15 +1,15 @@
 """The node-local cache of remote stores: their checked blocks (or chunks), one file each.
 
-Role: ``NodeCache`` keeps the units of content check that ``remote.RemoteTokenStore``
+Role: ``NodeCache`` keeps the blocks of content check that ``remote.RemoteTokenStore``
 fetched (blocks of the store's block_tokens, 512 by default, with their block checksum,
 or 65,536-token chunks for a store without block checksums) under ``<root>/remote-blocks/<fingerprint>/<kind>/`` (``root``:
 the store cache folder, ``$ZEPHON_CACHE`` else ``zephon.cache_dir``), so that another rank
 of the node, a restart or a later job reads them from local disk instead of object
-storage. The cache holds bytes only: the store checks each unit on use (``get`` hands it
+storage. The cache holds bytes only: the store checks each block on use (``get`` hands it
 over, ``discard`` drops one that failed) and fetches it again when it is missing or bad.
 
 Invariants:
-- A unit's file is complete or absent: it is written under a temporary name in its
+- A block's file is complete or absent: it is written under a temporary name in its
   folder (``.tmp-...``) and renamed into place (``os.replace``), and readers open final
   names only, so a partly written file is never read. A temporary file left by a crash
   was counted in ``.usage`` before it was written (so the bound still holds) and is
@@ -17,11 +17,11 @@ Invariants:
   every temporary file is a leftover). A truncated or garbage file under a final name
   (a disk fault, a hand edit) fails the store's check on use, is discarded and fetched
   again.
-- A file can only serve the unit it was written for: the key is the store's
-  fingerprint, the kind of unit (``blocks-512``, ``chunks-65536``) and the unit's index,
+- A file can only serve the block it was written for: the key is the store's
+  fingerprint, the kind of block (``blocks-512``, ``chunks-65536``) and the block's index,
   and the store's check on use binds the bytes to that key (a block's file holds its
   block checksum XOR a hash of the store's seed, the kind and the index; a chunk is
-  checked against checksums.bin by its index). So a file under another unit's name,
+  checked against checksums.bin by its index). So a file under another block's name,
   kind or store folder (copied there by hand or by a bug) fails its check and is
   fetched again. A file crafted to pass (tokens and check value rewritten together) is
   outside this boundary, as tokens.bin and blocks.bin rewritten together in the bucket
@@ -62,8 +62,8 @@ FOLDER = "remote-blocks"
 LOW_WATER = 0.9
 """Eviction frees the cache down to this fraction of its bound (so it lists the folder
 once per tenth of the bound written, not at every write)."""
-_SHARD = 4096
-"""Unit files per subfolder."""
+_PER_FOLDER = 4096
+"""Block files per subfolder."""
 _TMP = ".tmp-"
 
 
@@ -72,7 +72,7 @@ class CacheError(ValueError):
 
 
 class NodeCache:
-    """The cached units of one store (``fingerprint``) of one kind under ``root``;
+    """The cached blocks of one store (``fingerprint``) of one kind under ``root``;
     at most ``limit`` bytes under ``root/remote-blocks`` in all. See the module
     docstring."""
 
@@ -93,24 +93,24 @@ class NodeCache:
                 "local folder, or zephon.cache_bytes = 0 to read without a cache."
             ) from None
         self.hits = 0
-        """Units served from the cache (checked good) by this process."""
+        """Blocks served from the cache (checked good) by this process."""
         self.hit_bytes = 0
         self.misses = 0
-        """Units looked up and not found (or found bad) by this process."""
+        """Blocks looked up and not found (or found bad) by this process."""
         self.discarded = 0
         """Files found bad (truncated, garbage) and removed by this process."""
         self.written = 0
-        """Units written by this process."""
+        """Blocks written by this process."""
         self._warned = False
 
-    def path(self, unit: int) -> Path:
-        return self.folder / f"{unit // _SHARD:06d}" / f"{unit}.bin"
+    def path(self, block: int) -> Path:
+        return self.folder / f"{block // _PER_FOLDER:06d}" / f"{block}.bin"
 
     # ------------------------------------------------------------------ reading
 
-    def get(self, unit: int) -> bytes | None:
-        """The bytes of ``unit``'s file (None: not cached); marks it recently used."""
-        path = self.path(unit)
+    def get(self, block: int) -> bytes | None:
+        """The bytes of ``block``'s file (None: not cached); marks it recently used."""
+        path = self.path(block)
         try:
             with open(path, "rb") as fh:
                 data = fh.read()
@@ -124,23 +124,23 @@ class NodeCache:
         return data
 
     def hit(self, nbytes: int) -> None:
-        """Record a unit served after its check passed."""
+        """Record a block served after its check passed."""
         self.hits += 1
         self.hit_bytes += nbytes
 
-    def discard(self, unit: int) -> None:
-        """Remove ``unit``'s file: it failed its check (truncated, garbage)."""
+    def discard(self, block: int) -> None:
+        """Remove ``block``'s file: it failed its check (truncated, garbage)."""
         self.discarded += 1
         self.misses += 1
         try:
-            self.path(unit).unlink()
+            self.path(block).unlink()
         except OSError:
             pass
 
     # ------------------------------------------------------------------ writing
 
     def put_many(self, items: Iterable[tuple[int, bytes]]) -> int:
-        """Cache the checked units ``items`` ((index, bytes)) not cached yet, evicting
+        """Cache the checked blocks ``items`` ((index, bytes)) not cached yet, evicting
         the least recently used files first so the bound holds; the bytes written."""
         items = [(u, d) for u, d in items if len(d) <= self.limit]
         if not items:
@@ -157,8 +157,8 @@ class NodeCache:
                 if usage is None or usage + new > self.limit:
                     usage = self._evict(min(int(self.limit * LOW_WATER), self.limit - new))
                 self._set_usage(usage + new)  # reserved first: a crash overstates it
-                for unit, data in todo:
-                    self._write(self.path(unit), data)
+                for block, data in todo:
+                    self._write(self.path(block), data)
                 self.written += len(todo)
                 return new
         except OSError as e:
@@ -210,7 +210,7 @@ class NodeCache:
             raise
 
     def _files(self, *, clean: bool = True) -> list[tuple[float, int, str]]:
-        """(mtime, size, path) of every unit file under the cache (all stores); with
+        """(mtime, size, path) of every block file under the cache (all stores); with
         ``clean`` (under the lock) temporary files, leftovers of a crash, are removed."""
         found = []
         for folder, _, names in os.walk(self.top):
@@ -245,5 +245,5 @@ class NodeCache:
         return total
 
     def total_bytes(self) -> int:
-        """Bytes of every unit file under the cache now (a listing: tests, reports)."""
+        """Bytes of every block file under the cache now (a listing: tests, reports)."""
         return sum(size for _, size, _ in self._files(clean=False))

@@ -10,7 +10,7 @@ the two. Its reads serve the same windows as the local store's.
 Read-ahead: the order is a pure function of the step, so the loader knows which
 samples a rank reads at every future step; it hands them here step by step
 (``read_ahead``), and each step's windows are fetched in the background: rounded out to
-the unit of the content check, neighbouring and overlapping ranges coalesced into one
+the blocks (chunks) of the content check, neighbouring and overlapping ranges coalesced into one
 request, at most ``max_requests`` requests in flight (``location.ObjectFiles``). A store
 with block checksums (blocks.json, ``format``: written by prepare, ``--block-tokens``)
 rounds to whole blocks of the store's block_tokens (a window is exactly its own blocks
@@ -25,13 +25,13 @@ way. A step's buffer is freed once its windows were served (or, partly served, o
 later step is read: what a reset leaves); at most
 ``read_ahead_bytes`` are held (a step larger than that is still fetched, alone).
 
-Node cache (``options.cache_bytes`` > 0, ``store.cache``): the units of content check
-(blocks with their block checksum, or chunks) are looked up on local disk first, on the
-cache's own thread; only the runs of units it lacks are fetched, and each fetched unit,
-once checked, is written to the cache. A cached unit is checked again every time it is
+Node cache (``options.cache_bytes`` > 0, ``store.cache``): the blocks of content check
+(with their block checksum; in a store without block checksums, chunks) are looked up on local disk first, on the
+cache's own thread; only the runs of blocks it lacks are fetched, and each fetched block,
+once checked, is written to the cache. A cached block is checked again every time it is
 read: a block against the check value stored with it (its block checksum keyed by its
 place, ``_place``: the store's seed, the cache kind and its index), a chunk against
-checksums.bin at its index; so one that fails, a file under another unit's name
+checksums.bin at its index; so one that fails, a file under another block's name
 included, is removed and fetched. Stores without content checks (or opened unverified)
 use no cache.
 
@@ -46,7 +46,7 @@ Invariants:
   other files' sizes) or the manifest and checksums.bin (without), and nothing of
   tokens.bin, blocks.bin or doc_offsets.bin (fetched on first use, by range or, for
   ``check``, whole).
-- A unit is served only after its check passed (a block against its block
+- A block (chunk) is served only after its check passed (a block against its block
   checksum, a chunk against checksums.bin); a bad cached file is removed and fetched.
 - ``fetched_bytes`` counts every byte read from object storage (manifest and checksums
   of either kind included), never a node-cache hit; ``served_bytes`` the bytes of the
@@ -319,14 +319,14 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
         if blocks is not None:
             store.num_chunks = num_chunks(num_tokens, store.chunk_tokens)
             store.verifies = bool(verify)
-        if options.cache_bytes > 0 and store.verifies:  # unchecked units are never cached
+        if options.cache_bytes > 0 and store.verifies:  # unchecked tokens are never cached
             kind = f"blocks-{blocks['block_tokens']}" if blocks else f"chunks-{store.chunk_tokens}"
-            unit_tokens = int(blocks["block_tokens"]) + 1 if blocks else store.chunk_tokens
-            unit = unit_tokens * store.dtype.itemsize + 8  # the largest unit file, and its sum
-            if options.cache_bytes < unit:
+            block_tokens = int(blocks["block_tokens"]) + 1 if blocks else store.chunk_tokens
+            largest = block_tokens * store.dtype.itemsize + 8  # the largest block file, and its sum
+            if options.cache_bytes < largest:
                 warnings.warn(
                     f"zephon.cache_bytes = {options.cache_bytes} is smaller than one cached "
-                    f"unit of {url.shown!r} ({unit} bytes: a {kind} unit): the node cache "
+                    f"block of {url.shown!r} ({largest} bytes: a {kind} block): the node cache "
                     "will hold nothing. Raise --zephon.cache_bytes, or set 0 to turn it off.",
                     stacklevel=4,
                 )
@@ -428,8 +428,8 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
 
     def _fetch(self, ids: np.ndarray, seq_len: int, urgent: bool = False) -> _Fetch:
         """Start fetching the windows of samples ``ids`` (``_fetch_ranges``: one request
-        per run of overlapping or adjacent ranges, each rounded out to the unit of the
-        content check). ``urgent``: waited for now (``ObjectFiles.submit_many``)."""
+        per run of overlapping or adjacent ranges, each rounded out to the blocks
+        (chunks) of the content check). ``urgent``: waited for now (``ObjectFiles.submit_many``)."""
         ids = np.unique(np.asarray(ids, dtype=np.int64))
         start = ids * seq_len
         request, offset, nbytes, future = self._fetch_ranges(start, start + seq_len + 1, urgent)
@@ -481,7 +481,7 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
                 f"found values in [{lo}, {hi}]."
             )
         rest = np.arange(ids.size)
-        parts: list[tuple[_Fetch, np.ndarray, np.ndarray, _Step | None]] = []
+        sources: list[tuple[_Fetch, np.ndarray, np.ndarray, _Step | None]] = []
         with self._lock:
             for step in self._steps:
                 if not rest.size:
@@ -490,20 +490,20 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
                     continue
                 pos, hit = step.fetch.find(ids[rest])
                 if hit.any():
-                    parts.append((step.fetch, rest[hit], pos[hit], step))
+                    sources.append((step.fetch, rest[hit], pos[hit], step))
                     rest = rest[~hit]
         if rest.size:
             fetch = self._fetch(ids[rest], seq_len, urgent=True)
-            parts.append((fetch, rest, fetch.find(ids[rest])[0], None))
-        for fetch, rows, pos, _ in parts:
+            sources.append((fetch, rest, fetch.find(ids[rest])[0], None))
+        for fetch, rows, pos, _ in sources:
             fetch.fill(out, rows, pos)
         with self._lock:
-            for _, rows, _, step in parts:
+            for _, rows, _, step in sources:
                 if step is not None:
                     step.served += rows.size
             # Steps are read in order: a step served whole, and one partly served before
             # a later one was read from (left by a reset), will not be read again.
-            hits = [step for *_, step in parts if step is not None]
+            hits = [step for *_, step in sources if step is not None]
             latest = max((self._steps.index(x) for x in hits if x in self._steps), default=-1)
             for k, step in enumerate(list(self._steps)):
                 if step.served >= step.rows or (k < latest and step.served):
@@ -519,7 +519,7 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
         if self._pool is not None:
             self._pool.shutdown(wait=False)  # queued lookups end, failing their reads
 
-    # ------------------------------------------------------------------ units of check
+    # ------------------------------------------------------------------ blocks of check
 
     def _block_cover(
         self, start: np.ndarray, stop: np.ndarray
@@ -552,18 +552,18 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
         self, start: np.ndarray, stop: np.ndarray, urgent: bool = False
     ) -> tuple[np.ndarray, np.ndarray, int, Future]:
         """Start fetching token ranges ``[start[k], stop[k])`` (sorted by start): one
-        request per run of overlapping or adjacent ranges, each rounded out to the unit
-        of the content check (whole blocks, with their block checksums; else whole
+        request per run of overlapping or adjacent ranges, each rounded out to the blocks
+        (chunks) of the content check (whole blocks, with their block checksums; else whole
         chunks), through the node cache when there is one. (each range's request, its
         offset in that request's tokens, the bytes requested, a Future of each request's
         tokens, checked.) ``urgent``: waited for now (``ObjectFiles.submit_many``)."""
         blocks = self.blocks if self.verifies else None
-        unit = self.chunk_tokens if self.verifies and blocks is None else None
+        chunk = self.chunk_tokens if self.verifies and blocks is None else None
         if blocks:
             first, last, a, b = self._block_cover(start, stop)
-        elif unit:
-            a = start // unit * unit
-            b = np.minimum(((stop - 1) // unit + 1) * unit, self.num_tokens)
+        elif chunk:
+            a = start // chunk * chunk
+            b = np.minimum(((stop - 1) // chunk + 1) * chunk, self.num_tokens)
         else:
             a, b = start, stop
         # A range joins the run before it unless it starts after the furthest end so far
@@ -589,7 +589,7 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
                 runs = list(zip(block_first, block_last, strict=True))
             else:
                 runs = list(
-                    zip((req_a // unit).tolist(), ((req_b - 1) // unit).tolist(), strict=True)
+                    zip((req_a // chunk).tolist(), ((req_b - 1) // chunk).tolist(), strict=True)
                 )
             return request, offset, nbytes, self._cached(runs, urgent)
 
@@ -598,9 +598,9 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
             if blocks:
                 for arr, sums, block in zip(arrays, datas[1], block_first, strict=True):
                     self._check_blocks(arr, np.frombuffer(sums, dtype="<u8"), block)
-            elif unit:
+            elif chunk:
                 for arr, x in zip(arrays, req_a_list, strict=True):
-                    self._check_range(arr, x, unit)
+                    self._check_range(arr, x, chunk)
             return arrays
 
         return request, offset, nbytes, self._files.submit_many(reads, then=arrived, urgent=urgent)
@@ -627,23 +627,23 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
 
     # ------------------------------------------------------------------ the node cache
 
-    def _unit(self) -> tuple[int, int]:
-        """(tokens per unit of content check, tokens a unit overlaps the next by)."""
+    def _block_size(self) -> tuple[int, int]:
+        """(tokens per block (chunk) of content check, tokens one overlaps the next by)."""
         if self.blocks:
             return int(self.blocks["block_tokens"]), 1
         return self.chunk_tokens, 0
 
-    def _span(self, unit: int) -> tuple[int, int]:
-        size, overlap = self._unit()
-        return unit * size, min(unit * size + size + overlap, self.num_tokens)
+    def _span(self, block: int) -> tuple[int, int]:
+        size, overlap = self._block_size()
+        return block * size, min(block * size + size + overlap, self.num_tokens)
 
-    def _from_cache(self, unit: int) -> np.ndarray | None:
-        """Unit ``unit``'s tokens from the node cache, checked (None: not cached, or its
+    def _from_cache(self, block: int) -> np.ndarray | None:
+        """Block (chunk) ``block``'s tokens from the node cache, checked (None: not cached, or its
         file was bad: then removed)."""
-        data = self.cache.get(unit)
+        data = self.cache.get(block)
         if data is None:
             return None
-        start, stop = self._span(unit)
+        start, stop = self._span(block)
         want = (stop - start) * self.dtype.itemsize
         if self.blocks:
             good = len(data) == want + 8
@@ -651,49 +651,49 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
                 tokens = np.frombuffer(data, dtype=self.dtype, count=stop - start)
                 stored = int(np.frombuffer(data, dtype="<u8", offset=want)[0])
                 digest = xxhash.xxh3_64_intdigest(tokens, block_seed(self.fingerprint))
-                good = digest ^ self._place(unit) == stored
+                good = digest ^ self._place(block) == stored
         else:
             good = len(data) == want
             if good:
                 tokens = np.frombuffer(data, dtype=self.dtype)
-                good = xxhash.xxh3_64_intdigest(tokens) == int(self._sums[unit])
-        if not good:  # truncated, garbage or another unit's: never served, fetched again
-            self.cache.discard(unit)
+                good = xxhash.xxh3_64_intdigest(tokens) == int(self._sums[block])
+        if not good:  # truncated, garbage or another block's: never served, fetched again
+            self.cache.discard(block)
             return None
         self.cache.hit(len(data))
         return tokens
 
-    def _place(self, unit: int) -> int:
+    def _place(self, block: int) -> int:
         """What a cached block's check value is keyed by: its place (the store's seed,
-        the cache kind and the unit index). The file holds the block checksum XOR this,
-        so a file under another unit's name (or kind, or store) fails its check."""
-        place = f"{self.cache.kind}/{unit}".encode()
+        the cache kind and the block index). The file holds the block checksum XOR this,
+        so a file under another block's name (or kind, or store) fails its check."""
+        place = f"{self.cache.kind}/{block}".encode()
         return xxhash.xxh3_64_intdigest(place, block_seed(self.fingerprint))
 
     def _cached(self, runs: list[tuple[int, int]], urgent: bool = False) -> Future:
-        """A Future of the tokens of each run of units (``first``, ``last`` inclusive):
-        the units the node cache holds (checked) read from disk, the rest fetched (one
-        request per run of missing units, checked on arrival) and then cached. The disk
+        """A Future of the tokens of each run of blocks (``first``, ``last`` inclusive):
+        the blocks the node cache holds (checked) read from disk, the rest fetched (one
+        request per run of missing blocks, checked on arrival) and then cached. The disk
         work runs on the cache's thread, the fetches on the fetch thread."""
         out: Future = Future()
-        size, overlap = self._unit()
+        size, overlap = self._block_size()
         item = self.dtype.itemsize
-        pieces: dict[int, np.ndarray] = {}
-        missing: list[list[int]] = []  # runs of units not cached: [first, last]
+        got: dict[int, np.ndarray] = {}
+        missing: list[list[int]] = []  # runs of blocks not cached: [first, last]
 
         def assemble() -> list[np.ndarray]:
             arrays = []
             for first, last in runs:
-                parts = [pieces[u][:size] for u in range(first, last)] + [pieces[last]]
-                arrays.append(parts[0] if len(parts) == 1 else np.concatenate(parts))
+                run = [got[u][:size] for u in range(first, last)] + [got[last]]
+                arrays.append(run[0] if len(run) == 1 else np.concatenate(run))
             return arrays
 
         def finish(fetched: Future) -> None:
             try:
-                units: list[tuple[int, np.ndarray, bytes]] = fetched.result()
-                for unit, tokens, _ in units:
-                    pieces[unit] = tokens
-                self.cache.put_many((unit, data) for unit, _, data in units)
+                arrived: list[tuple[int, np.ndarray, bytes]] = fetched.result()
+                for block, tokens, _ in arrived:
+                    got[block] = tokens
+                self.cache.put_many((block, data) for block, _, data in arrived)
                 out.set_result(assemble())
             except BaseException as e:  # noqa: BLE001 - handed to the reader
                 out.set_exception(e)
@@ -704,7 +704,7 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
                     for u in range(first, last + 1):
                         tokens = self._from_cache(u)
                         if tokens is not None:
-                            pieces[u] = tokens
+                            got[u] = tokens
                         elif missing and missing[-1][1] == u - 1:
                             missing[-1][1] = u
                         else:
@@ -724,8 +724,8 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
                 out.set_exception(e)
 
         def split(datas: list[list[memoryview]]) -> list[tuple[int, np.ndarray, bytes]]:
-            """Check each fetched run (fetch thread) and cut it into its units."""
-            units = []
+            """Check each fetched run (fetch thread) and cut it into its blocks."""
+            cut = []
             for k, ((first, last), data) in enumerate(zip(missing, datas[0], strict=True)):
                 arr = np.frombuffer(data, dtype=self.dtype)
                 if self.blocks:
@@ -738,10 +738,10 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
                     lo = (u - first) * size
                     tokens = arr[lo : lo + size + overlap]
                     raw = tokens.tobytes()
-                    if sums is not None:  # the block checksum, keyed by the unit's place
+                    if sums is not None:  # the block checksum, keyed by the block's place
                         raw += np.array([int(sums[u - first]) ^ self._place(u)], "<u8").tobytes()
-                    units.append((u, tokens, raw))
-            return units
+                    cut.append((u, tokens, raw))
+            return cut
 
         self._submit(lookup, None, out)
         return out
@@ -779,10 +779,10 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
             "every bad chunk and block, and upload the store again from an intact copy."
         )
 
-    def _check_range(self, arr: np.ndarray, first: int, unit: int) -> None:
+    def _check_range(self, arr: np.ndarray, first: int, size: int) -> None:
         """Hash every chunk of ``arr`` (tokens from ``first``, whole chunks)."""
         sums = self._sums
-        for chunk in range(first // unit, -(-(first + arr.size) // unit)):
-            lo = chunk * unit - first
-            if xxhash.xxh3_64_intdigest(arr[lo : lo + unit]) != int(sums[chunk]):
+        for chunk in range(first // size, -(-(first + arr.size) // size)):
+            lo = chunk * size - first
+            if xxhash.xxh3_64_intdigest(arr[lo : lo + size]) != int(sums[chunk]):
                 raise self.chunk_mismatch(chunk)
