@@ -24,8 +24,8 @@ from tests.conftest import corpus_text
 from torchtitan_zephon.ingest import cache, cache_folder
 from torchtitan_zephon.ingest.cache import RawInputs
 from torchtitan_zephon.ingest.inputs import OptionNames, resolve_inputs
-from torchtitan_zephon.ingest.parts import finished_parts
 from torchtitan_zephon.ingest.prepare import prepare_store
+from torchtitan_zephon.ingest.tokenized import finished_units
 from torchtitan_zephon.job.stores import open_mixture_stores, store_location
 from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.store.format import FORMAT_VERSION, StoreError
@@ -182,7 +182,7 @@ def test_a_corrupt_file_is_named_leaves_no_entry_and_its_fix_resumes(
     assert list(cache_dir.glob("*.lock")) == []  # released, and removed while free
     (building,) = [p for p in cache_dir.iterdir() if p.name.startswith(".")]
     kept = building / ".store.prepare"
-    assert f"kept in {kept}" in str(e.value) and finished_parts(kept) == 1  # part0.jsonl, before it
+    assert f"kept in {kept}" in str(e.value) and finished_units(kept) == 1  # part0.jsonl, before it
     (corpus / "part1.jsonl").write_text(good)
     path = store_location(str(corpus), raw(tokenizer_dir, cache_dir))
     assert (
@@ -393,10 +393,10 @@ def test_waiters_show_the_holders_progress(tokenizer_dir, cache_dir, corpus, mon
     real = prepare_module.iter_documents
     started = threading.Event()
 
-    def slow(src, text_field, part=None):  # each unit takes a moment: progress to watch
+    def slow(src, text_field, extent=None):  # each unit takes a moment: progress to watch
         started.set()
         time.sleep(0.4)
-        yield from real(src, text_field, part)
+        yield from real(src, text_field, extent)
 
     monkeypatch.setattr(prepare_module, "iter_documents", slow)
     said: list[str] = []

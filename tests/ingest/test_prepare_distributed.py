@@ -194,8 +194,8 @@ def test_input_changing_during_prepare_is_detected(tmp_path, tokenizer_dir, monk
     growing.write_text("".join(json.dumps({"text": corpus_text(k, 20)}) + "\n" for k in range(9)))
     real = prepare_module.iter_documents
 
-    def appending(src, text_field, part=None):
-        for k, doc in enumerate(real(src, text_field, part)):
+    def appending(src, text_field, extent=None):
+        for k, doc in enumerate(real(src, text_field, extent)):
             if k == 3:
                 with open(growing, "a") as f:  # another program still writing the input
                     f.write(json.dumps({"text": "late"}) + "\n")

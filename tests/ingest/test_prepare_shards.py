@@ -13,7 +13,7 @@ import pytest
 
 from tests.ingest.test_prepare_distributed import _in_threads
 from torchtitan_zephon.cli.main import main
-from torchtitan_zephon.ingest import parts as parts_module
+from torchtitan_zephon.ingest import tokenized as tokenized_module
 from torchtitan_zephon.ingest.prepare import prepare_store
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
@@ -67,19 +67,19 @@ def test_each_part_of_one_shard_is_linked_not_copied(
     """The tokens are written once: a part that is one shard becomes it by a link; only a
     part over the shard size is cut (written again)."""
     linked, cut = [], []
-    real_link, real_write = os.link, parts_module.write_part_shards
+    real_link, real_write = os.link, tokenized_module.write_unit_shards
 
     def link(src, dst, *a, **k):
         linked.append(Path(dst).name)
         return real_link(src, dst, *a, **k)
 
     def write(store, parts, record, first, shard_tokens, itemsize):
-        if len(parts_module.part_shards(record, shard_tokens)) > 1:
+        if len(tokenized_module.unit_shards(record, shard_tokens)) > 1:
             cut.append(record["key"])
         return real_write(store, parts, record, first, shard_tokens, itemsize)
 
     monkeypatch.setattr(os, "link", link)
-    monkeypatch.setattr("torchtitan_zephon.ingest.assemble.write_part_shards", write)
+    monkeypatch.setattr("torchtitan_zephon.ingest.assemble.write_unit_shards", write)
     big = prepare_store([str(corpus_dir)], str(tokenizer_dir), str(tmp_path / "big"),
                         progress=False, unit_bytes=UNIT, shard_bytes=4096)  # fmt: skip
     assert big.shards == len(linked) > 1 and not cut

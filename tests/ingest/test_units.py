@@ -33,7 +33,7 @@ def _units_docs(src: InputFile, unit_bytes: int) -> list[str]:
     size = src.path.stat().st_size
     assert spans[0][0] == 0 and spans[-1][1] == size  # the spans partition the file
     assert all(a[1] == b[0] for a, b in zip(spans, spans[1:], strict=False))
-    return [d for u in units for d in iter_documents(src, "text", u.part)]
+    return [d for u in units for d in iter_documents(src, "text", u.extent)]
 
 
 @settings(
@@ -82,8 +82,8 @@ def test_parquet_runs_of_row_groups(tmp_path):
     src = InputFile("d.parquet", path, "parquet")
     for unit_bytes in (1, 3000, 1 << 30):
         units = cut_units([src], unit_bytes)
-        assert units[0].part[0] == 0 and units[-1].part[1] == 15
-        assert all(a.part[1] == b.part[0] for a, b in zip(units, units[1:], strict=False))
+        assert units[0].extent[0] == 0 and units[-1].extent[1] == 15
+        assert all(a.extent[1] == b.extent[0] for a, b in zip(units, units[1:], strict=False))
         assert _units_docs(src, unit_bytes) == texts
     assert len(cut_units([src], 1)) == 15 and len(cut_units([src], 1 << 30)) == 1
 
@@ -109,7 +109,7 @@ def test_whole_units_for_unsplittable_kinds(tmp_path):
     srcs = [InputFile(p, tmp_path / p, k) for p, k in
             [("a.jsonl.gz", "jsonl"), ("b.txt", "text"), ("c.json", "json")]]  # fmt: skip
     units = cut_units(srcs, 10)
-    assert [(u.source, u.part) for u in units] == [(0, None), (1, None), (2, None)]
+    assert [(u.source, u.extent) for u in units] == [(0, None), (1, None), (2, None)]
     assert [u.span for u in units] == [(0, Path(tmp_path / s.name).stat().st_size) for s in srcs]
 
 

@@ -9,17 +9,17 @@ the limit: the tokenizer alone (``encode_batch`` over the same documents, alread
 in memory, in the chunks prepare makes, each process the units a rank would get,
 in the same order) in 1 and 2 processes, no reading and no writing. Reports tokens/s of each, prepare's share of the limit (target >= 90 %)
 and whether the 1- and 2-rank stores are byte-identical. Each prepares into shards
-(``--shard-bytes``: the input's bytes / 8, so each unit's part is one shard) and its bytes
+(``--shard-bytes``: the input's bytes / 8, so each tokenized unit is one shard) and its bytes
 written (the kernel's count of the file pages its processes dirtied, ``ru_oublock``) are
 set against the token bytes: 1.0 plus the metadata when each token is written once; one
-more 2-rank prepare into one tokens.bin shows the parts-then-store way (2.0). Also prepares the file in
+more 2-rank prepare into one tokens.bin shows the tokenized units-then-store way (2.0). Also prepares the file in
 one process with 1 and 2 tokenizer workers (the older comparison).
 
 Invariant: every figure comes from this invocation on this machine; the tokenizer
 runs single-threaded everywhere (TOKENIZERS_PARALLELISM=false), so N processes use
 at most N cores in the prepare and in the limit alike. Prepare's rate divides its
 tokens by the time ``prepare_store`` reports (start of planning to the store in
-place: reading, tokenizing, writing parts, assembling, checksums, source hashes);
+place: reading, tokenizing, writing tokenized units, assembling, checksums, source hashes);
 the wall time including torchrun's start (Python, torch import, rendezvous) is
 reported beside it.
 """
@@ -103,7 +103,7 @@ def _rank_chunks(jsonl: Path, unit_bytes: int, nproc: int) -> list[list[list[str
     for u in units:
         chunk: list[str] = []
         chars = 0
-        for text in iter_documents(src, "text", u.part):
+        for text in iter_documents(src, "text", u.extent):
             chunk.append(text)
             chars += len(text)
             if chars >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:
@@ -187,7 +187,7 @@ def run(opts: dict) -> dict:
         res.update(input_bytes=size, unit_bytes=unit_bytes)
         shares = {n: _rank_chunks(jsonl, unit_bytes, n) for n in RANKS}
         stores: dict[int, Path] = {}
-        shard_bytes = max(4096, size // 8)  # several shards, each a unit's part or more
+        shard_bytes = max(4096, size // 8)  # several shards, each a tokenized unit or more
         runs: dict[int, dict[str, list[float]]] = {
             n: {"seconds": [], "cpu": [], "wall": [], "limit": [], "limit_cpu": [], "written": []}
             for n in RANKS
@@ -282,7 +282,7 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
             (
                 f"bytes written / token bytes, {n} rank{'s' if n > 1 else ''}, into shards",
                 f"{r[f'ranks{n}']['written_per_token_byte']:.3f}",
-                "each token written once: a unit's part is its shard (a hard link); the rest "
+                "each token written once: a tokenized unit is its shard (a hard link); the rest "
                 "is metadata (the kernel's count of pages dirtied, worst of the rounds)",
             )
             for n in RANKS
@@ -290,7 +290,7 @@ def rows(r: dict) -> list[tuple[str, str, str]]:
         (
             f"bytes written / token bytes, {RANKS[-1]} ranks, into one tokens.bin",
             f"{r['one_file_written_per_token_byte']:.3f}",
-            "the parts, then the store assembled from them: each token twice",
+            "the tokenized units, then the store assembled from them: each token twice",
         ),
         *(
             (

@@ -1,9 +1,9 @@
-"""Raw inputs -> token store: inputs, readers, units, encode, parts, prepare, cache.
+"""Raw inputs -> token store: inputs, readers, units, encode, tokenized, prepare, cache.
 
 Role: resolve input files (``inputs``) and read their documents (``readers``,
 ``json_readers``: text, JSONL, JSON, Parquet, Hugging Face datasets), cut them
 into work units (``units``), tokenize them in order (``encode``, ``tokenizer``),
-write and assemble the parts of a store (``prepare`` over ``stage``, ``parts`` and
+write and assemble the tokenized units of a store (``prepare`` over ``stage``, ``tokenized`` and
 ``assemble``, in a group of processes: ``ranks``), and build stores on first use into a
 shared cache (``cache``: store values and raw inputs' entries; ``cache_folder``: the
 folder and the one build under a lock; ``cache_contents``: what it holds; the builtin

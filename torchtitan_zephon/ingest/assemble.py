@@ -1,6 +1,6 @@
-"""Phases 3 and 4 of a prepare: the parts become one token store at the output.
+"""Phases 3 and 4 of a prepare: the tokenized units become one token store at the output.
 
-Role: every rank copies its parts into the store's files at their offsets (in
+Role: every rank copies its tokenized units into the store's files at their offsets (in
 unit order) and hashes its share of the checksum chunks and of the sources; once
 rank 0 has the fingerprint, every rank writes the block checksums of its share of
 the blocks (``store.writer.write_block_range``: the seed of a block checksum is the
@@ -8,7 +8,7 @@ fingerprint, which covers every chunk checksum, so they cannot be computed in th
 first pass); rank 0 writes blocks.json, then the manifest, and renames the
 assembled store to the output.
 
-Invariants: the store's bytes are every unit's part in input order, whatever rank
+Invariants: the store's bytes are every tokenized unit in input order, whatever rank
 made it; the output path holds either nothing or a complete store (renamed into
 place last, the staging folder removed after). Inputs holding no document are
 ``EmptyCorpus`` (nothing worth keeping for a second run).
@@ -24,17 +24,17 @@ from typing import Any
 
 from torchtitan_zephon.ingest.inputs import source_record
 from torchtitan_zephon.ingest.objects import fetch
-from torchtitan_zephon.ingest.parts import (
-    ASSEMBLY,
-    PARTS,
-    create_store_files,
-    part_shards,
-    write_part_documents,
-    write_part_into_store,
-    write_part_shards,
-)
 from torchtitan_zephon.ingest.ranks import Ranks, together
 from torchtitan_zephon.ingest.stage import Work, assign_units, check_unchanged, unreadable
+from torchtitan_zephon.ingest.tokenized import (
+    ASSEMBLY,
+    TOKENIZED,
+    create_store_files,
+    unit_shards,
+    write_unit_documents,
+    write_unit_into_store,
+    write_unit_shards,
+)
 from torchtitan_zephon.ingest.units import Unit
 from torchtitan_zephon.store.format import (
     DTYPES,
@@ -66,7 +66,7 @@ class EmptyCorpus(StoreError):
 def _layout(
     records: dict[int, dict[str, Any]], units: list[Unit]
 ) -> tuple[list[int], list[int], int, int]:
-    """First token and first document of each unit's part in the store; the totals."""
+    """First token and first document of each tokenized unit in the store; the totals."""
     token_starts, doc_starts = [], []
     tokens = docs = 0
     for u in units:
@@ -86,12 +86,12 @@ def assemble(
     block_tokens: int,
     shard_bytes: int | None = None,
 ) -> TokenStore:
-    """Phase 3: every rank copies its parts into the store's files at their offsets and
+    """Phase 3: every rank copies its tokenized units into the store's files at their offsets and
     hashes its share of the checksum chunks and of the sources; rank 0 writes the
     manifest and renames the store to ``out``; block checksums of ``block_tokens``.
 
     ``shard_bytes``: a store of more token bytes is sharded (``store.shards``): each
-    part becomes its own shards (linked when it is one, cut at ``shard_bytes``
+    tokenized unit becomes its own shards (linked when it is one, cut at ``shard_bytes``
     otherwise) instead of being copied into tokens.bin, so its tokens are written once;
     the shards follow the units, the manifest (fingerprint) is the one-file store's."""
     records = dict(gathered)
@@ -111,7 +111,7 @@ def assemble(
     for u in units:
         first_shard.append(len(counts))
         if sharded:
-            counts += part_shards(records[u.index], shard_tokens)
+            counts += unit_shards(records[u.index], shard_tokens)
 
     def create() -> None:
         if ranks.rank == 0:
@@ -121,7 +121,7 @@ def assemble(
 
     together(ranks, create)
     owner = assign_units(units, ranks.world_size)
-    parts = staging / PARTS
+    folder = staging / TOKENIZED
 
     def copy() -> None:
         for u in units:
@@ -129,12 +129,12 @@ def assemble(
                 continue
             rec, start, doc = records[u.index], token_starts[u.index], doc_starts[u.index]
             if sharded:
-                write_part_shards(
-                    assembly, parts, rec, first_shard[u.index], shard_tokens, itemsize
+                write_unit_shards(
+                    assembly, folder, rec, first_shard[u.index], shard_tokens, itemsize
                 )
-                write_part_documents(assembly, parts, rec, start, doc)
+                write_unit_documents(assembly, folder, rec, start, doc)
             else:
-                write_part_into_store(assembly, parts, rec, start, doc, itemsize)
+                write_unit_into_store(assembly, folder, rec, start, doc, itemsize)
 
     together(ranks, copy)
 
@@ -174,7 +174,7 @@ def assemble(
         for k, src in enumerate(sources):
             if source_owner[k] == r:
                 try:
-                    fetch(src)  # there already, unless its part was an earlier run's
+                    fetch(src)  # there already, unless its tokenized unit was an earlier run's
                     recs.append((k, source_record(src)))
                 except OSError as e:
                     raise unreadable(src, e) from None

@@ -97,7 +97,7 @@ class RawInputs:
 
 
 def names_store(value: str) -> bool:
-    """True when ``value`` names a token store (a builtin part, a folder holding a
+    """True when ``value`` names a token store (a builtin half, a folder holding a
     store, or a file in one) rather than raw inputs. A path that does not exist and
     is neither a pattern nor a list counts as a store (it is reported as a missing
     store)."""
@@ -162,7 +162,7 @@ def raw_store(value: str, raw: RawInputs) -> Path:
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
     out = root / f"raw-{digest[:24]}"
     # The same inputs at any sizes and mtimes: one lock and staging folder, so a build
-    # after a failure (a corrupt file, since fixed) reuses the parts already finished.
+    # after a failure (a corrupt file, since fixed) reuses the tokenized units already finished.
     key["files"] = [row[:3] for row in listing]
     work = "raw-work-" + hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     if not (out / MANIFEST).is_file():

@@ -1,8 +1,8 @@
 """What a store cache folder holds, for ``zephon inspect CACHE``.
 
 Role: tell a cache folder from any other folder (``is_cache``) and list what it holds
-(``describe_cache``): its stores (builtin parts, raw-input entries with what they were
-prepared from), builds in progress or kept after a failure (with their finished parts),
+(``describe_cache``): its stores (builtin halves, raw-input entries with what they were
+prepared from), builds in progress or kept after a failure (with their finished tokenized units),
 lock files (held or free), the folders object storage keeps there (the node cache
 ``remote-blocks``, prepare's ``remote-inputs`` spool and ``remote-output`` stores) and
 anything else, each with its size in bytes. It reads the
@@ -108,9 +108,9 @@ def _holder_of(lock: Path) -> str | None:
 def describe_cache(root: Path) -> dict[str, Any]:
     """What the cache folder ``root`` holds, for ``zephon inspect``: its stores (builtin,
     raw inputs with what they were prepared from), builds in progress or kept after a
-    failure (with their finished parts), lock files (held or free), anything else;
+    failure (with their finished tokenized units), lock files (held or free), anything else;
     every item with its size in bytes. Reads only (a lock is probed, never held)."""
-    from torchtitan_zephon.ingest.parts import finished_parts, staging_folder
+    from torchtitan_zephon.ingest.tokenized import finished_units, staging_folder
 
     items: dict[str, list[dict[str, Any]]] = {
         "builtin": [], "raw": [], "building": [], "locks": [], "remote": [], "other": []
@@ -146,7 +146,7 @@ def describe_cache(root: Path) -> dict[str, Any]:
             holder = _holder_of(lock) if lock.is_file() and p.name.endswith(".building") else None
             item.update(
                 work=work,
-                parts=finished_parts(staging_folder(p / "store")),
+                parts=finished_units(staging_folder(p / "store")),
                 holder=holder,
                 shared=p.name.endswith(".building"),
                 sources=_building_sources(staging_folder(p / "store")),
@@ -167,7 +167,7 @@ def describe_cache(root: Path) -> dict[str, Any]:
 
 def _building_sources(staging: Path) -> list[str]:
     """The names of the sources a build prepares (its prepare's identity file), if known."""
-    from torchtitan_zephon.ingest.parts import RANKS_FILE
+    from torchtitan_zephon.ingest.tokenized import RANKS_FILE
 
     try:
         identity = json.loads((staging / RANKS_FILE).read_text())

@@ -1,7 +1,7 @@
 """The store cache folder, and the one way an entry is made in it: built once, under a lock.
 
 Role: where the cache lives (``cache_root``) and how an entry, a store folder in it
-(``cache.raw_store``'s raw inputs, ``builtin``'s parts), is made (``build_once``):
+(``cache.raw_store``'s raw inputs, ``builtin``'s halves), is made (``build_once``):
 under an exclusive ``fcntl.flock`` on ``<entry>.lock`` beside it, the holder builds
 the store into a staging folder and renames it into place, writing its progress there
 (``BuildProgress``); every other process waits on the lock, saying how far the holder
@@ -10,7 +10,7 @@ has come (refreshed every few seconds while it moves), and then finds the entry.
 Invariants:
 - An entry that exists is complete: it appears by one rename, after its build
   succeeded. A build that fails leaves no entry and the lock is released (the
-  kernel drops it if the process dies); prepare's finished parts stay in the
+  kernel drops it if the process dies); prepare's finished tokenized units stay in the
   staging folder ``.<entry>.building`` (its message names them), so the next
   holder continues where it stopped; with nothing finished the folder goes.
 - A lock file exists only while a process uses it (or, after a holder was killed,
@@ -158,7 +158,7 @@ def describe_progress(state: dict[str, Any]) -> str:
     """One line for a prepare's progress (``prepare_store``'s ``on_progress`` states)."""
     phase = state.get("phase")
     if phase == "assembling":
-        return "assembling the store (copying its parts, hashing the inputs)"
+        return "assembling the store (copying its tokenized units, hashing the inputs)"
     if phase != "tokenizing":
         return "starting (reading the inputs' listing)"
     try:
@@ -243,7 +243,7 @@ def build_once(
                     fh.write(_holder() + "\n")
                     fh.flush()
                     # Only the holder writes here: a build killed or failed midway leaves
-                    # its work for the next holder (prepare reuses its finished parts).
+                    # its work for the next holder (prepare reuses its finished tokenized units).
                     staging = locked_staging
                 else:
                     if log is not None:
@@ -275,7 +275,7 @@ def _build_into(
 ) -> None:
     """Build into ``staging``/store and rename it to ``out``. After a failure the staging
     folder stays for the next holder when ``keep_on_failure`` and the build left work
-    in it (prepare's finished parts), else it is removed."""
+    in it (prepare's finished tokenized units), else it is removed."""
     dest = staging / "store"
     if dest.exists():  # complete but never moved: a holder died between the two renames
         shutil.rmtree(dest)

@@ -2,7 +2,7 @@
 
 Role: a record is a JSON object; its ``text_field`` (a string) is a document.
 ``read_jsonl_range`` reads the lines of a byte range of a plain JSONL file (a
-part: ``units``), starting at a line start (``is_line_start``).
+unit's extent: ``units``), starting at a line start (``is_line_start``).
 
 Invariants: a record without the text field in a file whose other records have
 it is named as such (its line), never answered by suggesting another field; a

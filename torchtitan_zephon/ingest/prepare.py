@@ -2,17 +2,17 @@
 
 Role: identify the tokenizer (a Hugging Face ``tokenizer.json`` and its EOS:
 ``tokenizer.py``), cut the inputs (``inputs.py``) into work units (``units.py``),
-tokenize each unit into a part in a staging folder beside the output
-(``stage.py``, ``parts.py``; each rank of a group, ``ranks.py``, its share of the
-units, with ``encode.py``'s worker processes), then assemble the parts into a
+tokenize each unit into a tokenized unit in a staging folder beside the output
+(``stage.py``, ``tokenized.py``; each rank of a group, ``ranks.py``, its share of the
+units, with ``encode.py``'s worker processes), then assemble the tokenized units into a
 token store (``assemble.py``, ``store/``): every document's tokens followed by
 one EOS token, in input order. This module runs the phases below in turn.
 
 Phases, the same code for one process or many (``Ranks``): (1) every rank
 resolves the inputs and cuts them into units; ranks that see different inputs
 are refused. (2) Units go to ranks by ``assign_units``; each rank makes the
-parts of its units, reusing an earlier run's intact parts. (3) Rank 0 creates
-the store's files at their final sizes; every rank writes its parts at their
+tokenized units of its units, reusing an earlier run's intact tokenized units. (3) Rank 0 creates
+the store's files at their final sizes; every rank writes its tokenized units at their
 offsets, then hashes a contiguous share of the checksum chunks and its share of
 the sources (sha256 records). (4) Rank 0 computes the fingerprint; every rank
 writes the block checksums of a contiguous share of the blocks (seeded with the
@@ -26,13 +26,13 @@ manifest records them for such sources only); never on the
 number of ranks or workers, the unit size, chunking, absolute paths, timing or
 how many earlier runs were interrupted, nor on whether the inputs are read from
 local disk or object storage (``objects``). The one exception: a store of more than
-``shard_bytes`` of tokens is sharded (``store.shards``), each unit's part becoming its
+``shard_bytes`` of tokens is sharded (``store.shards``), each tokenized unit becoming its
 own shards (its tokens written once), so which shard file holds which tokens follows
 the units (the unit size, ``shard_bytes``), still never the ranks or workers; the
 tokens, the manifest and the fingerprint are those of the one-file store. The output path holds either nothing
 or a complete store (renamed into place last; an output URL: manifest.json
 uploaded last, so a prefix without it is no store). A prepare that fails or is
-interrupted keeps its finished parts in ``.<name>.prepare`` beside the output
+interrupted keeps its finished tokenized units in ``.<name>.prepare`` beside the output
 (its error names the folder); the same command run again reuses them. Two
 prepares of one output never run at once: rank 0 holds ``WriterLock`` (flock)
 throughout, and a second prepare is refused naming the holder. An input
@@ -71,9 +71,9 @@ from torchtitan_zephon.ingest.objects import (
     upload_shards,
     upload_store,
 )
-from torchtitan_zephon.ingest.parts import WriterLock, finished_parts, staging_folder
 from torchtitan_zephon.ingest.ranks import OneProcess, PrepareFailed, Ranks, together
-from torchtitan_zephon.ingest.stage import Work, check_shared, open_staging, stage_parts
+from torchtitan_zephon.ingest.stage import Work, check_shared, open_staging, stage_units
+from torchtitan_zephon.ingest.tokenized import WriterLock, finished_units, staging_folder
 from torchtitan_zephon.ingest.tokenizer import dtype_for_vocab, load_tokenizer_info
 from torchtitan_zephon.ingest.units import UNIT_BYTES, cut_units, input_identity
 from torchtitan_zephon.store.format import (
@@ -116,17 +116,17 @@ def prepare_store(
     target size of a work unit (the store does not depend on it). ``split``: the
     split of each Hugging Face DatasetDict to read (empty: ``train``; ``all``: every
     split, sorted). ``names``: how the caller spells ``--text-field`` / ``--split`` in
-    its messages. ``report``, if given, receives a summary: units, parts reused from
+    its messages. ``report``, if given, receives a summary: units, tokenized units reused from
     an earlier run, tokens, documents, seconds, the splits read. ``on_progress``, if
     given, is called on this rank with its progress (``phase``, ``units`` /
     ``units_done``, input ``bytes`` / ``bytes_done``, ``documents``), often: it
-    should be cheap. A failed or interrupted prepare keeps its finished parts in
+    should be cheap. A failed or interrupted prepare keeps its finished tokenized units in
     the staging folder beside the output, and a second run reuses them.
     ``block_tokens``: tokens per block checksum (``store.format``: pick the jobs'
     seq_len or a divisor of it); an integer in [1, ``MAX_BLOCK_TOKENS``], checked before
     anything is read or written. Blocks are not part of the manifest: the fingerprint
     does not depend on it. ``shard_bytes``: a store of more token bytes keeps its tokens
-    in shards of at most that many bytes (``store.shards``: each unit's part one shard or
+    in shards of at most that many bytes (``store.shards``: each tokenized unit one shard or
     more, its tokens written once), not one tokens.bin; None: one tokens.bin always.
     Shards are not part of the manifest either.
 
@@ -187,7 +187,7 @@ def prepare_store(
         together(ranks, lambda: open_staging(ranks, mine, staging))
         together(ranks, lambda: check_shared(ranks, mine, staging))
         stats = together(
-            ranks, lambda: stage_parts(ranks, mine, staging, workers, progress, on_progress)
+            ranks, lambda: stage_units(ranks, mine, staging, workers, progress, on_progress)
         )
         if on_progress is not None:
             on_progress({"phase": "assembling"})
@@ -216,7 +216,7 @@ def prepare_store(
         release(mine.sources)  # this rank's spool files, whether the prepare ended well or not
         if remote is not None and ranks.rank == 0:
             try:
-                out.parent.rmdir()  # empty once the store is uploaded (kept parts stay)
+                out.parent.rmdir()  # empty once the store is uploaded (kept tokenized units stay)
             except OSError:
                 pass
     cpu = sum(ranks.all_gather_object(_cpu_seconds() - cpu0))
@@ -247,10 +247,10 @@ def _cpu_seconds() -> float:
 
 
 def _keep_or_remove(ranks: Ranks, staging: Path, *, keep: bool = True) -> str:
-    """After a failure: the staging folder stays if it holds finished parts worth reusing
+    """After a failure: the staging folder stays if it holds finished tokenized units worth reusing
     (the note saying so), else rank 0 removes it."""
     try:
-        if keep and finished_parts(staging):
+        if keep and finished_units(staging):
             return (
                 f"The finished parts are kept in {staging}: run the same command again to "
                 f"continue; delete {staging} to start over."

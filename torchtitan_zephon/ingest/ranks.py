@@ -45,7 +45,7 @@ class OneProcess:
 
 class PrepareFailed(StoreError):
     """A prepare failed (on this rank or another): the message says why and, when finished
-    parts were kept, where they are and how to continue."""
+    tokenized units were kept, where they are and how to continue."""
 
 
 def together(ranks: Ranks, step: Callable[[], Any]) -> list[Any]:

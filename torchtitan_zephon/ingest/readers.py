@@ -1,7 +1,8 @@
 """The documents of one source, in file order: the reader its kind names, checked.
 
-Role: ``iter_documents`` reads a source (``inputs.InputFile``), or one part of it,
-through ``READERS`` (``RANGE_READERS`` for a part); this module holds the
+Role: ``iter_documents`` reads a source (``inputs.InputFile``), or one extent of it
+(a unit's range),
+through ``READERS`` (``RANGE_READERS`` for an extent); this module holds the
 readers of text files, Parquet files and Hugging Face dataset folders, and
 ``json_readers`` those of JSON and JSON lines.
 
@@ -25,22 +26,22 @@ from torchtitan_zephon.store.format import StoreError
 
 
 def iter_documents(
-    src: InputFile, text_field: str, part: tuple[int, int] | None = None
+    src: InputFile, text_field: str, extent: tuple[int, int] | None = None
 ) -> Iterator[str]:
-    """The documents of one source (or of one ``part`` of it), in file order, as valid
+    """The documents of one source (or of one ``extent`` of it), in file order, as valid
     Unicode text.
 
-    ``part`` is a range ``[start, stop)`` a ``RANGE_READERS`` reader understands (bytes
+    ``extent`` is a range ``[start, stop)`` a ``RANGE_READERS`` reader understands (bytes
     of a plain JSONL file at line starts, row groups of a Parquet file): the documents
     of consecutive parts covering a source, concatenated, are the source's documents.
     Empty documents are skipped. Values that are not strings are refused; lone
     surrogates (common in scraped JSON) become U+FFFD like undecodable bytes do.
     """
-    if part is None:
+    if extent is None:
         reader = READERS.get(src.kind)
     else:
         ranged = RANGE_READERS.get(src.kind)
-        reader = None if ranged is None else lambda s, f: ranged(s, f, *part)
+        reader = None if ranged is None else lambda s, f: ranged(s, f, *extent)
     if reader is None:  # pragma: no cover - kinds come from KINDS and resolve_inputs
         raise StoreError(f"unknown source kind {src.kind!r} for {src.path}.")
     for k, text in enumerate(reader(src, text_field)):
@@ -169,19 +170,19 @@ def read_hf(src: InputFile, text_field: str) -> Iterator[Any]:
         ds = datasets.load_from_disk(str(src.path))
         if isinstance(ds, datasets.DatasetDict):
             splits = src.splits if src.splits is not None else select_splits([src])[0].splits
-            parts = [ds[k] for k in splits or ()]
+            datasets_read = [ds[k] for k in splits or ()]
         else:
-            parts = [ds]
-        for part in parts:
-            if text_field not in part.column_names:
+            datasets_read = [ds]
+        for split in datasets_read:
+            if text_field not in split.column_names:
                 raise OptionError(
-                    lambda o, columns=part.column_names: (
+                    lambda o, columns=split.column_names: (
                         f"{src.path}: unknown text field {text_field!r}; columns present: "
                         f"{columns}. Choose one with {o}."
                     ),
                     "text_field",
                 )
-            for batch in part.select_columns([text_field]).iter(batch_size=1024):
+            for batch in split.select_columns([text_field]).iter(batch_size=1024):
                 for text in batch[text_field]:
                     if text:
                         yield text
@@ -202,7 +203,7 @@ READERS: dict[str, Callable[[InputFile, str], Iterator[Any]]] = {
     "hf": read_hf,
 }
 
-# Readers of one part of a source (see ``iter_documents``): (src, text_field, start, stop).
+# Readers of one extent of a source (see ``iter_documents``): (src, text_field, start, stop).
 RANGE_READERS: dict[str, Callable[[InputFile, str, int, int], Iterator[Any]]] = {
     "jsonl": read_jsonl_range,
     "parquet": read_parquet_row_groups,

@@ -1,13 +1,13 @@
-"""Phase 2 of a prepare: each rank makes (or reuses) the parts of its units.
+"""Phase 2 of a prepare: each rank makes (or reuses) the tokenized units of its units.
 
 Role: ``assign_units`` gives each unit a rank; ``open_staging`` / ``check_shared``
-set up the staging folder beside the output (``parts.staging_folder``) that all
-ranks share; ``stage_parts`` tokenizes this rank's units in order (``encode``'s
-worker processes) into parts, reusing an earlier run's intact parts.
+set up the staging folder beside the output (``tokenized.staging_folder``) that all
+ranks share; ``stage_units`` tokenizes this rank's units in order (``encode``'s
+worker processes) into tokenized units, reusing an earlier run's intact tokenized units.
 
-Invariants: a part depends only on its unit's input bytes, the tokenizer, the text
+Invariants: a tokenized unit depends only on its unit's input bytes, the tokenizer, the text
 field and the dtype (``_unit_identity``), never on the rank, the workers or the
-chunking; an earlier part is reused only when its identity and the hash of its
+chunking; an earlier tokenized unit is reused only when its identity and the hash of its
 input bytes match. A source that changes while it is read (size or modification
 time, checked before and after each unit) is an error carrying the unit's index.
 """
@@ -28,15 +28,15 @@ import numpy as np
 from torchtitan_zephon.ingest.encode import encode_in_order
 from torchtitan_zephon.ingest.inputs import PREPARE_OPTIONS, InputFile, OptionError, OptionNames
 from torchtitan_zephon.ingest.objects import fetch
-from torchtitan_zephon.ingest.parts import (
-    PARTS,
-    RANKS_FILE,
-    PartWriter,
-    load_part,
-    part_key,
-)
 from torchtitan_zephon.ingest.ranks import Ranks
 from torchtitan_zephon.ingest.readers import iter_documents
+from torchtitan_zephon.ingest.tokenized import (
+    RANKS_FILE,
+    TOKENIZED,
+    TokenizedWriter,
+    load_tokenized,
+    unit_key,
+)
 from torchtitan_zephon.ingest.tokenizer import TokenizerInfo
 from torchtitan_zephon.ingest.units import Unit, source_stat, unit_input_hash
 from torchtitan_zephon.store.format import StoreError
@@ -88,9 +88,9 @@ def open_staging(ranks: Ranks, work: Work, staging: Path) -> None:
     run's unfinished files and writes the inputs' identity for the others to read."""
     if ranks.rank != 0:
         return
-    parts = staging / PARTS
-    parts.mkdir(parents=True, exist_ok=True)
-    for stale in parts.glob("*.tmp-*"):
+    folder = staging / TOKENIZED
+    folder.mkdir(parents=True, exist_ok=True)
+    for stale in folder.glob("*.tmp-*"):
         stale.unlink(missing_ok=True)
     tmp = staging / f"{RANKS_FILE}.tmp-{os.getpid()}"
     tmp.write_text(json.dumps(work.identity, sort_keys=True) + "\n")
@@ -111,7 +111,7 @@ def check_shared(ranks: Ranks, work: Work, staging: Path) -> None:
         )
 
 
-def stage_parts(
+def stage_units(
     ranks: Ranks,
     work: Work,
     staging: Path,
@@ -119,10 +119,10 @@ def stage_parts(
     progress: bool,
     on_progress: Callable[[dict[str, Any]], None] | None = None,
 ) -> tuple[list[tuple[int, dict[str, Any]]], int]:
-    """Phase 2 on each rank: make (or reuse) the parts of this rank's units; their
+    """Phase 2 on each rank: make (or reuse) the tokenized units of this rank's units; their
     records by unit index, and how many were reused. ``on_progress`` hears of every
     chunk and unit done."""
-    parts = staging / PARTS
+    folder = staging / TOKENIZED
     text_field = work.identity["text_field"]
     dtype = np.dtype("<u2" if work.dtype_name == "uint16" else "<u4")
     owner = assign_units(work.units, ranks.world_size)
@@ -147,9 +147,9 @@ def stage_parts(
     told()
 
     def reuse(u: Unit) -> bool:
-        """Keep an earlier run's part of ``u`` if intact and its input unchanged."""
+        """Keep an earlier run's tokenized ``u`` if intact and its input unchanged."""
         i = identities[u.index]
-        rec = load_part(parts, part_key(i), i, hashes[u.index], dtype.itemsize)
+        rec = load_tokenized(folder, unit_key(i), i, hashes[u.index], dtype.itemsize)
         if rec is not None:
             records.append((u.index, rec))
             told(u.index, int(rec["documents"]))
@@ -157,7 +157,7 @@ def stage_parts(
 
     made_here: set[int] = set()
     bar = _progress_bar(progress and ranks.rank == 0)
-    writer: PartWriter | None = None
+    writer: TokenizedWriter | None = None
     try:
         chunks = _unit_chunks(mine, work.sources, text_field, stats, hashes, reuse, work.names)
         info = work.info
@@ -165,14 +165,14 @@ def stage_parts(
             chunks, str(info.path), info.eos_id, workers
         ):
             if writer is None:
-                writer = PartWriter(parts, part_key(identities[index]), dtype)
+                writer = TokenizedWriter(folder, unit_key(identities[index]), dtype)
             writer.add(flat, lengths)
             bar.update(int(lengths.size))
             if last:
                 records.append((index, writer.finish(identities[index], hashes[index])))
                 made_here.add(index)
                 writer = None
-                bar.set_postfix(parts=f"{len(records)}/{len(mine)}", refresh=False)
+                bar.set_postfix(units=f"{len(records)}/{len(mine)}", refresh=False)
             told(index if last else None, int(lengths.size))
     finally:
         if writer is not None:
@@ -209,7 +209,7 @@ def _unit_chunks(
 ) -> Iterator[tuple[tuple[int, bool], list[str]]]:
     """((unit index, last chunk of the unit?), documents) chunks of the units to make, in
     order; each ends with a chunk marked last (maybe empty). Each unit's input is hashed
-    (into ``hashes``) just before it is read, so an intact earlier part is reused
+    (into ``hashes``) just before it is read, so an intact earlier tokenized unit is reused
     (``reuse``) instead, and the read mostly hits the page cache. The source must be
     unchanged since the start before and after the read; an error carries the unit's
     index (and names options as ``names`` spells them)."""
@@ -223,7 +223,7 @@ def _unit_chunks(
             check_unchanged(src, stats[u.source])
             if reuse(u):
                 continue
-            for text in iter_documents(src, text_field, u.part):
+            for text in iter_documents(src, text_field, u.extent):
                 chunk.append(text)
                 chars += len(text)
                 if chars >= CHUNK_CHARS or len(chunk) >= CHUNK_DOCS:

@@ -9,11 +9,11 @@ that is one document, a Hugging Face dataset folder, an object in object storage
 it is cut before it is fetched) one unit per source. Also:
 the identity of the inputs (names, kinds, sizes, modification times) that every
 rank of a distributed prepare must agree on, and the hash of the input bytes a
-unit reads, which tells whether a finished part still matches its input.
+unit reads, which tells whether a finished tokenized unit still matches its input.
 
 Invariant: the units never depend on the number of processes, and the documents
 of a source's units, concatenated in unit order, are exactly the source's
-documents (``readers.iter_documents`` with and without ``part``).
+documents (``readers.iter_documents`` with and without ``extent``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from torchtitan_zephon.ingest.json_readers import is_line_start
 from torchtitan_zephon.ingest.readers import parquet_row_groups
 
 UNIT_BYTES = 64 << 20
-"""Target input bytes per unit: enough work (seconds of tokenizing) to amortise a part's
+"""Target input bytes per unit: enough work (seconds of tokenizing) to amortise a tokenized unit's
 files and record, small enough that one huge file spreads over many processes."""
 
 _SCAN = 1 << 16  # bytes read at a time when looking for a line start
@@ -37,23 +37,23 @@ _SCAN = 1 << 16  # bytes read at a time when looking for a line start
 
 @dataclass(frozen=True)
 class Unit:
-    """Unit ``index`` (in input order): source ``source``, its ``part`` (a range for
+    """Unit ``index`` (in input order): source ``source``, its ``extent`` (a range for
     ``iter_documents``; None for the whole source) and the input bytes ``span`` it reads
-    (hashed to tell whether a finished part still matches its input)."""
+    (hashed to tell whether a finished tokenized unit still matches its input)."""
 
     index: int
     source: int
-    part: tuple[int, int] | None
+    extent: tuple[int, int] | None
     span: tuple[int, int]
     size: int  # bytes of input: the work, for assigning units to ranks
 
     def describe(self, src: InputFile) -> dict[str, Any]:
-        """What the unit is, in a part record: source name and kind, part, span (and the
+        """What the unit is, in a tokenized unit's record: source name and kind, extent (kept as ``part``, so earlier records still match), span (and the
         splits read, for a DatasetDict)."""
         described: dict[str, Any] = {
             "source": src.name,
             "kind": src.kind,
-            "part": None if self.part is None else list(self.part),
+            "part": None if self.extent is None else list(self.extent),
             "span": list(self.span),
         }
         if src.splits is not None:
@@ -124,8 +124,8 @@ def cut_units(sources: list[InputFile], unit_bytes: int = UNIT_BYTES) -> list[Un
         raise ValueError(f"unit_bytes must be >= 1, got {unit_bytes}.")
     units: list[Unit] = []
 
-    def add(source: int, part: tuple[int, int] | None, span: tuple[int, int], size: int) -> None:
-        units.append(Unit(len(units), source, part, span, size))
+    def add(source: int, extent: tuple[int, int] | None, span: tuple[int, int], size: int) -> None:
+        units.append(Unit(len(units), source, extent, span, size))
 
     for s, src in enumerate(sources):
         size = source_stat(src)[0]
@@ -182,7 +182,7 @@ def unit_input_hash(src: InputFile, unit: Unit) -> str:
         return h.hexdigest()
     a, b = unit.span
     _hash_span(h, src.path, a, b)
-    if src.kind == "parquet" and unit.part is not None:
+    if src.kind == "parquet" and unit.extent is not None:
         size = src.path.stat().st_size
         with open(src.path, "rb") as fh:
             fh.seek(max(0, size - 8))

@@ -1,23 +1,26 @@
-"""Parts: the tokenized units of a prepare, kept in a staging folder beside the output.
+"""Tokenized units: a prepare's tokens of each work unit, kept in a staging folder beside
+the output.
 
-Role: a prepare (``prepare.py``) tokenizes each work unit (``units.py``) into a
-part in ``<parent>/.<name>.prepare/parts/``: ``KEY.tokens`` (the unit's tokens in
+Role: a prepare (``prepare.py``) tokenizes each work unit (``units.py``) into
+``<parent>/.<name>.prepare/parts/`` (the folder keeps its first name, so a prepare
+killed by an older version is still reused): ``KEY.tokens`` (the unit's tokens in
 the store's dtype), ``KEY.docs`` (its documents' start offsets, from 0, int64) and
-``KEY.json``, the part's record, written last. The staging folder's ``store/`` is
-where the parts are assembled into the store's files (each at its offset, by any
-number of processes; in a sharded store each part is one or more shards, a part of
-one shard linked, not copied) before the store is renamed to the output.
+``KEY.json``, the tokenized unit's record, written last. The staging folder's
+``store/`` is where the tokenized units are assembled into the store's files (each at
+its offset, by any number of processes; in a sharded store each tokenized unit is one
+or more shards, one of one shard linked, not copied) before the store is renamed to
+the output.
 
 Invariants:
-- A part whose record exists is finished: the record is written atomically (a
-  temporary file renamed) after both part files, and names their sizes and xxh3
+- A tokenized unit whose record exists is finished: the record is written atomically
+  (a temporary file renamed) after both of its files, and names their sizes and xxh3
   hashes, the unit it came from (source, range, tokenizer, text field, dtype) and
   the xxh3 of the input bytes it was read from.
-- ``load_part`` returns a record only if all of that still holds: the same unit,
-  part files that hash as recorded, and input bytes that still hash the same; so a
-  reused part is exactly what tokenizing its unit again would write.
-- The key of a part is a hash of its unit's description alone, so parts of units
-  that did not change are found again whatever else changed among the inputs.
+- ``load_tokenized`` returns a record only if all of that still holds: the same unit,
+  files that hash as recorded, and input bytes that still hash the same; so a
+  reused tokenized unit is exactly what tokenizing its unit again would write.
+- The key of a tokenized unit is a hash of its unit's description alone, so those of
+  units that did not change are found again whatever else changed among the inputs.
 """
 
 from __future__ import annotations
@@ -43,7 +46,8 @@ from torchtitan_zephon.store.format import (
 from torchtitan_zephon.store.shards import shard_counts, shard_name
 from torchtitan_zephon.store.writer import pwrite_all
 
-PARTS = "parts"
+TOKENIZED = "parts"
+"""The staging subfolder of tokenized units (its first name, kept: see above)."""
 ASSEMBLY = "store"
 RANKS_FILE = "ranks.json"
 _BLOCK = 1 << 24
@@ -118,28 +122,28 @@ class WriterLock:
             self._fh = None
 
 
-def part_key(identity: dict[str, Any]) -> str:
-    """The file name stem of the part of the unit ``identity`` describes."""
+def unit_key(identity: dict[str, Any]) -> str:
+    """The file name stem of the tokenized unit ``identity`` describes."""
     return xxhash.xxh3_128_hexdigest(canonical_json(identity))
 
 
-def _paths(parts: Path, key: str) -> tuple[Path, Path, Path]:
-    return parts / f"{key}.tokens", parts / f"{key}.docs", parts / f"{key}.json"
+def _paths(folder: Path, key: str) -> tuple[Path, Path, Path]:
+    return folder / f"{key}.tokens", folder / f"{key}.docs", folder / f"{key}.json"
 
 
-def finished_parts(staging: Path) -> int:
-    """How many finished parts (records) the staging folder holds."""
-    folder = staging / PARTS
+def finished_units(staging: Path) -> int:
+    """How many finished tokenized units (records) the staging folder holds."""
+    folder = staging / TOKENIZED
     return sum(1 for _ in folder.glob("*.json")) if folder.is_dir() else 0
 
 
-class PartWriter:
-    """Writes one part: its tokens and document starts as chunks arrive, then its record."""
+class TokenizedWriter:
+    """Writes one tokenized unit: its tokens and document starts as chunks arrive, then its record."""
 
-    def __init__(self, parts: Path, key: str, dtype: np.dtype) -> None:
+    def __init__(self, folder: Path, key: str, dtype: np.dtype) -> None:
         self.key = key
         self.dtype = dtype
-        self._final = _paths(parts, key)
+        self._final = _paths(folder, key)
         self._tmp = [p.with_name(f"{p.name}.tmp-{os.getpid()}") for p in self._final]
         self._tokens = open(self._tmp[0], "wb")  # noqa: SIM115 - closed in finish/abort
         self._docs = open(self._tmp[1], "wb")  # noqa: SIM115
@@ -165,7 +169,7 @@ class PartWriter:
         self.max_token_id = max(self.max_token_id, int(flat.max()))
 
     def finish(self, identity: dict[str, Any], input_hash: str) -> dict[str, Any]:
-        """Close the part files, move them into place, then write the record; return it."""
+        """Close the unit's files, move them into place, then write the record; return it."""
         self._tokens.close()
         self._docs.close()
         record = {
@@ -181,11 +185,13 @@ class PartWriter:
         os.replace(self._tmp[0], self._final[0])
         os.replace(self._tmp[1], self._final[1])
         self._tmp[2].write_text(json.dumps(record, sort_keys=True) + "\n")
-        os.replace(self._tmp[2], self._final[2])  # last: from here on the part is finished
+        os.replace(
+            self._tmp[2], self._final[2]
+        )  # last: from here on the tokenized unit is finished
         return record
 
     def abort(self) -> None:
-        """Drop what was written (the part stays unfinished)."""
+        """Drop what was written (the tokenized unit stays unfinished)."""
         self._tokens.close()
         self._docs.close()
         for p in self._tmp:
@@ -200,12 +206,12 @@ def _file_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_part(
-    parts: Path, key: str, identity: dict[str, Any], input_hash: str, itemsize: int
+def load_tokenized(
+    folder: Path, key: str, identity: dict[str, Any], input_hash: str, itemsize: int
 ) -> dict[str, Any] | None:
-    """The record of the finished part ``key`` if it is intact and still matches its unit
+    """The record of the finished tokenized unit ``key`` if it is intact and still matches its unit
     (``identity``) and input (``input_hash``); None if it must be made again."""
-    tokens, docs, rec_path = _paths(parts, key)
+    tokens, docs, rec_path = _paths(folder, key)
     try:
         record = json.loads(rec_path.read_text())
         if (
@@ -232,7 +238,7 @@ def create_store_files(
     *,
     sharded: bool = False,
 ):
-    """Create the assembled store's files at their final sizes (holes, filled by the parts);
+    """Create the assembled store's files at their final sizes (holes, filled by the tokenized units);
     a sharded store's tokens folder instead of tokens.bin (``sharded``)."""
     store.mkdir(parents=True, exist_ok=True)
     files = [(DOC_OFFSETS, num_docs * 8), (CHECKSUMS, num_chunks * 8)]
@@ -245,17 +251,17 @@ def create_store_files(
             fh.truncate(size)
 
 
-def write_part_into_store(
+def write_unit_into_store(
     store: Path,
-    parts: Path,
+    folder: Path,
     record: dict[str, Any],
     token_start: int,
     doc_start: int,
     itemsize: int,
 ) -> None:
-    """Copy a part's tokens to ``token_start`` of tokens.bin and its document starts,
+    """Copy a tokenized unit's tokens to ``token_start`` of tokens.bin and its document starts,
     shifted by ``token_start``, to document ``doc_start`` of doc_offsets.bin."""
-    tokens, _, _ = _paths(parts, record["key"])
+    tokens, _, _ = _paths(folder, record["key"])
     fd = os.open(store / TOKENS, os.O_WRONLY)
     try:
         offset = token_start * itemsize
@@ -265,30 +271,30 @@ def write_part_into_store(
                 offset += len(block)
     finally:
         os.close(fd)
-    write_part_documents(store, parts, record, token_start, doc_start)
+    write_unit_documents(store, folder, record, token_start, doc_start)
 
 
-def part_shards(record: dict[str, Any], shard_tokens: int) -> list[int]:
-    """The tokens of each shard a part becomes in a sharded store: the part whole when
+def unit_shards(record: dict[str, Any], shard_tokens: int) -> list[int]:
+    """The tokens of each shard a tokenized unit becomes in a sharded store: all of it when
     it holds at most ``shard_tokens`` tokens, else cut into shards of ``shard_tokens``
-    (the last shorter); none for a part without tokens."""
+    (the last shorter); none for a unit without tokens."""
     n = int(record["tokens"])
     return shard_counts(n, shard_tokens) if n else []
 
 
-def write_part_shards(
+def write_unit_shards(
     store: Path,
-    parts: Path,
+    folder: Path,
     record: dict[str, Any],
     first_shard: int,
     shard_tokens: int,
     itemsize: int,
 ) -> None:
-    """A part's tokens as shards ``first_shard``, ... of a sharded store (``store.shards``):
-    a part that is one shard is linked (a second name of its file: its tokens are not
+    """A tokenized unit's tokens as shards ``first_shard``, ... of a sharded store (``store.shards``):
+    one that is one shard is linked (a second name of its file: its tokens are not
     written again), a larger one cut into shards (written)."""
-    tokens, _, _ = _paths(parts, record["key"])
-    counts = part_shards(record, shard_tokens)
+    tokens, _, _ = _paths(folder, record["key"])
+    counts = unit_shards(record, shard_tokens)
     if len(counts) == 1:
         target = store / shard_name(first_shard)
         target.unlink(missing_ok=True)
@@ -299,12 +305,12 @@ def write_part_shards(
             (store / shard_name(first_shard + k)).write_bytes(fh.read(count * itemsize))
 
 
-def write_part_documents(
-    store: Path, parts: Path, record: dict[str, Any], token_start: int, doc_start: int
+def write_unit_documents(
+    store: Path, folder: Path, record: dict[str, Any], token_start: int, doc_start: int
 ) -> None:
-    """A part's document starts, shifted by ``token_start``, at document ``doc_start`` of
+    """A tokenized unit's document starts, shifted by ``token_start``, at document ``doc_start`` of
     doc_offsets.bin."""
-    _, docs, _ = _paths(parts, record["key"])
+    _, docs, _ = _paths(folder, record["key"])
     fd = os.open(store / DOC_OFFSETS, os.O_WRONLY)
     try:
         offset = doc_start * 8
