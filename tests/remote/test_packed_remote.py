@@ -31,7 +31,7 @@ from torchtitan_zephon.order.mixture.config import MixtureConfig
 from torchtitan_zephon.order.state import DataState
 from torchtitan_zephon.store.format import StoreError
 from torchtitan_zephon.store.reader import TokenStore
-from torchtitan_zephon.store.remote import RemoteTokenStore
+from torchtitan_zephon.store.remote import SPAN_GAP_BYTES, RemoteTokenStore
 from torchtitan_zephon.store.remote_options import RemoteOptions
 from torchtitan_zephon.store.urls import parse_url
 
@@ -315,3 +315,150 @@ def test_prepare_into_a_bucket_keeps_the_index_there(
     packed, where = open_packing(remote, 32, cache_dir=str(tmp_path / "node"))
     assert where.startswith(url) and not (tmp_path / "node").exists()
     assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file()]  # staging removed
+
+
+@pytest.fixture(scope="module")
+def kept(s3, store_path: Path, tmp_path_factory: pytest.TempPathFactory):
+    """The shared store with its packing index at seq_len 64 kept beside it (spans
+    included), local and uploaded; (URL, local store)."""
+    from torchtitan_zephon.job.packing import build_beside
+    from torchtitan_zephon.store.writer import write_store_as
+
+    local = write_store_as(TokenStore.open(store_path), tmp_path_factory.mktemp("spans") / "s")
+    build_beside(local, 64)
+    return s3.upload(Path(local.path), "spans/store"), local
+
+
+def test_kept_spans_are_each_pieces_tokens_and_their_checksum(kept) -> None:
+    """job.packing.piece_spans: per piece, its first token (x2, +1 when it reads the
+    next token too) and the xxh3-64 of exactly what it reads, seeded by the store."""
+    import xxhash
+
+    from torchtitan_zephon.store.format import block_seed
+
+    _, local = kept
+    packed, _ = open_packing(local, 64)
+    spans = np.asarray(packed.spans)
+    pieces = np.asarray(packed.pieces)
+    offsets = np.asarray(local.doc_offsets, dtype=np.int64)
+    lengths = np.diff(np.append(offsets, local.num_tokens))
+    assert spans.shape == (packed.num_pieces, 3)
+    assert np.array_equal(spans[:, 1], pieces[:, 2])
+    begin, extra = spans[:, 0] >> 1, spans[:, 0] & 1
+    assert np.array_equal(begin, offsets[pieces[:, 0]] + pieces[:, 1])
+    assert np.array_equal(extra == 0, pieces[:, 1] + pieces[:, 2] == lengths[pieces[:, 0]])
+    tokens, seed = np.asarray(local.tokens), block_seed(local.fingerprint)
+    for k in range(0, packed.num_pieces, 97):  # a sample of them: each hashed again
+        b, t = int(begin[k]), int(pieces[k, 2] + extra[k])
+        assert int(spans[k, 2]) & (2**64 - 1) == xxhash.xxh3_64_intdigest(tokens[b : b + t], seed)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_a_bucket_reads_each_piece_exactly_by_its_kept_span(kept, data) -> None:
+    """Issue 45 part c: with the spans kept with the index, packed rows from the bucket
+    equal the local ones for any samples, the tokens fetched are the pieces' and the
+    gaps under SPAN_GAP_BYTES between them (no block rounding), and no document offset
+    is looked up."""
+    url, local = kept
+    remote = TokenStore.open(url)
+    try:
+        packed, _ = open_packing(remote, 64)
+        want, _ = open_packing(local, 64)
+        source, reference = PackedSource(remote, packed), PackedSource(local, want)
+        assert source._kept_spans is not None
+        n = want.num_samples
+        keys = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=12)))
+        before = remote.fetched_bytes
+        got, unlabelled = source.rows(keys, 64)
+        rows, expected_unlabelled = reference.rows(keys, 64)
+        assert np.array_equal(got, rows)
+        want_mask = reference.ignored(keys, 64)
+        assert np.array_equal(_unlabelled_mask(unlabelled, keys.size, 64), want_mask)
+        assert np.array_equal(_unlabelled_mask(expected_unlabelled, keys.size, 64), want_mask)
+        # What was fetched: the index rows of these samples and their pieces' tokens.
+        starts, pieces, spans = (np.asarray(a) for a in (want.starts, want.pieces, want.spans))
+        first = np.concatenate([np.arange(starts[k], starts[k + 1]) for k in np.unique(keys)])
+        take = pieces[first, 2] + (spans[first, 0] & 1)
+        runs: list[list[int]] = []  # one request per run: ranges closer than the gap join
+        gap = SPAN_GAP_BYTES // 2
+        for b, t in sorted(zip((spans[first, 0] >> 1).tolist(), take.tolist(), strict=True)):
+            if runs and b <= runs[-1][1] + gap:
+                runs[-1][1] = max(runs[-1][1], b + t)
+            else:
+                runs.append([b, b + t])
+        index = 8 * np.unique(np.concatenate([keys, keys + 1])).size + 24 * first.size
+        assert remote.fetched_bytes - before == 2 * sum(b - a for a, b in runs) + index
+        assert not source._doc_offsets._pages  # no document offset looked up
+    finally:
+        remote.close()
+
+
+def test_a_piece_that_does_not_match_its_kept_checksum_is_refused(kept, s3, tmp_path) -> None:
+    """A span checksum that the tokens in the bucket do not match (an object changed or
+    corrupted after preparation) fails the read that needs it, naming the tokens."""
+    import shutil
+
+    from torchtitan_zephon.job.packing import SPANS
+
+    _, local = kept
+    copy = tmp_path / "bad"
+    shutil.copytree(local.path, copy)
+    spans_file = copy / "packing" / "best_fit-L64-v1" / SPANS
+    spans = np.load(spans_file)
+    spans[5, 2] ^= 1
+    np.save(spans_file, spans)
+    remote = TokenStore.open(s3.upload(copy, "spans/bad"))
+    try:
+        packed, _ = open_packing(remote, 64)
+        key = int(np.searchsorted(np.asarray(packed.starts), 5, side="right") - 1)
+        with pytest.raises(StoreError, match=r"do not match their checksum in the packing index"):
+            PackedSource(remote, packed).windows(np.array([key]), 64)
+    finally:
+        remote.close()
+
+
+def test_an_index_kept_without_spans_is_read_through_the_document_offsets(
+    kept, s3, tmp_path
+) -> None:
+    """An index kept by an earlier version (no spans.npy) reads as before: through the
+    document offsets, rounded out to the store's checksummed chunks."""
+    import shutil
+
+    from torchtitan_zephon.job.packing import SPANS
+
+    _, local = kept
+    copy = tmp_path / "older"
+    shutil.copytree(local.path, copy)
+    folder = copy / "packing" / "best_fit-L64-v1"
+    (folder / SPANS).unlink()
+    manifest = json.loads((folder / "manifest.json").read_text())
+    del manifest["spans_xxh3_128"]
+    (folder / "manifest.json").write_text(json.dumps(manifest))
+    remote = TokenStore.open(s3.upload(copy, "spans/older"))
+    try:
+        packed, _ = open_packing(remote, 64)
+        assert packed.spans is None
+        source, reference = (
+            PackedSource(remote, packed),
+            PackedSource(local, open_packing(local, 64)[0]),
+        )
+        keys = np.array([2, 9, 0])
+        assert np.array_equal(source.windows(keys, 64), reference.windows(keys, 64))
+        assert source._doc_offsets._pages  # looked up
+    finally:
+        remote.close()
+
+
+def _unlabelled_mask(unlabelled, n: int, seq_len: int) -> np.ndarray:
+    """The inputs an ``Unlabelled`` (job.source) leaves untrained, as ``ignored`` gives
+    them: each listed position, and each listed row from its used tokens on."""
+    mask = np.zeros((n, seq_len), dtype=bool)
+    if unlabelled is not None:
+        ends, rows, used = unlabelled
+        mask.reshape(-1)[np.asarray(ends, dtype=np.int64)] = True
+        for r, u in zip(rows, used, strict=True):
+            mask[r, u:] = True
+    return mask

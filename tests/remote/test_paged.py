@@ -59,3 +59,31 @@ def test_a_lookup_fetches_its_pages_not_the_file(arrays):
     assert np.array_equal(paged[np.array([5, 20_000])], pieces[[5, 20_000]])
     assert files.fetched_bytes - before <= 3 * PAGE_BYTES < pieces.nbytes
     assert np.array_equal(np.asarray(paged), pieces)  # the whole, asked for explicitly
+
+
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_read_by_row_any_index_reads_what_the_file_holds(arrays, data):
+    """``exact``: the same values as the file for any index (repeats, any order, 2-D)."""
+    files, pieces, _ = arrays
+    exact = PagedArray.of_npy(files, "pieces.npy", "pieces.npy", exact=True)
+    rows = np.array(
+        data.draw(st.lists(st.integers(0, pieces.shape[0] - 1), max_size=50)), dtype=np.int64
+    )
+    assert np.array_equal(exact[rows], pieces[rows])
+    pairs = np.stack([rows, np.minimum(rows + 1, pieces.shape[0] - 1)], axis=1)
+    assert np.array_equal(exact[pairs], pieces[pairs])
+    a = data.draw(st.integers(0, pieces.shape[0]))
+    assert np.array_equal(exact[a : a + 7], pieces[a : a + 7])
+    assert not exact._pages  # nothing kept
+
+
+def test_read_by_row_fetches_the_rows_alone_one_request_per_run(arrays):
+    files, pieces, _ = arrays
+    exact = PagedArray.of_npy(files, "pieces.npy", "pieces.npy", exact=True)
+    before, requests = files.fetched_bytes, files.requests
+    rows = np.array([7, 5, 6, 20_000, 5], dtype=np.int64)  # runs 5-7 and 20,000
+    assert np.array_equal(exact[rows], pieces[rows])
+    assert files.fetched_bytes - before == 4 * 24 and files.requests - requests == 2

@@ -10,7 +10,7 @@ first batch. It prints one JSON line (``{"phase": "first", ...}``) and waits for
 on stdin, takes one more step and lets what is in flight land (from then on each step
 reads as far ahead as the one before: a steady state), says so (``"steady"``) and waits
 again (the bench resets the server's request counts there), then takes STEPS more
-steps, lets what is in flight land and prints the last line (``"phase": "steps"``):
+steps, lets what was announced land (``JobData.settle_read_ahead``) and prints the last line (``"phase": "steps"``):
 bytes fetched and requests sent over those steps (the read-ahead window slid by STEPS
 steps: what they cost), and the bytes of the samples delivered per step. Local disk is whatever
 ``$ZEPHON_CACHE`` (a fresh folder, set by the bench) holds at the end.
@@ -37,7 +37,6 @@ def _rss_mb() -> float:
 
 def main(argv: list[str]) -> None:
     url, seq_len, batch, dp, packing, steps = argv[0], *map(int, argv[1:6])
-    from torchtitan_zephon.bench.bucket import wait_in_flight
     from torchtitan_zephon.job.data import JobData
     from torchtitan_zephon.job.loader import ZephonLoader
     from torchtitan_zephon.job.packing import open_packing
@@ -66,13 +65,13 @@ def main(argv: list[str]) -> None:
         num_documents=store.num_documents, num_tokens=store.num_tokens)  # fmt: skip
     sys.stdin.readline()
     next(it)  # from here on, each step reads ahead as far as the last one did
-    wait_in_flight(store)
+    data.settle_read_ahead()  # what was announced has landed (packed spans too)
     steady = (store.fetched_bytes, store.requests, loader.announced_through)
     say(phase="steady")
     sys.stdin.readline()
     for _ in range(steps):
         next(it)
-    wait_in_flight(store)
+    data.settle_read_ahead()  # what was announced has landed (packed spans too)
     say(
         phase="steps",
         fetched_bytes=store.fetched_bytes - steady[0],

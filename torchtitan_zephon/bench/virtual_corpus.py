@@ -5,7 +5,7 @@ hold (``zephon bench corpus`` serves it on loopback: ``bench.object_server``).
 Role: ``VirtualCorpus`` is a store (format 2, one ``manifest.json``, ``shards.json`` and
 shards of ``shard_bytes``, ``doc_offsets.bin``, ``checksums.bin``, ``blocks.json`` and
 ``blocks.bin``, and for each of ``pack_seq_lens`` the packing index kept with it,
-``packing/best_fit-L<L>-v1/``) as objects: ``names()``, ``size(name)`` and
+``packing/best_fit-L<L>-v1/``, its pieces' spans included) as objects: ``names()``, ``size(name)`` and
 ``read(name, start, stop)``. The corpus:
 
 - Document lengths (each with its EOS) repeat with a period of ``CHUNK_DOCUMENTS``
@@ -28,8 +28,8 @@ for byte what Zephon's own writers write for these tokens and documents
 and the packing index kept beside it: tests/remote/test_virtual_corpus.py), so the
 fingerprint is too. Without it, the only fields not computed are the hashes of whole
 files (the content section's ``checksums_xxh3_128`` and ``doc_offsets_xxh3_128``,
-blocks.json's ``blocks_xxh3_128``, the packing manifests' ``starts_xxh3_128`` and
-``pieces_xxh3_128``) and the source record's sha256: a pass over 40 TB. They hold
+blocks.json's ``blocks_xxh3_128``, the packing manifests' ``starts_xxh3_128``,
+``pieces_xxh3_128`` and ``spans_xxh3_128``) and the source record's sha256: a pass over 40 TB. They hold
 ``NOT_COMPUTED``; only ``zephon inspect --check`` reads them, never opening a store,
 training or the bench. Every other byte is what a real store of these tokens holds.
 """
@@ -48,6 +48,7 @@ import xxhash
 from torchtitan_zephon.bench.packing import heavy_tailed
 from torchtitan_zephon.job.packing import (
     PIECES,
+    SPANS,
     STARTS,
     STORE_PACKING,
     index_manifest,
@@ -98,6 +99,8 @@ LARGE = 152_588
 _MIX = np.uint64(0x9E3779B97F4A7C15)
 _BATCH = 1 << 24
 """Tokens generated at once when a read spans more."""
+_SPAN_ROWS = 1 << 12
+"""Pieces whose spans are hashed from one run of computed tokens."""
 
 
 class VirtualCorpus:
@@ -182,6 +185,33 @@ class VirtualCorpus:
         c, j = np.divmod(i, per)
         return c * rows.shape[0] + starts[j]
 
+    def _spans(self, seq_len: int, first: int, stop: int) -> np.ndarray:
+        """Rows ``[first, stop)`` of spans.npy (``job.packing.piece_spans``): each
+        piece's first token (x2, +1 when it reads one more), its length and the xxh3-64 of
+        what it reads, hashed from the tokens computed for a few thousand pieces at a time."""
+        seed = block_seed(self.fingerprint)
+        out = []
+        for a in range(first, stop, _SPAN_ROWS):
+            piece = self._pieces(seq_len, a, min(stop, a + _SPAN_ROWS))
+            c, j = np.divmod(piece[:, 0], CHUNK_DOCUMENTS)
+            begin = c * self.period_tokens + self.period_starts[j] + piece[:, 1]
+            extra = (piece[:, 1] + piece[:, 2] < self.lengths[j]).astype(np.int64)
+            take = piece[:, 2] + extra
+            if not begin.size:
+                continue
+            lo = int(begin.min())
+            tokens = self.tokens(lo, int((begin + take).max()))
+            sums = [
+                xxhash.xxh3_64_intdigest(tokens[b - lo : b - lo + t], seed)
+                for b, t in zip(begin.tolist(), take.tolist(), strict=True)
+            ]
+            rows = np.empty((begin.size, 3), dtype=np.int64)
+            rows[:, 0] = begin * 2 + extra
+            rows[:, 1] = piece[:, 2]
+            rows[:, 2] = np.array(sums, dtype=np.uint64).view(np.int64)
+            out.append(rows)
+        return np.concatenate(out) if out else np.zeros((0, 3), dtype=np.int64)
+
     def _pieces(self, seq_len: int, first: int, stop: int) -> np.ndarray:
         _, rows = self._period_packing[seq_len]
         q = rows.shape[0]
@@ -258,6 +288,9 @@ class VirtualCorpus:
             files[f"{folder}/{PIECES}"] = array(
                 q, 24, lambda a, b, s=seq_len: self._pieces(s, a, b), self._npy_header((q, 3))
             )
+            files[f"{folder}/{SPANS}"] = array(
+                q, 24, lambda a, b, s=seq_len: self._spans(s, a, b), self._npy_header((q, 3))
+            )
         # The small JSON files, last: their hashes are of the files above.
         files[SHARDS] = self._text(
             json.dumps(shard_section(self.fingerprint, self.counts), indent=1)
@@ -270,6 +303,7 @@ class VirtualCorpus:
             hashes = (
                 self._hash(files, f"{folder}/{STARTS}"),
                 self._hash(files, f"{folder}/{PIECES}"),
+                self._hash(files, f"{folder}/{SPANS}"),
             )
             info = index_manifest(
                 self.fingerprint, self.num_documents, self._Counts(self, seq_len), hashes

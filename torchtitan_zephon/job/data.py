@@ -481,6 +481,12 @@ class JobData:
         for source in self.sources:
             source.drop_read_ahead()
 
+    def settle_read_ahead(self, timeout: float = 120.0) -> None:
+        """Wait until every source's read-ahead announced so far has landed (a bench
+        counts it as fetched: ``zephon bench corpus``)."""
+        for source in self.sources:
+            source.settle_read_ahead(timeout)
+
 
 def _with_exclusions(
     extra: Mapping[str, Any] | None, exclusions: Exclusions | None

@@ -19,10 +19,13 @@ Invariants:
 - Padding is EOS, so the per-document positions the loader adds (``job.documents``)
   restart at every document and the padding attends to itself alone: nothing trained
   crosses a document boundary.
-- Every token read was checked against the store's chunk checksums first.
+- Every token read was checked against the store's chunk checksums first (a store in
+  object storage: its block checksums, or the span checksums kept with the index).
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 
@@ -58,6 +61,13 @@ class PackedSource:
             np.asarray(a) if isinstance(a, np.ndarray) else a
             for a in (packed.starts, packed.pieces)
         )
+        # Kept with a store's own index (``job.packing.piece_spans``): a store in object
+        # storage reads each piece exactly by its span, checked by the span's own sum,
+        # and looks up no document offset.
+        self._kept_spans = None if store.mapped else packed.spans
+        # The read plans of samples read ahead, each used once by its read (``_spans``).
+        self._plans: dict[int, _Plan] = {}
+        self._plans_lock = threading.Lock()
         # Nothing here is built per document or per sample: what a read needs of the
         # index, the document offsets and lengths is looked up for its samples alone.
 
@@ -82,21 +92,49 @@ class PackedSource:
         window &= first[:, 1] + self.seq_len < self._lengths(first[:, 0])
         return np.where(window, self._doc_offsets[first[:, 0]] + first[:, 1], 0), window
 
-    def _rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Pieces of samples ``keys``: (row of each piece, its first token in the store,
-        its length, in row order)."""
+    def _bounds(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Samples ``keys``' pieces: (row of each piece, its index in the packing index),
+        in row order (one lookup of ``starts``: a sample's two bounds are neighbours)."""
         keys = np.asarray(keys, dtype=np.int64).ravel()
         if keys.size and (int(keys.min()) < 0 or int(keys.max()) >= self.packed.num_samples):
             raise IndexError(
                 f"packed sample ids must lie in [0, {self.packed.num_samples}), found "
                 f"[{int(keys.min())}, {int(keys.max())}]."
             )
-        starts, pieces = self.packed.starts, self.packed.pieces
-        counts = starts[keys + 1] - starts[keys]
-        first = np.repeat(starts[keys], counts) + _ranks_within(counts)
-        rows = np.repeat(np.arange(keys.size, dtype=np.int64), counts)
-        piece = np.asarray(pieces[first])
+        bounds = np.asarray(self.packed.starts[np.stack([keys, keys + 1], axis=1)])
+        bounds = bounds.reshape(-1, 2)
+        counts = bounds[:, 1] - bounds[:, 0]
+        first = np.repeat(bounds[:, 0], counts) + _ranks_within(counts)
+        return np.repeat(np.arange(keys.size, dtype=np.int64), counts), first
+
+    def _pieces_of(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pieces of samples ``keys``: (row of each piece, its index in the packing
+        index, its (document, start, length) row), in row order."""
+        rows, first = self._bounds(keys)
+        return rows, first, np.asarray(self.packed.pieces[first]).reshape(-1, 3)
+
+    def _rows(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Pieces of samples ``keys``: (row of each piece, its first token in the store,
+        its length, in row order)."""
+        rows, _, piece = self._pieces_of(keys)
         return rows, self._doc_offsets[piece[:, 0]] + piece[:, 1], piece
+
+    def _read_plan(self, keys: np.ndarray) -> _Plan:
+        """What reading samples ``keys`` takes (``_Plan``): from the spans kept with the
+        index when there are (two lookups: ``starts`` and ``spans``, no document offset),
+        else from the pieces and the document offsets. The plan a read-ahead made for a
+        sample is used once by its read (no lookup twice)."""
+        keys = np.asarray(keys, dtype=np.int64).ravel()
+        with self._plans_lock:
+            held = [self._plans.pop(k, None) for k in keys.tolist()]
+        if keys.size and all(p is not None for p in held):
+            return _Plan.join(held)  # type: ignore[arg-type]
+        if self._kept_spans is None:
+            rows, begin, piece = self._rows(keys)
+            return _Plan(rows, begin, piece[:, 2], self._ends_doc(piece), None)
+        rows, first = self._bounds(keys)
+        spans = np.asarray(self._kept_spans[first]).reshape(-1, 3)
+        return _Plan(rows, spans[:, 0] >> 1, spans[:, 1], (spans[:, 0] & 1) == 0, spans[:, 2])
 
     def windows(self, keys: np.ndarray, seq_len: int) -> np.ndarray:
         """Rows [len(keys), seq_len + 1] in the store dtype: each sample's pieces, then
@@ -104,55 +142,35 @@ class PackedSource:
         token (the label of the piece's last token)."""
         if self._remote is not None:
             self._remote.wait_for(keys)  # their step's read-ahead, if it is on its way
-        return self._windows_of(np.size(keys), *self._rows(keys), seq_len)
+            return self._windows_of(np.size(keys), self._read_plan(keys), seq_len)
+        rows, begin, piece = self._rows(keys)
+        plan = _Plan(rows, begin, piece[:, 2], self._ends_doc(piece), None)
+        return self._windows_of(np.size(keys), plan, seq_len)
 
-    def _windows_of(
-        self,
-        n: int,
-        rows: np.ndarray,
-        begin: np.ndarray,
-        piece: np.ndarray,
-        seq_len: int,
-        ends: np.ndarray | None = None,
-    ) -> np.ndarray:
-        """``windows`` of ``n`` samples from their pieces (``_rows``; ``ends``: which
-        end their document, ``_ends_doc``, when the caller has them)."""
-        length = piece[:, 2]
-        take = self._take(piece, ends)
-        tokens = self._read(begin, take)
+    def _windows_of(self, n: int, plan: _Plan, seq_len: int) -> np.ndarray:
+        """``windows`` of ``n`` samples from their read plan."""
+        take = plan.take()
+        tokens = self._read(plan.begin, take, plan.sums)
         out = np.full((n, seq_len + 1), self.store.eos_id, dtype=self.store.dtype)
-        col = _ranks_within_rows(rows, take, length)
-        out[np.repeat(rows, take), col] = tokens
+        col = _ranks_within_rows(plan.rows, take, plan.length)
+        out[np.repeat(plan.rows, take), col] = tokens
         return out
 
     def _ends_doc(self, piece: np.ndarray) -> np.ndarray:
         """Whether each piece ends its document (two offset lookups a piece)."""
         return piece[:, 1] + piece[:, 2] == self._lengths(piece[:, 0])
 
-    def _take(self, piece: np.ndarray, ends: np.ndarray | None = None) -> np.ndarray:
-        """Tokens read for each piece: its own, and for a piece that does not end its
-        document one more (the label of its last token)."""
-        ends = self._ends_doc(piece) if ends is None else ends
-        return piece[:, 2] + ~ends
-
     def unlabelled(self, keys: np.ndarray, seq_len: int) -> Unlabelled | None:
         """``rows``' inputs of samples ``keys`` that train no label, from the
         index alone (no token is read): each document's last token, then the padding of
         each row that has some (None: every label trained)."""
         rows, _, piece = self._rows(keys)
-        return self._unlabelled_of(np.size(keys), rows, piece, seq_len)
+        plan = _Plan(rows, piece[:, 0], piece[:, 2], self._ends_doc(piece), None)
+        return self._unlabelled_of(np.size(keys), plan, seq_len)
 
-    def _unlabelled_of(
-        self,
-        n: int,
-        rows: np.ndarray,
-        piece: np.ndarray,
-        seq_len: int,
-        ends: np.ndarray | None = None,
-    ) -> Unlabelled | None:
-        """``unlabelled`` of ``n`` samples from their pieces (``_rows``)."""
-        length = piece[:, 2]
-        ends_doc = self._ends_doc(piece) if ends is None else ends
+    def _unlabelled_of(self, n: int, plan: _Plan, seq_len: int) -> Unlabelled | None:
+        """``unlabelled`` of ``n`` samples from their read plan."""
+        rows, length, ends_doc = plan.rows, plan.length, plan.ends
         last = rows * seq_len + _piece_offsets(rows, length) + length - 1
         used = np.bincount(rows, weights=length, minlength=n).astype(np.int64)
         padded = np.flatnonzero(used < seq_len)
@@ -195,11 +213,10 @@ class PackedSource:
             self._rows(keys)  # raises, naming the range
         if self._remote is not None:  # read by range: the vectorized rows, checked
             self._remote.wait_for(keys)  # their step's read-ahead, if it is on its way
-            rows, begin, piece = self._rows(keys)  # once, for both
-            ends = self._ends_doc(piece)  # and the documents' ends once
+            plan = self._read_plan(keys)  # once, for both
             return (
-                self._windows_of(keys.size, rows, begin, piece, seq_len, ends),
-                self._unlabelled_of(keys.size, rows, piece, seq_len, ends),
+                self._windows_of(keys.size, plan, seq_len),
+                self._unlabelled_of(keys.size, plan, seq_len),
             )
         begin, window = self._windows_at(keys)
         check = self.store.unchecked_chunks > 0
@@ -248,8 +265,11 @@ class PackedSource:
 
     def labelled_tokens(self, keys: np.ndarray) -> int:
         """Labels trained in samples ``keys`` (from the index: no token is read)."""
-        _, _, piece = self._rows(keys)
-        ends_doc = piece[:, 1] + piece[:, 2] == self._lengths(piece[:, 0])
+        _, first, piece = self._pieces_of(keys)
+        if self._kept_spans is not None:
+            ends_doc = (np.asarray(self._kept_spans[first]).reshape(-1, 3)[:, 0] & 1) == 0
+        else:
+            ends_doc = piece[:, 1] + piece[:, 2] == self._lengths(piece[:, 0])
         return int(piece[:, 2].sum() - ends_doc.sum())
 
     def documents(self, key: int) -> list[dict[str, int]]:
@@ -273,12 +293,12 @@ class PackedSource:
 
     def documents_started(self, keys: np.ndarray) -> int:
         """Documents whose first token is in samples ``keys`` (the per-step accounting)."""
-        _, _, piece = self._rows(keys)
+        _, _, piece = self._pieces_of(keys)
         return int(np.count_nonzero(piece[:, 1] == 0))
 
     def padding(self, keys: np.ndarray) -> int:
         """Padding inputs of samples ``keys`` (the per-step accounting; from the index)."""
-        _, _, piece = self._rows(keys)
+        _, _, piece = self._pieces_of(keys)
         return int(np.size(keys)) * self.seq_len - int(piece[:, 2].sum())
 
     def samples_of_document(self, doc: int) -> np.ndarray:
@@ -293,10 +313,13 @@ class PackedSource:
         for chunk in range(begin // c, (begin + length - 1) // c + 1):
             self.store.check_chunk(chunk)
 
-    def _read(self, begin: np.ndarray, length: np.ndarray) -> np.ndarray:
-        """The store's tokens of spans [begin, begin + length), concatenated (checked)."""
+    def _read(
+        self, begin: np.ndarray, length: np.ndarray, sums: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The store's tokens of spans [begin, begin + length), concatenated (checked;
+        ``sums``: each span's own checksum, a store in object storage)."""
         if self._remote is not None:
-            return self._remote.read(begin, length)
+            return self._remote.read(begin, length, sums)
         store = self.store
         if store.unchecked_chunks:
             c = store.chunk_tokens
@@ -320,14 +343,90 @@ class PackedSource:
         if self._remote is not None:
             self._remote.announce_later(keys, self._spans)
 
-    def _spans(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The token spans samples ``keys`` read: (first token, tokens) of each piece."""
-        _, begin, piece = self._rows(keys)
-        return begin, self._take(piece)
+    def _spans(self, keys: np.ndarray) -> tuple[np.ndarray, ...]:
+        """The token spans samples ``keys`` read: (first token, tokens) of each piece,
+        and the checksum of each when the index keeps them. Each sample's plan is held
+        for its read (``_read_plan``), at most ``PLANS_HELD`` samples."""
+        keys = np.asarray(keys, dtype=np.int64).ravel()
+        plan = self._read_plan(keys)
+        with self._plans_lock:
+            for k, one in zip(keys.tolist(), plan.split(keys.size), strict=True):
+                self._plans[k] = one
+            while len(self._plans) > PLANS_HELD:
+                self._plans.pop(next(iter(self._plans)))
+        take = plan.take()
+        return (plan.begin, take) if plan.sums is None else (plan.begin, take, plan.sums)
 
     def drop_read_ahead(self) -> None:
         if self._remote is not None:
             self._remote.drop()
+        with self._plans_lock:
+            self._plans.clear()
+
+    def settle_read_ahead(self, timeout: float = 120.0) -> None:
+        """Wait until every step read ahead has landed (what a bench counts as fetched)."""
+        if self._remote is not None:
+            self._remote.settle(timeout)
+
+
+PLANS_HELD = 1 << 16
+"""Samples whose read plans a packed source holds between their read-ahead and read."""
+
+
+class _Plan:
+    """How samples' pieces are read: the row of each piece, its first token in the
+    store, its length in the sample, whether it ends its document (else one token more
+    is read: the label of its last), and the checksum of what it reads (or None)."""
+
+    def __init__(
+        self,
+        rows: np.ndarray,
+        begin: np.ndarray,
+        length: np.ndarray,
+        ends: np.ndarray,
+        sums: np.ndarray | None,
+    ) -> None:
+        self.rows, self.begin, self.length, self.ends, self.sums = rows, begin, length, ends, sums
+
+    def take(self) -> np.ndarray:
+        """Tokens read for each piece: its own, and one more unless it ends its document."""
+        return self.length + ~self.ends
+
+    def split(self, n: int) -> list[_Plan]:
+        """One plan per sample (rows 0 .. n - 1), each of row 0."""
+        cuts = np.searchsorted(self.rows, np.arange(1, n))
+        zero = np.zeros(0, dtype=np.int64)
+        return [
+            _Plan(
+                np.zeros(b - a, dtype=np.int64),
+                self.begin[a:b],
+                self.length[a:b],
+                self.ends[a:b],
+                None if self.sums is None else self.sums[a:b],
+            )
+            if b > a
+            else _Plan(
+                zero, zero, zero, np.zeros(0, dtype=bool), None if self.sums is None else zero
+            )
+            for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), self.rows.size], strict=True)
+        ]
+
+    @staticmethod
+    def join(plans: list[_Plan]) -> _Plan:
+        """The plan of samples read together, in order (each of its own row)."""
+        rows = np.concatenate(
+            [np.full(p.rows.size, k, dtype=np.int64) for k, p in enumerate(plans)]
+        )
+        sums = (
+            None if any(p.sums is None for p in plans) else np.concatenate([p.sums for p in plans])
+        )  # type: ignore[misc]
+        return _Plan(
+            rows,
+            np.concatenate([p.begin for p in plans]),
+            np.concatenate([p.length for p in plans]),
+            np.concatenate([p.ends for p in plans]),
+            sums,
+        )
 
 
 def _ranks_within(counts: np.ndarray) -> np.ndarray:

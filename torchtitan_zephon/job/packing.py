@@ -17,7 +17,11 @@ folder, ``<store>/packing/best_fit-L<seq_len>-v<format>/`` (the same files), onc
 part of ``zephon prepare --pack-seq-len L`` (or a registration): the documents' chunks
 are shared by the prepare's ranks (each packs its chunks into a staging folder beside
 it; rank 0 joins them in chunk order, so any number of ranks writes the bytes of one
-process). ``open_packing`` maps a local store's own index first: opening then builds,
+process). With it, ``spans.npy``: per piece, where its tokens start in the store and
+the xxh3-64 of the tokens a read of it takes (``piece_spans``), hashed from the tokens
+once, each store chunk checked first; a store in a bucket reads a packed sample's
+tokens exactly by them, no block rounding and no document-offset lookup (``zephon bench
+corpus``). ``open_packing`` maps a local store's own index first: opening then builds,
 reads and hashes nothing in proportion to the corpus (its manifest and the arrays'
 sizes are checked; ``zephon inspect STORE --check`` hashes them); a store without one
 is packed into the cache as before.
@@ -29,7 +33,12 @@ Invariants:
   ``open_packing`` moves aside and builds again, saying so once (``read_index`` alone
   refuses it, naming the folder).
 - Building it reads only the document offsets (O(documents)), checked against the
-  store's manifest first; the tokens are not read. A store in object storage
+  store's manifest first; the tokens are not read (but by ``build_beside``, for the
+  spans).
+- A kept index's ``spans.npy`` row k is piece k's first token in the store (x2, +1
+  when it reads one more), its length, and the xxh3-64 of exactly the tokens it reads;
+  a read by span serves those tokens only if they hash to it (tested against the local
+  store: tests/remote/test_packed_remote.py). A store in object storage
   (``store.remote``) is packed the same way: each node's first process to open it
   fetches ``doc_offsets.bin`` whole (8 bytes a document) and builds the index in that
   node's cache; the others wait for it (``build_once``) and map it.
@@ -48,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import xxhash
 
 from torchtitan_zephon.ingest.cache_folder import build_once, cache_root
 from torchtitan_zephon.ingest.ranks import OneProcess, together
@@ -63,13 +73,14 @@ from torchtitan_zephon.store.format import (
     MANIFEST,
     REPREPARE,
     StoreError,
+    block_seed,
     file_xxh3_128,
 )
 from torchtitan_zephon.store.location import ObjectFiles
 from torchtitan_zephon.store.object_faults import MissingObject
 from torchtitan_zephon.store.reader import TokenStore
 
-STARTS, PIECES = "starts.npy", "pieces.npy"
+STARTS, PIECES, SPANS = "starts.npy", "pieces.npy", "spans.npy"
 STORE_PACKING = "packing"
 """The folder of a store's own packing indexes, beside its files (``build_beside``)."""
 
@@ -78,6 +89,49 @@ def document_lengths(store: TokenStore) -> np.ndarray:
     """Tokens of each document of ``store`` (each with its EOS)."""
     offsets = np.asarray(store.doc_offsets, dtype=np.int64)
     return np.diff(np.append(offsets, np.int64(store.num_tokens)))
+
+
+SPAN_BATCH = 1 << 12
+"""Pieces whose tokens a store in a bucket fetches at once to hash them."""
+
+
+def piece_spans(
+    store: TokenStore, rows: np.ndarray, offsets: np.ndarray, lengths: np.ndarray
+) -> np.ndarray:
+    """The spans of pieces ``rows`` (document, start, length), int64 [n, 3]: column 0
+    is the piece's first token in the store times 2, plus 1 when it reads one token more
+    (it does not end its document: the label of its last token); column 1 its length;
+    column 2 the xxh3-64 (seeded by the store's fingerprint, as block checksums are) of
+    the tokens it reads, as int64: a read needs nothing else of the index. ``offsets`` and ``lengths``: every document's. The store's chunks under
+    those tokens are checked first (a local store), or fetched checked (one in a bucket)."""
+    rows = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    doc, start, length = rows[:, 0], rows[:, 1], rows[:, 2]
+    begin = offsets[doc] + start
+    extra = (start + length < lengths[doc]).astype(np.int64)
+    take = length + extra
+    seed = block_seed(store.fingerprint)
+    digest = xxhash.xxh3_64_intdigest
+    sums: list[int] = []
+    if store.mapped:
+        if rows.shape[0] and store.verifies:
+            c = int(store.chunk_tokens)
+            lo, hi = int(begin.min()), int((begin + take).max()) - 1
+            for chunk in range(lo // c, hi // c + 1):
+                store.check_chunk(chunk)
+        tokens = store.token_array
+        sums = [
+            digest(tokens[b : b + t], seed)
+            for b, t in zip(begin.tolist(), take.tolist(), strict=True)
+        ]
+    else:
+        for a in range(0, rows.shape[0], SPAN_BATCH):
+            b, t = begin[a : a + SPAN_BATCH], take[a : a + SPAN_BATCH]
+            sums.extend(digest(x, seed) for x in store.read_spans(b, b + t))
+    out = np.empty((rows.shape[0], 3), dtype=np.int64)
+    out[:, 0] = begin * 2 + extra
+    out[:, 1] = length
+    out[:, 2] = np.array(sums, dtype=np.uint64).view(np.int64)
+    return out
 
 
 def index_name(seq_len: int) -> str:
@@ -99,22 +153,25 @@ def beside_folder(store: TokenStore, seq_len: int) -> Path | None:
 
 
 def _manifest(store: TokenStore, packed: PackedSamples, folder: Path) -> dict[str, Any]:
+    names = (STARTS, PIECES, SPANS) if (folder / SPANS).exists() else (STARTS, PIECES)
     return index_manifest(
         store.fingerprint,
         store.num_documents,
         packed,
-        (file_xxh3_128(folder / STARTS), file_xxh3_128(folder / PIECES)),
+        tuple(file_xxh3_128(folder / name) for name in names),
     )
 
 
 def index_manifest(
-    store_fingerprint: str, num_documents: int, packed: Any, hashes: tuple[str, str]
+    store_fingerprint: str, num_documents: int, packed: Any, hashes: tuple[str, ...]
 ) -> dict[str, Any]:
     """The manifest of the packing index ``packed`` (a ``PackedSamples``, or anything
     with its counts: ``seq_len``, ``num_samples``, ``num_pieces``, ``tokens()``,
     ``padding_fraction()``, ``split_documents()``) of a store of ``num_documents``
-    documents, whose starts.npy and pieces.npy hash (xxh3-128) to ``hashes``."""
-    return {
+    documents, whose starts.npy and pieces.npy (and spans.npy, a third hash) hash
+    (xxh3-128) to ``hashes``."""
+    spans = {"spans_xxh3_128": hashes[2]} if len(hashes) > 2 else {}
+    return spans | {
         "kind": "packing index",
         "store_fingerprint": store_fingerprint,
         "seq_len": int(packed.seq_len),
@@ -145,7 +202,8 @@ def build_beside(
         staging = cache_root(cache_dir) / "packing-build" / store.fingerprint / index_name(seq_len)
     else:
         staging = folder.parent / f".{folder.name}.build"
-    lengths = document_lengths(store)
+    offsets = np.asarray(store.doc_offsets, dtype=np.int64)
+    lengths = np.diff(np.append(offsets, np.int64(store.num_tokens)))
     spans = chunks(int(lengths.size))
 
     def start() -> None:
@@ -160,6 +218,7 @@ def build_beside(
             sizes, rows = pack_chunk(lengths[a:b], a, seq_len)
             np.save(staging / f"{k}.sizes.npy", sizes)
             np.save(staging / f"{k}.rows.npy", rows)
+            np.save(staging / f"{k}.spans.npy", piece_spans(store, rows, offsets, lengths))
 
     def join() -> None:
         if ranks.rank != 0:
@@ -170,8 +229,12 @@ def build_beside(
         rows = np.concatenate([r for _, r in parts]) if parts else np.zeros((0, 3), np.int64)
         starts = np.zeros(sizes.size + 1, dtype=np.int64)
         np.cumsum(sizes, out=starts[1:])
+        kept = [np.load(staging / f"{k}.spans.npy") for k in range(len(spans))]
         dest = staging / "index"
-        _write_index(store, PackedSamples(int(seq_len), starts, rows), dest)
+        packed = PackedSamples(int(seq_len), starts, rows)
+        _write_index(
+            store, packed, dest, np.concatenate(kept) if kept else np.zeros((0, 3), np.int64)
+        )
         if folder is None:
             _upload(store, seq_len, dest)
         else:
@@ -189,7 +252,7 @@ def _upload(store: Any, seq_len: int, dest: Path) -> None:
     """The index files in ``dest`` uploaded under the store's prefix, manifest last."""
     files = ObjectFiles(store.url)
     try:
-        for name in (STARTS, PIECES, MANIFEST):
+        for name in (STARTS, PIECES, SPANS, MANIFEST):
             files.upload(f"{STORE_PACKING}/{index_name(seq_len)}/{name}", dest / name)
     finally:
         files.close()
@@ -230,11 +293,18 @@ def read_kept_remote(store: Any, seq_len: int) -> tuple[PackedSamples, str] | No
     except (ValueError, UnicodeDecodeError) as e:
         raise DamagedIndex(shown, f"cannot be read ({e})") from None
     _check_manifest(store, seq_len, manifest, shown)
-    starts = store.paged_npy(f"{name}/{STARTS}")
-    pieces = store.paged_npy(f"{name}/{PIECES}")
-    packed = PackedSamples(int(seq_len), starts, pieces, _recorded(manifest))  # type: ignore[arg-type]
+    starts = store.paged_npy(f"{name}/{STARTS}", exact=True)
+    pieces = store.paged_npy(f"{name}/{PIECES}", exact=True)
+    spans = store.paged_npy(f"{name}/{SPANS}", exact=True) if _has_spans(manifest) else None
+    packed = PackedSamples(int(seq_len), starts, pieces, _recorded(manifest), spans)  # type: ignore[arg-type]
     _check_counts(packed, manifest, shown)
     return packed, shown
+
+
+def _has_spans(manifest: dict[str, Any]) -> bool:
+    """Whether the index keeps its pieces' spans (``piece_spans``; an index of an
+    earlier version does not, and is read through the document offsets)."""
+    return "spans_xxh3_128" in manifest
 
 
 def _check_manifest(store: TokenStore, seq_len: int, manifest: Any, folder: Any) -> None:
@@ -259,10 +329,12 @@ def _recorded(manifest: dict[str, Any]) -> tuple[int, int] | None:
 
 
 def _check_counts(packed: PackedSamples, manifest: dict[str, Any], folder: Any) -> None:
+    spans = packed.spans
     if (
         packed.num_samples != manifest.get("num_samples")
         or packed.num_pieces != manifest.get("num_pieces")
         or tuple(packed.pieces.shape[1:]) != (3,)
+        or (spans is not None and tuple(spans.shape) != (packed.num_pieces, 3))
     ):
         raise DamagedIndex(folder, "does not hold what its manifest says")
 
@@ -276,10 +348,14 @@ def _check_offsets(store: TokenStore) -> None:
         )
 
 
-def _write_index(store: TokenStore, packed: PackedSamples, dest: Path) -> None:
+def _write_index(
+    store: TokenStore, packed: PackedSamples, dest: Path, spans: np.ndarray | None = None
+) -> None:
     dest.mkdir(parents=True)
     np.save(dest / STARTS, packed.starts)
     np.save(dest / PIECES, packed.pieces)
+    if spans is not None:
+        np.save(dest / SPANS, spans)
     manifest = _manifest(store, packed, dest)
     (dest / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True) + "\n")
 
@@ -318,7 +394,10 @@ def read_index(
     try:
         manifest = json.loads((folder / MANIFEST).read_text())
         _check_manifest(store, seq_len, manifest, folder)
-        for name, key in ((STARTS, "starts_xxh3_128"), (PIECES, "pieces_xxh3_128")):
+        arrays = [(STARTS, "starts_xxh3_128"), (PIECES, "pieces_xxh3_128")]
+        if _has_spans(manifest):
+            arrays.append((SPANS, "spans_xxh3_128"))
+        for name, key in arrays:
             if hash_arrays and file_xxh3_128(folder / name) != manifest.get(key):
                 raise DamagedIndex(
                     folder, f"is damaged: {name} does not hash to what its manifest records "
@@ -326,11 +405,12 @@ def read_index(
                 )  # fmt: skip
         starts = np.load(folder / STARTS, mmap_mode="r")
         pieces = np.load(folder / PIECES, mmap_mode="r")
+        spans = np.load(folder / SPANS, mmap_mode="r") if _has_spans(manifest) else None
     except DamagedIndex:
         raise
     except (OSError, ValueError, KeyError) as e:
         raise DamagedIndex(folder, f"cannot be read ({e})") from None
-    packed = PackedSamples(int(seq_len), starts, pieces, _recorded(manifest))
+    packed = PackedSamples(int(seq_len), starts, pieces, _recorded(manifest), spans)
     _check_counts(packed, manifest, folder)
     return packed
 

@@ -68,6 +68,7 @@ class Source(Protocol):
     def read_ahead_steps(self) -> int: ...
     def read_ahead(self, ids: np.ndarray, seq_len: int) -> None: ...
     def drop_read_ahead(self) -> None: ...
+    def settle_read_ahead(self, timeout: float = 120.0) -> None: ...
 
 
 class WindowSource:
@@ -146,6 +147,11 @@ class WindowSource:
     def drop_read_ahead(self) -> None:
         if not self.store.mapped:
             self.store.drop_read_ahead()
+
+    def settle_read_ahead(self, timeout: float = 120.0) -> None:
+        """Wait until every step read ahead has landed (what a bench counts as fetched)."""
+        if not self.store.mapped:
+            self.store.settle(timeout)
 
 
 def starts_in_windows(offsets: np.ndarray, ids: np.ndarray, seq_len: int) -> int:

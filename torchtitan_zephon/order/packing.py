@@ -121,6 +121,10 @@ class PackedSamples:
     """(tokens, split documents) as the index's manifest records them: ``tokens`` and
     ``split_documents`` then read no piece (an index kept with its store is mapped, and
     a job opening it reads nothing in proportion to the corpus)."""
+    spans: np.ndarray | None = None
+    """int64 [num_pieces, 3], kept with a store's own index (``job.packing.piece_spans``):
+    each piece's first token in the store (x2, +1 when it reads one more), its length
+    and the checksum of what it reads; None for an index without them."""
 
     @property
     def num_samples(self) -> int:

@@ -6,7 +6,10 @@ the same order; a node reading a few samples a step must not fetch them whole.
 ranges, ``If-Match`` the ETag recorded when the file was first read) in pages of
 ``PAGE_BYTES``, fetching the pages an index touches that it does not hold (missing
 pages of one lookup in one batch of requests), and keeps the ``pages_kept`` most
-recently used. Indexing follows numpy's for what the packed source asks: an integer,
+recently used; or, ``exact``, the bytes of the rows an index touches and nothing
+more (one request per run of neighbouring rows, all of one lookup in one batch; nothing
+kept): a packing index kept with its store is read so, a sample's rows at a time.
+Indexing follows numpy's for what the packed source asks: an integer,
 an integer array or a slice on the first axis, and ``[rows, column]``.
 
 Invariant: ``a[key]`` equals ``np.load(file)[key]`` for the file as it was when the
@@ -47,6 +50,7 @@ class PagedArray:
         shape: tuple[int, ...],
         offset: int = 0,
         pages_kept: int = PAGES_KEPT,
+        exact: bool = False,
     ) -> None:
         self.files, self.name = files, name
         self.dtype = np.dtype(dtype)
@@ -58,13 +62,14 @@ class PagedArray:
             int(np.prod(self.shape[1:])) if self.ndim > 1 else 1
         )
         self.pages_kept = max(1, int(pages_kept))
+        self.exact = bool(exact)
         self._pages: OrderedDict[int, bytes] = OrderedDict()
         self._lock = threading.Lock()
 
     @classmethod
-    def of_npy(cls, files: Any, name: str, shown: str) -> PagedArray:
+    def of_npy(cls, files: Any, name: str, shown: str, exact: bool = False) -> PagedArray:
         """The ``.npy`` file ``name`` (``shown`` in messages): its size and ETag recorded
-        (one HEAD), its header read, its data paged."""
+        (one HEAD), its header read, its data paged (``exact``: read by row)."""
         size = files.open_file(name)
         head = bytes(files.submit(name, [0], [min(4096, size)], urgent=True).result()[0])
         try:
@@ -80,7 +85,7 @@ class PagedArray:
             raise StoreError(f"{shown} is not an .npy array ({e}).") from None
         if fortran:
             raise StoreError(f"{shown} is a Fortran-ordered array; expected C order.")
-        return cls(files, name, dtype, shape, offset=f.tell())
+        return cls(files, name, dtype, shape, offset=f.tell(), exact=exact)
 
     def __len__(self) -> int:
         return self.shape[0]
@@ -113,6 +118,8 @@ class PagedArray:
         out = np.empty((rows.size, *self.shape[1:]), dtype=self.dtype)
         if not rows.size:
             return out
+        if self.exact:
+            return self._exact_rows(rows, out)
         start = self.offset + rows * self.row_bytes
         first, last = start // PAGE_BYTES, (start + self.row_bytes - 1) // PAGE_BYTES
         wanted: set[int] = set()
@@ -126,6 +133,21 @@ class PagedArray:
             data = pages[a] if a == b else b"".join(pages[p] for p in range(a, b + 1))
             lo = s - a * PAGE_BYTES
             flat[r] = np.frombuffer(data, dtype=np.uint8, count=self.row_bytes, offset=lo)
+        return out
+
+    def _exact_rows(self, rows: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """Rows ``rows`` read by range: one request per run of neighbouring rows."""
+        unique, where = np.unique(rows, return_inverse=True)
+        new = np.ones(unique.size, dtype=bool)
+        new[1:] = unique[1:] != unique[:-1] + 1
+        heads = np.flatnonzero(new)
+        tails = np.append(heads[1:], unique.size)
+        first, stop = unique[heads], unique[tails - 1] + 1
+        starts = (self.offset + first * self.row_bytes).tolist()
+        stops = (self.offset + stop * self.row_bytes).tolist()
+        datas = self.files.submit(self.name, starts, stops, urgent=True).result()
+        got = np.concatenate([np.frombuffer(d, dtype=self.dtype) for d in datas])
+        out[...] = got.reshape(unique.size, *self.shape[1:])[where.ravel()]
         return out
 
     def _pages_of(self, wanted: list[int]) -> dict[int, bytes]:

@@ -39,7 +39,8 @@ Invariants:
 - Row k of ``windows(ids, seq_len)`` equals the local store's ``windows`` row for the
   same store content, and every token served was fetched with ``If-Match`` the ETag
   recorded at open (or read from the node cache of this fingerprint) and checked
-  against its block's (or chunk's) checksum before it is served; a mismatch of fetched
+  against its block's (or chunk's) checksum, or a span's own checksum kept with a
+  packing index (``_fetch_summed``), before it is served; a mismatch of fetched
   bytes is a StoreError naming the store and the block (chunk), raised by the read that
   needs it (a bad cached file is a miss, not an error).
 - Opening reads the manifest and blocks.json (with block checksums; HEADs give the
@@ -58,6 +59,7 @@ from __future__ import annotations
 import json
 import math
 import threading
+import time
 import warnings
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -206,6 +208,13 @@ def _read_checksums(
     checksums = np.frombuffer(files.read(CHECKSUMS), dtype="<u8")
     check_checksums(checksums, recorded, shown, str(where).rsplit("/", 1)[-1])
     return checksums
+
+
+SPAN_GAP_BYTES = 1 << 10
+"""Ranges with their own checksums (a packed sample's pieces) this close are fetched in
+one request, the bytes between them too: ``zephon bench corpus`` measured 2.5 requests a
+sample instead of 3.0 for 0.9 % more bytes at seq_len 4096 (1.7 requests for 31 % more
+at 16 KiB)."""
 
 
 class RemoteTokenStore(TokenStore, reads_object_urls=True):
@@ -388,10 +397,10 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
             self._paged_offsets = PagedArray(self._files, DOC_OFFSETS, "<i8", (self.num_documents,))
         return self._paged_offsets
 
-    def paged_npy(self, name: str) -> PagedArray:
+    def paged_npy(self, name: str, exact: bool = False) -> PagedArray:
         """The ``.npy`` array in the store's file ``name`` (a packing index kept with the
-        store, ``job.packing``), read by page."""
-        return PagedArray.of_npy(self._files, name, self.url.child(name))
+        store, ``job.packing``), read by page (``exact``: by row, ``store.paged``)."""
+        return PagedArray.of_npy(self._files, name, self.url.child(name), exact=exact)
 
     def read_file(self, name: str) -> bytes:
         """The whole (small) file ``name`` of the store: ``MissingObject`` when there is
@@ -443,6 +452,22 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
             with self._lock:
                 self._queued.append((ids, int(seq_len)))
                 self._launch()
+
+    def settle(self, timeout: float = 120.0) -> None:
+        """Wait until every step read ahead has been fetched (a failed fetch counts as
+        landed: its read raises); TimeoutError after ``timeout``."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self._lock:
+                busy = bool(self._queued)
+                futures = [step.fetch.future for step in self._steps]
+            if not busy and all(f.done() for f in futures):
+                return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"read-ahead of {self.url.shown} still in flight after {timeout} s"
+                )
+            time.sleep(0.005)
 
     def drop_read_ahead(self) -> None:
         """Forget every step read ahead (the loader moved: a reset, a resume)."""
@@ -549,14 +574,24 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
     # ------------------------------------------------------------------ fetching
 
     def _fetch_ranges(
-        self, start: np.ndarray, stop: np.ndarray, urgent: bool = False
+        self,
+        start: np.ndarray,
+        stop: np.ndarray,
+        urgent: bool = False,
+        sums: np.ndarray | None = None,
     ) -> tuple[np.ndarray, np.ndarray, int, Future]:
         """Start fetching token ranges ``[start[k], stop[k])`` (sorted by start): one
         request per run of overlapping or adjacent ranges, each rounded out to the blocks
         (chunks) of the content check (whole blocks, with their block checksums; else whole
         chunks), through the node cache when there is one. (each range's request, its
         offset in that request's tokens, the bytes requested, a Future of each request's
-        tokens, checked.) ``urgent``: waited for now (``ObjectFiles.submit_many``)."""
+        tokens, checked.) ``urgent``: waited for now (``ObjectFiles.submit_many``).
+
+        ``sums``: each range's own checksum (``span_sum``, kept with a packing index):
+        then, without a node cache, the ranges are fetched exactly, not rounded out, and
+        each is checked against its sum on arrival."""
+        if sums is not None and self.verifies and self.cache is None:
+            return self._fetch_summed(start, stop, sums, urgent)
         blocks = self.blocks if self.verifies else None
         chunk = self.chunk_tokens if self.verifies and blocks is None else None
         if blocks:
@@ -605,9 +640,50 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
 
         return request, offset, nbytes, self._files.submit_many(reads, then=arrived, urgent=urgent)
 
-    def read_spans(self, start: np.ndarray, stop: np.ndarray) -> list[np.ndarray]:
-        """Tokens ``[start[k], stop[k])`` for each k, fetched now (``_fetch_ranges``),
-        checked: how packed samples (``job.packed``) read a store in object storage."""
+    def _fetch_summed(
+        self, start: np.ndarray, stop: np.ndarray, sums: np.ndarray, urgent: bool
+    ) -> tuple[np.ndarray, np.ndarray, int, Future]:
+        """``_fetch_ranges`` of ranges with their own checksums: exactly their tokens
+        (ranges that overlap, touch or lie within ``SPAN_GAP_BYTES`` of each other in one
+        request, the gap fetched too), each range hashed on arrival."""
+        end = np.maximum.accumulate(stop)
+        new = np.ones(start.size, dtype=bool)
+        new[1:] = start[1:] > end[:-1] + SPAN_GAP_BYTES // self.dtype.itemsize
+        heads = np.flatnonzero(new)
+        tails = np.append(heads[1:] - 1, start.size - 1)
+        req_a, req_b = start[heads], end[tails]
+        request = np.cumsum(new) - 1
+        offset = start - req_a[request]
+        item = self.dtype.itemsize
+        nbytes = int((req_b - req_a).sum()) * item
+        reads = [(TOKENS, (req_a * item).tolist(), (req_b * item).tolist())]
+        seed = block_seed(self.fingerprint)
+        spans = list(zip(request.tolist(), offset.tolist(), (stop - start).tolist(), strict=True))
+        expected = np.asarray(sums).astype(np.uint64).tolist()
+        firsts = start.tolist()
+
+        def arrived(datas: list[list[memoryview]]) -> list[np.ndarray]:
+            arrays = [np.frombuffer(d, dtype=self.dtype) for d in datas[0]]
+            for (r, o, n), want, first in zip(spans, expected, firsts, strict=True):
+                if xxhash.xxh3_64_intdigest(arrays[r][o : o + n], seed) != want:
+                    raise StoreError(
+                        f"token store {str(self.path)!r}: tokens [{first}, {first + n}) of "
+                        f"{TOKENS} do not match their checksum in the packing index kept "
+                        "with the store; an object was changed or corrupted after "
+                        f"preparation. Run `zephon inspect {self.path} --check` to list "
+                        "every bad chunk and block, and upload the store again from an "
+                        "intact copy."
+                    )
+            return arrays
+
+        return request, offset, nbytes, self._files.submit_many(reads, then=arrived, urgent=urgent)
+
+    def read_spans(
+        self, start: np.ndarray, stop: np.ndarray, sums: np.ndarray | None = None
+    ) -> list[np.ndarray]:
+        """Tokens ``[start[k], stop[k])`` for each k, fetched now (``_fetch_ranges``;
+        ``sums``: each span's own checksum), checked: how packed samples (``job.packed``)
+        read a store in object storage."""
         start = np.asarray(start, dtype=np.int64).ravel()
         stop = np.asarray(stop, dtype=np.int64).ravel()
         if not start.size:
@@ -615,7 +691,10 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
         if int(start.min()) < 0 or int(stop.max()) > self.num_tokens or (stop < start).any():
             raise IndexError(f"token spans must lie in [0, {self.num_tokens}).")
         order = np.argsort(start, kind="stable")
-        request, offset, _, future = self._fetch_ranges(start[order], stop[order], urgent=True)
+        ordered = None if sums is None else np.asarray(sums).ravel()[order]
+        request, offset, _, future = self._fetch_ranges(
+            start[order], stop[order], urgent=True, sums=ordered
+        )
         arrays = future.result()
         out: list[np.ndarray] = [np.empty(0, self.dtype)] * start.size
         lengths = (stop - start)[order].tolist()
