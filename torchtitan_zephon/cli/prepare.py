@@ -253,13 +253,6 @@ def _register(args: argparse.Namespace) -> int:
             "registering token files (--input-format) runs in one process: it reads each "
             "token once and writes only metadata; run it without torchrun."
         )
-    urls = [v for v in [*args.inputs, args.output] if is_url(v)]
-    if urls:
-        raise StoreError(
-            f"{urls[0]}: token files are registered in place from a local folder, into a "
-            "local store (token files in a bucket are not read in place yet: copy them, or "
-            "prepare the text into the bucket); nothing was written."
-        )
     store = register_store(args.inputs, args.input_format, args.tokenizer, args.output)
     packed = [_pack(store, seq_len) for seq_len in args.pack_seq_len]
     print(

@@ -120,6 +120,8 @@ class ObjectFiles:
             self._store = from_url(url.text, client_options=options, retry_config=retry)
         except Exception as e:  # obstore's configuration errors: scrubbed, not passed on
             raise StoreError(f"cannot use {url.shown}: {scrub(str(e).splitlines()[0])}") from None
+        self._root: Any = None  # the bucket's root, for names that start with "/"
+        self._root_args = (url.root_text(), options, retry)
         self.etags: dict[str, str | None] = {}
         self.sizes: dict[str, int] = {}
         self.mtimes: dict[str, int] = {}
@@ -175,10 +177,23 @@ class ObjectFiles:
             retries=self.retries,
         )  # fmt: skip
 
+    def _where(self, name: str) -> tuple[Any, str]:
+        """(obstore store, path) of the file ``name``: under the prefix, or, for a name
+        that starts with ``/``, the key from the bucket's root (a token file read in place,
+        ``ingest.token_files``)."""
+        if not name.startswith("/"):
+            return self._store, name
+        if self._root is None:
+            from obstore.store import from_url
+
+            text, options, retry = self._root_args
+            self._root = from_url(text, client_options=options, retry_config=retry)
+        return self._root, name[1:]
+
     async def _head(self, name: str) -> dict[str, Any]:
         import obstore
 
-        return await asyncio.wait_for(obstore.head_async(self._store, name), self.limit_s)
+        return await asyncio.wait_for(obstore.head_async(*self._where(name)), self.limit_s)
 
     def open_file(self, name: str) -> int:
         """Record the size and ETag of the file ``name``; its size in bytes."""
@@ -276,7 +291,7 @@ class ObjectFiles:
         async def fetch() -> int:
             options: dict[str, Any] = {"if_match": e_tag} if e_tag else {}
             result = await asyncio.wait_for(
-                obstore.get_async(self._store, name, options=options), self.limit_s
+                obstore.get_async(*self._where(name), options=options), self.limit_s
             )
             written = 0
             with open(dest, "wb") as fh:
@@ -312,7 +327,7 @@ class ObjectFiles:
         body = Path(source) if isinstance(source, (str, os.PathLike)) else source
 
         async def put() -> None:
-            await obstore.put_async(self._store, name, body, chunk_size=UPLOAD_PART)
+            await obstore.put_async(*self._where(name), body, chunk_size=UPLOAD_PART)
 
         try:
             self._run(put()).result()
@@ -332,7 +347,7 @@ class ObjectFiles:
         loop = asyncio.get_running_loop()
 
         async def get() -> memoryview:  # the endpoint answered: once get_async returns
-            result = await obstore.get_async(self._store, name, options=options)
+            result = await obstore.get_async(*self._where(name), options=options)
             self._heard, self._silent_at = loop.time(), None
             if not etag:  # a joined object's first read: pinned from here on (join)
                 self.etags.setdefault(name, result.meta.get("e_tag"))

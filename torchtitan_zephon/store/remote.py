@@ -103,7 +103,7 @@ from torchtitan_zephon.store.remote_options import (
     RemoteOptions,
 )
 from torchtitan_zephon.store.shards import check_shards, shard_name
-from torchtitan_zephon.store.urls import ObjectURL
+from torchtitan_zephon.store.urls import ObjectURL, is_url, parse_url
 
 
 class _Fetch:
@@ -161,15 +161,27 @@ def _join_shards(
     except MissingObject:
         return 0
     shards = check_shards(text, url.child(SHARDS), manifest)
-    if shards.files is not None:
-        raise StoreError(
-            f"{url.child(SHARDS)} names token files read in place ({shards.files[0]}, ...): "
-            "such a store is opened from a local folder; in a bucket, a store holds its "
-            "shards under its prefix (zephon prepare --output URL)."
-        )
     counts = shards.counts
-    files.join(TOKENS, [(shard_name(k), c * dtype.itemsize) for k, c in enumerate(counts)])
+    if shards.files is None:
+        names = [shard_name(k) for k in range(len(counts))]
+    else:  # token files read in place: objects of the store's bucket (``ingest.token_files``)
+        names = [_in_bucket(f, url, SHARDS) for f in shards.files]
+    files.join(TOKENS, [(n, c * dtype.itemsize) for n, c in zip(names, counts, strict=True)])
     return len(counts)
+
+
+def _in_bucket(value: str, url: ObjectURL, where: str) -> str:
+    """The object a store in a bucket names in ``where`` (a URL in the store's bucket)
+    as a name from the bucket's root (``/key``: ``location.ObjectFiles``)."""
+    found = parse_url(value, f"a token file of {url.child(where)}") if is_url(value) else None
+    if not isinstance(found, ObjectURL) or (found.scheme, found.bucket) != (url.scheme, url.bucket):
+        raise StoreError(
+            f"{url.child(where)} names the token file {value!r}, which is not an object of "
+            f"{url.scheme}://{url.bucket}: a store in a bucket reads token files in place "
+            "in its own bucket. Register the files again into a store there (zephon "
+            "prepare URLs --input-format ... --output URL)."
+        )
+    return "/" + found.prefix
 
 
 def _open_blocks(files: ObjectFiles, url: ObjectURL, manifest: dict[str, Any]) -> dict | None:

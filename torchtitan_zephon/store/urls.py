@@ -122,8 +122,20 @@ class ObjectURL:
         return redact(self.text.rstrip("/"))
 
     def child(self, name: str) -> str:
-        """The shown URL of the file ``name`` under the prefix."""
+        """The shown URL of the file ``name`` under the prefix (a name that starts with
+        ``/`` is a key from the bucket's root: ``location.ObjectFiles``)."""
+        if name.startswith("/"):
+            return f"{self.scheme}://{self.bucket}{name}"
         return f"{self.shown.split('?')[0]}/{name}"
+
+    def root_text(self) -> str:
+        """The URL of the bucket's root, as given (its query string kept)."""
+        base, sep, query = self.text.partition("?")
+        return f"{self.scheme}://{self.bucket}" + (sep + query if sep else "")
+
+    def key_url(self, key: str) -> str:
+        """The URL of the object ``key`` (from the bucket's root) in this bucket."""
+        return f"{self.scheme}://{self.bucket}/{key.lstrip('/')}"
 
 
 def parse_url(value: str, what: str = "a store", *, pattern: bool = False) -> ObjectURL | str:
