@@ -3,13 +3,13 @@
 Text that ships with every CPython: the documentation topics of ``pydoc_data``
 (English prose) and the top-level standard-library sources (code), tokenized
 with the BPE tokenizer shipped in ``torchtitan_zephon/assets/tokenizer``.
-Besides the whole store, each half is a store of its own (``HALVES``: "docs",
+Besides the whole store, each half is a store of its own (``PARTS``: "docs",
 "stdlib"), named ``builtin:docs`` / ``builtin:stdlib`` where a store path is
 expected in a mixture file (``job.stores.store_location``), so a two-source mixture needs
 no data either.
 
 Invariant: a store is a pure function of (this Python's text files, the shipped
-tokenizer, the half); it is built once into a cache folder keyed by a hash of
+tokenizer, the part); it is built once into a cache folder keyed by a hash of
 these (``cache_folder.build_once``), so every rank and every later run on the machine
 opens the same bytes.
 """
@@ -25,20 +25,20 @@ from typing import Any
 from torchtitan_zephon.ingest.cache_folder import build_once, cache_root
 from torchtitan_zephon.store.format import BUILTIN_PREFIX
 
-__all__ = ["HALVES", "TOKENIZER_DIR", "builtin_store_path", "cache_root", "corpus_documents"]
+__all__ = ["PARTS", "TOKENIZER_DIR", "builtin_store_path", "cache_root", "corpus_documents"]
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TOKENIZER_DIR = ASSETS / "tokenizer"
 
 
-HALVES = {"docs": "pydoc_topics/", "stdlib": "stdlib/"}
-"""The halves of the builtin corpus: half name -> prefix of its document names."""
+PARTS = {"docs": "pydoc_topics/", "stdlib": "stdlib/"}
+"""The halves of the builtin corpus: part name -> prefix of its document names."""
 
 
-def corpus_documents(half: str = "all") -> list[tuple[str, str]]:
-    """(name, text) of every builtin document (of one of ``HALVES``), in a fixed order."""
-    if half != "all":
-        prefix = _half_prefix(half)
+def corpus_documents(part: str = "all") -> list[tuple[str, str]]:
+    """(name, text) of every builtin document (of one of ``PARTS``), in a fixed order."""
+    if part != "all":
+        prefix = _part_prefix(part)
         return [d for d in corpus_documents() if d[0].startswith(prefix)]
     import pydoc_data.topics
 
@@ -64,24 +64,24 @@ def _key(docs: list[tuple[str, str]]) -> str:
     return h.hexdigest()[:16]
 
 
-def _half_prefix(half: str) -> str:
-    if half not in HALVES:
+def _part_prefix(part: str) -> str:
+    if part not in PARTS:
         raise ValueError(
-            f"unknown builtin store half {half!r}; expected one of {sorted(HALVES)} "
+            f"unknown builtin store part {part!r}; expected one of {sorted(PARTS)} "
             f'(e.g. store = "{BUILTIN_PREFIX}docs" in a mixture file).'
         )
-    return HALVES[half]
+    return PARTS[part]
 
 
-def builtin_store_path(*, progress: bool = False, half: str = "all") -> Path:
-    """Path of the builtin store (or of one of its ``HALVES``), building it on first use
+def builtin_store_path(*, progress: bool = False, part: str = "all") -> Path:
+    """Path of the builtin store (or of one of its ``PARTS``), building it on first use
     (``cache_folder.build_once``), with a progress bar when ``progress``. Each call hashes the
     corpus (~5 MB of text) to find its folder: a job asks once (``job.stores.store_location``)."""
     from torchtitan_zephon.ingest.prepare import prepare_store
 
-    docs = corpus_documents(half)
+    docs = corpus_documents(part)
     out = cache_root() / (
-        f"builtin-{_key(docs)}" if half == "all" else f"builtin-{half}-{_key(docs)}"
+        f"builtin-{_key(docs)}" if part == "all" else f"builtin-{part}-{_key(docs)}"
     )
 
     def build(dest: Path, tell: Callable[[dict[str, Any]], None]) -> None:
@@ -89,7 +89,7 @@ def builtin_store_path(*, progress: bool = False, half: str = "all") -> Path:
         corpus = (
             dest.parent
             / "corpus"
-            / ("python-docs-and-stdlib" if half == "all" else f"python-{half}")
+            / ("python-docs-and-stdlib" if part == "all" else f"python-{part}")
         )
         for name, text in docs:
             p = corpus / name
@@ -100,4 +100,4 @@ def builtin_store_path(*, progress: bool = False, half: str = "all") -> Path:
             on_progress=tell,
         )  # fmt: skip
 
-    return build_once(out, build, what=f"the builtin store ({half})")
+    return build_once(out, build, what=f"the builtin store ({part})")

@@ -97,7 +97,7 @@ class RawInputs:
 
 
 def names_store(value: str) -> bool:
-    """True when ``value`` names a token store (a builtin half, a folder holding a
+    """True when ``value`` names a token store (a builtin part, a folder holding a
     store, or a file in one) rather than raw inputs. A path that does not exist and
     is neither a pattern nor a list counts as a store (it is reported as a missing
     store)."""

@@ -1,7 +1,7 @@
 """What a store cache folder holds, for ``zephon inspect CACHE``.
 
 Role: tell a cache folder from any other folder (``is_cache``) and list what it holds
-(``describe_cache``): its stores (builtin halves, raw-input entries with what they were
+(``describe_cache``): its stores (builtin parts, raw-input entries with what they were
 prepared from), builds in progress or kept after a failure (with their finished tokenized units),
 lock files (held or free), the folders object storage keeps there (the node cache
 ``remote-blocks``, prepare's ``remote-inputs`` spool and ``remote-output`` stores) and

@@ -1,7 +1,7 @@
 """The store cache folder, and the one way an entry is made in it: built once, under a lock.
 
 Role: where the cache lives (``cache_root``) and how an entry, a store folder in it
-(``cache.raw_store``'s raw inputs, ``builtin``'s halves), is made (``build_once``):
+(``cache.raw_store``'s raw inputs, ``builtin``'s parts), is made (``build_once``):
 under an exclusive ``fcntl.flock`` on ``<entry>.lock`` beside it, the holder builds
 the store into a staging folder and renames it into place, writing its progress there
 (``BuildProgress``); every other process waits on the lock, saying how far the holder

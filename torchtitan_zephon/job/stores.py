@@ -43,7 +43,7 @@ def store_location(
         found = parse_url(value, "the store")
         return Path(found) if isinstance(found, str) else value
     if value.startswith(BUILTIN_PREFIX):
-        return builtin_store_path(progress=progress, half=value[len(BUILTIN_PREFIX) :])
+        return builtin_store_path(progress=progress, part=value[len(BUILTIN_PREFIX) :])
     if not is_url(value) and names_store(value):
         if not os.path.lexists(value):
             raise StoreError(
