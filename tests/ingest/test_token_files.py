@@ -48,7 +48,7 @@ def text_store(store_path) -> TokenStore:
     return TokenStore.open(store_path)
 
 
-def _docs(store: TokenStore) -> tuple[np.ndarray, list[int]]:
+def documents_of(store: TokenStore) -> tuple[np.ndarray, list[int]]:
     tokens = np.asarray(store.tokens)
     offsets = np.asarray(store.doc_offsets)
     return tokens, np.diff(np.append(offsets, tokens.size)).tolist()
@@ -73,7 +73,7 @@ def _same_samples(a: TokenStore, b: TokenStore, tmp_path: Path) -> None:
 def test_a_megatron_dataset_gives_the_samples_of_the_same_text(
     text_store, tokenizer_dir, tmp_path, split
 ):
-    tokens, lengths = _docs(text_store)
+    tokens, lengths = documents_of(text_store)
     half = sum(lengths[: len(lengths) // 2])  # two datasets: the first documents, the rest
     a = write_megatron(tmp_path / "a", tokens[:half], lengths[: len(lengths) // 2], split=split)
     b = write_megatron(tmp_path / "b", tokens[half:], lengths[len(lengths) // 2 :], split=split)
@@ -87,7 +87,7 @@ def test_a_megatron_dataset_gives_the_samples_of_the_same_text(
 
 
 def test_olmo_numpy_files_give_the_samples_of_the_same_text(text_store, tokenizer_dir, tmp_path):
-    tokens, lengths = _docs(text_store)
+    tokens, lengths = documents_of(text_store)
     cuts = np.cumsum(lengths)[[10, 50]]  # three files, cut at document ends
     names = []
     for k, part in enumerate(np.split(tokens, cuts)):
@@ -103,7 +103,7 @@ def test_olmo_numpy_files_give_the_samples_of_the_same_text(text_store, tokenize
 
 
 def test_the_command_registers_and_says_so(text_store, tokenizer_dir, tmp_path, capsys):
-    tokens, lengths = _docs(text_store)
+    tokens, lengths = documents_of(text_store)
     a = write_megatron(tmp_path / "a", tokens, lengths)
     code = main(["prepare", a, "--input-format", "megatron", "--tokenizer", str(tokenizer_dir),
                  "--output", str(tmp_path / "s")])  # fmt: skip
@@ -128,7 +128,7 @@ def _refused(capsys, tmp_path, argv, *texts):
 
 @pytest.fixture
 def megatron_args(text_store, tokenizer_dir, tmp_path):
-    tokens, lengths = _docs(text_store)
+    tokens, lengths = documents_of(text_store)
     prefix = write_megatron(tmp_path / "ds", tokens, lengths)
     return (
         prefix,
@@ -154,7 +154,7 @@ def test_a_missing_index_and_a_foreign_file_are_refused(megatron_args, tmp_path,
 
 
 def test_documents_without_eod_are_refused(text_store, tokenizer_dir, tmp_path, capsys):
-    tokens, lengths = _docs(text_store)
+    tokens, lengths = documents_of(text_store)
     ends = np.cumsum(lengths) - 1
     keep = np.ones(tokens.size, dtype=bool)
     keep[ends] = False  # preprocess_data.py without --append-eod
@@ -164,7 +164,7 @@ def test_documents_without_eod_are_refused(text_store, tokenizer_dir, tmp_path, 
 
 
 def test_an_unsupported_dtype_code_is_refused(text_store, tokenizer_dir, tmp_path, capsys):
-    tokens, lengths = _docs(text_store)
+    tokens, lengths = documents_of(text_store)
     prefix = write_megatron(tmp_path / "ds", tokens, lengths)
     data = bytearray(Path(prefix + ".idx").read_bytes())
     data[len(MEGATRON_HEADER) + 8] = 6  # float64
@@ -174,7 +174,7 @@ def test_an_unsupported_dtype_code_is_refused(text_store, tokenizer_dir, tmp_pat
 
 
 def test_numpy_files_that_are_not_olmos_are_refused(text_store, tokenizer_dir, tmp_path, capsys):
-    tokens, _ = _docs(text_store)
+    tokens, _ = documents_of(text_store)
     flags = ["--input-format", "numpy", "--tokenizer", str(tokenizer_dir)]
     np.save(tmp_path / "header.npy", tokens)
     _refused(
@@ -201,7 +201,7 @@ def test_numpy_files_that_are_not_olmos_are_refused(text_store, tokenizer_dir, t
 def test_int32_megatron_tokens_read_as_uint32_and_a_moved_file_is_named(
     text_store, tokenizer_dir, tmp_path
 ):
-    tokens, lengths = _docs(text_store)
+    tokens, lengths = documents_of(text_store)
     prefix = write_megatron(tmp_path / "wide", tokens, lengths, code=4)
     store = register_store([prefix], "megatron", str(tokenizer_dir), str(tmp_path / "s"))
     assert store.manifest["dtype"] == "uint32"
@@ -210,3 +210,23 @@ def test_int32_megatron_tokens_read_as_uint32_and_a_moved_file_is_named(
     Path(prefix + ".bin").rename(tmp_path / "elsewhere.bin")
     with pytest.raises(StoreError, match=r"wide\.bin' is missing"):
         TokenStore.open(tmp_path / "s")
+
+
+def test_two_ranks_register_and_pack_the_bytes_of_one_process(text_store, tokenizer_dir, tmp_path):
+    """Under torchrun rank 0 registers the files and every rank packs its share of the
+    chunks (--pack-seq-len): the store and its kept index are the one process's, byte
+    for byte."""
+    from tests.ingest.test_prepare_distributed import _torchrun
+
+    tokens, lengths = documents_of(text_store)
+    a = write_megatron(tmp_path / "a", tokens, lengths)
+    args = [a, "--input-format", "megatron", "--tokenizer", str(tokenizer_dir),
+            "--pack-seq-len", "64,100"]  # fmt: skip
+    assert main(["prepare", *args, "--output", str(tmp_path / "one")]) == 0
+    res = _torchrun(2, *args, "--output", str(tmp_path / "two"))
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("registered ") == 1  # rank 0 says so
+    one = {p.relative_to(tmp_path / "one"): p.read_bytes() for p in (tmp_path / "one").rglob("*") if p.is_file()}  # fmt: skip
+    two = {p.relative_to(tmp_path / "two"): p.read_bytes() for p in (tmp_path / "two").rglob("*") if p.is_file()}  # fmt: skip
+    assert sorted(one) == sorted(two) and len(one) == 4 + 2 * 4  # two indexes, 4 files each
+    assert all(one[k] == two[k] for k in one)

@@ -12,7 +12,7 @@ import json
 import numpy as np
 import pytest
 
-from tests.ingest.test_token_files import _docs, write_megatron
+from tests.ingest.test_token_files import documents_of, write_megatron
 from torchtitan_zephon.cli.main import main
 from torchtitan_zephon.ingest.token_files import register_store
 from torchtitan_zephon.job.packed import PackedSource
@@ -31,7 +31,7 @@ def uploaded(s3, text_store, tmp_path_factory):
     """The text store's documents as two Megatron datasets and three OLMo numpy files,
     on local disk and in the bucket under ``corpus/``: (local folder, bucket URL)."""
     root = tmp_path_factory.mktemp("token-files")
-    tokens, lengths = _docs(text_store)
+    tokens, lengths = documents_of(text_store)
     half = sum(lengths[: len(lengths) // 2])
     write_megatron(root / "a", tokens[:half], lengths[: len(lengths) // 2], split=True)
     write_megatron(root / "b", tokens[half:], lengths[len(lengths) // 2 :])
@@ -163,3 +163,24 @@ def test_a_store_in_a_bucket_naming_a_file_of_another_bucket_is_refused(
     s3.put("stores/moved/shards.json", json.dumps(shards).encode())
     with pytest.raises(StoreError, match=r"not an object of s3://"):
         TokenStore.open(url)
+
+
+def test_an_object_changed_or_gone_since_it_was_read_is_found(s3, uploaded):
+    """What registering asks before it writes anything: which token file is no longer
+    the object it read (replaced: another ETag; deleted), none when all stayed put."""
+    from torchtitan_zephon.ingest.token_files import TokenPlace
+    from torchtitan_zephon.store.urls import ObjectURL
+
+    root, _ = uploaded
+    for k in range(3):
+        s3.put(f"moving/part-{k}.npy", (root / f"part-{k}.npy").read_bytes())
+    place = TokenPlace(ObjectURL("s3", s3.bucket, "", f"s3://{s3.bucket}"))
+    try:
+        names = [place.name(f"s3://{s3.bucket}/moving/part-{k}.npy") for k in range(3)]
+        assert all(place.exists(n) for n in names) and place.changed(names) is None
+        s3.put("moving/part-1.npy", (root / "part-0.npy").read_bytes())  # replaced
+        assert place.changed(names) == names[1]
+        s3.client.delete_object(Bucket=s3.bucket, Key="moving/part-0.npy")
+        assert place.changed(names) == names[0]
+    finally:
+        place.close()

@@ -23,10 +23,11 @@ from torchtitan_zephon.cli.args import int_in
 from torchtitan_zephon.ingest.inputs import ALL_SPLITS
 from torchtitan_zephon.ingest.objects import output_url
 from torchtitan_zephon.ingest.prepare import prepare_store
-from torchtitan_zephon.ingest.ranks import PrepareFailed
+from torchtitan_zephon.ingest.ranks import PrepareFailed, together
 from torchtitan_zephon.ingest.token_files import INPUT_FORMATS
 from torchtitan_zephon.ingest.units import UNIT_BYTES
-from torchtitan_zephon.store.format import BLOCK_TOKENS, MAX_BLOCK_TOKENS, StoreError
+from torchtitan_zephon.store.format import BLOCK_TOKENS, MAX_BLOCK_TOKENS
+from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.shards import SHARD_BYTES
 from torchtitan_zephon.store.urls import is_url, local_path, refuse_mistyped_url, refuse_url
 
@@ -245,16 +246,33 @@ def seq_lens_arg(value: str) -> tuple[int, ...]:
 
 
 def _register(args: argparse.Namespace) -> int:
-    """``--input-format megatron|numpy``: the files registered as a store, read in place."""
+    """``--input-format megatron|numpy``: the files registered as a store, read in place.
+    Under torchrun rank 0 registers them (one pass over the tokens), then every rank
+    packs its share of the documents' chunks for ``--pack-seq-len`` (``build_beside``:
+    the bytes of one process)."""
+    from torchtitan_zephon.cli.prepare_ranks import ranks_from_env
     from torchtitan_zephon.ingest.token_files import register_store
 
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        raise StoreError(
-            "registering token files (--input-format) runs in one process: it reads each "
-            "token once and writes only metadata; run it without torchrun."
-        )
-    store = register_store(args.inputs, args.input_format, args.tokenizer, args.output)
-    packed = [_pack(store, seq_len) for seq_len in args.pack_seq_len]
+    ranks = ranks_from_env()
+    try:
+
+        def register() -> None:
+            if ranks.rank == 0:
+                register_store(args.inputs, args.input_format, args.tokenizer, args.output)
+
+        together(ranks, register)
+        store = TokenStore.open(args.output)
+        packed = [_pack(store, seq_len, ranks, args.cache_dir) for seq_len in args.pack_seq_len]
+    except PrepareFailed:
+        if ranks.rank != 0:  # rank 0 prints the same message
+            return 2
+        raise
+    finally:
+        close = getattr(ranks, "close", None)
+        if close is not None:
+            close()
+    if ranks.rank != 0:
+        return 0
     print(
         f"registered {store.path}: {store.num_tokens} tokens, {store.num_documents} "
         f"documents in {store.shards} {args.input_format} file(s) read in place, "

@@ -88,7 +88,7 @@ JOINED = "token files"
 """The token files in a bucket, read as one file by the scan (``ObjectFiles.join``)."""
 
 
-class _Place:
+class TokenPlace:
     """Where the token files of one registration are: local paths, or objects of one
     bucket (``bucket``: read by range from the bucket's root, ``store.location``, each
     pinned to the ETag it had when first looked at). A file is named by its absolute
@@ -157,7 +157,7 @@ class _Place:
 
 @dataclass
 class TokenFile:
-    """One token file read in place: its name (``_Place``), as messages show it, the
+    """One token file read in place: its name (``TokenPlace``), as messages show it, the
     dtype of its tokens, their count and the first token of each of its documents (from
     0, within the file; None for a numpy file until the scan finds its EOS tokens)."""
 
@@ -173,7 +173,7 @@ def _refuse(path: str | Path, what: str) -> StoreError:
     return StoreError(f"{path}: {what}; nothing was written.")
 
 
-def read_megatron(place: _Place, value: str) -> TokenFile:
+def read_megatron(place: TokenPlace, value: str) -> TokenFile:
     """The ``.bin`` of the Megatron-LM indexed dataset ``value`` (a prefix, or its ``.bin``
     or ``.idx``), its documents from its ``.idx``, checked against each other."""
     base = value[:-4] if value.endswith((".bin", ".idx")) else value
@@ -236,7 +236,7 @@ def read_megatron(place: _Place, value: str) -> TokenFile:
     )
 
 
-def read_numpy(place: _Place, value: str, dtype: str, eos_id: int) -> TokenFile:
+def read_numpy(place: TokenPlace, value: str, dtype: str, eos_id: int) -> TokenFile:
     """The OLMo token file ``value`` (a raw array of ``dtype``): its size and ends
     checked; its documents (each ended by ``eos_id``) are found by the scan."""
     name = place.name(value)
@@ -307,7 +307,7 @@ def _where(files: list[str], output: str) -> tuple[ObjectURL | None, ObjectURL |
     return root, out
 
 
-def _expand(place: _Place, values: list[str], input_format: str) -> list[str]:
+def _expand(place: TokenPlace, values: list[str], input_format: str) -> list[str]:
     """The token files ``values`` name: local paths as given; in a bucket, each URL, or
     each object of a glob pattern (a Megatron dataset by its ``.bin``), in key order."""
     if place.url is None:
@@ -327,7 +327,7 @@ def _expand(place: _Place, values: list[str], input_format: str) -> list[str]:
 
 
 def _scan(
-    place: _Place, found: list[TokenFile], dtype: str, eos_id: int
+    place: TokenPlace, found: list[TokenFile], dtype: str, eos_id: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[str]]:
     """One pass over every token, ``SCAN_TOKENS`` at a time: (content checksums, the
     largest id of each chunk, the documents' first tokens, each file's sha256). A numpy
@@ -428,7 +428,7 @@ def register_store(files: list[str], input_format: str, tokenizer: str, output: 
         check_output(out_url)
     info = load_tokenizer_info(tokenizer)
     need = dtype_for_vocab(info.vocab_size)
-    place = _Place(bucket)
+    place = TokenPlace(bucket)
     try:
         named = _expand(place, files, input_format)
         if input_format == "megatron":
