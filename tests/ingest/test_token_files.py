@@ -230,3 +230,28 @@ def test_two_ranks_register_and_pack_the_bytes_of_one_process(text_store, tokeni
     two = {p.relative_to(tmp_path / "two"): p.read_bytes() for p in (tmp_path / "two").rglob("*") if p.is_file()}  # fmt: skip
     assert sorted(one) == sorted(two) and len(one) == 4 + 2 * 4  # two indexes, 4 files each
     assert all(one[k] == two[k] for k in one)
+
+
+def test_block_checksums_when_asked_are_those_of_the_store_upgraded(
+    text_store, tokenizer_dir, tmp_path
+):
+    """--block-tokens N (registration: none unless asked): blocks.bin and blocks.json are
+    byte for byte what adding block checksums to the registered store writes."""
+    import shutil
+
+    from torchtitan_zephon.migrate.old_stores import add_block_checksums
+
+    tokens, lengths = documents_of(text_store)
+    a = write_megatron(tmp_path / "a", tokens, lengths)
+    plain = register_store([a], "megatron", str(tokenizer_dir), str(tmp_path / "plain"))
+    assert not (tmp_path / "plain" / "blocks.bin").exists()
+    blocked = register_store(
+        [a], "megatron", str(tokenizer_dir), str(tmp_path / "blocked"), block_tokens=100
+    )
+    shutil.copytree(tmp_path / "plain", tmp_path / "upgraded")
+    add_block_checksums(tmp_path / "upgraded", 100)
+    for name in ("blocks.bin", "blocks.json", "manifest.json"):
+        assert (tmp_path / "blocked" / name).read_bytes() == (
+            tmp_path / "upgraded" / name
+        ).read_bytes(), name
+    assert blocked.fingerprint == plain.fingerprint and blocked.check().ok

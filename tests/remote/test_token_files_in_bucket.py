@@ -184,3 +184,26 @@ def test_an_object_changed_or_gone_since_it_was_read_is_found(s3, uploaded):
         assert place.changed(names) == names[0]
     finally:
         place.close()
+
+
+def test_with_block_checksums_windows_from_the_bucket_fetch_what_they_train(
+    s3, uploaded, tokenizer_dir, capsys
+):
+    """--block-tokens 128 at seq_len 128: each window is read as its own block (with
+    the next block's first token, as a block is checked), not a 65,536-token chunk."""
+    _, corpus = uploaded
+    url = f"s3://{s3.bucket}/stores/blocked"
+    code = main(["prepare", f"{corpus}/part-*.npy", "--input-format", "numpy", "--tokenizer",
+                 str(tokenizer_dir), "--output", url, "--block-tokens", "128"])  # fmt: skip
+    assert code == 0, capsys.readouterr().err
+    store = TokenStore.open(url)
+    try:
+        assert store.blocks is not None and int(store.blocks["block_tokens"]) == 128
+        before = store.fetched_bytes
+        ids = np.array([3, 17, 30])
+        rows = store.windows(ids, 128)
+        assert rows.shape == (3, 129)
+        # each window: its block's 128 tokens and the next one's first, and its checksum
+        assert store.fetched_bytes - before == 3 * (129 * 2 + 8)
+    finally:
+        store.close()

@@ -108,11 +108,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument(
         "--block-tokens",
         type=int_in(1, MAX_BLOCK_TOKENS),
-        default=BLOCK_TOKENS,
+        default=None,
         metavar="N",
         help=f"tokens per block checksum, for reads from object storage (default "
-        f"{BLOCK_TOKENS}): pick the jobs' seq_len or a divisor of it, so a sample is read as "
-        "exactly its own blocks; the fingerprint does not depend on it",
+        f"{BLOCK_TOKENS}; registered token files, --input-format: none unless given, a "
+        "second pass over the tokens): pick the jobs' seq_len or a divisor of it, so a "
+        "sample is read as exactly its own blocks; the fingerprint does not depend on it",
     )
     p.add_argument(
         "--pack-seq-len",
@@ -201,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
             unit_bytes=args.unit_bytes,
             report=report,
             split=args.split,
-            block_tokens=args.block_tokens,
+            block_tokens=BLOCK_TOKENS if args.block_tokens is None else args.block_tokens,
             shard_bytes=args.shard_bytes,
             cache_dir=args.cache_dir,
         )
@@ -258,7 +259,13 @@ def _register(args: argparse.Namespace) -> int:
 
         def register() -> None:
             if ranks.rank == 0:
-                register_store(args.inputs, args.input_format, args.tokenizer, args.output)
+                register_store(
+                    args.inputs,
+                    args.input_format,
+                    args.tokenizer,
+                    args.output,
+                    block_tokens=args.block_tokens,
+                )
 
         together(ranks, register)
         store = TokenStore.open(args.output)

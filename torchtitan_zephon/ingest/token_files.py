@@ -67,15 +67,18 @@ from torchtitan_zephon.store.format import (
     FORMAT_VERSION,
     MANIFEST,
     StoreError,
+    check_block_tokens,
     content_checksums,
     content_section,
     manifest_fingerprint,
+    num_blocks,
 )
 from torchtitan_zephon.store.location import ObjectFiles
 from torchtitan_zephon.store.object_faults import MissingObject
 from torchtitan_zephon.store.reader import TokenStore
 from torchtitan_zephon.store.shards import ShardedTokens, write_shard_list
 from torchtitan_zephon.store.urls import ObjectURL, is_url, parse_url, redact
+from torchtitan_zephon.store.writer import create_block_file, write_block_info, write_block_range
 
 INPUT_FORMATS = ("text", "megatron", "numpy")
 """``zephon prepare --input-format``: text to tokenize (the default), or token files."""
@@ -333,25 +336,12 @@ def _scan(
     largest id of each chunk, the documents' first tokens, each file's sha256). A numpy
     file's documents are found here (each ends at an EOS); a Megatron document that does
     not end with EOS is refused, naming its file."""
-    item = DTYPES[dtype].itemsize
     bounds = np.cumsum([0] + [tf.tokens for tf in found]).astype(np.int64)
     total = int(bounds[-1])
-    if place.files is None:
-        maps = [
-            np.memmap(tf.name, dtype=DTYPES[dtype], mode="r", shape=(tf.tokens,)) for tf in found
-        ]
-        tokens = ShardedTokens(maps)
+    tokens = _Tokens(place, found, dtype)
 
-        def window(a: int, b: int) -> np.ndarray:
-            return np.asarray(tokens[a:b])
-
-    else:
-        files = place.files
-        files.join(JOINED, [(tf.name, tf.tokens * item) for tf in found])
-
-        def window(a: int, b: int) -> np.ndarray:
-            data = files.submit(JOINED, [a * item], [b * item], urgent=True).result()[0]
-            return np.frombuffer(data, dtype=DTYPES[dtype])
+    def window(a: int, b: int) -> np.ndarray:
+        return tokens[a:b]
 
     known = [tf.doc_starts + bounds[k] for k, tf in enumerate(found) if tf.doc_starts is not None]
     ends = (  # the last token of each Megatron document (global), ascending
@@ -409,10 +399,20 @@ def _scan(
     )
 
 
-def register_store(files: list[str], input_format: str, tokenizer: str, output: str) -> TokenStore:
+def register_store(
+    files: list[str],
+    input_format: str,
+    tokenizer: str,
+    output: str,
+    *,
+    block_tokens: int | None = None,
+) -> TokenStore:
     """A store at ``output`` over the token files ``files`` (``input_format`` "megatron"
     or "numpy"), read in place: local files into a local store, or objects of one bucket
-    into a store in that bucket (see the module docstring); opened."""
+    into a store in that bucket (see the module docstring); opened. ``block_tokens``:
+    block checksums of that many tokens too (blocks.bin, 8 bytes a block: a second pass
+    over the tokens, since they are seeded by the fingerprint), so that a job reading
+    windows from a bucket fetches about what it trains; None: none."""
     if input_format not in ("megatron", "numpy"):
         raise StoreError(
             f"input format {input_format!r}: expected one of megatron, numpy (text is "
@@ -428,6 +428,8 @@ def register_store(files: list[str], input_format: str, tokenizer: str, output: 
         check_output(out_url)
     info = load_tokenizer_info(tokenizer)
     need = dtype_for_vocab(info.vocab_size)
+    if block_tokens is not None:
+        block_tokens = check_block_tokens(block_tokens, "--block-tokens")
     place = TokenPlace(bucket)
     try:
         named = _expand(place, files, input_format)
@@ -458,55 +460,120 @@ def register_store(files: list[str], input_format: str, tokenizer: str, output: 
                 found[k].path,
                 f"token id {top} is outside the tokenizer's vocabulary of {info.vocab_size} ids",
             )
-        moved = place.changed([tf.name for tf in found])
-        if moved is not None:
-            raise _refuse(
-                place.shown(moved),
-                "changed while it was registered (its ETag or size is not the one read); "
-                "register the files again once they stay put",
-            )
+        parent = out.parent if out is not None else Path(tempfile.mkdtemp(prefix="zephon-reg-"))
+        name = out.name if out is not None else "store"
+        tmp = parent / f".{name}.tmp-{os.getpid()}"
+        tmp.mkdir(parents=True)
+        try:
+            manifest = _write_metadata(tmp, info, found, dtype, sums, top, doc_offsets, digests)
+            if block_tokens is not None:
+                _write_blocks(tmp, place, found, dtype, manifest["fingerprint"], block_tokens)
+            moved = place.changed([tf.name for tf in found])
+            if moved is not None:
+                raise _refuse(
+                    place.shown(moved),
+                    "changed while it was registered (its ETag or size is not the one "
+                    "read); register the files again once they stay put",
+                )
+            where = [tf.name if bucket is None else bucket.key_url(tf.name) for tf in found]
+            write_shard_list(tmp, manifest["fingerprint"], [tf.tokens for tf in found], where)
+            (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+            if out is not None:
+                os.rename(tmp, out)
+            else:
+                assert out_url is not None
+                upload_store(tmp, out_url)  # manifest.json last
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if out is None:
+                shutil.rmtree(parent, ignore_errors=True)
     finally:
         place.close()
-    parent = out.parent if out is not None else Path(tempfile.mkdtemp(prefix="zephon-register-"))
-    name = out.name if out is not None else "store"
-    tmp = parent / f".{name}.tmp-{os.getpid()}"
-    tmp.mkdir(parents=True)
-    try:
-        (tmp / DOC_OFFSETS).write_bytes(doc_offsets.astype("<i8").tobytes())
-        (tmp / CHECKSUMS).write_bytes(sums.tobytes())
-        manifest: dict[str, Any] = {
-            "format": FORMAT,
-            "version": FORMAT_VERSION,
-            "tokenizer": {
-                "sha256": info.sha256,
-                "vocab_size": info.vocab_size,
-                "eos_token": info.eos_token,
-            },
-            "dtype": dtype,
-            "eos_id": info.eos_id,
-            "num_tokens": int(sum(tf.tokens for tf in found)),
-            "num_documents": int(doc_offsets.size),
-            "sources": [
-                {
-                    "name": posixpath.basename(tf.name),
-                    "kind": tf.kind,
-                    "sha256": digest,
-                    "size": tf.tokens * DTYPES[dtype].itemsize,
-                }
-                for tf, digest in zip(found, digests, strict=True)
-            ],
-            "content": content_section(tmp, top),
-        }
-        manifest["fingerprint"] = manifest_fingerprint(manifest)
-        where = [tf.name if bucket is None else bucket.key_url(tf.name) for tf in found]
-        write_shard_list(tmp, manifest["fingerprint"], [tf.tokens for tf in found], where)
-        (tmp / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        if out is not None:
-            os.rename(tmp, out)
-            return TokenStore.open(out)
-        assert out_url is not None
-        upload_store(tmp, out_url)  # manifest.json last
-        return TokenStore.open(output)
-    finally:
-        if out is None:
-            shutil.rmtree(parent, ignore_errors=True)
+    return TokenStore.open(out if out is not None else output)
+
+
+def _write_metadata(
+    tmp: Path,
+    info: Any,
+    found: list[TokenFile],
+    dtype: str,
+    sums: np.ndarray,
+    top: int,
+    doc_offsets: np.ndarray,
+    digests: list[str],
+) -> dict[str, Any]:
+    """doc_offsets.bin and checksums.bin into ``tmp``; the manifest (not written yet)."""
+    (tmp / DOC_OFFSETS).write_bytes(doc_offsets.astype("<i8").tobytes())
+    (tmp / CHECKSUMS).write_bytes(sums.tobytes())
+    manifest: dict[str, Any] = {
+        "format": FORMAT,
+        "version": FORMAT_VERSION,
+        "tokenizer": {
+            "sha256": info.sha256,
+            "vocab_size": info.vocab_size,
+            "eos_token": info.eos_token,
+        },
+        "dtype": dtype,
+        "eos_id": info.eos_id,
+        "num_tokens": int(sum(tf.tokens for tf in found)),
+        "num_documents": int(doc_offsets.size),
+        "sources": [
+            {
+                "name": posixpath.basename(tf.name),
+                "kind": tf.kind,
+                "sha256": digest,
+                "size": tf.tokens * DTYPES[dtype].itemsize,
+            }
+            for tf, digest in zip(found, digests, strict=True)
+        ],
+        "content": content_section(tmp, top),
+    }
+    manifest["fingerprint"] = manifest_fingerprint(manifest)
+    return manifest
+
+
+def _write_blocks(
+    tmp: Path,
+    place: TokenPlace,
+    found: list[TokenFile],
+    dtype: str,
+    fingerprint: str,
+    block_tokens: int,
+) -> None:
+    """blocks.bin and blocks.json of ``block_tokens`` into ``tmp``: a second pass over the
+    tokens (block checksums are seeded by the fingerprint, known after the first)."""
+    tokens = _Tokens(place, found, dtype)
+    total = tokens.size
+    create_block_file(tmp, total, block_tokens)
+    per = max(1, SCAN_TOKENS // block_tokens)
+    count = num_blocks(total, block_tokens)
+    for first in range(0, count, per):
+        write_block_range(tmp, tokens, fingerprint, first, min(count, first + per), block_tokens)  # type: ignore[arg-type]
+    write_block_info(tmp, fingerprint, total, block_tokens)
+
+
+class _Tokens:
+    """The token files read as one array by slice (``SCAN_TOKENS`` or a batch of blocks at
+    a time): local maps, or ranges of the objects joined."""
+
+    def __init__(self, place: TokenPlace, found: list[TokenFile], dtype: str) -> None:
+        self.place, self.dtype = place, DTYPES[dtype]
+        self.size = int(sum(tf.tokens for tf in found))
+        self._local: ShardedTokens | None = None
+        if place.files is None:
+            self._local = ShardedTokens(
+                [np.memmap(tf.name, dtype=self.dtype, mode="r", shape=(tf.tokens,)) for tf in found]
+            )
+        else:
+            place.files.join(JOINED, [(tf.name, tf.tokens * self.dtype.itemsize) for tf in found])
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        a, b, _ = key.indices(self.size)
+        if self._local is not None:
+            return np.asarray(self._local[a:b])
+        if b <= a:
+            return np.zeros(0, dtype=self.dtype)
+        item = self.dtype.itemsize
+        assert self.place.files is not None
+        data = self.place.files.submit(JOINED, [a * item], [b * item], urgent=True).result()[0]
+        return np.frombuffer(data, dtype=self.dtype)
