@@ -212,6 +212,8 @@ def test_int32_megatron_tokens_read_as_uint32_and_a_moved_file_is_named(
         TokenStore.open(tmp_path / "s")
 
 
+@pytest.mark.slow  # a 2-rank torchrun job; the ranks' packing is build_beside's, tested
+# by default under prepare (tests/test_packing_beside.py)
 def test_two_ranks_register_and_pack_the_bytes_of_one_process(text_store, tokenizer_dir, tmp_path):
     """Under torchrun rank 0 registers the files and every rank packs its share of the
     chunks (--pack-seq-len): the store and its kept index are the one process's, byte
