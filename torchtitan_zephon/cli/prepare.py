@@ -190,8 +190,10 @@ def run(args: argparse.Namespace) -> int:
         return _register(args)
     ranks = ranks_from_env()
     report: dict[str, Any] = {}
-    try:
-        store = prepare_store(
+    made = _made_and_packed(
+        args,
+        ranks,
+        lambda: prepare_store(
             args.inputs,
             args.tokenizer,
             args.output,
@@ -205,16 +207,11 @@ def run(args: argparse.Namespace) -> int:
             block_tokens=BLOCK_TOKENS if args.block_tokens is None else args.block_tokens,
             shard_bytes=args.shard_bytes,
             cache_dir=args.cache_dir,
-        )
-        packed = [_pack(store, seq_len, ranks, args.cache_dir) for seq_len in args.pack_seq_len]
-    except PrepareFailed:
-        if ranks.rank != 0:  # rank 0 prints the same message
-            return 2
-        raise
-    finally:
-        close = getattr(ranks, "close", None)
-        if close is not None:
-            close()
+        ),
+    )
+    if made is None:
+        return 2
+    store, packed = made
     if ranks.rank != 0:
         return 0
     if args.report:
@@ -255,9 +252,9 @@ def _register(args: argparse.Namespace) -> int:
     from torchtitan_zephon.ingest.token_files import register_store
 
     ranks = ranks_from_env()
-    try:
 
-        def register() -> None:
+    def register() -> Any:
+        def mine() -> None:
             if ranks.rank == 0:
                 register_store(
                     args.inputs,
@@ -267,17 +264,13 @@ def _register(args: argparse.Namespace) -> int:
                     block_tokens=args.block_tokens,
                 )
 
-        together(ranks, register)
-        store = TokenStore.open(args.output)
-        packed = [_pack(store, seq_len, ranks, args.cache_dir) for seq_len in args.pack_seq_len]
-    except PrepareFailed:
-        if ranks.rank != 0:  # rank 0 prints the same message
-            return 2
-        raise
-    finally:
-        close = getattr(ranks, "close", None)
-        if close is not None:
-            close()
+        together(ranks, mine)
+        return TokenStore.open(args.output)
+
+    made = _made_and_packed(args, ranks, register)
+    if made is None:
+        return 2
+    store, packed = made
     if ranks.rank != 0:
         return 0
     print(
@@ -288,6 +281,26 @@ def _register(args: argparse.Namespace) -> int:
     for line in packed:
         print(line)
     return 0
+
+
+def _made_and_packed(
+    args: argparse.Namespace, ranks: Any, make: Any
+) -> tuple[Any, list[str]] | None:
+    """The store ``make()`` makes with ``ranks``, then its packing indexes at
+    ``--pack-seq-len`` (what each says); the ranks closed after. None on a rank other
+    than 0 when the group failed (rank 0 raises, and prints, the message)."""
+    try:
+        store = make()
+        packed = [_pack(store, seq_len, ranks, args.cache_dir) for seq_len in args.pack_seq_len]
+    except PrepareFailed:
+        if ranks.rank != 0:  # rank 0 prints the same message
+            return None
+        raise
+    finally:
+        close = getattr(ranks, "close", None)
+        if close is not None:
+            close()
+    return store, packed
 
 
 def _pack(store: Any, seq_len: int, ranks: Any = None, cache_dir: str = "") -> str:

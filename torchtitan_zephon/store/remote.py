@@ -222,6 +222,21 @@ def _read_checksums(
     return checksums
 
 
+def _runs(
+    a: np.ndarray, b: np.ndarray, gap: int = 0
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Ranges ``[a[k], b[k])`` (sorted by ``a``) joined into requests: a range joins the
+    run before it unless it starts more than ``gap`` tokens after the furthest end so
+    far. (first range of each run, last range of each run, each run's start and end,
+    each range's run.)"""
+    end = np.maximum.accumulate(b)
+    new = np.ones(a.size, dtype=bool)
+    new[1:] = a[1:] > end[:-1] + gap
+    heads = np.flatnonzero(new)
+    tails = np.append(heads[1:] - 1, a.size - 1)
+    return heads, tails, a[heads], end[tails], np.cumsum(new) - 1
+
+
 SPAN_GAP_BYTES = 1 << 10
 """Ranges with their own checksums (a packed sample's pieces) this close are fetched in
 one request, the bytes between them too: ``zephon bench corpus`` measured 2.5 requests a
@@ -613,15 +628,7 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
             b = np.minimum(((stop - 1) // chunk + 1) * chunk, self.num_tokens)
         else:
             a, b = start, stop
-        # A range joins the run before it unless it starts after the furthest end so far
-        # (for windows of one length, the previous range's end).
-        end = np.maximum.accumulate(b)
-        new = np.ones(start.size, dtype=bool)
-        new[1:] = a[1:] > end[:-1]
-        heads = np.flatnonzero(new)
-        tails = np.append(heads[1:] - 1, start.size - 1)
-        req_a, req_b = a[heads], end[tails]
-        request = np.cumsum(new) - 1
+        heads, tails, req_a, req_b, request = _runs(a, b)
         offset = start - req_a[request]
         item = self.dtype.itemsize
         nbytes = int((req_b - req_a).sum()) * item
@@ -658,13 +665,7 @@ class RemoteTokenStore(TokenStore, reads_object_urls=True):
         """``_fetch_ranges`` of ranges with their own checksums: exactly their tokens
         (ranges that overlap, touch or lie within ``SPAN_GAP_BYTES`` of each other in one
         request, the gap fetched too), each range hashed on arrival."""
-        end = np.maximum.accumulate(stop)
-        new = np.ones(start.size, dtype=bool)
-        new[1:] = start[1:] > end[:-1] + SPAN_GAP_BYTES // self.dtype.itemsize
-        heads = np.flatnonzero(new)
-        tails = np.append(heads[1:] - 1, start.size - 1)
-        req_a, req_b = start[heads], end[tails]
-        request = np.cumsum(new) - 1
+        _, _, req_a, req_b, request = _runs(start, stop, SPAN_GAP_BYTES // self.dtype.itemsize)
         offset = start - req_a[request]
         item = self.dtype.itemsize
         nbytes = int((req_b - req_a).sum()) * item
