@@ -262,3 +262,21 @@ def test_the_moe_at_1_and_2_ranks_gives_the_same_bits(tmp_path):
     _assert_same_bits(runs, 8)
     biases = [k for k in dict(_tensors(_state(runs[1], 8))) if "expert_bias" in k]
     assert biases, "the checkpoint holds the experts' bias"
+
+
+def test_a_gradient_the_exact_sum_cannot_hold_stops_the_job_in_one_line(tmp_path: Path):
+    """A run that diverges (lr 1e8: step 2's gradients are NaN) under zephon.reproducible
+    stops before applying that step, with one message naming the gradient and what to
+    do, not a traceback of the package."""
+    job = train(
+        tmp_path / "run", 1, "--training.global_batch_size", "4", "--training.local_batch_size",
+        "2", "--training.steps", "6", "--checkpoint.no-enable", "--validation.no-enable",
+        "--zephon.reproducible", "--optimizer.lr", "1e8",
+    )  # fmt: skip
+    assert job.returncode != 0, job.output[-3000:]
+    assert (
+        "Zephon stopped at step 2: zephon.reproducible: the gradient of tok_embeddings.weight "
+        "holds nan" in job.output
+    ), job.output[-3000:]
+    assert "Lower the learning rate" in job.output
+    assert "raise NotRepresentable" not in job.output  # no traceback of the package

@@ -72,6 +72,7 @@ from torchtitan_zephon.titan.ft.heal import HEAL_KEY, Healing, HealingRefused
 from torchtitan_zephon.titan.ft.quorum import SharedReplicaId, start_manager
 from torchtitan_zephon.titan.ft.settings import lighthouse_url
 from torchtitan_zephon.titan.ft.step import train_step_ft
+from torchtitan_zephon.titan.reproducible.fixed_point import NotRepresentable
 from torchtitan_zephon.titan.reproducible.gradients import ExactGradients
 from torchtitan_zephon.titan.reproducible.optimizer import use_exact_steps
 from torchtitan_zephon.titan.reproducible.step import train_step_reproducible
@@ -283,6 +284,13 @@ class ZephonTrainer(Trainer):
             super().train()
         except (HealingRefused, SharedReplicaId) as e:  # (a log that does not link: below)
             raise JobStopped(self.step, str(e)) from e
+        except NotRepresentable as e:  # zephon.reproducible: a gradient it cannot sum
+            raise JobStopped(
+                self.step,
+                f"zephon.reproducible: {e}. The step was not applied: the loss diverged or a "
+                "gradient overflowed. Lower the learning rate (or clip harder) and resume from "
+                "an earlier checkpoint (--checkpoint.load_step N).",
+            ) from e
         except (StoreError, TrackerError) as e:
             if not self._tracking:
                 raise
