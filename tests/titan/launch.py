@@ -153,3 +153,18 @@ def copy_run_until(src: Path, dst: Path, step: int) -> Path:
 def kill_node(pid: int) -> None:
     """Lose a "node": SIGKILL a torchrun agent and every process under it."""
     kill_tree(pid)
+
+
+def kill_after_step(proc: subprocess.Popen, run: Path, step: int, timeout: float = 300) -> None:
+    """Wait until the job ``proc`` (run folder ``run``) has logged ``step``, then kill its
+    whole process tree and reap it; fails if it exits or takes ``timeout`` s first."""
+    import time
+
+    from torchtitan_zephon.titan.ft.launch import last_step
+
+    deadline = time.time() + timeout
+    while last_step(run) < step:
+        assert proc.poll() is None and time.time() < deadline, f"no step {step} in {run}"
+        time.sleep(0.02)
+    kill_tree(proc.pid)
+    proc.wait()

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ from tests.titan.expect import (
     assert_verify_match,
     resume_events,
 )
-from tests.titan.launch import REPO, copy_run_until, train03
+from tests.titan.launch import REPO, copy_run_until, kill_after_step, train03
 from torchtitan_zephon.run.recorded import losses as runs_losses
 from torchtitan_zephon.titan.ft.launch import group_command, group_env, last_step
 
@@ -176,7 +175,6 @@ def test_three_groups_then_one_killed_the_others_step_on_exactly(
     other two keep stepping without a restart (a quorum of two after the heartbeat
     timeout, parts of 4 and 4), and a step whose reduction the kill cut is trained
     again. Both survivors' logs are the uninterrupted one-group run's, and each other's."""
-    from torchtitan_zephon.run.process import kill_tree
 
     runs = [tmp_path / f"group{r}" for r in range(3)]
     with lighthouse_at(1, heartbeat_timeout_ms=1000) as url:
@@ -185,12 +183,7 @@ def test_three_groups_then_one_killed_the_others_step_on_exactly(
         # (titan.ft.quorum: the survivors of a kill meet again).
         timeout = ("--comm.train_timeout_seconds", "30")
         procs = [_group(run, r, 3, url, *timeout) for r, run in enumerate(runs)]
-        deadline = time.time() + 300
-        while last_step(runs[2]) < 3:
-            assert procs[2].poll() is None and time.time() < deadline, "no step 3 in group 2"
-            time.sleep(0.02)
-        kill_tree(procs[2].pid)
-        procs[2].wait()
+        kill_after_step(procs[2], runs[2], 3)
         _wait(procs[:2], runs[:2])
     killed_at = last_step(runs[2])
     assert 3 <= killed_at < 12
@@ -277,19 +270,13 @@ def test_a_killed_group_returns_heals_from_its_peer_and_takes_part_again(
     heals from group 0 at the first quorum (weights, optimizer, data state and the log
     records it missed) and trains its part again. Its log is group 0's history (which
     from step 1 is the one-group run's) and its losses after healing are group 0's."""
-    from torchtitan_zephon.run.process import kill_tree
 
     long = ("--training.steps", "240", "--checkpoint.interval", "120",
             "--validator.freq", "120")  # fmt: skip
     runs = [tmp_path / f"group{r}" for r in range(2)]
     with lighthouse_at(1, heartbeat_timeout_ms=1000) as url:
         procs = [_group(run, r, 2, url, *long) for r, run in enumerate(runs)]
-        deadline = time.time() + 300
-        while last_step(runs[1]) < 3:
-            assert procs[1].poll() is None and time.time() < deadline, "no step 3 in group 1"
-            time.sleep(0.02)
-        kill_tree(procs[1].pid)
-        procs[1].wait()
+        kill_after_step(procs[1], runs[1], 3)
         procs[1] = _group(runs[1], 1, 2, url, *long)  # returns, into its own folder
         _wait(procs, runs)
     back = (runs[1] / "train.log").read_text()

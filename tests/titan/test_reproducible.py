@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.titan.expect import assert_same_data, resume_events
-from tests.titan.launch import REPO, copy_run_until, train, train03
+from tests.titan.launch import REPO, copy_run_until, kill_after_step, train, train03
 from torchtitan_zephon.cli.compare import bitwise_pair, run_training
 from torchtitan_zephon.cli.main import main as zephon
 
@@ -219,19 +218,12 @@ def test_torchft_groups_killed_and_healed_follow_one_group_to_the_bit(tmp_path):
     from its healing on, are the one-group run's (torchrun without torchft) to the bit,
     and so are both groups' final parameters and optimizer state."""
     from tests.titan.conftest import lighthouse_at
-    from torchtitan_zephon.run.process import kill_tree
-    from torchtitan_zephon.titan.ft.launch import last_step
 
     one = train03(tmp_path / "one", 1, *_ft_job(FT_STEPS)).check().run
     runs = [tmp_path / f"group{r}" for r in range(2)]
     with lighthouse_at(1, heartbeat_timeout_ms=1000) as url:
         procs = [_group(run, r, url, FT_STEPS) for r, run in enumerate(runs)]
-        deadline = time.time() + 300
-        while last_step(runs[1]) < 3:
-            assert procs[1].poll() is None and time.time() < deadline, "no step 3 in group 1"
-            time.sleep(0.02)
-        kill_tree(procs[1].pid)
-        procs[1].wait()
+        kill_after_step(procs[1], runs[1], 3)
         procs[1] = _group(runs[1], 1, url, FT_STEPS)  # returns, into its own folder
         for p, run in zip(procs, runs, strict=True):
             assert p.wait(timeout=600) == 0, (run / "train.log").read_text()[-4000:]
