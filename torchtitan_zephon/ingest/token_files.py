@@ -364,7 +364,7 @@ def _scan(
             if lo >= hi:
                 break
             part = w[lo - a : hi - a]
-            hashers[k].update(part.tobytes())
+            hashers[k].update(np.ascontiguousarray(part))  # no copy: a view
             if found[k].doc_starts is None:
                 eos[k].append(np.flatnonzero(part == eos_id) + lo)
         x, y = np.searchsorted(ends, [a, b])
